@@ -1,0 +1,45 @@
+# mlxkv: `make run` opens the TUI on the embedded demo model, `make test` runs the tests.
+# Both set everything up on a fresh machine (Python 3.10+, a C compiler, make).
+PYTHON ?= python3
+comma  := ,
+VENV   := .venv
+PY     := $(VENV)/bin/python
+UNAME  := $(shell uname -s)
+# On Linux, mlx's CPU backend is a separate wheel (extra "cpu"); on macOS mlx brings Metal.
+EXTRAS := test$(if $(filter Linux,$(UNAME)),$(comma)cpu,)
+
+STAMP  := $(VENV)/.installed
+
+.PHONY: run test bench binary ext clean demo-model
+
+$(STAMP): pyproject.toml setup.py
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q cython==3.3.1 setuptools wheel
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	@touch $(STAMP)
+
+# Rebuild the Cython extension in place whenever its sources change.
+ext: $(STAMP)
+	$(PY) setup.py -q build_ext --inplace --build-temp build/temp
+
+run: ext
+	$(PY) mlxkv.py
+
+test: ext
+	$(PY) -m pytest -q
+
+bench: ext
+	$(PY) -m bench.storage
+	$(PY) -m bench.engine
+	$(PY) -m bench.prefix
+
+binary: ext
+	$(PY) -m pip install -q "pyinstaller>=6.10"
+	$(PY) -m PyInstaller --noconfirm --distpath build/dist --workpath build/pyinstaller build/mlxkv.spec
+
+demo-model: ext
+	$(PY) -m engine.demo.train
+
+clean:
+	rm -rf build/temp build/lib* build/pyinstaller build/dist storage/_blocks.c storage/*.so *.egg-info
