@@ -1,0 +1,312 @@
+"""On-disk formats of the block store: block files, tail files and manifests.
+
+Every file starts with the same 24-byte prefix, little-endian::
+
+    magic (8) | format version u16 | kind u16 | header length u32 | header hash u64
+
+``header hash`` is XXH3-64 of the first 16 prefix bytes followed by the header body, so a
+flipped bit anywhere in the prefix or header is caught before a single field is trusted.
+An unknown version raises :class:`UnknownVersion` (the file is skipped, never misread);
+any other damage raises :class:`FormatError` (the file is removed by the store).
+
+Block / tail body (kind 1 / 2)::
+
+    key 16 | parent key 16 | namespace id 16 | content hash u64 | payload offset u64 |
+    payload length u64 | t0 u32 | t1 u32 | meta length u32 | meta (JSON) | token ids u32[t1-t0]
+
+``meta`` holds the namespace name and the layer layout. The payload starts at a multiple of
+:data:`PAGE` (so it can be read and written with direct I/O) and is the segments' rows
+[t0, t1) packed by ``_blocks.pack``; its XXH3-64, seeded with :func:`content_seed` of the
+key, is ``content hash``. The file is padded to a multiple of :data:`PAGE`.
+
+Manifest body (kind 3): ``meta length u32 | meta (JSON) | token ids u32[n] | keys 16*k``.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import xxhash
+
+PAGE = 4096
+FORMAT_VERSION = 1
+MAGIC = b"MLXKV\x00\x01\x00"
+KIND_BLOCK = 1
+KIND_TAIL = 2
+KIND_MANIFEST = 3
+KIND_NAMES = {KIND_BLOCK: "block", KIND_TAIL: "tail", KIND_MANIFEST: "manifest"}
+
+_PREFIX = struct.Struct("<8sHHIQ")  # magic, version, kind, header_len, header_hash
+PREFIX_SIZE = _PREFIX.size  # 24
+_BLOCK = struct.Struct("<16s16s16sQQQIII")
+_MAN = struct.Struct("<I")
+MAX_HEADER = 1 << 24  # a header larger than 16 MiB is damage, not data
+
+# Bytes per element of the dtypes KV caches use; others are accepted without the check.
+DTYPE_SIZES = {
+    "bool": 1, "uint8": 1, "int8": 1, "uint16": 2, "int16": 2, "float16": 2, "bfloat16": 2,
+    "uint32": 4, "int32": 4, "float32": 4, "uint64": 8, "int64": 8, "float64": 8,
+}
+
+
+class FormatError(ValueError):
+    """A file that is not a valid mlxkv file (bad magic, hash, size or field)."""
+
+
+class UnknownVersion(FormatError):
+    """A well-formed prefix with a format version this code does not read."""
+
+
+@dataclass(frozen=True)
+class SegmentSpec:
+    """One per-layer tensor of a block: ``[outer, tokens, *shape]`` of ``dtype``.
+
+    ``row_bytes`` is the bytes of one token's row in one outer slice (for mlx-lm KVCache
+    keys ``[B, H, T, D]``: outer = B*H, shape = (D,), row_bytes = D * itemsize).
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    outer: int
+    row_bytes: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        if not self.name or not isinstance(self.name, str):
+            raise ValueError(f"segment name must be a non-empty string, got {self.name!r}")
+        if self.outer <= 0 or self.row_bytes <= 0 or any(s <= 0 for s in self.shape):
+            raise ValueError(f"segment {self.name}: outer, row_bytes and shape must be > 0")
+        size = DTYPE_SIZES.get(self.dtype)
+        if size is not None and int(np.prod(self.shape, dtype=np.int64)) * size != self.row_bytes:
+            raise ValueError(
+                f"segment {self.name}: shape {self.shape} of {self.dtype} is "
+                f"{int(np.prod(self.shape)) * size} bytes per row, not row_bytes={self.row_bytes}"
+            )
+
+
+Layout = tuple[SegmentSpec, ...]
+
+
+def make_layout(specs: Any) -> Layout:
+    """A layout from SegmentSpecs or dicts/tuples (name, dtype, shape, outer, row_bytes)."""
+    out = []
+    for s in specs:
+        if isinstance(s, SegmentSpec):
+            out.append(s)
+        elif isinstance(s, dict):
+            out.append(SegmentSpec(s["name"], s["dtype"], tuple(s["shape"]), s["outer"], s["row_bytes"]))
+        else:
+            out.append(SegmentSpec(*s))
+    if not out:
+        raise ValueError("a layout needs at least one segment")
+    names = [s.name for s in out]
+    if len(set(names)) != len(names):
+        raise ValueError(f"segment names must be unique: {names}")
+    return tuple(out)
+
+
+def layout_json(layout: Layout) -> list:
+    return [[s.name, s.dtype, list(s.shape), s.outer, s.row_bytes] for s in layout]
+
+
+def layout_from_json(obj: Any) -> Layout:
+    return tuple(SegmentSpec(n, d, tuple(sh), o, r) for n, d, sh, o, r in obj)
+
+
+def bytes_per_token(layout: Layout) -> int:
+    return sum(s.outer * s.row_bytes for s in layout)
+
+
+def content_seed(key: bytes) -> int:
+    """Hash seed bound to the key, so a payload moved to another file fails its check."""
+    return int.from_bytes(key[:8], "little")
+
+
+def align(n: int, a: int = PAGE) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class BlockHeader:
+    """Parsed header of a block or tail file."""
+
+    kind: int
+    key: bytes
+    parent: bytes
+    ns_id: bytes
+    ns: str
+    content_hash: int
+    payload_offset: int
+    payload_len: int
+    t0: int
+    t1: int
+    layout: Layout
+    tokens: np.ndarray  # uint32 token ids of [t0, t1)
+
+    @property
+    def file_size(self) -> int:
+        return self.payload_offset + align(self.payload_len)
+
+
+def _prefix(kind: int, body: bytes, version: int = FORMAT_VERSION) -> bytes:
+    head = _PREFIX.pack(MAGIC, version, kind, len(body), 0)[:16]
+    return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head + body)) + body
+
+
+def block_header_size(layout: Layout, ns: str, ntokens: int) -> int:
+    """Bytes before the payload (header rounded up to a page)."""
+    meta = _meta_bytes(layout, ns)
+    return align(PREFIX_SIZE + _BLOCK.size + len(meta) + 4 * ntokens)
+
+
+_meta_cache: dict[tuple, bytes] = {}
+
+
+def _meta_bytes(layout: Layout, ns: str) -> bytes:
+    k = (layout, ns)
+    m = _meta_cache.get(k)
+    if m is None:
+        m = json.dumps({"ns": ns, "layout": layout_json(layout)}, separators=(",", ":")).encode()
+        if len(_meta_cache) > 256:
+            _meta_cache.clear()
+        _meta_cache[k] = m
+    return m
+
+
+def encode_block_header(
+    kind: int, key: bytes, parent: bytes, ns_id: bytes, ns: str, layout: Layout,
+    t0: int, t1: int, tokens: np.ndarray, content_hash: int, payload_len: int,
+    version: int = FORMAT_VERSION,
+) -> bytes:
+    """The header bytes of a block/tail file, zero-padded to the payload offset."""
+    if kind not in (KIND_BLOCK, KIND_TAIL):
+        raise ValueError(f"not a block kind: {kind}")
+    toks = np.ascontiguousarray(tokens, dtype="<u4")
+    if toks.size != t1 - t0:
+        raise ValueError(f"{toks.size} token ids for range [{t0}, {t1})")
+    meta = _meta_bytes(layout, ns)
+    size = align(PREFIX_SIZE + _BLOCK.size + len(meta) + toks.nbytes)
+    body = _BLOCK.pack(key, parent, ns_id, content_hash, size, payload_len, t0, t1, len(meta))
+    raw = _prefix(kind, body + meta + toks.tobytes(), version)
+    return raw + bytes(size - len(raw))
+
+
+def parse_prefix(buf: Any) -> tuple[int, int, int, int]:
+    """(version, kind, header_len, header_hash); FormatError/UnknownVersion if unusable."""
+    mv = memoryview(buf).cast("B")
+    if len(mv) < PREFIX_SIZE:
+        raise FormatError(f"file too short for a header ({len(mv)} bytes)")
+    magic, version, kind, hlen, hhash = _PREFIX.unpack_from(mv, 0)
+    if magic != MAGIC:
+        raise FormatError("bad magic: not an mlxkv file")
+    if version != FORMAT_VERSION:
+        raise UnknownVersion(f"format version {version} (this build reads {FORMAT_VERSION})")
+    if kind not in KIND_NAMES:
+        raise FormatError(f"unknown record kind {kind}")
+    if hlen > MAX_HEADER:
+        raise FormatError(f"header length {hlen} is implausible")
+    return version, kind, hlen, hhash
+
+
+def header_span(buf: Any) -> int:
+    """Bytes needed to parse the header that starts ``buf`` (prefix + body)."""
+    return PREFIX_SIZE + parse_prefix(buf)[2]
+
+
+_layout_cache: dict[bytes, tuple[str, Layout]] = {}
+
+
+def _verified_body(buf: Any) -> tuple[int, memoryview]:
+    mv = memoryview(buf).cast("B")
+    _, kind, hlen, hhash = parse_prefix(mv)
+    if len(mv) < PREFIX_SIZE + hlen:
+        raise FormatError(f"truncated header: {len(mv)} of {PREFIX_SIZE + hlen} bytes")
+    h = xxhash.xxh3_64()
+    h.update(mv[:16])
+    h.update(mv[PREFIX_SIZE : PREFIX_SIZE + hlen])
+    if h.intdigest() != hhash:
+        raise FormatError("header hash mismatch")
+    return kind, mv[PREFIX_SIZE : PREFIX_SIZE + hlen]
+
+
+def _meta(raw: bytes) -> tuple[str, Layout]:
+    hit = _layout_cache.get(raw)
+    if hit is None:
+        try:
+            meta = json.loads(raw)
+            hit = (str(meta["ns"]), layout_from_json(meta["layout"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise FormatError(f"bad header metadata: {exc}") from exc
+        if len(_layout_cache) > 1024:
+            _layout_cache.clear()
+        _layout_cache[raw] = hit
+    return hit
+
+
+def decode_block_header(buf: Any) -> BlockHeader:
+    """Parse and verify a block/tail header from the start of ``buf``."""
+    kind, body = _verified_body(buf)
+    if kind not in (KIND_BLOCK, KIND_TAIL):
+        raise FormatError(f"expected a block or tail, found a {KIND_NAMES[kind]}")
+    if len(body) < _BLOCK.size:
+        raise FormatError("header body too short")
+    key, parent, ns_id, chash, poff, plen, t0, t1, mlen = _BLOCK.unpack_from(body, 0)
+    end_meta = _BLOCK.size + mlen
+    ntok = t1 - t0
+    if t1 < t0 or end_meta + 4 * ntok != len(body):
+        raise FormatError(f"inconsistent header sizes (tokens [{t0}, {t1}), meta {mlen})")
+    if poff % PAGE or poff < PREFIX_SIZE + len(body):
+        raise FormatError(f"bad payload offset {poff}")
+    ns, layout = _meta(bytes(body[_BLOCK.size : end_meta]))
+    if plen != bytes_per_token(layout) * ntok:
+        raise FormatError(f"payload length {plen} does not match layout x {ntok} tokens")
+    tokens = np.frombuffer(body[end_meta:], dtype="<u4").copy()
+    return BlockHeader(kind, key, parent, ns_id, ns, chash, poff, plen, t0, t1, layout, tokens)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A named conversation: its tokens and the block/tail keys that hold its state."""
+
+    name: str
+    ns: str
+    tokens: np.ndarray
+    block_keys: tuple[bytes, ...]
+    tail_key: bytes | None
+    created: float
+
+
+def encode_manifest(m: Manifest, version: int = FORMAT_VERSION) -> bytes:
+    meta = json.dumps(
+        {"name": m.name, "ns": m.ns, "n_keys": len(m.block_keys),
+         "tail": m.tail_key.hex() if m.tail_key else None, "created": m.created},
+        separators=(",", ":"),
+    ).encode()
+    toks = np.ascontiguousarray(m.tokens, dtype="<u4")
+    body = _MAN.pack(len(meta)) + meta + toks.tobytes() + b"".join(m.block_keys)
+    return _prefix(KIND_MANIFEST, body, version)
+
+
+def decode_manifest(buf: Any) -> Manifest:
+    kind, body = _verified_body(buf)
+    if kind != KIND_MANIFEST:
+        raise FormatError(f"expected a manifest, found a {KIND_NAMES[kind]}")
+    (mlen,) = _MAN.unpack_from(body, 0)
+    try:
+        meta = json.loads(bytes(body[4 : 4 + mlen]))
+        nkeys = int(meta["n_keys"])
+        rest = len(body) - 4 - mlen - 16 * nkeys
+        if rest < 0 or rest % 4:
+            raise FormatError("manifest sizes do not add up")
+        tokens = np.frombuffer(body[4 + mlen : 4 + mlen + rest], dtype="<u4").copy()
+        kb = bytes(body[4 + mlen + rest :])
+        keys = tuple(kb[i * 16 : (i + 1) * 16] for i in range(nkeys))
+        tail = bytes.fromhex(meta["tail"]) if meta["tail"] else None
+        return Manifest(str(meta["name"]), str(meta["ns"]), tokens, keys, tail, float(meta["created"]))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise FormatError(f"bad manifest: {exc}") from exc

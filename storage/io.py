@@ -1,0 +1,217 @@
+"""One writer thread and one reader thread in front of a :class:`BlockStore`.
+
+    io = StorageIO(store, max_pending_writes=4)
+    fut = io.submit_write(Snapshot(ns, tokens, layout, segments))   # -> Future[PutResult]
+    fut = io.submit_read(ReadRequest(ns, tokens, layout, dst_segments, n_tokens=match))
+                                                                     # -> Future[Restore]
+    io.close(timeout=10.0)   # drains; -> {"written", "failed", "pending", ...}
+
+The threads call into the store (and its Cython kernels, which release the GIL); each
+opens, uses and closes its own descriptors. A submitted snapshot or request (its buffers,
+and whatever ``keep`` holds, e.g. the mx arrays behind the memoryviews) stays referenced
+until its future settles: the caller must not mutate those buffers before then. Reads
+have their own thread and queue, so a read never waits behind queued writes. The write
+queue is bounded: ``submit_write`` blocks for a slot, or with ``block=False`` / a
+``timeout`` returns a future that has failed with :class:`WriteQueueFull` — a snapshot
+is never dropped silently.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from storage.store import BlockStore, Match, PutResult, Restore
+
+log = logging.getLogger("mlxkv.storage")
+
+
+class WriteQueueFull(RuntimeError):
+    """The bounded write queue had no free slot in time; the snapshot was not queued."""
+
+
+class StorageClosed(RuntimeError):
+    """The StorageIO was closed before this request ran."""
+
+
+@dataclass
+class Snapshot:
+    """Immutable KV state of ``tokens`` to persist (rows [0, len(tokens)) of segments)."""
+
+    ns: str
+    tokens: Any
+    layout: Any
+    segments: Sequence[tuple[Any, int, int, int]]
+    tail: bool = True
+    manifest: str | None = None
+    durable: bool | None = None
+    keep: Any = None  # kept alive until the future settles (e.g. the mx arrays)
+    on_start: Callable[[], None] | None = None  # called on the writer thread first
+
+
+@dataclass
+class ReadRequest:
+    """Restore ``n_tokens`` (a Match, a count, or None = longest prefix) into segments."""
+
+    ns: str
+    tokens: Any
+    layout: Any
+    segments: Sequence[tuple[Any, int, int, int]]
+    n_tokens: int | Match | None = None
+    keep: Any = None
+
+
+_STOP = object()
+
+
+class StorageIO:
+    """Writer and reader threads for one store (see the module docstring)."""
+
+    def __init__(self, store: BlockStore, max_pending_writes: int = 4,
+                 name: str = "mlxkv-storage") -> None:
+        if max_pending_writes < 1:
+            raise ValueError(f"max_pending_writes must be >= 1, got {max_pending_writes}")
+        self.store = store
+        self.max_pending_writes = max_pending_writes
+        self._slots = threading.Semaphore(max_pending_writes)
+        self._wq: queue.SimpleQueue = queue.SimpleQueue()
+        self._rq: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._abort = threading.Event()
+        self._pending = 0  # writes submitted and not settled
+        self._n = {"written": 0, "failed": 0, "read": 0, "read_failed": 0, "cancelled": 0}
+        self._writer = threading.Thread(target=self._run, args=(self._wq, self._write, True),
+                                        name=f"{name}-writer", daemon=True)
+        self._reader = threading.Thread(target=self._run, args=(self._rq, self._read, False),
+                                        name=f"{name}-reader", daemon=True)
+        self._writer.start()
+        self._reader.start()
+
+    # ------------------------------------------------------------------ submit
+    def submit_write(self, snapshot: Snapshot, block: bool = True,
+                     timeout: float | None = None) -> Future:
+        """Queue a snapshot; -> Future[PutResult]. Blocks while the queue is full unless
+        ``block=False`` or ``timeout`` runs out (then the future fails WriteQueueFull)."""
+        if not isinstance(snapshot, Snapshot):
+            raise TypeError(f"submit_write takes a Snapshot, got {type(snapshot).__name__}")
+        fut: Future = Future()
+        self._check_open()
+        if not self._slots.acquire(blocking=block, timeout=timeout if block else None):
+            fut.set_exception(WriteQueueFull(
+                f"{self.max_pending_writes} writes already pending; snapshot not queued"))
+            return fut
+        with self._lock:
+            if self._closed:
+                self._slots.release()
+                raise StorageClosed("StorageIO is closed")
+            self._pending += 1
+            self._wq.put((fut, snapshot))
+        return fut
+
+    def submit_read(self, request: ReadRequest) -> Future:
+        """Queue a restore on the reader thread; -> Future[Restore]."""
+        if not isinstance(request, ReadRequest):
+            raise TypeError(f"submit_read takes a ReadRequest, got {type(request).__name__}")
+        fut: Future = Future()
+        with self._lock:
+            self._check_open()
+            self._rq.put((fut, request))
+        return fut
+
+    @property
+    def pending_writes(self) -> int:
+        with self._lock:
+            return self._pending
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return {**self._n, "pending": self._pending}
+
+    # ------------------------------------------------------------------ threads
+    def _write(self, s: Snapshot) -> PutResult:
+        if s.on_start is not None:
+            s.on_start()
+        return self.store.put_blocks(s.ns, s.tokens, s.layout, s.segments, tail=s.tail,
+                                     manifest=s.manifest, durable=s.durable)
+
+    def _read(self, r: ReadRequest) -> Restore:
+        return self.store.get_blocks(r.ns, r.tokens, r.layout, r.segments, r.n_tokens)
+
+    def _run(self, q: queue.SimpleQueue, fn: Callable[[Any], Any], is_writer: bool) -> None:
+        while True:
+            item = q.get()
+            if item is _STOP:
+                return
+            fut, job = item
+            item = None
+            try:
+                if self._abort.is_set():
+                    if fut.set_running_or_notify_cancel():
+                        fut.set_exception(StorageClosed("closed before this request ran"))
+                    self._settled(is_writer, "cancelled")
+                    continue
+                if not fut.set_running_or_notify_cancel():
+                    self._settled(is_writer, "cancelled")
+                    continue
+                try:
+                    res = fn(job)
+                except BaseException as exc:  # the future carries every failure
+                    if not isinstance(exc, OSError):
+                        log.exception("mlxkv storage: %s failed", "write" if is_writer else "read")
+                    self._settled(is_writer, "failed" if is_writer else "read_failed")
+                    job = None  # unpin before the caller is woken
+                    fut.set_exception(exc)
+                else:
+                    self._settled(is_writer, "written" if is_writer else "read")
+                    job = None
+                    fut.set_result(res)
+            finally:
+                job = fut = None
+
+    def _settled(self, is_writer: bool, what: str) -> None:
+        with self._lock:
+            self._n[what] += 1
+            if is_writer:
+                self._pending -= 1
+        if is_writer:
+            self._slots.release()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StorageClosed("StorageIO is closed")
+
+    # ------------------------------------------------------------------ shutdown
+    def close(self, timeout: float | None = None) -> dict[str, int]:
+        """Stop accepting work, finish queued writes (up to ``timeout`` seconds), stop the
+        threads. Writes still queued at the deadline fail with StorageClosed.
+
+        Returns {"written", "failed", "pending", "cancelled", "read", "read_failed"}:
+        ``pending`` counts writes not finished when close returned (queued or running).
+        """
+        with self._lock:
+            already = self._closed
+            self._closed = True
+        if not already:
+            self._wq.put(_STOP)
+            self._rq.put(_STOP)
+        self._writer.join(timeout)
+        if self._writer.is_alive():
+            self._abort.set()  # the running write finishes; the queued ones fail fast
+        self._reader.join(timeout if not self._writer.is_alive() else 0)
+        with self._lock:
+            report = {**self._n, "pending": self._pending}
+        if report["pending"]:
+            log.warning("mlxkv storage: closed with %d writes not finished", report["pending"])
+        return report
+
+    def __enter__(self) -> StorageIO:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

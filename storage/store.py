@@ -1,0 +1,1008 @@
+"""Block store: verified, deduplicated KV blocks on disk, keyed by 128-bit chain keys.
+
+API (all byte-level; ``storage`` never imports mlx)::
+
+    store = BlockStore(root, block_tokens=256, max_bytes=None)
+    store.scan()                                   # at startup: rebuild the index from headers
+
+    # layout: one SegmentSpec per per-layer tensor (format.SegmentSpec / make_layout)
+    # segments: one (buf, outer, t_capacity, row_bytes) per spec, same order; buf is any
+    #   C-contiguous buffer of outer*t_capacity*row_bytes bytes (memoryview(mx_array) works).
+    m = store.lookup(ns, tokens, max_tokens=None)  # -> Match; index only, no I/O
+    n = store.longest_prefix(ns, tokens)           # == lookup(...).n_tokens
+    r = store.put_blocks(ns, tokens, layout, segments, tail=True, manifest=None)
+        # persists rows [0, len(tokens)) of the segments: every full block not yet on disk
+        # (existing keys are never rewritten) plus an exact tail entry for the last
+        # len(tokens) % block_tokens tokens; optional named manifest. -> PutResult
+    g = store.get_blocks(ns, tokens, layout, segments, n_tokens=m)
+        # restores rows [0, n) into the caller's (writable) segments, every block verified
+        # against its content hash. -> Restore; Restore.n_tokens may be < n when a block
+        # vanished or was corrupt (that block is removed and counted; rows past
+        # Restore.n_tokens are undefined). Never returns an unverified byte.
+    store.put_manifest / get_manifest / manifests / delete_manifest   # named conversations
+    store.evict(max_bytes) ; store.gc(ns, min_age_s) ; store.stats()
+
+Keys: block key = xxh3_128(parent key, namespace id, token ids of the block); a tail key
+hashes its parent key and its (< block_tokens) token ids. A tail is usable for any query
+that shares a prefix of its tokens (KV rows are per token), so a conversation that
+continues re-prefills only its new tokens.
+
+Files: ``<root>/<ns>/<2 hex>/<key>.blk|.tail`` and ``<root>/<ns>/manifests/*.man``, each
+written atomically (temp name, write, fsync, rename, fsync dir). Several processes may
+share a root: writers hold a shared flock on ``<root>/.lock``, scan/evict/gc an exclusive
+one; readers take no lock and treat a vanished file as a miss. Each process indexes what
+it scanned and what it wrote; call ``scan()`` again to see other processes' new blocks.
+Thread-safe: one writer thread and one reader thread (see ``storage.io``) may call
+concurrently with lookups from another thread.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from storage import format as fmt
+from storage.format import (
+    KIND_BLOCK, KIND_TAIL, PAGE, FormatError, Layout, Manifest, UnknownVersion, make_layout,
+)
+
+try:  # the Cython kernel; the numpy reference stands in only when it is not built
+    from storage import _blocks as K
+
+    KERNEL = "cython"
+except ImportError:  # pragma: no cover - exercised only on an unbuilt checkout
+    from storage import reference as K
+
+    KERNEL = "reference"
+
+log = logging.getLogger("mlxkv.storage")
+
+ZERO_KEY = bytes(16)
+_NS_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_EXT = {KIND_BLOCK: ".blk", KIND_TAIL: ".tail"}
+_KIND_OF_EXT = {".blk": KIND_BLOCK, ".tail": KIND_TAIL}
+_BLOCK_DOMAIN = b"mlxkv/block/1"
+_TAIL_DOMAIN = b"mlxkv/tail/1"
+_MANIFEST_DIR = "manifests"
+
+Segment = tuple[Any, int, int, int]
+_NOHASH = {"hash": False} if KERNEL == "cython" else {}
+
+
+class StoreWriteError(OSError):
+    """A write that could not complete; nothing partial of it is left on disk."""
+
+
+# ----------------------------------------------------------------------------- kernels
+def _aligned(nbytes: int) -> Any:
+    if hasattr(K, "AlignedBuffer"):
+        return K.AlignedBuffer(max(nbytes, PAGE))
+    raw = np.empty(nbytes + PAGE, dtype=np.uint8)  # reference fallback: align by offset
+    off = (-raw.ctypes.data) % PAGE
+    return raw[off : off + nbytes]
+
+
+def _pwrite_full(fd: int, buf: Any, offset: int) -> None:
+    if hasattr(K, "pwrite_full"):
+        K.pwrite_full(fd, buf, offset)
+        return
+    mv = memoryview(buf).cast("B")
+    while mv:
+        n = os.pwrite(fd, mv, offset)
+        mv, offset = mv[n:], offset + n
+
+
+def _pread_full(fd: int, buf: Any, offset: int) -> int:
+    if hasattr(K, "pread_full"):
+        return K.pread_full(fd, buf, offset)
+    mv = memoryview(buf).cast("B")
+    got = 0
+    while got < len(mv):
+        n = os.preadv(fd, [mv[got:]], offset + got)
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+def _hasher(seed: int) -> Any:
+    """Streaming XXH3-64 with ``update(buf)`` and ``digest() -> int``."""
+    if hasattr(K, "Xxh3Hasher"):
+        return K.Xxh3Hasher(seed)
+    h = xxhash.xxh3_64(seed=seed)
+    h.digest = h.intdigest  # type: ignore[method-assign]
+    return h
+
+
+CHUNK = 512 * 1024  # bytes moved per step: stays in L2, so each byte crosses DRAM once
+
+
+def _plan(segs: list, ntok: int, chunk: int = CHUNK) -> list[tuple[int, int, list]]:
+    """Split a block's payload into pieces of about ``chunk`` bytes: (payload offset,
+    nbytes, sub-segments). A piece is whole segments or a range of one segment's outer
+    slices, so pack/unpack of a piece touches exactly its bytes of the payload."""
+    pieces: list[tuple[int, int, list]] = []
+    off = cur_off = cur_n = 0
+    cur: list = []
+    for buf, outer, t_cap, rb in segs:
+        size = outer * ntok * rb
+        if cur and cur_n + size > chunk:
+            pieces.append((cur_off, cur_n, cur))
+            cur, cur_n = [], 0
+        if size > chunk and outer > 1:
+            flat = memoryview(buf).cast("B") if memoryview(buf).format != "B" or \
+                memoryview(buf).ndim != 1 else memoryview(buf)
+            step = max(1, chunk // (ntok * rb))
+            for o0 in range(0, outer, step):
+                o1 = min(outer, o0 + step)
+                sub = (flat[o0 * t_cap * rb : o1 * t_cap * rb], o1 - o0, t_cap, rb)
+                pieces.append((off + o0 * ntok * rb, (o1 - o0) * ntok * rb, [sub]))
+            off += size
+            cur_off = off
+            continue
+        if not cur:
+            cur_off = off
+        cur.append((buf, outer, t_cap, rb))
+        cur_n += size
+        off += size
+    if cur:
+        pieces.append((cur_off, cur_n, cur))
+    return pieces
+
+
+def _fsync(fd: int) -> None:
+    (K.fsync if hasattr(K, "fsync") else os.fsync)(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    if hasattr(K, "fsync_dir"):
+        K.fsync_dir(path)
+        return
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------- results
+@dataclass(frozen=True)
+class Match:
+    """The longest cached prefix of a token sequence (from the index alone)."""
+
+    ns: str
+    n_tokens: int
+    block_keys: tuple[bytes, ...]
+    tail_key: bytes | None = None
+    tail_tokens: int = 0  # tokens used from the tail (a prefix of it)
+    nbytes: int = 0  # payload bytes a restore reads
+
+
+@dataclass(frozen=True)
+class PutResult:
+    n_tokens: int
+    blocks_written: int
+    blocks_present: int  # deduplicated: already on disk, not rewritten
+    tail_written: bool
+    bytes_written: int
+    keys: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
+class Restore:
+    n_tokens: int  # rows [0, n_tokens) of the destination are verified state
+    requested: int
+    blocks_read: int
+    bytes_read: int
+    corrupt: int  # blocks that failed verification (removed)
+    missing: int  # blocks whose file had vanished
+
+
+@dataclass
+class _Entry:
+    kind: int
+    key: bytes
+    parent: bytes
+    ns: str
+    path: str
+    file_size: int
+    payload_offset: int
+    payload_len: int
+    content_hash: int
+    t0: int
+    t1: int
+    layout: Layout
+    tokens: np.ndarray | None  # kept for tails only
+    mtime: float
+    last_used: float = 0.0
+
+
+@dataclass
+class _Space:
+    blocks: dict[bytes, _Entry] = field(default_factory=dict)
+    tails: dict[bytes, dict[bytes, _Entry]] = field(default_factory=dict)  # parent -> tails
+
+
+def _tokens(tokens: Any) -> np.ndarray:
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens must be 1-D, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise ValueError(f"tokens must be integers, got {arr.dtype}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= 1 << 32):
+        raise ValueError("token ids must be in [0, 2**32)")
+    return np.ascontiguousarray(arr, dtype="<u4")
+
+
+def _common(a: np.ndarray, b: np.ndarray) -> int:
+    m = min(a.size, b.size)
+    diff = np.flatnonzero(a[:m] != b[:m])
+    return int(diff[0]) if diff.size else m
+
+
+def namespace_id(ns: str) -> bytes:
+    return xxhash.xxh3_128_digest(ns.encode())
+
+
+def check_namespace(ns: str) -> str:
+    if not isinstance(ns, str) or not _NS_RE.match(ns):
+        raise ValueError(
+            f"namespace {ns!r} must be 1-128 characters of letters, digits, '.', '_' or '-'"
+        )
+    return ns
+
+
+class BlockStore:
+    """Content-addressed KV blocks under ``root`` (see the module docstring)."""
+
+    def __init__(
+        self, root: str | os.PathLike, block_tokens: int = 256, max_bytes: int | None = None,
+        durable: bool = True,
+    ) -> None:
+        if block_tokens <= 0:
+            raise ValueError(f"block_tokens must be > 0, got {block_tokens}")
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self.root = os.path.abspath(os.fspath(root))
+        self.block_tokens = int(block_tokens)
+        self.max_bytes = max_bytes
+        self.durable = durable
+        self._lock = threading.RLock()
+        self._spaces: dict[str, _Space] = {}
+        self._bytes = 0
+        self._clock = 0.0
+        self._local = threading.local()
+        self._warned: set[str] = set()
+        self._c: dict[str, int] = dict.fromkeys(
+            ("blocks_written", "tails_written", "bytes_written", "dedup_blocks", "write_failures",
+             "blocks_read", "bytes_read", "hits", "misses", "corrupt_removed", "vanished",
+             "bad_removed", "tmp_removed", "evicted", "evicted_bytes", "gc_removed",
+             "gc_bytes", "tails_superseded"), 0)
+        self._skipped: dict[str, str] = {}  # path -> reason (unknown versions)
+
+    # ------------------------------------------------------------------ keys / lookup
+    def chain_keys(self, ns: str, tokens: Any) -> list[bytes]:
+        """Keys of every full block of ``tokens`` in ``ns``."""
+        toks = _tokens(tokens)
+        nsid = namespace_id(check_namespace(ns))
+        bt, parent, keys = self.block_tokens, ZERO_KEY, []
+        for b in range(toks.size // bt):
+            parent = _block_key(parent, nsid, toks[b * bt : (b + 1) * bt])
+            keys.append(parent)
+        return keys
+
+    def lookup(self, ns: str, tokens: Any, max_tokens: int | None = None) -> Match:
+        """Longest cached prefix of ``tokens`` (at most ``max_tokens``), index only."""
+        toks = _tokens(tokens)
+        nsid = namespace_id(check_namespace(ns))
+        limit = toks.size if max_tokens is None else max(0, min(toks.size, int(max_tokens)))
+        bt = self.block_tokens
+        keys: list[bytes] = []
+        parent, nbytes = ZERO_KEY, 0
+        with self._lock:
+            space = self._spaces.get(ns)
+            if space is None:
+                return Match(ns, 0, ())
+            for b in range(limit // bt):
+                k = _block_key(parent, nsid, toks[b * bt : (b + 1) * bt])
+                e = space.blocks.get(k)
+                if e is None:
+                    break
+                keys.append(k)
+                nbytes += e.payload_len
+                parent = k
+            n = len(keys) * bt
+            best, best_m = None, 0
+            rest = toks[n:limit]
+            for e in space.tails.get(parent, {}).values():
+                m = _common(e.tokens, rest)
+                if m > best_m:
+                    best, best_m = e, m
+            if best is not None:
+                nbytes += best.payload_len * best_m // (best.t1 - best.t0)
+                return Match(ns, n + best_m, tuple(keys), best.key, best_m, nbytes)
+            return Match(ns, n, tuple(keys), None, 0, nbytes)
+
+    def longest_prefix(self, ns: str, tokens: Any, max_tokens: int | None = None) -> int:
+        return self.lookup(ns, tokens, max_tokens).n_tokens
+
+    # ------------------------------------------------------------------ write
+    def put_blocks(
+        self, ns: str, tokens: Any, layout: Any, segments: Sequence[Segment], *,
+        tail: bool = True, manifest: str | None = None, durable: bool | None = None,
+    ) -> PutResult:
+        """Persist rows [0, len(tokens)) of ``segments``: missing full blocks + exact tail.
+
+        Raises StoreWriteError (after removing every temp file of this call) when the disk
+        is full or the folder unwritable; blocks completed before the failure stay valid.
+        """
+        toks = _tokens(tokens)
+        layout = make_layout(layout)
+        segs = _check_segments(layout, segments, toks.size)
+        nsid = namespace_id(check_namespace(ns))
+        durable = self.durable if durable is None else durable
+        bt, n = self.block_tokens, toks.size
+        keys = self.chain_keys(ns, toks)
+        jobs = []  # (kind, key, parent, t0, t1)
+        with self._lock:
+            space = self._spaces.setdefault(ns, _Space())
+            parent = ZERO_KEY
+            for b, k in enumerate(keys):
+                if k not in space.blocks:
+                    jobs.append((KIND_BLOCK, k, parent, b * bt, (b + 1) * bt))
+                parent = k
+            present = len(keys) - len(jobs)
+            tkey = None
+            if tail and n % bt:
+                tkey = _tail_key(parent, nsid, toks[len(keys) * bt :])
+                if tkey not in space.tails.get(parent, {}):
+                    jobs.append((KIND_TAIL, tkey, parent, len(keys) * bt, n))
+        written: list[_Entry] = []
+        try:
+            if jobs:
+                with self._flock(shared=True):
+                    self._write_files(ns, nsid, layout, segs, toks, jobs, durable, written)
+        finally:
+            self._index_written(ns, written)
+            with self._lock:
+                self._c["dedup_blocks"] += present
+        with self._lock:
+            self._touch(ns, keys, tkey)
+        if manifest is not None:
+            self.put_manifest(ns, manifest, toks)
+        if self.max_bytes is not None and self._bytes > self.max_bytes:
+            self.evict()
+        nblk = sum(1 for e in written if e.kind == KIND_BLOCK)
+        return PutResult(n, nblk, present, any(e.kind == KIND_TAIL for e in written),
+                         sum(e.file_size for e in written), tuple(keys))
+
+    def _write_files(self, ns, nsid, layout, segs, toks, jobs, durable, written) -> None:
+        pending: list[tuple[int, str, str, _Entry]] = []  # fd, tmp, final, entry
+        dirs: set[str] = set()
+        try:
+            plans: dict[int, list] = {}
+            stage = self._scratch("w", 2 * CHUNK)
+            for kind, key, parent, t0, t1 in jobs:
+                ntok = t1 - t0
+                plan = plans.get(ntok)
+                if plan is None:
+                    plan = plans[ntok] = _plan(segs, ntok)
+                hdr_size = fmt.block_header_size(layout, ns, ntok)
+                plen = K.packed_size(segs, ntok)
+                size = hdr_size + fmt.align(plen)
+                final = self._path(ns, key, kind)
+                d = os.path.dirname(final)
+                os.makedirs(d, exist_ok=True)
+                tmp = os.path.join(d, f".{key.hex()}.{os.getpid()}.{threading.get_ident()}.tmp")
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+                entry = _Entry(kind, key, parent, ns, final, size, hdr_size, plen, 0, t0, t1,
+                               layout, toks[t0:t1].copy() if kind == KIND_TAIL else None, 0.0)
+                pending.append((fd, tmp, final, entry))
+                h = _hasher(fmt.content_seed(key))
+                with memoryview(stage) as mv:
+                    for off, n, sub in plan:
+                        if n > len(mv):  # a single huge row: grow the stage
+                            stage = self._scratch("w", n)
+                            mv = memoryview(stage)
+                        K.pack(mv, 0, sub, t0, t1, **_NOHASH)
+                        h.update(mv[:n])
+                        _pwrite_full(fd, mv[:n], hdr_size + off)
+                entry.content_hash = h.digest()
+                hdr = fmt.encode_block_header(kind, key, parent, nsid, ns, layout, t0, t1,
+                                              toks[t0:t1], entry.content_hash, plen)
+                pad = bytes(size - hdr_size - plen)
+                _pwrite_full(fd, hdr, 0)
+                if pad:
+                    _pwrite_full(fd, pad, hdr_size + plen)
+                dirs.add(d)
+            if durable:
+                for fd, *_ in pending:
+                    _fsync(fd)
+            for i, (fd, tmp, final, entry) in enumerate(pending):
+                os.close(fd)
+                pending[i] = (-1, tmp, final, entry)
+            for i, (_, tmp, final, entry) in enumerate(pending):
+                os.rename(tmp, final)
+                entry.mtime = time.time()
+                written.append(entry)
+                pending[i] = (-1, None, final, entry)
+            if durable:
+                for d in dirs:
+                    _fsync_dir(d)
+        except BaseException as exc:
+            for fd, tmp, _, _ in pending:
+                if fd >= 0:
+                    _quiet(os.close, fd)
+                if tmp is not None:
+                    _quiet(os.unlink, tmp)
+            if not isinstance(exc, OSError):
+                raise
+            with self._lock:
+                self._c["write_failures"] += 1
+            self._warn_once(f"write:{exc.errno}", "mlxkv cache: cannot write under %s: %s "
+                            "(the cache keeps serving reads; new state is not persisted)",
+                            self.root, exc)
+            raise StoreWriteError(exc.errno, f"block write failed: {exc.strerror or exc}",
+                                  getattr(exc, "filename", None)) from exc
+
+    def _index_written(self, ns: str, written: list[_Entry]) -> None:
+        if not written:
+            return
+        stale: list[_Entry] = []
+        with self._lock:
+            space = self._spaces.setdefault(ns, _Space())
+            for e in written:
+                self._add(space, e)
+                if e.kind == KIND_BLOCK:
+                    self._c["blocks_written"] += 1
+                else:
+                    self._c["tails_written"] += 1
+                    # a shorter tail on the same parent that this one extends is superseded
+                    for t in list(space.tails.get(e.parent, {}).values()):
+                        if t is not e and t.tokens.size < e.tokens.size and \
+                                _common(t.tokens, e.tokens) == t.tokens.size:
+                            self._drop(t)
+                            stale.append(t)
+                            self._c["tails_superseded"] += 1
+                self._c["bytes_written"] += e.file_size
+        for t in stale:
+            _quiet(os.unlink, t.path)
+
+    # ------------------------------------------------------------------ read
+    def get_blocks(
+        self, ns: str, tokens: Any, layout: Any, segments: Sequence[Segment],
+        n_tokens: int | Match | None = None,
+    ) -> Restore:
+        """Restore rows [0, n) into ``segments`` (n = a Match, a token count or the longest
+        cached prefix), verifying each block; stops at the first missing/corrupt block."""
+        layout = make_layout(layout)
+        if isinstance(n_tokens, Match):
+            m = n_tokens
+            if m.ns != ns:
+                raise ValueError(f"match is for namespace {m.ns!r}, not {ns!r}")
+        else:
+            m = self.lookup(ns, tokens, n_tokens)
+        segs = _check_segments(layout, segments, m.n_tokens, writable=True)
+        bt = self.block_tokens
+        done = nread = nblk = corrupt = missing = 0
+        entries = self._entries(ns, m)
+        plans: dict[int, list] = {}
+        fds: list[int | None] = [None] * len(entries)  # -1: the file had vanished
+        try:
+            for i, e in enumerate(entries):
+                if e is not None and fds[i] is None:
+                    fds[i] = self._open(e)
+                if e is None or fds[i] == -1:
+                    missing += 1
+                    break
+                if i + 1 < len(entries) and entries[i + 1] is not None:
+                    fds[i + 1] = self._open(entries[i + 1], prefetch=True)
+                ntok = m.tail_tokens if e.kind == KIND_TAIL else bt
+                ok = self._read_verified(e, fds[i], layout, segs, done, ntok, plans)
+                _quiet(os.close, fds[i])
+                fds[i] = None
+                if not ok:
+                    corrupt += 1
+                    break
+                done += ntok
+                nblk += 1
+                nread += e.payload_len
+        finally:
+            for fd in fds:
+                if fd is not None and fd >= 0:
+                    _quiet(os.close, fd)
+        with self._lock:
+            self._c["blocks_read"] += nblk
+            self._c["bytes_read"] += nread
+            self._c["hits" if done else "misses"] += 1
+            if done:
+                self._touch(ns, m.block_keys[: done // bt], m.tail_key if done == m.n_tokens else None)
+        return Restore(done, m.n_tokens, nblk, nread, corrupt, missing)
+
+    def _entries(self, ns: str, m: Match) -> list[_Entry | None]:
+        with self._lock:
+            space = self._spaces.get(ns, _Space())
+            out: list[_Entry | None] = [space.blocks.get(k) for k in m.block_keys]
+            if m.tail_key is not None and m.tail_tokens:
+                parent = m.block_keys[-1] if m.block_keys else ZERO_KEY
+                out.append(space.tails.get(parent, {}).get(m.tail_key))
+        return out
+
+    def _open(self, e: _Entry, prefetch: bool = False) -> int:
+        try:
+            fd = os.open(e.path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:  # evicted by another process: a miss
+            with self._lock:
+                self._drop(e)
+                self._c["vanished"] += 1
+            return -1
+        if prefetch and hasattr(os, "posix_fadvise"):
+            # start reading the next block from disk while this one is verified/unpacked
+            _quiet(os.posix_fadvise, fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        return fd
+
+    def _read_verified(self, e: _Entry, fd: int, layout: Layout, segs: list, t0: int,
+                       ntok: int, plans: dict[int, list]) -> bool:
+        """Read, verify and scatter one block/tail into rows [t0, t0+ntok) of segs.
+
+        Full entries stream in L2-sized pieces (read, hash, scatter); the hash is checked
+        at the end, so on a mismatch the rows written are garbage and not reported.
+        """
+        if ntok != e.t1 - e.t0:
+            return self._read_tail_prefix(e, fd, layout, segs, t0, ntok)
+        hbuf = self._scratch("h", e.payload_offset)
+        with memoryview(hbuf) as hv:
+            got = _pread_full(fd, hv[: e.payload_offset], 0)
+            reason = self._check_header(e, hv[:got], layout)
+        if reason is None:
+            plan = plans.get(ntok)
+            if plan is None:
+                plan = plans[ntok] = _plan(segs, ntok)
+            h = _hasher(fmt.content_seed(e.key))
+            stage = self._scratch("r", 2 * CHUNK)
+            mv = memoryview(stage)
+            for off, n, sub in plan:
+                if n > len(mv):
+                    mv = memoryview(self._scratch("r", n))
+                got = _pread_full(fd, mv[:n], e.payload_offset + off)
+                if got < n:
+                    reason = f"truncated payload ({e.payload_offset + off + got} bytes)"
+                    break
+                h.update(mv[:n])
+                K.unpack(mv, 0, sub, t0, ntok)
+            mv.release()
+            if reason is None and h.digest() != e.content_hash:
+                reason = "content hash mismatch"
+        if reason is not None:
+            self._remove_corrupt(e, reason)
+            return False
+        return True
+
+    def _check_header(self, e: _Entry, head: memoryview, layout: Layout) -> str | None:
+        """None if the file's header is intact and matches the index entry, else why not."""
+        if len(head) < e.payload_offset:
+            return f"truncated header ({len(head)} bytes)"
+        try:
+            hdr = fmt.decode_block_header(head)
+        except FormatError as exc:
+            return f"header: {exc}"
+        if hdr.key != e.key or hdr.payload_offset != e.payload_offset \
+                or hdr.payload_len != e.payload_len or hdr.content_hash != e.content_hash:
+            return "header does not match the index"
+        if hdr.layout != layout:
+            raise ValueError(f"block {e.key.hex()} has another layout than requested")
+        return None
+
+    def _read_tail_prefix(self, e: _Entry, fd: int, layout: Layout, segs: list, t0: int,
+                          ntok: int) -> bool:
+        """Verify a whole (small) tail, then scatter only its first ntok rows."""
+        buf = self._scratch("t", e.file_size)
+        with memoryview(buf) as mv:
+            got = _pread_full(fd, mv[: e.file_size], 0)
+            reason = self._check_header(e, mv[: min(got, e.payload_offset)], layout)
+            if reason is None and got < e.payload_offset + e.payload_len:
+                reason = f"truncated ({got} of {e.file_size} bytes)"
+            pay = mv[e.payload_offset : e.payload_offset + e.payload_len]
+            if reason is None and K.xxh3_64(pay, fmt.content_seed(e.key)) != e.content_hash:
+                reason = "content hash mismatch"
+            if reason is None:
+                src, off, full = [], 0, e.t1 - e.t0
+                for spec in layout:
+                    n = spec.outer * full * spec.row_bytes
+                    src.append((pay[off : off + n], spec.outer, full, spec.row_bytes))
+                    off += n
+                tmp = self._scratch("p", K.packed_size(src, ntok))
+                K.pack(tmp, 0, src, 0, ntok)
+                K.unpack(tmp, 0, segs, t0, ntok)
+            pay.release()
+        if reason is not None:
+            self._remove_corrupt(e, reason)
+            return False
+        return True
+
+    def _remove_corrupt(self, e: _Entry, reason: str) -> None:
+        log.warning("mlxkv cache: removing corrupt %s %s: %s", fmt.KIND_NAMES[e.kind], e.path, reason)
+        _quiet(os.unlink, e.path)
+        with self._lock:
+            self._drop(e)
+            self._c["corrupt_removed"] += 1
+
+    # ------------------------------------------------------------------ manifests
+    def _manifest_path(self, ns: str, name: str) -> str:
+        h = xxhash.xxh3_64_hexdigest(name.encode())
+        return os.path.join(self.root, check_namespace(ns), _MANIFEST_DIR, f"{h}.man")
+
+    def put_manifest(self, ns: str, name: str, tokens: Any) -> Manifest:
+        """Name the state of ``tokens`` (its block keys and tail key) so GC keeps it."""
+        if not isinstance(name, str) or not name:
+            raise ValueError("manifest name must be a non-empty string")
+        toks = _tokens(tokens)
+        keys = self.chain_keys(ns, toks)
+        bt = self.block_tokens
+        tkey = None
+        if toks.size % bt:
+            tkey = _tail_key(keys[-1] if keys else ZERO_KEY, namespace_id(ns), toks[len(keys) * bt :])
+        man = Manifest(name, ns, toks, tuple(keys), tkey, time.time())
+        path = self._manifest_path(ns, name)
+        try:
+            with self._flock(shared=True):
+                _atomic_write(path, fmt.encode_manifest(man), self.durable)
+        except OSError as exc:
+            self._warn_once(f"write:{exc.errno}", "mlxkv cache: cannot write under %s: %s",
+                            self.root, exc)
+            raise StoreWriteError(exc.errno, f"manifest write failed: {exc}") from exc
+        return man
+
+    def get_manifest(self, ns: str, name: str) -> Manifest | None:
+        try:
+            with open(self._manifest_path(ns, name), "rb") as f:
+                m = fmt.decode_manifest(f.read())
+        except (FileNotFoundError, FormatError):
+            return None
+        return m if m.name == name and m.ns == ns else None
+
+    def manifests(self, ns: str) -> list[Manifest]:
+        d = os.path.join(self.root, check_namespace(ns), _MANIFEST_DIR)
+        out = []
+        for de in _scandir(d):
+            if de.name.endswith(".man"):
+                try:
+                    with open(de.path, "rb") as f:
+                        out.append(fmt.decode_manifest(f.read()))
+                except (OSError, FormatError):
+                    continue
+        return out
+
+    def delete_manifest(self, ns: str, name: str) -> bool:
+        try:
+            os.unlink(self._manifest_path(ns, name))
+            return True
+        except FileNotFoundError:
+            return False
+
+    # ------------------------------------------------------------------ scan / evict / gc
+    def scan(self) -> dict[str, Any]:
+        """Rebuild the index from the files' headers; remove temp orphans and bad files."""
+        with self._flock(shared=False):
+            return self._scan_locked()
+
+    def _scan_locked(self) -> dict[str, Any]:
+        t_start = time.perf_counter()
+        rep = {"blocks": 0, "tails": 0, "added": 0, "dropped": 0, "tmp_removed": 0,
+               "bad_removed": 0, "skipped": 0}
+        found: list[_Entry] = []
+        seen: set[str] = set()
+        nss = [de for de in _scandir(self.root) if de.is_dir() and _NS_RE.match(de.name)]
+        with self._lock:
+            known = {e.path: e for sp in self._spaces.values() for e in _all(sp)}
+        hbuf = bytearray(PAGE)
+        for nsd in nss:
+            ns, nsid = nsd.name, namespace_id(nsd.name)
+            for sub in _scandir(nsd.path):
+                if sub.name == _MANIFEST_DIR:
+                    for de in _scandir(sub.path):
+                        if de.name.endswith(".tmp"):
+                            rep["tmp_removed"] += _quiet(os.unlink, de.path)
+                    continue
+                if len(sub.name) != 2 or not sub.is_dir():
+                    continue
+                for de in _scandir(sub.path):
+                    name = de.name
+                    if name.endswith(".tmp"):
+                        rep["tmp_removed"] += _quiet(os.unlink, de.path)
+                        continue
+                    kind = _KIND_OF_EXT.get(os.path.splitext(name)[1])
+                    if kind is None:
+                        continue
+                    seen.add(de.path)
+                    if de.path in known:
+                        continue
+                    try:
+                        e = _read_entry(de.path, ns, nsid, kind, hbuf)
+                    except UnknownVersion as exc:
+                        self._skipped[de.path] = str(exc)
+                        rep["skipped"] += 1
+                        continue
+                    except (FormatError, OSError) as exc:
+                        if isinstance(exc, FileNotFoundError):
+                            continue
+                        log.warning("mlxkv cache: removing %s: %s", de.path, exc)
+                        rep["bad_removed"] += _quiet(os.unlink, de.path)
+                        continue
+                    found.append(e)
+        with self._lock:
+            for e in known.values():
+                if e.path not in seen:
+                    self._drop(e)
+                    rep["dropped"] += 1
+            # older files are less recently used; a parent is never older than its child
+            found.sort(key=lambda e: e.mtime)
+            for e in found:
+                self._add(self._spaces.setdefault(e.ns, _Space()), e)
+                e.last_used = e.mtime
+            for e in sorted(found, key=lambda e: -e.t0):
+                p = self._spaces[e.ns].blocks.get(e.parent)
+                if p is not None and p.last_used < e.last_used:
+                    p.last_used = e.last_used
+            self._clock = max([self._clock] + [e.last_used for e in found])
+            rep["added"] = len(found)
+            for sp in self._spaces.values():
+                rep["blocks"] += len(sp.blocks)
+                rep["tails"] += sum(len(t) for t in sp.tails.values())
+            self._c["tmp_removed"] += rep["tmp_removed"]
+            self._c["bad_removed"] += rep["bad_removed"]
+        rep["seconds"] = time.perf_counter() - t_start
+        return rep
+
+    def evict(self, max_bytes: int | None = None) -> dict[str, int]:
+        """Remove least-recently-used entries until the store holds <= max_bytes."""
+        cap = self.max_bytes if max_bytes is None else max_bytes
+        if cap is None or self._bytes <= cap:
+            return {"evicted": 0, "bytes": 0}
+        removed = freed = 0
+        with self._flock(shared=False):
+            with self._lock:
+                # deepest first among equals: evicting a parent would orphan its children
+                order = sorted((e for sp in self._spaces.values() for e in _all(sp)),
+                               key=lambda e: (e.last_used, -e.t0))
+                victims = []
+                for e in order:
+                    if self._bytes <= cap:
+                        break
+                    self._drop(e)
+                    victims.append(e)
+                    removed += 1
+                    freed += e.file_size
+                self._c["evicted"] += removed
+                self._c["evicted_bytes"] += freed
+            for e in victims:
+                _quiet(os.unlink, e.path)
+        return {"evicted": removed, "bytes": freed}
+
+    def gc(self, ns: str | None = None, min_age_s: float = 60.0) -> dict[str, int]:
+        """Remove blocks and tails no manifest references (older than ``min_age_s``, so a
+        block another process wrote moments before its manifest survives)."""
+        removed = freed = live_n = 0
+        with self._flock(shared=False):
+            self._scan_locked()
+            with self._lock:
+                names = [ns] if ns is not None else list(self._spaces)
+            now = time.time()
+            for name in names:
+                live: set[bytes] = set()
+                for m in self.manifests(name):
+                    live.update(m.block_keys)
+                    if m.tail_key:
+                        live.add(m.tail_key)
+                live_n += len(live)
+                with self._lock:
+                    sp = self._spaces.get(name, _Space())
+                    dead = [e for e in _all(sp) if e.key not in live and e.mtime <= now - min_age_s]
+                    for e in dead:
+                        self._drop(e)
+                for e in dead:
+                    _quiet(os.unlink, e.path)
+                    removed += 1
+                    freed += e.file_size
+            with self._lock:
+                self._c["gc_removed"] += removed
+                self._c["gc_bytes"] += freed
+        return {"removed": removed, "bytes": freed, "live_keys": live_n}
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            per_ns = {ns: {"blocks": len(sp.blocks),
+                           "tails": sum(len(t) for t in sp.tails.values()),
+                           "bytes": sum(e.file_size for e in _all(sp))}
+                      for ns, sp in self._spaces.items()}
+            return {"root": self.root, "kernel": KERNEL, "block_tokens": self.block_tokens,
+                    "bytes": self._bytes, "max_bytes": self.max_bytes,
+                    "blocks": sum(v["blocks"] for v in per_ns.values()),
+                    "tails": sum(v["tails"] for v in per_ns.values()),
+                    "namespaces": per_ns, "skipped_unknown_version": dict(self._skipped),
+                    **self._c}
+
+    # ------------------------------------------------------------------ internals
+    def _path(self, ns: str, key: bytes, kind: int) -> str:
+        h = key.hex()
+        return os.path.join(self.root, ns, h[:2], h + _EXT[kind])
+
+    def _add(self, sp: _Space, e: _Entry) -> None:
+        if e.kind == KIND_BLOCK:
+            old = sp.blocks.get(e.key)
+            sp.blocks[e.key] = e
+        else:
+            old = sp.tails.setdefault(e.parent, {}).get(e.key)
+            sp.tails[e.parent][e.key] = e
+        self._bytes += e.file_size - (old.file_size if old else 0)
+
+    def _drop(self, e: _Entry) -> None:
+        sp = self._spaces.get(e.ns)
+        if sp is None:
+            return
+        if e.kind == KIND_BLOCK:
+            if sp.blocks.get(e.key) is e:
+                del sp.blocks[e.key]
+                self._bytes -= e.file_size
+        else:
+            ts = sp.tails.get(e.parent, {})
+            if ts.get(e.key) is e:
+                del ts[e.key]
+                self._bytes -= e.file_size
+                if not ts:
+                    sp.tails.pop(e.parent, None)
+
+    def _touch(self, ns: str, keys: Sequence[bytes], tail_key: bytes | None) -> None:
+        """Mark a chain used; deeper entries get older stamps so they are evicted first."""
+        sp = self._spaces.get(ns)
+        if sp is None:
+            return
+        now = max(time.time(), self._clock)
+        step = 1e-6
+        if tail_key is not None:
+            for ts in sp.tails.values():
+                if tail_key in ts:
+                    ts[tail_key].last_used = now
+                    break
+        for i, k in enumerate(reversed(keys)):
+            e = sp.blocks.get(k)
+            if e is not None:
+                e.last_used = now + (i + 1) * step
+        self._clock = now + (len(keys) + 1) * step
+
+    def _scratch(self, which: str, nbytes: int) -> Any:
+        bufs = self._local.__dict__.setdefault("bufs", {})
+        buf = bufs.get(which)
+        if buf is None or buf.nbytes < nbytes:
+            buf = _aligned(max(nbytes, 1 << 20))
+            bufs[which] = buf
+        return buf
+
+    @contextmanager
+    def _flock(self, shared: bool) -> Iterator[None]:
+        os.makedirs(self.root, exist_ok=True)
+        fd = os.open(os.path.join(self.root, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing the descriptor releases the lock
+
+    def _warn_once(self, what: str, msg: str, *args: Any) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning(msg, *args)
+
+
+# ----------------------------------------------------------------------------- helpers
+def _block_key(parent: bytes, nsid: bytes, toks: np.ndarray) -> bytes:
+    return xxhash.xxh3_128_digest(b"".join((_BLOCK_DOMAIN, parent, nsid, toks.tobytes())))
+
+
+def _tail_key(parent: bytes, nsid: bytes, toks: np.ndarray) -> bytes:
+    return xxhash.xxh3_128_digest(b"".join((_TAIL_DOMAIN, parent, nsid, toks.tobytes())))
+
+
+def _all(sp: _Space) -> Iterator[_Entry]:
+    yield from sp.blocks.values()
+    for ts in sp.tails.values():
+        yield from ts.values()
+
+
+def _scandir(path: str) -> list[os.DirEntry]:
+    try:
+        with os.scandir(path) as it:
+            return list(it)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _quiet(fn: Any, *args: Any) -> int:
+    """Call fn, ignoring OSError; 1 if it succeeded (for counting removals)."""
+    try:
+        fn(*args)
+        return 1
+    except OSError:
+        return 0
+
+
+def _check_segments(layout: Layout, segments: Sequence[Segment], ntokens: int,
+                    writable: bool = False) -> list:
+    if len(segments) != len(layout):
+        raise ValueError(f"{len(segments)} segments for a layout of {len(layout)}")
+    out = []
+    for spec, seg in zip(layout, segments):
+        try:
+            buf, outer, t_cap, rb = seg
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"segment {spec.name}: expected (buf, outer, t_capacity, row_bytes)") from exc
+        if int(outer) != spec.outer or int(rb) != spec.row_bytes:
+            raise ValueError(f"segment {spec.name}: outer/row_bytes ({outer}, {rb}) do not match "
+                             f"the layout ({spec.outer}, {spec.row_bytes})")
+        if int(t_cap) < ntokens:
+            raise ValueError(f"segment {spec.name}: t_capacity {t_cap} < {ntokens} tokens")
+        if writable and memoryview(buf).readonly:
+            raise ValueError(f"segment {spec.name}: destination buffer is read-only")
+        out.append((buf, int(outer), int(t_cap), int(rb)))
+    return out
+
+
+def _read_entry(path: str, ns: str, nsid: bytes, kind: int, hbuf: bytearray) -> _Entry:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        n = os.preadv(fd, [hbuf], 0)
+        head = memoryview(hbuf)[:n]
+        span = fmt.header_span(head)
+        if span > n:
+            head = os.pread(fd, span, 0)
+        hdr = fmt.decode_block_header(head)
+    finally:
+        os.close(fd)
+    if hdr.kind != kind:
+        raise FormatError(f"a {fmt.KIND_NAMES[hdr.kind]} stored under a {fmt.KIND_NAMES[kind]} name")
+    if hdr.ns != ns or hdr.ns_id != nsid:
+        raise FormatError(f"namespace {hdr.ns!r} stored under {ns!r}")
+    want = (_block_key if kind == KIND_BLOCK else _tail_key)(hdr.parent, nsid, hdr.tokens)
+    if hdr.key != want or os.path.basename(path) != hdr.key.hex() + _EXT[kind]:
+        raise FormatError("key does not match the header's parent and tokens")
+    if st.st_size < hdr.file_size:
+        raise FormatError(f"truncated: {st.st_size} of {hdr.file_size} bytes")
+    return _Entry(kind, hdr.key, hdr.parent, ns, path, hdr.file_size, hdr.payload_offset,
+                  hdr.payload_len, hdr.content_hash, hdr.t0, hdr.t1, hdr.layout,
+                  hdr.tokens if kind == KIND_TAIL else None, st.st_mtime)
+
+
+def _atomic_write(path: str, data: bytes, durable: bool) -> None:
+    d = os.path.dirname(path)
+    os.makedirs(d, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            _pwrite_full(fd, data, 0)
+            if durable:
+                _fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+    except BaseException:
+        _quiet(os.unlink, tmp)
+        raise
+    if durable:
+        _fsync_dir(d)
+
+
+__all__ = ["BlockStore", "Match", "PutResult", "Restore", "StoreWriteError", "KERNEL",
+           "ZERO_KEY", "namespace_id", "check_namespace"]

@@ -1,0 +1,450 @@
+"""Block store: round trips, chain keys, dedup, eviction/GC, corruption, crashes, full
+disks and two processes sharing one folder. Real files, real fsync, real subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from storage import format as fmt
+from storage.format import SegmentSpec
+from storage.store import BlockStore, StoreWriteError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# KV content is a pure function of the token ids (as real KV is of its prefix), so any
+# process can rebuild what a block must contain. Shared with the subprocess scripts.
+KV_HELPER = '''
+import numpy as np
+def make_kv(layout, tokens, t_cap):
+    """One uint8 array [outer, t_cap, row_bytes] per segment; rows past len(tokens) are 0."""
+    toks = np.asarray(tokens, dtype=np.int64)
+    out = []
+    for i, s in enumerate(layout):
+        a = np.zeros((s.outer, t_cap, s.row_bytes), dtype=np.uint8)
+        o = np.arange(s.outer)[:, None, None]
+        b = np.arange(s.row_bytes)[None, None, :]
+        a[:, : toks.size] = (toks[None, :, None] * 7 + i * 131 + o * 31 + b) % 251
+        out.append(a)
+    return out
+def segs(layout, arrays):
+    return [(a, s.outer, a.shape[1], s.row_bytes) for s, a in zip(layout, arrays)]
+'''
+exec(KV_HELPER)
+
+BF16 = fmt.make_layout([SegmentSpec(f"l{i}.{kv}", "bfloat16", (16,), 4, 32)
+                        for i in range(3) for kv in "kv"])
+F32 = fmt.make_layout([SegmentSpec("l0.k", "float32", (8,), 2, 32),
+                       SegmentSpec("l0.v", "float32", (8,), 2, 32)])
+QUANT = fmt.make_layout([SegmentSpec(f"l{i}.{kv}.{p}", dt, (n,), 4, nb)
+                         for i in range(2) for kv in "kv"
+                         for p, dt, n, nb in (("w", "uint32", 4, 16), ("scales", "bfloat16", 2, 4),
+                                              ("biases", "bfloat16", 2, 4))])
+BT = 16
+
+
+def restore(store, ns, tokens, layout, t_cap, n=None):
+    dst = [np.full((s.outer, t_cap, s.row_bytes), 0xEE, np.uint8) for s in layout]
+    r = store.get_blocks(ns, tokens, layout, segs(layout, dst), n)
+    return r, dst
+
+
+def assert_rows_equal(a_list, b_list, n):
+    for a, b in zip(a_list, b_list):
+        np.testing.assert_array_equal(a[:, :n], b[:, :n])
+
+
+@pytest.mark.parametrize("layout", [BF16, F32, QUANT], ids=["bf16", "f32", "quant"])
+def test_round_trip_blocks_and_tail(tmp_path, layout):
+    store = BlockStore(tmp_path, block_tokens=BT)
+    toks = np.arange(1000, 1000 + 3 * BT + 5)
+    src = make_kv(layout, toks, 64)
+    r = store.put_blocks("m", toks, layout, segs(layout, src))
+    assert (r.blocks_written, r.blocks_present, r.tail_written) == (3, 0, True)
+    assert store.longest_prefix("m", toks) == toks.size
+    got, dst = restore(store, "m", toks, layout, 64)
+    assert got.n_tokens == toks.size and got.corrupt == got.missing == 0
+    assert_rows_equal(src, dst, toks.size)
+    # a fresh process (new store object) finds everything by scanning headers
+    store2 = BlockStore(tmp_path, block_tokens=BT)
+    rep = store2.scan()
+    assert (rep["blocks"], rep["tails"], rep["bad_removed"]) == (3, 1, 0)
+    got, dst = restore(store2, "m", toks, layout, 64)
+    assert got.n_tokens == toks.size
+    assert_rows_equal(src, dst, toks.size)
+
+
+def test_restore_into_mx_arrays(tmp_path):
+    mx = pytest.importorskip("mlx.core")
+    store = BlockStore(tmp_path, block_tokens=BT)
+    toks = np.arange(2 * BT + 3)
+    k = mx.random.normal((1, 4, 64, 16)).astype(mx.bfloat16)
+    v = mx.random.normal((1, 4, 64, 16)).astype(mx.bfloat16)
+    mx.eval(k, v)
+    layout = fmt.make_layout([SegmentSpec("k", "bfloat16", (16,), 4, 32),
+                              SegmentSpec("v", "bfloat16", (16,), 4, 32)])
+    store.put_blocks("m", toks, layout, [(memoryview(a), 4, 64, 32) for a in (k, v)])
+    dk, dv = mx.zeros((1, 4, 40, 16), mx.bfloat16), mx.zeros((1, 4, 40, 16), mx.bfloat16)
+    mx.eval(dk, dv)
+    r = store.get_blocks("m", toks, layout, [(memoryview(a), 4, 40, 32) for a in (dk, dv)])
+    assert r.n_tokens == toks.size
+    n = toks.size
+    assert mx.array_equal(dk[:, :, :n], k[:, :, :n]).item()
+    assert mx.array_equal(dv[:, :, :n], v[:, :, :n]).item()
+
+
+def test_chain_keys_prefix_lookup_and_namespaces(tmp_path):
+    store = BlockStore(tmp_path, block_tokens=BT)
+    toks = np.arange(5 * BT)
+    keys = store.chain_keys("m", toks)
+    assert len(keys) == 5 and len(set(keys)) == 5 and all(len(k) == 16 for k in keys)
+    assert keys[:3] == store.chain_keys("m", toks[: 3 * BT + 7])  # a prefix has the prefix keys
+    assert store.chain_keys("other", toks)[0] != keys[0]  # namespaces never share keys
+    changed = toks.copy()
+    changed[BT + 2] += 1  # one token in block 1 changes that block and all after it
+    k2 = store.chain_keys("m", changed)
+    assert k2[0] == keys[0] and all(a != b for a, b in zip(k2[1:], keys[1:]))
+
+    src = make_kv(F32, toks, 5 * BT)
+    store.put_blocks("m", toks[: 3 * BT], F32, segs(F32, src))
+    assert store.longest_prefix("m", toks) == 3 * BT
+    assert store.longest_prefix("m", changed) == BT
+    assert store.longest_prefix("other", toks) == 0
+    assert store.longest_prefix("m", toks, max_tokens=3 * BT - 1) == 2 * BT
+    assert store.lookup("m", toks).nbytes == 3 * BT * fmt.bytes_per_token(F32)
+
+
+def test_tail_is_reused_for_a_continuing_conversation(tmp_path):
+    store = BlockStore(tmp_path, block_tokens=BT)
+    turn1 = np.arange(2 * BT + 9)
+    src = make_kv(F32, turn1, 64)
+    store.put_blocks("m", turn1, F32, segs(F32, src))
+    turn2 = np.concatenate([turn1, [7, 7, 7]])
+    m = store.lookup("m", turn2)
+    assert m.n_tokens == turn1.size and m.tail_tokens == 9  # only 3 new tokens to prefill
+    # the same prompt again: at most n-1 tokens, served from a prefix of the tail
+    m = store.lookup("m", turn1, max_tokens=turn1.size - 1)
+    assert m.n_tokens == turn1.size - 1 and m.tail_tokens == 8
+    got, dst = restore(store, "m", turn1, F32, 64, m)
+    assert got.n_tokens == turn1.size - 1
+    assert_rows_equal(src, dst, turn1.size - 1)
+    # a diverging continuation uses only the matching part of the tail
+    div = turn1.copy()
+    div[2 * BT + 4] = 999
+    assert store.longest_prefix("m", div) == 2 * BT + 4
+    # turn 2 persisted: its longer tail supersedes turn 1's
+    src2 = make_kv(F32, turn2, 64)
+    store.put_blocks("m", turn2, F32, segs(F32, src2))
+    st = store.stats()
+    assert st["tails"] == 1 and st["tails_superseded"] == 1
+    assert store.longest_prefix("m", turn1) == turn1.size
+
+
+def test_shared_prefixes_are_stored_once(tmp_path):
+    store = BlockStore(tmp_path, block_tokens=BT)
+    prefix = np.arange(6 * BT)
+    per_block = fmt.block_header_size(BF16, "m", BT) + BT * fmt.bytes_per_token(BF16)
+    for u in range(4):
+        toks = np.concatenate([prefix, 10_000 + 100 * u + np.arange(2 * BT)])
+        r = store.put_blocks("m", toks, BF16, segs(BF16, make_kv(BF16, toks, 8 * BT)))
+        assert (r.blocks_written, r.blocks_present) == ((8, 0) if u == 0 else (2, 6))
+    st = store.stats()
+    assert st["blocks"] == 6 + 4 * 2 and st["dedup_blocks"] == 18
+    assert st["bytes"] == (6 + 8) * per_block
+    disk = sum(f.stat().st_size for f in tmp_path.rglob("*.blk"))
+    assert disk == st["bytes"]
+
+
+def test_lru_eviction_counts_shared_blocks_once_and_keeps_recent(tmp_path):
+    per_block = fmt.block_header_size(F32, "m", BT) + fmt.align(BT * fmt.bytes_per_token(F32))
+    store = BlockStore(tmp_path, block_tokens=BT, max_bytes=6 * per_block)
+    prefix = np.arange(2 * BT)
+    a = np.concatenate([prefix, 500 + np.arange(2 * BT)])
+    b = np.concatenate([prefix, 900 + np.arange(2 * BT)])
+    store.put_blocks("m", a, F32, segs(F32, make_kv(F32, a, 4 * BT)))
+    store.put_blocks("m", b, F32, segs(F32, make_kv(F32, b, 4 * BT)))
+    assert store.stats()["bytes"] == 6 * per_block  # 2 shared + 2 + 2: at the cap, no eviction
+    assert store.stats()["evicted"] == 0
+    restore(store, "m", a, F32, 4 * BT)  # a is now the most recently used
+    c = np.concatenate([prefix, 1300 + np.arange(BT)])
+    store.put_blocks("m", c, F32, segs(F32, make_kv(F32, c, 4 * BT)))
+    st = store.stats()
+    assert st["bytes"] <= 6 * per_block and st["evicted"] == 1
+    assert store.longest_prefix("m", a) == a.size  # recently used chain kept whole
+    assert store.longest_prefix("m", c) == c.size  # just written
+    assert store.longest_prefix("m", b) == 3 * BT  # b's deepest block went first
+    assert len(list(tmp_path.rglob("*.blk"))) == st["blocks"] == 6
+
+
+def test_gc_removes_only_unreferenced_entries(tmp_path):
+    store = BlockStore(tmp_path, block_tokens=BT)
+    prefix = np.arange(2 * BT)
+    keep = np.concatenate([prefix, 100 + np.arange(BT + 3)])
+    drop = np.concatenate([prefix, 300 + np.arange(BT + 5)])
+    store.put_blocks("m", keep, F32, segs(F32, make_kv(F32, keep, 64)), manifest="chat-keep")
+    store.put_blocks("m", drop, F32, segs(F32, make_kv(F32, drop, 64)))
+    assert store.get_manifest("m", "chat-keep").tokens.size == keep.size
+    rep = store.gc("m", min_age_s=0)
+    assert rep["removed"] == 2  # drop's own block and its tail; the shared prefix stays
+    assert store.longest_prefix("m", keep) == keep.size
+    assert store.longest_prefix("m", drop) == 2 * BT
+    assert store.delete_manifest("m", "chat-keep")
+    assert store.gc("m", min_age_s=0)["removed"] == 4
+    assert store.stats()["bytes"] == 0 and not list(tmp_path.rglob("*.blk"))
+
+
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def test_corrupt_payload_is_a_miss_removed_and_counted(tmp_path):
+    store = BlockStore(tmp_path, block_tokens=BT)
+    toks = np.arange(3 * BT)
+    src = make_kv(F32, toks, 3 * BT)
+    r = store.put_blocks("m", toks, F32, segs(F32, src))
+    victim = Path(store._path("m", r.keys[1], fmt.KIND_BLOCK))
+    _flip(victim, fmt.block_header_size(F32, "m", BT) + 100)
+    got, dst = restore(store, "m", toks, F32, 3 * BT)
+    assert (got.n_tokens, got.corrupt) == (BT, 1)  # only the verified prefix is returned
+    assert_rows_equal(src, dst, BT)
+    assert not victim.exists() and store.stats()["corrupt_removed"] == 1
+    assert store.longest_prefix("m", toks) == BT  # never restored again
+
+
+def test_corrupt_header_is_removed_at_scan(tmp_path):
+    store = BlockStore(tmp_path, block_tokens=BT)
+    toks = np.arange(2 * BT)
+    r = store.put_blocks("m", toks, F32, segs(F32, make_kv(F32, toks, 2 * BT)))
+    victim = Path(store._path("m", r.keys[0], fmt.KIND_BLOCK))
+    _flip(victim, 60)
+    store2 = BlockStore(tmp_path, block_tokens=BT)
+    rep = store2.scan()
+    assert rep["bad_removed"] == 1 and rep["blocks"] == 1 and not victim.exists()
+    assert store2.longest_prefix("m", toks) == 0  # the chain is broken at block 0
+
+
+def test_unknown_version_is_skipped_with_a_reason(tmp_path):
+    store = BlockStore(tmp_path, block_tokens=BT)
+    toks = np.arange(BT)
+    r = store.put_blocks("m", toks, F32, segs(F32, make_kv(F32, toks, BT)))
+    path = Path(store._path("m", r.keys[0], fmt.KIND_BLOCK))
+    raw = bytearray(path.read_bytes())
+    raw[8:10] = (fmt.FORMAT_VERSION + 1).to_bytes(2, "little")  # a future mlxkv's file
+    path.write_bytes(bytes(raw))
+    store2 = BlockStore(tmp_path, block_tokens=BT)
+    rep = store2.scan()
+    assert rep["skipped"] == 1 and rep["blocks"] == 0 and path.exists()
+    assert "format version 2" in store2.stats()["skipped_unknown_version"][str(path)]
+
+
+def test_scan_removes_temp_orphans_and_drops_vanished_files(tmp_path):
+    store = BlockStore(tmp_path, block_tokens=BT)
+    toks = np.arange(2 * BT)
+    r = store.put_blocks("m", toks, F32, segs(F32, make_kv(F32, toks, 2 * BT)))
+    orphan = tmp_path / "m" / "ab" / ".deadbeef.1.2.tmp"
+    orphan.parent.mkdir(exist_ok=True)
+    orphan.write_bytes(b"half a block")
+    os.unlink(store._path("m", r.keys[1], fmt.KIND_BLOCK))  # another process evicted it
+    got, _ = restore(store, "m", toks, F32, 2 * BT)
+    assert (got.n_tokens, got.missing) == (BT, 1) and store.stats()["vanished"] == 1
+    rep = store.scan()
+    assert rep["tmp_removed"] == 1 and not orphan.exists() and rep["blocks"] == 1
+
+
+def test_bad_arguments_say_what_is_wrong(tmp_path):
+    store = BlockStore(tmp_path, block_tokens=BT)
+    toks = np.arange(BT)
+    with pytest.raises(ValueError, match="namespace"):
+        store.longest_prefix("../etc", toks)
+    with pytest.raises(ValueError, match="t_capacity"):
+        store.put_blocks("m", toks, F32, segs(F32, make_kv(F32, toks[:4], 4)))
+    with pytest.raises(ValueError, match="segments for a layout"):
+        store.put_blocks("m", toks, F32, segs(F32, make_kv(F32, toks, BT))[:1])
+    with pytest.raises(ValueError, match="read-only"):
+        ro = [(bytes(s.outer * BT * s.row_bytes), s.outer, BT, s.row_bytes) for s in F32]
+        store.put_blocks("m", toks, F32, segs(F32, make_kv(F32, toks, BT)))
+        store.get_blocks("m", toks, F32, ro)
+    with pytest.raises(ValueError, match="token ids"):
+        store.lookup("m", [-1, 2])
+
+
+def test_unwritable_folder_fails_the_write_and_keeps_reads(tmp_path, caplog):
+    store = BlockStore(tmp_path, block_tokens=BT)
+    toks = np.arange(BT)
+    store.put_blocks("m", toks, F32, segs(F32, make_kv(F32, toks, BT)))
+    (tmp_path / "blocked").write_text("a file where the namespace folder should be")
+    more = np.arange(2 * BT)
+    for _ in range(2):
+        with pytest.raises(StoreWriteError):
+            store.put_blocks("blocked", more, F32, segs(F32, make_kv(F32, more, 2 * BT)))
+    assert sum("cannot write" in r.message for r in caplog.records) == 1  # warned once
+    assert store.stats()["write_failures"] == 2
+    got, _ = restore(store, "m", toks, F32, BT)
+    assert got.n_tokens == BT
+
+
+# ----------------------------------------------------------------------------- processes
+def _run_child(code: str, *args: str, **kw) -> subprocess.Popen:
+    script = KV_HELPER + textwrap.dedent(code)
+    return subprocess.Popen([sys.executable, "-c", script, *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+WRITER = '''
+import sys
+from storage import format as fmt
+from storage.store import BlockStore
+layout = fmt.make_layout([("l%d.%s" % (i, kv), "bfloat16", (64,), 8, 128)
+                          for i in range(4) for kv in "kv"])
+root, ns, base, count = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+store = BlockStore(root, block_tokens=16)
+store.scan()
+for j in range(count):
+    toks = np.concatenate([np.arange(64), base + 1000 * j + np.arange(40)])
+    print("start", j, flush=True)
+    store.put_blocks(ns, toks, layout, segs(layout, make_kv(layout, toks, 104)))
+    print("done", j, flush=True)
+'''
+WLAYOUT = fmt.make_layout([(f"l{i}.{kv}", "bfloat16", (64,), 8, 128) for i in range(4) for kv in "kv"])
+
+
+def _verify_all(root: Path, ns: str) -> int:
+    """Scan, then restore every indexed chain and compare with the expected bytes."""
+    store = BlockStore(root, block_tokens=16)
+    store.scan()
+    assert not list(root.rglob("*.tmp"))
+    n = 0
+    for key, e in list(store._spaces[ns].blocks.items()):
+        hdr = fmt.decode_block_header(open(e.path, "rb").read())
+        assert hdr.key == key
+    for parent, tails in store._spaces[ns].tails.items():
+        for e in tails.values():
+            chain = [p for p in store._spaces[ns].blocks if p == parent]
+            assert chain, "a tail's parent block is missing"
+    for e in [t for ts in store._spaces[ns].tails.values() for t in ts.values()]:
+        start = int(e.tokens[0]) - 32  # the tail is the last 8 of 40 unique tokens
+        toks = np.concatenate([np.arange(64), start + np.arange(40)])
+        got, dst = restore(store, ns, toks, WLAYOUT, 104)
+        assert got.n_tokens == toks.size and got.corrupt == 0
+        assert_rows_equal(make_kv(WLAYOUT, toks, 104), dst, toks.size)
+        n += 1
+    return n
+
+
+def test_sigkill_during_writes_leaves_only_complete_verified_entries(tmp_path):
+    child = _run_child(WRITER, str(tmp_path), "m", "5000", "1000")
+    starts = 0
+    for line in child.stdout:
+        starts += line.startswith("start")
+        if starts == 6:  # killed while writing its 6th snapshot
+            os.kill(child.pid, signal.SIGKILL)
+            break
+    child.wait()
+    assert child.returncode == -signal.SIGKILL
+    assert _verify_all(tmp_path, "m") >= 5
+
+
+def test_two_processes_share_one_folder(tmp_path):
+    a = _run_child(WRITER, str(tmp_path), "m", "20000", "6")
+    b = _run_child(WRITER, str(tmp_path), "m", "40000", "6")  # same 64-token prefix as a
+    for p in (a, b):
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+    assert _verify_all(tmp_path, "m") == 12
+    store = BlockStore(tmp_path, block_tokens=16)
+    store.scan()
+    assert store.stats()["blocks"] == 4 + 12 * 2  # the shared prefix exists once
+    # a reader in another process sees a block vanish (evicted by us) as a miss
+    reader = _run_child('''
+        import sys
+        from storage.store import BlockStore
+        from storage import format as fmt
+        layout = fmt.make_layout([("l%d.%s" % (i, kv), "bfloat16", (64,), 8, 128)
+                                  for i in range(4) for kv in "kv"])
+        store = BlockStore(sys.argv[1], block_tokens=16)
+        store.scan()
+        toks = np.concatenate([np.arange(64), 20000 + np.arange(40)])
+        print(store.longest_prefix("m", toks), flush=True)
+        sys.stdin.readline()  # the other process evicts everything now
+        dst = make_kv(layout, [], 104)
+        r = store.get_blocks("m", toks, layout, segs(layout, dst))
+        print(r.n_tokens, r.missing, flush=True)
+    ''', str(tmp_path), stdin=subprocess.PIPE)
+    assert reader.stdout.readline().strip() == "104"
+    store.evict(0)
+    out, err = reader.communicate("go\n", timeout=60)
+    assert reader.returncode == 0, err
+    assert out.split() == ["0", "1"]
+
+
+def test_file_size_limit_fails_writes_cleanly(tmp_path):
+    child = _run_child('''
+        import json, os, resource, signal, sys
+        from storage import format as fmt
+        from storage.store import BlockStore, StoreWriteError
+        layout = fmt.make_layout([("k", "bfloat16", (64,), 8, 128)])
+        store = BlockStore(sys.argv[1], block_tokens=16)
+        small = np.arange(16)
+        store.put_blocks("m", small, layout, segs(layout, make_kv(layout, small, 16)))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG instead of being killed
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+        big = fmt.make_layout([("k", "bfloat16", (64,), 64, 128)])  # 128 KiB per block
+        toks = np.arange(1000, 1064)
+        try:
+            store.put_blocks("m", toks, big, segs(big, make_kv(big, toks, 64)))
+            res = "written"
+        except StoreWriteError as exc:
+            res = os.strerror(exc.errno)
+        dst = make_kv(layout, [], 16)
+        r = store.get_blocks("m", small, layout, segs(layout, dst))
+        print(json.dumps({"res": res, "restored": r.n_tokens,
+                          "failures": store.stats()["write_failures"]}))
+    ''', str(tmp_path))
+    out, err = child.communicate(timeout=60)
+    assert child.returncode == 0, err
+    rep = json.loads(out.strip().splitlines()[-1])
+    assert rep == {"res": os.strerror(27), "restored": 16, "failures": 1}  # EFBIG
+    assert not list(tmp_path.rglob("*.tmp"))
+    assert len(list(tmp_path.rglob("*.blk"))) == 1
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a 1 MiB tmpfs here ({r.stderr.strip() or 'not root'}); "
+                    "the RLIMIT_FSIZE test covers full disks")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_full_disk_fails_writes_and_keeps_reads(tiny_tmpfs):
+    store = BlockStore(tiny_tmpfs, block_tokens=BT)
+    small = np.arange(BT)
+    store.put_blocks("m", small, F32, segs(F32, make_kv(F32, small, BT)))
+    big = fmt.make_layout([("k", "bfloat16", (64,), 64, 128)])
+    toks = np.arange(5000, 5000 + 8 * BT)  # 8 blocks of 128 KiB + headers > 1 MiB
+    with pytest.raises(StoreWriteError) as info:
+        store.put_blocks("m", toks, big, segs(big, make_kv(big, toks, 8 * BT)))
+    assert info.value.errno == 28  # ENOSPC
+    assert not list(tiny_tmpfs.rglob("*.tmp"))
+    assert store.longest_prefix("m", toks) == 0
+    got, _ = restore(store, "m", small, F32, BT)
+    assert got.n_tokens == BT
+    st = os.statvfs(tiny_tmpfs)
+    assert st.f_bfree * st.f_frsize > 512 * 1024  # the partial blocks' space came back
