@@ -1,0 +1,244 @@
+"""Durability coordinator: write-behind of prefix-cache state to the SSD tier.
+
+Every ``store()`` marks its state dirty, keyed by (namespace, tokens), with an immutable
+snapshot (evaluated mx arrays and byte views of them). The coordinator hands snapshots to
+the storage writer thread without ever blocking the engine thread:
+
+* **debounce / coalesce**: a dirty state waits ``debounce_s`` before it is submitted, and a
+  waiting state whose tokens a newer state of the same namespace extends is superseded by
+  it (the newer write covers every block of the older one);
+* **bounded in flight**: at most ``max_inflight`` writes are queued at the writer; the rest
+  wait here (the storage queue's back-pressure never reaches the engine thread);
+* **retry**: a failed write is retried ``retries`` times, then reported failed;
+* **flush(timeout)**: submits everything now and waits; it reports
+  ``{durable, flushed, pending, failed, missing}`` and never counts as durable a state whose
+  write has not returned from ``put_blocks`` with fsync.
+
+Future callbacks run on the writer thread, so all state is guarded by one condition.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+log = logging.getLogger("mlxkv.prefix")
+
+PENDING, WRITING, DURABLE, FAILED, SUPERSEDED, MISSING = (
+    "pending", "writing", "durable", "failed", "superseded", "missing")
+
+
+@dataclass(eq=False)
+class Job:
+    ns: str  # storage namespace
+    tokens: np.ndarray
+    snapshot: Any  # storage.io.Snapshot; None once settled
+    state: str = PENDING
+    due: float = 0.0
+    attempts: int = 0
+    error: str | None = None
+    superseded_by: "Job | None" = None
+    result: Any = None
+    marked: float = field(default_factory=time.monotonic)
+
+    @property
+    def key(self) -> tuple[str, bytes]:
+        return (self.ns, self.tokens.tobytes())
+
+    def final(self) -> "Job":
+        j = self
+        while j.state == SUPERSEDED and j.superseded_by is not None:
+            j = j.superseded_by
+        return j
+
+
+class Durability:
+    """Tracks dirty states and drives the writer (see the module docstring)."""
+
+    def __init__(self, submit: Callable[[Any], Future], debounce_s: float = 0.0,
+                 max_inflight: int = 2, retries: int = 2, keep_settled: int = 4096) -> None:
+        self._submit = submit
+        self.debounce_s = max(0.0, float(debounce_s))
+        self.max_inflight = max(1, int(max_inflight))
+        self.retries = max(0, int(retries))
+        self._cond = threading.Condition()
+        self._jobs: OrderedDict[tuple[str, bytes], Job] = OrderedDict()
+        self._queue: list[Job] = []  # pending, in submission order
+        self._inflight = 0
+        self._timer: threading.Timer | None = None
+        self._closed = False
+        self._keep_settled = keep_settled
+        self._flushing = False
+        self.counts = {"marked": 0, "written": 0, "superseded": 0, "retried": 0,
+                       "failed": 0, "missing": 0, "bytes_written": 0}
+
+    # ------------------------------------------------------------------ engine side
+    def mark(self, ns: str, tokens: np.ndarray, snapshot: Any) -> Job:
+        """Record a dirty state; returns its job. Never blocks on I/O."""
+        with self._cond:
+            key = (ns, tokens.tobytes())
+            have = self._jobs.get(key)
+            if have is not None and have.state in (PENDING, WRITING, DURABLE):
+                return have  # the same state is already on its way (or on disk)
+            job = Job(ns, tokens, snapshot, due=time.monotonic() + self.debounce_s)
+            self.counts["marked"] += 1
+            for old in self._queue:
+                if (old.ns == ns and len(old.tokens) < len(tokens)
+                        and np.array_equal(old.tokens, tokens[: len(old.tokens)])):
+                    old.state, old.superseded_by, old.snapshot = SUPERSEDED, job, None
+                    self.counts["superseded"] += 1
+            self._queue = [j for j in self._queue if j.state == PENDING]
+            self._jobs.pop(key, None)
+            self._jobs[key] = job
+            self._queue.append(job)
+            self._trim_settled()
+            self._pump(force=False)
+            return job
+
+    def state(self, ns: str, tokens: np.ndarray) -> str | None:
+        with self._cond:
+            j = self._jobs.get((ns, tokens.tobytes()))
+            return None if j is None else j.final().state
+
+    def forget(self, ns: str, tokens: np.ndarray) -> None:
+        """The RAM tier dropped this state: a write that already failed can never happen."""
+        with self._cond:
+            j = self._jobs.get((ns, tokens.tobytes()))
+            if j is not None and j.state == FAILED:
+                j.state, j.snapshot = MISSING, None
+                self.counts["missing"] += 1
+
+    # ------------------------------------------------------------------ pumping
+    def _pump(self, force: bool) -> None:
+        """Submit due jobs while there is room (called with the lock held)."""
+        now = time.monotonic()
+        next_due = None
+        while self._queue and self._inflight < self.max_inflight and not self._closed:
+            job = self._queue[0]
+            if not force and job.due > now:
+                next_due = job.due
+                break
+            self._queue.pop(0)
+            job.state = WRITING
+            job.attempts += 1
+            self._inflight += 1
+            try:
+                fut = self._submit(job.snapshot)
+            except Exception as exc:  # closed storage and the like: settle as a failure
+                fut = Future()
+                fut.set_exception(exc)
+            fut.add_done_callback(lambda f, j=job: self._done(j, f))
+        if next_due is not None and self._timer is None:
+            self._timer = threading.Timer(max(0.0, next_due - now), self._tick)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _tick(self) -> None:
+        with self._cond:
+            self._timer = None
+            self._pump(force=False)
+
+    def _done(self, job: Job, fut: Future) -> None:
+        from storage.io import WriteQueueFull
+
+        with self._cond:
+            self._inflight -= 1
+            exc = fut.exception()
+            if exc is None:
+                job.state, job.result, job.snapshot = DURABLE, fut.result(), None
+                self.counts["written"] += 1
+                self.counts["bytes_written"] += getattr(job.result, "bytes_written", 0)
+            elif isinstance(exc, WriteQueueFull) and not self._closed:
+                # The storage queue is shared and full: try again shortly, off this stack.
+                job.attempts -= 1
+                job.state, job.due = PENDING, time.monotonic() + 0.05
+                self._queue.insert(0, job)
+                if self._timer is None:
+                    self._timer = threading.Timer(0.05, self._tick)
+                    self._timer.daemon = True
+                    self._timer.start()
+                self._cond.notify_all()
+                return
+            elif job.attempts <= self.retries and not self._closed:
+                self.counts["retried"] += 1
+                log.warning("mlxkv cache: write of %d tokens failed (%s); retrying",
+                            len(job.tokens), exc)
+                job.state = PENDING
+                self._queue.insert(0, job)
+            else:
+                job.state, job.error = FAILED, f"{type(exc).__name__}: {exc}"
+                self.counts["failed"] += 1
+                log.warning("mlxkv cache: giving up on a write of %d tokens: %s",
+                            len(job.tokens), exc)
+            self._pump(force=self._flushing)
+            self._cond.notify_all()
+
+    def _trim_settled(self) -> None:
+        extra = len(self._jobs) - self._keep_settled
+        if extra <= 0:
+            return
+        for key in [k for k, j in self._jobs.items() if j.state in (DURABLE, SUPERSEDED,
+                                                                     MISSING)][:extra]:
+            del self._jobs[key]
+
+    # ------------------------------------------------------------------ flush / close
+    def flush(self, timeout: float | None = None) -> dict[str, int]:
+        """Write every dirty state now; wait up to ``timeout`` seconds; report."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            before = self.counts["written"]
+            self._flushing = True
+            try:
+                self._pump(force=True)
+                while self._queue or self._inflight:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        break
+                    self._cond.wait(left)
+                    self._pump(force=True)
+            finally:
+                self._flushing = False
+            return self._report(self.counts["written"] - before)
+
+    def _report(self, flushed: int) -> dict[str, int]:
+        rep = {"durable": 0, "flushed": flushed, "pending": 0, "failed": 0, "missing": 0}
+        for j in self._jobs.values():
+            s = j.final().state
+            if s == DURABLE:
+                rep["durable"] += 1
+            elif s in (PENDING, WRITING):
+                rep["pending"] += 1
+            elif s == FAILED:
+                rep["failed"] += 1
+            elif s == MISSING:
+                rep["missing"] += 1
+        return rep
+
+    def report(self) -> dict[str, int]:
+        with self._cond:
+            return self._report(0)
+
+    def queue_depth(self) -> dict[str, int]:
+        with self._cond:
+            return {"waiting": len(self._queue), "inflight": self._inflight}
+
+    def close(self, timeout: float | None = None) -> dict[str, int]:
+        rep = self.flush(timeout)
+        with self._cond:
+            self._closed = True
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            for j in self._queue:  # never written: their state is gone with this process
+                j.state, j.snapshot = MISSING, None
+                self.counts["missing"] += 1
+            self._queue.clear()
+            rep = self._report(rep["flushed"])
+        return rep

@@ -1,0 +1,229 @@
+"""Converting mlx-lm prompt caches to and from the prefix cache's pieces.
+
+Two shapes of state exist:
+
+* **Token-indexed layers** (``KVCache``, ``QuantizedKVCache``): every array has the token
+  axis at position 2 (``[B, H, T, X]``), so any token range can be cut out, shared between
+  conversations and trimmed. A prompt cache made only of these is a *block cache*.
+* **Everything else** (``RotatingKVCache`` rings, ``ArraysCache`` SSM / linear-attention
+  state, hybrids): the state is only meaningful at the exact position it was taken, so it is
+  kept as a whole *checkpoint* and restored only there.
+
+Lending never copies: a restored cache gets new ``mx.array`` objects that share their
+buffers with the stored state. MLX arrays are values, and a slice assignment into a shared
+buffer cannot donate it, so the first write made by the borrower copies (copy-on-write);
+the stored state never changes.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
+
+# mlx-lm grows KV buffers in steps of this many tokens; lent caches get headroom in the same
+# unit so the first prefill writes in place instead of reallocating.
+KV_STEP = 256
+
+BLOCK_TYPES = (KVCache, QuantizedKVCache)
+CHECKPOINT_TYPES = (KVCache, QuantizedKVCache, RotatingKVCache, ArraysCache)
+
+
+class UnsupportedCache(TypeError):
+    """A prompt cache with a layer type the prefix cache does not know how to keep."""
+
+
+def is_block_cache(cache: list) -> bool:
+    """True when every layer is token-indexed (cut, shared and trimmed at any token)."""
+    return bool(cache) and all(type(c) in BLOCK_TYPES for c in cache)
+
+
+def check_supported(cache: list) -> None:
+    for i, c in enumerate(cache):
+        if type(c) not in CHECKPOINT_TYPES:
+            raise UnsupportedCache(f"layer {i}: cache type {type(c).__name__} is not supported")
+
+
+def cache_tokens(cache: list) -> int | None:
+    """Tokens the cache holds, from its first offset-carrying layer (None: no such layer)."""
+    for c in cache:
+        if isinstance(c, (KVCache, QuantizedKVCache, RotatingKVCache)):
+            return int(c.offset)
+    return None
+
+
+def fresh(a: mx.array) -> mx.array:
+    """A new array object sharing ``a``'s buffer (no copy)."""
+    return copy.copy(a)
+
+
+def _map_arrays(obj: Any, fn) -> Any:
+    if isinstance(obj, mx.array):
+        return fn(obj)
+    if isinstance(obj, tuple):
+        return tuple(_map_arrays(o, fn) for o in obj)
+    if isinstance(obj, list):
+        return [_map_arrays(o, fn) for o in obj]
+    return obj
+
+
+def _collect_arrays(obj: Any, out: list) -> list:
+    if isinstance(obj, mx.array):
+        out.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            _collect_arrays(o, out)
+    return out
+
+
+# ----------------------------------------------------------------------------- block layers
+@dataclass(frozen=True)
+class LayerSpec:
+    """What a token-indexed layer is, apart from its arrays."""
+
+    kind: str  # "kv" or "qkv"
+    group_size: int = 0
+    bits: int = 0
+
+    @property
+    def n_arrays(self) -> int:
+        return 2 if self.kind == "kv" else 6
+
+
+def layer_spec(c: Any) -> LayerSpec:
+    if type(c) is KVCache:
+        return LayerSpec("kv")
+    if type(c) is QuantizedKVCache:
+        return LayerSpec("qkv", int(c.group_size), int(c.bits))
+    raise UnsupportedCache(f"{type(c).__name__} is not a token-indexed cache")
+
+
+def layer_arrays(c: Any) -> list[mx.array]:
+    """The token-axis-2 arrays of a block layer: [K, V] or [Kq, Ks, Kb, Vq, Vs, Vb]."""
+    if c.keys is None:
+        return []
+    if type(c) is KVCache:
+        return [c.keys, c.values]
+    return [*c.keys, *c.values]
+
+
+def make_layer(spec: LayerSpec, arrays: list[mx.array], offset: int) -> Any:
+    """A new mlx-lm layer cache holding ``arrays`` (token axis 2) with ``offset`` tokens."""
+    if spec.kind == "kv":
+        c = KVCache()
+        if arrays:
+            c.keys, c.values = arrays
+    else:
+        c = QuantizedKVCache(group_size=spec.group_size, bits=spec.bits)
+        if arrays:
+            c.keys, c.values = tuple(arrays[:3]), tuple(arrays[3:])
+    c.offset = int(offset)
+    return c
+
+
+def round_up(n: int, step: int = KV_STEP) -> int:
+    return (n + step - 1) // step * step
+
+
+def assemble(pieces: list[tuple[list[list[mx.array]], int, int]], total_hint: int) -> list:
+    """Per-layer arrays for consecutive token ranges taken from several slabs.
+
+    ``pieces``: ``(slab_arrays, row0, ntokens)`` in token order. One piece gives views
+    (no copy); several are concatenated once, with headroom up to ``total_hint`` tokens so
+    the borrower's prefill writes in place instead of copying again.
+    """
+    n_layers = len(pieces[0][0])
+    out: list[list[mx.array]] = []
+    if len(pieces) == 1:
+        arrays, row0, n = pieces[0]
+        for layer in arrays:
+            out.append([a[:, :, row0 : row0 + n] for a in layer])
+        return out
+    total = sum(p[2] for p in pieces)
+    cap = max(round_up(total_hint), round_up(total))
+    for li in range(n_layers):
+        layer_out = []
+        for ai in range(len(pieces[0][0][li])):
+            parts = [arrays[li][ai][:, :, row0 : row0 + n] for arrays, row0, n in pieces]
+            ref = parts[0]
+            if cap > total:
+                parts.append(mx.zeros((*ref.shape[:2], cap - total, *ref.shape[3:]), ref.dtype))
+            layer_out.append(mx.concatenate(parts, axis=2))
+        out.append(layer_out)
+    return out
+
+
+def compact(arrays: list[list[mx.array]], row0: int, row1: int) -> list[list[mx.array]]:
+    """A copy of rows [row0, row1) of every array, owning its own (exactly sized) buffers."""
+    return [[mx.contiguous(a[:, :, row0:row1]) for a in layer] for layer in arrays]
+
+
+def arrays_nbytes(arrays: Any) -> int:
+    return sum(a.nbytes for a in _collect_arrays(arrays, []))
+
+
+# ----------------------------------------------------------------------------- checkpoints
+@dataclass
+class Checkpoint:
+    """The whole state of a prompt cache at one position (any layer types)."""
+
+    layers: list[tuple[type, Any]]  # (cache class, state with arrays as shared views)
+    nbytes: int
+
+    def arrays(self) -> list[mx.array]:
+        return _collect_arrays([s for _, s in self.layers], [])
+
+
+def take_checkpoint(cache: list) -> Checkpoint:
+    """Capture ``cache`` without copying: new array objects over the same buffers."""
+    check_supported(cache)
+    layers = []
+    for c in cache:
+        layers.append((type(c), _map_arrays(c.state, fresh)))
+    cp = Checkpoint(layers, 0)
+    arrs = cp.arrays()
+    mx.eval(arrs)
+    cp.nbytes = sum(a.nbytes for a in arrs)
+    return cp
+
+
+def lend_checkpoint(cp: Checkpoint) -> list:
+    """A new prompt cache in the checkpoint's state, sharing its buffers (copy-on-write)."""
+    out = []
+    for cls, state in cp.layers:
+        out.append(cls.from_state(_map_arrays(state, fresh)))
+    return out
+
+
+# ----------------------------------------------------------------------------- buffers
+def writable_array(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
+    """An evaluated array backed by its own writable, C-contiguous buffer.
+
+    Restores write into it through the buffer protocol (on the reader thread) with no second
+    copy. ``mx.zeros`` could in principle be a broadcast of one element; that is checked,
+    never assumed.
+    """
+    a = mx.zeros(shape, dtype)
+    mx.eval(a)
+    mv = memoryview(a)
+    n = 1
+    for s in shape:
+        n *= s
+    if mv.readonly or not mv.c_contiguous or mv.nbytes != n * a.itemsize:
+        a = mx.contiguous(mx.broadcast_to(mx.array(0, dtype), shape) + 0)
+        mx.eval(a)
+        mv = memoryview(a)
+        if mv.readonly or not mv.c_contiguous or mv.nbytes != n * a.itemsize:
+            raise RuntimeError(f"cannot allocate a writable {dtype} buffer of shape {shape}")
+    return a
+
+
+def byte_view(a: mx.array) -> memoryview:
+    """A flat byte view of an evaluated, C-contiguous array (no copy)."""
+    mv = memoryview(a)
+    if not mv.c_contiguous:
+        raise ValueError("array is not C-contiguous")
+    return mv.cast("B")

@@ -1,0 +1,423 @@
+"""The RAM tier of the prefix cache: a byte-capped LRU of conversation states.
+
+Block caches (only ``KVCache`` / ``QuantizedKVCache`` layers) are indexed by hash-chained
+token blocks, so conversations that share a prefix share its arrays: a stored entry keeps
+the engine's own buffers when nothing of it is cached yet (no copy) and copies only its new
+rows when a prefix is already held. Any cached prefix can be lent, trimmed to the longest
+common prefix, down to a single token.
+
+Other caches (rotating windows, SSM state) are kept as whole checkpoints at the exact
+positions they were stored, and are lent only there.
+
+Everything here runs on the engine thread; nothing blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import mlx.core as mx
+import numpy as np
+import xxhash
+
+from engine import kvblocks as kb
+
+KEY_BYTES = 16
+ROOT = bytes(KEY_BYTES)
+
+
+def ns_id(ns: str) -> bytes:
+    """The namespace's id; also the parent key of its first block, so that no index keyed
+    by parent (partial-block matches, checkpoints) is shared between namespaces."""
+    return xxhash.xxh3_128_digest(ns.encode())
+
+
+def chain_key(parent: bytes, nsid: bytes, toks: np.ndarray) -> bytes:
+    """128-bit key of a token run: (parent key, namespace, token ids)."""
+    return xxhash.xxh3_128_digest(parent + nsid + toks.tobytes())
+
+
+def chain_keys(ns: str, tokens: np.ndarray, block_tokens: int) -> list[bytes]:
+    """Keys of every full block of ``tokens``, each chained to the one before."""
+    nsid = ns_id(ns)
+    keys, parent = [], nsid
+    for i in range(len(tokens) // block_tokens):
+        parent = chain_key(parent, nsid, tokens[i * block_tokens : (i + 1) * block_tokens])
+        keys.append(parent)
+    return keys
+
+
+def as_tokens(tokens: Any) -> np.ndarray:
+    """Token ids as a uint32 array; ValueError naming the problem otherwise."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens must be a flat sequence of ids, got shape {arr.shape}")
+    if arr.size and (arr.dtype.kind not in "iu"):
+        raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
+    if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+        raise ValueError("token ids must be in [0, 2**32)")
+    return arr.astype(np.uint32)
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+@dataclass(eq=False)
+class Slab:
+    """Arrays holding the rows of tokens [t0, t0 + ntokens) of one stored cache."""
+
+    arrays: list[list[mx.array]]  # per layer, token axis 2; row 0 is token t0
+    specs: tuple  # kvblocks.LayerSpec per layer
+    t0: int
+    ntokens: int
+    nbytes: int
+    refs: int = 0
+
+
+@dataclass(eq=False)
+class Run:
+    """A full block or a tail: tokens [t0, t0 + len(tokens)) chained under ``parent``."""
+
+    key: bytes
+    parent: bytes
+    tokens: np.ndarray
+    t0: int
+    slab: Slab
+    row0: int
+    owner: "Entry | None" = None  # the entry that stored it (for LRU touches)
+    refs: int = 0
+
+
+@dataclass(eq=False)
+class Entry:
+    """One stored conversation state: its exact tokens and where they live."""
+
+    ns: str
+    tokens: np.ndarray
+    specs: tuple  # LayerSpec per layer (block caches) or () for checkpoints
+    runs: list[Run] = field(default_factory=list)
+    checkpoint: kb.Checkpoint | None = None
+    parent: bytes = ROOT  # chain key of the last full block (checkpoint index)
+    session: str | None = None
+    nbytes: int = 0  # checkpoint bytes (block entries account through slabs)
+    logical: int = 0  # bytes this entry would take alone (for the dedup ratio)
+    created: float = field(default_factory=time.time)
+
+    @property
+    def key(self) -> tuple[str, bytes]:
+        return (self.ns, self.tokens.tobytes())
+
+
+@dataclass
+class Match:
+    """A RAM hit of ``n`` tokens; ``lend()`` builds the borrower's cache (only if used)."""
+
+    n: int
+    lend: Callable[[], list | None] = lambda: None
+    entry: Entry | None = None
+
+
+class RamTier:
+    """Byte-capped LRU of entries with a shared block index (see module docstring)."""
+
+    def __init__(self, max_bytes: int, block_tokens: int,
+                 on_evict: Callable[[Entry, bool, Entry | None], None] | None = None) -> None:
+        if block_tokens <= 0:
+            raise ValueError(f"block_tokens must be > 0, got {block_tokens}")
+        self.max_bytes = int(max_bytes)
+        self.bt = int(block_tokens)
+        self.on_evict = on_evict
+        self.entries: OrderedDict[tuple[str, bytes], Entry] = OrderedDict()
+        self.runs: dict[bytes, Run] = {}
+        # parent key -> first token -> runs (full blocks and tails) under it
+        self.children: dict[bytes, dict[int, list[Run]]] = {}
+        self.checkpoints: dict[bytes, list[Entry]] = {}  # parent key -> checkpoint entries
+        self.pinned: dict[str, Entry] = {}  # session id -> its latest entry
+        self.slab_bytes = 0
+        self.checkpoint_bytes = 0
+        self.logical_bytes = 0  # bytes the entries would take without sharing
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def nbytes(self) -> int:
+        return self.slab_bytes + self.checkpoint_bytes
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def _ref_run(self, run: Run) -> None:
+        run.refs += 1
+        if run.refs == 1:
+            run.slab.refs += 1
+            if run.slab.refs == 1:
+                self.slab_bytes += run.slab.nbytes
+
+    def _unref_run(self, run: Run) -> None:
+        run.refs -= 1
+        if run.refs > 0:
+            return
+        if self.runs.get(run.key) is run:
+            del self.runs[run.key]
+        kids = self.children.get(run.parent)
+        if kids is not None:
+            lst = kids.get(int(run.tokens[0]), [])
+            if run in lst:
+                lst.remove(run)
+                if not lst:
+                    del kids[int(run.tokens[0])]
+            if not kids:
+                del self.children[run.parent]
+        run.slab.refs -= 1
+        if run.slab.refs == 0:
+            self.slab_bytes -= run.slab.nbytes
+            run.slab.arrays = []  # drop the buffers now
+
+    def _add_run(self, run: Run) -> Run:
+        """Index ``run`` (or return the equal one already indexed)."""
+        have = self.runs.get(run.key)
+        if have is not None:
+            return have
+        self.runs[run.key] = run
+        self.children.setdefault(run.parent, {}).setdefault(int(run.tokens[0]), []).append(run)
+        return run
+
+    # ------------------------------------------------------------------ store
+    def store(self, ns: str, tokens: np.ndarray, cache: list, session: str | None = None
+              ) -> Entry | None:
+        """Keep ``cache`` (holding exactly ``tokens``) and return its entry (None if empty)."""
+        n = len(tokens)
+        if n == 0:
+            return None
+        key = (ns, tokens.tobytes())
+        have = self.entries.get(key)
+        if have is not None:
+            self.entries.move_to_end(key)
+            self._set_session(have, session)
+            return have
+        if kb.is_block_cache(cache):
+            entry = self._store_blocks(ns, tokens, cache)
+        else:
+            entry = self._store_checkpoint(ns, tokens, cache)
+        self.entries[key] = entry
+        self._set_session(entry, session)
+        for other in self._prefixes_of(entry):
+            self._drop(other, evicted=False, superseded_by=entry)
+        self.evict()
+        return entry if key in self.entries else None
+
+    def _store_blocks(self, ns: str, tokens: np.ndarray, cache: list) -> Entry:
+        n, bt = len(tokens), self.bt
+        specs = tuple(kb.layer_spec(c) for c in cache)
+        arrays = [kb.layer_arrays(c) for c in cache]
+        for i, c in enumerate(cache):
+            if int(c.offset) != n:
+                raise ValueError(f"layer {i} holds {c.offset} tokens but {n} tokens were given")
+        keys = chain_keys(ns, tokens, bt)
+        nsid = ns_id(ns)
+        k = 0
+        while k < len(keys) and keys[k] in self.runs:
+            k += 1
+        start = k * bt
+        entry = Entry(ns, tokens, specs)
+        runs = [self.runs[keys[i]] for i in range(k)]
+        if start < n:
+            if start == 0 or start * 2 < n:
+                # Most of it is new: keep the engine's buffers as they are (no copy).
+                slab_arrays = [[kb.fresh(a) for a in layer] for layer in arrays]
+                row_base, slab_t0 = 0, 0
+            else:
+                # Most of it is shared: copy only the new rows so the rest can be freed.
+                slab_arrays = kb.compact(arrays, start, n)
+                row_base, slab_t0 = start, start
+            mx.eval([a for layer in slab_arrays for a in layer])
+            slab = Slab(slab_arrays, specs, slab_t0, n - slab_t0, kb.arrays_nbytes(slab_arrays))
+            parent = keys[k - 1] if k else nsid
+            for i in range(k, n // bt + (1 if n % bt else 0)):
+                t0, t1 = i * bt, min((i + 1) * bt, n)
+                rk = keys[i] if t1 - t0 == bt else chain_key(parent, nsid, tokens[t0:t1])
+                run = self._add_run(Run(rk, parent, tokens[t0:t1], t0, slab, t0 - row_base, entry))
+                runs.append(run)
+                parent = rk
+        for r in runs:
+            self._ref_run(r)
+        entry.runs = runs
+        entry.logical = self._bytes_per_token(arrays) * n
+        self.logical_bytes += entry.logical
+        return entry
+
+    @staticmethod
+    def _bytes_per_token(arrays: list[list[mx.array]]) -> int:
+        return sum(a.nbytes // max(1, a.shape[2]) for layer in arrays for a in layer)
+
+    def _prefixes_of(self, entry: Entry) -> list[Entry]:
+        """Unpinned block entries whose tokens ``entry`` extends (reachable through it)."""
+        out = []
+        n = len(entry.tokens)
+        for e in self.entries.values():
+            if (e is not entry and e.ns == entry.ns and e.checkpoint is None
+                    and entry.checkpoint is None and len(e.tokens) < n
+                    and not self._is_pinned(e)
+                    and np.array_equal(e.tokens, entry.tokens[: len(e.tokens)])):
+                out.append(e)
+        return out
+
+    def _is_pinned(self, e: Entry) -> bool:
+        return e.session is not None and self.pinned.get(e.session) is e
+
+    def _store_checkpoint(self, ns: str, tokens: np.ndarray, cache: list) -> Entry:
+        n = kb.cache_tokens(cache)
+        if n is not None and n != len(tokens):
+            raise ValueError(f"cache holds {n} tokens but {len(tokens)} tokens were given")
+        cp = kb.take_checkpoint(cache)
+        keys = chain_keys(ns, tokens, self.bt)
+        parent = keys[-1] if keys else ns_id(ns)
+        entry = Entry(ns, tokens, (), checkpoint=cp, parent=parent, nbytes=cp.nbytes,
+                      logical=cp.nbytes)
+        self.checkpoints.setdefault(parent, []).append(entry)
+        self.checkpoint_bytes += cp.nbytes
+        self.logical_bytes += cp.nbytes
+        return entry
+
+    # ------------------------------------------------------------------ lookup
+    def lookup(self, ns: str, tokens: np.ndarray, session: str | None = None,
+               block_mode: bool | None = None) -> Match:
+        """Longest usable prefix (at most len(tokens) - 1), lent as a new cache."""
+        limit = len(tokens) - 1
+        if limit <= 0 or not self.entries:
+            return Match(0)
+        keys = chain_keys(ns, tokens, self.bt)
+        best = self._lookup_blocks(ns, tokens, keys, limit, session)
+        cp = self._lookup_checkpoint(ns, tokens, keys, limit)
+        if cp is not None and cp.n > best.n:
+            best = cp
+        if best.entry is not None:
+            self.entries.move_to_end(best.entry.key)
+        return best
+
+    def _lookup_blocks(self, ns: str, tokens: np.ndarray, keys: list[bytes], limit: int,
+                       session: str | None) -> Match:
+        bt = self.bt
+        m = 0
+        while m < len(keys) and keys[m] in self.runs:
+            m += 1
+        pieces: list[Run] = [self.runs[keys[i]] for i in range(m)]
+        n = m * bt
+        parent = keys[m - 1] if m else ns_id(ns)
+        if m * bt < len(tokens):
+            cands = self.children.get(parent, {}).get(int(tokens[m * bt]), [])
+            best_c, best_run = 0, None
+            prev_slab = pieces[-1].slab if pieces else None
+            for run in cands:
+                c = common_prefix(run.tokens, tokens[m * bt :])
+                # Ties go to the run in the same slab as the prefix (a view, no copy).
+                if c > best_c or (c == best_c and best_run is not None
+                                  and run.slab is prev_slab and best_run.slab is not prev_slab):
+                    best_c, best_run = c, run
+            if best_run is not None:
+                pieces.append(best_run)
+                n += best_c
+        n = min(n, limit)
+        if n <= 0:
+            return Match(0)
+        owner = pieces[-1].owner
+        if owner is not None and self.entries.get(owner.key) is not owner:
+            owner = None
+        pinned = self.pinned.get(session) if session else None
+        if pinned is not None and pinned.ns == ns and pinned.checkpoint is None:
+            if common_prefix(pinned.tokens, tokens) >= n:
+                pieces, owner = list(pinned.runs), pinned
+        total = len(tokens)
+        return Match(n, lambda: self._lend_runs(pieces, n, total), owner)
+
+    def _lend_runs(self, runs: list[Run], n: int, total_hint: int) -> list:
+        spans: list[tuple[list[list[mx.array]], int, int]] = []
+        specs = runs[0].slab.specs
+        left = n
+        for run in runs:
+            if left <= 0:
+                break
+            take = min(len(run.tokens), left)
+            if spans and spans[-1][0] is run.slab.arrays and spans[-1][1] + spans[-1][2] == run.row0:
+                arrays, r0, cnt = spans[-1]
+                spans[-1] = (arrays, r0, cnt + take)
+            else:
+                spans.append((run.slab.arrays, run.row0, take))
+            left -= take
+        arrays = kb.assemble(spans, total_hint)
+        cache = [kb.make_layer(spec, layer, n) for spec, layer in zip(specs, arrays)]
+        return cache
+
+    def _lookup_checkpoint(self, ns: str, tokens: np.ndarray, keys: list[bytes], limit: int
+                           ) -> Match | None:
+        if not self.checkpoints:
+            return None
+        bt, root = self.bt, ns_id(ns)
+        for d in range(min(len(keys), limit // bt), -1, -1):
+            parent = keys[d - 1] if d else root
+            best = None
+            for e in self.checkpoints.get(parent, ()):
+                L = len(e.tokens)
+                if L <= limit and (best is None or L > len(best.tokens)) and \
+                        np.array_equal(e.tokens[d * bt :], tokens[d * bt : L]):
+                    best = e
+            if best is not None:
+                cp = best.checkpoint
+                return Match(len(best.tokens), lambda: kb.lend_checkpoint(cp), best)
+        return None
+
+    # ------------------------------------------------------------------ eviction
+    def evict(self) -> None:
+        """Drop least recently used entries until under the byte cap (pinned ones last)."""
+        while self.nbytes > self.max_bytes and self.entries:
+            victim = None
+            for e in self.entries.values():
+                if e.session is None or self.pinned.get(e.session) is not e:
+                    victim = e
+                    break
+            if victim is None:
+                victim = next(iter(self.entries.values()))
+            self._drop(victim, evicted=True)
+
+    def _drop(self, entry: Entry, evicted: bool, superseded_by: Entry | None = None) -> None:
+        if self.on_evict is not None:
+            # persist-before-demote: the callback makes sure the state is (being) written
+            self.on_evict(entry, evicted, superseded_by)
+        self.entries.pop(entry.key, None)
+        if entry.session is not None and self.pinned.get(entry.session) is entry:
+            del self.pinned[entry.session]
+        for r in entry.runs:
+            self._unref_run(r)
+        if entry.checkpoint is not None:
+            lst = self.checkpoints.get(entry.parent, [])
+            if entry in lst:
+                lst.remove(entry)
+                if not lst:
+                    del self.checkpoints[entry.parent]
+            self.checkpoint_bytes -= entry.nbytes
+        self.logical_bytes -= entry.logical
+        entry.runs = []
+        entry.checkpoint = None
+
+    def clear(self) -> None:
+        for e in list(self.entries.values()):
+            self._drop(e, evicted=False)
+
+    # ------------------------------------------------------------------ sessions
+    def _set_session(self, entry: Entry, session: str | None) -> None:
+        if session is None:
+            return
+        entry.session = session
+        self.pinned[session] = entry
+
+    def release_session(self, session: str) -> None:
+        e = self.pinned.pop(session, None)
+        if e is not None:
+            e.session = None

@@ -1,0 +1,374 @@
+"""Prefix cache: reuse from RAM, SSD and after a restart gives exactly the cold-run output;
+namespaces never mix; corrupt blocks fall back to recompute; flush tells the truth;
+lending is copy-on-write; non-trimmable caches are restored only at exact checkpoints."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from engine.modelgen import init_model
+from engine.prefix_cache import NullPrefixCache, PrefixCache, store_namespace
+
+BT = 16  # small blocks so short prompts span several
+
+
+# ----------------------------------------------------------------------------- helpers
+@pytest.fixture(scope="module")
+def llama(tiny_llama):
+    from mlx_lm import load
+
+    model, _ = load(str(tiny_llama))
+    return model
+
+
+@pytest.fixture(scope="module")
+def qwen3(tiny_qwen3):
+    from mlx_lm import load
+
+    model, _ = load(str(tiny_qwen3))
+    return model
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+def run(model, tokens, n_new=6, cache=None, n_cached=0):
+    """Greedy generation; returns (new tokens, logits of the last prompt position, cache).
+    The cache afterwards holds ``tokens + new`` (every generated token was fed back)."""
+    if cache is None:
+        assert n_cached == 0
+        cache = make_prompt_cache(model)
+    logits = model(mx.array(tokens[n_cached:])[None], cache=cache)[0, -1]
+    first = logits
+    out = []
+    for _ in range(n_new):
+        t = int(mx.argmax(logits).item())
+        out.append(t)
+        logits = model(mx.array([[t]]), cache=cache)[0, -1]
+    mx.eval(first)
+    return out, np.array(first), cache
+
+
+def assert_same(model, tokens, n, cache, n_new=6):
+    """Continuing from the cached prefix equals the cold run: tokens and logits."""
+    cold, cold_logits, _ = run(model, tokens, n_new)
+    warm, warm_logits, cache = run(model, tokens, n_new, cache, n)
+    assert warm == cold
+    np.testing.assert_allclose(warm_logits, cold_logits, rtol=1e-4, atol=1e-4)
+    return warm, cache
+
+
+def pc_at(path: Path | None, **kw) -> PrefixCache:
+    kw.setdefault("ram_bytes", 1 << 30)
+    kw.setdefault("block_tokens", BT)
+    return PrefixCache(cache_dir=None if path is None else str(path), **kw)
+
+
+# ----------------------------------------------------------------------------- RAM tier
+@pytest.mark.parametrize("which", ["llama", "qwen3"])
+def test_ram_hit_is_token_identical(which, request):
+    model = request.getfixturevalue(which)
+    pc = pc_at(None)
+    ns = "ns-a"
+    t1 = prompt(70, 1)
+    assert pc.lookup(t1, ns) == (0, None)
+    out, _, cache = run(model, t1)
+    pc.store(t1 + out, cache, ns)
+    # next turn continues exactly where the last one ended: only the new tokens are computed
+    t2 = t1 + out + prompt(9, 2)
+    n, c = pc.lookup(t2, ns)
+    assert n == len(t1) + len(out)
+    assert all(type(x) is KVCache and x.offset == n for x in c)
+    assert_same(model, t2, n, c)
+    # a prompt that diverges inside a block reuses the common prefix (trimmed)
+    t3 = t1[:37] + prompt(20, 3)
+    n3, c3 = pc.lookup(t3, ns)
+    assert n3 == 37 + (1 if t3[37] == t1[37] else 0) or n3 >= 37
+    assert_same(model, t3, n3, c3)
+    s = pc.stats()
+    assert s["ram_hits"] == 2 and s["misses"] == 1 and s["cached_tokens"] == n + n3
+    pc.close()
+
+
+def test_always_leaves_one_token_to_compute(llama):
+    pc = pc_at(None)
+    t = prompt(40, 4)
+    _, _, cache = run(llama, t, n_new=0)
+    pc.store(t, cache, "ns")
+    n, c = pc.lookup(t, "ns")  # the exact stored sequence: all but the last token
+    assert n == len(t) - 1 and c[0].offset == n
+    assert_same(llama, t, n, c)
+    assert pc.lookup(t[:1], "ns") == (0, None)
+    pc.close()
+
+
+def test_lending_is_copy_on_write(llama):
+    pc = pc_at(None)
+    t = prompt(50, 5)
+    _, _, cache = run(llama, t, n_new=0)
+    pc.store(t, cache, "ns")
+    entry = next(iter(pc.ram.entries.values()))
+    slab = entry.runs[0].slab
+    before = [np.array(a) for layer in slab.arrays for a in layer]
+    n, lent = pc.lookup(t + [7, 8, 9], "ns")
+    # the borrower writes into its cache (prefill, decode, and a direct slice assignment)
+    run(llama, t + [7, 8, 9], 4, lent, n)
+    lent[0].keys[..., :5, :] = mx.ones_like(lent[0].keys[..., :5, :])
+    mx.eval(lent[0].keys)
+    after = [np.array(a) for layer in slab.arrays for a in layer]
+    for b, a in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+    # and a second borrower still gets the exact state
+    n2, lent2 = pc.lookup(t + [7, 8, 9], "ns")
+    assert_same(llama, t + [7, 8, 9], n2, lent2)
+    pc.close()
+
+
+def test_shared_prefix_is_stored_once(llama):
+    pc = pc_at(None)
+    system = prompt(8 * BT, 6)
+    _, _, c0 = run(llama, system, n_new=0)
+    pc.store(system, c0, "ns")
+    one_copy = pc.ram.nbytes
+    per_token = sum(a.nbytes // a.shape[2] for x in c0 for a in (x.keys, x.values))
+    unique = 0
+    for i in range(8):
+        t = system + prompt(5 + i, 100 + i)
+        n, c = pc.lookup(t, "ns")
+        assert n == len(system)
+        _, _, c = run(llama, t, n_new=0, cache=c, n_cached=n)
+        pc.store(t, c, "ns")
+        unique += per_token * (len(t) - len(system))
+    s = pc.stats()
+    assert s["ram_entries"] == 8  # the system prompt's own entry is reachable through them
+    assert pc.ram.nbytes <= 1.2 * (one_copy + unique)
+    assert s["dedup_ratio"] > 3
+    for i in range(8):  # every conversation still comes back exactly
+        t = system + prompt(5 + i, 100 + i) + [1, 2]
+        n, c = pc.lookup(t, "ns")
+        assert n == len(t) - 2
+    assert_same(llama, t, n, c)
+    pc.close()
+
+
+def test_namespaces_never_mix(llama, tmp_path):
+    pc = pc_at(tmp_path)
+    t = prompt(60, 7)
+    _, _, cache = run(llama, t, n_new=0)
+    pc.store(t, cache, "model-a-float32")
+    assert pc.lookup(t + [1], "model-b-float32") == (0, None)
+    assert pc.lookup(t + [1], "model-a-float32")[0] == len(t)
+    pc.flush(30)
+    pc.close()
+    pc2 = pc_at(tmp_path)
+    assert pc2.lookup(t + [1], "model-b-float32") == (0, None)
+    assert pc2.stats()["ssd_hits"] == 0
+    assert pc2.lookup(t + [1], "model-a-float32")[0] == len(t)
+    assert pc2.stats()["ssd_hits"] == 1
+    pc2.close()
+
+
+def test_lru_evicts_by_bytes_and_sessions_stay_warm(llama):
+    t_a, t_b, t_c = prompt(40, 8), prompt(40, 9), prompt(40, 10)
+    _, _, ca = run(llama, t_a, n_new=0)
+    pc = pc_at(None, ram_bytes=1 << 30)
+    pc.store(t_a, ca, "ns")
+    one = pc.ram.nbytes
+    pc.close()
+    pc = pc_at(None, ram_bytes=int(2.5 * one))
+    pc.open_session("chat-1")
+    _, _, ca = run(llama, t_a, n_new=0)
+    pc.store(t_a, ca, "ns", session="chat-1")
+    for t in (t_b, t_c, prompt(40, 11)):
+        _, _, c = run(llama, t, n_new=0)
+        pc.store(t, c, "ns")
+        assert pc.ram.nbytes <= pc.ram.max_bytes
+    # the session's entry stayed while the oldest anonymous ones were evicted
+    assert pc.lookup(t_a + [3], "ns", session="chat-1")[0] == len(t_a)
+    assert pc.lookup(t_b + [3], "ns")[0] == 0
+    pc.close_session("chat-1")
+    for seed in (12, 13, 14):
+        _, _, c = run(llama, prompt(40, seed), n_new=0)
+        pc.store(prompt(40, seed), c, "ns")
+    assert pc.lookup(t_a + [3], "ns")[0] == 0
+    pc.close()
+
+
+# ----------------------------------------------------------------------------- SSD tier
+def test_ssd_restore_after_restart_is_token_identical(qwen3, tmp_path):
+    pc = pc_at(tmp_path)
+    ns = "qwen3-test-float32"
+    t1 = prompt(75, 20)
+    out, _, cache = run(qwen3, t1)
+    pc.store(t1 + out, cache, ns)
+    rep = pc.close(30)
+    assert rep["durable"] == 1 and rep["pending"] == 0 and rep["failed"] == 0
+    pc2 = pc_at(tmp_path)  # a new process: empty RAM, same folder
+    t2 = t1 + out + prompt(7, 21)
+    n, c = pc2.lookup(t2, ns)
+    assert n == len(t1) + len(out)
+    assert pc2.stats()["last"]["tier"] == "ssd"
+    warm, c = assert_same(qwen3, t2, n, c)
+    # the restored + extended state goes back to RAM: the next turn is a RAM hit
+    pc2.store(t2 + warm, c, ns)
+    t3 = t2 + warm + [5, 6]
+    n3, c3 = pc2.lookup(t3, ns)
+    assert n3 == len(t2) + len(warm) and pc2.stats()["last"]["tier"] == "ram"
+    assert_same(qwen3, t3, n3, c3)
+    pc2.close()
+
+
+def test_ssd_used_when_ram_evicted(llama, tmp_path):
+    t = prompt(64, 22)
+    _, _, c = run(llama, t, n_new=0)
+    pc = pc_at(tmp_path, ram_bytes=1)  # nothing stays in RAM
+    pc.store(t, c, "ns")
+    assert pc.stats()["ram_entries"] == 0
+    pc.flush(30)
+    n, c2 = pc.lookup(t + [9, 9], "ns")
+    assert n == len(t) and pc.stats()["last"]["tier"] == "ssd"
+    assert_same(llama, t + [9, 9], n, c2)
+    pc.close()
+
+
+def test_corrupt_block_falls_back_to_recompute(llama, tmp_path):
+    pc = pc_at(tmp_path)
+    t = prompt(5 * BT + 3, 23)
+    _, _, c = run(llama, t, n_new=0)
+    pc.store(t, c, "ns")
+    pc.close(30)
+    # flip one payload byte in the third block
+    key = pc.disk.chain_keys("ns", np.array(t))[2].hex()
+    path = tmp_path / "ns" / key[:2] / f"{key}.blk"  # the store's documented file layout
+    data = bytearray(path.read_bytes())
+    data[4096 + 10] ^= 0x5A  # the payload starts on the first page boundary after the header
+    path.write_bytes(bytes(data))
+    pc2 = pc_at(tmp_path)
+    t2 = t + [4, 4, 4]
+    n, c2 = pc2.lookup(t2, "ns")
+    assert n == 2 * BT  # only the verified blocks before the corrupt one
+    assert pc2.stats()["ssd_corrupt"] == 1
+    assert_same(llama, t2, n, c2)
+    assert not path.exists()  # the corrupt block was removed
+    n_again, _ = pc2.lookup(t2, "ns")
+    assert n_again == 2 * BT
+    pc2.close()
+
+
+def test_flush_reports_only_what_is_on_disk(llama, tmp_path):
+    pc = pc_at(tmp_path, debounce_s=3600)  # nothing is written until flushed
+    t = prompt(40, 24)
+    _, _, c = run(llama, t, n_new=0)
+    pc.store(t, c, "ns")
+    assert pc.durability.report() == {"durable": 0, "flushed": 0, "pending": 1, "failed": 0,
+                                      "missing": 0}
+    assert pc.disk.stats()["blocks"] == 0
+    rep = pc.flush(30)
+    assert rep == {"durable": 1, "flushed": 1, "pending": 0, "failed": 0, "missing": 0}
+    assert pc.disk.stats()["blocks"] == len(t) // BT
+    for e in os.scandir(tmp_path / "ns"):
+        assert not e.name.endswith(".tmp")
+    pc.close()
+
+
+def test_failed_writes_are_never_called_durable(llama, tmp_path):
+    pc = pc_at(tmp_path, retries=1, ram_bytes=1 << 30)
+    # make the namespace folder impossible to create (even for root): a file in its place
+    (tmp_path / store_namespace("ns")).write_bytes(b"not a folder")
+    t = prompt(40, 25)
+    _, _, c = run(llama, t, n_new=0)
+    pc.store(t, c, "ns")
+    rep = pc.flush(30)
+    assert rep["durable"] == 0 and rep["failed"] == 1 and rep["pending"] == 0
+    assert pc.durability.counts["retried"] == 1
+    assert pc.lookup(t + [1], "ns")[0] == len(t)  # RAM still serves it
+    pc.ram.max_bytes = 0
+    pc.ram.evict()  # leaving RAM now loses it for good: reported missing, not durable
+    rep = pc.flush(30)
+    assert rep["durable"] == 0 and rep["failed"] == 0 and rep["missing"] == 1
+    pc.close()
+
+
+def test_writes_are_coalesced(llama, tmp_path):
+    pc = pc_at(tmp_path, debounce_s=3600)
+    t = prompt(30, 26)
+    out, _, c = run(llama, t, n_new=4)
+    pc.store(t + out, c, "ns")
+    t2 = t + out + [8, 9]
+    n, c2 = pc.lookup(t2, "ns")
+    out2, _, c2 = run(llama, t2, 4, c2, n)
+    pc.store(t2 + out2, c2, "ns")
+    rep = pc.flush(30)
+    # the first state was superseded by the second, which covers all its blocks
+    assert rep["flushed"] == 1 and rep["durable"] == 2 and pc.durability.counts["superseded"] == 1
+    pc.close()
+
+
+# ----------------------------------------------------------------------------- checkpoints
+GEMMA3 = {"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 2,
+          "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "head_dim": 16, "query_pre_attn_scalar": 16, "vocab_size": 512, "sliding_window": 16,
+          "sliding_window_pattern": 2, "max_position_embeddings": 4096}
+QWEN3_NEXT = {"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 2,
+              "intermediate_size": 128, "num_attention_heads": 4, "linear_num_value_heads": 2,
+              "linear_num_key_heads": 2, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+              "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2,
+              "decoder_sparse_step": 1, "shared_expert_intermediate_size": 64,
+              "mlp_only_layers": [0, 1], "moe_intermediate_size": 64, "rms_norm_eps": 1e-6,
+              "vocab_size": 512, "num_key_value_heads": 2, "rope_theta": 10000.0,
+              "partial_rotary_factor": 0.5, "max_position_embeddings": 4096, "head_dim": 16,
+              "full_attention_interval": 2}
+
+
+@pytest.mark.parametrize("config", [GEMMA3, QWEN3_NEXT], ids=["rotating", "ssm-hybrid"])
+def test_non_trimmable_caches_restore_only_at_checkpoints(config, tmp_path):
+    model = init_model(config, seed=1, scale=0.1)
+    kinds = {type(c).__name__ for c in make_prompt_cache(model)}
+    assert kinds - {"KVCache"}  # really a non-trimmable model
+    pc = pc_at(tmp_path)
+    ns = config["model_type"]
+    t1 = prompt(45, 30)  # longer than the sliding window: the ring has wrapped
+    out, _, cache = run(model, t1)
+    pc.store(t1 + out, cache, ns)
+    assert pc.stats()["checkpoint_stores"] == 1
+    # exactly where the turn ended: restored
+    t2 = t1 + out + prompt(5, 31)
+    n, c = pc.lookup(t2, ns)
+    assert n == len(t1) + len(out)
+    assert_same(model, t2, n, c)
+    # again from the same checkpoint (the first borrower did not change it)
+    n, c = pc.lookup(t2, ns)
+    assert_same(model, t2, n, c)
+    # diverging inside the stored range: no checkpoint there, so nothing (never a wrong state)
+    t3 = t1[:30] + prompt(20, 32)
+    assert pc.lookup(t3, ns) == (0, None)
+    # the exact stored sequence: its checkpoint would leave nothing to compute -> miss
+    assert pc.lookup(t1 + out, ns) == (0, None)
+    pc.close()
+
+
+def test_null_prefix_cache():
+    pc = NullPrefixCache()
+    assert pc.lookup([1, 2, 3], "ns") == (0, None)
+    assert pc.store([1, 2], [], "ns") is None
+    assert pc.flush(1)["durable"] == 0
+    assert pc.stats() == {"enabled": False}
+
+
+def test_bad_input_is_reported(llama):
+    pc = pc_at(None)
+    _, _, c = run(llama, prompt(10, 40), n_new=0)
+    with pytest.raises(ValueError, match="holds 10 tokens but 12"):
+        pc.store(prompt(12, 40), c, "ns")
+    with pytest.raises(ValueError, match="integers"):
+        pc.lookup([0.5, 1.5], "ns")
+    pc.close()
