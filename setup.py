@@ -16,6 +16,8 @@ extensions = [
         "storage._blocks",
         ["storage/_blocks.pyx"],
         include_dirs=["storage"],
+        # Rebuild when the C headers change, not only the .pyx.
+        depends=["storage/_blocks.pxd", "storage/xxh3.h", "storage/fileio.h"],
         extra_compile_args=extra_compile_args,
     )
 ]

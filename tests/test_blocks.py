@@ -1,0 +1,440 @@
+"""storage._blocks against its oracles: the xxhash package for XXH3-64, storage.reference
+for pack/unpack; AlignedBuffer view counting; file I/O on real files; GIL release."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import threading
+
+import numpy as np
+import pytest
+import xxhash
+
+from storage import _blocks as B
+from storage import reference as R
+
+RNG = np.random.default_rng(20261130)
+DATA = RNG.integers(0, 256, 20_000, dtype=np.uint8).tobytes()
+SEEDS = [0, 1, 0x9E3779B97F4A7C15, 2**64 - 1]
+
+
+@pytest.fixture(params=B.hash_isas())
+def isa(request):
+    """Run a test once per stripe loop this CPU supports (all must agree bit for bit)."""
+    before = B.hash_isa()
+    B.set_hash_isa(request.param)
+    yield request.param
+    B.set_hash_isa(before)
+
+
+# ------------------------------------------------------------------------ XXH3-64
+
+
+def test_hash_every_length_0_to_10000(isa):
+    mv = memoryview(DATA)
+    seed = 0x1234_5678_9ABC_DEF0
+    for n in range(10_001):
+        off = n % 7  # unaligned starts too
+        piece = mv[off : off + n]
+        assert B.xxh3_64(piece) == xxhash.xxh3_64_intdigest(piece), n
+        assert B.xxh3_64(piece, seed) == xxhash.xxh3_64_intdigest(piece, seed), n
+
+
+def test_hash_random_lengths_and_seeds():
+    rnd = random.Random(7)
+    mv = memoryview(DATA)
+    edges = [0, 1, 2, 3, 4, 8, 9, 16, 17, 32, 33, 64, 65, 96, 97, 128, 129, 239, 240, 241,
+             255, 256, 257, 1023, 1024, 1025, 2048, 4096 + 63, 16_384]
+    for n in edges + [rnd.randrange(0, 20_000) for _ in range(300)]:
+        seed = rnd.choice(SEEDS + [rnd.getrandbits(64)])
+        off = rnd.randrange(0, 20_000 - n + 1)
+        piece = mv[off : off + n]
+        assert B.xxh3_64(piece, seed) == xxhash.xxh3_64_intdigest(piece, seed), (n, seed)
+
+
+def test_hash_large_buffer_unaligned_offsets(isa):
+    big = RNG.integers(0, 256, 5_000_000 + 64, dtype=np.uint8)
+    mv = memoryview(big)
+    for off in (0, 1, 7, 13, 63):
+        for seed in (0, 0xDEADBEEF):
+            piece = mv[off : off + 5_000_000 - off * 1001]
+            assert B.xxh3_64(piece, seed) == xxhash.xxh3_64_intdigest(piece, seed), (off, seed)
+
+
+def test_hash_accepts_buffers_and_rejects_others():
+    arr = np.arange(1000, dtype=np.float32)
+    assert B.xxh3_64(arr) == xxhash.xxh3_64_intdigest(arr.tobytes())
+    assert B.xxh3_64(bytearray(b"abc")) == xxhash.xxh3_64_intdigest(b"abc")
+    with pytest.raises(TypeError):
+        B.xxh3_64("not bytes")
+    with pytest.raises(ValueError, match="contiguous"):
+        B.xxh3_64(np.arange(100, dtype=np.uint8)[::2])
+    with pytest.raises(OverflowError):
+        B.xxh3_64(b"x", -1)
+
+
+def test_streaming_hasher_any_chunking(isa):
+    rnd = random.Random(3)
+    for _ in range(150):
+        n = rnd.choice([0, 1, 240, 241, 256, 257, 320, 1024, 1025, rnd.randrange(0, 12_000)])
+        seed = rnd.choice(SEEDS)
+        h = B.Xxh3Hasher(seed)
+        pos = 0
+        while pos < n:
+            k = min(n - pos, rnd.choice([1, 3, 63, 64, 65, 255, 256, 257, rnd.randrange(1, 5000)]))
+            h.update(DATA[pos : pos + k])
+            pos += k
+        assert h.length == n
+        assert h.digest() == xxhash.xxh3_64_intdigest(DATA[:n], seed), (n, seed)
+
+
+# ------------------------------------------------------------------ pack / unpack
+
+
+def _kv_bf16(layers=3, heads=8, t_cap=300, dim=128):
+    """mlx-lm KVCache-like keys/values [1, H, T_cap, D] as raw bf16 bits (uint16)."""
+    segs = []
+    for _ in range(layers * 2):
+        a = RNG.integers(0, 2**16, (1, heads, t_cap, dim), dtype=np.uint16)
+        segs.append((a, heads, t_cap, dim * 2))
+    return segs
+
+
+def _kv_f32(t_cap=64):
+    a = RNG.standard_normal((2, 4, t_cap, 64), dtype=np.float32)
+    b = RNG.standard_normal((2, 4, t_cap, 64), dtype=np.float32)
+    return [(a, 8, t_cap, 256), (b, 8, t_cap, 256)]
+
+
+def _kv_quantized(t_cap=200, heads=4, dim=128, bits=4, group=64):
+    """QuantizedKVCache-like: packed uint32 + scales + biases per K and V."""
+    segs = []
+    for _ in range(2):  # K, V
+        packed = RNG.integers(0, 2**32, (1, heads, t_cap, dim * bits // 32), dtype=np.uint32)
+        scales = RNG.integers(0, 2**16, (1, heads, t_cap, dim // group), dtype=np.uint16)
+        biases = RNG.integers(0, 2**16, (1, heads, t_cap, dim // group), dtype=np.uint16)
+        segs += [(packed, heads, t_cap, dim * bits // 8), (scales, heads, t_cap, dim // group * 2),
+                 (biases, heads, t_cap, dim // group * 2)]
+    return segs
+
+
+def _odd_rows(t_cap=37):
+    """Odd row sizes and mixed exporters: bytes, bytearray, AlignedBuffer, memoryview."""
+    a = RNG.integers(0, 256, 5 * t_cap * 3, dtype=np.uint8).tobytes()
+    b = bytearray(RNG.integers(0, 256, 3 * t_cap * 7, dtype=np.uint8).tobytes())
+    c = B.AlignedBuffer(2 * t_cap * 1)
+    memoryview(c)[:] = RNG.integers(0, 256, 2 * t_cap, dtype=np.uint8).tobytes()
+    d = memoryview(RNG.integers(0, 256, (1, t_cap, 13), dtype=np.uint8))
+    return [(a, 5, t_cap, 3), (b, 3, t_cap, 7), (c, 2, t_cap, 1), (d, 1, t_cap, 13)]
+
+
+LAYOUTS = {"bf16_kv": _kv_bf16, "f32": _kv_f32, "quantized": _kv_quantized, "odd_rows": _odd_rows}
+
+
+def _ranges(t_cap):
+    return [(0, t_cap), (0, 1), (t_cap - 1, t_cap), (0, 0), (t_cap, t_cap), (5, t_cap // 2 + 3),
+            (t_cap // 3, t_cap)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_pack_matches_reference_and_hash(layout):
+    segs = LAYOUTS[layout]()
+    t_cap = segs[0][2]
+    for t0, t1 in _ranges(t_cap):
+        n = B.packed_size(segs, t1 - t0)
+        assert n == R.packed_size(segs, t1 - t0)
+        for off in (0, 3):
+            seed = 0xABCDEF if off else 0
+            ours = bytearray(b"\xa5" * (n + off + 9))  # sentinel bytes around the block
+            ref = bytearray(ours)
+            got = B.pack(ours, off, segs, t0, t1, seed)
+            exp = R.pack(ref, off, segs, t0, t1, seed)
+            assert got == exp
+            assert ours == ref  # same bytes, nothing written outside [off, off + n)
+            assert got[1] == xxhash.xxh3_64_intdigest(bytes(ours[off : off + n]), seed)
+            assert B.pack(ours, off, segs, t0, t1, seed, hash=False) == (n, None)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_unpack_matches_reference_and_round_trips(layout):
+    segs = LAYOUTS[layout]()
+    t_cap = segs[0][2]
+    for t0, t1 in _ranges(t_cap):
+        n = B.packed_size(segs, t1 - t0)
+        block = B.AlignedBuffer(n + 5)
+        got = B.pack(block, 5, segs, t0, t1, 42)
+        # Unpack into zeroed copies of every segment, with ours and with the reference.
+        ours = [(np.zeros(len(memoryview(s[0]).cast("B")), np.uint8),) + tuple(s[1:]) for s in segs]
+        ref = [(np.zeros_like(o[0]),) + tuple(o[1:]) for o in ours]
+        assert B.unpack(block, 5, ours, t0, t1 - t0) == n
+        assert R.unpack(block, 5, ref, t0, t1 - t0) == n
+        for (o, outer, cap, rb), (r, *_), src in zip(ours, ref, segs):
+            assert np.array_equal(o, r)
+            rows = o.reshape(outer, cap * rb)
+            orig = np.frombuffer(memoryview(src[0]).cast("B"), np.uint8).reshape(outer, cap * rb)
+            assert np.array_equal(rows[:, t0 * rb : t1 * rb], orig[:, t0 * rb : t1 * rb])
+            assert not rows[:, : t0 * rb].any() and not rows[:, t1 * rb :].any()
+        fresh = [(np.zeros_like(o[0]),) + tuple(o[1:]) for o in ours]
+        assert B.unpack_hash(block, 5, fresh, t0, t1 - t0, 42) == got
+        assert all(np.array_equal(f[0], o[0]) for f, o in zip(fresh, ours))
+
+
+def test_unpack_to_another_position():
+    segs = _kv_bf16(layers=1, heads=2, t_cap=40, dim=8)
+    block = bytearray(B.packed_size(segs, 10))
+    B.pack(block, 0, segs, 30, 40)
+    dst = [(np.zeros_like(s[0]),) + tuple(s[1:]) for s in segs]
+    B.unpack(block, 0, dst, 0, 10)
+    for (d, *_), (s, *_) in zip(dst, segs):
+        assert np.array_equal(d[:, :, 0:10], s[:, :, 30:40])
+        assert not d[:, :, 10:].any()
+
+
+def test_pack_and_unpack_bounds_errors():
+    segs = _kv_f32(t_cap=16)
+    n = B.packed_size(segs, 4)
+    dst = bytearray(n)
+    untouched = bytes(dst)
+    bad_calls = [
+        lambda: B.pack(dst, 0, segs, 0, 17),  # past t_capacity
+        lambda: B.pack(dst, 0, segs, 5, 4),  # t1 < t0
+        lambda: B.pack(dst, 0, segs, -1, 3),
+        lambda: B.pack(dst, 1, segs, 0, 4),  # one byte too many
+        lambda: B.pack(dst, -1, segs, 0, 4),
+        lambda: B.pack(dst, n + 1, segs, 0, 0),
+        lambda: B.pack(bytearray(n - 1), 0, segs, 0, 4),
+        lambda: B.pack(dst, 0, [(segs[0][0], 8, 16, 255)], 0, 1),  # size mismatch
+        lambda: B.pack(dst, 0, [(segs[0][0], 8, 16)], 0, 1),  # malformed tuple
+        lambda: B.pack(dst, 0, [(segs[0][0], -8, -16, 256)], 0, 1),
+        lambda: B.pack(b"\0" * n, 0, segs, 0, 4),  # read-only destination
+        lambda: B.pack(dst, 0, [(segs[0][0][:, :, ::2], 8, 8, 256)], 0, 1),  # not contiguous
+        lambda: B.unpack(bytes(n - 1), 0, segs, 0, 4),
+        lambda: B.unpack(bytes(n), 0, segs, 13, 4),
+        lambda: B.unpack(bytes(n), 0, segs, 0, -1),
+        lambda: B.unpack(bytes(n), 0, [(bytes(8 * 16 * 256), 8, 16, 256)], 0, 4),  # read-only
+    ]
+    for call in bad_calls:
+        with pytest.raises(ValueError):
+            call()
+        assert bytes(dst) == untouched
+    with pytest.raises(TypeError):
+        B.pack(dst, 0, [(object(), 1, 1, 1)], 0, 1)
+    with pytest.raises(ValueError):
+        B.packed_size(segs, -1)
+    # The reference agrees on what is an error.
+    with pytest.raises(ValueError):
+        R.pack(dst, 0, segs, 0, 17)
+    with pytest.raises(ValueError):
+        R.unpack(bytes(n - 1), 0, segs, 0, 4)
+
+
+# ------------------------------------------------------------------ AlignedBuffer
+
+
+@pytest.mark.parametrize("alignment", [64, 4096, 1 << 16])
+def test_aligned_buffer_alignment_and_contents(alignment):
+    buf = B.AlignedBuffer(10_000, alignment, zero=True)
+    assert buf.address % alignment == 0
+    assert (buf.nbytes, buf.alignment, len(buf)) == (10_000, alignment, 10_000)
+    mv = memoryview(buf)
+    assert (mv.format, mv.ndim, mv.shape, mv.readonly) == ("B", 1, (10_000,), False)
+    assert mv.tobytes() == bytes(10_000)
+    mv[100:103] = b"abc"
+    assert bytes(np.frombuffer(buf, np.uint8)[100:103]) == b"abc"
+    mv.release()
+    with pytest.raises(ValueError):
+        B.AlignedBuffer(10, 3000)
+    with pytest.raises(ValueError):
+        B.AlignedBuffer(-1)
+
+
+def test_aligned_buffer_counts_views_and_refuses_resize_or_free():
+    buf = B.AlignedBuffer(4096)
+    memoryview(buf)[:4] = b"keep"
+    assert buf.exports == 0
+    mv = memoryview(buf)
+    arr = np.frombuffer(buf, np.uint8)
+    assert buf.exports == 2
+    with pytest.raises(BufferError):
+        buf.resize(8192)
+    with pytest.raises(BufferError):
+        buf.free()
+    mv.release()
+    assert buf.exports == 1
+    with pytest.raises(BufferError):
+        buf.resize(8192)
+    del arr
+    assert buf.exports == 0
+    buf.resize(8192)
+    assert buf.nbytes == 8192 and buf.address % 4096 == 0
+    assert bytes(memoryview(buf)[:4]) == b"keep"
+    buf.free()
+    assert buf.freed and buf.nbytes == 0
+    with pytest.raises(BufferError):
+        memoryview(buf)
+    buf.resize(100)  # reallocates after free
+    assert len(memoryview(buf)) == 100
+
+
+def test_aligned_buffer_resize_zero_fills_growth():
+    buf = B.AlignedBuffer(10, zero=True)
+    memoryview(buf)[:] = b"x" * 10
+    buf.resize(5000)
+    data = bytes(memoryview(buf))
+    assert data[:10] == b"x" * 10 and data[10:] == bytes(4990)
+
+
+# ------------------------------------------------------------------ file I/O
+
+
+def _random_aligned(n):
+    buf = B.AlignedBuffer(n)
+    memoryview(buf)[:] = RNG.integers(0, 256, n, dtype=np.uint8).tobytes()
+    return buf
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_write_fsync_read_round_trip(tmp_path, direct):
+    path = tmp_path / "block.bin"
+    fd, is_direct = B.open_direct(path, os.O_CREAT | os.O_RDWR | os.O_EXCL, 0o600, direct=direct)
+    try:
+        if not direct:
+            assert is_direct is False
+        if is_direct and sys.platform.startswith("linux"):
+            import fcntl
+
+            assert fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT
+        data = _random_aligned(1 << 20)
+        assert B.pwrite_full(fd, data, 0) == 1 << 20
+        assert B.pwrite_full(fd, data, 1 << 20) == 1 << 20
+        B.fdatasync(fd)
+        B.fsync(fd)
+        B.fsync_dir(tmp_path)
+        assert isinstance(B.drop_cache(fd), bool)
+        back = B.AlignedBuffer(2 << 20)
+        assert B.pread_full(fd, back, 0) == 2 << 20
+        assert bytes(memoryview(back)[: 1 << 20]) == bytes(memoryview(data))
+        assert bytes(memoryview(back)[1 << 20 :]) == bytes(memoryview(data))
+        # Short read only at end of file.
+        assert B.pread_full(fd, back, 1 << 20) == 1 << 20
+        assert B.pread_full(fd, back, 4 << 20) == 0
+    finally:
+        os.close(fd)
+    assert path.stat().st_size == 2 << 20
+
+
+def test_buffered_fallback_takes_unaligned_buffers(tmp_path):
+    path = tmp_path / "tail.bin"
+    fd, _ = B.open_direct(path, os.O_CREAT | os.O_RDWR, direct=True)
+    try:
+        B.set_direct(fd, False)  # e.g. to write an unaligned tail
+        payload = DATA[:12_345]
+        assert B.pwrite_full(fd, memoryview(payload)[1:], 7) == 12_344
+        back = bytearray(12_344)
+        assert B.pread_full(fd, back, 7) == 12_344
+        assert bytes(back) == payload[1:]
+    finally:
+        os.close(fd)
+
+
+def test_pwritev_writes_buffers_back_to_back(tmp_path):
+    path = tmp_path / "vec.bin"
+    parts = [_random_aligned(8192), b"hello", bytearray(b"x" * 3000), memoryview(DATA)[:1500], b""]
+    parts += [bytes([i % 256]) * (i % 7 + 1) for i in range(1500)]  # more vectors than IOV_MAX
+    expect = b"".join(bytes(memoryview(p)) for p in parts)
+    with open(path, "wb") as f:
+        f.write(b"\0" * 10)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        assert B.pwritev_full(fd, parts, 10) == len(expect)
+        B.fsync(fd)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"\0" * 10 + expect
+
+
+def test_io_errors_carry_errno_and_filename(tmp_path):
+    missing = tmp_path / "no" / "such.bin"
+    with pytest.raises(FileNotFoundError) as exc:
+        B.open_direct(missing, os.O_RDONLY)
+    assert exc.value.filename == str(missing)
+    with pytest.raises(FileNotFoundError):
+        B.fsync_dir(tmp_path / "nodir")
+    r, w = os.pipe()
+    os.close(r)
+    os.close(w)
+    with pytest.raises(OSError) as exc:
+        B.pwrite_full(w, b"abc", 0, path="closed-fd")
+    assert exc.value.errno == 9 and exc.value.filename == "closed-fd"  # EBADF
+    with pytest.raises(OSError):
+        B.pread_full(w, bytearray(3), 0)
+    with pytest.raises(OSError):
+        B.fsync(w)
+    with pytest.raises(ValueError):
+        B.pwrite_full(0, b"x", -1)
+    ro = tmp_path / "ro.bin"
+    ro.write_bytes(b"abc")
+    fd = os.open(ro, os.O_RDONLY)
+    try:
+        with pytest.raises(ValueError):  # destination must be writable
+            B.pread_full(fd, b"xyz", 0)
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------ the GIL
+
+
+def _progress_during(call, attempts=20):
+    """True if another Python thread ran while ``call()`` was executing.
+
+    The switch interval is raised so the calling thread never hands the GIL over on its
+    own; the counter thread sleeps between iterations so it never hogs the GIL. Then the
+    counter can only advance between the two reads if ``call`` released the GIL.
+    """
+    running, stop = threading.Event(), threading.Event()
+    count = [0]
+
+    def counter():
+        while not stop.is_set():
+            count[0] += 1
+            running.set()
+            stop.wait(0.0002)
+
+    old = sys.getswitchinterval()
+    t = threading.Thread(target=counter)
+    t.start()
+    try:
+        running.wait()
+        sys.setswitchinterval(10.0)
+        for _ in range(attempts):  # the OS may not schedule the counter in one call's time
+            before = count[0]
+            call()
+            if count[0] > before:
+                return True
+        return False
+    finally:
+        sys.setswitchinterval(old)
+        stop.set()
+        t.join()
+
+
+def test_pack_unpack_and_hash_release_the_gil():
+    src = np.ones((64, 1024, 1024), np.uint8)  # 64 MiB, 64 outer slices
+    segs = [(src, 64, 1024, 1024)]
+    dst = B.AlignedBuffer(src.nbytes)
+    assert _progress_during(lambda: B.pack(dst, 0, segs, 0, 1024))
+    assert _progress_during(lambda: B.unpack(dst, 0, segs, 0, 1024))
+    assert _progress_during(lambda: B.xxh3_64(dst))
+
+
+def test_gil_probe_detects_a_call_that_holds_the_gil():
+    # The probe itself must be able to fail: a pure-Python busy loop keeps the GIL.
+    def busy():
+        x = 0
+        for i in range(100_000):
+            x += i
+
+    assert not _progress_during(busy, attempts=5)
