@@ -1,0 +1,125 @@
+"""Load a system OpenBLAS before mlx so its CPU backend runs float32 matmuls on it.
+
+The Linux CPU wheel of mlx links a bundled reference BLAS (a few GFLOP/s). ``libmlx.so``
+leaves ``cblas_sgemm`` and friends undefined and the dynamic linker resolves them through
+the global scope first, so a BLAS loaded with ``RTLD_GLOBAL`` *before* ``mlx.core`` is
+imported wins. After ``mlx.core`` has been imported the symbols are already bound (or will
+bind to the bundled copy), so :func:`preload` must run first: ``engine/__init__.py`` calls
+it. ``MLXKV_BLAS=off`` disables it; ``MLXKV_BLAS=/path/libopenblas.so.0`` picks a library.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import sys
+import time
+from typing import Any
+
+# Debian/Ubuntu libopenblas0-pthread first (multi-threaded), then the generic names.
+CANDIDATES = (
+    "/usr/lib/*/openblas-pthread/libopenblas.so.0",
+    "/usr/lib/*/openblas-openmp/libopenblas.so.0",
+    "/usr/lib/*/libopenblas.so.0",
+    "/usr/lib64/libopenblas.so.0",
+    "/usr/lib/libopenblas.so.0",
+    "/usr/local/lib/libopenblas.so.0",
+    "/opt/homebrew/opt/openblas/lib/libopenblas.dylib",
+)
+
+_state: dict[str, Any] = {"requested": None, "path": None, "loaded": False, "active": False,
+                          "reason": "preload() not called", "config": None}
+_handle: ctypes.CDLL | None = None
+
+
+def _requested_setting() -> str:
+    """MLXKV_BLAS, else the ``blas`` key of the config file, else "auto"."""
+    value = os.environ.get("MLXKV_BLAS")
+    if value:
+        return value.strip()
+    try:  # cheap: the config file is tiny and tomllib is stdlib
+        from engine.settings import config_file_value
+
+        value = config_file_value("blas")
+    except Exception:  # a broken config file is reported by `mlxkv config`, not here
+        value = None
+    return str(value).strip() if value else "auto"
+
+
+def find_openblas() -> str | None:
+    """The first system OpenBLAS found on this machine, or None."""
+    for pattern in CANDIDATES:
+        for path in sorted(glob.glob(pattern)):
+            if os.path.exists(path):
+                return path
+    return None
+
+
+def preload(setting: str | None = None) -> dict[str, Any]:
+    """Load a system OpenBLAS with global symbol visibility (idempotent).
+
+    ``setting``: "auto" (default: load it if present), "off", or a library path."""
+    global _handle
+    if _state["loaded"] or _state["requested"] is not None:
+        return blas_info()
+    setting = (setting or _requested_setting()).strip()
+    _state["requested"] = setting
+    if setting.lower() in ("off", "0", "false", "no", "reference", "none"):
+        _state["reason"] = "disabled by MLXKV_BLAS=off"
+        return blas_info()
+    if not sys.platform.startswith("linux"):
+        _state["reason"] = "not needed on this platform (mlx brings its own BLAS)"
+        return blas_info()
+    path = find_openblas() if setting.lower() in ("auto", "on", "openblas", "") else setting
+    if path is None:
+        _state["reason"] = "no system OpenBLAS found (apt install libopenblas0-pthread)"
+        return blas_info()
+    mlx_already = "mlx.core" in sys.modules
+    try:
+        _handle = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    except OSError as e:
+        _state["reason"] = f"could not load {path}: {e}"
+        return blas_info()
+    _state.update(path=path, loaded=True)
+    try:
+        _handle.openblas_get_config.restype = ctypes.c_char_p
+        _state["config"] = _handle.openblas_get_config().decode()
+    except AttributeError:
+        pass
+    if mlx_already:
+        # Symbols of libmlx.so may already be bound to its bundled BLAS: say so.
+        _state["reason"] = "loaded after mlx.core was imported: may not be in effect"
+    else:
+        _state["active"] = True
+        _state["reason"] = "loaded with RTLD_GLOBAL before mlx.core"
+    return blas_info()
+
+
+def blas_info() -> dict[str, Any]:
+    """Which BLAS mlx's CPU backend uses: {"name", "path", "active", "reason", ...}."""
+    info = dict(_state)
+    info["name"] = "openblas" if info["active"] else (
+        "accelerate" if sys.platform == "darwin" else "reference (bundled with mlx)")
+    return info
+
+
+def describe() -> str:
+    info = blas_info()
+    if info["active"]:
+        return f"OpenBLAS ({info['path']})"
+    return f"{info['name']}: {info['reason']}"
+
+
+def matmul_gflops(n: int = 512, repeats: int = 5) -> float:
+    """Measure float32 matmul speed through mlx: a probe that shows whether the BLAS in
+    use is the fast one (tens of GFLOP/s) or the reference one (a few)."""
+    import mlx.core as mx
+
+    a = mx.random.normal((n, n))
+    b = mx.random.normal((n, n))
+    mx.eval(a, b, a @ b)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        mx.eval(a @ b)
+    return 2 * n**3 * repeats / (time.perf_counter() - t0) / 1e9

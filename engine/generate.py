@@ -1,0 +1,243 @@
+"""The generation loop: mlx-lm's ``generate_step`` (chunked prefill, samplers, logits
+processors) plus what a chat engine needs around it: a reused prompt cache, EOS, stop
+strings matched on text, streaming detokenization, max tokens and cancellation.
+
+Token for token this is ``mlx_lm.stream_generate``: same ``generate_step`` call, same
+EOS and max-token rules, so greedy output is identical (tests/test_engine.py checks it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request generation options (defaults: greedy, like mlx_lm.generate)."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    repetition_context_size: int = 20
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    prefill_step_size: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0 or self.min_p < 0 or self.repetition_penalty <= 0:
+            raise ValueError("top_k and min_p must be >= 0, repetition_penalty > 0")
+        if self.prefill_step_size <= 0:
+            raise ValueError("prefill_step_size must be positive")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+
+@dataclass
+class Step:
+    """One generated token and the text it releases (held back while it might be the start
+    of a stop string). ``token`` is None for the final flush of held-back text."""
+
+    token: int | None
+    text: str
+
+
+@dataclass
+class Outcome:
+    """What a finished generation did."""
+
+    finish_reason: str = "length"  # "stop" (EOS or stop string), "length", "cancelled"
+    stop_detail: str | None = None  # "eos" or the stop string that matched
+    tokens: list[int] = field(default_factory=list)  # emitted tokens (no EOS)
+    text: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    tokens_in_cache: list[int] = field(default_factory=list)
+
+    @property
+    def prefill_tps(self) -> float:
+        n = self.prompt_tokens - self.cached_tokens
+        return n / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        # Tokens after the first, over the time after the first arrived.
+        n = len(self.tokens) - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+
+class StopMatcher:
+    """Text-level stop strings: holds back text that may begin a stop string, finds stops
+    that span tokens, and never releases the stop text itself."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = tuple(stops)
+        self.pending = ""
+        self.matched: str | None = None
+
+    def feed(self, text: str) -> str:
+        """Add ``text``; return what can be released now."""
+        if not self.stops:
+            return text
+        buf = self.pending + text
+        first, which = -1, None
+        for s in self.stops:
+            i = buf.find(s)
+            if i >= 0 and (first < 0 or i < first):
+                first, which = i, s
+        if which is not None:
+            self.matched, self.pending = which, ""
+            return buf[:first]
+        hold = 0  # longest suffix of buf that is a proper prefix of some stop string
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(buf)), hold, -1):
+                if buf.endswith(s[:k]):
+                    hold = k
+                    break
+        self.pending = buf[len(buf) - hold:] if hold else ""
+        return buf[: len(buf) - hold]
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+class Cancelled(Exception):
+    """Raised inside the prefill to stop it between chunks."""
+
+
+def cache_length(cache: Sequence[Any]) -> int | None:
+    """Tokens held by an mlx-lm prompt cache (None if no layer tracks an offset)."""
+    for c in cache:
+        offset = getattr(c, "offset", None)
+        if isinstance(offset, int):
+            return offset
+    return None
+
+
+def _with_history(processor: Callable, history: Any) -> Callable:
+    # generate_step only sees the uncached suffix; prepend the cached prefix so penalties
+    # see the same context with or without a cache hit.
+    import mlx.core as mx
+
+    return lambda tokens, logits: processor(mx.concatenate([history, tokens]), logits)
+
+
+class Generation:
+    """One generation. Iterate for :class:`Step` s; ``outcome`` is set when it ends.
+
+    ``cache`` must hold exactly ``prompt_tokens[:n_cached]`` (None when n_cached is 0) and
+    is updated in place. ``should_stop`` is polled between tokens and prefill chunks."""
+
+    def __init__(self, model: Any, tokenizer: Any, prompt_tokens: Sequence[int],
+                 params: SamplingParams, cache: list | None = None, n_cached: int = 0,
+                 should_stop: Callable[[], bool] | None = None):
+        if not prompt_tokens:
+            raise ValueError("empty prompt")
+        if not 0 <= n_cached < len(prompt_tokens):
+            raise ValueError(f"n_cached={n_cached} must be < prompt length {len(prompt_tokens)}")
+        if n_cached > 0 and cache is None:
+            raise ValueError("n_cached > 0 needs the cache that holds those tokens")
+        self.model, self.tokenizer, self.params = model, tokenizer, params
+        self.prompt_tokens = list(prompt_tokens)
+        self.n_cached = n_cached
+        self.cache = cache
+        self.should_stop = should_stop or (lambda: False)
+        self.outcome: Outcome | None = None
+        self.first_token_time: float | None = None
+
+    def __iter__(self) -> Iterator[Step]:
+        import mlx.core as mx
+        from mlx_lm.generate import generate_step
+        from mlx_lm.models.cache import make_prompt_cache
+        from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+        p = self.params
+        if self.cache is None:
+            self.cache = make_prompt_cache(self.model)
+        if p.seed is not None:
+            mx.random.seed(p.seed)
+        sampler = make_sampler(p.temperature, p.top_p, p.min_p, top_k=p.top_k)
+        processors = make_logits_processors(
+            repetition_penalty=p.repetition_penalty if p.repetition_penalty != 1.0 else None,
+            repetition_context_size=p.repetition_context_size)
+        if processors and self.n_cached:
+            history = mx.array(self.prompt_tokens[: self.n_cached])
+            processors = [_with_history(proc, history) for proc in processors]
+
+        def progress(done: int, total: int) -> None:
+            if done < total and self.should_stop():
+                raise Cancelled
+
+        out = Outcome(prompt_tokens=len(self.prompt_tokens), cached_tokens=self.n_cached)
+        self.outcome = None
+        fed = list(self.prompt_tokens)  # every token whose KV may be in the cache
+        detok = self.tokenizer.detokenizer
+        eos = self.tokenizer.eos_token_ids
+        stopper = StopMatcher(p.stop)
+        text_parts: list[str] = []
+        t0 = time.perf_counter()
+        t_first = t_last = None
+        steps = generate_step(
+            mx.array(self.prompt_tokens[self.n_cached:]), self.model,
+            max_tokens=p.max_tokens, sampler=sampler, logits_processors=processors or None,
+            prompt_cache=self.cache, prefill_step_size=p.prefill_step_size,
+            prompt_progress_callback=progress)
+        try:
+            for n, (token, _) in enumerate(steps):
+                t_last = time.perf_counter()
+                if t_first is None:
+                    t_first = self.first_token_time = t_last
+                fed.append(token)
+                if token in eos:
+                    out.finish_reason, out.stop_detail = "stop", "eos"
+                    break
+                detok.add_token(token)
+                out.tokens.append(token)
+                text = stopper.feed(detok.last_segment)
+                text_parts.append(text)
+                yield Step(token, text)
+                if stopper.matched is not None:
+                    out.finish_reason, out.stop_detail = "stop", stopper.matched
+                    break
+                if n + 1 == p.max_tokens:
+                    out.finish_reason = "length"
+                    break
+                if self.should_stop():
+                    out.finish_reason = "cancelled"
+                    break
+        except Cancelled:
+            out.finish_reason = "cancelled"
+        finally:
+            steps.close()
+        if stopper.matched is None:
+            detok.finalize()
+            tail = stopper.feed(detok.last_segment)
+            tail += stopper.flush() if stopper.matched is None else ""
+            if stopper.matched is not None:
+                out.finish_reason, out.stop_detail = "stop", stopper.matched
+            if tail:
+                text_parts.append(tail)
+                yield Step(None, tail)
+        out.text = "".join(text_parts)
+        if t_first is not None:
+            out.prefill_s = t_first - t0
+            out.decode_s = (t_last or t_first) - t_first
+        length = cache_length(self.cache)
+        out.tokens_in_cache = fed[:length] if length is not None else fed
+        self.outcome = out

@@ -1,0 +1,193 @@
+"""Load mlx-lm models (local folder or hub id), apply the compute-dtype policy, and compute
+a stable model fingerprint for the prefix cache's namespace."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Files whose bytes change what the tokenizer (and so the token ids) produce.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+    "generation_config.json",
+)
+FINGERPRINT_VERSION = b"mlxkv-model-fingerprint-v1"
+# What a model snapshot needs (as mlx-lm fetches); kept here so that resolving a hub id
+# (and failing fast offline) does not have to import mlx-lm first.
+DEFAULT_ALLOW_PATTERNS = ["*.json", "model*.safetensors", "*.py", "tokenizer.model",
+                          "*.tiktoken", "tiktoken.model", "*.txt", "*.jsonl", "*.jinja"]
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model could not be found; the message says what was tried and what to do."""
+
+
+def _looks_like_path(spec: str) -> bool:
+    return (spec.startswith(("/", ".", "~")) or spec.endswith("/") or spec.count("/") > 1
+            or os.sep != "/" and os.sep in spec)
+
+
+def _offline() -> bool:
+    return any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on")
+               for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "MLXKV_OFFLINE"))
+
+
+def resolve_model_path(spec: str | os.PathLike) -> Path:
+    """A local folder for ``spec``: the folder itself, or a hub id from the local Hugging
+    Face cache (downloading it when online). Raises :class:`ModelNotFoundError`."""
+    text = os.path.expanduser(str(spec))
+    path = Path(text)
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path} is not a model folder (no config.json in it)")
+        return path
+    if _looks_like_path(str(spec)):
+        hint = ""
+        if path.resolve() == (Path(__file__).resolve().parent / "demo" / "model"):
+            hint = " (the demo model is not built yet: run `make demo-model`, or pass --model)"
+        raise ModelNotFoundError(f"model folder not found: {path}{hint}")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(text, local_files_only=True,
+                                      allow_patterns=DEFAULT_ALLOW_PATTERNS))
+    except Exception:
+        if _offline():
+            raise ModelNotFoundError(
+                f"unknown model {text!r}: no such folder, and not in the local Hugging Face "
+                "cache while offline (HF_HUB_OFFLINE is set)") from None
+    try:
+        return Path(snapshot_download(text, allow_patterns=DEFAULT_ALLOW_PATTERNS))
+    except Exception as e:  # RepositoryNotFoundError, connection errors, bad ids...
+        raise ModelNotFoundError(
+            f"unknown model {text!r}: no such folder, and the hub download failed "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def _file_digest(path: Path) -> bytes:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            h.update(chunk)
+    return h.digest()
+
+
+def model_fingerprint(path: str | os.PathLike, full_hash: bool = False) -> str:
+    """128-bit hex fingerprint of a model folder: canonical config.json, weight files
+    (sizes + mtimes, or content hashes with ``full_hash``), tokenizer files and chat
+    template. Equal folders give equal fingerprints in every process."""
+    root = Path(path)
+    h = hashlib.sha256(FINGERPRINT_VERSION)
+
+    def put(tag: str, data: bytes) -> None:
+        h.update(tag.encode() + b"\0" + len(data).to_bytes(8, "little") + data)
+
+    config = json.loads((root / "config.json").read_text())
+    put("config", json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
+    weights = sorted(p for p in root.glob("*.safetensors") if p.is_file())
+    if not weights:
+        raise ModelNotFoundError(f"no *.safetensors weight files in {root}")
+    put("weights-mode", b"sha256" if full_hash else b"stat")
+    for w in weights:
+        if full_hash:
+            put("weight:" + w.name, _file_digest(w))
+        else:
+            st = w.stat()
+            put("weight:" + w.name, f"{st.st_size}:{st.st_mtime_ns}".encode())
+    for name in TOKENIZER_FILES:
+        p = root / name
+        if p.is_file():
+            put("tok:" + name, _file_digest(p))
+    return h.hexdigest()[:32]
+
+
+def weights_dtype(model: Any) -> str:
+    """The most common floating dtype among the model's parameters (e.g. "bfloat16")."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    counts: Counter = Counter()
+    for _, p in tree_flatten(model.parameters()):
+        if mx.issubdtype(p.dtype, mx.floating):
+            counts[p.dtype] += p.size
+    if not counts:
+        return "none"
+    return str(counts.most_common(1)[0][0]).replace("mlx.core.", "")
+
+
+def apply_dtype_policy(model: Any, policy: str = "auto") -> str:
+    """Cast floating parameters per ``policy`` and return the compute dtype name.
+
+    auto: float32 on CPU when the weights are bfloat16/float16 (the CPU backend has no
+    fast half-precision matmul; float32 runs on BLAS), else keep them; native: never cast."""
+    import mlx.core as mx
+
+    native = weights_dtype(model)
+    if policy == "native" or native == "none":
+        return native
+    if policy == "auto":
+        on_cpu = mx.default_device() == mx.cpu
+        target = "float32" if on_cpu and native in ("bfloat16", "float16") else native
+    elif policy in ("float32", "bfloat16", "float16"):
+        target = policy
+    else:
+        raise ValueError(f"unknown dtype policy {policy!r}")
+    if target != native:
+        model.set_dtype(getattr(mx, target))
+        mx.eval(model.parameters())
+    return target
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run: mlx-lm model + TokenizerWrapper + facts about it."""
+
+    model: Any
+    tokenizer: Any
+    config: dict
+    path: Path
+    spec: str
+    fingerprint: str
+    weights_dtype: str
+    compute_dtype: str
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.spec if not Path(self.spec).exists() else self.path.name
+
+
+def load_model(spec: str | os.PathLike, dtype: str = "auto", full_hash: bool = False,
+               tokenizer_config: dict | None = None) -> LoadedModel:
+    """Load ``spec`` (folder or hub id) with ``mlx_lm.load`` and apply the dtype policy.
+    Call it on the thread that will run the model (MLX streams are thread-local)."""
+    path = resolve_model_path(spec)
+    from mlx_lm.utils import load
+
+    model, tokenizer, config = load(str(path), tokenizer_config=tokenizer_config,
+                                    return_config=True)
+    native = weights_dtype(model)
+    compute = apply_dtype_policy(model, dtype)
+    return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path,
+                       spec=str(spec), fingerprint=model_fingerprint(path, full_hash),
+                       weights_dtype=native, compute_dtype=compute)
+
+
+def chat_prompt_tokens(tokenizer: Any, messages: list[dict[str, str]],
+                       add_generation_prompt: bool = True) -> list[int]:
+    """Token ids for ``messages`` through the model's chat template (plain text join when
+    the tokenizer has none)."""
+    if getattr(tokenizer, "has_chat_template", False):
+        # Same path as the mlx_lm.generate CLI: render text, then encode without adding
+        # special tokens again (the template already holds them).
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    text = "\n".join(m["content"] for m in messages)
+    return list(tokenizer.encode(text))

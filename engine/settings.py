@@ -1,0 +1,207 @@
+"""One settings object for every front end.
+
+Precedence: command-line flags > ``MLXKV_*`` environment > TOML config file > defaults.
+Each value remembers where it came from; ``mlxkv config`` prints them. No mlx here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ENGINE_DIR = Path(__file__).resolve().parent
+DEMO_MODEL = ENGINE_DIR / "demo" / "model"
+DEMO_DRAFT_MODEL = ENGINE_DIR / "demo" / "draft"
+DTYPE_POLICIES = ("auto", "float32", "bfloat16", "float16", "native")
+
+
+class SettingsError(ValueError):
+    """A setting has a value that cannot be used; the message says which and why."""
+
+
+def default_config_path() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "mlxkv" / "config.toml"
+
+
+def parse_bytes(value: Any) -> int:
+    """``"2GiB"``, ``"512MB"``, ``"1e9"`` or an int -> bytes."""
+    if isinstance(value, bool):
+        raise SettingsError(f"not a size: {value!r}")
+    if isinstance(value, (int, float)):
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMgGtT]?)(i?)[bB]?\s*", str(value))
+    if not m:
+        raise SettingsError(f"not a size: {value!r} (use e.g. 2GiB, 512MB or a byte count)")
+    number, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
+    power = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit]
+    return int(number * ((1024 if binary else 1000) ** power))
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise SettingsError(f"not a boolean: {value!r} (use true or false)")
+
+
+def _optional(conv: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def parse(value: Any) -> Any:
+        if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
+            return None
+        return conv(value)
+    return parse
+
+
+def _choice(*choices: str) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        text = str(value).strip().lower()
+        if text not in choices:
+            raise SettingsError(f"{value!r} is not one of {', '.join(choices)}")
+        return text
+    return parse
+
+
+def _path(value: Any) -> str:
+    return os.path.expanduser(str(value))
+
+
+def _positive_int(value: Any) -> int:
+    number = int(value)
+    if number <= 0:
+        raise SettingsError(f"must be a positive integer, got {value!r}")
+    return number
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    default: Any
+    parse: Callable[[Any], Any]
+    help: str
+
+
+FIELDS: tuple[Field, ...] = (
+    Field("model", str(DEMO_MODEL), str, "model folder or Hugging Face hub id"),
+    Field("draft_model", None, _optional(str), "draft model for speculative decoding"),
+    Field("cache_dir", os.path.expanduser(os.path.join("~", ".cache", "mlxkv")), _path, "prefix cache folder (SSD tier)"),
+    Field("prefix_cache", True, _bool, "keep and reuse the KV state of prompts"),
+    Field("ram_cache_bytes", 2 * 1024**3, parse_bytes, "RAM tier capacity"),
+    Field("ssd_cache_bytes", 20 * 1024**3, parse_bytes, "SSD tier capacity"),
+    Field("block_tokens", 256, _positive_int, "tokens per cache block"),
+    Field("dtype", "auto", _choice(*DTYPE_POLICIES),
+          "compute dtype (auto: float32 on CPU for bf16/fp16 weights)"),
+    Field("temperature", 0.7, float, "sampling temperature (0 = greedy)"),
+    Field("top_p", 0.95, float, "nucleus sampling threshold (1 = off)"),
+    Field("top_k", 0, int, "top-k sampling (0 = off)"),
+    Field("min_p", 0.0, float, "min-p sampling (0 = off)"),
+    Field("repetition_penalty", 1.0, float, "repetition penalty (1 = off)"),
+    Field("seed", None, _optional(int), "random seed for sampling"),
+    Field("max_tokens", 512, _positive_int, "maximum tokens to generate"),
+    Field("prefill_step_size", 2048, _positive_int, "prompt tokens per prefill chunk"),
+    Field("system_prompt", None, _optional(str), "system message for chat"),
+    Field("blas", "auto", str, "CPU BLAS on Linux: auto, off, or a library path"),
+)
+FIELD_BY_NAME = {f.name: f for f in FIELDS}
+
+
+def _read_toml(path: Path) -> dict:
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        return {}
+    except tomllib.TOMLDecodeError as e:
+        raise SettingsError(f"config file {path} is not valid TOML: {e}") from None
+    except OSError as e:
+        raise SettingsError(f"cannot read config file {path}: {e.strerror}") from None
+    # Accept both a flat file and one with an [mlxkv] table.
+    return dict(data.get("mlxkv", data))
+
+
+def config_file_value(name: str) -> Any:
+    """One key of the config file named by MLXKV_CONFIG or the default (None if absent)."""
+    path = Path(os.environ.get("MLXKV_CONFIG") or default_config_path())
+    return _read_toml(path).get(name)
+
+
+class Settings:
+    """Effective settings: attribute access to values, ``sources[name]`` says where from."""
+
+    def __init__(self, values: dict[str, Any], sources: dict[str, str], config_path: Path):
+        self._values = values
+        self.sources = sources
+        self.config_path = config_path
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.__dict__["_values"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self._values)
+
+    def replace(self, **changes: Any) -> Settings:
+        """A copy with some values changed (source "override")."""
+        values, sources = dict(self._values), dict(self.sources)
+        for name, value in changes.items():
+            if name not in FIELD_BY_NAME:
+                raise SettingsError(f"unknown setting {name!r}")
+            values[name] = FIELD_BY_NAME[name].parse(value) if value is not None else None
+            sources[name] = "override"
+        return Settings(values, sources, self.config_path)
+
+    @classmethod
+    def load(
+        cls,
+        flags: Mapping[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
+        config_path: str | os.PathLike | None = None,
+    ) -> Settings:
+        """Resolve every field. ``flags`` holds only the flags the user gave (None = unset)."""
+        env = os.environ if env is None else env
+        flags = {k: v for k, v in (flags or {}).items() if v is not None}
+        explicit = config_path or env.get("MLXKV_CONFIG")
+        path = Path(os.path.expanduser(str(explicit))) if explicit else default_config_path()
+        if explicit and not path.exists():
+            raise SettingsError(f"config file not found: {path}")
+        file_values = _read_toml(path)
+        unknown = sorted(set(file_values) - set(FIELD_BY_NAME))
+        if unknown:
+            raise SettingsError(f"config file {path}: unknown setting(s) {', '.join(unknown)}")
+        values, sources = {}, {}
+        for f in FIELDS:
+            env_name = "MLXKV_" + f.name.upper()
+            if f.name in flags:
+                raw, source = flags[f.name], "flag --" + f.name.replace("_", "-")
+            elif env.get(env_name) not in (None, ""):
+                raw, source = env[env_name], "env " + env_name
+            elif f.name in file_values:
+                raw, source = file_values[f.name], f"config {path}"
+            else:
+                values[f.name], sources[f.name] = f.default, "default"
+                continue
+            try:
+                values[f.name] = f.parse(raw)
+            except (SettingsError, ValueError, TypeError) as e:
+                raise SettingsError(f"{f.name} from {source}: {e}") from None
+            sources[f.name] = source
+        return cls(values, sources, path)
+
+    def describe(self) -> list[tuple[str, Any, str]]:
+        return [(f.name, self._values[f.name], self.sources[f.name]) for f in FIELDS]

@@ -1,0 +1,263 @@
+"""mlxkv command line: ``mlxkv`` (TUI, else chat), ``mlxkv chat``, ``mlxkv generate``,
+``mlxkv config``, ``mlxkv --version``.
+
+Start-up is kept light on purpose (``mlxkv generate``'s process start -> first token is
+benchmarked against mlx-lm's CLI): argparse first, then ``engine`` (which loads OpenBLAS
+before mlx), and mlx/mlx-lm only when a model is needed. Textual is never imported here
+unless the TUI runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import uuid
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+__version__ = "0.1.0"
+PROG = "mlxkv"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # One clear line instead of argparse's usage block.
+        self.exit(2, f"{PROG}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _common_flags() -> argparse.ArgumentParser:
+    """Settings flags, accepted before or after the sub-command. SUPPRESS keeps unset
+    flags out of the namespace so the environment and config file can fill them."""
+    p = _Parser(add_help=False)
+    S = argparse.SUPPRESS
+    p.add_argument("--model", default=S, help="model folder or hub id (default: demo model)")
+    p.add_argument("--draft-model", default=S, help="draft model folder or hub id")
+    p.add_argument("--cache-dir", default=S, help="prefix cache folder")
+    p.add_argument("--config", default=S, help="TOML config file")
+    p.add_argument("--dtype", default=S, choices=["auto", "float32", "bfloat16", "float16",
+                                                   "native"], help="compute dtype policy")
+    p.add_argument("--temp", dest="temperature", type=float, default=S,
+                   help="sampling temperature (0 = greedy)")
+    p.add_argument("--top-p", type=float, default=S)
+    p.add_argument("--top-k", type=int, default=S)
+    p.add_argument("--min-p", type=float, default=S)
+    p.add_argument("--repetition-penalty", type=float, default=S)
+    p.add_argument("--seed", type=int, default=S)
+    p.add_argument("--max-tokens", type=int, default=S)
+    p.add_argument("--prefill-step-size", type=int, default=S)
+    p.add_argument("--block-tokens", type=int, default=S)
+    p.add_argument("--ram-cache-bytes", default=S, help="RAM tier size, e.g. 2GiB")
+    p.add_argument("--system-prompt", default=S)
+    p.add_argument("--blas", default=S, help="auto, off, or a BLAS library path (Linux)")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   default=S, help="do not reuse cached prompt state")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = _common_flags()
+    parser = _Parser(prog=PROG, parents=[common],
+                     description="Local LLM engine on MLX with a tiered prefix cache.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.add_parser("chat", parents=[common], help="plain terminal chat")
+    gen = sub.add_parser("generate", parents=[common], help="generate one reply and exit")
+    gen.add_argument("--prompt", "-p", required=True, help="user message ('-' reads stdin)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--raw", action="store_true", help="no chat template: prompt as is")
+    cfg = sub.add_parser("config", parents=[common], help="print the effective settings")
+    cfg.add_argument("--json", action="store_true")
+    return parser
+
+
+def _fail(message: str, code: int = 1) -> int:
+    sys.stderr.write(f"{PROG}: error: {message}\n")
+    return code
+
+
+def _settings(args: argparse.Namespace) -> Any:
+    from engine.settings import FIELD_BY_NAME, Settings
+
+    flags = {k: v for k, v in vars(args).items() if k in FIELD_BY_NAME}
+    return Settings.load(flags, config_path=getattr(args, "config", None))
+
+
+def _params(settings: Any, stop: Sequence[str] = ()) -> Any:
+    from engine.generate import SamplingParams
+
+    return SamplingParams(
+        max_tokens=settings.max_tokens, temperature=settings.temperature,
+        top_p=settings.top_p, top_k=settings.top_k, min_p=settings.min_p,
+        repetition_penalty=settings.repetition_penalty, seed=settings.seed,
+        stop=tuple(stop), prefill_step_size=settings.prefill_step_size)
+
+
+def _start_engine(settings: Any) -> Any:
+    from engine.engine import Engine
+
+    return Engine.from_settings(settings).start()
+
+
+def stats_line(stats: Any, reason: str | None) -> str:
+    if stats is None:
+        return f"[{reason}]"
+    return (f"[prompt {stats.prompt_tokens} tok, cached {stats.cached_tokens}, "
+            f"TTFT {stats.ttft_s:.2f} s, prefill {stats.prefill_tps:.0f} tok/s, "
+            f"{stats.generated_tokens} tok at {stats.decode_tps:.1f} tok/s, {reason}]")
+
+
+def _stream(handle: Any, out: Any) -> Any:
+    """Print a request's text as it arrives; Ctrl-C cancels it. Returns the Result."""
+    from engine.engine import TokenEvent
+
+    events = handle.events()
+    while True:
+        try:
+            for event in events:
+                if isinstance(event, TokenEvent) and event.text:
+                    out.write(event.text)
+                    out.flush()
+            break
+        except KeyboardInterrupt:
+            handle.cancel()  # keep draining: the engine answers with "cancelled"
+    return handle.result()
+
+
+def cmd_generate(args: argparse.Namespace, settings: Any) -> int:
+    from engine.engine import EngineError, Request
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    engine = _start_engine(settings)
+    try:
+        if args.raw:
+            request = Request(prompt=prompt, params=_params(settings, args.stop))
+        else:
+            messages = ([{"role": "system", "content": settings.system_prompt}]
+                        if settings.system_prompt else [])
+            messages.append({"role": "user", "content": prompt})
+            request = Request(messages=messages, params=_params(settings, args.stop))
+        handle = engine.submit(request)
+        try:
+            if args.json:
+                result = handle.result()
+            else:
+                result = _stream(handle, sys.stdout)
+                sys.stdout.write("\n")
+                sys.stderr.write(stats_line(result.stats, result.finish_reason) + "\n")
+        except EngineError as e:
+            return _fail(str(e))
+        if args.json:
+            stats = result.stats.__dict__ if result.stats else None
+            print(json.dumps({"text": result.text, "tokens": result.tokens,
+                              "finish_reason": result.finish_reason,
+                              "finish_detail": result.finish_detail, "stats": stats,
+                              "model": engine.info}))
+        return 130 if result.finish_reason == "cancelled" else 0
+    finally:
+        engine.shutdown()
+
+
+def cmd_chat(settings: Any) -> int:
+    from engine.engine import EngineError, Request
+
+    engine = _start_engine(settings)
+    info = engine.info
+    print(f"mlxkv chat: {info['model']} ({info['compute_dtype']}, {info['blas']})")
+    print("/quit or Ctrl-D to leave; Ctrl-C stops a reply.")
+    session = uuid.uuid4().hex
+    messages: list[dict[str, str]] = (
+        [{"role": "system", "content": settings.system_prompt}] if settings.system_prompt
+        else [])
+    try:
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                print()
+                return 0
+            except KeyboardInterrupt:
+                print()
+                continue
+            if line.strip() in ("/quit", "/exit", "/q"):
+                return 0
+            if not line.strip():
+                continue
+            messages.append({"role": "user", "content": line})
+            handle = engine.submit(Request(messages=list(messages), params=_params(settings),
+                                           session=session))
+            try:
+                result = _stream(handle, sys.stdout)
+            except EngineError as e:
+                messages.pop()
+                print(_fail(str(e)) and "")
+                continue
+            print()
+            print(stats_line(result.stats, result.finish_reason))
+            messages.append({"role": "assistant", "content": result.text})
+    finally:
+        engine.shutdown()
+
+
+def cmd_config(args: argparse.Namespace, settings: Any) -> int:
+    from engine.blas import blas_info, describe
+
+    rows = settings.describe()
+    if args.json:
+        print(json.dumps({"settings": {n: {"value": v, "source": s} for n, v, s in rows},
+                          "config_file": str(settings.config_path), "blas": blas_info()},
+                         default=str))
+        return 0
+    width = max(len(n) for n, _, _ in rows)
+    for name, value, source in rows:
+        print(f"{name:<{width}}  {value!s:<40}  ({source})")
+    exists = "" if settings.config_path.exists() else " (not present)"
+    print(f"{'config file':<{width}}  {settings.config_path}{exists}")
+    print(f"{'BLAS in use':<{width}}  {describe()}")
+    return 0
+
+
+def _run_tui(settings: Any) -> int | None:
+    """Run the Textual app if the tui package has one (``tui.app.run(settings)``)."""
+    import importlib.util
+
+    if importlib.util.find_spec("tui") is None or importlib.util.find_spec("tui.app") is None:
+        return None
+    from tui import app
+
+    run = getattr(app, "run", None)
+    return None if run is None else int(run(settings) or 0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # BLAS and config file choices must be known before `engine` loads mlx.
+    if getattr(args, "blas", None):
+        os.environ["MLXKV_BLAS"] = args.blas
+    if getattr(args, "config", None):
+        os.environ["MLXKV_CONFIG"] = args.config
+    from engine.engine import EngineError
+    from engine.models import ModelNotFoundError
+    from engine.settings import SettingsError
+
+    try:
+        settings = _settings(args)
+        if args.command == "config":
+            return cmd_config(args, settings)
+        if args.command == "generate":
+            return cmd_generate(args, settings)
+        if args.command is None:
+            code = _run_tui(settings)
+            if code is not None:
+                return code
+        return cmd_chat(settings)
+    except (SettingsError, ModelNotFoundError, EngineError, ValueError) as e:
+        return _fail(str(e))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

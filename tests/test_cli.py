@@ -1,0 +1,91 @@
+"""The command line, run as a user would (subprocesses): errors, config, generate, chat."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def mlxkv(*args, stdin=None, **env):
+    # No network, no user config, and a private prefix-cache folder.
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1",
+                "MLXKV_CACHE_DIR": str(ROOT / ".cache" / "test-cli-prefix-cache"), **env}
+    full_env.pop("MLXKV_CONFIG", None)
+    full_env.setdefault("XDG_CONFIG_HOME", str(ROOT / ".cache" / "no-config"))
+    return subprocess.run([sys.executable, str(ROOT / "mlxkv.py"), *args], cwd=ROOT,
+                          input=stdin, capture_output=True, text=True, env=full_env,
+                          timeout=120)
+
+
+def one_line_error(r, code, needle):
+    assert r.returncode == code, (r.returncode, r.stderr)
+    lines = [ln for ln in r.stderr.splitlines() if "PyTorch was not found" not in ln]
+    assert len(lines) == 1 and lines[0].startswith("mlxkv: error:"), r.stderr
+    assert needle in lines[0], lines[0]
+    assert r.stdout == ""
+
+
+def test_version():
+    r = mlxkv("--version")
+    assert r.returncode == 0 and r.stdout.strip() == "mlxkv 0.1.0"
+
+
+def test_invalid_flag_and_value():
+    one_line_error(mlxkv("--bogus"), 2, "unrecognized arguments: --bogus")
+    one_line_error(mlxkv("generate", "--prompt", "x", "--temp", "hot"), 2, "invalid float")
+    one_line_error(mlxkv("generate"), 2, "--prompt")
+
+
+def test_missing_model_folder(tmp_path):
+    one_line_error(mlxkv("generate", "--prompt", "hi", "--model", str(tmp_path / "nope")),
+                   1, "model folder not found")
+
+
+def test_unknown_hub_id_offline(tmp_path):
+    one_line_error(mlxkv("generate", "--prompt", "hi", "--model", "mlxkv-test/no-such-model",
+                         HF_HUB_CACHE=str(tmp_path)), 1, "offline")
+
+
+def test_bad_setting_from_env():
+    one_line_error(mlxkv("config", MLXKV_MAX_TOKENS="many"), 1, "MLXKV_MAX_TOKENS")
+
+
+def test_config_shows_values_and_sources(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("top_k = 9\nmax_tokens = 5\n")
+    r = mlxkv("config", "--max-tokens", "7", "--config", str(cfg), MLXKV_TEMPERATURE="0.3")
+    assert r.returncode == 0, r.stderr
+    rows = {ln.split()[0]: ln for ln in r.stdout.splitlines()}
+    assert "7" in rows["max_tokens"] and "flag --max-tokens" in rows["max_tokens"]
+    assert "0.3" in rows["temperature"] and "env MLXKV_TEMPERATURE" in rows["temperature"]
+    assert "9" in rows["top_k"] and str(cfg) in rows["top_k"]
+    assert "(default)" in rows["block_tokens"]
+    assert "BLAS in use" in r.stdout
+    j = json.loads(mlxkv("config", "--json", "--blas", "off").stdout)
+    assert j["settings"]["blas"] == {"value": "off", "source": "flag --blas"}
+    assert j["blas"]["name"].startswith("reference")
+
+
+def test_generate_json_and_stream(tiny_qwen3):
+    args = ("generate", "--model", str(tiny_qwen3), "--prompt", "hello", "--max-tokens", "12",
+            "--temp", "1.0", "--seed", "7")
+    r = mlxkv(*args, "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["finish_reason"] in ("length", "stop") and 0 < len(out["tokens"]) <= 12
+    assert out["stats"]["prompt_tokens"] > 0 and out["model"]["fingerprint"]
+    streamed = mlxkv(*args)
+    assert streamed.returncode == 0
+    assert streamed.stdout == out["text"] + "\n"  # same seed, same text, streamed
+    assert "[prompt" in streamed.stderr and "TTFT" in streamed.stderr
+
+
+def test_chat_repl(tiny_qwen3):
+    # Two turns, then end of input (Ctrl-D) leaves cleanly.
+    r = mlxkv("chat", "--model", str(tiny_qwen3), "--max-tokens", "5",
+              stdin="hello\n/unknown-is-a-message\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("[prompt") == 2 and "cached" in r.stdout
