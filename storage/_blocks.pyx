@@ -144,6 +144,18 @@ cdef class _Segments:
             total += self.segs[i].outer * (t1 - t0) * self.segs[i].row_bytes
         return total
 
+    cdef int check_disjoint(self, const char *p, Py_ssize_t n, str what) except -1:
+        """Refuse a packed region that overlaps a segment (memcpy of overlaps is undefined)."""
+        cdef Py_ssize_t i
+        cdef const char *q
+        if n == 0:
+            return 0
+        for i in range(self.n):
+            q = self.segs[i].ptr
+            if self.views[i].len and p < q + self.views[i].len and q < p + n:
+                raise ValueError(f"{what} overlaps segment {i}")
+        return 0
+
 
 cdef class _Views:
     """Pinned C-contiguous views of a list of buffers, released on dealloc."""
@@ -249,6 +261,7 @@ def pack(dst, Py_ssize_t dst_offset, segments, Py_ssize_t t0, Py_ssize_t t1,
     _get_buffer(dst, &out, True, "dst")
     try:
         _check_flat(out.len, dst_offset, total, "dst")
+        segs.check_disjoint(<char *>out.buf + dst_offset, total, "dst")
         with nogil:
             mk_xxh3_init(&st, seed)
             _gather(segs.segs, segs.n, t0, t1 - t0, <char *>out.buf + dst_offset, stp)
@@ -269,6 +282,7 @@ cdef Py_ssize_t _unpack(src, Py_ssize_t src_offset, segments, Py_ssize_t dst_t0,
     _get_buffer(src, &inp, False, "src")
     try:
         _check_flat(inp.len, src_offset, total, "src")
+        segs.check_disjoint(<const char *>inp.buf + src_offset, total, "src")
         with nogil:
             _scatter(segs.segs, segs.n, dst_t0, ntokens, <const char *>inp.buf + src_offset, st)
     finally:

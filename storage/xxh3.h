@@ -30,9 +30,11 @@
 #if defined(__GNUC__) || defined(__clang__)
 #define MK_INLINE static inline __attribute__((always_inline))
 #define MK_ALIGN64 __attribute__((aligned(64)))
+#define MK_API static __attribute__((unused)) /* not every includer uses every function */
 #else
 #define MK_INLINE static inline
 #define MK_ALIGN64
+#define MK_API static
 #endif
 
 #define MK_P32_1 0x9E3779B1U
@@ -521,7 +523,7 @@ static mk_consume_fn mk_consume = mk_consume_scalar;
 static int mk_isa = MK_ISA_SCALAR;
 
 /* Is `isa` usable on this CPU? */
-static int mk_isa_supported(int isa) {
+MK_API int mk_isa_supported(int isa) {
     switch (isa) {
     case MK_ISA_SCALAR:
         return 1;
@@ -547,7 +549,7 @@ static int mk_isa_supported(int isa) {
 }
 
 /* Select the stripe loop; returns 0 if `isa` is not usable here. Called with the GIL held. */
-static int mk_set_isa(int isa) {
+MK_API int mk_set_isa(int isa) {
     if (!mk_isa_supported(isa)) return 0;
     switch (isa) {
 #ifdef MK_X86
@@ -566,7 +568,7 @@ static int mk_set_isa(int isa) {
 
 /* Best loop for this CPU: the widest vectors. (AVX-512 costs some CPUs a little clock
  * speed, but hashing here is bound by memory bandwidth, and it wins on current ones.) */
-static int mk_best_isa(void) {
+MK_API int mk_best_isa(void) {
     if (mk_isa_supported(MK_ISA_AVX512)) return MK_ISA_AVX512;
     if (mk_isa_supported(MK_ISA_AVX2)) return MK_ISA_AVX2;
     if (mk_isa_supported(MK_ISA_SSE2)) return MK_ISA_SSE2;
@@ -590,7 +592,7 @@ static uint64_t mk_long_finish(uint64_t *acc, size_t *nb, const uint8_t *secret,
 }
 
 /* One-shot XXH3-64 of len bytes. Reentrant; no GIL needed. */
-static uint64_t mk_xxh3_64(const void *data, size_t len, uint64_t seed) {
+MK_API uint64_t mk_xxh3_64(const void *data, size_t len, uint64_t seed) {
     const uint8_t *p = (const uint8_t *)data;
     if (len <= MK_MIDSIZE_MAX) return mk_xxh3_short(p, len, seed);
     uint8_t derived[MK_SECRET_LEN] MK_ALIGN64;
@@ -619,7 +621,7 @@ typedef struct {
     size_t nb_stripes; /* stripes consumed in the current block */
 } mk_xxh3_state;
 
-static void mk_xxh3_init(mk_xxh3_state *st, uint64_t seed) {
+MK_API void mk_xxh3_init(mk_xxh3_state *st, uint64_t seed) {
     mk_acc_init(st->acc);
     mk_derive_secret(st->secret, seed);
     st->seed = seed;
@@ -634,7 +636,7 @@ static void mk_xxh3_init(mk_xxh3_state *st, uint64_t seed) {
  * Invariant: at least one byte always stays unconsumed, because the input's last stripe
  * is treated differently and we cannot know yet which stripe is last.
  */
-static void mk_xxh3_update_copy(mk_xxh3_state *st, uint8_t *dst, const uint8_t *p, size_t len) {
+MK_API void mk_xxh3_update_copy(mk_xxh3_state *st, uint8_t *dst, const uint8_t *p, size_t len) {
     if (len == 0) return;
     st->total_len += len;
     uint8_t *data = st->buf + MK_STRIPE;
@@ -670,12 +672,12 @@ static void mk_xxh3_update_copy(mk_xxh3_state *st, uint8_t *dst, const uint8_t *
     st->buf_len = len;
 }
 
-static void mk_xxh3_update(mk_xxh3_state *st, const uint8_t *p, size_t len) {
+MK_API void mk_xxh3_update(mk_xxh3_state *st, const uint8_t *p, size_t len) {
     mk_xxh3_update_copy(st, NULL, p, len);
 }
 
 /* Digest of everything fed so far; the state stays usable. */
-static uint64_t mk_xxh3_digest(const mk_xxh3_state *st) {
+MK_API uint64_t mk_xxh3_digest(const mk_xxh3_state *st) {
     const uint8_t *data = st->buf + MK_STRIPE;
     if (st->total_len <= MK_MIDSIZE_MAX) return mk_xxh3_short(data, (size_t)st->total_len, st->seed);
     uint64_t acc[8] MK_ALIGN64;

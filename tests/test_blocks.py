@@ -139,7 +139,7 @@ def _ranges(t_cap):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_pack_matches_reference_and_hash(layout):
+def test_pack_matches_reference_and_hash(layout, isa):
     segs = LAYOUTS[layout]()
     t_cap = segs[0][2]
     for t0, t1 in _ranges(t_cap):
@@ -221,6 +221,11 @@ def test_pack_and_unpack_bounds_errors():
         assert bytes(dst) == untouched
     with pytest.raises(TypeError):
         B.pack(dst, 0, [(object(), 1, 1, 1)], 0, 1)
+    own = np.zeros((4, 16, 8), np.uint8)  # packing a buffer into itself: overlapping memcpy
+    with pytest.raises(ValueError, match="overlaps"):
+        B.pack(own, 0, [(own[:2], 2, 16, 8)], 0, 16)
+    with pytest.raises(ValueError, match="overlaps"):
+        B.unpack(own.reshape(-1), 128, [(own[1:3], 2, 16, 8)], 0, 4)
     with pytest.raises(ValueError):
         B.packed_size(segs, -1)
     # The reference agrees on what is an error.
