@@ -6,6 +6,7 @@ from libc.stdint cimport uint8_t, uint64_t
 cdef extern from "xxh3.h" nogil:
     ctypedef struct mk_xxh3_state:
         uint64_t total_len
+        int nt_stores
 
     int MK_ISA_SCALAR, MK_ISA_SSE2, MK_ISA_AVX2, MK_ISA_AVX512, MK_ISA_NEON
     int mk_isa

@@ -29,6 +29,10 @@ from posix.stdlib cimport posix_memalign
 # costs more than hashing a small header.
 cdef enum:
     _NOGIL_MIN = 16384
+# Fused copies of at least this many bytes use non-temporal stores: such a block is bound
+# for the disk (or for arrays bigger than the cache), so caching it only costs bandwidth.
+cdef Py_ssize_t _STREAM_MIN = 8 << 20
+STREAM_MIN_BYTES = _STREAM_MIN
 
 _ISA_NAMES = {"scalar": MK_ISA_SCALAR, "sse2": MK_ISA_SSE2, "avx2": MK_ISA_AVX2,
               "avx512": MK_ISA_AVX512, "neon": MK_ISA_NEON}
@@ -264,6 +268,7 @@ def pack(dst, Py_ssize_t dst_offset, segments, Py_ssize_t t0, Py_ssize_t t1,
         segs.check_disjoint(<char *>out.buf + dst_offset, total, "dst")
         with nogil:
             mk_xxh3_init(&st, seed)
+            st.nt_stores = total >= _STREAM_MIN
             _gather(segs.segs, segs.n, t0, t1 - t0, <char *>out.buf + dst_offset, stp)
             if hash:
                 h = mk_xxh3_digest(&st)
@@ -306,6 +311,7 @@ def unpack_hash(src, Py_ssize_t src_offset, segments, Py_ssize_t dst_t0, Py_ssiz
     """
     cdef mk_xxh3_state st
     mk_xxh3_init(&st, seed)
+    st.nt_stores = packed_size(segments, ntokens) >= _STREAM_MIN
     n = _unpack(src, src_offset, segments, dst_t0, ntokens, &st)
     return (n, mk_xxh3_digest(&st))
 

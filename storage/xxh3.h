@@ -267,52 +267,49 @@ MK_INLINE void mk_scramble_scalar(uint64_t *acc, const uint8_t *s) {
  * Consume `n` full stripes at p, continuing a block that already holds *nb stripes.
  * Callers only pass stripes that are known NOT to be the input's last one, so a completed
  * block is always followed by more data and is scrambled at once.
- * When dst is non-NULL the stripes are also copied there (fused copy + hash).
+ * When dst is non-NULL the stripes are also copied there (fused copy + hash); with nt set
+ * and dst aligned for the ISA's vectors, with non-temporal stores: a large packed block is
+ * headed for the disk, not the cache, and streaming stores skip reading each destination
+ * line before writing it (a third of the memory traffic of a plain copy).
  * One definition per ISA: STEP accumulates a stripe, STEPC also stores it to dst from the
- * same registers, SCRAMBLE ends a block.
+ * same registers, STEPNT stores it non-temporally, SCRAMBLE ends a block, FENCE orders
+ * non-temporal stores before the function returns.
  */
-#define MK_DEFINE_CONSUME(NAME, ATTR, STATE_DECL, LOAD_ACC, STORE_ACC, STEP, STEPC, SCRAMBLE) \
-    ATTR static void NAME(uint64_t *acc, size_t *nb, const uint8_t *secret, const uint8_t *p,    \
-                          uint8_t *dst, size_t n) {                                              \
-        STATE_DECL;                                                                              \
-        LOAD_ACC;                                                                                \
-        size_t k = *nb;                                                                          \
-        if (dst) {                                                                               \
-            while (n) {                                                                          \
-                size_t m = MK_STRIPES_PER_BLOCK - k;                                             \
-                if (m > n) m = n;                                                                \
-                for (size_t j = 0; j < m; j++) {                                                 \
-                    MK_PREFETCH(p + MK_PREFETCH_DIST);                                           \
-                    STEPC(dst, p, secret + 8 * (k + j));                                         \
-                    p += MK_STRIPE;                                                              \
-                    dst += MK_STRIPE;                                                            \
-                }                                                                                \
-                n -= m;                                                                          \
-                k += m;                                                                          \
-                if (k == MK_STRIPES_PER_BLOCK) {                                                 \
-                    SCRAMBLE(secret + MK_SECRET_LEN - MK_STRIPE);                                \
-                    k = 0;                                                                       \
-                }                                                                                \
-            }                                                                                    \
-        } else {                                                                                 \
-            while (n) {                                                                          \
-                size_t m = MK_STRIPES_PER_BLOCK - k;                                             \
-                if (m > n) m = n;                                                                \
-                for (size_t j = 0; j < m; j++) {                                                 \
-                    MK_PREFETCH(p + MK_PREFETCH_DIST);                                           \
-                    STEP(p, secret + 8 * (k + j));                                               \
-                    p += MK_STRIPE;                                                              \
-                }                                                                                \
-                n -= m;                                                                          \
-                k += m;                                                                          \
-                if (k == MK_STRIPES_PER_BLOCK) {                                                 \
-                    SCRAMBLE(secret + MK_SECRET_LEN - MK_STRIPE);                                \
-                    k = 0;                                                                       \
-                }                                                                                \
-            }                                                                                    \
-        }                                                                                        \
-        *nb = k;                                                                                 \
-        STORE_ACC;                                                                               \
+#define MK_BLOCK_LOOP(STEPX, ADVANCE_DST, SCRAMBLE)                                     \
+    while (n) {                                                                         \
+        size_t m = MK_STRIPES_PER_BLOCK - k;                                            \
+        if (m > n) m = n;                                                               \
+        for (size_t j = 0; j < m; j++) {                                                \
+            MK_PREFETCH(p + MK_PREFETCH_DIST);                                          \
+            STEPX;                                                                      \
+            p += MK_STRIPE;                                                             \
+            ADVANCE_DST;                                                                \
+        }                                                                               \
+        n -= m;                                                                         \
+        k += m;                                                                         \
+        if (k == MK_STRIPES_PER_BLOCK) {                                                \
+            SCRAMBLE(secret + MK_SECRET_LEN - MK_STRIPE);                               \
+            k = 0;                                                                      \
+        }                                                                               \
+    }
+
+#define MK_DEFINE_CONSUME(NAME, ATTR, STATE_DECL, LOAD_ACC, STORE_ACC, STEP, STEPC, STEPNT,    \
+                          NT_ALIGN, FENCE, SCRAMBLE)                                            \
+    ATTR static void NAME(uint64_t *acc, size_t *nb, const uint8_t *secret, const uint8_t *p,   \
+                          uint8_t *dst, size_t n, int nt) {                                     \
+        STATE_DECL;                                                                             \
+        LOAD_ACC;                                                                               \
+        size_t k = *nb;                                                                         \
+        if (dst == NULL) {                                                                      \
+            MK_BLOCK_LOOP(STEP(p, secret + 8 * (k + j)), (void)0, SCRAMBLE)                     \
+        } else if (nt && ((uintptr_t)dst & ((NT_ALIGN) - 1)) == 0) {                            \
+            MK_BLOCK_LOOP(STEPNT(dst, p, secret + 8 * (k + j)), dst += MK_STRIPE, SCRAMBLE)     \
+            FENCE;                                                                              \
+        } else {                                                                                \
+            MK_BLOCK_LOOP(STEPC(dst, p, secret + 8 * (k + j)), dst += MK_STRIPE, SCRAMBLE)      \
+        }                                                                                       \
+        *nb = k;                                                                                \
+        STORE_ACC;                                                                              \
     }
 
 /* Six stripes ahead: far enough to hide L2/L3 latency on streaming input. */
@@ -324,7 +321,7 @@ MK_INLINE void mk_scramble_scalar(uint64_t *acc, const uint8_t *s) {
 #endif
 
 typedef void (*mk_consume_fn)(uint64_t *, size_t *, const uint8_t *, const uint8_t *, uint8_t *,
-                              size_t);
+                              size_t, int);
 
 /* scalar */
 #define MK_S_DECL uint64_t a[8]
@@ -335,7 +332,7 @@ typedef void (*mk_consume_fn)(uint64_t *, size_t *, const uint8_t *, const uint8
 #define MK_S_STEPC(d, p, s) \
     do { memcpy((d), (p), MK_STRIPE); mk_accumulate_scalar(a, (d), (s)); } while (0)
 MK_DEFINE_CONSUME(mk_consume_scalar, , MK_S_DECL, MK_S_LOAD, MK_S_STORE, MK_S_STEP, MK_S_STEPC,
-                  MK_S_SCRAMBLE)
+                  MK_S_STEPC, 1, (void)0, MK_S_SCRAMBLE)
 
 #ifdef MK_X86
 /* SSE2 (always present on x86-64): 4 registers of 2 lanes. _mm_mul_epu32 multiplies the low
@@ -359,25 +356,26 @@ MK_DEFINE_CONSUME(mk_consume_scalar, , MK_S_DECL, MK_S_LOAD, MK_S_STORE, MK_S_ST
         __m128i m_ = _mm_mul_epu32(k_, _mm_srli_epi64(k_, 32));                \
         A = _mm_add_epi64(A, _mm_add_epi64(_mm_shuffle_epi32(D, 0x4E), m_));        \
     } while (0)
-#define MK_SSE_STEP4(dst, p, s)                                                  \
+#define MK_SSE_STEP4(dst, p, s, STORE)                                           \
     do {                                                                         \
         __m128i d0 = _mm_loadu_si128((const __m128i *)(p) + 0);                  \
         __m128i d1 = _mm_loadu_si128((const __m128i *)(p) + 1);                  \
         __m128i d2 = _mm_loadu_si128((const __m128i *)(p) + 2);                  \
         __m128i d3 = _mm_loadu_si128((const __m128i *)(p) + 3);                  \
         if (dst) {                                                               \
-            _mm_storeu_si128((__m128i *)(dst) + 0, d0);                          \
-            _mm_storeu_si128((__m128i *)(dst) + 1, d1);                          \
-            _mm_storeu_si128((__m128i *)(dst) + 2, d2);                          \
-            _mm_storeu_si128((__m128i *)(dst) + 3, d3);                          \
+            STORE((__m128i *)(dst) + 0, d0);                                     \
+            STORE((__m128i *)(dst) + 1, d1);                                     \
+            STORE((__m128i *)(dst) + 2, d2);                                     \
+            STORE((__m128i *)(dst) + 3, d3);                                     \
         }                                                                        \
         MK_SSE_ACC(a0, d0, s, 0);                                                \
         MK_SSE_ACC(a1, d1, s, 1);                                                \
         MK_SSE_ACC(a2, d2, s, 2);                                                \
         MK_SSE_ACC(a3, d3, s, 3);                                                \
     } while (0)
-#define MK_SSE_STEP(p, s) MK_SSE_STEP4((uint8_t *)0, p, s)
-#define MK_SSE_STEPC(d, p, s) MK_SSE_STEP4(d, p, s)
+#define MK_SSE_STEP(p, s) MK_SSE_STEP4((uint8_t *)0, p, s, _mm_storeu_si128)
+#define MK_SSE_STEPC(d, p, s) MK_SSE_STEP4(d, p, s, _mm_storeu_si128)
+#define MK_SSE_STEPNT(d, p, s) MK_SSE_STEP4(d, p, s, _mm_stream_si128)
 #define MK_SSE_SCR(A, s, i)                                                    \
     do {                                                                       \
         __m128i x_ = _mm_xor_si128(A, _mm_srli_epi64(A, 47));                  \
@@ -394,7 +392,7 @@ MK_DEFINE_CONSUME(mk_consume_scalar, , MK_S_DECL, MK_S_LOAD, MK_S_STORE, MK_S_ST
         MK_SSE_SCR(a3, s, 3); \
     } while (0)
 MK_DEFINE_CONSUME(mk_consume_sse2, , MK_SSE_DECL, MK_SSE_LOAD, MK_SSE_STORE, MK_SSE_STEP,
-                  MK_SSE_STEPC, MK_SSE_SCRAMBLE)
+                  MK_SSE_STEPC, MK_SSE_STEPNT, 16, _mm_sfence(), MK_SSE_SCRAMBLE)
 
 /* AVX2: 2 registers of 4 lanes; the shuffles act within 128-bit halves, exactly as needed. */
 #define MK_AVX2_DECL __m256i a0, a1; const __m256i prime = _mm256_set1_epi32((int)MK_P32_1)
@@ -410,19 +408,20 @@ MK_DEFINE_CONSUME(mk_consume_sse2, , MK_SSE_DECL, MK_SSE_LOAD, MK_SSE_STORE, MK_
         __m256i m_ = _mm256_mul_epu32(k_, _mm256_srli_epi64(k_, 32));              \
         A = _mm256_add_epi64(A, _mm256_add_epi64(_mm256_shuffle_epi32(D, 0x4E), m_));   \
     } while (0)
-#define MK_AVX2_STEP2(dst, p, s)                                     \
+#define MK_AVX2_STEP2(dst, p, s, STORE)                              \
     do {                                                             \
         __m256i d0 = _mm256_loadu_si256((const __m256i *)(p) + 0);   \
         __m256i d1 = _mm256_loadu_si256((const __m256i *)(p) + 1);   \
         if (dst) {                                                   \
-            _mm256_storeu_si256((__m256i *)(dst) + 0, d0);           \
-            _mm256_storeu_si256((__m256i *)(dst) + 1, d1);           \
+            STORE((__m256i *)(dst) + 0, d0);                         \
+            STORE((__m256i *)(dst) + 1, d1);                         \
         }                                                            \
         MK_AVX2_ACC(a0, d0, s, 0);                                   \
         MK_AVX2_ACC(a1, d1, s, 1);                                   \
     } while (0)
-#define MK_AVX2_STEP(p, s) MK_AVX2_STEP2((uint8_t *)0, p, s)
-#define MK_AVX2_STEPC(d, p, s) MK_AVX2_STEP2(d, p, s)
+#define MK_AVX2_STEP(p, s) MK_AVX2_STEP2((uint8_t *)0, p, s, _mm256_storeu_si256)
+#define MK_AVX2_STEPC(d, p, s) MK_AVX2_STEP2(d, p, s, _mm256_storeu_si256)
+#define MK_AVX2_STEPNT(d, p, s) MK_AVX2_STEP2(d, p, s, _mm256_stream_si256)
 #define MK_AVX2_SCR(A, s, i)                                                       \
     do {                                                                           \
         __m256i x_ = _mm256_xor_si256(A, _mm256_srli_epi64(A, 47));                \
@@ -437,23 +436,25 @@ MK_DEFINE_CONSUME(mk_consume_sse2, , MK_SSE_DECL, MK_SSE_LOAD, MK_SSE_STORE, MK_
         MK_AVX2_SCR(a1, s, 1); \
     } while (0)
 MK_DEFINE_CONSUME(mk_consume_avx2, __attribute__((target("avx2"))), MK_AVX2_DECL, MK_AVX2_LOAD,
-                  MK_AVX2_STORE, MK_AVX2_STEP, MK_AVX2_STEPC, MK_AVX2_SCRAMBLE)
+                  MK_AVX2_STORE, MK_AVX2_STEP, MK_AVX2_STEPC, MK_AVX2_STEPNT, 32, _mm_sfence(),
+                  MK_AVX2_SCRAMBLE)
 
 /* AVX-512F: the whole accumulator in one register. */
 #define MK_AVX512_DECL __m512i a0; const __m512i prime = _mm512_set1_epi32((int)MK_P32_1)
 #define MK_AVX512_LOAD a0 = _mm512_loadu_si512((const void *)acc)
 #define MK_AVX512_STORE _mm512_storeu_si512((void *)acc, a0)
-#define MK_AVX512_STEP1(dst, p, s)                                                           \
+#define MK_AVX512_STEP1(dst, p, s, STORE)                                                    \
     do {                                                                                     \
         __m512i d_ = _mm512_loadu_si512((const void *)(p));                                  \
-        if (dst) _mm512_storeu_si512((void *)(dst), d_);                                     \
+        if (dst) STORE((void *)(dst), d_);                                                   \
         __m512i k_ = _mm512_xor_si512(d_, _mm512_loadu_si512((const void *)(s)));            \
         __m512i m_ = _mm512_mul_epu32(k_, _mm512_srli_epi64(k_, 32));    \
         a0 = _mm512_add_epi64(                                                               \
             a0, _mm512_add_epi64(_mm512_shuffle_epi32(d_, (_MM_PERM_ENUM)0x4E), m_));        \
     } while (0)
-#define MK_AVX512_STEP(p, s) MK_AVX512_STEP1((uint8_t *)0, p, s)
-#define MK_AVX512_STEPC(d, p, s) MK_AVX512_STEP1(d, p, s)
+#define MK_AVX512_STEP(p, s) MK_AVX512_STEP1((uint8_t *)0, p, s, _mm512_storeu_si512)
+#define MK_AVX512_STEPC(d, p, s) MK_AVX512_STEP1(d, p, s, _mm512_storeu_si512)
+#define MK_AVX512_STEPNT(d, p, s) MK_AVX512_STEP1(d, p, s, _mm512_stream_si512)
 #define MK_AVX512_SCRAMBLE(s)                                             \
     do {                                                                  \
         __m512i x_ = _mm512_xor_si512(a0, _mm512_srli_epi64(a0, 47));     \
@@ -464,7 +465,7 @@ MK_DEFINE_CONSUME(mk_consume_avx2, __attribute__((target("avx2"))), MK_AVX2_DECL
     } while (0)
 MK_DEFINE_CONSUME(mk_consume_avx512, __attribute__((target("avx512f"))), MK_AVX512_DECL,
                   MK_AVX512_LOAD, MK_AVX512_STORE, MK_AVX512_STEP, MK_AVX512_STEPC,
-                  MK_AVX512_SCRAMBLE)
+                  MK_AVX512_STEPNT, 64, _mm_sfence(), MK_AVX512_SCRAMBLE)
 #endif /* MK_X86 */
 
 #ifdef MK_NEON
@@ -511,7 +512,7 @@ MK_DEFINE_CONSUME(mk_consume_avx512, __attribute__((target("avx512f"))), MK_AVX5
         a2 = vld1q_u64(t_ + 4); a3 = vld1q_u64(t_ + 6);        \
     } while (0)
 MK_DEFINE_CONSUME(mk_consume_neon, , MK_NEON_DECL, MK_NEON_LOAD, MK_NEON_STORE, MK_NEON_STEP,
-                  MK_NEON_STEPC, MK_NEON_SCRAMBLE)
+                  MK_NEON_STEPC, MK_NEON_STEPC, 1, (void)0, MK_NEON_SCRAMBLE)
 #endif
 
 
@@ -582,7 +583,7 @@ static uint64_t mk_long_finish(uint64_t *acc, size_t *nb, const uint8_t *secret,
                                const uint8_t *tail, size_t tail_len, const uint8_t *last_stripe,
                                uint64_t total_len) {
     /* tail: the bytes after the last consumed stripe (1..), minus its final stripe. */
-    mk_consume(acc, nb, secret, tail, NULL, (tail_len - 1) / MK_STRIPE);
+    mk_consume(acc, nb, secret, tail, NULL, (tail_len - 1) / MK_STRIPE, 0);
     mk_accumulate_scalar(acc, last_stripe, secret + MK_SECRET_LEN - MK_STRIPE - 7);
     uint64_t r = total_len * MK_P64_1;
     for (int i = 0; i < 4; i++)
@@ -619,6 +620,7 @@ typedef struct {
     uint64_t total_len;
     size_t buf_len;
     size_t nb_stripes; /* stripes consumed in the current block */
+    int nt_stores;     /* update_copy: stream dst with non-temporal stores (large blocks) */
 } mk_xxh3_state;
 
 MK_API void mk_xxh3_init(mk_xxh3_state *st, uint64_t seed) {
@@ -628,6 +630,7 @@ MK_API void mk_xxh3_init(mk_xxh3_state *st, uint64_t seed) {
     st->total_len = 0;
     st->buf_len = 0;
     st->nb_stripes = 0;
+    st->nt_stores = 0;
 }
 
 /*
@@ -640,7 +643,7 @@ MK_API void mk_xxh3_update_copy(mk_xxh3_state *st, uint8_t *dst, const uint8_t *
     if (len == 0) return;
     st->total_len += len;
     uint8_t *data = st->buf + MK_STRIPE;
-    if (st->buf_len + len <= MK_BUF_LEN) {
+    if (len <= MK_BUF_LEN - st->buf_len) {
         memcpy(data + st->buf_len, p, len);
         if (dst) memcpy(dst, p, len);
         st->buf_len += len;
@@ -655,13 +658,13 @@ MK_API void mk_xxh3_update_copy(mk_xxh3_state *st, uint8_t *dst, const uint8_t *
         }
         p += fill;
         len -= fill; /* > 0: more input follows the full buffer */
-        mk_consume(st->acc, &st->nb_stripes, st->secret, data, NULL, MK_BUF_LEN / MK_STRIPE);
+        mk_consume(st->acc, &st->nb_stripes, st->secret, data, NULL, MK_BUF_LEN / MK_STRIPE, 0);
         memcpy(st->buf, data + MK_BUF_LEN - MK_STRIPE, MK_STRIPE);
         st->buf_len = 0;
     }
     if (len > MK_BUF_LEN) {
         size_t n = (len - 1) / MK_STRIPE; /* leaves 1..64 bytes */
-        mk_consume(st->acc, &st->nb_stripes, st->secret, p, dst, n);
+        mk_consume(st->acc, &st->nb_stripes, st->secret, p, dst, n, st->nt_stores);
         p += n * MK_STRIPE;
         len -= n * MK_STRIPE;
         if (dst) dst += n * MK_STRIPE;

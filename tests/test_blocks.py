@@ -181,6 +181,27 @@ def test_unpack_matches_reference_and_round_trips(layout):
         assert all(np.array_equal(f[0], o[0]) for f, o in zip(fresh, ours))
 
 
+@pytest.mark.parametrize("dst_offset", [0, 8])
+def test_large_pack_streaming_stores_match_reference(dst_offset, isa):
+    # Beyond STREAM_MIN_BYTES the fused copy uses non-temporal stores when dst is aligned.
+    heads, t_cap, rb = 8, 600, 1024
+    segs = [(RNG.integers(0, 256, heads * t_cap * rb, dtype=np.uint8), heads, t_cap, rb)
+            for _ in range(2)]
+    t0, t1 = 3, 600
+    n = B.packed_size(segs, t1 - t0)
+    assert n >= B.STREAM_MIN_BYTES
+    ours = B.AlignedBuffer(n + dst_offset)
+    ref = bytearray(n + dst_offset)
+    got = B.pack(ours, dst_offset, segs, t0, t1, 9)
+    assert got == R.pack(ref, dst_offset, segs, t0, t1, 9)
+    assert bytes(memoryview(ours)[dst_offset:]) == bytes(ref[dst_offset:])
+    back = [(np.zeros_like(s[0]),) + tuple(s[1:]) for s in segs]
+    assert B.unpack_hash(ours, dst_offset, back, t0, t1 - t0, 9) == got
+    for (a, *_), (b, *_) in zip(back, segs):
+        rows, orig = a.reshape(heads, -1), b.reshape(heads, -1)
+        assert np.array_equal(rows[:, t0 * rb :], orig[:, t0 * rb :])
+
+
 def test_unpack_to_another_position():
     segs = _kv_bf16(layers=1, heads=2, t_cap=40, dim=8)
     block = bytearray(B.packed_size(segs, 10))
