@@ -1,11 +1,12 @@
 """On-disk formats of the block store: block files, tail files and manifests.
 
-Every file starts with the same 24-byte prefix, little-endian::
+Every file starts with the same 16-byte prefix, little-endian, then the header body and
+the header hash::
 
-    magic (8) | format version u16 | kind u16 | header length u32 | header hash u64
+    magic (8) | format version u16 | kind u16 | header length u32 | body | header hash u64
 
-``header hash`` is XXH3-64 of the first 16 prefix bytes followed by the header body, so a
-flipped bit anywhere in the prefix or header is caught before a single field is trusted.
+``header hash`` is XXH3-64 of everything before it (prefix + body, one contiguous range),
+so a flipped bit anywhere in the prefix or header is caught before a field is trusted.
 An unknown version raises :class:`UnknownVersion` (the file is skipped, never misread);
 any other damage raises :class:`FormatError` (the file is removed by the store).
 
@@ -40,8 +41,9 @@ KIND_TAIL = 2
 KIND_MANIFEST = 3
 KIND_NAMES = {KIND_BLOCK: "block", KIND_TAIL: "tail", KIND_MANIFEST: "manifest"}
 
-_PREFIX = struct.Struct("<8sHHIQ")  # magic, version, kind, header_len, header_hash
-PREFIX_SIZE = _PREFIX.size  # 24
+_PREFIX = struct.Struct("<8sHHI")  # magic, version, kind, header body length
+PREFIX_SIZE = _PREFIX.size  # 16
+_HASH = struct.Struct("<Q")
 _BLOCK = struct.Struct("<16s16s16sQQQIII")
 _MAN = struct.Struct("<I")
 MAX_HEADER = 1 << 24  # a header larger than 16 MiB is damage, not data
@@ -146,7 +148,11 @@ class BlockHeader:
     t0: int
     t1: int
     layout: Layout
-    tokens: np.ndarray  # uint32 token ids of [t0, t1)
+    token_bytes: bytes  # little-endian uint32 token ids of [t0, t1)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return np.frombuffer(self.token_bytes, dtype="<u4")
 
     @property
     def file_size(self) -> int:
@@ -154,14 +160,15 @@ class BlockHeader:
 
 
 def _prefix(kind: int, body: bytes, version: int = FORMAT_VERSION) -> bytes:
-    head = _PREFIX.pack(MAGIC, version, kind, len(body), 0)[:16]
-    return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head + body)) + body
+    """prefix + body + header hash."""
+    raw = _PREFIX.pack(MAGIC, version, kind, len(body)) + body
+    return raw + _HASH.pack(xxhash.xxh3_64_intdigest(raw))
 
 
 def block_header_size(layout: Layout, ns: str, ntokens: int) -> int:
     """Bytes before the payload (header rounded up to a page)."""
     meta = _meta_bytes(layout, ns)
-    return align(PREFIX_SIZE + _BLOCK.size + len(meta) + 4 * ntokens)
+    return align(PREFIX_SIZE + _BLOCK.size + len(meta) + 4 * ntokens + _HASH.size)
 
 
 _meta_cache: dict[tuple, bytes] = {}
@@ -190,18 +197,17 @@ def encode_block_header(
     if toks.size != t1 - t0:
         raise ValueError(f"{toks.size} token ids for range [{t0}, {t1})")
     meta = _meta_bytes(layout, ns)
-    size = align(PREFIX_SIZE + _BLOCK.size + len(meta) + toks.nbytes)
+    size = align(PREFIX_SIZE + _BLOCK.size + len(meta) + toks.nbytes + _HASH.size)
     body = _BLOCK.pack(key, parent, ns_id, content_hash, size, payload_len, t0, t1, len(meta))
     raw = _prefix(kind, body + meta + toks.tobytes(), version)
     return raw + bytes(size - len(raw))
 
 
-def parse_prefix(buf: Any) -> tuple[int, int, int, int]:
-    """(version, kind, header_len, header_hash); FormatError/UnknownVersion if unusable."""
-    mv = memoryview(buf).cast("B")
-    if len(mv) < PREFIX_SIZE:
-        raise FormatError(f"file too short for a header ({len(mv)} bytes)")
-    magic, version, kind, hlen, hhash = _PREFIX.unpack_from(mv, 0)
+def parse_prefix(buf: Any) -> tuple[int, int, int]:
+    """(version, kind, header body length); FormatError/UnknownVersion if unusable."""
+    if len(buf) < PREFIX_SIZE:
+        raise FormatError(f"file too short for a header ({len(buf)} bytes)")
+    magic, version, kind, hlen = _PREFIX.unpack_from(buf, 0)
     if magic != MAGIC:
         raise FormatError("bad magic: not an mlxkv file")
     if version != FORMAT_VERSION:
@@ -210,36 +216,37 @@ def parse_prefix(buf: Any) -> tuple[int, int, int, int]:
         raise FormatError(f"unknown record kind {kind}")
     if hlen > MAX_HEADER:
         raise FormatError(f"header length {hlen} is implausible")
-    return version, kind, hlen, hhash
+    return version, kind, hlen
 
 
 def header_span(buf: Any) -> int:
-    """Bytes needed to parse the header that starts ``buf`` (prefix + body)."""
-    return PREFIX_SIZE + parse_prefix(buf)[2]
+    """Bytes needed to verify the header that starts ``buf`` (prefix + body + hash)."""
+    return PREFIX_SIZE + parse_prefix(buf)[2] + _HASH.size
 
 
-_layout_cache: dict[bytes, tuple[str, Layout]] = {}
+_layout_cache: dict[bytes, tuple[str, Layout, int]] = {}
 
 
-def _verified_body(buf: Any) -> tuple[int, memoryview]:
-    mv = memoryview(buf).cast("B")
-    _, kind, hlen, hhash = parse_prefix(mv)
-    if len(mv) < PREFIX_SIZE + hlen:
-        raise FormatError(f"truncated header: {len(mv)} of {PREFIX_SIZE + hlen} bytes")
-    h = xxhash.xxh3_64()
-    h.update(mv[:16])
-    h.update(mv[PREFIX_SIZE : PREFIX_SIZE + hlen])
-    if h.intdigest() != hhash:
+def _verified_body(buf: Any) -> tuple[int, bytes]:
+    """(kind, body bytes) after checking the header hash; ``buf`` is bytes or a view."""
+    _, kind, hlen = parse_prefix(buf)
+    end = PREFIX_SIZE + hlen
+    if len(buf) < end + _HASH.size:
+        raise FormatError(f"truncated header: {len(buf)} of {end + _HASH.size} bytes")
+    raw = bytes(buf[:end])
+    if xxhash.xxh3_64_intdigest(raw) != _HASH.unpack_from(buf, end)[0]:
         raise FormatError("header hash mismatch")
-    return kind, mv[PREFIX_SIZE : PREFIX_SIZE + hlen]
+    return kind, raw[PREFIX_SIZE:]
 
 
-def _meta(raw: bytes) -> tuple[str, Layout]:
+def _meta(raw: bytes) -> tuple[str, Layout, int]:
+    """(namespace, layout, bytes per token) of a header's metadata, cached by its bytes."""
     hit = _layout_cache.get(raw)
     if hit is None:
         try:
             meta = json.loads(raw)
-            hit = (str(meta["ns"]), layout_from_json(meta["layout"]))
+            layout = layout_from_json(meta["layout"])
+            hit = (str(meta["ns"]), layout, bytes_per_token(layout))
         except (ValueError, KeyError, TypeError) as exc:
             raise FormatError(f"bad header metadata: {exc}") from exc
         if len(_layout_cache) > 1024:
@@ -260,13 +267,13 @@ def decode_block_header(buf: Any) -> BlockHeader:
     ntok = t1 - t0
     if t1 < t0 or end_meta + 4 * ntok != len(body):
         raise FormatError(f"inconsistent header sizes (tokens [{t0}, {t1}), meta {mlen})")
-    if poff % PAGE or poff < PREFIX_SIZE + len(body):
+    if poff % PAGE or poff < PREFIX_SIZE + len(body) + _HASH.size:
         raise FormatError(f"bad payload offset {poff}")
-    ns, layout = _meta(bytes(body[_BLOCK.size : end_meta]))
-    if plen != bytes_per_token(layout) * ntok:
+    ns, layout, bpt = _meta(body[_BLOCK.size : end_meta])
+    if plen != bpt * ntok:
         raise FormatError(f"payload length {plen} does not match layout x {ntok} tokens")
-    tokens = np.frombuffer(body[end_meta:], dtype="<u4").copy()
-    return BlockHeader(kind, key, parent, ns_id, ns, chash, poff, plen, t0, t1, layout, tokens)
+    return BlockHeader(kind, key, parent, ns_id, ns, chash, poff, plen, t0, t1, layout,
+                       body[end_meta:])
 
 
 @dataclass(frozen=True)
@@ -298,13 +305,13 @@ def decode_manifest(buf: Any) -> Manifest:
         raise FormatError(f"expected a manifest, found a {KIND_NAMES[kind]}")
     (mlen,) = _MAN.unpack_from(body, 0)
     try:
-        meta = json.loads(bytes(body[4 : 4 + mlen]))
+        meta = json.loads(body[4 : 4 + mlen])
         nkeys = int(meta["n_keys"])
         rest = len(body) - 4 - mlen - 16 * nkeys
         if rest < 0 or rest % 4:
             raise FormatError("manifest sizes do not add up")
         tokens = np.frombuffer(body[4 + mlen : 4 + mlen + rest], dtype="<u4").copy()
-        kb = bytes(body[4 + mlen + rest :])
+        kb = body[4 + mlen + rest :]
         keys = tuple(kb[i * 16 : (i + 1) * 16] for i in range(nkeys))
         tail = bytes.fromhex(meta["tail"]) if meta["tail"] else None
         return Manifest(str(meta["name"]), str(meta["ns"]), tokens, keys, tail, float(meta["created"]))

@@ -98,6 +98,6 @@ def test_segment_spec_validation():
 
 def test_prefix_layout_is_stable():
     raw, _, _ = _header(KV_F32)
-    magic, version, kind, hlen, _ = struct.unpack_from("<8sHHIQ", raw)
+    magic, version, kind, hlen = struct.unpack_from("<8sHHI", raw)
     assert (magic, version, kind) == (fmt.MAGIC, 1, fmt.KIND_BLOCK)
-    assert fmt.PREFIX_SIZE + hlen <= len(raw)
+    assert fmt.header_span(raw) == 16 + hlen + 8 <= len(raw)

@@ -448,3 +448,37 @@ def test_full_disk_fails_writes_and_keeps_reads(tiny_tmpfs):
     assert got.n_tokens == BT
     st = os.statvfs(tiny_tmpfs)
     assert st.f_bfree * st.f_frsize > 512 * 1024  # the partial blocks' space came back
+
+
+def test_pread_path_when_files_cannot_be_mapped(tmp_path, monkeypatch):
+    import storage.store as store_mod
+
+    def no_mmap(*a, **k):
+        raise OSError(19, "mapping not supported on this filesystem")
+
+    monkeypatch.setattr(store_mod.mmap, "mmap", no_mmap)
+    store = BlockStore(tmp_path, block_tokens=BT)
+    toks = np.arange(4 * BT)
+    src = make_kv(BF16, toks, 4 * BT)
+    r = store.put_blocks("m", toks, BF16, segs(BF16, src))
+    got, dst = restore(store, "m", toks, BF16, 4 * BT)
+    assert got.n_tokens == toks.size
+    assert_rows_equal(src, dst, toks.size)
+    _flip(Path(store._path("m", r.keys[2], fmt.KIND_BLOCK)),
+          fmt.block_header_size(BF16, "m", BT) + 5)
+    got, _ = restore(store, "m", toks, BF16, 4 * BT)
+    assert (got.n_tokens, got.corrupt) == (2 * BT, 1)
+
+
+def test_buffered_writes_give_the_same_files(tmp_path):
+    toks = np.arange(2 * BT + 3)
+    src = make_kv(QUANT, toks, 64)
+    a = BlockStore(tmp_path / "direct", block_tokens=BT, direct_io=True)
+    b = BlockStore(tmp_path / "buffered", block_tokens=BT, direct_io=False)
+    for s in (a, b):
+        s.put_blocks("m", toks, QUANT, segs(QUANT, src))
+    fa = sorted(p.relative_to(tmp_path / "direct") for p in (tmp_path / "direct").rglob("*.*") if p.name != ".lock")
+    fb = sorted(p.relative_to(tmp_path / "buffered") for p in (tmp_path / "buffered").rglob("*.*") if p.name != ".lock")
+    assert fa == fb and len(fa) == 3
+    for rel in fa:
+        assert (tmp_path / "direct" / rel).read_bytes() == (tmp_path / "buffered" / rel).read_bytes()

@@ -1,0 +1,469 @@
+"""Storage benchmark: persist/restore of a synthetic large-model KV snapshot, side by side
+with the machine's limits and mlx-lm's prompt-cache files, in one run (median of N).
+
+    python -m bench.storage [--full] [--tokens N] [--repeats 3] [--dir DIR] [--json]
+
+Shape: 32 layers x 8 KV heads x 128 dim, bf16 = 128 KiB per token (8,192 tokens = 1 GiB
+with --full; the default uses fewer tokens so the run stays short, and says so).
+Files go to a temporary folder under --dir (default: the cache folder, ~/.cache/mlxkv),
+so the plain-file limits are measured on the same filesystem. Throughput ratios are ours
+divided by the other; "warm" means the files are in the page cache, "cold" means their
+pages were dropped with posix_fadvise(DONTNEED) (fsync first) where the OS honours it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+import xxhash
+
+LAYERS, HEADS, DIM = 32, 8, 128
+ROW = DIM * 2  # bf16 bytes per token per head
+GIB = 1 << 30
+
+
+def median_time(fn: Callable[[], Any], repeats: int, setup: Callable[[], Any] | None = None) -> float:
+    ts = []
+    for _ in range(repeats):
+        if setup is not None:
+            setup()
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        import mlx.core as mx
+
+        from storage import _blocks as K
+        from storage import format as fmt
+        from storage.io import ReadRequest, Snapshot, StorageIO
+        from storage.store import BlockStore
+
+        self.mx, self.K, self.fmt = mx, K, fmt
+        self.ReadRequest, self.Snapshot = ReadRequest, Snapshot
+        self.args = args
+        self.T = args.tokens
+        self.R = args.repeats
+        base = os.path.expanduser(args.dir)
+        os.makedirs(base, exist_ok=True)
+        self.dir = tempfile.mkdtemp(prefix="bench-storage-", dir=base)
+        self.store = BlockStore(os.path.join(self.dir, "store"), block_tokens=256)
+        self.io = StorageIO(self.store, max_pending_writes=4)
+        self.layout = fmt.make_layout(
+            [fmt.SegmentSpec(f"{li}.{kv}", "bfloat16", (DIM,), HEADS, ROW)
+             for li in range(LAYERS) for kv in "kv"])
+        self.nbytes = self.T * LAYERS * 2 * HEADS * ROW
+        self.rows: list[tuple[str, str, str]] = []
+        self.res: dict[str, float] = {}
+        self.ns_counter = 0
+
+    # ------------------------------------------------------------------ data
+    def make_source(self) -> None:
+        mx = self.mx
+        rng = np.random.default_rng(0)
+        self.src = []  # mx arrays [1, H, T, D] bf16, evaluated
+        for _ in range(LAYERS * 2):
+            raw = rng.integers(0, 1 << 16, size=(1, HEADS, self.T, DIM), dtype=np.uint16)
+            a = mx.array(raw).view(mx.bfloat16)
+            mx.eval(a)
+            self.src.append(a)
+        self.src_segs = [(memoryview(a), HEADS, self.T, ROW) for a in self.src]
+        self.tokens = np.arange(self.T, dtype=np.uint32)
+
+    def alloc_dst(self) -> list:
+        """Evaluated mx arrays to restore into; checked to be real, distinct, writable."""
+        mx = self.mx
+        dst = [mx.zeros((1, HEADS, self.T, DIM), dtype=mx.bfloat16) for _ in range(LAYERS * 2)]
+        mx.eval(dst)
+        return dst
+
+    def check_dst(self, dst: list) -> None:
+        addrs = set()
+        for a in dst:
+            mv = memoryview(a)
+            if mv.readonly or not mv.c_contiguous or mv.nbytes != HEADS * self.T * ROW:
+                raise RuntimeError("mx.zeros did not give a full writable buffer")
+            addrs.add(np.frombuffer(mv, dtype=np.uint8).ctypes.data)
+        if len(addrs) != len(dst):
+            raise RuntimeError("mx.zeros returned shared buffers")
+
+    def new_ns(self, tag: str) -> str:
+        self.ns_counter += 1
+        return f"{tag}-{self.ns_counter}"
+
+    def drop_ns(self, ns: str) -> None:
+        shutil.rmtree(os.path.join(self.store.root, ns), ignore_errors=True)
+        self.store.scan()
+
+    # ------------------------------------------------------------------ measurements
+    def persist(self) -> None:
+        K, R, n = self.K, self.R, self.nbytes
+        plain = os.path.join(self.dir, "plain.bin")
+        payload = np.frombuffer(memoryview(self.src[0]), dtype=np.uint8)
+        blob = np.empty(n, dtype=np.uint8)  # the same bytes, contiguous
+        for i, a in enumerate(self.src):
+            m = np.frombuffer(memoryview(a), dtype=np.uint8)
+            blob[i * m.size : (i + 1) * m.size] = m
+        del payload
+
+        def plain_write():
+            fd = os.open(plain, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            mv = memoryview(blob)
+            while mv:
+                w = os.write(fd, mv[: 1 << 30])
+                mv = mv[w:]
+            os.fsync(fd)
+            os.close(fd)
+
+        def rm_plain():
+            if os.path.exists(plain):
+                os.unlink(plain)
+
+        self.blob = blob
+        ns_list: list[str] = []
+
+        def ours():
+            ns = self.new_ns("persist")
+            ns_list.append(ns)
+            self.io.submit_write(self.Snapshot(ns, self.tokens, self.layout, self.src_segs)).result()
+
+        def cleanup_ours():
+            for ns in ns_list[:-1]:
+                self.drop_ns(ns)
+            del ns_list[:-1]
+
+        import mlx_lm.models.cache as C
+
+        self.kv = []
+        for li in range(LAYERS):
+            c = C.KVCache()
+            c.update_and_fetch(self.src[2 * li], self.src[2 * li + 1])
+            self.kv.append(c)
+        self.mx.eval([c.state for c in self.kv])
+        mlx_file = os.path.join(self.dir, "mlx_lm.safetensors")
+
+        def mlx_save():
+            C.save_prompt_cache(mlx_file, self.kv)
+            fd = os.open(mlx_file, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+
+        t_plain, t_ours, t_mlx = [], [], []
+        for _ in range(R):  # interleaved so background load hits all three alike
+            rm_plain()
+            t_plain.append(median_time(plain_write, 1))
+            cleanup_ours()
+            t_ours.append(median_time(ours, 1))
+            t_mlx.append(median_time(mlx_save, 1))
+        tp, to, tm = map(statistics.median, (t_plain, t_ours, t_mlx))
+        self.persist_ns = ns_list[-1]
+        self.mlx_file, self.plain = mlx_file, plain
+        self.add("persist: ours (pack+hash+write+fsync)", to, n)
+        self.add("persist: plain os.write + fsync", tp, n)
+        self.add("persist: mlx-lm save_prompt_cache + fsync", tm, n)
+        self.res["persist_vs_limit"] = tp / to
+        self.res["persist_vs_mlx_lm"] = tm / to
+
+    def restore(self) -> None:
+        mx, R, n = self.mx, self.R, self.nbytes
+        import mlx_lm.models.cache as C
+
+        ns = self.persist_ns
+        dst = self.alloc_dst()
+        self.check_dst(dst)
+        dsegs = [(memoryview(a), HEADS, self.T, ROW) for a in dst]
+
+        def ours(segs=dsegs):
+            r = self.io.submit_read(self.ReadRequest(ns, self.tokens, self.layout, segs)).result()
+            if r.n_tokens != self.T:
+                raise RuntimeError(f"restore returned {r.n_tokens} of {self.T} tokens")
+
+        ours()  # warm the page cache and check the bytes once
+        for a, b in ((dst[0], self.src[0]), (dst[-1], self.src[-1])):
+            if not mx.array_equal(a.view(mx.uint16), b.view(mx.uint16)).item():
+                raise RuntimeError("restored bytes differ from the source")
+
+        def ours_alloc():
+            d = self.alloc_dst()
+            ours([(memoryview(a), HEADS, self.T, ROW) for a in d])
+
+        def mlx_load():
+            cache = C.load_prompt_cache(self.mlx_file)
+            mx.eval([c.state for c in cache])
+
+        mlx_load()
+        out = np.empty_like(self.blob)
+
+        def memcpy():
+            np.copyto(out, self.blob)
+
+        memcpy()
+        t = {k: [] for k in ("ours", "ours_alloc", "mlx", "memcpy")}
+        for _ in range(R):
+            t["ours"].append(median_time(ours, 1))
+            t["ours_alloc"].append(median_time(ours_alloc, 1))
+            t["mlx"].append(median_time(mlx_load, 1))
+            t["memcpy"].append(median_time(memcpy, 1))
+        to, ta, tm, tc = (statistics.median(t[k]) for k in ("ours", "ours_alloc", "mlx", "memcpy"))
+        self.add("restore warm: ours, verified, into evaluated mx arrays", to, n)
+        self.add("restore warm: ours incl. mx.zeros+eval of destination", ta, n)
+        self.add("restore warm: mlx-lm load_prompt_cache + eval", tm, n)
+        self.add("memory copy: numpy copyto", tc, n)
+        self.res["restore_vs_mlx_lm"] = tm / ta
+        self.res["restore_vs_memcpy"] = tc / to
+
+        # cold: drop the pages of every file, then read
+        K = self.K
+        files = [os.path.join(dp, f) for dp, _, fs in os.walk(os.path.join(self.store.root, ns))
+                 for f in fs]
+
+        def drop(paths):
+            dropped = True
+            for p in paths:
+                fd = os.open(p, os.O_RDONLY)
+                dropped &= K.drop_cache(fd)
+                os.close(fd)
+            return dropped
+
+        buf = K.AlignedBuffer(16 << 20)
+
+        def plain_read():
+            fd = os.open(self.plain, os.O_RDONLY)
+            off = 0
+            while True:
+                got = K.pread_full(fd, buf, off)
+                off += got
+                if got < len(buf):
+                    break
+            os.close(fd)
+            if off != n:
+                raise RuntimeError(f"plain read {off} of {n} bytes")
+
+        honoured = drop(files) and drop([self.plain])
+        tc_o, tc_p = [], []
+        for _ in range(R):
+            drop(files)
+            tc_o.append(median_time(ours, 1))
+            drop([self.plain])
+            tc_p.append(median_time(plain_read, 1))
+        to, tp = statistics.median(tc_o), statistics.median(tc_p)
+        note = "" if honoured else " (DONTNEED not honoured: warm)"
+        self.add(f"restore cold: ours{note}", to, n)
+        self.add(f"read cold: plain sequential pread{note}", tp, n)
+        self.res["restore_cold_vs_limit"] = tp / to
+        self.res["cold_pages_dropped"] = bool(honoured)
+
+    def kernels(self) -> None:
+        K, R = self.K, max(self.R, 5)
+        try:  # S1's kernel benchmark, when present, measures the same things
+            from bench import kernels as kb  # noqa: F401
+        except ImportError:
+            kb = None
+        buf = self.blob[: 256 << 20]
+        t_ours = median_time(lambda: K.xxh3_64(buf), R)
+        t_xx = median_time(lambda: xxhash.xxh3_64_intdigest(buf), R)
+        self.add(f"hash: _blocks.xxh3_64 ({K.hash_isa()})", t_ours, buf.nbytes)
+        self.add("hash: xxhash package xxh3_64", t_xx, buf.nbytes)
+        self.res["hash_vs_xxhash"] = t_xx / t_ours
+        nt = min(self.T, 256)
+        dst = K.AlignedBuffer(K.packed_size(self.src_segs, nt))
+        t_ph = median_time(lambda: K.pack(dst, 0, self.src_segs, 0, nt), R)
+        t_p = median_time(lambda: K.pack(dst, 0, self.src_segs, 0, nt, hash=False), R)
+        self.add(f"pack+hash of one {nt}-token block", t_ph, dst.nbytes)
+        self.add("pack alone", t_p, dst.nbytes)
+        self.res["packhash_vs_pack"] = t_p / t_ph
+
+    def gil(self) -> None:
+        """A pure-Python loop on another thread, alone and while the writer persists."""
+        target = GIB if self.args.full else max(self.nbytes, GIB // 4)
+        count = max(1, -(-target // self.nbytes))
+
+        def spin(stop: threading.Event, out: dict) -> None:
+            n, last, worst = 0, time.perf_counter(), 0.0
+            t0 = last
+            while not stop.is_set():
+                n += 1
+                now = time.perf_counter()
+                if now - last > worst:
+                    worst = now - last
+                last = now
+            out.update(rate=n / (last - t0), stall=worst)
+
+        def run_spin(work: Callable[[], None]) -> dict:
+            stop, out = threading.Event(), {}
+            th = threading.Thread(target=spin, args=(stop, out))
+            th.start()
+            work()
+            stop.set()
+            th.join()
+            return out
+
+        ns_list = [self.new_ns("gil") for _ in range(count)]
+
+        def persist_all():
+            futs = [self.io.submit_write(self.Snapshot(ns, self.tokens, self.layout, self.src_segs))
+                    for ns in ns_list]
+            for f in futs:
+                f.result()
+
+        ratios, stalls = [], []
+        for _ in range(self.R):
+            solo = run_spin(lambda: time.sleep(0.5))
+            t = time.perf_counter()
+            busy = run_spin(persist_all)
+            dt = time.perf_counter() - t
+            for ns in ns_list:
+                self.drop_ns(ns)
+            ratios.append(busy["rate"] / solo["rate"])
+            stalls.append(busy["stall"] * 1e3)
+        self.res["gil_ratio"] = statistics.median(ratios)
+        self.res["gil_max_stall_ms"] = statistics.median(stalls)
+        self.rows.append((f"GIL: Python loop rate while persisting {count * self.nbytes / GIB:.2f} GiB",
+                          f"{self.res['gil_ratio']:.2f}x solo",
+                          f"max stall {self.res['gil_max_stall_ms']:.1f} ms (persist {dt:.2f} s)"))
+
+    def dedup(self) -> None:
+        """8 snapshots sharing a 6,144-token prefix plus 512 unique tokens each."""
+        from storage.store import BlockStore
+
+        mx = self.mx
+        layers = LAYERS if self.args.full else 4
+        T = 6144 + 512
+        layout = self.fmt.make_layout([self.fmt.SegmentSpec(f"{li}.{kv}", "bfloat16", (DIM,), HEADS, ROW)
+                                       for li in range(layers) for kv in "kv"])
+        rng = np.random.default_rng(1)
+        arrs = []
+        for _ in range(layers * 2):
+            a = mx.array(rng.integers(0, 1 << 16, (1, HEADS, T, DIM), dtype=np.uint16)).view(mx.bfloat16)
+            mx.eval(a)
+            arrs.append(a)
+        segs = [(memoryview(a), HEADS, T, ROW) for a in arrs]
+        root = os.path.join(self.dir, "dedup")
+        store = BlockStore(root, block_tokens=256)
+        prefix = np.arange(6144)
+        for i in range(8):
+            toks = np.concatenate([prefix, 100_000 + 1000 * i + np.arange(512)])
+            store.put_blocks("dedup", toks, layout, segs)
+        disk = 0
+        for dp, _, fs in os.walk(root):
+            for f in fs:
+                st = os.stat(os.path.join(dp, f))
+                disk += st.st_blocks * 512
+        per_tok = self.fmt.bytes_per_token(layout)
+        ideal = (6144 + 8 * 512) * per_tok
+        self.res["dedup_ratio"] = disk / ideal
+        mlx_ratio = 8 * T * per_tok / ideal
+        self.rows.append((f"dedup: 8 x (6,144 shared + 512 unique), {layers} layers",
+                          f"{self.res['dedup_ratio']:.3f}x ideal",
+                          f"mlx-lm files: {mlx_ratio:.2f}x ideal (8 full copies)"))
+        shutil.rmtree(root, ignore_errors=True)
+
+    def scan(self) -> None:
+        from storage.store import BlockStore
+
+        root = os.path.join(self.dir, "scan")
+        layout = self.fmt.make_layout([("k", "bfloat16", (32,), 1, 64)])
+        # built without fsync or direct I/O: only the scan is measured
+        store = BlockStore(root, block_tokens=16, durable=False, direct_io=False)
+        toks = np.arange(10_000 * 16)
+        src = np.zeros((1, toks.size, 64), dtype=np.uint8)
+        t = time.perf_counter()
+        store.put_blocks("scan", toks, layout, [(src, 1, toks.size, 64)], tail=False)
+        build = time.perf_counter() - t
+
+        def fresh_scan():
+            s = BlockStore(root, block_tokens=16)
+            rep = s.scan()
+            if rep["blocks"] != 10_000:
+                raise RuntimeError(f"scan found {rep['blocks']} blocks")
+
+        ts = median_time(fresh_scan, self.R)
+        self.res["scan_10k_s"] = ts
+        self.rows.append(("scan(): 10,000 block headers (fresh index, warm cache)", f"{ts:.3f} s",
+                          f"built in {build:.1f} s"))
+        files = [os.path.join(dp, f) for dp, _, fs in os.walk(root) for f in fs]
+
+        def drop():
+            for p in files:
+                fd = os.open(p, os.O_RDONLY)
+                self.K.drop_cache(fd)
+                os.close(fd)
+
+        tc = median_time(fresh_scan, self.R, setup=drop)
+        self.res["scan_10k_cold_s"] = tc
+        self.rows.append(("scan(): 10,000 block headers, pages dropped", f"{tc:.3f} s", ""))
+        shutil.rmtree(root, ignore_errors=True)
+
+    # ------------------------------------------------------------------ output
+    def add(self, what: str, seconds: float, nbytes: int) -> None:
+        self.rows.append((what, f"{gbps(nbytes, seconds):.2f} GB/s", f"{seconds * 1e3:.1f} ms"))
+
+    def run(self) -> dict:
+        t0 = time.perf_counter()
+        try:
+            self.make_source()
+            self.persist()
+            self.restore()
+            self.kernels()
+            self.gil()
+            self.dedup()
+            self.scan()
+        finally:
+            self.io.close(timeout=60)
+            shutil.rmtree(self.dir, ignore_errors=True)
+        self.res["seconds"] = time.perf_counter() - t0
+        return self.res
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--full", action="store_true", help="8,192 tokens = 1 GiB snapshot")
+    p.add_argument("--tokens", type=int, default=None, help="snapshot tokens (default 2048)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dir", default=os.environ.get("MLXKV_CACHE_DIR", "~/.cache/mlxkv"))
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    args.tokens = args.tokens or (8192 if args.full else 2048)
+    if args.tokens % 256:
+        p.error("--tokens must be a multiple of 256 (the block size)")
+    args.repeats = max(3, args.repeats)
+    b = Bench(args)
+    from storage import store
+
+    print(f"bench.storage: {args.tokens} tokens x {LAYERS} layers x {HEADS} heads x {DIM} dim bf16 "
+          f"= {b.nbytes / GIB:.3f} GiB snapshot{'' if args.full else ' (use --full for 1 GiB)'}; "
+          f"median of {args.repeats}; kernel {store.KERNEL}; {os.cpu_count()} CPUs; "
+          f"folder {os.path.dirname(b.dir)}")
+    res = b.run()
+    w = max(len(r[0]) for r in b.rows)
+    for what, a, c in b.rows:
+        print(f"  {what:<{w}}  {a:>16}  {c}")
+    print("ratios (ours / other, throughput):")
+    for k in ("persist_vs_limit", "persist_vs_mlx_lm", "restore_vs_mlx_lm", "restore_vs_memcpy",
+              "restore_cold_vs_limit", "hash_vs_xxhash", "packhash_vs_pack", "gil_ratio",
+              "gil_max_stall_ms", "dedup_ratio", "scan_10k_s"):
+        print(f"  {k:<24} {res[k]:.3f}")
+    if args.json:
+        print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
