@@ -120,16 +120,13 @@ def measure_pack(segments, block_tokens: int = 256, repeats: int = 5) -> dict[st
             n = min(step, total - off)
             np.copyto(dst[:n], flat[off : off + n])
 
-    try:
-        times = _interleave({
-            "pack": lambda: pack(False),
-            "packhash": lambda: pack(True),
-            "unpack": lambda: unpack(False),
-            "unpackhash": lambda: unpack(True),
-            "memcpy": memcpy,
-        }, repeats)
-    finally:
-        del dst  # release the view so the block buffer can be freed
+    times = _interleave({
+        "pack": lambda: pack(False),
+        "packhash": lambda: pack(True),
+        "unpack": lambda: unpack(False),
+        "unpackhash": lambda: unpack(True),
+        "memcpy": memcpy,
+    }, repeats)
     res = _summarize(times, total, {
         "packhash_vs_pack": ("packhash", "pack"),
         "pack_vs_memcpy": ("pack", "memcpy"),
@@ -160,19 +157,20 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
               **{k: v for k, v in p.items() if k != "bytes"}, "snapshot_bytes": p["bytes"]}
 
     gib = p["bytes"] / 2**30
-    print(f"storage kernels — hash loop {result['hash_isa']}, median of {args.repeats}")
+    rows = [
+        (f"xxh3_64 (ours), {args.hash_mib} MiB", h["xxh3_gbps"], f"{h['hash_vs_xxhash']:.2f}x xxhash"),
+        ("xxhash package", h["xxhash_gbps"], ""),
+        (f"pack, {gib:.2f} GiB snapshot", p["pack_gbps"], f"{p['pack_vs_memcpy']:.2f}x memcpy"),
+        ("pack + hash (fused)", p["packhash_gbps"], f"{p['packhash_vs_pack']:.2f}x pack"),
+        ("unpack", p["unpack_gbps"], f"{p['unpack_vs_memcpy']:.2f}x memcpy"),
+        ("unpack + hash (fused)", p["unpackhash_gbps"], f"{p['unpackhash_vs_unpack']:.2f}x unpack"),
+        ("memcpy (numpy copy)", p["memcpy_gbps"], ""),
+    ]
+    print(f"storage kernels: hash loop {result['hash_isa']}, median of {args.repeats} "
+          f"interleaved repeats, {args.block_tokens}-token blocks")
     print(f"{'measure':<34}{'GB/s':>8}   ratio")
-    print(f"{'xxh3_64 (ours), %d MiB' % args.hash_mib:<34}{h['xxh3_gbps']:>8.2f}   "
-          f"{h['hash_vs_xxhash']:.2f}x xxhash")
-    print(f"{'xxhash package':<34}{h['xxhash_gbps']:>8.2f}")
-    print(f"{'pack, %.2f GiB snapshot' % gib:<34}{p['pack_gbps']:>8.2f}   "
-          f"{p['pack_vs_memcpy']:.2f}x memcpy")
-    print(f"{'pack + hash (fused)':<34}{p['packhash_gbps']:>8.2f}   "
-          f"{p['packhash_vs_pack']:.2f}x pack")
-    print(f"{'unpack':<34}{p['unpack_gbps']:>8.2f}   {p['unpack_vs_memcpy']:.2f}x memcpy")
-    print(f"{'unpack + hash (fused)':<34}{p['unpackhash_gbps']:>8.2f}   "
-          f"{p['unpackhash_vs_unpack']:.2f}x unpack")
-    print(f"{'memcpy (numpy copy)':<34}{p['memcpy_gbps']:>8.2f}")
+    for name, gbps, ratio in rows:
+        print(f"{name:<34}{gbps:>8.2f}   {ratio}")
     if args.json:
         print(json.dumps(result))
     return result

@@ -79,11 +79,18 @@ def _check_flat(flat: np.ndarray, offset: int, need: int, what: str) -> None:
 
 
 def pack(
-    dst: Any, dst_offset: int, segments: Sequence[Segment], t0: int, t1: int, seed: int = 0
-) -> tuple[int, int]:
+    dst: Any,
+    dst_offset: int,
+    segments: Sequence[Segment],
+    t0: int,
+    t1: int,
+    seed: int = 0,
+    *,
+    hash: bool = True,  # same keyword as the kernel (shadows the builtin here only)
+) -> tuple[int, int | None]:
     """Gather rows [t0, t1) of every segment into ``dst`` at ``dst_offset``.
 
-    Returns ``(nbytes_written, xxh3_64(seed) of those bytes)``.
+    Returns ``(nbytes_written, xxh3_64(seed) of those bytes)`` (hash None if ``hash=False``).
     """
     segs = [_check_segment(i, s, writable=False) for i, s in enumerate(segments)]
     _check_range([s for s in segs], t0, t1)
@@ -98,6 +105,8 @@ def pack(
         rows = arr.reshape(outer, t_cap * rb)[:, t0 * rb : t1 * rb]
         out[pos : pos + rows.size] = rows.reshape(-1)
         pos += rows.size
+    if not hash:
+        return total, None
     return total, xxh3_64(out[dst_offset : dst_offset + total], seed)
 
 
@@ -126,3 +135,12 @@ def unpack(
         )
         pos += size
     return total
+
+
+def unpack_hash(
+    src: Any, src_offset: int, segments: Sequence[Segment], dst_t0: int, ntokens: int,
+    seed: int = 0,
+) -> tuple[int, int]:
+    """``unpack`` plus xxh3_64(seed) of the bytes read: ``(nbytes, hash)``."""
+    n = unpack(src, src_offset, segments, dst_t0, ntokens)
+    return n, xxh3_64(_as_bytes(src, False, "src")[src_offset : src_offset + n], seed)

@@ -155,6 +155,7 @@ def test_pack_matches_reference_and_hash(layout, isa):
             assert ours == ref  # same bytes, nothing written outside [off, off + n)
             assert got[1] == xxhash.xxh3_64_intdigest(bytes(ours[off : off + n]), seed)
             assert B.pack(ours, off, segs, t0, t1, seed, hash=False) == (n, None)
+            assert R.pack(ref, off, segs, t0, t1, seed, hash=False) == (n, None)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -178,6 +179,7 @@ def test_unpack_matches_reference_and_round_trips(layout):
             assert not rows[:, : t0 * rb].any() and not rows[:, t1 * rb :].any()
         fresh = [(np.zeros_like(o[0]),) + tuple(o[1:]) for o in ours]
         assert B.unpack_hash(block, 5, fresh, t0, t1 - t0, 42) == got
+        assert R.unpack_hash(block, 5, ref, t0, t1 - t0, 42) == got
         assert all(np.array_equal(f[0], o[0]) for f, o in zip(fresh, ours))
 
 
@@ -447,13 +449,21 @@ def _progress_during(call, attempts=20):
         t.join()
 
 
-def test_pack_unpack_and_hash_release_the_gil():
+def test_kernels_and_io_release_the_gil(tmp_path):
     src = np.ones((64, 1024, 1024), np.uint8)  # 64 MiB, 64 outer slices
     segs = [(src, 64, 1024, 1024)]
     dst = B.AlignedBuffer(src.nbytes)
     assert _progress_during(lambda: B.pack(dst, 0, segs, 0, 1024))
+    assert _progress_during(lambda: B.pack(dst, 0, segs, 0, 1024, hash=False))
     assert _progress_during(lambda: B.unpack(dst, 0, segs, 0, 1024))
+    assert _progress_during(lambda: B.unpack_hash(dst, 0, segs, 0, 1024))
     assert _progress_during(lambda: B.xxh3_64(dst))
+    fd = os.open(tmp_path / "gil.bin", os.O_CREAT | os.O_RDWR)
+    try:
+        assert _progress_during(lambda: B.pwrite_full(fd, dst, 0))
+        assert _progress_during(lambda: B.pread_full(fd, dst, 0))
+    finally:
+        os.close(fd)
 
 
 def test_gil_probe_detects_a_call_that_holds_the_gil():
