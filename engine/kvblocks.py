@@ -199,26 +199,36 @@ def lend_checkpoint(cp: Checkpoint) -> list:
 
 
 # ----------------------------------------------------------------------------- buffers
-def writable_array(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
-    """An evaluated array backed by its own writable, C-contiguous buffer.
+def writable_arrays(shapes: list[tuple[int, ...]], dtypes: list[mx.Dtype]) -> list[mx.array]:
+    """Evaluated arrays, each backed by its own writable, C-contiguous buffer.
 
-    Restores write into it through the buffer protocol (on the reader thread) with no second
-    copy. ``mx.zeros`` could in principle be a broadcast of one element; that is checked,
-    never assumed.
+    Restores write into them through the buffer protocol (on the reader thread) with no
+    second copy. ``mx.zeros`` could in principle give a broadcast of one element or share a
+    buffer; both are checked, never assumed. One ``mx.eval`` for all of them.
     """
-    a = mx.zeros(shape, dtype)
-    mx.eval(a)
-    mv = memoryview(a)
-    n = 1
-    for s in shape:
-        n *= s
-    if mv.readonly or not mv.c_contiguous or mv.nbytes != n * a.itemsize:
-        a = mx.contiguous(mx.broadcast_to(mx.array(0, dtype), shape) + 0)
-        mx.eval(a)
+    arrays = [mx.zeros(s, d) for s, d in zip(shapes, dtypes)]
+    mx.eval(arrays)
+    seen: set[int] = set()
+    for i, a in enumerate(arrays):
         mv = memoryview(a)
-        if mv.readonly or not mv.c_contiguous or mv.nbytes != n * a.itemsize:
-            raise RuntimeError(f"cannot allocate a writable {dtype} buffer of shape {shape}")
-    return a
+        n = a.size * a.itemsize
+        addr = _address(mv)
+        if mv.readonly or not mv.c_contiguous or mv.nbytes != n or addr in seen:
+            a = mx.contiguous(mx.zeros(a.shape, a.dtype) + mx.zeros(a.shape, a.dtype))
+            mx.eval(a)
+            mv = memoryview(a)
+            addr = _address(mv)
+            if mv.readonly or not mv.c_contiguous or mv.nbytes != n or addr in seen:
+                raise RuntimeError(f"cannot allocate a writable {a.dtype} buffer of {a.shape}")
+            arrays[i] = a
+        seen.add(addr)
+    return arrays
+
+
+def _address(mv: memoryview) -> int:
+    import numpy as np
+
+    return int(np.frombuffer(mv.cast("B"), dtype=np.uint8).ctypes.data) if mv.nbytes else 0
 
 
 def byte_view(a: mx.array) -> memoryview:

@@ -240,18 +240,17 @@ class PrefixCache:
         layout = self._layout(ns, sns, match)
         if layout is None:
             return None
+        # headroom up to the prompt's length: its prefill then writes in place
         cap = kb.round_up(len(toks))
-        layers, segs, arrays = [], [], []
         by_layer = _parse_layout(layout)
+        flat = [s for _, seg_specs in by_layer for s in seg_specs]
+        arrays = kb.writable_arrays([(1, s.outer, cap, *s.shape) for s in flat],
+                                    [getattr(mx, s.dtype) for s in flat])
+        segs = [(kb.byte_view(a), s.outer, cap, s.row_bytes) for a, s in zip(arrays, flat)]
+        layers, i = [], 0
         for spec, seg_specs in by_layer:
-            layer_arrays = []
-            for s in seg_specs:
-                shape = (1, s.outer, cap, *s.shape)
-                a = kb.writable_array(shape, getattr(mx, s.dtype))
-                segs.append((kb.byte_view(a), s.outer, cap, s.row_bytes))
-                layer_arrays.append(a)
-            layers.append((spec, layer_arrays))
-            arrays.extend(layer_arrays)
+            layers.append((spec, arrays[i : i + len(seg_specs)]))
+            i += len(seg_specs)
         fut = self.io.submit_read(ReadRequest(sns, toks, layout, segs, n_tokens=match,
                                               keep=arrays))
         try:

@@ -372,3 +372,45 @@ def test_bad_input_is_reported(llama):
     with pytest.raises(ValueError, match="integers"):
         pc.lookup([0.5, 1.5], "ns")
     pc.close()
+
+
+# ----------------------------------------------------------------------------- CLI
+def _cli(*argv: str) -> tuple[int, dict | None]:
+    import argparse
+    import contextlib
+    import io
+    import json
+
+    from engine.cache_cli import add_cache_parser, run_cache_command
+
+    ap = argparse.ArgumentParser()
+    add_cache_parser(ap.add_subparsers(dest="command"))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = run_cache_command(ap.parse_args(["cache", *argv]))
+    text = out.getvalue().strip()
+    return rc, json.loads(text.splitlines()[-1]) if "--json" in argv and text else None
+
+
+def test_cache_cli(llama, tmp_path):
+    pc = pc_at(tmp_path)
+    t = prompt(3 * BT + 5, 50)
+    _, _, c = run(llama, t, n_new=0)
+    pc.store(t, c, "model-a")
+    pc.close(30)
+    d = str(tmp_path)
+    rc, st = _cli("--cache-dir", d, "--json", "stats")
+    assert rc == 0 and st["namespaces"]["model-a"]["blocks"] == 3
+    assert st["namespaces"]["model-a"]["tails"] == 1
+    rc, ls = _cli("--cache-dir", d, "--json", "ls")
+    assert rc == 0 and ls["model-a"][0]["tokens"] == len(t)
+    assert ls["model-a"][0]["cached_tokens"] == len(t)
+    rc, v = _cli("--cache-dir", d, "--json", "verify")
+    assert rc == 0 and v["model-a"]["ok"] == 1
+    rc, g = _cli("--cache-dir", d, "--json", "gc", "--min-age", "0")
+    assert rc == 0 and g["removed"] == 0  # everything is referenced by its conversation
+    rc, cl = _cli("--cache-dir", d, "--json", "clear")
+    assert rc == 0 and not cl["deleted"] and (tmp_path / "model-a").exists()
+    rc, cl = _cli("--cache-dir", d, "--json", "clear", "--yes")
+    assert rc == 0 and not (tmp_path / "model-a").exists()
+    assert _cli("--cache-dir", str(tmp_path / "nope"), "stats")[0] == 2

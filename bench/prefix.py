@@ -1,0 +1,466 @@
+"""Prefix-cache benchmark: RAM hits, SSD hits after a restart, decoding while the writer
+persists, a multi-round chat trace and shared-prefix RAM, side by side with mlx-lm's
+``LRUPromptCache`` and with the model's own prefill, in one run (median of --repeats).
+
+    python -m bench.prefix [--context 4096] [--new 64] [--repeats 3] [--quick] [--json]
+
+Model: the bench model (``bench.models.bench_model_path()`` when present, else a qwen3 of
+hidden 1024 x 8 layers, 4 KV heads of 64, random weights, built once into .cache/models),
+float32. The chat trace runs on a tiny model: hit fractions do not depend on model size.
+Time ratios are ours divided by the other; ``decode_under_persist`` is a throughput ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import engine  # noqa: F401  (loads OpenBLAS before mlx.core)
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+PREFILL_STEP = 2048  # mlx-lm's default prefill chunk
+NS = "bench-prefix-float32"
+
+
+# ----------------------------------------------------------------------------- models
+def bench_model() -> Path:
+    try:
+        from bench.models import bench_model_path
+
+        return Path(bench_model_path())
+    except ImportError:
+        from engine.modelgen import build_random_model
+
+        return build_random_model(
+            ROOT / ".cache" / "models" / "bench-qwen3-prefix", arch="qwen3", vocab_size=512,
+            hidden_size=1024, num_hidden_layers=8, intermediate_size=3072,
+            num_attention_heads=16, num_key_value_heads=4, head_dim=64)
+
+
+def load(path: Path) -> Any:
+    from mlx_lm import load as mlx_load
+
+    model, _ = mlx_load(str(path))
+    return model
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+def prefill(model: Any, toks: list[int], cache: list) -> int:
+    """Prefill in mlx-lm's chunks; return the first generated token (greedy)."""
+    logits = None
+    for i in range(0, len(toks), PREFILL_STEP):
+        logits = model(mx.array(toks[i : i + PREFILL_STEP])[None], cache=cache)
+        if i + PREFILL_STEP < len(toks):
+            mx.eval([c.state for c in cache])
+    tok = mx.argmax(logits[0, -1])
+    mx.eval(tok)
+    return int(tok.item())
+
+
+def decode(model: Any, cache: list, first: int, n: int) -> float:
+    """Greedy-decode n tokens; return tokens per second."""
+    t = time.perf_counter()
+    y = first
+    for _ in range(n):
+        logits = model(mx.array([[y]]), cache=cache)
+        nxt = mx.argmax(logits[0, -1])
+        mx.eval(nxt)
+        y = int(nxt.item())
+    return n / (time.perf_counter() - t)
+
+
+def real_copy(cache: list) -> list:
+    """An independent copy of a KV cache (own buffers), as a warm engine would hold."""
+    from mlx_lm.models.cache import KVCache
+
+    out = []
+    for c in cache:
+        k = KVCache()
+        k.keys, k.values, k.offset = mx.contiguous(c.keys + 0), mx.contiguous(c.values + 0), c.offset
+        mx.eval(k.keys, k.values)
+        out.append(k)
+    return out
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+# ----------------------------------------------------------------------------- child
+def child_ssd(args: argparse.Namespace) -> int:
+    """A new process with empty RAM: SSD hit TTFT + restore throughput."""
+    from engine.prefix_cache import PrefixCache, store_namespace
+    from storage.io import ReadRequest
+
+    model = load(Path(args.model))
+    prompt = tokens(args.context + args.new, 1)
+    out: dict[str, Any] = {"ttft": [], "restore_gbps": [], "restore_ms": [], "first": [],
+                           "cached": [], "storage_gbps": [], "storage_alloc_gbps": []}
+    sns = store_namespace(NS)
+    for _ in range(args.repeats):
+        pc = PrefixCache(ram_bytes=1 << 34, cache_dir=args.child_ssd, block_tokens=256)
+        t = time.perf_counter()
+        n, cache = pc.lookup(prompt, NS)
+        if cache is None:
+            from mlx_lm.models.cache import make_prompt_cache
+
+            cache = make_prompt_cache(model)
+        first = prefill(model, prompt[n:], cache)
+        out["ttft"].append(time.perf_counter() - t)
+        st = pc.stats()
+        out["restore_ms"].append(st["last"]["restore_ms"])
+        out["restore_gbps"].append(st["restore_bytes"] / (st["last"]["restore_ms"] / 1e3) / 1e9)
+        out["first"].append(first)
+        out["cached"].append(n)
+        del cache
+        # the storage layer alone on the same blocks, as bench.storage measures a warm restore:
+        # with and without allocating the evaluated destination arrays
+        m = pc.disk.lookup(sns, prompt, max_tokens=len(prompt) - 1)
+        layout = pc._layout(NS, sns, m)
+        for with_alloc in (True, False):
+            t = time.perf_counter()
+            dst = [mx.zeros((1, s.outer, m.n_tokens, *s.shape), getattr(mx, s.dtype))
+                   for s in layout]
+            mx.eval(dst)
+            if not with_alloc:
+                t = time.perf_counter()
+            segs = [(memoryview(a), s.outer, m.n_tokens, s.row_bytes) for a, s in zip(dst, layout)]
+            r = pc.io.submit_read(ReadRequest(sns, prompt, layout, segs, n_tokens=m)).result()
+            gbps = r.bytes_read / (time.perf_counter() - t) / 1e9
+            out["storage_alloc_gbps" if with_alloc else "storage_gbps"].append(gbps)
+            del dst, segs
+        pc.close(10)
+    print(json.dumps(out))
+    return 0
+
+
+# ----------------------------------------------------------------------------- parent
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.rows: list[tuple[str, str, str]] = []
+        self.res: dict[str, float] = {}
+        base = Path(os.path.expanduser(args.dir))
+        base.mkdir(parents=True, exist_ok=True)
+        self.dir = Path(tempfile.mkdtemp(prefix="bench-prefix-", dir=base))
+
+    def row(self, what: str, value: str, note: str = "") -> None:
+        self.rows.append((what, value, note))
+        if not self.args.json:
+            print(f"  {what:<58} {value:>14}  {note}", flush=True)
+
+    def run(self) -> dict[str, Any]:
+        from engine.blas import describe
+
+        try:
+            self.model_path = bench_model()
+            t = time.perf_counter()
+            self.model = load(self.model_path)
+            self.row("bench model load", f"{time.perf_counter() - t:.1f} s", str(self.model_path))
+            self.row("BLAS", describe(), "")
+            self.cold()
+            self.ram_hit()
+            self.ssd_hit()
+            self.decode_under_persist()
+            self.shared_ram()
+            self.trace()
+        finally:
+            pc = getattr(self, "pc", None)
+            if pc is not None:
+                pc.close(30)
+            shutil.rmtree(self.dir, ignore_errors=True)
+        return self.res
+
+    # ------------------------------------------------------------------ cold
+    def cold(self) -> None:
+        from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+        a = self.args
+        self.prompt = tokens(a.context + a.new, 1)
+        cache = make_prompt_cache(self.model)
+        t = time.perf_counter()
+        self.first = prefill(self.model, self.prompt, cache)
+        self.t_cold = time.perf_counter() - t
+        trim_prompt_cache(cache, a.new)
+        self.conv = cache  # the cached conversation: prompt[:context]
+        self.row(f"cold prefill of {len(self.prompt)} tokens (TTFT)", f"{self.t_cold:.2f} s")
+
+    # ------------------------------------------------------------------ RAM
+    def ram_hit(self) -> None:
+        from mlx_lm.models.cache import LRUPromptCache, trim_prompt_cache
+
+        from engine.prefix_cache import PrefixCache
+
+        a, model, prompt = self.args, self.model, self.prompt
+        self.pc = pc = PrefixCache(ram_bytes=1 << 34, cache_dir=self.dir / "cache",
+                                   block_tokens=256)
+        pc.store(prompt[: a.context], self.conv, NS)
+        lru = LRUPromptCache()
+        lru.insert_cache("bench", prompt[: a.context], self.conv)
+        warm = real_copy(self.conv)  # the warm model's own (unshared) cache
+        t_ours, t_base, t_mlx, t_look, bad = [], [], [], [], 0
+
+        def ours() -> None:
+            nonlocal bad
+            t = time.perf_counter()
+            n, cache = pc.lookup(prompt, NS)
+            t_look.append(time.perf_counter() - t)
+            first = prefill(model, prompt[n:], cache)
+            t_ours.append(time.perf_counter() - t)
+            bad += (first != self.first) + (n != a.context)
+
+        def base() -> None:
+            nonlocal bad
+            t = time.perf_counter()
+            first = prefill(model, prompt[a.context :], warm)
+            t_base.append(time.perf_counter() - t)
+            trim_prompt_cache(warm, a.new)
+            bad += first != self.first
+
+        def mlx_lm() -> None:
+            nonlocal bad
+            t = time.perf_counter()
+            cache, rest = lru.fetch_nearest_cache("bench", prompt)
+            first = prefill(model, rest, cache)
+            t_mlx.append(time.perf_counter() - t)
+            bad += (first != self.first) + (len(rest) != a.new)
+
+        base()  # the first write into the copy allocates its headroom; not a warm step
+        t_base.clear()
+        for _ in range(a.repeats):
+            ours()
+            base()
+            mlx_lm()
+        to, tb, tm = med(t_ours), med(t_base), med(t_mlx)
+        self.row(f"RAM hit: ours, {a.context} cached + {a.new} new (TTFT)", f"{to * 1e3:.0f} ms")
+        self.row(f"warm model: prefill just the {a.new} new tokens", f"{tb * 1e3:.0f} ms")
+        self.row("mlx-lm LRUPromptCache fetch + prefill", f"{tm * 1e3:.0f} ms")
+        self.row("  ratio ours / warm prefill (target <= 1.15)", f"{to / tb:.3f}")
+        self.row("  ratio ours / mlx-lm (target <= 1.0)", f"{to / tm:.3f}")
+        if bad:
+            self.row("  WRONG: a cached run differed from the cold run", str(bad))
+        self.res["ram_hit_vs_prefill"] = to / tb
+        self.res["ram_hit_vs_mlx_lm"] = to / tm
+        self.res["ram_hit_mismatches"] = bad
+        del warm, lru
+
+    # ------------------------------------------------------------------ SSD
+    def ssd_hit(self) -> None:
+        a = self.args
+        rep = self.pc.flush(120)
+        if rep["pending"] or rep["failed"]:
+            raise RuntimeError(f"flush did not complete: {rep}")
+        cmd = [sys.executable, "-m", "bench.prefix", "--child-ssd", str(self.dir / "cache"),
+               "--model", str(self.model_path), "--context", str(a.context), "--new", str(a.new),
+               "--repeats", str(a.repeats)]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0:
+            raise RuntimeError(f"SSD child failed:\n{proc.stderr[-4000:]}")
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+        bad = sum(f != self.first for f in out["first"]) + sum(
+            n != a.context for n in out["cached"])
+        tt = med(out["ttft"])
+        ours, st_alloc, st_plain = (med(out[k]) for k in (
+            "restore_gbps", "storage_alloc_gbps", "storage_gbps"))
+        self.row("SSD hit after restart (new process): TTFT", f"{tt * 1e3:.0f} ms")
+        self.row("  ratio SSD-hit TTFT / cold prefill (target <= 0.05)", f"{tt / self.t_cold:.4f}")
+        self.row("  restore inside lookup (alloc + read + verify)", f"{ours:.2f} GB/s",
+                 f"{med(out['restore_ms']):.0f} ms")
+        self.row("  storage layer, warm, same blocks, incl. allocation", f"{st_alloc:.2f} GB/s")
+        self.row("  storage layer, warm, same blocks, preallocated", f"{st_plain:.2f} GB/s")
+        self.row("  ratio restore / storage incl. alloc (target >= 0.5)", f"{ours / st_alloc:.3f}")
+        self.row("  ratio restore / storage preallocated", f"{ours / st_plain:.3f}")
+        self.res["restore_vs_storage_bench"] = ours / st_alloc
+        self.res["restore_vs_storage_preallocated"] = ours / st_plain
+        if bad:
+            self.row("  WRONG: an SSD-restored run differed from the cold run", str(bad))
+        self.res["ssd_hit_vs_cold"] = tt / self.t_cold
+        self.res["ssd_hit_mismatches"] = bad
+
+    # ------------------------------------------------------------------ decode
+    def decode_under_persist(self) -> None:
+        from mlx_lm.models.cache import trim_prompt_cache
+
+        from engine.prefix_cache import _layout_and_segments, store_namespace
+        from storage.io import Snapshot
+
+        a, pc = self.args, self.pc
+        cache = real_copy(self.conv)
+        specs, segs, keep = _layout_and_segments(self.conv, a.context)
+        toks = np.array(self.prompt[: a.context], dtype=np.uint32)
+        stop = threading.Event()
+        writes = [0]
+
+        def writer_busy() -> None:  # persist "the previous turn" again and again
+            i = 0
+            while not stop.is_set():
+                i += 1
+                ns = store_namespace(f"{NS}-persist-{i}")
+                pc.io.submit_write(Snapshot(ns, toks, tuple(specs), segs, keep=keep)).result()
+                writes[0] += 1
+                shutil.rmtree(os.path.join(pc.disk.root, ns), ignore_errors=True)
+
+        n = a.decode_tokens
+        idle, busy = [], []
+        decode(self.model, cache, self.first, 2)
+        trim_prompt_cache(cache, 2)
+        for _ in range(a.repeats):
+            idle.append(decode(self.model, cache, self.first, n))
+            trim_prompt_cache(cache, n)
+            stop.clear()
+            th = threading.Thread(target=writer_busy, daemon=True)
+            th.start()
+            busy.append(decode(self.model, cache, self.first, n))
+            stop.set()
+            th.join()
+            trim_prompt_cache(cache, n)
+        ti, tb = med(idle), med(busy)
+        self.row("decode, writer idle", f"{ti:.2f} tok/s")
+        self.row(f"decode, writer persisting ({writes[0]} x {a.context}-token states)",
+                 f"{tb:.2f} tok/s")
+        self.row("  ratio busy / idle (target >= 0.95)", f"{tb / ti:.3f}")
+        self.res["decode_under_persist"] = tb / ti
+
+    # ------------------------------------------------------------------ shared RAM
+    def shared_ram(self) -> None:
+        from mlx_lm.models.cache import LRUPromptCache
+
+        from engine.prefix_cache import PrefixCache
+
+        a, model = self.args, self.model
+        system = self.prompt[: a.context]
+        pc = PrefixCache(ram_bytes=1 << 34, cache_dir=None, block_tokens=256)
+        lru = LRUPromptCache(max_size=100)
+        pc.store(system, self.conv, NS)
+        lru.insert_cache("bench", system, self.conv)
+        one = pc.ram.nbytes
+        per_token = sum(x.nbytes // x.shape[2] for c in self.conv for x in (c.keys, c.values))
+        unique = 0
+        for i in range(8):
+            t = system + tokens(a.new, 100 + i)
+            n, cache = pc.lookup(t, NS)
+            prefill(model, t[n:], cache)
+            pc.store(t, cache, NS)
+            c2, rest = lru.fetch_nearest_cache("bench", t)
+            prefill(model, rest, c2)
+            lru.insert_cache("bench", t, c2)
+            unique += per_token * (len(t) - len(system))
+            del cache, c2
+        ideal = one + unique
+        ratio = pc.ram.nbytes / ideal
+        self.row("RAM, 8 requests sharing the system prompt: ours", f"{pc.ram.nbytes / 2**20:.1f} MiB")
+        self.row("  one copy + the unique parts", f"{ideal / 2**20:.1f} MiB")
+        self.row("  mlx-lm LRUPromptCache (its own count)", f"{lru.nbytes / 2**20:.1f} MiB")
+        self.row("  ratio ours / ideal (target <= 1.2)", f"{ratio:.3f}")
+        self.res["shared_ram_ratio"] = ratio
+        self.res["shared_ram_vs_mlx_lm"] = pc.ram.nbytes / lru.nbytes
+        pc.close()
+
+    # ------------------------------------------------------------------ trace
+    def trace(self) -> None:
+        from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
+
+        from engine.modelgen import init_model, model_config
+        from engine.prefix_cache import PrefixCache
+
+        model = init_model(model_config("qwen3", 512), seed=0)
+        sys_p = tokens(1000, 7)
+        users, rounds, msg, reply = 4, 4, 220, 30
+        hist = {u: [] for u in range(users)}
+        pc = PrefixCache(ram_bytes=1 << 34, cache_dir=None, block_tokens=256)
+        lru = LRUPromptCache()
+        seen: list[np.ndarray] = []
+        tot = {"prompt": 0, "ours": 0, "mlx": 0, "ideal": 0}
+        for r in range(rounds):
+            for u in range(users):
+                p = sys_p + hist[u] + tokens(msg, 1000 * u + r)
+                arr = np.array(p)
+                ideal = 0
+                for s in seen:
+                    m = min(len(s), len(arr))
+                    d = np.flatnonzero(s[:m] != arr[:m])
+                    ideal = max(ideal, int(d[0]) if d.size else m)
+                tot["ideal"] += min(ideal, len(p) - 1)
+                tot["prompt"] += len(p)
+                n, cache = pc.lookup(p, "trace")
+                cache = cache if cache is not None else make_prompt_cache(model)
+                out = self._gen(model, p[n:], cache, reply)
+                pc.store(p + out[:-1], cache, "trace")
+                tot["ours"] += n
+                c2, rest = lru.fetch_nearest_cache("trace", p)
+                c2 = c2 if c2 is not None else make_prompt_cache(model)
+                out2 = self._gen(model, rest, c2, reply)
+                lru.insert_cache("trace", p + out2[:-1], c2)
+                tot["mlx"] += len(p) - len(rest)
+                hist[u] = p[len(sys_p) :] + out
+                seen.append(np.array(p + out[:-1]))
+        f_ours, f_mlx, f_ideal = (tot[k] / tot["prompt"] for k in ("ours", "mlx", "ideal"))
+        self.row("trace: 1,000-token system, 4 users x 4 rounds, cached/prompt tokens", "")
+        self.row("  best possible", f"{f_ideal:.3f}")
+        self.row("  ours", f"{f_ours:.3f}")
+        self.row("  mlx-lm LRUPromptCache", f"{f_mlx:.3f}")
+        self.row("  ratio ours / best (target >= 0.9)", f"{f_ours / f_ideal:.3f}")
+        self.row("  ratio ours / mlx-lm", f"{f_ours / f_mlx:.3f}")
+        self.res["trace_hit_fraction"] = f_ours / f_ideal
+        self.res["trace_hit_vs_mlx_lm"] = f_ours / f_mlx
+        pc.close()
+
+    @staticmethod
+    def _gen(model: Any, rest: list[int], cache: list, n: int) -> list[int]:
+        """Prefill ``rest`` and generate n tokens (returned); the cache then holds every
+        token but the last generated one, as the engine's does."""
+        y = prefill(model, rest, cache)
+        out = [y]
+        for _ in range(n - 1):
+            logits = model(mx.array([[y]]), cache=cache)
+            y = int(mx.argmax(logits[0, -1]).item())
+            out.append(y)
+        return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.prefix", description=__doc__.split("\n")[0])
+    ap.add_argument("--context", type=int, default=4096, help="cached conversation tokens")
+    ap.add_argument("--new", type=int, default=64, help="new tokens of the next turn")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--decode-tokens", type=int, default=16)
+    ap.add_argument("--quick", action="store_true", help="--context 1024 for a short run")
+    ap.add_argument("--dir", default=os.path.join("~", ".cache", "mlxkv"),
+                    help="folder for the temporary cache (same filesystem as the real one)")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--child-ssd", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.context = 1024
+    if args.child_ssd:
+        return child_ssd(args)
+    if not args.json:
+        print(f"bench.prefix: {args.context}-token conversation + {args.new} new tokens, "
+              f"median of {args.repeats}", flush=True)
+    res = Bench(args).run()
+    if args.json:
+        print(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

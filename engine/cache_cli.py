@@ -1,0 +1,202 @@
+"""``mlxkv cache {stats,ls,verify,gc,flush,clear}``: inspect and maintain the SSD tier.
+
+Works on the cache folder alone (no model, no mlx): the lead wires it into ``mlxkv.py``::
+
+    add_cache_parser(subparsers)          # adds the "cache" command
+    rc = run_cache_command(args)          # when args.command == "cache"
+
+A running engine flushes its own dirty state on exit (and on request in the TUI); the
+``flush`` command here makes what other processes left behind consistent (removes their
+temp files, rebuilds the index) and reports what is on disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from typing import Any
+
+
+def add_cache_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("cache", help="inspect and maintain the prefix cache on disk")
+    p.add_argument("--cache-dir", help="cache folder (default: the cache_dir setting)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    sub = p.add_subparsers(dest="cache_command", metavar="{stats,ls,verify,gc,flush,clear}")
+    sub.required = True
+    sub.add_parser("stats", help="bytes, blocks and tails per namespace")
+    ls = sub.add_parser("ls", help="namespaces and their saved conversations")
+    ls.add_argument("--ns", help="only this namespace")
+    v = sub.add_parser("verify", help="read every saved conversation and check every block")
+    v.add_argument("--ns", help="only this namespace")
+    g = sub.add_parser("gc", help="remove blocks no saved conversation references")
+    g.add_argument("--ns", help="only this namespace")
+    g.add_argument("--min-age", type=float, default=60.0,
+                   help="keep unreferenced blocks younger than this many seconds (default 60)")
+    sub.add_parser("flush", help="clean up after other processes and report what is on disk")
+    c = sub.add_parser("clear", help="delete cached state")
+    c.add_argument("--ns", help="only this namespace")
+    c.add_argument("--yes", action="store_true", help="do it (without it, only say what)")
+    return p
+
+
+def _cache_dir(args: argparse.Namespace) -> str:
+    if getattr(args, "cache_dir", None):
+        return os.path.expanduser(args.cache_dir)
+    from engine.settings import Settings
+
+    return os.path.expanduser(Settings.load().cache_dir)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _open_store(root: str) -> Any:
+    from storage.store import BlockStore
+
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"no cache folder at {root} (nothing cached yet, or pass "
+                                f"--cache-dir)")
+    store = BlockStore(root)
+    store.scan()
+    # Block size is not recorded in the folder; read it off an indexed block (a store made
+    # with another block_tokens would see only its tails).
+    # NOTE: BlockStore has no public accessor for indexed blocks yet.
+    with store._lock:
+        sizes = {e.t1 - e.t0 for sp in store._spaces.values() for e in sp.blocks.values()}
+    if len(sizes) == 1 and sizes != {store.block_tokens}:
+        store = BlockStore(root, block_tokens=sizes.pop())
+        store.scan()
+    return store
+
+
+def _namespaces(store: Any, only: str | None) -> list[str]:
+    names = sorted(store.stats()["namespaces"])
+    if only is not None:
+        if only not in names:
+            raise KeyError(f"namespace {only!r} is not in {store.root} (have: "
+                           f"{', '.join(names) or 'none'})")
+        return [only]
+    return names
+
+
+def _verify(store: Any, ns: str) -> dict[str, int]:
+    """Restore every saved conversation of ``ns`` into scratch buffers (all blocks checked)."""
+    import numpy as np
+
+    out = {"conversations": 0, "ok": 0, "corrupt": 0, "missing": 0, "tokens": 0}
+    for man in store.manifests(ns):
+        out["conversations"] += 1
+        m = store.lookup(ns, man.tokens)
+        if m.n_tokens == 0:
+            out["missing"] += 1
+            continue
+        layout = _layout(store, ns, m)
+        segs = [(np.empty(s.outer * m.n_tokens * s.row_bytes, np.uint8), s.outer, m.n_tokens,
+                 s.row_bytes) for s in layout]
+        r = store.get_blocks(ns, man.tokens, layout, segs, n_tokens=m)
+        out["tokens"] += r.n_tokens
+        if r.corrupt:
+            out["corrupt"] += r.corrupt
+        elif r.missing or r.n_tokens < len(man.tokens):
+            out["missing"] += 1
+        else:
+            out["ok"] += 1
+    return out
+
+
+def _layout(store: Any, ns: str, m: Any) -> Any:
+    # NOTE: BlockStore has no public accessor for an indexed block's layout yet.
+    with store._lock:
+        sp = store._spaces[ns]
+        if m.block_keys:
+            return sp.blocks[m.block_keys[0]].layout
+        return next(t for ts in sp.tails.values() for t in ts.values()
+                    if t.key == m.tail_key).layout
+
+
+def run_cache_command(args: argparse.Namespace) -> int:
+    """Run one ``mlxkv cache`` subcommand; returns the exit status."""
+    try:
+        root = _cache_dir(args)
+        store = _open_store(root)
+        cmd = args.cache_command
+        if cmd == "stats":
+            st = store.stats()
+            res = {k: st[k] for k in ("root", "bytes", "blocks", "tails", "namespaces",
+                                      "kernel", "skipped_unknown_version")}
+            if not args.json:
+                print(f"{st['root']}: {_human(st['bytes'])} in {st['blocks']} blocks and "
+                      f"{st['tails']} tails ({st['kernel']} kernel)")
+                for ns, v in sorted(st["namespaces"].items()):
+                    print(f"  {ns}: {_human(v['bytes'])}, {v['blocks']} blocks, "
+                          f"{v['tails']} tails")
+                for path, why in st["skipped_unknown_version"].items():
+                    print(f"  skipped {path}: {why}")
+        elif cmd == "ls":
+            res = {}
+            for ns in _namespaces(store, args.ns):
+                mans = sorted(store.manifests(ns), key=lambda m: m.created)
+                res[ns] = [{"name": m.name, "tokens": int(len(m.tokens)),
+                            "blocks": len(m.block_keys), "cached_tokens":
+                            store.longest_prefix(ns, m.tokens),
+                            "created": m.created} for m in mans]
+                if not args.json:
+                    print(f"{ns}: {len(mans)} conversations")
+                    for m in res[ns]:
+                        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(m["created"]))
+                        print(f"  {m['name']:<24} {m['tokens']:>8} tokens "
+                              f"({m['cached_tokens']} on disk)  {when}")
+        elif cmd == "verify":
+            res = {ns: _verify(store, ns) for ns in _namespaces(store, args.ns)}
+            bad = sum(v["corrupt"] + v["missing"] for v in res.values())
+            if not args.json:
+                for ns, v in res.items():
+                    print(f"{ns}: {v['ok']}/{v['conversations']} conversations intact, "
+                          f"{v['corrupt']} corrupt blocks removed, {v['missing']} incomplete")
+            if args.json:
+                print(json.dumps(res))
+            return 1 if bad else 0
+        elif cmd == "gc":
+            names = _namespaces(store, args.ns) if args.ns else [None]
+            res = {"removed": 0, "bytes": 0}
+            for ns in names:
+                r = store.gc(ns, min_age_s=args.min_age)
+                res["removed"] += r["removed"]
+                res["bytes"] += r["bytes"]
+            if not args.json:
+                print(f"removed {res['removed']} unreferenced blocks ({_human(res['bytes'])})")
+        elif cmd == "flush":
+            rep = store.scan()
+            res = {"on_disk_bytes": store.stats()["bytes"], **rep}
+            if not args.json:
+                print(f"{root}: {rep['blocks']} blocks and {rep['tails']} tails on disk, "
+                      f"{rep['tmp_removed']} temp files and {rep['bad_removed']} damaged files "
+                      f"removed")
+        elif cmd == "clear":
+            names = _namespaces(store, args.ns)
+            res = {"namespaces": names, "deleted": bool(args.yes)}
+            if args.yes:
+                with store._flock(shared=False):
+                    for ns in names:
+                        shutil.rmtree(os.path.join(root, ns), ignore_errors=True)
+            if not args.json:
+                what = ", ".join(names) or "nothing"
+                print(f"deleted {what}" if args.yes else f"would delete {what} (add --yes)")
+        else:  # pragma: no cover - argparse restricts the choices
+            raise ValueError(f"unknown cache command {cmd!r}")
+        if args.json:
+            print(json.dumps(res))
+        return 0
+    except (FileNotFoundError, KeyError, PermissionError, ValueError) as exc:
+        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"mlxkv cache: {msg}", file=sys.stderr)
+        return 2
