@@ -414,3 +414,41 @@ def test_cache_cli(llama, tmp_path):
     rc, cl = _cli("--cache-dir", d, "--json", "clear", "--yes")
     assert rc == 0 and not (tmp_path / "model-a").exists()
     assert _cli("--cache-dir", str(tmp_path / "nope"), "stats")[0] == 2
+
+
+# ----------------------------------------------------------------------------- engine
+def test_engine_end_to_end_ram_ssd_restart(tiny_qwen3, tmp_path):
+    import engine  # noqa: F401
+    from engine.engine import Engine, Request
+    from engine.generate import SamplingParams
+
+    params = SamplingParams(max_tokens=8)
+    made: list[PrefixCache] = []
+
+    def factory(loaded, namespace):
+        made.append(pc_at(tmp_path))
+        return made[-1]
+
+    def ask(eng, toks, session=None):
+        r = eng.submit(Request(prompt_tokens=toks, params=params, session=session)).result()
+        eng.sync()  # the store runs after the finished event
+        return r
+
+    t1 = prompt(50, 60)
+    with Engine(str(tiny_qwen3), prefix_cache=factory).start() as eng:
+        r1 = ask(eng, t1, "chat")
+        assert r1.stats.cached_tokens == 0
+        t2 = t1 + r1.tokens + prompt(6, 61)
+        r2 = ask(eng, t2, "chat")
+        assert r2.stats.cached_tokens == len(t1) + len(r1.tokens)  # only the new turn computed
+        assert made[0].stats()["last"]["tier"] == "ram"
+        # a different namespace (another model) would never see this: checked in unit tests
+    assert made[0].durability.report()["pending"] == 0  # engine shutdown flushed
+    with Engine(str(tiny_qwen3)).start() as plain:  # no cache at all
+        cold2 = plain.submit(Request(prompt_tokens=t2, params=params)).result()
+    assert r2.tokens == cold2.tokens
+    with Engine(str(tiny_qwen3), prefix_cache=factory).start() as eng:  # a restart
+        r2b = ask(eng, t2)
+        assert made[1].stats()["last"]["tier"] == "ssd"
+        assert r2b.stats.cached_tokens == len(t1) + len(r1.tokens)
+        assert r2b.tokens == cold2.tokens
