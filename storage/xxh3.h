@@ -577,6 +577,43 @@ MK_API int mk_best_isa(void) {
     return MK_ISA_SCALAR;
 }
 
+/* ------------------------------------------- non-temporal copy, any dst */
+
+/*
+ * Copy n bytes with streaming stores to whatever dst alignment: loads are unaligned, stores
+ * go to 64-byte-aligned lines, the partial lines at both ends use memcpy. SSE2 is enough:
+ * write-combining merges 16-byte streaming stores into full lines. Elsewhere: memcpy.
+ */
+static void mk_copy_nt(uint8_t *dst, const uint8_t *src, size_t n) {
+#ifdef MK_X86
+    size_t head = (size_t)(-(uintptr_t)dst) & 63;
+    if (head > n) head = n;
+    memcpy(dst, src, head);
+    dst += head;
+    src += head;
+    n -= head;
+    for (; n >= 64; n -= 64, dst += 64, src += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)src + 0);
+        __m128i b = _mm_loadu_si128((const __m128i *)src + 1);
+        __m128i c = _mm_loadu_si128((const __m128i *)src + 2);
+        __m128i d = _mm_loadu_si128((const __m128i *)src + 3);
+        _mm_stream_si128((__m128i *)dst + 0, a);
+        _mm_stream_si128((__m128i *)dst + 1, b);
+        _mm_stream_si128((__m128i *)dst + 2, c);
+        _mm_stream_si128((__m128i *)dst + 3, d);
+    }
+    memcpy(dst, src, n);
+    _mm_sfence();
+#else
+    memcpy(dst, src, n);
+#endif
+}
+
+/* Streaming stores cannot follow the stripes when dst is not line-aligned (arrays from
+ * numpy or mlx usually are not): hash a few KiB from src, then stream-copy that same span
+ * while it is still in L1. */
+#define MK_SPLIT_STRIPES 256 /* 16 KiB */
+
 /* ----------------------------------------------------- long: finalization */
 
 static uint64_t mk_long_finish(uint64_t *acc, size_t *nb, const uint8_t *secret,
@@ -623,6 +660,18 @@ typedef struct {
     int nt_stores;     /* update_copy: stream dst with non-temporal stores (large blocks) */
 } mk_xxh3_state;
 
+static void mk_consume_copy_unaligned_nt(mk_xxh3_state *st, uint8_t *dst, const uint8_t *p,
+                                         size_t n) {
+    while (n) {
+        size_t k = n < MK_SPLIT_STRIPES ? n : MK_SPLIT_STRIPES;
+        mk_consume(st->acc, &st->nb_stripes, st->secret, p, NULL, k, 0);
+        mk_copy_nt(dst, p, k * MK_STRIPE);
+        p += k * MK_STRIPE;
+        dst += k * MK_STRIPE;
+        n -= k;
+    }
+}
+
 MK_API void mk_xxh3_init(mk_xxh3_state *st, uint64_t seed) {
     mk_acc_init(st->acc);
     mk_derive_secret(st->secret, seed);
@@ -664,7 +713,10 @@ MK_API void mk_xxh3_update_copy(mk_xxh3_state *st, uint8_t *dst, const uint8_t *
     }
     if (len > MK_BUF_LEN) {
         size_t n = (len - 1) / MK_STRIPE; /* leaves 1..64 bytes */
-        mk_consume(st->acc, &st->nb_stripes, st->secret, p, dst, n, st->nt_stores);
+        if (dst && st->nt_stores && ((uintptr_t)dst & (MK_STRIPE - 1)))
+            mk_consume_copy_unaligned_nt(st, dst, p, n);
+        else
+            mk_consume(st->acc, &st->nb_stripes, st->secret, p, dst, n, st->nt_stores);
         p += n * MK_STRIPE;
         len -= n * MK_STRIPE;
         if (dst) dst += n * MK_STRIPE;
