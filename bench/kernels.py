@@ -47,13 +47,15 @@ def _timed(fn: Callable[[], object]) -> float:
 
 
 def _interleave(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
-    """Run every fn once per round (after one warm-up round); seconds per fn per round."""
+    """Run every fn once per round (after one warm-up round), alternating the order each
+    round so neither side always runs first; seconds per fn per round."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            times[k].append(_timed(fn))
+    names = list(fns)
+    for r in range(repeats):
+        for k in names if r % 2 == 0 else reversed(names):
+            times[k].append(_timed(fns[k]))
     return times
 
 

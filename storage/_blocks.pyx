@@ -6,6 +6,12 @@ touches are pinned first (a held ``Py_buffer`` keeps its exporter alive and unre
 Contract: ``.cache/STORAGE_API.md``; pure-Python oracle: ``storage/reference.py``.
 A *segment* is ``(buf, outer, t_capacity, row_bytes)``: a C-contiguous buffer of exactly
 ``outer * t_capacity * row_bytes`` bytes whose rows ``[t0, t1)`` of each outer slice are moved.
+
+Beyond the contract: ``unpack_hash`` (scatter + hash in one pass, for verified restores),
+``pack(..., hash=False)``, ``Xxh3Hasher`` (streaming), ``set_direct`` (toggle O_DIRECT /
+F_NOCACHE on an open fd, e.g. for an unaligned tail), ``hash_isa``/``hash_isas``/
+``set_hash_isa`` (which SIMD stripe loop runs; env ``MLXKV_XXH3_ISA``), and a ``path=``
+keyword on the I/O calls that names the file in their OSError.
 """
 
 import os
