@@ -22,7 +22,8 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -114,14 +115,12 @@ class Bench:
 
     # ------------------------------------------------------------------ measurements
     def persist(self) -> None:
-        K, R, n = self.K, self.R, self.nbytes
+        R, n = self.R, self.nbytes
         plain = os.path.join(self.dir, "plain.bin")
-        payload = np.frombuffer(memoryview(self.src[0]), dtype=np.uint8)
         blob = np.empty(n, dtype=np.uint8)  # the same bytes, contiguous
         for i, a in enumerate(self.src):
             m = np.frombuffer(memoryview(a), dtype=np.uint8)
             blob[i * m.size : (i + 1) * m.size] = m
-        del payload
 
         def plain_write():
             fd = os.open(plain, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -215,18 +214,22 @@ class Bench:
             np.copyto(out, self.blob)
 
         memcpy()
-        t = {k: [] for k in ("ours", "ours_alloc", "mlx", "memcpy")}
+        t = {k: [] for k in ("ours", "ours_alloc", "mlx", "memcpy", "alloc")}
         for _ in range(R):
             t["ours"].append(median_time(ours, 1))
             t["ours_alloc"].append(median_time(ours_alloc, 1))
             t["mlx"].append(median_time(mlx_load, 1))
             t["memcpy"].append(median_time(memcpy, 1))
-        to, ta, tm, tc = (statistics.median(t[k]) for k in ("ours", "ours_alloc", "mlx", "memcpy"))
+            t["alloc"].append(median_time(self.alloc_dst, 1))
+        to, ta, tm, tc, tz = (statistics.median(t[k])
+                              for k in ("ours", "ours_alloc", "mlx", "memcpy", "alloc"))
         self.add("restore warm: ours, verified, into evaluated mx arrays", to, n)
-        self.add("restore warm: ours incl. mx.zeros+eval of destination", ta, n)
+        self.add("restore warm: ours incl. allocating them (mx.zeros+eval)", ta, n)
         self.add("restore warm: mlx-lm load_prompt_cache + eval", tm, n)
         self.add("memory copy: numpy copyto", tc, n)
+        self.add("  (mx.zeros + eval of the destination alone)", tz, n)
         self.res["restore_vs_mlx_lm"] = tm / ta
+        self.res["restore_prealloc_vs_mlx_lm"] = tm / to
         self.res["restore_vs_memcpy"] = tc / to
 
         # cold: drop the pages of every file, then read
@@ -272,11 +275,21 @@ class Bench:
 
     def kernels(self) -> None:
         K, R = self.K, max(self.R, 5)
-        try:  # S1's kernel benchmark, when present, measures the same things
-            from bench import kernels as kb  # noqa: F401
+        buf = self.blob[: 256 << 20]
+        try:  # S1's kernel benchmark measures these interleaved; use it when present
+            from bench import kernels as kb
         except ImportError:
             kb = None
-        buf = self.blob[: 256 << 20]
+        if kb is not None:
+            h = kb.measure_hash(buf, repeats=R)
+            p = kb.measure_pack(self.src_segs, block_tokens=256, repeats=R)
+            self.rows.append((f"hash: _blocks.xxh3_64 ({K.hash_isa()}) vs xxhash [bench.kernels]",
+                              f"{h['xxh3_gbps']:.2f} GB/s", f"xxhash {h['xxhash_gbps']:.2f} GB/s"))
+            self.rows.append(("pack+hash vs pack [bench.kernels]", f"{p['packhash_gbps']:.2f} GB/s",
+                              f"pack {p['pack_gbps']:.2f} GB/s, memcpy {p['memcpy_gbps']:.2f} GB/s"))
+            self.res["hash_vs_xxhash"] = h["hash_vs_xxhash"]
+            self.res["packhash_vs_pack"] = p["packhash_vs_pack"]
+            return
         t_ours = median_time(lambda: K.xxh3_64(buf), R)
         t_xx = median_time(lambda: xxhash.xxh3_64_intdigest(buf), R)
         self.add(f"hash: _blocks.xxh3_64 ({K.hash_isa()})", t_ours, buf.nbytes)
@@ -292,8 +305,7 @@ class Bench:
 
     def gil(self) -> None:
         """A pure-Python loop on another thread, alone and while the writer persists."""
-        target = GIB if self.args.full else max(self.nbytes, GIB // 4)
-        count = max(1, -(-target // self.nbytes))
+        count = max(1, -(-GIB // self.nbytes))  # 1 GiB in all
 
         def spin(stop: threading.Event, out: dict) -> None:
             n, last, worst = 0, time.perf_counter(), 0.0
@@ -301,8 +313,7 @@ class Bench:
             while not stop.is_set():
                 n += 1
                 now = time.perf_counter()
-                if now - last > worst:
-                    worst = now - last
+                worst = max(worst, now - last)
                 last = now
             out.update(rate=n / (last - t0), stall=worst)
 
@@ -323,7 +334,28 @@ class Bench:
             for f in futs:
                 f.result()
 
-        ratios, stalls = [], []
+        def gil_free_load(seconds: float) -> Callable[[], None]:
+            """Control: a thread as CPU-hungry as the writer that never needs the GIL
+            (numpy copies release it), to tell GIL contention from a busy machine."""
+            a = np.empty(32 << 20, np.uint8)
+            b = np.empty_like(a)
+
+            def work():
+                stop = threading.Event()
+
+                def copy_loop():
+                    while not stop.is_set():
+                        np.copyto(b, a)
+
+                th = threading.Thread(target=copy_loop)
+                th.start()
+                time.sleep(seconds)
+                stop.set()
+                th.join()
+
+            return work
+
+        ratios, stalls, controls, cstalls = [], [], [], []
         for _ in range(self.R):
             solo = run_spin(lambda: time.sleep(0.5))
             t = time.perf_counter()
@@ -331,13 +363,21 @@ class Bench:
             dt = time.perf_counter() - t
             for ns in ns_list:
                 self.drop_ns(ns)
+            ctrl = run_spin(gil_free_load(dt))
             ratios.append(busy["rate"] / solo["rate"])
             stalls.append(busy["stall"] * 1e3)
+            controls.append(ctrl["rate"] / solo["rate"])
+            cstalls.append(ctrl["stall"] * 1e3)
         self.res["gil_ratio"] = statistics.median(ratios)
         self.res["gil_max_stall_ms"] = statistics.median(stalls)
+        self.res["gil_control_ratio"] = statistics.median(controls)
+        self.res["gil_control_max_stall_ms"] = statistics.median(cstalls)
         self.rows.append((f"GIL: Python loop rate while persisting {count * self.nbytes / GIB:.2f} GiB",
                           f"{self.res['gil_ratio']:.2f}x solo",
                           f"max stall {self.res['gil_max_stall_ms']:.1f} ms (persist {dt:.2f} s)"))
+        self.rows.append(("  control: same loop beside a GIL-free numpy copy thread",
+                          f"{self.res['gil_control_ratio']:.2f}x solo",
+                          f"max stall {self.res['gil_control_max_stall_ms']:.1f} ms"))
 
     def dedup(self) -> None:
         """8 snapshots sharing a 6,144-token prefix plus 512 unique tokens each."""
@@ -449,16 +489,18 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"bench.storage: {args.tokens} tokens x {LAYERS} layers x {HEADS} heads x {DIM} dim bf16 "
           f"= {b.nbytes / GIB:.3f} GiB snapshot{'' if args.full else ' (use --full for 1 GiB)'}; "
-          f"median of {args.repeats}; kernel {store.KERNEL}; {os.cpu_count()} CPUs; "
+          f"median of {args.repeats}; kernel {store.KERNEL}; {os.cpu_count()} CPUs, "
+          f"load {os.getloadavg()[0]:.1f}; "
           f"folder {os.path.dirname(b.dir)}")
     res = b.run()
     w = max(len(r[0]) for r in b.rows)
     for what, a, c in b.rows:
         print(f"  {what:<{w}}  {a:>16}  {c}")
     print("ratios (ours / other, throughput):")
-    for k in ("persist_vs_limit", "persist_vs_mlx_lm", "restore_vs_mlx_lm", "restore_vs_memcpy",
-              "restore_cold_vs_limit", "hash_vs_xxhash", "packhash_vs_pack", "gil_ratio",
-              "gil_max_stall_ms", "dedup_ratio", "scan_10k_s"):
+    for k in ("persist_vs_limit", "persist_vs_mlx_lm", "restore_vs_mlx_lm",
+              "restore_prealloc_vs_mlx_lm", "restore_vs_memcpy", "restore_cold_vs_limit",
+              "hash_vs_xxhash", "packhash_vs_pack", "gil_ratio", "gil_max_stall_ms",
+              "gil_control_ratio", "dedup_ratio", "scan_10k_s", "scan_10k_cold_s"):
         print(f"  {k:<24} {res[k]:.3f}")
     if args.json:
         print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items()}))

@@ -19,7 +19,7 @@ _EXPORTS = {
     "WriteQueueFull": "storage.io", "StorageClosed": "storage.io",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:

@@ -204,14 +204,16 @@ class StorageIO:
         if self._writer.is_alive():
             self._abort.set()  # the running write finishes; the queued ones fail fast
         self._reader.join(timeout if not self._writer.is_alive() else 0)
+        if not self._writer.is_alive():
+            self.store.close()  # its write helper thread; restarts if the store is reused
         with self._lock:
             report = {**self._n, "pending": self._pending}
         if report["pending"]:
             log.warning("mlxkv storage: closed with %d writes not finished", report["pending"])
         return report
 
-    def __enter__(self) -> StorageIO:
+    def __enter__(self) -> StorageIO:  # noqa: PYI034
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -46,7 +46,7 @@ import re
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,7 +56,14 @@ import xxhash
 
 from storage import format as fmt
 from storage.format import (
-    KIND_BLOCK, KIND_TAIL, PAGE, FormatError, Layout, Manifest, UnknownVersion, make_layout,
+    KIND_BLOCK,
+    KIND_TAIL,
+    PAGE,
+    FormatError,
+    Layout,
+    Manifest,
+    UnknownVersion,
+    make_layout,
 )
 
 try:  # the Cython kernel; the numpy reference stands in only when it is not built
@@ -74,6 +81,7 @@ ZERO_KEY = bytes(16)
 _NS_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _EXT = {KIND_BLOCK: ".blk", KIND_TAIL: ".tail"}
 _SCAN_THREADS = 4
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _HEAD_READ = 2 * PAGE  # one read covers the header of every usual layout
 _BLOCK_DOMAIN = b"mlxkv/block/1"
 _TAIL_DOMAIN = b"mlxkv/tail/1"
@@ -198,6 +206,7 @@ class Match:
     tail_key: bytes | None = None
     tail_tokens: int = 0  # tokens used from the tail (a prefix of it)
     nbytes: int = 0  # payload bytes a restore reads
+    layout: Layout | None = None  # the stored layout (to allocate destinations after a restart)
 
 
 @dataclass(frozen=True)
@@ -298,6 +307,7 @@ class BlockStore:
         self._bytes = 0
         self._clock = 0.0
         self._local = threading.local()
+        self._pool: ThreadPoolExecutor | None = None
         self._warned: set[str] = set()
         self._c: dict[str, int] = dict.fromkeys(
             ("blocks_written", "tails_written", "bytes_written", "dedup_blocks", "write_failures",
@@ -324,7 +334,7 @@ class BlockStore:
         limit = toks.size if max_tokens is None else max(0, min(toks.size, int(max_tokens)))
         bt = self.block_tokens
         keys: list[bytes] = []
-        parent, nbytes = ZERO_KEY, 0
+        parent, nbytes, layout = ZERO_KEY, 0, None
         with self._lock:
             space = self._spaces.get(ns)
             if space is None:
@@ -337,6 +347,7 @@ class BlockStore:
                 keys.append(k)
                 nbytes += e.payload_len
                 parent = k
+                layout = layout or e.layout
             n = len(keys) * bt
             best, best_m = None, 0
             rest = toks[n:limit]
@@ -346,8 +357,9 @@ class BlockStore:
                     best, best_m = e, m
             if best is not None:
                 nbytes += best.payload_len * best_m // (best.t1 - best.t0)
-                return Match(ns, n + best_m, tuple(keys), best.key, best_m, nbytes)
-            return Match(ns, n, tuple(keys), None, 0, nbytes)
+                return Match(ns, n + best_m, tuple(keys), best.key, best_m, nbytes,
+                             layout or best.layout)
+            return Match(ns, n, tuple(keys), None, 0, nbytes, layout)
 
     def longest_prefix(self, ns: str, tokens: Any, max_tokens: int | None = None) -> int:
         return self.lookup(ns, tokens, max_tokens).n_tokens
@@ -405,6 +417,8 @@ class BlockStore:
     def _write_files(self, ns, nsid, layout, segs, toks, jobs, durable, written) -> None:
         pending: list[tuple[int, str, str, _Entry]] = []  # fd, tmp, final, entry
         dirs: set[str] = set()
+        inflight: Future | None = None
+        nblk = 0
         try:
             for kind, key, parent, t0, t1 in jobs:
                 ntok = t1 - t0
@@ -415,29 +429,40 @@ class BlockStore:
                 d = os.path.dirname(final)
                 os.makedirs(d, exist_ok=True)
                 tmp = os.path.join(d, f".{key.hex()}.{os.getpid()}.{threading.get_ident()}.tmp")
-                # the whole file image is built in one page-aligned buffer: pack fused with
-                # the hash, then the header, then a single (direct where possible) write
-                buf = self._scratch("w", size)
-                with memoryview(buf) as mv:
-                    _, chash = K.pack(mv, hdr_size, segs, t0, t1, fmt.content_seed(key))
-                    mv[:hdr_size] = fmt.encode_block_header(
-                        kind, key, parent, nsid, ns, layout, t0, t1, toks[t0:t1], chash, plen)
-                    mv[hdr_size + plen : size] = bytes(size - hdr_size - plen)
-                    fd = self._open_write(tmp)
-                    entry = _Entry(kind, key, parent, ns, final, size, hdr_size, plen, chash,
-                                   t0, t1, layout, toks[t0:t1].copy() if kind == KIND_TAIL else None,
-                                   0.0)
-                    pending.append((fd, tmp, final, entry))
-                    _pwrite_full(fd, mv[:size], 0)
+                # The whole file image is built in one page-aligned buffer (pack fused with
+                # the hash, then the header) and written with one (direct where possible)
+                # pwrite. Two buffers alternate: block i is written by the I/O helper
+                # thread while block i+1 is packed here, so the disk never waits on the CPU.
+                mv = memoryview(self._scratch(f"w{nblk % 2}", size))[:size]
+                nblk += 1
+                _, chash = K.pack(mv, hdr_size, segs, t0, t1, fmt.content_seed(key))
+                mv[:hdr_size] = fmt.encode_block_header(
+                    kind, key, parent, nsid, ns, layout, t0, t1, toks[t0:t1], chash, plen)
+                mv[hdr_size + plen : size] = bytes(size - hdr_size - plen)
+                fd = self._open_write(tmp)
+                entry = _Entry(kind, key, parent, ns, final, size, hdr_size, plen, chash,
+                               t0, t1, layout, toks[t0:t1].copy() if kind == KIND_TAIL else None,
+                               0.0)
+                pending.append((fd, tmp, final, entry))
                 dirs.add(d)
+                if inflight is not None:
+                    inflight.result()  # the other buffer is free again (or the write failed)
+                inflight = self._io_pool().submit(_pwrite_full, fd, mv, 0)
                 if len(pending) >= _BATCH:
+                    inflight.result()
+                    inflight = None
                     self._publish(pending, written, durable)
                     pending.clear()
+            if inflight is not None:
+                inflight.result()
+                inflight = None
             self._publish(pending, written, durable)
             if durable:
                 for d in dirs:
                     _fsync_dir(d)
         except BaseException as exc:
+            if inflight is not None:  # never close or unlink under a running write
+                wait([inflight])
             for fd, tmp, _, _ in pending:
                 if fd >= 0:
                     _quiet(os.close, fd)
@@ -452,6 +477,19 @@ class BlockStore:
                             self.root, exc)
             raise StoreWriteError(exc.errno, f"block write failed: {exc.strerror or exc}",
                                   getattr(exc, "filename", None)) from exc
+
+    def _io_pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="mlxkv-write-io")
+            return self._pool
+
+    def close(self) -> None:
+        """Stop the write helper thread (the store stays usable; it restarts on demand)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
     def _open_write(self, path: str) -> int:
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
@@ -522,7 +560,7 @@ class BlockStore:
         try:
             for i, e in enumerate(entries):
                 if e is not None and fds[i] is None:
-                    fds[i] = self._open(e)
+                    fds[i] = self._open(e, prefetch=True)
                 if e is None or fds[i] == -1:
                     missing += 1
                     break
@@ -601,12 +639,13 @@ class BlockStore:
         if os.fstat(fd).st_size < e.file_size:
             return f"truncated file ({os.fstat(fd).st_size} of {e.file_size} bytes)"
         try:
-            m = mmap.mmap(fd, e.file_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            # MAP_POPULATE maps every page in one call (cheaper than faulting 4 KiB at a
+            # time during the scatter) and, for cold files, reads them in large chunks
+            m = mmap.mmap(fd, e.file_size, flags=mmap.MAP_SHARED | _POPULATE,
+                          prot=mmap.PROT_READ)
         except (OSError, ValueError):
             return False
         try:
-            if hasattr(m, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
-                m.madvise(mmap.MADV_WILLNEED)  # start reading ahead if the pages are cold
             with memoryview(m) as mv:
                 reason = self._check_header(e, mv[: e.payload_offset], layout)
                 if reason is None:
@@ -1097,5 +1136,14 @@ def _atomic_write(path: str, data: bytes, durable: bool) -> None:
         _fsync_dir(d)
 
 
-__all__ = ["BlockStore", "Match", "PutResult", "Restore", "StoreWriteError", "KERNEL",
-           "ZERO_KEY", "namespace_id", "check_namespace"]
+__all__ = [
+    "KERNEL",
+    "ZERO_KEY",
+    "BlockStore",
+    "Match",
+    "PutResult",
+    "Restore",
+    "StoreWriteError",
+    "check_namespace",
+    "namespace_id",
+]

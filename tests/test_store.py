@@ -20,12 +20,11 @@ from storage.store import BlockStore, StoreWriteError
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# KV content is a pure function of the token ids (as real KV is of its prefix), so any
-# process can rebuild what a block must contain. Shared with the subprocess scripts.
-KV_HELPER = '''
-import numpy as np
 def make_kv(layout, tokens, t_cap):
-    """One uint8 array [outer, t_cap, row_bytes] per segment; rows past len(tokens) are 0."""
+    """One uint8 array [outer, t_cap, row_bytes] per segment; rows past len(tokens) are 0.
+
+    KV content is a pure function of the token ids (as real KV is of its prefix), so any
+    process can rebuild what a block must contain (the subprocesses import this)."""
     toks = np.asarray(tokens, dtype=np.int64)
     out = []
     for i, s in enumerate(layout):
@@ -35,10 +34,19 @@ def make_kv(layout, tokens, t_cap):
         a[:, : toks.size] = (toks[None, :, None] * 7 + i * 131 + o * 31 + b) % 251
         out.append(a)
     return out
+
+
 def segs(layout, arrays):
     return [(a, s.outer, a.shape[1], s.row_bytes) for s, a in zip(layout, arrays)]
-'''
-exec(KV_HELPER)
+
+
+# prepended to every subprocess script (run with the repository root as cwd)
+KV_HELPER = """
+import sys
+sys.path.insert(0, "tests")
+import numpy as np
+from test_store import make_kv, segs
+"""
 
 BF16 = fmt.make_layout([SegmentSpec(f"l{i}.{kv}", "bfloat16", (16,), 4, 32)
                         for i in range(3) for kv in "kv"])
@@ -120,6 +128,7 @@ def test_chain_keys_prefix_lookup_and_namespaces(tmp_path):
     assert store.longest_prefix("other", toks) == 0
     assert store.longest_prefix("m", toks, max_tokens=3 * BT - 1) == 2 * BT
     assert store.lookup("m", toks).nbytes == 3 * BT * fmt.bytes_per_token(F32)
+    assert store.lookup("m", toks).layout == F32 and store.lookup("other", toks).layout is None
 
 
 def test_tail_is_reused_for_a_continuing_conversation(tmp_path):
@@ -327,7 +336,7 @@ def _verify_all(root: Path, ns: str) -> int:
     assert not list(root.rglob("*.tmp"))
     n = 0
     for key, e in list(store._spaces[ns].blocks.items()):
-        hdr = fmt.decode_block_header(open(e.path, "rb").read())
+        hdr = fmt.decode_block_header(Path(e.path).read_bytes())
         assert hdr.key == key
     for parent, tails in store._spaces[ns].tails.items():
         for e in tails.values():
@@ -425,7 +434,7 @@ def tiny_tmpfs(tmp_path):
     mnt = tmp_path / "tmpfs"
     mnt.mkdir()
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
+                       capture_output=True, text=True, check=False)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a 1 MiB tmpfs here ({r.stderr.strip() or 'not root'}); "
                     "the RLIMIT_FSIZE test covers full disks")
@@ -477,8 +486,9 @@ def test_buffered_writes_give_the_same_files(tmp_path):
     b = BlockStore(tmp_path / "buffered", block_tokens=BT, direct_io=False)
     for s in (a, b):
         s.put_blocks("m", toks, QUANT, segs(QUANT, src))
-    fa = sorted(p.relative_to(tmp_path / "direct") for p in (tmp_path / "direct").rglob("*.*") if p.name != ".lock")
-    fb = sorted(p.relative_to(tmp_path / "buffered") for p in (tmp_path / "buffered").rglob("*.*") if p.name != ".lock")
-    assert fa == fb and len(fa) == 3
-    for rel in fa:
-        assert (tmp_path / "direct" / rel).read_bytes() == (tmp_path / "buffered" / rel).read_bytes()
+    def files(root):
+        return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*.*")
+                if p.name != ".lock"}
+
+    fa, fb = files(tmp_path / "direct"), files(tmp_path / "buffered")
+    assert len(fa) == 3 and fa == fb  # same names, byte-identical contents
