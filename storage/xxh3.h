@@ -320,6 +320,9 @@ MK_INLINE void mk_scramble_scalar(uint64_t *acc, const uint8_t *s) {
 #define MK_PREFETCH(p) ((void)0)
 #endif
 
+/* STORE argument of the hash-only steps: expands to nothing, arguments unevaluated. */
+#define MK_NOSTORE(addr, v) ((void)0)
+
 typedef void (*mk_consume_fn)(uint64_t *, size_t *, const uint8_t *, const uint8_t *, uint8_t *,
                               size_t, int);
 
@@ -362,18 +365,16 @@ MK_DEFINE_CONSUME(mk_consume_scalar, , MK_S_DECL, MK_S_LOAD, MK_S_STORE, MK_S_ST
         __m128i d1 = _mm_loadu_si128((const __m128i *)(p) + 1);                  \
         __m128i d2 = _mm_loadu_si128((const __m128i *)(p) + 2);                  \
         __m128i d3 = _mm_loadu_si128((const __m128i *)(p) + 3);                  \
-        if (dst) {                                                               \
-            STORE((__m128i *)(dst) + 0, d0);                                     \
-            STORE((__m128i *)(dst) + 1, d1);                                     \
-            STORE((__m128i *)(dst) + 2, d2);                                     \
-            STORE((__m128i *)(dst) + 3, d3);                                     \
-        }                                                                        \
+        STORE((__m128i *)(dst) + 0, d0);                                         \
+        STORE((__m128i *)(dst) + 1, d1);                                         \
+        STORE((__m128i *)(dst) + 2, d2);                                         \
+        STORE((__m128i *)(dst) + 3, d3);                                         \
         MK_SSE_ACC(a0, d0, s, 0);                                                \
         MK_SSE_ACC(a1, d1, s, 1);                                                \
         MK_SSE_ACC(a2, d2, s, 2);                                                \
         MK_SSE_ACC(a3, d3, s, 3);                                                \
     } while (0)
-#define MK_SSE_STEP(p, s) MK_SSE_STEP4((uint8_t *)0, p, s, _mm_storeu_si128)
+#define MK_SSE_STEP(p, s) MK_SSE_STEP4(_, p, s, MK_NOSTORE)
 #define MK_SSE_STEPC(d, p, s) MK_SSE_STEP4(d, p, s, _mm_storeu_si128)
 #define MK_SSE_STEPNT(d, p, s) MK_SSE_STEP4(d, p, s, _mm_stream_si128)
 #define MK_SSE_SCR(A, s, i)                                                    \
@@ -412,14 +413,12 @@ MK_DEFINE_CONSUME(mk_consume_sse2, , MK_SSE_DECL, MK_SSE_LOAD, MK_SSE_STORE, MK_
     do {                                                             \
         __m256i d0 = _mm256_loadu_si256((const __m256i *)(p) + 0);   \
         __m256i d1 = _mm256_loadu_si256((const __m256i *)(p) + 1);   \
-        if (dst) {                                                   \
-            STORE((__m256i *)(dst) + 0, d0);                         \
-            STORE((__m256i *)(dst) + 1, d1);                         \
-        }                                                            \
+        STORE((__m256i *)(dst) + 0, d0);                             \
+        STORE((__m256i *)(dst) + 1, d1);                             \
         MK_AVX2_ACC(a0, d0, s, 0);                                   \
         MK_AVX2_ACC(a1, d1, s, 1);                                   \
     } while (0)
-#define MK_AVX2_STEP(p, s) MK_AVX2_STEP2((uint8_t *)0, p, s, _mm256_storeu_si256)
+#define MK_AVX2_STEP(p, s) MK_AVX2_STEP2(_, p, s, MK_NOSTORE)
 #define MK_AVX2_STEPC(d, p, s) MK_AVX2_STEP2(d, p, s, _mm256_storeu_si256)
 #define MK_AVX2_STEPNT(d, p, s) MK_AVX2_STEP2(d, p, s, _mm256_stream_si256)
 #define MK_AVX2_SCR(A, s, i)                                                       \
@@ -446,13 +445,13 @@ MK_DEFINE_CONSUME(mk_consume_avx2, __attribute__((target("avx2"))), MK_AVX2_DECL
 #define MK_AVX512_STEP1(dst, p, s, STORE)                                                    \
     do {                                                                                     \
         __m512i d_ = _mm512_loadu_si512((const void *)(p));                                  \
-        if (dst) STORE((void *)(dst), d_);                                                   \
+        STORE((void *)(dst), d_);                                                            \
         __m512i k_ = _mm512_xor_si512(d_, _mm512_loadu_si512((const void *)(s)));            \
         __m512i m_ = _mm512_mul_epu32(k_, _mm512_srli_epi64(k_, 32));    \
         a0 = _mm512_add_epi64(                                                               \
             a0, _mm512_add_epi64(_mm512_shuffle_epi32(d_, (_MM_PERM_ENUM)0x4E), m_));        \
     } while (0)
-#define MK_AVX512_STEP(p, s) MK_AVX512_STEP1((uint8_t *)0, p, s, _mm512_storeu_si512)
+#define MK_AVX512_STEP(p, s) MK_AVX512_STEP1(_, p, s, MK_NOSTORE)
 #define MK_AVX512_STEPC(d, p, s) MK_AVX512_STEP1(d, p, s, _mm512_storeu_si512)
 #define MK_AVX512_STEPNT(d, p, s) MK_AVX512_STEP1(d, p, s, _mm512_stream_si512)
 #define MK_AVX512_SCRAMBLE(s)                                             \
@@ -483,25 +482,23 @@ MK_DEFINE_CONSUME(mk_consume_avx512, __attribute__((target("avx512f"))), MK_AVX5
         uint64x2_t m_ = vmull_u32(vmovn_u64(k_), vshrn_n_u64(k_, 32));                \
         A = vaddq_u64(A, vaddq_u64(vextq_u64(D, D, 1), m_));                          \
     } while (0)
-#define MK_NEON_STEP4(dst, p, s)                                            \
+#define MK_NEON_STEP4(dst, p, s, STORE)                                          \
     do {                                                                    \
         uint64x2_t d0 = vreinterpretq_u64_u8(vld1q_u8((p) + 0));            \
         uint64x2_t d1 = vreinterpretq_u64_u8(vld1q_u8((p) + 16));           \
         uint64x2_t d2 = vreinterpretq_u64_u8(vld1q_u8((p) + 32));           \
         uint64x2_t d3 = vreinterpretq_u64_u8(vld1q_u8((p) + 48));           \
-        if (dst) {                                                          \
-            vst1q_u8((uint8_t *)(dst) + 0, vreinterpretq_u8_u64(d0));       \
-            vst1q_u8((uint8_t *)(dst) + 16, vreinterpretq_u8_u64(d1));      \
-            vst1q_u8((uint8_t *)(dst) + 32, vreinterpretq_u8_u64(d2));      \
-            vst1q_u8((uint8_t *)(dst) + 48, vreinterpretq_u8_u64(d3));      \
-        }                                                                   \
+        STORE((uint8_t *)(dst) + 0, vreinterpretq_u8_u64(d0));              \
+        STORE((uint8_t *)(dst) + 16, vreinterpretq_u8_u64(d1));             \
+        STORE((uint8_t *)(dst) + 32, vreinterpretq_u8_u64(d2));             \
+        STORE((uint8_t *)(dst) + 48, vreinterpretq_u8_u64(d3));             \
         MK_NEON_ACC(a0, d0, s, 0);                                          \
         MK_NEON_ACC(a1, d1, s, 1);                                          \
         MK_NEON_ACC(a2, d2, s, 2);                                          \
         MK_NEON_ACC(a3, d3, s, 3);                                          \
     } while (0)
-#define MK_NEON_STEP(p, s) MK_NEON_STEP4((uint8_t *)0, p, s)
-#define MK_NEON_STEPC(d, p, s) MK_NEON_STEP4(d, p, s)
+#define MK_NEON_STEP(p, s) MK_NEON_STEP4(_, p, s, MK_NOSTORE)
+#define MK_NEON_STEPC(d, p, s) MK_NEON_STEP4(d, p, s, vst1q_u8)
 /* Once per KiB: scalar is fine. */
 #define MK_NEON_SCRAMBLE(s)                                    \
     do {                                                       \
