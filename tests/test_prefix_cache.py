@@ -217,6 +217,9 @@ def test_ssd_restore_after_restart_is_token_identical(qwen3, tmp_path):
     n, c = pc2.lookup(t2, ns)
     assert n == len(t1) + len(out)
     assert pc2.stats()["last"]["tier"] == "ssd"
+    assert pc2.io.counts()["read"] == 1  # restored by the storage reader thread
+    # restored straight into the lent arrays, with headroom for this prompt's prefill
+    assert c[0].keys.shape[2] >= len(t2) and c[0].offset == n
     warm, c = assert_same(qwen3, t2, n, c)
     # the restored + extended state goes back to RAM: the next turn is a RAM hit
     pc2.store(t2 + warm, c, ns)
@@ -354,6 +357,18 @@ def test_non_trimmable_caches_restore_only_at_checkpoints(config, tmp_path):
     # the exact stored sequence: its checkpoint would leave nothing to compute -> miss
     assert pc.lookup(t1 + out, ns) == (0, None)
     pc.close()
+
+
+def test_restore_destinations_are_real_writable_buffers():
+    from engine.kvblocks import byte_view, writable_arrays
+
+    arrays = writable_arrays([(1, 2, 512, 16)] * 3 + [(1, 1, 256, 8)], [mx.float32] * 3 + [mx.bfloat16])
+    views = [np.frombuffer(byte_view(a), dtype=np.uint8) for a in arrays]
+    assert len({v.ctypes.data for v in views}) == 4  # distinct allocations
+    for a, v in zip(arrays, views):
+        assert v.size == a.size * a.itemsize and v.flags.writeable
+    views[1][:4] = np.frombuffer(np.float32(2.5).tobytes(), dtype=np.uint8)
+    assert arrays[1][0, 0, 0, 0].item() == 2.5 and arrays[0][0, 0, 0, 0].item() == 0.0
 
 
 def test_null_prefix_cache():
