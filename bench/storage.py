@@ -50,7 +50,9 @@ def gbps(nbytes: int, seconds: float) -> float:
 
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
-        import mlx.core as mx
+        mx = None
+        if not args.no_mlx:
+            import mlx.core as mx
 
         from storage import _blocks as K
         from storage import format as fmt
@@ -81,17 +83,20 @@ class Bench:
         rng = np.random.default_rng(0)
         self.src = []  # mx arrays [1, H, T, D] bf16, evaluated
         for _ in range(LAYERS * 2):
-            raw = rng.integers(0, 1 << 16, size=(1, HEADS, self.T, DIM), dtype=np.uint16)
-            a = mx.array(raw).view(mx.bfloat16)
-            mx.eval(a)
+            a = rng.integers(0, 1 << 16, size=(1, HEADS, self.T, DIM), dtype=np.uint16)
+            if mx is not None:
+                a = mx.array(a).view(mx.bfloat16)
+                mx.eval(a)
             self.src.append(a)
         self.src_segs = [(memoryview(a), HEADS, self.T, ROW) for a in self.src]
         self.tokens = np.arange(self.T, dtype=np.uint32)
 
     def alloc_dst(self) -> list:
         """Evaluated mx arrays to restore into; checked to be real, distinct, writable."""
-        mx = self.mx
-        dst = [mx.zeros((1, HEADS, self.T, DIM), dtype=mx.bfloat16) for _ in range(LAYERS * 2)]
+        mx, shape = self.mx, (1, HEADS, self.T, DIM)
+        if mx is None:
+            return [np.zeros(shape, np.uint16) for _ in range(LAYERS * 2)]
+        dst = [mx.zeros(shape, dtype=mx.bfloat16) for _ in range(LAYERS * 2)]
         mx.eval(dst)
         return dst
 
@@ -148,15 +153,16 @@ class Bench:
                 self.drop_ns(ns)
             del ns_list[:-1]
 
-        import mlx_lm.models.cache as C
-
-        self.kv = []
-        for li in range(LAYERS):
-            c = C.KVCache()
-            c.update_and_fetch(self.src[2 * li], self.src[2 * li + 1])
-            self.kv.append(c)
-        self.mx.eval([c.state for c in self.kv])
         mlx_file = os.path.join(self.dir, "mlx_lm.safetensors")
+        if self.mx is not None:
+            import mlx_lm.models.cache as C
+
+            self.kv = []
+            for li in range(LAYERS):
+                c = C.KVCache()
+                c.update_and_fetch(self.src[2 * li], self.src[2 * li + 1])
+                self.kv.append(c)
+            self.mx.eval([c.state for c in self.kv])
 
         def mlx_save():
             C.save_prompt_cache(mlx_file, self.kv)
@@ -170,19 +176,21 @@ class Bench:
             t_plain.append(median_time(plain_write, 1))
             cleanup_ours()
             t_ours.append(median_time(ours, 1))
-            t_mlx.append(median_time(mlx_save, 1))
-        tp, to, tm = map(statistics.median, (t_plain, t_ours, t_mlx))
+            if self.mx is not None:
+                t_mlx.append(median_time(mlx_save, 1))
+        tp, to = statistics.median(t_plain), statistics.median(t_ours)
         self.persist_ns = ns_list[-1]
         self.mlx_file, self.plain = mlx_file, plain
         self.add("persist: ours (pack+hash+write+fsync)", to, n)
         self.add("persist: plain os.write + fsync", tp, n)
-        self.add("persist: mlx-lm save_prompt_cache + fsync", tm, n)
         self.res["persist_vs_limit"] = tp / to
-        self.res["persist_vs_mlx_lm"] = tm / to
+        if t_mlx:
+            tm = statistics.median(t_mlx)
+            self.add("persist: mlx-lm save_prompt_cache + fsync", tm, n)
+            self.res["persist_vs_mlx_lm"] = tm / to
 
     def restore(self) -> None:
         mx, R, n = self.mx, self.R, self.nbytes
-        import mlx_lm.models.cache as C
 
         ns = self.persist_ns
         dst = self.alloc_dst()
@@ -196,7 +204,7 @@ class Bench:
 
         ours()  # warm the page cache and check the bytes once
         for a, b in ((dst[0], self.src[0]), (dst[-1], self.src[-1])):
-            if not mx.array_equal(a.view(mx.uint16), b.view(mx.uint16)).item():
+            if bytes(memoryview(a).cast("B")) != bytes(memoryview(b).cast("B")):
                 raise RuntimeError("restored bytes differ from the source")
 
         def ours_alloc():
@@ -204,10 +212,13 @@ class Bench:
             ours([(memoryview(a), HEADS, self.T, ROW) for a in d])
 
         def mlx_load():
+            import mlx_lm.models.cache as C
+
             cache = C.load_prompt_cache(self.mlx_file)
             mx.eval([c.state for c in cache])
 
-        mlx_load()
+        if mx is not None:
+            mlx_load()
         out = np.empty_like(self.blob)
 
         def memcpy():
@@ -218,18 +229,22 @@ class Bench:
         for _ in range(R):
             t["ours"].append(median_time(ours, 1))
             t["ours_alloc"].append(median_time(ours_alloc, 1))
-            t["mlx"].append(median_time(mlx_load, 1))
+            if mx is not None:
+                t["mlx"].append(median_time(mlx_load, 1))
             t["memcpy"].append(median_time(memcpy, 1))
             t["alloc"].append(median_time(self.alloc_dst, 1))
-        to, ta, tm, tc, tz = (statistics.median(t[k])
-                              for k in ("ours", "ours_alloc", "mlx", "memcpy", "alloc"))
-        self.add("restore warm: ours, verified, into evaluated mx arrays", to, n)
-        self.add("restore warm: ours incl. allocating them (mx.zeros+eval)", ta, n)
-        self.add("restore warm: mlx-lm load_prompt_cache + eval", tm, n)
+        to, ta, tc, tz = (statistics.median(t[k]) for k in ("ours", "ours_alloc", "memcpy", "alloc"))
+        what = "evaluated mx arrays" if mx is not None else "numpy arrays (--no-mlx)"
+        alloc = "mx.zeros+eval" if mx is not None else "np.zeros"
+        self.add(f"restore warm: ours, verified, into {what}", to, n)
+        self.add(f"restore warm: ours incl. allocating them ({alloc})", ta, n)
+        if mx is not None:
+            tm = statistics.median(t["mlx"])
+            self.add("restore warm: mlx-lm load_prompt_cache + eval", tm, n)
+            self.res["restore_vs_mlx_lm"] = tm / ta
+            self.res["restore_prealloc_vs_mlx_lm"] = tm / to
         self.add("memory copy: numpy copyto", tc, n)
-        self.add("  (mx.zeros + eval of the destination alone)", tz, n)
-        self.res["restore_vs_mlx_lm"] = tm / ta
-        self.res["restore_prealloc_vs_mlx_lm"] = tm / to
+        self.add(f"  ({alloc} of the destination alone)", tz, n)
         self.res["restore_vs_memcpy"] = tc / to
 
         # cold: drop the pages of every file, then read
@@ -282,7 +297,9 @@ class Bench:
             kb = None
         if kb is not None:
             h = kb.measure_hash(buf, repeats=R)
-            p = kb.measure_pack(self.src_segs, block_tokens=256, repeats=R)
+            flat = [(np.frombuffer(memoryview(a).cast("B"), np.uint8), o, t, rb)
+                    for (a, o, t, rb) in self.src_segs]  # numpy cannot wrap bf16 views
+            p = kb.measure_pack(flat, block_tokens=256, repeats=R)
             self.rows.append((f"hash: _blocks.xxh3_64 ({K.hash_isa()}) vs xxhash [bench.kernels]",
                               f"{h['xxh3_gbps']:.2f} GB/s", f"xxhash {h['xxhash_gbps']:.2f} GB/s"))
             self.rows.append(("pack+hash vs pack [bench.kernels]", f"{p['packhash_gbps']:.2f} GB/s",
@@ -391,8 +408,10 @@ class Bench:
         rng = np.random.default_rng(1)
         arrs = []
         for _ in range(layers * 2):
-            a = mx.array(rng.integers(0, 1 << 16, (1, HEADS, T, DIM), dtype=np.uint16)).view(mx.bfloat16)
-            mx.eval(a)
+            a = rng.integers(0, 1 << 16, (1, HEADS, T, DIM), dtype=np.uint16)
+            if mx is not None:
+                a = mx.array(a).view(mx.bfloat16)
+                mx.eval(a)
             arrs.append(a)
         segs = [(memoryview(a), HEADS, T, ROW) for a in arrs]
         root = os.path.join(self.dir, "dedup")
@@ -479,6 +498,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default=os.environ.get("MLXKV_CACHE_DIR", "~/.cache/mlxkv"))
     p.add_argument("--json", action="store_true")
+    p.add_argument("--no-mlx", action="store_true",
+                   help="skip the mlx / mlx-lm parts (numpy sources and destinations)")
     args = p.parse_args(argv)
     args.tokens = args.tokens or (8192 if args.full else 2048)
     if args.tokens % 256:
@@ -501,7 +522,8 @@ def main(argv: list[str] | None = None) -> int:
               "restore_prealloc_vs_mlx_lm", "restore_vs_memcpy", "restore_cold_vs_limit",
               "hash_vs_xxhash", "packhash_vs_pack", "gil_ratio", "gil_max_stall_ms",
               "gil_control_ratio", "dedup_ratio", "scan_10k_s", "scan_10k_cold_s"):
-        print(f"  {k:<24} {res[k]:.3f}")
+        if k in res:
+            print(f"  {k:<26} {res[k]:.3f}")
     if args.json:
         print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items()}))
     return 0

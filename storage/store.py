@@ -1061,17 +1061,22 @@ def _read_entries(todo: list) -> Iterator[tuple[str, Any]]:
     """(path, _Entry or the exception) per file; headers are read by a few threads so a
     cold scan keeps several disk reads in flight (pread releases the GIL)."""
 
-    def one(item: tuple) -> tuple[str, Any]:
-        try:
-            return item[0], _read_entry(*item)
-        except (FormatError, OSError) as exc:
-            return item[0], exc
+    def some(items: list) -> list[tuple[str, Any]]:
+        out = []
+        for item in items:
+            try:
+                out.append((item[0], _read_entry(*item)))
+            except (FormatError, OSError) as exc:
+                out.append((item[0], exc))
+        return out
 
-    if len(todo) < 256:
-        yield from map(one, todo)
+    if len(todo) < 512 or _SCAN_THREADS <= 1:
+        yield from some(todo)
         return
+    step = -(-len(todo) // (4 * _SCAN_THREADS))  # a few chunks per thread: one future each
     with ThreadPoolExecutor(max_workers=_SCAN_THREADS, thread_name_prefix="mlxkv-scan") as ex:
-        yield from ex.map(one, todo, chunksize=64)
+        for chunk in ex.map(some, [todo[i : i + step] for i in range(0, len(todo), step)]):
+            yield from chunk
 
 
 _NOATIME = getattr(os, "O_NOATIME", 0)
