@@ -2,13 +2,15 @@
 
 API (all byte-level; ``storage`` never imports mlx)::
 
-    store = BlockStore(root, block_tokens=256, max_bytes=None)
+    store = BlockStore(root, block_tokens=256, max_bytes=None, durable=True, direct_io=True)
     store.scan()                                   # at startup: rebuild the index from headers
 
     # layout: one SegmentSpec per per-layer tensor (format.SegmentSpec / make_layout)
     # segments: one (buf, outer, t_capacity, row_bytes) per spec, same order; buf is any
     #   C-contiguous buffer of outer*t_capacity*row_bytes bytes (memoryview(mx_array) works).
     m = store.lookup(ns, tokens, max_tokens=None)  # -> Match; index only, no I/O
+        # Match: n_tokens, block_keys, tail_key/tail_tokens, nbytes, layout (as stored:
+        # what to allocate the destination from after a restart)
     n = store.longest_prefix(ns, tokens)           # == lookup(...).n_tokens
     r = store.put_blocks(ns, tokens, layout, segments, tail=True, manifest=None)
         # persists rows [0, len(tokens)) of the segments: every full block not yet on disk
@@ -20,7 +22,7 @@ API (all byte-level; ``storage`` never imports mlx)::
         # vanished or was corrupt (that block is removed and counted; rows past
         # Restore.n_tokens are undefined). Never returns an unverified byte.
     store.put_manifest / get_manifest / manifests / delete_manifest   # named conversations
-    store.evict(max_bytes) ; store.gc(ns, min_age_s) ; store.stats()
+    store.evict(max_bytes) ; store.gc(ns, min_age_s) ; store.stats() ; store.close()
 
 Keys: block key = xxh3_128(parent key, namespace id, token ids of the block); a tail key
 hashes its parent key and its (< block_tokens) token ids. A tail is usable for any query
@@ -34,6 +36,11 @@ one; readers take no lock and treat a vanished file as a miss. Each process inde
 it scanned and what it wrote; call ``scan()`` again to see other processes' new blocks.
 Thread-safe: one writer thread and one reader thread (see ``storage.io``) may call
 concurrently with lookups from another thread.
+
+Speed: a block file is built in one page-aligned buffer (pack fused with XXH3) and written
+with one O_DIRECT pwrite where the filesystem allows, double-buffered so packing overlaps
+the disk write; a restore maps each file (MAP_POPULATE) and scatters it with the hash
+fused into the copy, while the next blocks are read ahead (posix_fadvise WILLNEED).
 """
 
 from __future__ import annotations
@@ -54,7 +61,9 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from storage import diskio as dio
 from storage import format as fmt
+from storage.diskio import CHUNK, KERNEL, K
 from storage.format import (
     KIND_BLOCK,
     KIND_TAIL,
@@ -65,15 +74,6 @@ from storage.format import (
     UnknownVersion,
     make_layout,
 )
-
-try:  # the Cython kernel; the numpy reference stands in only when it is not built
-    from storage import _blocks as K
-
-    KERNEL = "cython"
-except ImportError:  # pragma: no cover - exercised only on an unbuilt checkout
-    from storage import reference as K
-
-    KERNEL = "reference"
 
 log = logging.getLogger("mlxkv.storage")
 
@@ -86,113 +86,14 @@ _HEAD_READ = 2 * PAGE  # one read covers the header of every usual layout
 _BLOCK_DOMAIN = b"mlxkv/block/1"
 _TAIL_DOMAIN = b"mlxkv/tail/1"
 _MANIFEST_DIR = "manifests"
+_READ_AHEAD = 8  # blocks whose pages are requested ahead of the one being verified
+_BATCH = 64  # temp files open at once before they are fsynced and renamed
 
 Segment = tuple[Any, int, int, int]
 
 
 class StoreWriteError(OSError):
     """A write that could not complete; nothing partial of it is left on disk."""
-
-
-# ----------------------------------------------------------------------------- kernels
-def _aligned(nbytes: int) -> Any:
-    if hasattr(K, "AlignedBuffer"):
-        return K.AlignedBuffer(max(nbytes, PAGE))
-    raw = np.empty(nbytes + PAGE, dtype=np.uint8)  # reference fallback: align by offset
-    off = (-raw.ctypes.data) % PAGE
-    return raw[off : off + nbytes]
-
-
-def _pwrite_full(fd: int, buf: Any, offset: int) -> None:
-    if hasattr(K, "pwrite_full"):
-        K.pwrite_full(fd, buf, offset)
-        return
-    mv = memoryview(buf).cast("B")
-    while mv:
-        n = os.pwrite(fd, mv, offset)
-        mv, offset = mv[n:], offset + n
-
-
-def _pread_full(fd: int, buf: Any, offset: int) -> int:
-    if hasattr(K, "pread_full"):
-        return K.pread_full(fd, buf, offset)
-    mv = memoryview(buf).cast("B")
-    got = 0
-    while got < len(mv):
-        n = os.preadv(fd, [mv[got:]], offset + got)
-        if n == 0:
-            break
-        got += n
-    return got
-
-
-def _unpack_hash(src: Any, off: int, segs: list, t0: int, ntok: int, seed: int) -> tuple[int, int]:
-    if hasattr(K, "unpack_hash"):
-        return K.unpack_hash(src, off, segs, t0, ntok, seed)
-    n = K.unpack(src, off, segs, t0, ntok)
-    return n, K.xxh3_64(memoryview(src).cast("B")[off : off + n], seed)
-
-
-def _hasher(seed: int) -> Any:
-    """Streaming XXH3-64 with ``update(buf)`` and ``digest() -> int``."""
-    if hasattr(K, "Xxh3Hasher"):
-        return K.Xxh3Hasher(seed)
-    h = xxhash.xxh3_64(seed=seed)
-    h.digest = h.intdigest  # type: ignore[method-assign]
-    return h
-
-
-_READ_AHEAD = 8  # blocks whose pages are requested ahead of the one being verified
-_BATCH = 64  # temp files open at once before they are fsynced and renamed
-CHUNK = 512 * 1024  # bytes moved per step: stays in L2, so each byte crosses DRAM once
-
-
-def _plan(segs: list, ntok: int, chunk: int = CHUNK) -> list[tuple[int, int, list]]:
-    """Split a block's payload into pieces of about ``chunk`` bytes: (payload offset,
-    nbytes, sub-segments). A piece is whole segments or a range of one segment's outer
-    slices, so pack/unpack of a piece touches exactly its bytes of the payload."""
-    pieces: list[tuple[int, int, list]] = []
-    off = cur_off = cur_n = 0
-    cur: list = []
-    for buf, outer, t_cap, rb in segs:
-        size = outer * ntok * rb
-        if cur and cur_n + size > chunk:
-            pieces.append((cur_off, cur_n, cur))
-            cur, cur_n = [], 0
-        if size > chunk and outer > 1:
-            flat = memoryview(buf).cast("B") if memoryview(buf).format != "B" or \
-                memoryview(buf).ndim != 1 else memoryview(buf)
-            step = max(1, chunk // (ntok * rb))
-            for o0 in range(0, outer, step):
-                o1 = min(outer, o0 + step)
-                sub = (flat[o0 * t_cap * rb : o1 * t_cap * rb], o1 - o0, t_cap, rb)
-                pieces.append((off + o0 * ntok * rb, (o1 - o0) * ntok * rb, [sub]))
-            off += size
-            cur_off = off
-            continue
-        if not cur:
-            cur_off = off
-        cur.append((buf, outer, t_cap, rb))
-        cur_n += size
-        off += size
-    if cur:
-        pieces.append((cur_off, cur_n, cur))
-    return pieces
-
-
-def _fsync(fd: int) -> None:
-    (K.fsync if hasattr(K, "fsync") else os.fsync)(fd)
-
-
-def _fsync_dir(path: str) -> None:
-    if hasattr(K, "fsync_dir"):
-        K.fsync_dir(path)
-        return
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ----------------------------------------------------------------------------- results
@@ -427,7 +328,7 @@ class BlockStore:
                 size = hdr_size + fmt.align(plen)
                 final = self._path(ns, key, kind)
                 d = os.path.dirname(final)
-                os.makedirs(d, exist_ok=True)
+                dio.make_dirs(d, dirs)
                 tmp = os.path.join(d, f".{key.hex()}.{os.getpid()}.{threading.get_ident()}.tmp")
                 # The whole file image is built in one page-aligned buffer (pack fused with
                 # the hash, then the header) and written with one (direct where possible)
@@ -447,7 +348,7 @@ class BlockStore:
                 dirs.add(d)
                 if inflight is not None:
                     inflight.result()  # the other buffer is free again (or the write failed)
-                inflight = self._io_pool().submit(_pwrite_full, fd, mv, 0)
+                inflight = self._io_pool().submit(dio.pwrite_full, fd, mv, 0)
                 if len(pending) >= _BATCH:
                     inflight.result()
                     inflight = None
@@ -458,16 +359,16 @@ class BlockStore:
                 inflight = None
             self._publish(pending, written, durable)
             if durable:
-                for d in dirs:
-                    _fsync_dir(d)
+                for d in sorted(dirs, key=len, reverse=True):  # a new folder before its parent
+                    dio.fsync_dir(d)
         except BaseException as exc:
             if inflight is not None:  # never close or unlink under a running write
                 wait([inflight])
             for fd, tmp, _, _ in pending:
                 if fd >= 0:
-                    _quiet(os.close, fd)
+                    dio.quiet(os.close, fd)
                 if tmp is not None:
-                    _quiet(os.unlink, tmp)
+                    dio.quiet(os.unlink, tmp)
             if not isinstance(exc, OSError):
                 raise
             with self._lock:
@@ -504,7 +405,7 @@ class BlockStore:
         leaves ``pending`` describing exactly what still needs cleaning up."""
         if durable:
             for fd, *_ in pending:
-                _fsync(fd)
+                dio.fsync(fd)
         for i, (fd, tmp, final, entry) in enumerate(pending):
             os.close(fd)
             pending[i] = (-1, tmp, final, entry)
@@ -535,7 +436,7 @@ class BlockStore:
                             self._c["tails_superseded"] += 1
                 self._c["bytes_written"] += e.file_size
         for t in stale:
-            _quiet(os.unlink, t.path)
+            dio.quiet(os.unlink, t.path)
 
     # ------------------------------------------------------------------ read
     def get_blocks(
@@ -569,7 +470,7 @@ class BlockStore:
                         fds[j] = self._open(entries[j], prefetch=True)
                 ntok = m.tail_tokens if e.kind == KIND_TAIL else bt
                 ok = self._read_verified(e, fds[i], layout, segs, done, ntok, plans)
-                _quiet(os.close, fds[i])
+                dio.quiet(os.close, fds[i])
                 fds[i] = None
                 if not ok:
                     corrupt += 1
@@ -580,7 +481,7 @@ class BlockStore:
         finally:
             for fd in fds:
                 if fd is not None and fd >= 0:
-                    _quiet(os.close, fd)
+                    dio.quiet(os.close, fd)
         with self._lock:
             self._c["blocks_read"] += nblk
             self._c["bytes_read"] += nread
@@ -600,7 +501,7 @@ class BlockStore:
 
     def _open(self, e: _Entry, prefetch: bool = False) -> int:
         try:
-            fd = _open_ro(e.path)
+            fd = dio.open_ro(e.path)
         except FileNotFoundError:  # evicted by another process: a miss
             with self._lock:
                 self._drop(e)
@@ -608,7 +509,7 @@ class BlockStore:
             return -1
         if prefetch and hasattr(os, "posix_fadvise"):
             # start reading the next block from disk while this one is verified/unpacked
-            _quiet(os.posix_fadvise, fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            dio.quiet(os.posix_fadvise, fd, 0, 0, os.POSIX_FADV_WILLNEED)
         return fd
 
     def _read_verified(self, e: _Entry, fd: int, layout: Layout, segs: list, t0: int,
@@ -649,7 +550,7 @@ class BlockStore:
             with memoryview(m) as mv:
                 reason = self._check_header(e, mv[: e.payload_offset], layout)
                 if reason is None:
-                    _, h = _unpack_hash(mv, e.payload_offset, segs, t0, ntok,
+                    _, h = dio.unpack_hash(mv, e.payload_offset, segs, t0, ntok,
                                         fmt.content_seed(e.key))
                     if h != e.content_hash:
                         reason = "content hash mismatch"
@@ -665,19 +566,19 @@ class BlockStore:
         """pread fallback: stream L2-sized pieces (read, hash, scatter)."""
         hbuf = self._scratch("h", e.payload_offset)
         with memoryview(hbuf) as hv:
-            got = _pread_full(fd, hv[: e.payload_offset], 0)
+            got = dio.pread_full(fd, hv[: e.payload_offset], 0)
             reason = self._check_header(e, hv[:got], layout)
         if reason is None:
             plan = plans.get(ntok)
             if plan is None:
-                plan = plans[ntok] = _plan(segs, ntok)
-            h = _hasher(fmt.content_seed(e.key))
+                plan = plans[ntok] = dio.plan(segs, ntok)
+            h = dio.hasher(fmt.content_seed(e.key))
             stage = self._scratch("r", 2 * CHUNK)
             mv = memoryview(stage)
             for off, n, sub in plan:
                 if n > len(mv):
                     mv = memoryview(self._scratch("r", n))
-                got = _pread_full(fd, mv[:n], e.payload_offset + off)
+                got = dio.pread_full(fd, mv[:n], e.payload_offset + off)
                 if got < n:
                     reason = f"truncated payload ({e.payload_offset + off + got} bytes)"
                     break
@@ -708,7 +609,7 @@ class BlockStore:
         """Verify a whole (small) tail, then scatter only its first ntok rows."""
         buf = self._scratch("t", e.file_size)
         with memoryview(buf) as mv:
-            got = _pread_full(fd, mv[: e.file_size], 0)
+            got = dio.pread_full(fd, mv[: e.file_size], 0)
             reason = self._check_header(e, mv[: min(got, e.payload_offset)], layout)
             if reason is None and got < e.payload_offset + e.payload_len:
                 reason = f"truncated ({got} of {e.file_size} bytes)"
@@ -732,7 +633,7 @@ class BlockStore:
 
     def _remove_corrupt(self, e: _Entry, reason: str) -> None:
         log.warning("mlxkv cache: removing corrupt %s %s: %s", fmt.KIND_NAMES[e.kind], e.path, reason)
-        _quiet(os.unlink, e.path)
+        dio.quiet(os.unlink, e.path)
         with self._lock:
             self._drop(e)
             self._c["corrupt_removed"] += 1
@@ -756,7 +657,7 @@ class BlockStore:
         path = self._manifest_path(ns, name)
         try:
             with self._flock(shared=True):
-                _atomic_write(path, fmt.encode_manifest(man), self.durable)
+                dio.atomic_write(path, fmt.encode_manifest(man), self.durable)
         except OSError as exc:
             self._warn_once(f"write:{exc.errno}", "mlxkv cache: cannot write under %s: %s",
                             self.root, exc)
@@ -774,7 +675,7 @@ class BlockStore:
     def manifests(self, ns: str) -> list[Manifest]:
         d = os.path.join(self.root, check_namespace(ns), _MANIFEST_DIR)
         out = []
-        for de in _scandir(d):
+        for de in dio.scandir(d):
             if de.name.endswith(".man"):
                 try:
                     with open(de.path, "rb") as f:
@@ -803,23 +704,23 @@ class BlockStore:
         found: list[_Entry] = []
         todo: list[tuple[str, str, bytes, int]] = []
         seen: set[str] = set()
-        nss = [de for de in _scandir(self.root) if de.is_dir() and _NS_RE.match(de.name)]
+        nss = [de for de in dio.scandir(self.root) if de.is_dir() and _NS_RE.match(de.name)]
         with self._lock:
             known = {e.path: e for sp in self._spaces.values() for e in _all(sp)}
         for nsd in nss:
             ns, nsid = nsd.name, namespace_id(nsd.name)
-            for sub in _scandir(nsd.path):
+            for sub in dio.scandir(nsd.path):
                 if sub.name == _MANIFEST_DIR:
-                    for de in _scandir(sub.path):
+                    for de in dio.scandir(sub.path):
                         if de.name.endswith(".tmp"):
-                            rep["tmp_removed"] += _quiet(os.unlink, de.path)
+                            rep["tmp_removed"] += dio.quiet(os.unlink, de.path)
                     continue
                 if len(sub.name) != 2 or not sub.is_dir():
                     continue
-                for de in _scandir(sub.path):
+                for de in dio.scandir(sub.path):
                     name = de.name
                     if name.endswith(".tmp"):
-                        rep["tmp_removed"] += _quiet(os.unlink, de.path)
+                        rep["tmp_removed"] += dio.quiet(os.unlink, de.path)
                         continue
                     kind = KIND_BLOCK if name.endswith(".blk") else \
                         KIND_TAIL if name.endswith(".tail") else None
@@ -836,7 +737,7 @@ class BlockStore:
                 rep["skipped"] += 1
             elif not isinstance(res, FileNotFoundError):
                 log.warning("mlxkv cache: removing %s: %s", path, res)
-                rep["bad_removed"] += _quiet(os.unlink, path)
+                rep["bad_removed"] += dio.quiet(os.unlink, path)
         with self._lock:
             for e in known.values():
                 if e.path not in seen:
@@ -883,7 +784,7 @@ class BlockStore:
                 self._c["evicted"] += removed
                 self._c["evicted_bytes"] += freed
             for e in victims:
-                _quiet(os.unlink, e.path)
+                dio.quiet(os.unlink, e.path)
         return {"evicted": removed, "bytes": freed}
 
     def gc(self, ns: str | None = None, min_age_s: float = 60.0) -> dict[str, int]:
@@ -908,7 +809,7 @@ class BlockStore:
                     for e in dead:
                         self._drop(e)
                 for e in dead:
-                    _quiet(os.unlink, e.path)
+                    dio.quiet(os.unlink, e.path)
                     removed += 1
                     freed += e.file_size
             with self._lock:
@@ -965,7 +866,7 @@ class BlockStore:
         if sp is None:
             return
         now = max(time.time(), self._clock)
-        step = 1e-6
+        step = 1e-5  # well above float resolution at epoch scale (~4e-7 s)
         if tail_key is not None:
             for ts in sp.tails.values():
                 if tail_key in ts:
@@ -981,7 +882,7 @@ class BlockStore:
         bufs = self._local.__dict__.setdefault("bufs", {})
         buf = bufs.get(which)
         if buf is None or buf.nbytes < nbytes:
-            buf = _aligned(max(nbytes, 1 << 20))
+            buf = dio.aligned(max(nbytes, 1 << 20))
             bufs[which] = buf
         return buf
 
@@ -1017,23 +918,6 @@ def _all(sp: _Space) -> Iterator[_Entry]:
     yield from sp.blocks.values()
     for ts in sp.tails.values():
         yield from ts.values()
-
-
-def _scandir(path: str) -> list[os.DirEntry]:
-    try:
-        with os.scandir(path) as it:
-            return list(it)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-
-
-def _quiet(fn: Any, *args: Any) -> int:
-    """Call fn, ignoring OSError; 1 if it succeeded (for counting removals)."""
-    try:
-        fn(*args)
-        return 1
-    except OSError:
-        return 0
 
 
 def _check_segments(layout: Layout, segments: Sequence[Segment], ntokens: int,
@@ -1079,24 +963,8 @@ def _read_entries(todo: list) -> Iterator[tuple[str, Any]]:
             yield from chunk
 
 
-_NOATIME = getattr(os, "O_NOATIME", 0)
-
-
-def _open_ro(path: str) -> int:
-    """Open for reading without updating atime (a read would otherwise dirty the inode:
-    10,000 journal updates on the first scan after a write)."""
-    global _NOATIME
-    try:
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC | _NOATIME)
-    except PermissionError:
-        if not _NOATIME:
-            raise
-        _NOATIME = 0  # only the owner (or root) may ask for O_NOATIME
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-
-
 def _read_entry(path: str, ns: str, nsid: bytes, kind: int) -> _Entry:
-    fd = _open_ro(path)
+    fd = dio.open_ro(path)
     try:
         st = os.fstat(fd)
         size, mtime = st.st_size, st.st_mtime
@@ -1120,25 +988,6 @@ def _read_entry(path: str, ns: str, nsid: bytes, kind: int) -> _Entry:
                   hdr.payload_len, hdr.content_hash, hdr.t0, hdr.t1, hdr.layout,
                   hdr.tokens.copy() if kind == KIND_TAIL else None, mtime)
 
-
-def _atomic_write(path: str, data: bytes, durable: bool) -> None:
-    d = os.path.dirname(path)
-    os.makedirs(d, exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    try:
-        try:
-            _pwrite_full(fd, data, 0)
-            if durable:
-                _fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, path)
-    except BaseException:
-        _quiet(os.unlink, tmp)
-        raise
-    if durable:
-        _fsync_dir(d)
 
 
 __all__ = [
