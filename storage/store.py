@@ -789,8 +789,9 @@ class BlockStore:
 
     def gc(self, ns: str | None = None, min_age_s: float = 60.0) -> dict[str, int]:
         """Remove blocks and tails no manifest references (older than ``min_age_s``, so a
-        block another process wrote moments before its manifest survives)."""
-        removed = freed = live_n = 0
+        block another process wrote moments before its manifest survives). A manifest
+        whose first block and tail are both gone (evicted) restores nothing: removed too."""
+        removed = freed = live_n = stale = 0
         with self._flock(shared=False):
             self._scan_locked()
             with self._lock:
@@ -798,7 +799,14 @@ class BlockStore:
             now = time.time()
             for name in names:
                 live: set[bytes] = set()
+                with self._lock:
+                    sp = self._spaces.get(name, _Space())
+                    present = set(sp.blocks) | {k for ts in sp.tails.values() for k in ts}
                 for m in self.manifests(name):
+                    first = m.block_keys[0] if m.block_keys else m.tail_key
+                    if first is not None and first not in present and m.created <= now - min_age_s:
+                        stale += self.delete_manifest(name, m.name)
+                        continue
                     live.update(m.block_keys)
                     if m.tail_key:
                         live.add(m.tail_key)
@@ -815,7 +823,8 @@ class BlockStore:
             with self._lock:
                 self._c["gc_removed"] += removed
                 self._c["gc_bytes"] += freed
-        return {"removed": removed, "bytes": freed, "live_keys": live_n}
+        return {"removed": removed, "bytes": freed, "live_keys": live_n,
+                "manifests_removed": stale}
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

@@ -210,6 +210,18 @@ def test_gc_removes_only_unreferenced_entries(tmp_path):
     assert store.stats()["bytes"] == 0 and not list(tmp_path.rglob("*.blk"))
 
 
+def test_gc_drops_manifests_whose_state_was_evicted(tmp_path):
+    store = BlockStore(tmp_path, block_tokens=BT)
+    a, b = np.arange(2 * BT), 500 + np.arange(2 * BT)
+    store.put_blocks("m", a, F32, segs(F32, make_kv(F32, a, 2 * BT)), manifest="a")
+    store.put_blocks("m", b, F32, segs(F32, make_kv(F32, b, 2 * BT)), manifest="b")
+    store.evict(store.stats()["bytes"] // 2)  # a (least recently used) goes
+    rep = store.gc("m", min_age_s=0)
+    assert rep["manifests_removed"] == 1 and rep["removed"] == 0
+    assert store.get_manifest("m", "a") is None and store.get_manifest("m", "b") is not None
+    assert store.longest_prefix("m", b) == b.size
+
+
 def _flip(path: Path, offset: int) -> None:
     with open(path, "r+b") as f:
         f.seek(offset)
