@@ -46,6 +46,8 @@ class Job:
     error: str | None = None
     superseded_by: "Job | None" = None
     result: Any = None
+    nbytes: int = 0  # bytes the snapshot pins until it settles
+    evicted: bool = False  # the RAM tier no longer holds this state
     marked: float = field(default_factory=time.monotonic)
 
     @property
@@ -87,7 +89,8 @@ class Durability:
             have = self._jobs.get(key)
             if have is not None and have.state in (PENDING, WRITING, DURABLE):
                 return have  # the same state is already on its way (or on disk)
-            job = Job(ns, tokens, snapshot, due=time.monotonic() + self.debounce_s)
+            job = Job(ns, tokens, snapshot, due=time.monotonic() + self.debounce_s,
+                      nbytes=sum(memoryview(seg[0]).nbytes for seg in snapshot.segments))
             self.counts["marked"] += 1
             for old in self._queue:
                 if (old.ns == ns and len(old.tokens) < len(tokens)
@@ -111,7 +114,10 @@ class Durability:
         """The RAM tier dropped this state: a write that already failed can never happen."""
         with self._cond:
             j = self._jobs.get((ns, tokens.tobytes()))
-            if j is not None and j.state == FAILED:
+            if j is None:
+                return
+            j.evicted = True
+            if j.state == FAILED:
                 j.state, j.snapshot = MISSING, None
                 self.counts["missing"] += 1
 
@@ -175,6 +181,9 @@ class Durability:
             else:
                 job.state, job.error = FAILED, f"{type(exc).__name__}: {exc}"
                 self.counts["failed"] += 1
+                if job.evicted:  # nothing else holds this state any more
+                    job.state, job.snapshot = MISSING, None
+                    self.counts["missing"] += 1
                 log.warning("mlxkv cache: giving up on a write of %d tokens: %s",
                             len(job.tokens), exc)
             self._pump(force=self._flushing)
@@ -194,6 +203,10 @@ class Durability:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             before = self.counts["written"]
+            for j in self._jobs.values():  # a flush tries failed writes again (space freed?)
+                if j.state == FAILED and j.snapshot is not None and not self._closed:
+                    j.state, j.attempts, j.error = PENDING, 0, None
+                    self._queue.append(j)
             self._flushing = True
             try:
                 self._pump(force=True)
@@ -227,7 +240,9 @@ class Durability:
 
     def queue_depth(self) -> dict[str, int]:
         with self._cond:
-            return {"waiting": len(self._queue), "inflight": self._inflight}
+            pinned = sum(j.nbytes for j in self._jobs.values() if j.snapshot is not None)
+            return {"waiting": len(self._queue), "inflight": self._inflight,
+                    "pinned_bytes": pinned}
 
     def close(self, timeout: float | None = None) -> dict[str, int]:
         rep = self.flush(timeout)

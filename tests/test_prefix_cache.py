@@ -286,7 +286,8 @@ def test_flush_reports_only_what_is_on_disk(llama, tmp_path):
 def test_failed_writes_are_never_called_durable(llama, tmp_path):
     pc = pc_at(tmp_path, retries=1, ram_bytes=1 << 30)
     # make the namespace folder impossible to create (even for root): a file in its place
-    (tmp_path / store_namespace("ns")).write_bytes(b"not a folder")
+    blocker = tmp_path / store_namespace("ns")
+    blocker.write_bytes(b"not a folder")
     t = prompt(40, 25)
     _, _, c = run(llama, t, n_new=0)
     pc.store(t, c, "ns")
@@ -294,10 +295,23 @@ def test_failed_writes_are_never_called_durable(llama, tmp_path):
     assert rep["durable"] == 0 and rep["failed"] == 1 and rep["pending"] == 0
     assert pc.durability.counts["retried"] == 1
     assert pc.lookup(t + [1], "ns")[0] == len(t)  # RAM still serves it
-    pc.ram.max_bytes = 0
-    pc.ram.evict()  # leaving RAM now loses it for good: reported missing, not durable
+    # the disk becomes usable again: the next flush writes what had failed
+    blocker.unlink()
     rep = pc.flush(30)
-    assert rep["durable"] == 0 and rep["failed"] == 0 and rep["missing"] == 1
+    assert rep == {"durable": 1, "flushed": 1, "pending": 0, "failed": 0, "missing": 0}
+    assert pc.disk.longest_prefix("ns", t) == len(t)
+    # another write fails, then its state leaves RAM: gone for good -> missing, never durable
+    (tmp_path / store_namespace("ns2")).write_bytes(b"not a folder")
+    t2 = prompt(40, 26)
+    _, _, c2 = run(llama, t2, n_new=0)
+    pc.store(t2, c2, "ns2")
+    rep = pc.flush(30)
+    assert rep["failed"] == 1 and rep["durable"] == 1
+    pc.ram.max_bytes = 0
+    pc.ram.evict()
+    rep = pc.flush(30)
+    assert rep == {"durable": 1, "flushed": 0, "pending": 0, "failed": 0, "missing": 1}
+    assert pc.durability.queue_depth()["pinned_bytes"] == 0
     pc.close()
 
 
