@@ -371,6 +371,7 @@ class PrefixCache:
             "enabled": True, "block_tokens": self.block_tokens,
             "ram_bytes": ram.nbytes, "ram_max_bytes": ram.max_bytes, "ram_entries": len(ram),
             "ram_blocks": len(ram.runs), "ram_logical_bytes": ram.logical_bytes,
+            "ram_moves": ram.moves,
             "dedup_ratio": (ram.logical_bytes / ram.nbytes) if ram.nbytes else 1.0,
             "hit_fraction": (s["cached_tokens"] / s["prompt_tokens"]) if s["prompt_tokens"] else 0.0,
             "sessions": len(self._sessions),

@@ -144,6 +144,7 @@ class RamTier:
         self.slab_bytes = 0
         self.checkpoint_bytes = 0
         self.logical_bytes = 0  # bytes the entries would take without sharing
+        self.moves = 0  # entries handed over to the request that continued them
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -335,7 +336,38 @@ class RamTier:
             if common_prefix(pinned.tokens, tokens) >= n:
                 pieces, owner = list(pinned.runs), pinned
         total = len(tokens)
+        if self._movable(owner, pieces, n, total, session):
+            return Match(n, lambda: self._move(owner, n), owner)
         return Match(n, lambda: self._lend_runs(pieces, n, total), owner)
+
+    def _movable(self, entry: Entry | None, pieces: list[Run], n: int, total: int,
+                 session: str | None) -> bool:
+        """Whether ``entry`` can be handed over instead of lent: the request continues it
+        exactly, nothing else shares its buffers, and they have room for the new tokens."""
+        if entry is None or entry.checkpoint is not None or len(entry.tokens) != n:
+            return False
+        if len(pieces) != len(entry.runs) or any(a is not b for a, b in zip(pieces, entry.runs)):
+            return False
+        slab = entry.runs[0].slab
+        if slab.t0 != 0 or slab.refs != len(entry.runs):
+            return False
+        if any(r.slab is not slab or r.refs != 1 for r in entry.runs):
+            return False
+        if any(a.shape[2] < total for layer in slab.arrays for a in layer):
+            return False  # the prefill reallocates anyway: keep the entry for others
+        return not (self._is_pinned(entry) and entry.session != session)
+
+    def _move(self, entry: Entry, n: int) -> list:
+        """Hand the entry's buffers to the borrower and forget the entry: the borrower then
+        writes its new tokens in place (MLX donates a buffer nobody else holds) instead of
+        copying the whole conversation, and its ``store`` brings the state back. A buffer
+        still pinned elsewhere (e.g. by a pending SSD write) is copied on write, as ever."""
+        slab = entry.runs[0].slab
+        arrays = [[kb.fresh(a) for a in layer] for layer in slab.arrays]
+        specs = slab.specs
+        self._drop(entry, evicted=False)
+        self.moves += 1
+        return [kb.make_layer(spec, layer, n) for spec, layer in zip(specs, arrays)]
 
     def _lend_runs(self, runs: list[Run], n: int, total_hint: int) -> list:
         spans: list[tuple[list[list[mx.array]], int, int]] = []

@@ -88,7 +88,8 @@ def test_ram_hit_is_token_identical(which, request):
     n, c = pc.lookup(t2, ns)
     assert n == len(t1) + len(out)
     assert all(type(x) is KVCache and x.offset == n for x in c)
-    assert_same(model, t2, n, c)
+    warm, c = assert_same(model, t2, n, c)
+    pc.store(t2 + warm, c, ns)  # as the engine does after every turn
     # a prompt that diverges inside a block reuses the common prefix (trimmed)
     t3 = t1[:37] + prompt(20, 3)
     n3, c3 = pc.lookup(t3, ns)
@@ -119,17 +120,41 @@ def test_lending_is_copy_on_write(llama):
     entry = next(iter(pc.ram.entries.values()))
     slab = entry.runs[0].slab
     before = [np.array(a) for layer in slab.arrays for a in layer]
-    n, lent = pc.lookup(t + [7, 8, 9], "ns")
+    t2 = t[:45] + [7, 8, 9]  # shares a prefix of the entry: lent, never handed over
+    n, lent = pc.lookup(t2, "ns")
+    assert n == 45 and pc.ram.moves == 0
     # the borrower writes into its cache (prefill, decode, and a direct slice assignment)
-    run(llama, t + [7, 8, 9], 4, lent, n)
+    run(llama, t2, 4, lent, n)
     lent[0].keys[..., :5, :] = mx.ones_like(lent[0].keys[..., :5, :])
     mx.eval(lent[0].keys)
     after = [np.array(a) for layer in slab.arrays for a in layer]
     for b, a in zip(before, after):
         np.testing.assert_array_equal(a, b)
     # and a second borrower still gets the exact state
-    n2, lent2 = pc.lookup(t + [7, 8, 9], "ns")
-    assert_same(llama, t + [7, 8, 9], n2, lent2)
+    n2, lent2 = pc.lookup(t2, "ns")
+    assert_same(llama, t2, n2, lent2)
+    pc.close()
+
+
+def _address(a: mx.array) -> int:
+    return np.frombuffer(memoryview(a).cast("B"), dtype=np.uint8).ctypes.data
+
+
+def test_exact_continuation_is_handed_over_and_written_in_place(llama):
+    pc = pc_at(None)
+    t = prompt(50, 5)
+    _, _, cache = run(llama, t, n_new=0)
+    addr = _address(cache[0].keys)
+    pc.store(t, cache, "ns")
+    del cache  # as the engine does: only the prefix cache holds the state between turns
+    t2 = t + [7, 8, 9]
+    n, c = pc.lookup(t2, "ns")
+    assert n == len(t) and pc.ram.moves == 1 and len(pc.ram) == 0
+    assert _address(c[0].keys) == addr
+    warm, c = assert_same(llama, t2, n, c)
+    assert _address(c[0].keys) == addr  # the new turn was written in place: no copy
+    pc.store(t2 + warm, c, "ns")  # and the state is back for the next turn
+    assert pc.lookup(t2 + warm + [1], "ns")[0] == len(t2) + len(warm)
     pc.close()
 
 
