@@ -189,7 +189,7 @@ class BlockStore:
 
     def __init__(
         self, root: str | os.PathLike, block_tokens: int = 256, max_bytes: int | None = None,
-        durable: bool = True, direct_io: bool = True,
+        durable: bool = True, direct_io: bool = True, read_threads: int | None = None,
     ) -> None:
         if block_tokens <= 0:
             raise ValueError(f"block_tokens must be > 0, got {block_tokens}")
@@ -209,6 +209,10 @@ class BlockStore:
         self._clock = 0.0
         self._local = threading.local()
         self._pool: ThreadPoolExecutor | None = None
+        self._rpool: ThreadPoolExecutor | None = None
+        # threads that verify+scatter blocks of one restore in parallel (1 = the caller's)
+        self.read_threads = max(1, read_threads if read_threads is not None
+                                else min(4, os.cpu_count() or 1))
         self._warned: set[str] = set()
         self._c: dict[str, int] = dict.fromkeys(
             ("blocks_written", "tails_written", "bytes_written", "dedup_blocks", "write_failures",
@@ -386,11 +390,13 @@ class BlockStore:
             return self._pool
 
     def close(self) -> None:
-        """Stop the write helper thread (the store stays usable; it restarts on demand)."""
+        """Stop the helper threads (the store stays usable; they restart on demand)."""
         with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+            pools = (self._pool, self._rpool)
+            self._pool = self._rpool = None
+        for pool in pools:
+            if pool is not None:
+                pool.shutdown(wait=True)
 
     def _open_write(self, path: str) -> int:
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
@@ -455,33 +461,35 @@ class BlockStore:
         segs = _check_segments(layout, segments, m.n_tokens, writable=True)
         bt = self.block_tokens
         done = nread = nblk = corrupt = missing = 0
-        entries = self._entries(ns, m)
+        jobs: list[tuple[_Entry, int, int]] = []  # entry, first destination row, rows
+        row, dropped = 0, False
+        for e in self._entries(ns, m):
+            if e is None:  # dropped from the index since the lookup
+                dropped = True
+                break
+            ntok = m.tail_tokens if e.kind == KIND_TAIL else bt
+            jobs.append((e, row, ntok))
+            row += ntok
         plans: dict[int, list] = {}
-        fds: list[int | None] = [None] * len(entries)  # -1: the file had vanished
-        try:
-            for i, e in enumerate(entries):
-                if e is not None and fds[i] is None:
-                    fds[i] = self._open(e, prefetch=True)
-                if e is None or fds[i] == -1:
+        if self.read_threads > 1 and len(jobs) > 1:
+            # Blocks scatter into disjoint rows, so several are verified at once: a restore
+            # is what the engine waits on, and one core cannot reach the memory bandwidth.
+            results = list(self._read_pool().map(
+                lambda j: self._read_job(j, layout, segs, plans), jobs))
+        else:
+            results = self._read_sequential(jobs, layout, segs, plans)
+        for (e, _, ntok), res in zip(jobs, results):
+            if res is not True:
+                if res is None:
                     missing += 1
-                    break
-                for j in range(i + 1, min(len(entries), i + 1 + _READ_AHEAD)):
-                    if fds[j] is None and entries[j] is not None:
-                        fds[j] = self._open(entries[j], prefetch=True)
-                ntok = m.tail_tokens if e.kind == KIND_TAIL else bt
-                ok = self._read_verified(e, fds[i], layout, segs, done, ntok, plans)
-                dio.quiet(os.close, fds[i])
-                fds[i] = None
-                if not ok:
+                else:
                     corrupt += 1
-                    break
-                done += ntok
-                nblk += 1
-                nread += e.payload_len
-        finally:
-            for fd in fds:
-                if fd is not None and fd >= 0:
-                    dio.quiet(os.close, fd)
+                break
+            done += ntok
+            nblk += 1
+            nread += e.payload_len
+        if dropped and done == row:
+            missing += 1
         with self._lock:
             self._c["blocks_read"] += nblk
             self._c["bytes_read"] += nread
@@ -489,6 +497,50 @@ class BlockStore:
             if done:
                 self._touch(ns, m.block_keys[: done // bt], m.tail_key if done == m.n_tokens else None)
         return Restore(done, m.n_tokens, nblk, nread, corrupt, missing)
+
+    def _read_job(self, job: tuple[_Entry, int, int], layout: Layout, segs: list,
+                  plans: dict[int, list]) -> bool | None:
+        """True (verified and scattered), False (corrupt: removed) or None (vanished)."""
+        e, t0, ntok = job
+        fd = self._open(e, prefetch=True)
+        if fd == -1:
+            return None
+        try:
+            return self._read_verified(e, fd, layout, segs, t0, ntok, plans)
+        finally:
+            os.close(fd)
+
+    def _read_sequential(self, jobs: list, layout: Layout, segs: list,
+                         plans: dict[int, list]) -> list[bool | None]:
+        """One block after another, asking the OS for the next ones' pages meanwhile."""
+        out: list[bool | None] = []
+        fds: list[int | None] = [None] * len(jobs)  # -1: the file had vanished
+        try:
+            for i, (e, t0, ntok) in enumerate(jobs):
+                for j in range(i, min(len(jobs), i + 1 + _READ_AHEAD)):
+                    if fds[j] is None:
+                        fds[j] = self._open(jobs[j][0], prefetch=True)
+                if fds[i] == -1:
+                    out.append(None)
+                    break
+                ok = self._read_verified(e, fds[i], layout, segs, t0, ntok, plans)
+                os.close(fds[i])
+                fds[i] = None
+                out.append(ok)
+                if not ok:
+                    break
+        finally:
+            for fd in fds:
+                if fd is not None and fd >= 0:
+                    dio.quiet(os.close, fd)
+        return out
+
+    def _read_pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._rpool is None:
+                self._rpool = ThreadPoolExecutor(self.read_threads,
+                                                 thread_name_prefix="mlxkv-read-io")
+            return self._rpool
 
     def _entries(self, ns: str, m: Match) -> list[_Entry | None]:
         with self._lock:

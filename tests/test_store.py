@@ -70,9 +70,10 @@ def assert_rows_equal(a_list, b_list, n):
         np.testing.assert_array_equal(a[:, :n], b[:, :n])
 
 
+@pytest.mark.parametrize("threads", [1, 3], ids=["sequential", "parallel"])
 @pytest.mark.parametrize("layout", [BF16, F32, QUANT], ids=["bf16", "f32", "quant"])
-def test_round_trip_blocks_and_tail(tmp_path, layout):
-    store = BlockStore(tmp_path, block_tokens=BT)
+def test_round_trip_blocks_and_tail(tmp_path, layout, threads):
+    store = BlockStore(tmp_path, block_tokens=BT, read_threads=threads)
     toks = np.arange(1000, 1000 + 3 * BT + 5)
     src = make_kv(layout, toks, 64)
     r = store.put_blocks("m", toks, layout, segs(layout, src))
@@ -230,8 +231,9 @@ def _flip(path: Path, offset: int) -> None:
         f.write(bytes([b[0] ^ 0x40]))
 
 
-def test_corrupt_payload_is_a_miss_removed_and_counted(tmp_path):
-    store = BlockStore(tmp_path, block_tokens=BT)
+@pytest.mark.parametrize("threads", [1, 4], ids=["sequential", "parallel"])
+def test_corrupt_payload_is_a_miss_removed_and_counted(tmp_path, threads):
+    store = BlockStore(tmp_path, block_tokens=BT, read_threads=threads)
     toks = np.arange(3 * BT)
     src = make_kv(F32, toks, 3 * BT)
     r = store.put_blocks("m", toks, F32, segs(F32, src))
@@ -270,8 +272,9 @@ def test_unknown_version_is_skipped_with_a_reason(tmp_path):
     assert "format version 2" in store2.stats()["skipped_unknown_version"][str(path)]
 
 
-def test_scan_removes_temp_orphans_and_drops_vanished_files(tmp_path):
-    store = BlockStore(tmp_path, block_tokens=BT)
+@pytest.mark.parametrize("threads", [1, 4], ids=["sequential", "parallel"])
+def test_scan_removes_temp_orphans_and_drops_vanished_files(tmp_path, threads):
+    store = BlockStore(tmp_path, block_tokens=BT, read_threads=threads)
     toks = np.arange(2 * BT)
     r = store.put_blocks("m", toks, F32, segs(F32, make_kv(F32, toks, 2 * BT)))
     orphan = tmp_path / "m" / "ab" / ".deadbeef.1.2.tmp"
