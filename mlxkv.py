@@ -10,6 +10,7 @@ unless the TUI runs.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -98,7 +99,10 @@ def _params(settings: Any, stop: Sequence[str] = ()) -> Any:
 def _start_engine(settings: Any) -> Any:
     from engine.engine import Engine
 
-    return Engine.from_settings(settings).start()
+    engine = Engine.from_settings(settings).start()
+    gc.freeze()  # what start-up built lives for the whole process: keep GC off it
+    gc.enable()
+    return engine
 
 
 def stats_line(stats: Any, reason: str | None) -> str:
@@ -232,6 +236,16 @@ def _run_tui(settings: Any) -> int | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Start-up allocates hundreds of thousands of long-lived objects (mlx-lm, transformers);
+    # cyclic GC passes over them are wasted work. Re-enabled once the model is loaded.
+    gc.disable()
+    try:
+        return _main(argv)
+    finally:
+        gc.enable()
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     # BLAS and config file choices must be known before `engine` loads mlx.
     if getattr(args, "blas", None):

@@ -14,11 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
 ENGINE_DIR = Path(__file__).resolve().parent
 DEMO_MODEL = ENGINE_DIR / "demo" / "model"
 DEMO_DRAFT_MODEL = ENGINE_DIR / "demo" / "draft"
@@ -121,10 +116,19 @@ FIELD_BY_NAME = {f.name: f for f in FIELDS}
 
 def _read_toml(path: Path) -> dict:
     try:
-        with open(path, "rb") as fh:
-            data = tomllib.load(fh)
+        fh = open(path, "rb")
     except FileNotFoundError:
         return {}
+    except OSError as e:
+        raise SettingsError(f"cannot read config file {path}: {e.strerror}") from None
+    # Imported only when there is a file: keeps `mlxkv generate` start-up lean.
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+    try:
+        with fh:
+            data = tomllib.load(fh)
     except tomllib.TOMLDecodeError as e:
         raise SettingsError(f"config file {path} is not valid TOML: {e}") from None
     except OSError as e:

@@ -1,0 +1,232 @@
+"""Engine speed against mlx-lm, in one run, interleaved, medians.
+
+1. Prefill and decode tok/s of the mlxkv Engine (submit -> events, through its thread)
+   vs ``mlx_lm.stream_generate`` on the same loaded bench model, float32, greedy.
+2. Process start -> first token of ``mlxkv generate`` vs the ``mlx_lm.generate`` CLI on
+   the demo model (the tiny test model when the demo model is not built), same BLAS.
+
+    python -m bench.engine [--json] [--reps N] [--prompt-tokens N] [--decode-tokens N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# One BLAS thread unless told otherwise: on 2 shared cores a descheduled BLAS worker
+# thread makes every matmul wait, which swamps the differences measured here.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import engine  # noqa: E402,F401  (loads the BLAS before mlx)
+from engine.blas import blas_info, describe  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = "What is mlxkv and how does its prefix cache work?"
+
+
+# --------------------------------------------------------------------- throughput
+def _now() -> tuple[float, float]:
+    # Wall clock and process CPU time (all threads: engine, mlx workers, our consumer).
+    return time.perf_counter(), time.process_time()
+
+
+def _ours(eng, tokens: list[int], n: int) -> tuple[float, ...]:
+    from engine.engine import Request, TokenEvent
+    from engine.generate import SamplingParams
+
+    t0 = _now()
+    handle = eng.submit(Request(prompt_tokens=tokens, params=SamplingParams(max_tokens=n)))
+    stamps = [_now() for ev in handle if isinstance(ev, TokenEvent) and ev.token is not None]
+    return _rates(t0, stamps, len(tokens), n)
+
+
+def _mlx_lm(eng, tokens: list[int], n: int) -> tuple[float, ...]:
+    def run():
+        import mlx.core as mx
+        from mlx_lm.generate import stream_generate
+
+        t0 = _now()
+        stamps = [_now() for _ in stream_generate(
+            eng.loaded.model, eng.loaded.tokenizer, mx.array(tokens), max_tokens=n)]
+        return t0, stamps
+
+    t0, stamps = eng.call(run).result()
+    return _rates(t0, stamps, len(tokens), n)
+
+
+def _rates(t0, stamps, n_prompt: int, n: int) -> tuple[float, ...]:
+    """(prefill tok/s, decode tok/s, prefill tok/CPU-s, decode tok/CPU-s)."""
+    if len(stamps) != n:
+        raise RuntimeError(f"expected {n} tokens, got {len(stamps)}")
+    (w0, c0), (w1, c1), (w2, c2) = t0, stamps[0], stamps[-1]
+    return (n_prompt / (w1 - w0), (n - 1) / (w2 - w1),
+            n_prompt / max(c1 - c0, 1e-9), (n - 1) / max(c2 - c1, 1e-9))
+
+
+def throughput(reps: int, prompt_tokens: int, decode_tokens: int) -> dict:
+    import random
+
+    from bench.models import bench_model_path, parameter_count
+    from engine.engine import Engine
+
+    path = bench_model_path()
+    with Engine(str(path), dtype="float32").start() as eng:
+        vocab = eng.call(lambda: eng.loaded.tokenizer.vocab_size).result()
+        special = eng.call(lambda: set(eng.loaded.tokenizer.all_special_ids)).result()
+        # Random weights may pick EOS under greedy: no EOS for either side, so every run
+        # decodes exactly decode_tokens tokens.
+        eng.call(lambda: setattr(eng.loaded.tokenizer, "eos_token_ids", set())).result()
+        rng = random.Random(0)
+        ids = [i for i in range(vocab) if i not in special]
+        tokens = [rng.choice(ids) for _ in range(prompt_tokens)]
+        _ours(eng, tokens[:64], 4)  # warm both paths up
+        _mlx_lm(eng, tokens[:64], 4)
+        ours, theirs = [], []
+        for rep in range(reps):  # interleaved, alternating who goes first
+            pair = [(_ours, ours), (_mlx_lm, theirs)]
+            for fn, out in (pair if rep % 2 == 0 else pair[::-1]):
+                out.append(fn(eng, tokens, decode_tokens))
+        info = dict(eng.info)
+    med = lambda xs, i: statistics.median(x[i] for x in xs)  # noqa: E731
+    paired = lambda i: statistics.median(a[i] / b[i] for a, b in zip(ours, theirs))  # noqa
+    return {"paired_prefill_ratio": paired(0), "paired_decode_ratio": paired(1),
+            "cpu_prefill_ratio": med(ours, 2) / med(theirs, 2),
+            "cpu_decode_ratio": med(ours, 3) / med(theirs, 3),
+            "model": str(path), "params_m": round(parameter_count(path) / 1e6, 1),
+            "compute_dtype": info["compute_dtype"], "prompt_tokens": prompt_tokens,
+            "decode_tokens": decode_tokens, "reps": reps,
+            "ours_prefill_tps": med(ours, 0), "mlx_lm_prefill_tps": med(theirs, 0),
+            "ours_decode_tps": med(ours, 1), "mlx_lm_decode_tps": med(theirs, 1)}
+
+
+# -------------------------------------------------------------------- first token
+def _first_output(cmd: list[str], env: dict, skip_prefix: bytes = b"") -> float:
+    """Seconds from process start until its first byte of generated text on stdout."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            env=env, cwd=ROOT)
+    buf = b""
+    try:
+        while True:
+            chunk = os.read(proc.stdout.fileno(), 4096)
+            if not chunk:
+                raise RuntimeError(f"{cmd[:3]} ended without output")
+            buf += chunk
+            if len(buf) > len(skip_prefix) and buf.startswith(skip_prefix):
+                return time.perf_counter() - t0
+            if not skip_prefix.startswith(buf[: len(skip_prefix)]):
+                raise RuntimeError(f"unexpected output from {cmd[:3]}: {buf[:200]!r}")
+    finally:
+        proc.stdout.close()
+        proc.wait()
+
+
+def _byte_compile() -> None:
+    """Write .pyc files for our sources, as ``pip install`` does for mlx-lm's: otherwise
+    (PYTHONDONTWRITEBYTECODE=1 here) every run of ours recompiles them and the peer's
+    don't."""
+    import compileall
+
+    compileall.compile_file(str(ROOT / "mlxkv.py"), quiet=2)
+    for pkg in ("engine", "storage"):
+        compileall.compile_dir(str(ROOT / pkg), quiet=2)
+
+
+def first_token(reps: int) -> dict:
+    _byte_compile()
+    demo = ROOT / "engine" / "demo" / "model"
+    if (demo / "config.json").exists():
+        model, which = demo, "demo model"
+    else:
+        from tests.conftest import tiny_model
+
+        model, which = tiny_model("qwen3"), "tiny qwen3 test model (demo model not built)"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env_peer = dict(env)
+    info = blas_info()
+    if info["active"]:  # the same BLAS for mlx-lm's CLI: preloaded the same way
+        env_peer["LD_PRELOAD"] = info["path"]
+    else:
+        env["MLXKV_BLAS"] = "off"
+    peer_cli = Path(sys.executable).with_name("mlx_lm.generate")
+    peer = ([str(peer_cli)] if peer_cli.exists()
+            else [sys.executable, "-c", "from mlx_lm.generate import main; main()"])
+    common = ["--model", str(model), "--prompt", PROMPT, "--max-tokens", "8", "--temp", "0"]
+    ours_t, peer_t = [], []
+    for rep in range(reps + 1):  # the first pair warms the page cache and is dropped
+        cache_dir = tempfile.mkdtemp(prefix="mlxkv-bench-")  # cold prefix cache each run
+        ours_cmd = [sys.executable, str(ROOT / "mlxkv.py"), "generate", *common,
+                    "--cache-dir", cache_dir]
+        runs = [(lambda: _first_output(ours_cmd, env), ours_t),
+                (lambda: _first_output(peer + common, env_peer, b"==========\n"), peer_t)]
+        for fn, out in (runs if rep % 2 == 0 else runs[::-1]):
+            t = fn()
+            if rep:
+                out.append(t)
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    return {"model": str(model), "which": which, "reps": reps,
+            "paired_ratio": statistics.median(a / b for a, b in zip(ours_t, peer_t)),
+            "ours_s": statistics.median(ours_t), "mlx_lm_s": statistics.median(peer_t),
+            "ours_all": ours_t, "mlx_lm_all": peer_t}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.split(
+        "\n")[0])
+    ap.add_argument("--json", action="store_true", help="end with one JSON line")
+    ap.add_argument("--reps", type=int, default=5, help="interleaved pairs (>= 5)")
+    ap.add_argument("--first-token-reps", type=int, default=5)
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--decode-tokens", type=int, default=16)
+    ap.add_argument("--skip-first-token", action="store_true")
+    args = ap.parse_args(argv)
+    print(f"BLAS: {describe()}, OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS')}"
+          f"; cores: {os.cpu_count()}; "
+          f"load average: {os.getloadavg()[0]:.1f}", flush=True)
+    tp = throughput(args.reps, args.prompt_tokens, args.decode_tokens)
+    print(f"bench model {tp['params_m']}M params, {tp['compute_dtype']}, prompt "
+          f"{tp['prompt_tokens']} tokens, {tp['decode_tokens']} generated, median of "
+          f"{tp['reps']} interleaved runs")
+    rows = [("prefill tok/s", tp["ours_prefill_tps"], tp["mlx_lm_prefill_tps"]),
+            ("decode tok/s", tp["ours_decode_tps"], tp["mlx_lm_decode_tps"])]
+    # Headline ratios: median over the interleaved pairs of (ours / mlx-lm) in that pair.
+    # Pairs run back to back, so drifting background load cancels out; the ratio of the
+    # two medians is printed and kept in the JSON as well.
+    result = {"blas": blas_info()["name"], "throughput": tp,
+              "prefill_cpu_ratio": tp["cpu_prefill_ratio"],
+              "decode_cpu_ratio": tp["cpu_decode_ratio"],
+              "prefill_vs_mlx_lm": tp["paired_prefill_ratio"],
+              "decode_vs_mlx_lm": tp["paired_decode_ratio"],
+              "prefill_ratio_of_medians": tp["ours_prefill_tps"] / tp["mlx_lm_prefill_tps"],
+              "decode_ratio_of_medians": tp["ours_decode_tps"] / tp["mlx_lm_decode_tps"]}
+    print(f"{'':<28}{'mlxkv':>10}{'mlx-lm':>10}{'ratio':>8}   (ratio of the medians)")
+    paired = (tp["paired_prefill_ratio"], tp["paired_decode_ratio"])
+    cpu = (tp["cpu_prefill_ratio"], tp["cpu_decode_ratio"])
+    for (name, ours, theirs), pr, cr in zip(rows, paired, cpu):
+        print(f"{name:<28}{ours:>10.1f}{theirs:>10.1f}{ours / theirs:>8.3f}"
+              f"   (paired {pr:.3f}; per CPU-second {cr:.3f})")
+    if not args.skip_first_token:
+        ft = first_token(args.first_token_reps)
+        result["first_token"] = ft
+        result["first_token_vs_mlx_lm"] = ft["paired_ratio"]
+        result["first_token_ratio_of_medians"] = ft["ours_s"] / ft["mlx_lm_s"]
+        print(f"{'start -> first token (s)':<28}{ft['ours_s']:>10.2f}{ft['mlx_lm_s']:>10.2f}"
+              f"{ft['ours_s'] / ft['mlx_lm_s']:>8.3f}   (median of paired ratios "
+              f"{ft['paired_ratio']:.3f}; lower is better)")
+        print(f"first token measured on the {ft['which']}: mlxkv generate vs the "
+              "mlx_lm.generate CLI, same BLAS, same prompt, greedy")
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
