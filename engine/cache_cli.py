@@ -145,7 +145,7 @@ def run_cache_command(args: argparse.Namespace) -> int:
             res = {}
             for ns in _namespaces(store, args.ns):
                 mans = sorted(store.manifests(ns), key=lambda m: m.created)
-                res[ns] = [{"name": m.name, "tokens": int(len(m.tokens)),
+                res[ns] = [{"name": m.name, "tokens": len(m.tokens),
                             "blocks": len(m.block_keys), "cached_tokens":
                             store.longest_prefix(ns, m.tokens),
                             "created": m.created} for m in mans]

@@ -23,9 +23,10 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -44,7 +45,7 @@ class Job:
     due: float = 0.0
     attempts: int = 0
     error: str | None = None
-    superseded_by: "Job | None" = None
+    superseded_by: Job | None = None
     result: Any = None
     nbytes: int = 0  # bytes the snapshot pins until it settles
     evicted: bool = False  # the RAM tier no longer holds this state
@@ -54,7 +55,7 @@ class Job:
     def key(self) -> tuple[str, bytes]:
         return (self.ns, self.tokens.tobytes())
 
-    def final(self) -> "Job":
+    def final(self) -> Job:
         j = self
         while j.state == SUPERSEDED and j.superseded_by is not None:
             j = j.superseded_by
@@ -137,7 +138,7 @@ class Durability:
             self._inflight += 1
             try:
                 fut = self._submit(job.snapshot)
-            except Exception as exc:  # closed storage and the like: settle as a failure
+            except Exception as exc:  # noqa: BLE001  (closed storage...: settle as a failure)
                 fut = Future()
                 fut.set_exception(exc)
             fut.add_done_callback(lambda f, j=job: self._done(j, f))

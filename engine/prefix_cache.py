@@ -186,7 +186,7 @@ class PrefixCache:
                                          debounce_s=debounce_s, retries=retries)
 
     @classmethod
-    def from_settings(cls, settings: Any) -> "PrefixCache | NullPrefixCache":
+    def from_settings(cls, settings: Any) -> PrefixCache | NullPrefixCache:
         """Build from the engine's settings object (fields prefix_cache, cache_dir, ...)."""
         if not getattr(settings, "prefix_cache", True):
             return NullPrefixCache()
@@ -255,7 +255,7 @@ class PrefixCache:
                                               keep=arrays))
         try:
             res = fut.result()
-        except Exception as exc:  # an unreadable folder or a layout mismatch: a miss
+        except Exception as exc:  # noqa: BLE001  (unreadable folder, layout mismatch: a miss)
             log.warning("mlxkv cache: SSD restore failed: %s", exc)
             with self._lock:
                 self._s["ssd_restore_failures"] += 1
@@ -302,9 +302,8 @@ class PrefixCache:
             return
         held = kb.cache_tokens(cache)
         block_mode = kb.is_block_cache(cache)
-        if held is not None and held != len(toks):
-            if not (block_mode and held > len(toks)):
-                raise ValueError(f"the cache holds {held} tokens but {len(toks)} were given")
+        if held is not None and held != len(toks) and not (block_mode and held > len(toks)):
+            raise ValueError(f"the cache holds {held} tokens but {len(toks)} were given")
         if block_mode and held is not None and held > len(toks):
             # extra rows past len(toks) (e.g. a token computed ahead) are simply not used
             cache = [kb.make_layer(kb.layer_spec(c), kb.layer_arrays(c), len(toks))

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -92,7 +93,7 @@ class Run:
     t0: int
     slab: Slab
     row0: int
-    owner: "Entry | None" = None  # the entry that stored it (for LRU touches)
+    owner: Entry | None = None  # the entry that stored it (for LRU touches)
     refs: int = 0
 
 
@@ -332,9 +333,9 @@ class RamTier:
         if owner is not None and self.entries.get(owner.key) is not owner:
             owner = None
         pinned = self.pinned.get(session) if session else None
-        if pinned is not None and pinned.ns == ns and pinned.checkpoint is None:
-            if common_prefix(pinned.tokens, tokens) >= n:
-                pieces, owner = list(pinned.runs), pinned
+        if (pinned is not None and pinned.ns == ns and pinned.checkpoint is None
+                and common_prefix(pinned.tokens, tokens) >= n):
+            pieces, owner = list(pinned.runs), pinned
         total = len(tokens)
         if self._movable(owner, pieces, n, total, session):
             return Match(n, lambda: self._move(owner, n), owner)
@@ -401,8 +402,8 @@ class RamTier:
                         np.array_equal(e.tokens[d * bt :], tokens[d * bt : L]):
                     best = e
             if best is not None:
-                cp = best.checkpoint
-                return Match(len(best.tokens), lambda: kb.lend_checkpoint(cp), best)
+                return Match(len(best.tokens), lambda cp=best.checkpoint: kb.lend_checkpoint(cp),
+                             best)
         return None
 
     # ------------------------------------------------------------------ eviction
