@@ -253,7 +253,8 @@ class Engine:
         """An engine for ``settings``; unless ``prefix_cache`` is given, the prefix cache is
         built from the settings on the engine thread (``PrefixCache.from_settings``)."""
         if prefix_cache is None and settings.prefix_cache:
-            prefix_cache = lambda loaded, namespace: _prefix_cache_from_settings(settings)
+            def prefix_cache(loaded: Any, namespace: str) -> Any:
+                return _prefix_cache_from_settings(settings)
         return cls(settings.model, dtype=settings.dtype, prefix_cache=prefix_cache)
 
     # lifecycle

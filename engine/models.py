@@ -51,7 +51,7 @@ def resolve_model_path(spec: str | os.PathLike) -> Path:
         hint = ""
         if path.resolve() == (Path(__file__).resolve().parent / "demo" / "model"):
             hint = " (the demo model is not built yet: run `make demo-model`, or pass --model)"
-        raise ModelNotFoundError(f"model folder not found: {path}{hint}")
+        raise ModelNotFoundError(f"model folder not found: {spec}{hint}")
     from huggingface_hub import snapshot_download
 
     try:

@@ -24,8 +24,9 @@ class SettingsError(ValueError):
     """A setting has a value that cannot be used; the message says which and why."""
 
 
-def default_config_path() -> Path:
-    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+def default_config_path(env: Mapping[str, str] | None = None) -> Path:
+    env = os.environ if env is None else env
+    base = env.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
     return Path(base) / "mlxkv" / "config.toml"
 
 
@@ -93,7 +94,8 @@ class Field:
 FIELDS: tuple[Field, ...] = (
     Field("model", str(DEMO_MODEL), str, "model folder or Hugging Face hub id"),
     Field("draft_model", None, _optional(str), "draft model for speculative decoding"),
-    Field("cache_dir", os.path.expanduser(os.path.join("~", ".cache", "mlxkv")), _path, "prefix cache folder (SSD tier)"),
+    Field("cache_dir", os.path.expanduser(os.path.join("~", ".cache", "mlxkv")), _path,
+          "prefix cache folder (SSD tier)"),
     Field("prefix_cache", True, _bool, "keep and reuse the KV state of prompts"),
     Field("ram_cache_bytes", 2 * 1024**3, parse_bytes, "RAM tier capacity"),
     Field("ssd_cache_bytes", 20 * 1024**3, parse_bytes, "SSD tier capacity"),
@@ -181,7 +183,7 @@ class Settings:
         env = os.environ if env is None else env
         flags = {k: v for k, v in (flags or {}).items() if v is not None}
         explicit = config_path or env.get("MLXKV_CONFIG")
-        path = Path(os.path.expanduser(str(explicit))) if explicit else default_config_path()
+        path = Path(os.path.expanduser(str(explicit))) if explicit else default_config_path(env)
         if explicit and not path.exists():
             raise SettingsError(f"config file not found: {path}")
         file_values = _read_toml(path)

@@ -89,3 +89,40 @@ def test_chat_repl(tiny_qwen3):
               stdin="hello\n/unknown-is-a-message\n")
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("[prompt") == 2 and "cached" in r.stdout
+
+
+def test_chat_ctrl_c_cancels_the_reply(tiny_qwen3):
+    """SIGINT while a reply streams stops that reply; the REPL stays usable."""
+    import signal
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MLXKV_PREFIX_CACHE": "false",
+           "XDG_CONFIG_HOME": str(ROOT / ".cache" / "no-config")}
+    env.pop("MLXKV_CONFIG", None)
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "mlxkv.py"), "chat", "--model", str(tiny_qwen3),
+         "--max-tokens", "1000000", "--temp", "1.0", "--seed", "1"],
+        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env=env)
+    try:
+        def read_until(marker: bytes) -> bytes:
+            buf = b""
+            while marker not in buf:
+                chunk = os.read(proc.stdout.fileno(), 4096)
+                assert chunk, (buf, proc.stderr.read())
+                buf += chunk
+            return buf
+
+        read_until(b"> ")  # the prompt: the model is loaded
+        proc.stdin.write(b"tell me everything\n")
+        proc.stdin.flush()
+        assert os.read(proc.stdout.fileno(), 1)  # the reply has started streaming
+        proc.send_signal(signal.SIGINT)
+        out = read_until(b"cancelled]")
+        assert b"[prompt" in out
+        proc.stdin.write(b"/quit\n")
+        proc.stdin.flush()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -16,7 +16,8 @@ from engine.models import ModelNotFoundError
 
 ROOT = Path(__file__).resolve().parent.parent
 
-WORDS = ["the", "cache", "keeps", "every", "block", "of", "the", "conversation", "on", "disk", "so", "that", "a", "restart", "returns", "instantly;", "import", "os,", "sys;", "def", "main(argv):", "return", "0", "#", "mlx", "engine"]
+WORDS = ("the cache keeps every block of the conversation on disk so that a restart "
+         "returns instantly; import os, sys; def main(argv): return 0 # mlx engine").split(" ")
 
 
 def prompts(n: int, seed: int) -> list[str]:
