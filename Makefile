@@ -15,7 +15,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q cython==3.3.1 setuptools wheel
+	$(PY) -m pip install -q --upgrade cython==3.3.1 "setuptools>=77" wheel
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	@touch $(STAMP)
 
