@@ -355,6 +355,40 @@ def test_writes_are_coalesced(llama, tmp_path):
     pc.close()
 
 
+def test_quantized_kv_cache_round_trips_through_ram_and_ssd(tmp_path):
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    from engine.modelgen import model_config
+
+    llama = init_model(model_config("llama", 512, head_dim=32), seed=2)  # quantizable heads
+    t = prompt(2 * BT + 7, 27)
+    rest = prompt(5, 28)
+
+    def quantized_state():
+        cache = make_prompt_cache(llama)
+        llama(mx.array(t)[None], cache=cache)
+        q = [c.to_quantized(group_size=32, bits=8) for c in cache]
+        mx.eval([x.state for x in q])
+        return q
+
+    def continue_from(cache):
+        return np.array(llama(mx.array(rest)[None], cache=cache)[0, -1])
+
+    expected = continue_from(quantized_state())
+    pc = pc_at(tmp_path)
+    pc.store(t, quantized_state(), "ns-q8")
+    n, c = pc.lookup(t + rest, "ns-q8")
+    assert n == len(t) and all(type(x) is QuantizedKVCache for x in c)
+    np.testing.assert_allclose(continue_from(c), expected, rtol=1e-5, atol=1e-5)
+    pc.close(30)
+    pc2 = pc_at(tmp_path)  # restart: restored from SSD with the same quantized layout
+    n, c = pc2.lookup(t + rest, "ns-q8")
+    assert n == len(t) and pc2.stats()["last"]["tier"] == "ssd"
+    assert all(type(x) is QuantizedKVCache and x.bits == 8 and x.group_size == 32 for x in c)
+    np.testing.assert_allclose(continue_from(c), expected, rtol=1e-5, atol=1e-5)
+    pc2.close()
+
+
 # ----------------------------------------------------------------------------- checkpoints
 GEMMA3 = {"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 2,
           "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
