@@ -52,6 +52,8 @@ def _common_flags() -> argparse.ArgumentParser:
     p.add_argument("--ram-cache-bytes", default=S, help="RAM tier size, e.g. 2GiB")
     p.add_argument("--system-prompt", default=S)
     p.add_argument("--blas", default=S, help="auto, off, or a BLAS library path (Linux)")
+    p.add_argument("--full-hash", action="store_true", default=S,
+                   help="fingerprint model weights by content instead of size + mtime")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    default=S, help="do not reuse cached prompt state")
     return p

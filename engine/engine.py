@@ -255,7 +255,8 @@ class Engine:
         if prefix_cache is None and settings.prefix_cache:
             def prefix_cache(loaded: Any, namespace: str) -> Any:
                 return _prefix_cache_from_settings(settings)
-        return cls(settings.model, dtype=settings.dtype, prefix_cache=prefix_cache)
+        return cls(settings.model, dtype=settings.dtype, prefix_cache=prefix_cache,
+                   full_hash=getattr(settings, "full_hash", False))
 
     # lifecycle
     def start(self, timeout: float | None = None) -> Engine:

@@ -102,6 +102,8 @@ FIELDS: tuple[Field, ...] = (
     Field("block_tokens", 256, _positive_int, "tokens per cache block"),
     Field("dtype", "auto", _choice(*DTYPE_POLICIES),
           "compute dtype (auto: float32 on CPU for bf16/fp16 weights)"),
+    Field("full_hash", False, _bool,
+          "fingerprint weights by content (slow once) instead of size + mtime"),
     Field("temperature", 0.7, float, "sampling temperature (0 = greedy)"),
     Field("top_p", 0.95, float, "nucleus sampling threshold (1 = off)"),
     Field("top_k", 0, int, "top-k sampling (0 = off)"),
