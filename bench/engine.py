@@ -187,7 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--decode-tokens", type=int, default=16)
     ap.add_argument("--skip-first-token", action="store_true")
+    ap.add_argument("--full", action="store_true",
+                    help="longer: 9 pairs, 1024-token prompt, 32 generated tokens")
     args = ap.parse_args(argv)
+    if args.full:
+        args.reps, args.first_token_reps = max(args.reps, 9), max(args.first_token_reps, 9)
+        args.prompt_tokens, args.decode_tokens = 1024, 32
     print(f"BLAS: {describe()}, OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS')}"
           f"; cores: {os.cpu_count()}; "
           f"load average: {os.getloadavg()[0]:.1f}", flush=True)
@@ -223,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{ft['paired_ratio']:.3f}; lower is better)")
         print(f"first token measured on the {ft['which']}: mlxkv generate vs the "
               "mlx_lm.generate CLI, same BLAS, same prompt, greedy")
+    result["load_average_end"] = os.getloadavg()[0]
+    print(f"load average at the end: {result['load_average_end']:.1f} (2 cores: above ~2 the "
+          "machine was shared and the ratios are noisy)")
     if args.json:
         print(json.dumps(result))
     return 0
