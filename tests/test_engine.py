@@ -80,6 +80,46 @@ def test_greedy_parity_with_mlx_lm(arch, qwen3_engine, llama_engine):
     assert len(seen) > 1  # the prompts really did lead to different outputs
 
 
+def test_parity_with_a_prompt_cache(llama_engine):
+    """Given a cache holding a prefix, we and stream_generate (fed the same kind of cache
+    and the rest of the prompt) produce the same tokens."""
+    from engine.generate import Generation
+
+    eng = llama_engine
+    texts = prompts(6, seed=11)
+
+    def run(tokens, n_cached):
+        import mlx.core as mx
+        from mlx_lm.generate import stream_generate
+        from mlx_lm.models.cache import make_prompt_cache
+
+        def prefilled():
+            cache = make_prompt_cache(eng.loaded.model)
+            eng.loaded.model(mx.array(tokens[:n_cached])[None], cache=cache)
+            mx.eval([c.state for c in cache])
+            return cache
+
+        ours = Generation(eng.loaded.model, eng.loaded.tokenizer, tokens,
+                          SamplingParams(max_tokens=12), cache=prefilled(), n_cached=n_cached)
+        ours_tokens = [s.token for s in ours if s.token is not None]
+        out = list(stream_generate(eng.loaded.model, eng.loaded.tokenizer,
+                                   mx.array(tokens[n_cached:]), max_tokens=12,
+                                   prompt_cache=prefilled()))
+        ref = [r.token for r in out]
+        ref = ref[:-1] if out[-1].finish_reason == "stop" else ref
+        assert ours.outcome.cached_tokens == n_cached
+        # Every token generate_step yielded (EOS included) has had its KV computed.
+        eos = 1 if ours.outcome.stop_detail == "eos" else 0
+        assert len(ours.outcome.tokens_in_cache) == len(tokens) + len(ours_tokens) + eos
+        return ours_tokens, ref
+
+    for text in texts:
+        tokens = encode(eng, text + " and more words to make room")
+        n_cached = max(1, len(tokens) // 2)
+        ours, ref = eng.call(run, tokens, n_cached).result()
+        assert ours == ref, text
+
+
 def test_seeded_sampling_parity_and_reproducible(qwen3_engine):
     eng = qwen3_engine
     tokens = encode(eng, "def main(argv): return the cache")
