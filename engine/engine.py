@@ -382,7 +382,12 @@ class Engine:
 
         tok = self.loaded.tokenizer
         if req.prompt_tokens is not None:
-            return [int(t) for t in req.prompt_tokens]
+            tokens = [int(t) for t in req.prompt_tokens]
+            vocab = self.loaded.config.get("vocab_size")
+            bad = [t for t in tokens if t < 0 or (vocab and t >= vocab)]
+            if bad:  # mlx would index out of range silently
+                raise ValueError(f"token ids out of range [0, {vocab}): {bad[:5]}")
+            return tokens
         if req.messages is not None:
             return chat_prompt_tokens(tok, req.messages)
         # As mlx_lm.stream_generate: add special tokens unless the text starts with BOS.

@@ -231,6 +231,9 @@ def test_bad_requests_and_models(qwen3_engine, tmp_path):
     h = qwen3_engine.submit(Request(prompt_tokens=[]))
     with pytest.raises(EngineError, match="empty"):
         h.result(timeout=60)
+    bad = qwen3_engine.submit(Request(prompt_tokens=[1, 10**9]))
+    with pytest.raises(EngineError, match="out of range"):
+        bad.result(timeout=60)
     with pytest.raises(ValueError):
         Request()
     with pytest.raises(ValueError):
