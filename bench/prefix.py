@@ -26,10 +26,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+# isort: off
+import engine  # noqa: F401  (loads OpenBLAS before mlx.core: keep it first)
 import mlx.core as mx
 import numpy as np
-
-import engine  # noqa: F401  (loads OpenBLAS before mlx.core)
+# isort: on
 
 ROOT = Path(__file__).resolve().parent.parent
 PREFILL_STEP = 2048  # mlx-lm's default prefill chunk

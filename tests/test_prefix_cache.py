@@ -8,7 +8,10 @@ import os
 import random
 from pathlib import Path
 
+# isort: off
+import engine  # noqa: F401  (loads OpenBLAS before mlx.core: keep it first)
 import mlx.core as mx
+# isort: on
 import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, make_prompt_cache
@@ -506,7 +509,6 @@ def test_cache_cli(llama, tmp_path):
 
 # ----------------------------------------------------------------------------- engine
 def test_engine_end_to_end_ram_ssd_restart(tiny_qwen3, tmp_path):
-    import engine  # noqa: F401
     from engine.engine import Engine, Request
     from engine.generate import SamplingParams
 
