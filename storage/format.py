@@ -10,7 +10,7 @@ so a flipped bit anywhere in the prefix or header is caught before a field is tr
 An unknown version raises :class:`UnknownVersion` (the file is skipped, never misread);
 any other damage raises :class:`FormatError` (the file is removed by the store).
 
-Block / tail body (kind 1 / 2)::
+Block / tail / checkpoint body (kind 1 / 2 / 4)::
 
     key 16 | parent key 16 | namespace id 16 | content hash u64 | payload offset u64 |
     payload length u64 | t0 u32 | t1 u32 | meta length u32 | meta (JSON) | token ids u32[t1-t0]
@@ -18,7 +18,9 @@ Block / tail body (kind 1 / 2)::
 ``meta`` holds the namespace name and the layer layout. The payload starts at a multiple of
 :data:`PAGE` (so it can be read and written with direct I/O) and is the segments' rows
 [t0, t1) packed by ``_blocks.pack``; its XXH3-64, seeded with :func:`content_seed` of the
-key, is ``content hash``. The file is padded to a multiple of :data:`PAGE`.
+key, is ``content hash``. The file is padded to a multiple of :data:`PAGE`. A checkpoint
+holds whole states (one "row" per segment) at token position t1; its token ids are the
+ones after the last full block, as for a tail.
 
 Manifest body (kind 3): ``meta length u32 | meta (JSON) | token ids u32[n] | keys 16*k``.
 """
@@ -38,8 +40,11 @@ FORMAT_VERSION = 1
 MAGIC = b"MLXKV\x00\x01\x00"
 KIND_BLOCK = 1
 KIND_TAIL = 2
+KIND_CHECKPOINT = 4  # whole (non-sliceable) state at one exact token position
 KIND_MANIFEST = 3
-KIND_NAMES = {KIND_BLOCK: "block", KIND_TAIL: "tail", KIND_MANIFEST: "manifest"}
+KIND_NAMES = {KIND_BLOCK: "block", KIND_TAIL: "tail", KIND_MANIFEST: "manifest",
+              KIND_CHECKPOINT: "checkpoint"}
+ENTRY_KINDS = (KIND_BLOCK, KIND_TAIL, KIND_CHECKPOINT)
 
 _PREFIX = struct.Struct("<8sHHI")  # magic, version, kind, header body length
 PREFIX_SIZE = _PREFIX.size  # 16
@@ -191,7 +196,7 @@ def encode_block_header(
     version: int = FORMAT_VERSION,
 ) -> bytes:
     """The header bytes of a block/tail file, zero-padded to the payload offset."""
-    if kind not in (KIND_BLOCK, KIND_TAIL):
+    if kind not in ENTRY_KINDS:
         raise ValueError(f"not a block kind: {kind}")
     toks = np.ascontiguousarray(tokens, dtype="<u4")
     if toks.size != t1 - t0:
@@ -258,8 +263,8 @@ def _meta(raw: bytes) -> tuple[str, Layout, int]:
 def decode_block_header(buf: Any) -> BlockHeader:
     """Parse and verify a block/tail header from the start of ``buf``."""
     kind, body = _verified_body(buf)
-    if kind not in (KIND_BLOCK, KIND_TAIL):
-        raise FormatError(f"expected a block or tail, found a {KIND_NAMES[kind]}")
+    if kind not in ENTRY_KINDS:
+        raise FormatError(f"expected a block, tail or checkpoint, found a {KIND_NAMES[kind]}")
     if len(body) < _BLOCK.size:
         raise FormatError("header body too short")
     key, parent, ns_id, chash, poff, plen, t0, t1, mlen = _BLOCK.unpack_from(body, 0)
@@ -270,7 +275,7 @@ def decode_block_header(buf: Any) -> BlockHeader:
     if poff % PAGE or poff < PREFIX_SIZE + len(body) + _HASH.size:
         raise FormatError(f"bad payload offset {poff}")
     ns, layout, bpt = _meta(body[_BLOCK.size : end_meta])
-    if plen != bpt * ntok:
+    if plen != bpt * (1 if kind == KIND_CHECKPOINT else ntok):
         raise FormatError(f"payload length {plen} does not match layout x {ntok} tokens")
     return BlockHeader(kind, key, parent, ns_id, ns, chash, poff, plen, t0, t1, layout,
                        body[end_meta:])
@@ -286,12 +291,14 @@ class Manifest:
     block_keys: tuple[bytes, ...]
     tail_key: bytes | None
     created: float
+    extra_keys: tuple[bytes, ...] = ()  # checkpoints (and anything else) it keeps alive
 
 
 def encode_manifest(m: Manifest, version: int = FORMAT_VERSION) -> bytes:
     meta = json.dumps(
         {"name": m.name, "ns": m.ns, "n_keys": len(m.block_keys),
-         "tail": m.tail_key.hex() if m.tail_key else None, "created": m.created},
+         "tail": m.tail_key.hex() if m.tail_key else None, "created": m.created,
+         "extra": [k.hex() for k in m.extra_keys]},
         separators=(",", ":"),
     ).encode()
     toks = np.ascontiguousarray(m.tokens, dtype="<u4")
@@ -314,6 +321,8 @@ def decode_manifest(buf: Any) -> Manifest:
         kb = body[4 + mlen + rest :]
         keys = tuple(kb[i * 16 : (i + 1) * 16] for i in range(nkeys))
         tail = bytes.fromhex(meta["tail"]) if meta["tail"] else None
-        return Manifest(str(meta["name"]), str(meta["ns"]), tokens, keys, tail, float(meta["created"]))
+        extra = tuple(bytes.fromhex(k) for k in meta.get("extra", ()))
+        return Manifest(str(meta["name"]), str(meta["ns"]), tokens, keys, tail,
+                        float(meta["created"]), extra)
     except (ValueError, KeyError, TypeError) as exc:
         raise FormatError(f"bad manifest: {exc}") from exc

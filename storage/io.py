@@ -52,6 +52,7 @@ class Snapshot:
     durable: bool | None = None
     keep: Any = None  # kept alive until the future settles (e.g. the mx arrays)
     on_start: Callable[[], None] | None = None  # called on the writer thread first
+    checkpoint: bool = False  # whole states at exactly len(tokens): put_checkpoint
 
 
 @dataclass
@@ -64,6 +65,7 @@ class ReadRequest:
     segments: Sequence[tuple[Any, int, int, int]]
     n_tokens: int | Match | None = None
     keep: Any = None
+    checkpoint: bool = False  # n_tokens is a Match from lookup_checkpoint
 
 
 _STOP = object()
@@ -137,10 +139,17 @@ class StorageIO:
     def _write(self, s: Snapshot) -> PutResult:
         if s.on_start is not None:
             s.on_start()
+        if s.checkpoint:
+            return self.store.put_checkpoint(s.ns, s.tokens, s.layout, s.segments,
+                                             manifest=s.manifest, durable=s.durable)
         return self.store.put_blocks(s.ns, s.tokens, s.layout, s.segments, tail=s.tail,
                                      manifest=s.manifest, durable=s.durable)
 
     def _read(self, r: ReadRequest) -> Restore:
+        if r.checkpoint:
+            if not isinstance(r.n_tokens, Match):
+                raise ValueError("a checkpoint read needs the Match from lookup_checkpoint")
+            return self.store.get_checkpoint(r.ns, r.n_tokens, r.layout, r.segments)
         return self.store.get_blocks(r.ns, r.tokens, r.layout, r.segments, r.n_tokens)
 
     def _run(self, q: queue.SimpleQueue, fn: Callable[[Any], Any], is_writer: bool) -> None:

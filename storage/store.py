@@ -21,6 +21,11 @@ API (all byte-level; ``storage`` never imports mlx)::
         # against its content hash. -> Restore; Restore.n_tokens may be < n when a block
         # vanished or was corrupt (that block is removed and counted; rows past
         # Restore.n_tokens are undefined). Never returns an unverified byte.
+    # states that cannot be cut per token (rotating windows, SSM): exact positions only;
+    # segments are (buf, outer, 1, row_bytes), each buffer stored whole
+    store.put_checkpoint(ns, tokens, layout, segments, manifest=None)   -> PutResult
+    m = store.lookup_checkpoint(ns, tokens, max_tokens=None)           -> Match (.checkpoint_key)
+    store.get_checkpoint(ns, m, layout, segments)                       -> Restore
     store.put_manifest / get_manifest / manifests / delete_manifest   # named conversations
     store.evict(max_bytes) ; store.gc(ns, min_age_s) ; store.stats() ; store.close()
 
@@ -29,7 +34,7 @@ hashes its parent key and its (< block_tokens) token ids. A tail is usable for a
 that shares a prefix of its tokens (KV rows are per token), so a conversation that
 continues re-prefills only its new tokens.
 
-Files: ``<root>/<ns>/<2 hex>/<key>.blk|.tail`` and ``<root>/<ns>/manifests/*.man``, each
+Files: ``<root>/<ns>/<2 hex>/<key>.blk|.tail|.ckpt`` and ``<root>/<ns>/manifests/*.man``, each
 written atomically (temp name, write, fsync, rename, fsync dir). Several processes may
 share a root: writers hold a shared flock on ``<root>/.lock``, scan/evict/gc an exclusive
 one; readers take no lock and treat a vanished file as a miss. Each process indexes what
@@ -66,6 +71,7 @@ from storage import format as fmt
 from storage.diskio import CHUNK, KERNEL, K
 from storage.format import (
     KIND_BLOCK,
+    KIND_CHECKPOINT,
     KIND_TAIL,
     PAGE,
     FormatError,
@@ -79,12 +85,13 @@ log = logging.getLogger("mlxkv.storage")
 
 ZERO_KEY = bytes(16)
 _NS_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_EXT = {KIND_BLOCK: ".blk", KIND_TAIL: ".tail"}
+_EXT = {KIND_BLOCK: ".blk", KIND_TAIL: ".tail", KIND_CHECKPOINT: ".ckpt"}
 _SCAN_THREADS = 4
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _HEAD_READ = 2 * PAGE  # one read covers the header of every usual layout
 _BLOCK_DOMAIN = b"mlxkv/block/1"
 _TAIL_DOMAIN = b"mlxkv/tail/1"
+_CKPT_DOMAIN = b"mlxkv/ckpt/1"
 _MANIFEST_DIR = "manifests"
 _READ_AHEAD = 8  # blocks whose pages are requested ahead of the one being verified
 _BATCH = 64  # temp files open at once before they are fsynced and renamed
@@ -108,6 +115,7 @@ class Match:
     tail_tokens: int = 0  # tokens used from the tail (a prefix of it)
     nbytes: int = 0  # payload bytes a restore reads
     layout: Layout | None = None  # the stored layout (to allocate destinations after a restart)
+    checkpoint_key: bytes | None = None  # set by lookup_checkpoint
 
 
 @dataclass(frozen=True)
@@ -153,6 +161,10 @@ class _Entry:
 class _Space:
     blocks: dict[bytes, _Entry] = field(default_factory=dict)
     tails: dict[bytes, dict[bytes, _Entry]] = field(default_factory=dict)  # parent -> tails
+    ckpts: dict[bytes, dict[bytes, _Entry]] = field(default_factory=dict)  # parent -> ckpts
+
+    def side(self, kind: int) -> dict[bytes, dict[bytes, _Entry]]:
+        return self.tails if kind == KIND_TAIL else self.ckpts
 
 
 def _tokens(tokens: Any) -> np.ndarray:
@@ -215,7 +227,8 @@ class BlockStore:
                                 else min(4, os.cpu_count() or 1))
         self._warned: set[str] = set()
         self._c: dict[str, int] = dict.fromkeys(
-            ("blocks_written", "tails_written", "bytes_written", "dedup_blocks", "write_failures",
+            ("blocks_written", "tails_written", "checkpoints_written", "bytes_written",
+             "dedup_blocks", "write_failures",
              "blocks_read", "bytes_read", "hits", "misses", "corrupt_removed", "vanished",
              "bad_removed", "tmp_removed", "evicted", "evicted_bytes", "gc_removed",
              "gc_bytes", "tails_superseded"), 0)
@@ -326,9 +339,10 @@ class BlockStore:
         nblk = 0
         try:
             for kind, key, parent, t0, t1 in jobs:
-                ntok = t1 - t0
-                hdr_size = fmt.block_header_size(layout, ns, ntok)
-                plen = K.packed_size(segs, ntok)
+                # blocks and tails pack token rows [t0, t1); a checkpoint its one state row
+                r0, r1 = (0, 1) if kind == KIND_CHECKPOINT else (t0, t1)
+                hdr_size = fmt.block_header_size(layout, ns, t1 - t0)
+                plen = K.packed_size(segs, r1 - r0)
                 size = hdr_size + fmt.align(plen)
                 final = self._path(ns, key, kind)
                 d = os.path.dirname(final)
@@ -340,13 +354,13 @@ class BlockStore:
                 # thread while block i+1 is packed here, so the disk never waits on the CPU.
                 mv = memoryview(self._scratch(f"w{nblk % 2}", size))[:size]
                 nblk += 1
-                _, chash = K.pack(mv, hdr_size, segs, t0, t1, fmt.content_seed(key))
+                _, chash = K.pack(mv, hdr_size, segs, r0, r1, fmt.content_seed(key))
                 mv[:hdr_size] = fmt.encode_block_header(
                     kind, key, parent, nsid, ns, layout, t0, t1, toks[t0:t1], chash, plen)
                 mv[hdr_size + plen : size] = bytes(size - hdr_size - plen)
                 fd = self._open_write(tmp)
                 entry = _Entry(kind, key, parent, ns, final, size, hdr_size, plen, chash,
-                               t0, t1, layout, toks[t0:t1].copy() if kind == KIND_TAIL else None,
+                               t0, t1, layout, toks[t0:t1].copy() if kind != KIND_BLOCK else None,
                                0.0)
                 pending.append((fd, tmp, final, entry))
                 dirs.add(d)
@@ -431,6 +445,8 @@ class BlockStore:
                 self._add(space, e)
                 if e.kind == KIND_BLOCK:
                     self._c["blocks_written"] += 1
+                elif e.kind == KIND_CHECKPOINT:
+                    self._c["checkpoints_written"] += 1
                 else:
                     self._c["tails_written"] += 1
                     # a shorter tail on the same parent that this one extends is superseded
@@ -571,7 +587,7 @@ class BlockStore:
         Full entries stream in L2-sized pieces (read, hash, scatter); the hash is checked
         at the end, so on a mismatch the rows written are garbage and not reported.
         """
-        if ntok != e.t1 - e.t0:
+        if ntok != (1 if e.kind == KIND_CHECKPOINT else e.t1 - e.t0):
             return self._read_tail_prefix(e, fd, layout, segs, t0, ntok)
         mapped = self._read_mapped(e, fd, layout, segs, t0, ntok)
         if mapped is not False:
@@ -691,11 +707,100 @@ class BlockStore:
             self._c["corrupt_removed"] += 1
 
     # ------------------------------------------------------------------ manifests
+    # ------------------------------------------------------------------ checkpoints
+    def put_checkpoint(
+        self, ns: str, tokens: Any, layout: Any, segments: Sequence[Segment], *,
+        manifest: str | None = None, durable: bool | None = None,
+    ) -> PutResult:
+        """Persist a whole state that is only valid after exactly ``tokens`` (rotating KV
+        windows, SSM/linear-attention state): each segment is ``(buf, outer, 1, row_bytes)``,
+        stored whole. Restored only at that exact position (``lookup_checkpoint``)."""
+        toks = _tokens(tokens)
+        if toks.size == 0:
+            raise ValueError("a checkpoint needs at least one token")
+        layout = make_layout(layout)
+        segs = _check_segments(layout, segments, 1)
+        if any(t != 1 for _, _, t, _ in segs):
+            raise ValueError("checkpoint segments are whole states: (buf, outer, 1, row_bytes)")
+        nsid = namespace_id(check_namespace(ns))
+        keys = self.chain_keys(ns, toks)
+        parent, t0 = (keys[-1] if keys else ZERO_KEY), len(keys) * self.block_tokens
+        key = _ckpt_key(parent, nsid, toks[t0:])
+        with self._lock:
+            space = self._spaces.setdefault(ns, _Space())
+            present = key in space.ckpts.get(parent, {})
+        written: list[_Entry] = []
+        try:
+            if not present:
+                with self._flock(shared=True):
+                    self._write_files(ns, nsid, layout, segs, toks,
+                                      [(KIND_CHECKPOINT, key, parent, t0, toks.size)],
+                                      self.durable if durable is None else durable, written)
+        finally:
+            self._index_written(ns, written)
+        with self._lock:
+            self._touch(ns, (), key)
+        if manifest is not None:
+            self.put_manifest(ns, manifest, toks, extra_keys=(key,))
+        if self.max_bytes is not None and self._bytes > self.max_bytes:
+            self.evict()
+        return PutResult(toks.size, len(written), int(present), False,
+                         sum(e.file_size for e in written), (key,))
+
+    def lookup_checkpoint(self, ns: str, tokens: Any, max_tokens: int | None = None) -> Match:
+        """The longest checkpoint at an exact prefix of ``tokens`` (at most ``max_tokens``);
+        Match.n_tokens == 0 when there is none. Index only."""
+        toks = _tokens(tokens)
+        nsid = namespace_id(check_namespace(ns))
+        limit = toks.size if max_tokens is None else max(0, min(toks.size, int(max_tokens)))
+        bt, parent = self.block_tokens, ZERO_KEY
+        best: _Entry | None = None
+        with self._lock:
+            space = self._spaces.get(ns)
+            if space is None or not space.ckpts:
+                return Match(ns, 0, ())
+            for b in range(limit // bt + 1):
+                for e in space.ckpts.get(parent, {}).values():
+                    n = e.tokens.size
+                    if b * bt + n <= limit and (best is None or e.t1 > best.t1) and \
+                            _common(e.tokens, toks[b * bt : b * bt + n]) == n:
+                        best = e
+                if (b + 1) * bt > limit:
+                    break
+                parent = _block_key(parent, nsid, toks[b * bt : (b + 1) * bt])
+        if best is None:
+            return Match(ns, 0, ())
+        return Match(ns, best.t1, (), None, 0, best.payload_len, best.layout, best.key)
+
+    def get_checkpoint(self, ns: str, match: Match, layout: Any,
+                       segments: Sequence[Segment]) -> Restore:
+        """Restore the checkpoint ``match`` (from lookup_checkpoint) into ``segments``
+        ((buf, outer, 1, row_bytes) each), verified; n_tokens is 0 if it is gone/corrupt."""
+        if match.checkpoint_key is None:
+            raise ValueError("not a checkpoint match (use lookup_checkpoint)")
+        layout = make_layout(layout)
+        segs = _check_segments(layout, segments, 1, writable=True)
+        with self._lock:
+            sp = self._spaces.get(ns, _Space())
+            e = next((ts[match.checkpoint_key] for ts in sp.ckpts.values()
+                      if match.checkpoint_key in ts), None)
+        res = None if e is None else self._read_job((e, 0, 1), layout, segs, {})
+        ok = res is True
+        with self._lock:
+            self._c["hits" if ok else "misses"] += 1
+            if ok:
+                self._c["blocks_read"] += 1
+                self._c["bytes_read"] += e.payload_len
+                self._touch(ns, (), e.key)
+        return Restore(match.n_tokens if ok else 0, match.n_tokens, int(ok),
+                       e.payload_len if ok else 0, int(res is False), int(res is None))
+
     def _manifest_path(self, ns: str, name: str) -> str:
         h = xxhash.xxh3_64_hexdigest(name.encode())
         return os.path.join(self.root, check_namespace(ns), _MANIFEST_DIR, f"{h}.man")
 
-    def put_manifest(self, ns: str, name: str, tokens: Any) -> Manifest:
+    def put_manifest(self, ns: str, name: str, tokens: Any,
+                     extra_keys: Sequence[bytes] = ()) -> Manifest:
         """Name the state of ``tokens`` (its block keys and tail key) so GC keeps it."""
         if not isinstance(name, str) or not name:
             raise ValueError("manifest name must be a non-empty string")
@@ -705,7 +810,7 @@ class BlockStore:
         tkey = None
         if toks.size % bt:
             tkey = _tail_key(keys[-1] if keys else ZERO_KEY, namespace_id(ns), toks[len(keys) * bt :])
-        man = Manifest(name, ns, toks, tuple(keys), tkey, time.time())
+        man = Manifest(name, ns, toks, tuple(keys), tkey, time.time(), tuple(extra_keys))
         path = self._manifest_path(ns, name)
         try:
             with self._flock(shared=True):
@@ -751,7 +856,7 @@ class BlockStore:
 
     def _scan_locked(self) -> dict[str, Any]:
         t_start = time.perf_counter()
-        rep = {"blocks": 0, "tails": 0, "added": 0, "dropped": 0, "tmp_removed": 0,
+        rep = {"blocks": 0, "tails": 0, "checkpoints": 0, "added": 0, "dropped": 0, "tmp_removed": 0,
                "bad_removed": 0, "skipped": 0}
         found: list[_Entry] = []
         todo: list[tuple[str, str, bytes, int]] = []
@@ -775,7 +880,8 @@ class BlockStore:
                         rep["tmp_removed"] += dio.quiet(os.unlink, de.path)
                         continue
                     kind = KIND_BLOCK if name.endswith(".blk") else \
-                        KIND_TAIL if name.endswith(".tail") else None
+                        KIND_TAIL if name.endswith(".tail") else \
+                        KIND_CHECKPOINT if name.endswith(".ckpt") else None
                     if kind is None:
                         continue
                     seen.add(de.path)
@@ -809,6 +915,7 @@ class BlockStore:
             for sp in self._spaces.values():
                 rep["blocks"] += len(sp.blocks)
                 rep["tails"] += sum(len(t) for t in sp.tails.values())
+                rep["checkpoints"] += sum(len(t) for t in sp.ckpts.values())
             self._c["tmp_removed"] += rep["tmp_removed"]
             self._c["bad_removed"] += rep["bad_removed"]
         rep["seconds"] = time.perf_counter() - t_start
@@ -853,13 +960,16 @@ class BlockStore:
                 live: set[bytes] = set()
                 with self._lock:
                     sp = self._spaces.get(name, _Space())
-                    present = set(sp.blocks) | {k for ts in sp.tails.values() for k in ts}
+                    present = {e.key for e in _all(sp)}
                 for m in self.manifests(name):
-                    first = m.block_keys[0] if m.block_keys else m.tail_key
-                    if first is not None and first not in present and m.created <= now - min_age_s:
+                    # it restores something while its first block, its tail or one of
+                    # its checkpoints is still there
+                    heads = {*m.block_keys[:1], *m.extra_keys, *([m.tail_key] if m.tail_key else [])}
+                    if heads and not heads & present and m.created <= now - min_age_s:
                         stale += self.delete_manifest(name, m.name)
                         continue
                     live.update(m.block_keys)
+                    live.update(m.extra_keys)
                     if m.tail_key:
                         live.add(m.tail_key)
                 live_n += len(live)
@@ -882,12 +992,14 @@ class BlockStore:
         with self._lock:
             per_ns = {ns: {"blocks": len(sp.blocks),
                            "tails": sum(len(t) for t in sp.tails.values()),
+                           "checkpoints": sum(len(t) for t in sp.ckpts.values()),
                            "bytes": sum(e.file_size for e in _all(sp))}
                       for ns, sp in self._spaces.items()}
             return {"root": self.root, "kernel": KERNEL, "block_tokens": self.block_tokens,
                     "bytes": self._bytes, "max_bytes": self.max_bytes,
                     "blocks": sum(v["blocks"] for v in per_ns.values()),
                     "tails": sum(v["tails"] for v in per_ns.values()),
+                    "checkpoints": sum(v["checkpoints"] for v in per_ns.values()),
                     "namespaces": per_ns, "skipped_unknown_version": dict(self._skipped),
                     **self._c}
 
@@ -901,8 +1013,9 @@ class BlockStore:
             old = sp.blocks.get(e.key)
             sp.blocks[e.key] = e
         else:
-            old = sp.tails.setdefault(e.parent, {}).get(e.key)
-            sp.tails[e.parent][e.key] = e
+            side = sp.side(e.kind)
+            old = side.setdefault(e.parent, {}).get(e.key)
+            side[e.parent][e.key] = e
         self._bytes += e.file_size - (old.file_size if old else 0)
 
     def _drop(self, e: _Entry) -> None:
@@ -914,12 +1027,13 @@ class BlockStore:
                 del sp.blocks[e.key]
                 self._bytes -= e.file_size
         else:
-            ts = sp.tails.get(e.parent, {})
+            side = sp.side(e.kind)
+            ts = side.get(e.parent, {})
             if ts.get(e.key) is e:
                 del ts[e.key]
                 self._bytes -= e.file_size
                 if not ts:
-                    sp.tails.pop(e.parent, None)
+                    side.pop(e.parent, None)
 
     def _touch(self, ns: str, keys: Sequence[bytes], tail_key: bytes | None) -> None:
         """Mark a chain used; deeper entries get older stamps so they are evicted first."""
@@ -928,8 +1042,8 @@ class BlockStore:
             return
         now = max(time.time(), self._clock)
         step = 1e-5  # well above float resolution at epoch scale (~4e-7 s)
-        if tail_key is not None:
-            for ts in sp.tails.values():
+        if tail_key is not None:  # a tail's or a checkpoint's key
+            for ts in (*sp.tails.values(), *sp.ckpts.values()):
                 if tail_key in ts:
                     ts[tail_key].last_used = now
                     break
@@ -975,10 +1089,19 @@ def _tail_key(parent: bytes, nsid: bytes, toks: np.ndarray | bytes) -> bytes:
     return xxhash.xxh3_128_digest(b"".join((_TAIL_DOMAIN, parent, nsid, raw)))
 
 
+def _ckpt_key(parent: bytes, nsid: bytes, toks: np.ndarray | bytes) -> bytes:
+    raw = toks if isinstance(toks, bytes) else toks.tobytes()
+    return xxhash.xxh3_128_digest(b"".join((_CKPT_DOMAIN, parent, nsid, raw)))
+
+
+_KEY_FN = {KIND_BLOCK: _block_key, KIND_TAIL: _tail_key, KIND_CHECKPOINT: _ckpt_key}
+
+
 def _all(sp: _Space) -> Iterator[_Entry]:
     yield from sp.blocks.values()
-    for ts in sp.tails.values():
-        yield from ts.values()
+    for side in (sp.tails, sp.ckpts):
+        for ts in side.values():
+            yield from ts.values()
 
 
 def _check_segments(layout: Layout, segments: Sequence[Segment], ntokens: int,
@@ -1040,14 +1163,14 @@ def _read_entry(path: str, ns: str, nsid: bytes, kind: int) -> _Entry:
         raise FormatError(f"a {fmt.KIND_NAMES[hdr.kind]} stored under a {fmt.KIND_NAMES[kind]} name")
     if hdr.ns != ns or hdr.ns_id != nsid:
         raise FormatError(f"namespace {hdr.ns!r} stored under {ns!r}")
-    want = (_block_key if kind == KIND_BLOCK else _tail_key)(hdr.parent, nsid, hdr.token_bytes)
+    want = _KEY_FN[kind](hdr.parent, nsid, hdr.token_bytes)
     if hdr.key != want or not path.endswith(hdr.key.hex() + _EXT[kind]):
         raise FormatError("key does not match the header's parent and tokens")
     if size < hdr.file_size:
         raise FormatError(f"truncated: {size} of {hdr.file_size} bytes")
     return _Entry(kind, hdr.key, hdr.parent, ns, path, hdr.file_size, hdr.payload_offset,
                   hdr.payload_len, hdr.content_hash, hdr.t0, hdr.t1, hdr.layout,
-                  hdr.tokens.copy() if kind == KIND_TAIL else None, mtime)
+                  hdr.tokens.copy() if kind != KIND_BLOCK else None, mtime)
 
 
 

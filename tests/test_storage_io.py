@@ -175,3 +175,17 @@ def test_close_with_a_deadline_reports_pending_and_fails_the_queued(tmp_path):
         with pytest.raises(StorageClosed):
             f.result(WAIT)
     assert sio.close(timeout=WAIT)["pending"] == 0
+
+
+def test_checkpoint_write_and_read_through_the_threads(io):
+    layout = fmt.make_layout([("ssm", "float32", (12,), 2, 48)])
+    state = np.arange(96, dtype=np.uint8).reshape(2, 1, 48)
+    toks = np.arange(BT + 3)
+    snap = Snapshot("m", toks, layout, [(state, 2, 1, 48)], checkpoint=True)
+    assert io.submit_write(snap).result(WAIT).blocks_written == 1
+    m = io.store.lookup_checkpoint("m", np.concatenate([toks, [5]]))
+    dst = np.zeros_like(state)
+    r = io.submit_read(ReadRequest("m", toks, layout, [(dst, 2, 1, 48)], n_tokens=m,
+                                   checkpoint=True)).result(WAIT)
+    assert r.n_tokens == toks.size
+    np.testing.assert_array_equal(dst, state)

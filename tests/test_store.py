@@ -507,3 +507,57 @@ def test_buffered_writes_give_the_same_files(tmp_path):
 
     fa, fb = files(tmp_path / "direct"), files(tmp_path / "buffered")
     assert len(fa) == 3 and fa == fb  # same names, byte-identical contents
+
+
+# ----------------------------------------------------------------------------- checkpoints
+RING = fmt.make_layout([("l0.ring.k", "bfloat16", (8, 16), 4, 256),  # a 8-slot window
+                        ("l1.ssm", "float32", (24,), 1, 96)])
+
+
+def ring_state(seed):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 255, (s.outer, 1, s.row_bytes), dtype=np.uint8) for s in RING]
+
+
+def test_checkpoints_restore_only_at_their_exact_position(tmp_path):
+    store = BlockStore(tmp_path, block_tokens=BT)
+    toks = np.arange(2 * BT + 5)
+    early, late = ring_state(1), ring_state(2)
+    store.put_checkpoint("m", toks[: BT + 3], RING, segs(RING, early))
+    r = store.put_checkpoint("m", toks, RING, segs(RING, late))
+    assert r.blocks_written == 1 and store.stats()["checkpoints"] == 2
+    query = np.concatenate([toks, [99, 98]])
+    m = store.lookup_checkpoint("m", query)
+    assert m.n_tokens == toks.size and m.layout == RING and m.checkpoint_key == r.keys[0]
+    assert store.lookup_checkpoint("m", query, max_tokens=toks.size - 1).n_tokens == BT + 3
+    div = query.copy()
+    div[2 * BT + 1] = 7  # diverges inside the late checkpoint's suffix: only the early one
+    assert store.lookup_checkpoint("m", div).n_tokens == BT + 3
+    assert store.lookup_checkpoint("m", toks[: BT + 2]).n_tokens == 0  # no partial states
+    assert store.longest_prefix("m", query) == 0  # checkpoints are not KV blocks
+    assert store.put_checkpoint("m", toks, RING, segs(RING, late)).blocks_present == 1
+    # after a restart
+    store2 = BlockStore(tmp_path, block_tokens=BT)
+    assert store2.scan()["checkpoints"] == 2
+    m = store2.lookup_checkpoint("m", query)
+    dst = [np.zeros_like(a) for a in late]
+    got = store2.get_checkpoint("m", m, RING, segs(RING, dst))
+    assert got.n_tokens == toks.size
+    for a, b in zip(late, dst):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_corrupt_checkpoint_is_a_miss_and_gc_keeps_referenced_ones(tmp_path):
+    store = BlockStore(tmp_path, block_tokens=BT)
+    a, b = np.arange(BT + 4), 300 + np.arange(5)
+    ka = store.put_checkpoint("m", a, RING, segs(RING, ring_state(3)), manifest="chat").keys[0]
+    kb = store.put_checkpoint("m", b, RING, segs(RING, ring_state(4))).keys[0]
+    assert store.get_manifest("m", "chat").extra_keys == (ka,)
+    assert store.gc("m", min_age_s=0)["removed"] == 1  # b: referenced by no manifest
+    assert store.lookup_checkpoint("m", b).n_tokens == 0
+    path = Path(store._path("m", ka, fmt.KIND_CHECKPOINT))
+    _flip(path, fmt.block_header_size(RING, "m", 4) + 10)
+    m = store.lookup_checkpoint("m", a)
+    got = store.get_checkpoint("m", m, RING, segs(RING, ring_state(0)))
+    assert (got.n_tokens, got.corrupt) == (0, 1) and not path.exists()
+    assert kb != ka
