@@ -45,7 +45,8 @@ concurrently with lookups from another thread.
 Speed: a block file is built in one page-aligned buffer (pack fused with XXH3) and written
 with one O_DIRECT pwrite where the filesystem allows, double-buffered so packing overlaps
 the disk write; a restore maps each file (MAP_POPULATE) and scatters it with the hash
-fused into the copy, while the next blocks are read ahead (posix_fadvise WILLNEED).
+fused into the copy, ``read_threads`` blocks at a time (default min(4, CPUs); blocks land
+in disjoint rows), asking the OS for the next files' pages ahead (posix_fadvise WILLNEED).
 """
 
 from __future__ import annotations
