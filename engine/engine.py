@@ -242,6 +242,8 @@ class Engine:
         self._queue: queue.Queue = queue.Queue()
         self._ready = threading.Event()
         self._stopping = threading.Event()
+        # Held while checking _stopping and enqueueing, so nothing lands behind _STOP.
+        self._submit_lock = threading.Lock()
         self._load_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.loaded: Any = None  # LoadedModel; touch its arrays only on the engine thread
@@ -274,9 +276,10 @@ class Engine:
         (with ``wait``) join the engine thread."""
         if not self._thread.is_alive():
             return
-        if not self._stopping.is_set():
-            self._stopping.set()
-            self._queue.put(_STOP)
+        with self._submit_lock:
+            if not self._stopping.is_set():
+                self._stopping.set()
+                self._queue.put(_STOP)
         if wait:
             self._thread.join(timeout)
 
@@ -290,19 +293,21 @@ class Engine:
     def submit(self, request: Request, callback: Callable[[Event], None] | None = None
                ) -> RequestHandle:
         """Queue a request; ``callback`` (optional) sees each event on the engine thread."""
-        if self._stopping.is_set() or not self._thread.is_alive():
-            raise EngineError("engine is not running")
         handle = RequestHandle(request, callback)
-        self._queue.put(handle)
+        with self._submit_lock:
+            if self._stopping.is_set() or not self._thread.is_alive():
+                raise EngineError("engine is not running")
+            self._queue.put(handle)
         return handle
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Run ``fn(*args)`` on the engine thread (between requests); returns a Future."""
         cmd = _Call(fn, args)
-        if self._stopping.is_set() or not self._thread.is_alive():
-            cmd.future.set_exception(EngineError("engine is not running"))
-        else:
-            self._queue.put(cmd)
+        with self._submit_lock:
+            if self._stopping.is_set() or not self._thread.is_alive():
+                cmd.future.set_exception(EngineError("engine is not running"))
+            else:
+                self._queue.put(cmd)
         return cmd.future
 
     def sync(self, timeout: float | None = None) -> None:
