@@ -140,10 +140,12 @@ def _byte_compile() -> None:
         compileall.compile_dir(str(ROOT / pkg), quiet=2)
 
 
-def first_token(reps: int) -> dict:
+def first_token(reps: int, model_override: str | None = None) -> dict:
     _byte_compile()
     demo = ROOT / "engine" / "demo" / "model"
-    if (demo / "config.json").exists():
+    if model_override:
+        model, which = Path(model_override), f"model at {model_override}"
+    elif (demo / "config.json").exists():
         model, which = demo, "demo model"
     else:
         from tests.conftest import tiny_model
@@ -178,24 +180,7 @@ def first_token(reps: int) -> dict:
             "ours_all": ours_t, "mlx_lm_all": peer_t}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.split(
-        "\n")[0])
-    ap.add_argument("--json", action="store_true", help="end with one JSON line")
-    ap.add_argument("--reps", type=int, default=5, help="interleaved pairs (>= 5)")
-    ap.add_argument("--first-token-reps", type=int, default=5)
-    ap.add_argument("--prompt-tokens", type=int, default=256)
-    ap.add_argument("--decode-tokens", type=int, default=16)
-    ap.add_argument("--skip-first-token", action="store_true")
-    ap.add_argument("--full", action="store_true",
-                    help="longer: 9 pairs, 1024-token prompt, 32 generated tokens")
-    args = ap.parse_args(argv)
-    if args.full:
-        args.reps, args.first_token_reps = max(args.reps, 9), max(args.first_token_reps, 9)
-        args.prompt_tokens, args.decode_tokens = 1024, 32
-    print(f"BLAS: {describe()}, OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS')}"
-          f"; cores: {os.cpu_count()}; "
-          f"load average: {os.getloadavg()[0]:.1f}", flush=True)
+def _throughput_report(args: argparse.Namespace) -> dict:
     tp = throughput(args.reps, args.prompt_tokens, args.decode_tokens)
     print(f"bench model {tp['params_m']}M params, {tp['compute_dtype']}, prompt "
           f"{tp['prompt_tokens']} tokens, {tp['decode_tokens']} generated, median of "
@@ -205,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     # Headline ratios: median over the interleaved pairs of (ours / mlx-lm) in that pair.
     # Pairs run back to back, so drifting background load cancels out; the ratio of the
     # two medians is printed and kept in the JSON as well.
-    result = {"blas": blas_info()["name"], "throughput": tp,
+    result = {"throughput": tp,
               "prefill_cpu_ratio": tp["cpu_prefill_ratio"],
               "decode_cpu_ratio": tp["cpu_decode_ratio"],
               "prefill_vs_mlx_lm": tp["paired_prefill_ratio"],
@@ -218,8 +203,36 @@ def main(argv: list[str] | None = None) -> int:
     for (name, ours, theirs), pr, cr in zip(rows, paired, cpu):
         print(f"{name:<28}{ours:>10.1f}{theirs:>10.1f}{ours / theirs:>8.3f}"
               f"   (paired {pr:.3f}; per CPU-second {cr:.3f})")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.split(
+        "\n")[0])
+    ap.add_argument("--json", action="store_true", help="end with one JSON line")
+    ap.add_argument("--reps", type=int, default=5, help="interleaved pairs (>= 5)")
+    ap.add_argument("--first-token-reps", type=int, default=5)
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--decode-tokens", type=int, default=16)
+    ap.add_argument("--skip-first-token", action="store_true")
+    ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--first-token-model", help="model folder (default: the demo model)")
+    ap.add_argument("--full", action="store_true",
+                    help="longer: 9 pairs, 1024-token prompt, 32 generated tokens")
+    args = ap.parse_args(argv)
+    if args.full:
+        args.reps, args.first_token_reps = max(args.reps, 9), max(args.first_token_reps, 9)
+        args.prompt_tokens, args.decode_tokens = 1024, 32
+    print(f"BLAS: {describe()}, OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS')}"
+          f"; cores: {os.cpu_count()}; "
+          f"load average: {os.getloadavg()[0]:.1f}", flush=True)
+    result: dict = {"blas": blas_info()["name"]}
+    if not args.skip_throughput:
+        result.update(_throughput_report(args))
     if not args.skip_first_token:
-        ft = first_token(args.first_token_reps)
+        ft = first_token(args.first_token_reps, args.first_token_model)
+        if args.skip_throughput:
+            print(f"{'':<28}{'mlxkv':>10}{'mlx-lm':>10}{'ratio':>8}   (ratio of the medians)")
         result["first_token"] = ft
         result["first_token_vs_mlx_lm"] = ft["paired_ratio"]
         result["first_token_ratio_of_medians"] = ft["ours_s"] / ft["mlx_lm_s"]
