@@ -83,12 +83,15 @@ def test_generate_json_and_stream(tiny_qwen3):
     assert "[prompt" in streamed.stderr and "TTFT" in streamed.stderr
 
 
-def test_chat_repl(tiny_qwen3):
-    # Two turns, then end of input (Ctrl-D) leaves cleanly.
-    r = mlxkv("chat", "--model", str(tiny_qwen3), "--max-tokens", "5",
-              stdin="hello\n/unknown-is-a-message\n")
+def test_chat_repl(tiny_qwen3, tmp_path):
+    # Two turns, then end of input (Ctrl-D) leaves cleanly; the second turn reuses the
+    # first turn's KV state through the prefix cache.
+    r = mlxkv("chat", "--model", str(tiny_qwen3), "--max-tokens", "5", "--temp", "0",
+              stdin="hello\n/unknown-is-a-message\n", MLXKV_CACHE_DIR=str(tmp_path))
     assert r.returncode == 0, r.stderr
-    assert r.stdout.count("[prompt") == 2 and "cached" in r.stdout
+    stats = [ln for ln in r.stdout.splitlines() if ln.startswith("[prompt")]
+    assert len(stats) == 2
+    assert "cached 0," in stats[0] and "cached 0," not in stats[1], stats
 
 
 def test_chat_ctrl_c_cancels_the_reply(tiny_qwen3):
