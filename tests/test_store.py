@@ -475,12 +475,12 @@ def test_full_disk_fails_writes_and_keeps_reads(tiny_tmpfs):
 
 
 def test_pread_path_when_files_cannot_be_mapped(tmp_path, monkeypatch):
-    import storage.store as store_mod
+    import storage.restore as restore_mod
 
     def no_mmap(*a, **k):
         raise OSError(19, "mapping not supported on this filesystem")
 
-    monkeypatch.setattr(store_mod.mmap, "mmap", no_mmap)
+    monkeypatch.setattr(restore_mod.mmap, "mmap", no_mmap)
     store = BlockStore(tmp_path, block_tokens=BT)
     toks = np.arange(4 * BT)
     src = make_kv(BF16, toks, 4 * BT)

@@ -1,0 +1,366 @@
+"""The block store's in-memory index: entries read from file headers, prefix lookups
+over chain keys, and the startup scan that rebuilds it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from storage import diskio as dio
+from storage import format as fmt
+from storage.format import (
+    KIND_BLOCK,
+    KIND_TAIL,
+    PAGE,
+    FormatError,
+    Layout,
+    UnknownVersion,
+)
+from storage.keys import (
+    EXT,
+    KEY_FN,
+    NS_RE,
+    ZERO_KEY,
+    Match,
+    block_key,
+    check_namespace,
+    common,
+    namespace_id,
+    token_ids,
+    usable,
+)
+
+log = logging.getLogger("mlxkv.storage")
+
+MANIFEST_DIR = "manifests"
+_SCAN_THREADS = 4
+_HEAD_READ = 2 * PAGE  # one read covers the header of every usual layout
+
+
+@dataclass
+class Entry:
+    """One indexed block, tail or checkpoint file (what its verified header says)."""
+
+    kind: int
+    key: bytes
+    parent: bytes
+    ns: str
+    path: str
+    file_size: int
+    payload_offset: int
+    payload_len: int
+    content_hash: int
+    t0: int
+    t1: int
+    layout: Layout
+    tokens: np.ndarray | None  # kept for tails and checkpoints only
+    mtime: float
+    last_used: float = 0.0
+
+
+@dataclass
+class Space:
+    """The entries of one namespace."""
+
+    blocks: dict[bytes, Entry] = field(default_factory=dict)
+    tails: dict[bytes, dict[bytes, Entry]] = field(default_factory=dict)  # parent -> tails
+    ckpts: dict[bytes, dict[bytes, Entry]] = field(default_factory=dict)  # parent -> ckpts
+
+    def side(self, kind: int) -> dict[bytes, dict[bytes, Entry]]:
+        return self.tails if kind == KIND_TAIL else self.ckpts
+
+    def get(self, kind: int, key: bytes, parent: bytes) -> Entry | None:
+        if kind == KIND_BLOCK:
+            return self.blocks.get(key)
+        return self.side(kind).get(parent, {}).get(key)
+
+    def find_child(self, key: bytes) -> Entry | None:
+        """A tail or checkpoint by its key alone (its parent unknown)."""
+        for ts in (*self.tails.values(), *self.ckpts.values()):
+            if key in ts:
+                return ts[key]
+        return None
+
+    def entries(self) -> Iterator[Entry]:
+        yield from self.blocks.values()
+        for side in (self.tails, self.ckpts):
+            for ts in side.values():
+                yield from ts.values()
+
+    def counts(self) -> dict[str, int]:
+        return {"blocks": len(self.blocks),
+                "tails": sum(len(t) for t in self.tails.values()),
+                "checkpoints": sum(len(t) for t in self.ckpts.values())}
+
+
+EMPTY_SPACE = Space()  # read-only stand-in for a namespace with nothing indexed
+
+
+def read_entry(path: str, ns: str, nsid: bytes, kind: int) -> Entry:
+    """Read and verify the header of one file; FormatError/OSError if it is unusable."""
+    fd = dio.open_ro(path)
+    try:
+        st = os.fstat(fd)
+        size, mtime = st.st_size, st.st_mtime
+        head = os.pread(fd, _HEAD_READ, 0)
+        span = fmt.header_span(head)
+        if span > len(head):
+            head = os.pread(fd, span, 0)
+    finally:
+        os.close(fd)
+    hdr = fmt.decode_block_header(head)
+    if hdr.kind != kind:
+        raise FormatError(f"a {fmt.KIND_NAMES[hdr.kind]} stored under a {fmt.KIND_NAMES[kind]} name")
+    if hdr.ns != ns or hdr.ns_id != nsid:
+        raise FormatError(f"namespace {hdr.ns!r} stored under {ns!r}")
+    want = KEY_FN[kind](hdr.parent, nsid, hdr.token_bytes)
+    if hdr.key != want or not path.endswith(hdr.key.hex() + EXT[kind]):
+        raise FormatError("key does not match the header's parent and tokens")
+    if size < hdr.file_size:
+        raise FormatError(f"truncated: {size} of {hdr.file_size} bytes")
+    return Entry(kind, hdr.key, hdr.parent, ns, path, hdr.file_size, hdr.payload_offset,
+                 hdr.payload_len, hdr.content_hash, hdr.t0, hdr.t1, hdr.layout,
+                 hdr.tokens.copy() if kind != KIND_BLOCK else None, mtime)
+
+
+def read_entries(todo: list) -> Iterator[tuple[str, Any]]:
+    """(path, Entry or the exception) per (path, ns, nsid, kind); headers are read by a
+    few threads so a cold scan keeps several disk reads in flight (pread releases the GIL)."""
+
+    def some(items: list) -> list[tuple[str, Any]]:
+        out = []
+        for item in items:
+            try:
+                out.append((item[0], read_entry(*item)))
+            except (FormatError, OSError) as exc:
+                out.append((item[0], exc))
+        return out
+
+    if len(todo) < 512 or _SCAN_THREADS <= 1:
+        yield from some(todo)
+        return
+    step = -(-len(todo) // (4 * _SCAN_THREADS))  # a few chunks per thread: one future each
+    with ThreadPoolExecutor(max_workers=_SCAN_THREADS, thread_name_prefix="mlxkv-scan") as ex:
+        for chunk in ex.map(some, [todo[i : i + step] for i in range(0, len(todo), step)]):
+            yield from chunk
+
+
+def _kind_of(name: str) -> int | None:
+    for kind, ext in EXT.items():
+        if name.endswith(ext):
+            return kind
+    return None
+
+
+class IndexMixin:
+    """Index state and lookups of :class:`storage.store.BlockStore` (which sets
+    ``root``, ``block_tokens``, ``_lock``, ``_spaces``, ``_bytes``, ``_clock``, ``_c``,
+    ``_skipped`` and provides ``_flock``)."""
+
+    root: str
+    block_tokens: int
+    _spaces: dict[str, Space]
+    _bytes: int
+    _clock: float
+    _c: dict[str, int]
+    _skipped: dict[str, str]
+
+    # ------------------------------------------------------------------ lookups
+    def chain_keys(self, ns: str, tokens: Any) -> list[bytes]:
+        """Keys of every full block of ``tokens`` in ``ns``."""
+        toks = token_ids(tokens)
+        nsid = namespace_id(check_namespace(ns))
+        bt, parent, keys = self.block_tokens, ZERO_KEY, []
+        for b in range(toks.size // bt):
+            parent = block_key(parent, nsid, toks[b * bt : (b + 1) * bt])
+            keys.append(parent)
+        return keys
+
+    def lookup(self, ns: str, tokens: Any, max_tokens: int | None = None) -> Match:
+        """Longest cached prefix of ``tokens`` (at most ``max_tokens``), index only."""
+        toks = token_ids(tokens)
+        nsid = namespace_id(check_namespace(ns))
+        limit = usable(toks, max_tokens)
+        bt = self.block_tokens
+        keys: list[bytes] = []
+        parent, nbytes, layout = ZERO_KEY, 0, None
+        with self._lock:
+            space = self._spaces.get(ns)
+            if space is None:
+                return Match(ns, 0, ())
+            for b in range(limit // bt):
+                k = block_key(parent, nsid, toks[b * bt : (b + 1) * bt])
+                e = space.blocks.get(k)
+                if e is None:
+                    break
+                keys.append(k)
+                nbytes += e.payload_len
+                parent = k
+                layout = layout or e.layout
+            n = len(keys) * bt
+            best, best_m = None, 0
+            rest = toks[n:limit]
+            for e in space.tails.get(parent, {}).values():
+                m = common(e.tokens, rest)
+                if m > best_m:
+                    best, best_m = e, m
+            if best is not None:
+                nbytes += best.payload_len * best_m // (best.t1 - best.t0)
+                return Match(ns, n + best_m, tuple(keys), best.key, best_m, nbytes,
+                             layout or best.layout)
+            return Match(ns, n, tuple(keys), None, 0, nbytes, layout)
+
+    def longest_prefix(self, ns: str, tokens: Any, max_tokens: int | None = None) -> int:
+        return self.lookup(ns, tokens, max_tokens).n_tokens
+
+    def lookup_checkpoint(self, ns: str, tokens: Any, max_tokens: int | None = None) -> Match:
+        """The longest checkpoint at an exact prefix of ``tokens`` (at most ``max_tokens``);
+        Match.n_tokens == 0 when there is none. Index only."""
+        toks = token_ids(tokens)
+        nsid = namespace_id(check_namespace(ns))
+        limit = usable(toks, max_tokens)
+        bt, parent = self.block_tokens, ZERO_KEY
+        best: Entry | None = None
+        with self._lock:
+            space = self._spaces.get(ns)
+            if space is None or not space.ckpts:
+                return Match(ns, 0, ())
+            for b in range(limit // bt + 1):
+                for e in space.ckpts.get(parent, {}).values():
+                    n = e.tokens.size
+                    if b * bt + n <= limit and (best is None or e.t1 > best.t1) and \
+                            common(e.tokens, toks[b * bt : b * bt + n]) == n:
+                        best = e
+                if (b + 1) * bt > limit:
+                    break
+                parent = block_key(parent, nsid, toks[b * bt : (b + 1) * bt])
+        if best is None:
+            return Match(ns, 0, ())
+        return Match(ns, best.t1, (), None, 0, best.payload_len, best.layout, best.key)
+
+    # ------------------------------------------------------------------ index upkeep
+    def _path(self, ns: str, key: bytes, kind: int) -> str:
+        h = key.hex()
+        return os.path.join(self.root, ns, h[:2], h + EXT[kind])
+
+    def _add(self, sp: Space, e: Entry) -> None:
+        old = sp.get(e.kind, e.key, e.parent)
+        if e.kind == KIND_BLOCK:
+            sp.blocks[e.key] = e
+        else:
+            sp.side(e.kind).setdefault(e.parent, {})[e.key] = e
+        self._bytes += e.file_size - (old.file_size if old else 0)
+
+    def _drop(self, e: Entry) -> None:
+        sp = self._spaces.get(e.ns)
+        if sp is None or sp.get(e.kind, e.key, e.parent) is not e:
+            return
+        self._bytes -= e.file_size
+        if e.kind == KIND_BLOCK:
+            del sp.blocks[e.key]
+            return
+        side = sp.side(e.kind)
+        del side[e.parent][e.key]
+        if not side[e.parent]:
+            del side[e.parent]
+
+    def _touch(self, ns: str, keys: Sequence[bytes], child_key: bytes | None) -> None:
+        """Mark a chain used; deeper entries get older stamps so they are evicted first."""
+        sp = self._spaces.get(ns)
+        if sp is None:
+            return
+        now = max(time.time(), self._clock)
+        step = 1e-5  # well above float resolution at epoch scale (~4e-7 s)
+        if child_key is not None:  # a tail's or a checkpoint's key
+            e = sp.find_child(child_key)
+            if e is not None:
+                e.last_used = now
+        for i, k in enumerate(reversed(keys)):
+            e = sp.blocks.get(k)
+            if e is not None:
+                e.last_used = now + (i + 1) * step
+        self._clock = now + (len(keys) + 1) * step
+
+    def _entries(self, ns: str, m: Match) -> list[Entry | None]:
+        """The index entries of a match (None where one was dropped since the lookup)."""
+        with self._lock:
+            space = self._spaces.get(ns, EMPTY_SPACE)
+            out: list[Entry | None] = [space.blocks.get(k) for k in m.block_keys]
+            if m.tail_key is not None and m.tail_tokens:
+                parent = m.block_keys[-1] if m.block_keys else ZERO_KEY
+                out.append(space.tails.get(parent, {}).get(m.tail_key))
+        return out
+
+    # ------------------------------------------------------------------ scan
+    def scan(self) -> dict[str, Any]:
+        """Rebuild the index from the files' headers; remove temp orphans and bad files."""
+        with self._flock(shared=False):
+            return self._scan_locked()
+
+    def _scan_locked(self) -> dict[str, Any]:
+        t_start = time.perf_counter()
+        rep = {"blocks": 0, "tails": 0, "checkpoints": 0, "added": 0, "dropped": 0,
+               "tmp_removed": 0, "bad_removed": 0, "skipped": 0}
+        todo: list[tuple[str, str, bytes, int]] = []
+        seen: set[str] = set()
+        with self._lock:
+            known = {e.path: e for sp in self._spaces.values() for e in sp.entries()}
+        for nsd in dio.scandir(self.root):
+            if not (nsd.is_dir() and NS_RE.match(nsd.name)):
+                continue
+            ns, nsid = nsd.name, namespace_id(nsd.name)
+            for sub in dio.scandir(nsd.path):
+                manifests = sub.name == MANIFEST_DIR
+                if not manifests and (len(sub.name) != 2 or not sub.is_dir()):
+                    continue
+                for de in dio.scandir(sub.path):
+                    if de.name.endswith(".tmp"):  # a writer died before its rename
+                        rep["tmp_removed"] += dio.quiet(os.unlink, de.path)
+                        continue
+                    kind = None if manifests else _kind_of(de.name)
+                    if kind is None:
+                        continue
+                    seen.add(de.path)
+                    if de.path not in known:
+                        todo.append((de.path, ns, nsid, kind))
+        found: list[Entry] = []
+        for path, res in read_entries(todo):
+            if isinstance(res, Entry):
+                found.append(res)
+            elif isinstance(res, UnknownVersion):
+                self._skipped[path] = str(res)
+                rep["skipped"] += 1
+            elif not isinstance(res, FileNotFoundError):
+                log.warning("mlxkv cache: removing %s: %s", path, res)
+                rep["bad_removed"] += dio.quiet(os.unlink, path)
+        with self._lock:
+            for e in known.values():
+                if e.path not in seen:
+                    self._drop(e)
+                    rep["dropped"] += 1
+            # older files are less recently used; a parent is never older than its child
+            found.sort(key=lambda e: e.mtime)
+            for e in found:
+                self._add(self._spaces.setdefault(e.ns, Space()), e)
+                e.last_used = e.mtime
+            for e in sorted(found, key=lambda e: -e.t0):
+                p = self._spaces[e.ns].blocks.get(e.parent)
+                if p is not None and p.last_used < e.last_used:
+                    p.last_used = e.last_used
+            self._clock = max([self._clock] + [e.last_used for e in found])
+            rep["added"] = len(found)
+            for sp in self._spaces.values():
+                for what, n in sp.counts().items():
+                    rep[what] += n
+            self._c["tmp_removed"] += rep["tmp_removed"]
+            self._c["bad_removed"] += rep["bad_removed"]
+        rep["seconds"] = time.perf_counter() - t_start
+        return rep

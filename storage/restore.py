@@ -1,0 +1,300 @@
+"""Restores of the block store: every block verified against its content hash while it is
+scattered into the caller's buffers; a vanished file is a miss, a corrupt one is removed.
+
+A restore maps each file (MAP_POPULATE) and scatters it with the hash fused into the
+copy, ``read_threads`` blocks at a time (blocks land in disjoint rows), asking the OS for
+the next files' pages ahead (posix_fadvise WILLNEED); where a file cannot be mapped it
+streams L2-sized pieces with pread instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from storage import diskio as dio
+from storage import format as fmt
+from storage.diskio import CHUNK, K
+from storage.format import KIND_CHECKPOINT, KIND_TAIL, FormatError, Layout, make_layout
+from storage.index import Entry
+from storage.keys import Match, Restore, Segment, check_segments
+
+log = logging.getLogger("mlxkv.storage")
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_READ_AHEAD = 8  # blocks whose pages are requested ahead of the one being verified
+
+
+class ReadMixin:
+    """The read path of :class:`storage.store.BlockStore`."""
+
+    block_tokens: int
+    read_threads: int
+    _lock: threading.RLock
+    _c: dict[str, int]
+    _rpool: ThreadPoolExecutor | None
+
+    def get_blocks(
+        self, ns: str, tokens: Any, layout: Any, segments: Sequence[Segment],
+        n_tokens: int | Match | None = None,
+    ) -> Restore:
+        """Restore rows [0, n) into ``segments`` (n = a Match, a token count or the longest
+        cached prefix), verifying each block; stops at the first missing/corrupt block."""
+        layout = make_layout(layout)
+        if isinstance(n_tokens, Match):
+            m = n_tokens
+            if m.ns != ns:
+                raise ValueError(f"match is for namespace {m.ns!r}, not {ns!r}")
+        else:
+            m = self.lookup(ns, tokens, n_tokens)
+        segs = check_segments(layout, segments, m.n_tokens, writable=True)
+        bt = self.block_tokens
+        done = nread = nblk = corrupt = missing = 0
+        jobs: list[tuple[Entry, int, int]] = []  # entry, first destination row, rows
+        row, dropped = 0, False
+        for e in self._entries(ns, m):
+            if e is None:  # dropped from the index since the lookup
+                dropped = True
+                break
+            ntok = m.tail_tokens if e.kind == KIND_TAIL else bt
+            jobs.append((e, row, ntok))
+            row += ntok
+        plans: dict[int, list] = {}
+        if self.read_threads > 1 and len(jobs) > 1:
+            # Blocks scatter into disjoint rows, so several are verified at once: a restore
+            # is what the engine waits on, and one core cannot reach the memory bandwidth.
+            results = list(self._read_pool().map(
+                lambda j: self._read_job(j, layout, segs, plans), jobs))
+        else:
+            results = self._read_sequential(jobs, layout, segs, plans)
+        for (e, _, ntok), res in zip(jobs, results):
+            if res is not True:
+                if res is None:
+                    missing += 1
+                else:
+                    corrupt += 1
+                break
+            done += ntok
+            nblk += 1
+            nread += e.payload_len
+        if dropped and done == row:
+            missing += 1
+        self._count_read(done > 0, nblk, nread)
+        if done:
+            with self._lock:
+                self._touch(ns, m.block_keys[: done // bt],
+                            m.tail_key if done == m.n_tokens else None)
+        return Restore(done, m.n_tokens, nblk, nread, corrupt, missing)
+
+    def get_checkpoint(self, ns: str, match: Match, layout: Any,
+                       segments: Sequence[Segment]) -> Restore:
+        """Restore the checkpoint ``match`` (from lookup_checkpoint) into ``segments``
+        ((buf, outer, 1, row_bytes) each), verified; n_tokens is 0 if it is gone/corrupt."""
+        if match.checkpoint_key is None:
+            raise ValueError("not a checkpoint match (use lookup_checkpoint)")
+        layout = make_layout(layout)
+        segs = check_segments(layout, segments, 1, writable=True)
+        with self._lock:
+            sp = self._spaces.get(ns)
+            e = sp.find_child(match.checkpoint_key) if sp is not None else None
+        res = None if e is None else self._read_job((e, 0, 1), layout, segs, {})
+        ok = res is True
+        nread = e.payload_len if ok else 0
+        self._count_read(ok, int(ok), nread)
+        if ok:
+            with self._lock:
+                self._touch(ns, (), e.key)
+        return Restore(match.n_tokens if ok else 0, match.n_tokens, int(ok), nread,
+                       int(res is False), int(res is None))
+
+    def _count_read(self, hit: bool, blocks: int, nbytes: int) -> None:
+        with self._lock:
+            self._c["blocks_read"] += blocks
+            self._c["bytes_read"] += nbytes
+            self._c["hits" if hit else "misses"] += 1
+
+    # ------------------------------------------------------------------ one block
+    def _read_job(self, job: tuple[Entry, int, int], layout: Layout, segs: list,
+                  plans: dict[int, list]) -> bool | None:
+        """True (verified and scattered), False (corrupt: removed) or None (vanished)."""
+        e, t0, ntok = job
+        fd = self._open(e, prefetch=True)
+        if fd == -1:
+            return None
+        try:
+            return self._read_verified(e, fd, layout, segs, t0, ntok, plans)
+        finally:
+            os.close(fd)
+
+    def _read_sequential(self, jobs: list, layout: Layout, segs: list,
+                         plans: dict[int, list]) -> list[bool | None]:
+        """One block after another, asking the OS for the next ones' pages meanwhile."""
+        out: list[bool | None] = []
+        fds: list[int | None] = [None] * len(jobs)  # -1: the file had vanished
+        try:
+            for i, (e, t0, ntok) in enumerate(jobs):
+                for j in range(i, min(len(jobs), i + 1 + _READ_AHEAD)):
+                    if fds[j] is None:
+                        fds[j] = self._open(jobs[j][0], prefetch=True)
+                if fds[i] == -1:
+                    out.append(None)
+                    break
+                ok = self._read_verified(e, fds[i], layout, segs, t0, ntok, plans)
+                os.close(fds[i])
+                fds[i] = None
+                out.append(ok)
+                if not ok:
+                    break
+        finally:
+            for fd in fds:
+                if fd is not None and fd >= 0:
+                    dio.quiet(os.close, fd)
+        return out
+
+    def _read_pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._rpool is None:
+                self._rpool = ThreadPoolExecutor(self.read_threads,
+                                                 thread_name_prefix="mlxkv-read-io")
+            return self._rpool
+
+    def _open(self, e: Entry, prefetch: bool = False) -> int:
+        try:
+            fd = dio.open_ro(e.path)
+        except FileNotFoundError:  # evicted by another process: a miss
+            with self._lock:
+                self._drop(e)
+                self._c["vanished"] += 1
+            return -1
+        if prefetch and hasattr(os, "posix_fadvise"):
+            # start reading the next block from disk while this one is verified/unpacked
+            dio.quiet(os.posix_fadvise, fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        return fd
+
+    def _read_verified(self, e: Entry, fd: int, layout: Layout, segs: list, t0: int,
+                       ntok: int, plans: dict[int, list]) -> bool:
+        """Read, verify and scatter one block/tail into rows [t0, t0+ntok) of segs.
+
+        Full entries stream in L2-sized pieces (read, hash, scatter); the hash is checked
+        at the end, so on a mismatch the rows written are garbage and not reported.
+        """
+        if ntok != (1 if e.kind == KIND_CHECKPOINT else e.t1 - e.t0):
+            reason = self._read_tail_prefix(e, fd, layout, segs, t0, ntok)
+        else:
+            reason = self._read_mapped(e, fd, layout, segs, t0, ntok)
+            if reason is False:
+                reason = self._read_pieces(e, fd, layout, segs, t0, ntok, plans)
+        if reason is not None:
+            self._remove_corrupt(e, reason)
+            return False
+        return True
+
+    def _read_mapped(self, e: Entry, fd: int, layout: Layout, segs: list, t0: int,
+                     ntok: int) -> str | None | bool:
+        """Verify and scatter straight from a read-only mapping of the file: one pass over
+        the bytes (hash fused with the scatter), no copy into a staging buffer. Files are
+        immutable once renamed into place (never truncated, only unlinked), so the mapping
+        stays valid. -> None (ok), a reason (bad), or False (cannot map: use pread)."""
+        size = os.fstat(fd).st_size
+        if size < e.file_size:
+            return f"truncated file ({size} of {e.file_size} bytes)"
+        try:
+            # MAP_POPULATE maps every page in one call (cheaper than faulting 4 KiB at a
+            # time during the scatter) and, for cold files, reads them in large chunks
+            m = mmap.mmap(fd, e.file_size, flags=mmap.MAP_SHARED | _POPULATE,
+                          prot=mmap.PROT_READ)
+        except (OSError, ValueError):
+            return False
+        try:
+            with memoryview(m) as mv:
+                reason = self._check_header(e, mv[: e.payload_offset], layout)
+                if reason is None:
+                    _, h = dio.unpack_hash(mv, e.payload_offset, segs, t0, ntok,
+                                           fmt.content_seed(e.key))
+                    if h != e.content_hash:
+                        reason = "content hash mismatch"
+            return reason
+        finally:
+            try:
+                m.close()
+            except BufferError:  # a view survived in a traceback; unmapped when collected
+                pass
+
+    def _read_pieces(self, e: Entry, fd: int, layout: Layout, segs: list, t0: int,
+                     ntok: int, plans: dict[int, list]) -> str | None:
+        """pread fallback: stream L2-sized pieces (read, hash, scatter)."""
+        hbuf = self._scratch("h", e.payload_offset)
+        with memoryview(hbuf) as hv:
+            got = dio.pread_full(fd, hv[: e.payload_offset], 0)
+            reason = self._check_header(e, hv[:got], layout)
+        if reason is None:
+            plan = plans.get(ntok)
+            if plan is None:
+                plan = plans[ntok] = dio.plan(segs, ntok)
+            h = dio.hasher(fmt.content_seed(e.key))
+            stage = self._scratch("r", 2 * CHUNK)
+            mv = memoryview(stage)
+            for off, n, sub in plan:
+                if n > len(mv):
+                    mv = memoryview(self._scratch("r", n))
+                got = dio.pread_full(fd, mv[:n], e.payload_offset + off)
+                if got < n:
+                    reason = f"truncated payload ({e.payload_offset + off + got} bytes)"
+                    break
+                h.update(mv[:n])
+                K.unpack(mv, 0, sub, t0, ntok)
+            mv.release()
+            if reason is None and h.digest() != e.content_hash:
+                reason = "content hash mismatch"
+        return reason
+
+    def _read_tail_prefix(self, e: Entry, fd: int, layout: Layout, segs: list, t0: int,
+                          ntok: int) -> str | None:
+        """Verify a whole (small) tail, then scatter only its first ntok rows."""
+        buf = self._scratch("t", e.file_size)
+        with memoryview(buf) as mv:
+            got = dio.pread_full(fd, mv[: e.file_size], 0)
+            reason = self._check_header(e, mv[: min(got, e.payload_offset)], layout)
+            if reason is None and got < e.payload_offset + e.payload_len:
+                reason = f"truncated ({got} of {e.file_size} bytes)"
+            pay = mv[e.payload_offset : e.payload_offset + e.payload_len]
+            if reason is None and K.xxh3_64(pay, fmt.content_seed(e.key)) != e.content_hash:
+                reason = "content hash mismatch"
+            if reason is None:
+                src, off, full = [], 0, e.t1 - e.t0
+                for spec in layout:
+                    n = spec.outer * full * spec.row_bytes
+                    src.append((pay[off : off + n], spec.outer, full, spec.row_bytes))
+                    off += n
+                tmp = self._scratch("p", K.packed_size(src, ntok))
+                K.pack(tmp, 0, src, 0, ntok)
+                K.unpack(tmp, 0, segs, t0, ntok)
+            pay.release()
+        return reason
+
+    def _check_header(self, e: Entry, head: memoryview, layout: Layout) -> str | None:
+        """None if the file's header is intact and matches the index entry, else why not."""
+        if len(head) < e.payload_offset:
+            return f"truncated header ({len(head)} bytes)"
+        try:
+            hdr = fmt.decode_block_header(head)
+        except FormatError as exc:
+            return f"header: {exc}"
+        if hdr.key != e.key or hdr.payload_offset != e.payload_offset \
+                or hdr.payload_len != e.payload_len or hdr.content_hash != e.content_hash:
+            return "header does not match the index"
+        if hdr.layout != layout:
+            raise ValueError(f"block {e.key.hex()} has another layout than requested")
+        return None
+
+    def _remove_corrupt(self, e: Entry, reason: str) -> None:
+        log.warning("mlxkv cache: removing corrupt %s %s: %s", fmt.KIND_NAMES[e.kind], e.path, reason)
+        dio.quiet(os.unlink, e.path)
+        with self._lock:
+            self._drop(e)
+            self._c["corrupt_removed"] += 1

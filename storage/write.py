@@ -1,0 +1,263 @@
+"""Writes of the block store: the missing blocks of a chain, its exact tail, and whole
+checkpoints, each file written atomically (temp name, write, fsync, rename, fsync dir).
+
+A block file is built in one page-aligned buffer (pack fused with XXH3, then the header)
+and written with one O_DIRECT pwrite where the filesystem allows, double-buffered so
+packing overlaps the disk write; fsyncs and renames are batched.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any
+
+from storage import diskio as dio
+from storage import format as fmt
+from storage.diskio import K
+from storage.format import KIND_BLOCK, KIND_CHECKPOINT, KIND_TAIL, Layout, make_layout
+from storage.index import Entry, Space
+from storage.keys import (
+    ZERO_KEY,
+    PutResult,
+    Segment,
+    StoreWriteError,
+    check_namespace,
+    check_segments,
+    ckpt_key,
+    common,
+    namespace_id,
+    tail_key,
+    token_ids,
+)
+
+_BATCH = 64  # temp files open at once before they are fsynced and renamed
+
+Job = tuple[int, bytes, bytes, int, int]  # kind, key, parent, t0, t1
+
+
+class WriteMixin:
+    """The write path of :class:`storage.store.BlockStore`."""
+
+    root: str
+    block_tokens: int
+    durable: bool
+    direct_io: bool
+    _lock: threading.RLock
+    _c: dict[str, int]
+    _spaces: dict[str, Space]
+    _pool: ThreadPoolExecutor | None
+
+    def put_blocks(
+        self, ns: str, tokens: Any, layout: Any, segments: Sequence[Segment], *,
+        tail: bool = True, manifest: str | None = None, durable: bool | None = None,
+    ) -> PutResult:
+        """Persist rows [0, len(tokens)) of ``segments``: missing full blocks + exact tail.
+
+        Raises StoreWriteError (after removing every temp file of this call) when the disk
+        is full or the folder unwritable; blocks completed before the failure stay valid.
+        """
+        toks = token_ids(tokens)
+        layout = make_layout(layout)
+        segs = check_segments(layout, segments, toks.size)
+        nsid = namespace_id(check_namespace(ns))
+        bt, n = self.block_tokens, toks.size
+        keys = self.chain_keys(ns, toks)
+        jobs: list[Job] = []
+        with self._lock:
+            space = self._spaces.setdefault(ns, Space())
+            parent = ZERO_KEY
+            for b, k in enumerate(keys):
+                if k not in space.blocks:
+                    jobs.append((KIND_BLOCK, k, parent, b * bt, (b + 1) * bt))
+                parent = k
+            present = len(keys) - len(jobs)
+            tkey = None
+            if tail and n % bt:
+                tkey = tail_key(parent, nsid, toks[len(keys) * bt :])
+                if tkey not in space.tails.get(parent, {}):
+                    jobs.append((KIND_TAIL, tkey, parent, len(keys) * bt, n))
+        try:
+            written = self._persist(ns, nsid, layout, segs, toks, jobs, durable)
+        finally:
+            with self._lock:
+                self._c["dedup_blocks"] += present
+        self._after_put(ns, keys, tkey, manifest, toks, ())
+        nblk = sum(1 for e in written if e.kind == KIND_BLOCK)
+        return PutResult(n, nblk, present, any(e.kind == KIND_TAIL for e in written),
+                         sum(e.file_size for e in written), tuple(keys))
+
+    def put_checkpoint(
+        self, ns: str, tokens: Any, layout: Any, segments: Sequence[Segment], *,
+        manifest: str | None = None, durable: bool | None = None,
+    ) -> PutResult:
+        """Persist a whole state that is only valid after exactly ``tokens`` (rotating KV
+        windows, SSM/linear-attention state): each segment is ``(buf, outer, 1, row_bytes)``,
+        stored whole. Restored only at that exact position (``lookup_checkpoint``)."""
+        toks = token_ids(tokens)
+        if toks.size == 0:
+            raise ValueError("a checkpoint needs at least one token")
+        layout = make_layout(layout)
+        segs = check_segments(layout, segments, 1)
+        if any(t != 1 for _, _, t, _ in segs):
+            raise ValueError("checkpoint segments are whole states: (buf, outer, 1, row_bytes)")
+        nsid = namespace_id(check_namespace(ns))
+        keys = self.chain_keys(ns, toks)
+        parent, t0 = (keys[-1] if keys else ZERO_KEY), len(keys) * self.block_tokens
+        key = ckpt_key(parent, nsid, toks[t0:])
+        with self._lock:
+            present = key in self._spaces.setdefault(ns, Space()).ckpts.get(parent, {})
+        jobs = [] if present else [(KIND_CHECKPOINT, key, parent, t0, toks.size)]
+        written = self._persist(ns, nsid, layout, segs, toks, jobs, durable)
+        self._after_put(ns, (), key, manifest, toks, (key,))
+        return PutResult(toks.size, len(written), int(present), False,
+                         sum(e.file_size for e in written), (key,))
+
+    def _persist(self, ns: str, nsid: bytes, layout: Layout, segs: list, toks: Any,
+                 jobs: list[Job], durable: bool | None) -> list[Entry]:
+        """Write ``jobs`` under the shared folder lock; index whatever completed."""
+        written: list[Entry] = []
+        try:
+            if jobs:
+                with self._flock(shared=True):
+                    self._write_files(ns, nsid, layout, segs, toks, jobs,
+                                      self.durable if durable is None else durable, written)
+        finally:
+            self._index_written(ns, written)
+        return written
+
+    def _after_put(self, ns: str, keys: Sequence[bytes], child_key: bytes | None,
+                   manifest: str | None, toks: Any, extra_keys: Sequence[bytes]) -> None:
+        with self._lock:
+            self._touch(ns, keys, child_key)
+        if manifest is not None:
+            self.put_manifest(ns, manifest, toks, extra_keys=extra_keys)
+        if self.max_bytes is not None and self._bytes > self.max_bytes:
+            self.evict()
+
+    def _write_files(self, ns: str, nsid: bytes, layout: Layout, segs: list, toks: Any,
+                     jobs: list[Job], durable: bool, written: list[Entry]) -> None:
+        pending: list[tuple[int, str | None, str, Entry]] = []  # fd, tmp, final, entry
+        dirs: set[str] = set()
+        inflight: Future | None = None
+        nblk = 0
+        try:
+            for kind, key, parent, t0, t1 in jobs:
+                # blocks and tails pack token rows [t0, t1); a checkpoint its one state row
+                r0, r1 = (0, 1) if kind == KIND_CHECKPOINT else (t0, t1)
+                hdr_size = fmt.block_header_size(layout, ns, t1 - t0)
+                plen = K.packed_size(segs, r1 - r0)
+                size = hdr_size + fmt.align(plen)
+                final = self._path(ns, key, kind)
+                d = os.path.dirname(final)
+                dio.make_dirs(d, dirs)
+                tmp = os.path.join(d, f".{key.hex()}.{os.getpid()}.{threading.get_ident()}.tmp")
+                # The whole file image is built in one page-aligned buffer (pack fused with
+                # the hash, then the header) and written with one (direct where possible)
+                # pwrite. Two buffers alternate: block i is written by the I/O helper
+                # thread while block i+1 is packed here, so the disk never waits on the CPU.
+                mv = memoryview(self._scratch(f"w{nblk % 2}", size))[:size]
+                nblk += 1
+                _, chash = K.pack(mv, hdr_size, segs, r0, r1, fmt.content_seed(key))
+                mv[:hdr_size] = fmt.encode_block_header(
+                    kind, key, parent, nsid, ns, layout, t0, t1, toks[t0:t1], chash, plen)
+                mv[hdr_size + plen : size] = bytes(size - hdr_size - plen)
+                fd = self._open_write(tmp)
+                entry = Entry(kind, key, parent, ns, final, size, hdr_size, plen, chash,
+                              t0, t1, layout, toks[t0:t1].copy() if kind != KIND_BLOCK else None,
+                              0.0)
+                pending.append((fd, tmp, final, entry))
+                dirs.add(d)
+                if inflight is not None:
+                    inflight.result()  # the other buffer is free again (or the write failed)
+                inflight = self._io_pool().submit(dio.pwrite_full, fd, mv, 0)
+                if len(pending) >= _BATCH:
+                    inflight.result()
+                    inflight = None
+                    self._publish(pending, written, durable)
+                    pending.clear()
+            if inflight is not None:
+                inflight.result()
+                inflight = None
+            self._publish(pending, written, durable)
+            if durable:
+                for d in sorted(dirs, key=len, reverse=True):  # a new folder before its parent
+                    dio.fsync_dir(d)
+        except BaseException as exc:
+            if inflight is not None:  # never close or unlink under a running write
+                wait([inflight])
+            for fd, tmp, _, _ in pending:
+                if fd >= 0:
+                    dio.quiet(os.close, fd)
+                if tmp is not None:
+                    dio.quiet(os.unlink, tmp)
+            if not isinstance(exc, OSError):
+                raise
+            with self._lock:
+                self._c["write_failures"] += 1
+            raise self._write_failed(exc, "block") from exc
+
+    def _write_failed(self, exc: OSError, what: str) -> StoreWriteError:
+        """Warn once per errno; the error to raise for a failed ``what`` write."""
+        self._warn_once(f"write:{exc.errno}", "mlxkv cache: cannot write under %s: %s "
+                        "(the cache keeps serving reads; new state is not persisted)",
+                        self.root, exc)
+        return StoreWriteError(exc.errno, f"{what} write failed: {exc.strerror or exc}",
+                               getattr(exc, "filename", None))
+
+    def _io_pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="mlxkv-write-io")
+            return self._pool
+
+    def _open_write(self, path: str) -> int:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        if self.direct_io and hasattr(K, "open_direct"):
+            return K.open_direct(path, flags, 0o644)[0]  # falls back to buffered itself
+        return os.open(path, flags, 0o644)
+
+    @staticmethod
+    def _publish(pending: list, written: list[Entry], durable: bool) -> None:
+        """fsync, close and rename a batch of temp files (fsyncs batched so the disk
+        writes them back together). Entries are updated in place so a failure midway
+        leaves ``pending`` describing exactly what still needs cleaning up."""
+        if durable:
+            for fd, *_ in pending:
+                dio.fsync(fd)
+        for i, (fd, tmp, final, entry) in enumerate(pending):
+            os.close(fd)
+            pending[i] = (-1, tmp, final, entry)
+        for i, (_, tmp, final, entry) in enumerate(pending):
+            os.rename(tmp, final)
+            entry.mtime = time.time()
+            written.append(entry)
+            pending[i] = (-1, None, final, entry)
+
+    def _index_written(self, ns: str, written: list[Entry]) -> None:
+        if not written:
+            return
+        stale: list[Entry] = []
+        with self._lock:
+            space = self._spaces.setdefault(ns, Space())
+            for e in written:
+                self._add(space, e)
+                if e.kind == KIND_BLOCK:
+                    self._c["blocks_written"] += 1
+                elif e.kind == KIND_CHECKPOINT:
+                    self._c["checkpoints_written"] += 1
+                else:
+                    self._c["tails_written"] += 1
+                    # a shorter tail on the same parent that this one extends is superseded
+                    for t in list(space.tails.get(e.parent, {}).values()):
+                        if t is not e and t.tokens.size < e.tokens.size and \
+                                common(t.tokens, e.tokens) == t.tokens.size:
+                            self._drop(t)
+                            stale.append(t)
+                            self._c["tails_superseded"] += 1
+                self._c["bytes_written"] += e.file_size
+        for t in stale:
+            dio.quiet(os.unlink, t.path)
