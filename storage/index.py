@@ -1,5 +1,10 @@
 """The block store's in-memory index: entries read from file headers, prefix lookups
 over chain keys, and the startup scan that rebuilds it.
+
+Lookups walk the index; where the walk stops at a chain key it does not hold, one open()
+of the path that key maps to tells whether another process wrote it since our scan (its
+header is read and verified, and the entry indexed), so processes sharing a folder see
+each other's blocks without a rescan at the cost of one failed open per lookup on a miss.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from storage.keys import (
     check_namespace,
     common,
     namespace_id,
+    tail_key,
     token_ids,
     usable,
 )
@@ -185,38 +191,44 @@ class IndexMixin:
         return keys
 
     def lookup(self, ns: str, tokens: Any, max_tokens: int | None = None) -> Match:
-        """Longest cached prefix of ``tokens`` (at most ``max_tokens``), index only."""
+        """Longest cached prefix of ``tokens`` (at most ``max_tokens``): the index, plus
+        one probe of the disk for the first key it lacks (another process's write)."""
         toks = token_ids(tokens)
         nsid = namespace_id(check_namespace(ns))
         limit = usable(toks, max_tokens)
-        bt = self.block_tokens
+        bt, nfull = self.block_tokens, limit // self.block_tokens
         keys: list[bytes] = []
         parent, nbytes, layout = ZERO_KEY, 0, None
+        for b in range(nfull):
+            k = block_key(parent, nsid, toks[b * bt : (b + 1) * bt])
+            with self._lock:
+                e = self._spaces.get(ns, EMPTY_SPACE).blocks.get(k)
+            if e is None and (e := self._probe(ns, nsid, k, KIND_BLOCK, parent)) is None:
+                break
+            keys.append(k)
+            nbytes += e.payload_len
+            parent = k
+            layout = layout or e.layout
+        n = len(keys) * bt
+        rest = toks[n:limit]
+        best, best_m = None, 0
         with self._lock:
-            space = self._spaces.get(ns)
-            if space is None:
-                return Match(ns, 0, ())
-            for b in range(limit // bt):
-                k = block_key(parent, nsid, toks[b * bt : (b + 1) * bt])
-                e = space.blocks.get(k)
-                if e is None:
-                    break
-                keys.append(k)
-                nbytes += e.payload_len
-                parent = k
-                layout = layout or e.layout
-            n = len(keys) * bt
-            best, best_m = None, 0
-            rest = toks[n:limit]
-            for e in space.tails.get(parent, {}).values():
+            for e in self._spaces.get(ns, EMPTY_SPACE).tails.get(parent, {}).values():
                 m = common(e.tokens, rest)
                 if m > best_m:
                     best, best_m = e, m
-            if best is not None:
-                nbytes += best.payload_len * best_m // (best.t1 - best.t0)
-                return Match(ns, n + best_m, tuple(keys), best.key, best_m, nbytes,
-                             layout or best.layout)
-            return Match(ns, n, tuple(keys), None, 0, nbytes, layout)
+        if len(keys) == nfull and 0 < rest.size and best_m < rest.size:
+            # Another process's tail is found by its exact tokens only (its name hashes
+            # them): a query that continues past it needs a scan() to see it. No block
+            # probe failed on this path, so this is still one failed open per lookup.
+            e = self._probe(ns, nsid, tail_key(parent, nsid, rest), KIND_TAIL, parent)
+            if e is not None:
+                best, best_m = e, rest.size
+        if best is not None:
+            nbytes += best.payload_len * best_m // (best.t1 - best.t0)
+            return Match(ns, n + best_m, tuple(keys), best.key, best_m, nbytes,
+                         layout or best.layout)
+        return Match(ns, n, tuple(keys), None, 0, nbytes, layout)
 
     def longest_prefix(self, ns: str, tokens: Any, max_tokens: int | None = None) -> int:
         return self.lookup(ns, tokens, max_tokens).n_tokens
@@ -245,6 +257,36 @@ class IndexMixin:
         if best is None:
             return Match(ns, 0, ())
         return Match(ns, best.t1, (), None, 0, best.payload_len, best.layout, best.key)
+
+    def _probe(self, ns: str, nsid: bytes, key: bytes, kind: int, parent: bytes) -> Entry | None:
+        """Index the file ``key`` maps to if it exists and its header verifies (one open;
+        a missing file costs one failed open). A damaged file is removed, as scan() would."""
+        path = self._path(ns, key, kind)
+        try:
+            e = read_entry(path, ns, nsid, kind)
+        except UnknownVersion as exc:
+            with self._lock:
+                self._skipped[path] = str(exc)
+            return None
+        except FormatError as exc:  # files are renamed into place whole: this is damage
+            log.warning("mlxkv cache: removing %s: %s", path, exc)
+            removed = dio.quiet(os.unlink, path)
+            with self._lock:
+                self._c["bad_removed"] += removed
+            return None
+        except OSError:  # FileNotFoundError: the usual miss
+            return None
+        if e.parent != parent:
+            return None  # a key collision would be needed to get here; never trust it
+        e.last_used = e.mtime
+        with self._lock:
+            sp = self._spaces.setdefault(ns, Space())
+            cur = sp.get(kind, key, parent)
+            if cur is not None:  # our own writer indexed it meanwhile
+                return cur
+            self._add(sp, e)
+            self._c["probed"] += 1
+        return e
 
     # ------------------------------------------------------------------ index upkeep
     def _path(self, ns: str, key: bytes, kind: int) -> str:

@@ -38,7 +38,10 @@ Files: ``<root>/<ns>/<2 hex>/<key>.blk|.tail|.ckpt`` and ``<root>/<ns>/manifests
 written atomically (temp name, write, fsync, rename, fsync dir). Several processes may
 share a root: writers hold a shared flock on ``<root>/.lock``, scan/evict/gc an exclusive
 one; readers take no lock and treat a vanished file as a miss. Each process indexes what
-it scanned and what it wrote; call ``scan()`` again to see other processes' new blocks.
+it scanned and what it wrote; a lookup that reaches a chain key its index lacks opens the
+file that key maps to (one failed open on a miss), so another process's new blocks are
+found without a rescan; another process's tails are found by their exact tokens, and
+checkpoints only after ``scan()``.
 Thread-safe: one writer thread and one reader thread (see ``storage.io``) may call
 concurrently with lookups from another thread.
 
@@ -78,7 +81,7 @@ log = logging.getLogger("mlxkv.storage")
 _COUNTERS = ("blocks_written", "tails_written", "checkpoints_written", "bytes_written",
              "dedup_blocks", "write_failures", "blocks_read", "bytes_read", "hits", "misses",
              "corrupt_removed", "vanished", "bad_removed", "tmp_removed", "evicted",
-             "evicted_bytes", "gc_removed", "gc_bytes", "tails_superseded")
+             "evicted_bytes", "gc_removed", "gc_bytes", "tails_superseded", "probed")
 
 
 class BlockStore(IndexMixin, WriteMixin, ReadMixin, MaintenanceMixin):

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -412,6 +413,95 @@ def test_two_processes_share_one_folder(tmp_path):
     assert reader.returncode == 0, err
     assert out.split() == ["0", "1"]
 
+
+def test_lookup_finds_another_processes_new_blocks_without_a_rescan(tmp_path):
+    """A reader that scanned before the writes finds them by lookup (a probe of the file
+    each missing key maps to) and restores them byte-exact; no second scan()."""
+    toks = np.arange(3000, 3000 + 4 * BT + 5)
+    ours = BlockStore(tmp_path, block_tokens=BT)
+    ours.put_blocks("m", toks[: 2 * BT], BF16, segs(BF16, make_kv(BF16, toks[: 2 * BT], 2 * BT)))
+    reader = _run_child('''
+        import json, sys
+        from test_store import BF16, BT, make_kv, segs
+        from storage.store import BlockStore
+        store = BlockStore(sys.argv[1], block_tokens=BT)
+        print(store.scan()["blocks"], flush=True)
+        toks = np.arange(3000, 3000 + 4 * BT + 5)
+        other = np.arange(90000, 90000 + 3 * BT)
+        sys.stdin.readline()  # the other process has written the rest of the chain now
+        m = store.lookup("m", toks)
+        dst = make_kv(BF16, [], toks.size)
+        r = store.get_blocks("m", toks, BF16, segs(BF16, dst), m)
+        want = make_kv(BF16, toks, toks.size)
+        exact = all(np.array_equal(a, b) for a, b in zip(dst, want))
+        st = store.stats()
+        print(json.dumps({"n": m.n_tokens, "blocks": len(m.block_keys),
+                          "tail": m.tail_tokens, "restored": r.n_tokens, "exact": exact,
+                          "probed": st["probed"], "indexed": st["blocks"] + st["tails"],
+                          "miss": store.longest_prefix("m", other)}), flush=True)
+    ''', str(tmp_path), stdin=subprocess.PIPE)
+    assert reader.stdout.readline().strip() == "2"  # its index: our first two blocks
+    r = ours.put_blocks("m", toks, BF16, segs(BF16, make_kv(BF16, toks, toks.size)))
+    assert (r.blocks_written, r.blocks_present, r.tail_written) == (2, 2, True)
+    out, err = reader.communicate("go\n", timeout=60)
+    assert reader.returncode == 0, err
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got == {"n": toks.size, "blocks": 4, "tail": 5, "restored": toks.size,
+                   "exact": True, "probed": 3, "indexed": 5, "miss": 0}
+
+
+def _blocked_flock_waiters(path: Path) -> int:
+    """Lock requests waiting on ``path`` (an flock), as the kernel lists them."""
+    ino = os.stat(path).st_ino
+    n = 0
+    with open("/proc/locks") as f:
+        for line in f:
+            parts = line.split()
+            if "->" in parts and "FLOCK" in parts and \
+                    any(p.count(":") == 2 and int(p.rsplit(":", 1)[1]) == ino for p in parts):
+                n += 1
+    return n
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/locks"), reason="needs Linux /proc/locks")
+@pytest.mark.parametrize("op", ["evict", "gc"])
+def test_maintenance_lock_of_one_process_blocks_anothers_eviction_and_gc(tmp_path, op):
+    from concurrent.futures import ThreadPoolExecutor
+
+    store = BlockStore(tmp_path, block_tokens=BT)
+    toks = np.arange(4 * BT + 3)
+    store.put_blocks("m", toks, F32, segs(F32, make_kv(F32, toks, toks.size)))
+    files = sorted(tmp_path.rglob("*.blk")) + sorted(tmp_path.rglob("*.tail"))
+    assert len(files) == 5
+    holder = _run_child('''
+        import sys
+        from storage.store import BlockStore
+        store = BlockStore(sys.argv[1], block_tokens=16)
+        with store._flock(shared=False):  # what evict/gc/scan hold while they work
+            print("held", flush=True)
+            sys.stdin.readline()
+        print("released", flush=True)
+    ''', str(tmp_path), stdin=subprocess.PIPE)
+    assert holder.stdout.readline().strip() == "held"
+    with ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(store.evict, 0) if op == "evict" else \
+            ex.submit(store.gc, "m", 0.0)
+        # Wait for the kernel to list our request as blocked behind the holder (a
+        # condition, polled: flock has no event to wait on). Not a timing assumption.
+        deadline = time.monotonic() + 60
+        while not _blocked_flock_waiters(tmp_path / ".lock") and not fut.done():
+            assert time.monotonic() < deadline, "the eviction never reached the lock"
+            time.sleep(0.002)
+        assert not fut.done(), f"{op} ran while another process held the lock"
+        assert all(p.exists() for p in files)
+        holder.stdin.write("release\n")
+        holder.stdin.flush()
+        res = fut.result(timeout=60)
+    out, err = holder.communicate(timeout=60)
+    assert holder.returncode == 0, err
+    assert out.strip() == "released"
+    assert (res["evicted"] if op == "evict" else res["removed"]) == 5
+    assert not any(p.exists() for p in files)
 
 def test_file_size_limit_fails_writes_cleanly(tmp_path):
     child = _run_child('''
