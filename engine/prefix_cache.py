@@ -7,9 +7,11 @@
     pc.flush(timeout) ; pc.stats() ; pc.close(timeout)
 
 * ``lookup`` returns the longest cached prefix (at most ``len(tokens) - 1``) as a new
-  mlx-lm prompt cache the request owns. RAM hits lend shared buffers (copy-on-write);
-  SSD hits are restored by the storage reader thread straight into evaluated mx arrays
-  allocated here, and the engine thread waits only for that restore.
+  mlx-lm prompt cache the request owns. RAM hits lend shared buffers (copy-on-write); a
+  request that continues an unshared entry exactly is handed its buffers instead, so the
+  new turn is written in place and its ``store`` brings the state back. SSD hits are
+  restored by the storage reader thread straight into evaluated mx arrays allocated here,
+  and the engine thread waits only for that restore.
 * ``store`` keeps the state in RAM (sharing blocks with other conversations) and, for
   block caches, hands an immutable snapshot to the durability coordinator, which persists
   it on the storage writer thread (write-behind). RAM eviction never loses a dirty state:
@@ -24,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 import threading
 import time
 from typing import Any
@@ -113,6 +116,23 @@ def _parse_layout(layout: Any) -> list[tuple[kb.LayerSpec, list]]:
             layers.append((spec, current[2]))
         current[2].append(s)
     return layers
+
+
+_lowered: set[int] = set()
+
+
+def _background_priority() -> None:
+    """Runs on the storage writer thread before each write: lower that thread's scheduling
+    priority once, so that on a busy machine persistence yields to generation (Linux
+    applies nice values per thread; elsewhere this is a no-op)."""
+    tid = threading.get_native_id()
+    if tid in _lowered or not sys.platform.startswith("linux"):
+        return
+    _lowered.add(tid)
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + 10))
+    except (OSError, AttributeError):
+        pass
 
 
 class NullPrefixCache:
@@ -310,20 +330,27 @@ class PrefixCache:
                      for c in cache]
         entry = self.ram.store(ns, toks, cache, session)
         if block_mode and self.durability is not None:
-            sns = store_namespace(ns)
-            specs, segs, keep = _layout_and_segments(cache, len(toks))
-            self._layouts.setdefault(ns, tuple(specs))
-            from storage.io import Snapshot
-
-            name = f"c-{xxhash.xxh3_64_hexdigest(toks.tobytes())}"
-            self.durability.mark(sns, toks, Snapshot(sns, toks, tuple(specs), segs,
-                                                     manifest=name, keep=keep))
+            self.durability.mark(store_namespace(ns), toks, self.snapshot(toks, cache, ns))
         with self._lock:
             self._s["stores"] += 1
             self._s["store_ms"] += (time.perf_counter() - t0) * 1e3
             if not block_mode:
                 self._s["checkpoint_stores"] += 1
         self._emit("store", tokens=len(toks), ns=ns, in_ram=entry is not None)
+
+    def snapshot(self, tokens: Any, cache: list, ns: str) -> Any:
+        """An immutable storage snapshot of a block cache holding ``tokens`` (engine thread):
+        new array objects over the cache's evaluated buffers, byte views of them, a
+        manifest name so GC keeps the conversation, and a low writer priority."""
+        from storage.io import Snapshot
+
+        toks = as_tokens(tokens)
+        sns = store_namespace(ns)
+        specs, segs, keep = _layout_and_segments(cache, len(toks))
+        self._layouts.setdefault(ns, tuple(specs))
+        name = f"c-{xxhash.xxh3_64_hexdigest(toks.tobytes())}"
+        return Snapshot(sns, toks, tuple(specs), segs, manifest=name, keep=keep,
+                        on_start=_background_priority)
 
     def _on_ram_drop(self, entry: Entry, evicted: bool, superseded_by: Entry | None) -> None:
         # The coordinator already holds a snapshot of every dirty block state (it was taken
