@@ -178,6 +178,8 @@ class IndexMixin:
     _clock: float
     _c: dict[str, int]
     _skipped: dict[str, str]
+    _removing: set[str]  # paths of retired entries whose files are being unlinked
+    _removals: int  # bumped when a removal starts or ends (probes compare it)
 
     # ------------------------------------------------------------------ lookups
     def chain_keys(self, ns: str, tokens: Any) -> list[bytes]:
@@ -262,6 +264,8 @@ class IndexMixin:
         """Index the file ``key`` maps to if it exists and its header verifies (one open;
         a missing file costs one failed open). A damaged file is removed, as scan() would."""
         path = self._path(ns, key, kind)
+        with self._lock:
+            removals = self._removals
         try:
             e = read_entry(path, ns, nsid, kind)
         except UnknownVersion as exc:
@@ -284,6 +288,10 @@ class IndexMixin:
             cur = sp.get(kind, key, parent)
             if cur is not None:  # our own writer indexed it meanwhile
                 return cur
+            # our evict/gc may have dropped this very file while we read it: never index
+            # a file being removed (no removal can start while we hold the lock)
+            if path in self._removing or (removals != self._removals and not os.path.exists(path)):
+                return None
             self._add(sp, e)
             self._c["probed"] += 1
         return e
@@ -313,6 +321,23 @@ class IndexMixin:
         del side[e.parent][e.key]
         if not side[e.parent]:
             del side[e.parent]
+
+    def _retire(self, e: Entry) -> None:
+        """Drop ``e`` before its file is removed (the caller holds ``_lock``, then calls
+        ``_remove_retired``): until then a probe does not index the file again."""
+        self._drop(e)
+        self._removing.add(e.path)
+        self._removals += 1
+
+    def _remove_retired(self, entries: Sequence[Entry]) -> None:
+        """Unlink the files of retired entries (outside ``_lock``: removals can be many)."""
+        if not entries:
+            return
+        for e in entries:
+            dio.quiet(os.unlink, e.path)
+        with self._lock:
+            self._removing.difference_update(e.path for e in entries)
+            self._removals += 1
 
     def _touch(self, ns: str, keys: Sequence[bytes], child_key: bytes | None) -> None:
         """Mark a chain used; deeper entries get older stamps so they are evicted first."""

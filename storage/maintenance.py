@@ -63,14 +63,13 @@ class MaintenanceMixin:
                 for e in order:
                     if self._bytes <= cap:
                         break
-                    self._drop(e)
+                    self._retire(e)
                     victims.append(e)
                     removed += 1
                     freed += e.file_size
                 self._c["evicted"] += removed
                 self._c["evicted_bytes"] += freed
-            for e in victims:
-                dio.quiet(os.unlink, e.path)
+            self._remove_retired(victims)
         return {"evicted": removed, "bytes": freed}
 
     def gc(self, ns: str | None = None, min_age_s: float = 60.0) -> dict[str, int]:
@@ -103,11 +102,10 @@ class MaintenanceMixin:
                     dead = [e for e in self._spaces.get(name, EMPTY_SPACE).entries()
                             if e.key not in live and e.mtime <= now - min_age_s]
                     for e in dead:
-                        self._drop(e)
-                for e in dead:
-                    dio.quiet(os.unlink, e.path)
-                    removed += 1
-                    freed += e.file_size
+                        self._retire(e)
+                self._remove_retired(dead)
+                removed += len(dead)
+                freed += sum(e.file_size for e in dead)
             with self._lock:
                 self._c["gc_removed"] += removed
                 self._c["gc_bytes"] += freed

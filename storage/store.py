@@ -116,6 +116,8 @@ class BlockStore(IndexMixin, WriteMixin, ReadMixin, MaintenanceMixin):
         self._warned: set[str] = set()
         self._c: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self._skipped: dict[str, str] = {}  # path -> reason (unknown versions)
+        self._removing: set[str] = set()  # see IndexMixin._retire
+        self._removals = 0
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

@@ -255,9 +255,8 @@ class WriteMixin:
                     for t in list(space.tails.get(e.parent, {}).values()):
                         if t is not e and t.tokens.size < e.tokens.size and \
                                 common(t.tokens, e.tokens) == t.tokens.size:
-                            self._drop(t)
+                            self._retire(t)
                             stale.append(t)
                             self._c["tails_superseded"] += 1
                 self._c["bytes_written"] += e.file_size
-        for t in stale:
-            dio.quiet(os.unlink, t.path)
+        self._remove_retired(stale)

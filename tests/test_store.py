@@ -450,6 +450,22 @@ def test_lookup_finds_another_processes_new_blocks_without_a_rescan(tmp_path):
                    "exact": True, "probed": 3, "indexed": 5, "miss": 0}
 
 
+def test_lookup_never_reindexes_a_file_our_eviction_is_removing(tmp_path):
+    """Eviction drops entries under the store lock and unlinks their files after it: a
+    lookup in between must not probe the still-present file back into the index."""
+    store = BlockStore(tmp_path, block_tokens=BT)
+    toks = np.arange(3 * BT)
+    r = store.put_blocks("m", toks, F32, segs(F32, make_kv(F32, toks, toks.size)))
+    victim = store._spaces["m"].blocks[r.keys[2]]
+    with store._lock:
+        store._retire(victim)  # the first half of an eviction
+    assert Path(victim.path).exists()
+    assert store.longest_prefix("m", toks) == 2 * BT
+    store._remove_retired([victim])  # the second half
+    assert not Path(victim.path).exists()
+    assert store.longest_prefix("m", toks) == 2 * BT
+    assert store.stats()["bytes"] == sum(p.stat().st_size for p in tmp_path.rglob("*.blk"))
+
 def _blocked_flock_waiters(path: Path) -> int:
     """Lock requests waiting on ``path`` (an flock), as the kernel lists them."""
     ino = os.stat(path).st_ino
