@@ -201,11 +201,20 @@ class IndexMixin:
         bt, nfull = self.block_tokens, limit // self.block_tokens
         keys: list[bytes] = []
         parent, nbytes, layout = ZERO_KEY, 0, None
-        for b in range(nfull):
-            k = block_key(parent, nsid, toks[b * bt : (b + 1) * bt])
-            with self._lock:
-                e = self._spaces.get(ns, EMPTY_SPACE).blocks.get(k)
-            if e is None and (e := self._probe(ns, nsid, k, KIND_BLOCK, parent)) is None:
+        e: Entry | None = None
+        while len(keys) < nfull:
+            with self._lock:  # held across the walk: one acquisition, not one per block
+                blocks = self._spaces.get(ns, EMPTY_SPACE).blocks
+                for b in range(len(keys), nfull):
+                    k = block_key(parent, nsid, toks[b * bt : (b + 1) * bt])
+                    if (e := blocks.get(k)) is None:
+                        break
+                    keys.append(k)
+                    nbytes += e.payload_len
+                    parent = k
+                    layout = layout or e.layout
+            # the disk is probed outside the lock: a cold header read may take a while
+            if e is not None or (e := self._probe(ns, nsid, k, KIND_BLOCK, parent)) is None:
                 break
             keys.append(k)
             nbytes += e.payload_len
@@ -299,7 +308,7 @@ class IndexMixin:
     # ------------------------------------------------------------------ index upkeep
     def _path(self, ns: str, key: bytes, kind: int) -> str:
         h = key.hex()
-        return os.path.join(self.root, ns, h[:2], h + EXT[kind])
+        return f"{self.root}{os.sep}{ns}{os.sep}{h[:2]}{os.sep}{h}{EXT[kind]}"  # on every probe
 
     def _add(self, sp: Space, e: Entry) -> None:
         old = sp.get(e.kind, e.key, e.parent)
