@@ -1,5 +1,5 @@
-"""The block store's in-memory index: entries read from file headers, prefix lookups
-over chain keys, and the startup scan that rebuilds it.
+"""The block store's in-memory index: prefix lookups over chain keys, its upkeep, and
+the startup scan that rebuilds it from the files' headers.
 
 Lookups walk the index; where the walk stops at a chain key it does not hold, one open()
 of the path that key maps to tells whether another process wrote it since our scan (its
@@ -12,26 +12,22 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from storage import diskio as dio
-from storage import format as fmt
-from storage.format import (
-    KIND_BLOCK,
-    KIND_TAIL,
-    PAGE,
-    FormatError,
-    Layout,
-    UnknownVersion,
+from storage.entries import (
+    EMPTY_SPACE,
+    MANIFEST_DIR,
+    Entry,
+    Space,
+    kind_of,
+    read_entries,
+    read_entry,
 )
+from storage.format import KIND_BLOCK, KIND_TAIL, FormatError, UnknownVersion
 from storage.keys import (
     EXT,
-    KEY_FN,
     NS_RE,
     ZERO_KEY,
     Match,
@@ -45,125 +41,6 @@ from storage.keys import (
 )
 
 log = logging.getLogger("mlxkv.storage")
-
-MANIFEST_DIR = "manifests"
-_SCAN_THREADS = 4
-_HEAD_READ = 2 * PAGE  # one read covers the header of every usual layout
-
-
-@dataclass
-class Entry:
-    """One indexed block, tail or checkpoint file (what its verified header says)."""
-
-    kind: int
-    key: bytes
-    parent: bytes
-    ns: str
-    path: str
-    file_size: int
-    payload_offset: int
-    payload_len: int
-    content_hash: int
-    t0: int
-    t1: int
-    layout: Layout
-    tokens: np.ndarray | None  # kept for tails and checkpoints only
-    mtime: float
-    last_used: float = 0.0
-
-
-@dataclass
-class Space:
-    """The entries of one namespace."""
-
-    blocks: dict[bytes, Entry] = field(default_factory=dict)
-    tails: dict[bytes, dict[bytes, Entry]] = field(default_factory=dict)  # parent -> tails
-    ckpts: dict[bytes, dict[bytes, Entry]] = field(default_factory=dict)  # parent -> ckpts
-
-    def side(self, kind: int) -> dict[bytes, dict[bytes, Entry]]:
-        return self.tails if kind == KIND_TAIL else self.ckpts
-
-    def get(self, kind: int, key: bytes, parent: bytes) -> Entry | None:
-        if kind == KIND_BLOCK:
-            return self.blocks.get(key)
-        return self.side(kind).get(parent, {}).get(key)
-
-    def find_child(self, key: bytes) -> Entry | None:
-        """A tail or checkpoint by its key alone (its parent unknown)."""
-        for ts in (*self.tails.values(), *self.ckpts.values()):
-            if key in ts:
-                return ts[key]
-        return None
-
-    def entries(self) -> Iterator[Entry]:
-        yield from self.blocks.values()
-        for side in (self.tails, self.ckpts):
-            for ts in side.values():
-                yield from ts.values()
-
-    def counts(self) -> dict[str, int]:
-        return {"blocks": len(self.blocks),
-                "tails": sum(len(t) for t in self.tails.values()),
-                "checkpoints": sum(len(t) for t in self.ckpts.values())}
-
-
-EMPTY_SPACE = Space()  # read-only stand-in for a namespace with nothing indexed
-
-
-def read_entry(path: str, ns: str, nsid: bytes, kind: int) -> Entry:
-    """Read and verify the header of one file; FormatError/OSError if it is unusable."""
-    fd = dio.open_ro(path)
-    try:
-        st = os.fstat(fd)
-        size, mtime = st.st_size, st.st_mtime
-        head = os.pread(fd, _HEAD_READ, 0)
-        span = fmt.header_span(head)
-        if span > len(head):
-            head = os.pread(fd, span, 0)
-    finally:
-        os.close(fd)
-    hdr = fmt.decode_block_header(head)
-    if hdr.kind != kind:
-        raise FormatError(f"a {fmt.KIND_NAMES[hdr.kind]} stored under a {fmt.KIND_NAMES[kind]} name")
-    if hdr.ns != ns or hdr.ns_id != nsid:
-        raise FormatError(f"namespace {hdr.ns!r} stored under {ns!r}")
-    want = KEY_FN[kind](hdr.parent, nsid, hdr.token_bytes)
-    if hdr.key != want or not path.endswith(hdr.key.hex() + EXT[kind]):
-        raise FormatError("key does not match the header's parent and tokens")
-    if size < hdr.file_size:
-        raise FormatError(f"truncated: {size} of {hdr.file_size} bytes")
-    return Entry(kind, hdr.key, hdr.parent, ns, path, hdr.file_size, hdr.payload_offset,
-                 hdr.payload_len, hdr.content_hash, hdr.t0, hdr.t1, hdr.layout,
-                 hdr.tokens.copy() if kind != KIND_BLOCK else None, mtime)
-
-
-def read_entries(todo: list) -> Iterator[tuple[str, Any]]:
-    """(path, Entry or the exception) per (path, ns, nsid, kind); headers are read by a
-    few threads so a cold scan keeps several disk reads in flight (pread releases the GIL)."""
-
-    def some(items: list) -> list[tuple[str, Any]]:
-        out = []
-        for item in items:
-            try:
-                out.append((item[0], read_entry(*item)))
-            except (FormatError, OSError) as exc:
-                out.append((item[0], exc))
-        return out
-
-    if len(todo) < 512 or _SCAN_THREADS <= 1:
-        yield from some(todo)
-        return
-    step = -(-len(todo) // (4 * _SCAN_THREADS))  # a few chunks per thread: one future each
-    with ThreadPoolExecutor(max_workers=_SCAN_THREADS, thread_name_prefix="mlxkv-scan") as ex:
-        for chunk in ex.map(some, [todo[i : i + step] for i in range(0, len(todo), step)]):
-            yield from chunk
-
-
-def _kind_of(name: str) -> int | None:
-    for kind, ext in EXT.items():
-        if name.endswith(ext):
-            return kind
-    return None
 
 
 class IndexMixin:
@@ -401,7 +278,7 @@ class IndexMixin:
                     if de.name.endswith(".tmp"):  # a writer died before its rename
                         rep["tmp_removed"] += dio.quiet(os.unlink, de.path)
                         continue
-                    kind = None if manifests else _kind_of(de.name)
+                    kind = None if manifests else kind_of(de.name)
                     if kind is None:
                         continue
                     seen.add(de.path)

@@ -20,8 +20,8 @@ import xxhash
 
 from storage import diskio as dio
 from storage import format as fmt
+from storage.entries import EMPTY_SPACE, MANIFEST_DIR, Space
 from storage.format import FormatError, Manifest
-from storage.index import EMPTY_SPACE, MANIFEST_DIR, Space
 from storage.keys import ZERO_KEY, check_namespace, namespace_id, tail_key, token_ids
 
 

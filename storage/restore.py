@@ -20,8 +20,8 @@ from typing import Any
 from storage import diskio as dio
 from storage import format as fmt
 from storage.diskio import CHUNK, K
+from storage.entries import Entry
 from storage.format import KIND_CHECKPOINT, KIND_TAIL, FormatError, Layout, make_layout
-from storage.index import Entry
 from storage.keys import Match, Restore, Segment, check_segments
 
 log = logging.getLogger("mlxkv.storage")

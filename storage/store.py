@@ -8,7 +8,7 @@ API (all byte-level; ``storage`` never imports mlx)::
     # layout: one SegmentSpec per per-layer tensor (format.SegmentSpec / make_layout)
     # segments: one (buf, outer, t_capacity, row_bytes) per spec, same order; buf is any
     #   C-contiguous buffer of outer*t_capacity*row_bytes bytes (memoryview(mx_array) works).
-    m = store.lookup(ns, tokens, max_tokens=None)  # -> Match; index only, no I/O
+    m = store.lookup(ns, tokens, max_tokens=None)  # -> Match; the index (+ one probe, below)
         # Match: n_tokens, block_keys, tail_key/tail_tokens, nbytes, layout (as stored:
         # what to allocate the destination from after a restart)
     n = store.longest_prefix(ns, tokens)           # == lookup(...).n_tokens
@@ -45,7 +45,8 @@ checkpoints only after ``scan()``.
 Thread-safe: one writer thread and one reader thread (see ``storage.io``) may call
 concurrently with lookups from another thread.
 
-Modules: ``keys`` (chain keys, results), ``index`` (lookups, scan), ``write`` (put_*),
+Modules: ``keys`` (chain keys, results), ``entries`` (index entries from file headers),
+``index`` (lookups, scan), ``write`` (put_*),
 ``restore`` (get_*), ``maintenance`` (locks, evict, gc, manifests); ``BlockStore`` joins them.
 Speed: see ``storage.write`` and ``storage.restore`` (``read_threads`` defaults to
 min(4, CPUs)).
@@ -61,7 +62,8 @@ from typing import Any
 
 from storage import diskio as dio
 from storage.diskio import KERNEL
-from storage.index import IndexMixin, Space
+from storage.entries import Space
+from storage.index import IndexMixin
 from storage.keys import (
     ZERO_KEY,
     Match,

@@ -18,8 +18,8 @@ from typing import Any
 from storage import diskio as dio
 from storage import format as fmt
 from storage.diskio import K
+from storage.entries import Entry, Space
 from storage.format import KIND_BLOCK, KIND_CHECKPOINT, KIND_TAIL, Layout, make_layout
-from storage.index import Entry, Space
 from storage.keys import (
     ZERO_KEY,
     PutResult,
