@@ -450,6 +450,34 @@ def test_lookup_finds_another_processes_new_blocks_without_a_rescan(tmp_path):
                    "exact": True, "probed": 3, "indexed": 5, "miss": 0}
 
 
+def test_a_lookup_costs_at_most_one_failed_open(tmp_path, monkeypatch):
+    """The miss path stays cheap: a lookup opens at most one file (the first chain key,
+    or the exact tail, that the index lacks), and none when the index covers the query."""
+    store = BlockStore(tmp_path, block_tokens=BT)
+    toks = np.arange(2 * BT + 5)
+    store.put_blocks("m", toks, F32, segs(F32, make_kv(F32, toks, toks.size)))
+    opened: list[str] = []
+    real_open = os.open
+
+    def counting_open(path, *a, **k):
+        if str(path).startswith(str(tmp_path)):
+            opened.append(str(path))
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(os, "open", counting_open)
+    cases = [(toks, None, toks.size, 0),  # all indexed: no I/O
+             (toks, toks.size - 1, toks.size - 1, 0),
+             (np.append(toks, 99999), None, toks.size, 1),  # the indexed tail ends early
+             (np.concatenate([toks[: 2 * BT], np.arange(9000, 9000 + 3 * BT)]), None, 2 * BT, 1),
+             (np.arange(7000, 7000 + 4 * BT), None, 0, 1)]
+    for query, limit, want, opens in cases:
+        opened.clear()
+        assert store.longest_prefix("m", query, limit) == want
+        assert len(opened) == opens, opened
+    opened.clear()
+    assert store.longest_prefix("nothing-here", toks) == 0
+    assert len(opened) == 1
+
 def test_lookup_never_reindexes_a_file_our_eviction_is_removing(tmp_path):
     """Eviction drops entries under the store lock and unlinks their files after it: a
     lookup in between must not probe the still-present file back into the index."""
