@@ -49,6 +49,7 @@ class Job:
     result: Any = None
     nbytes: int = 0  # bytes the snapshot pins until it settles
     evicted: bool = False  # the RAM tier no longer holds this state
+    coalesce: bool = True  # False: an exact-position checkpoint, never covered by another
     marked: float = field(default_factory=time.monotonic)
 
     @property
@@ -83,18 +84,23 @@ class Durability:
                        "failed": 0, "missing": 0, "bytes_written": 0}
 
     # ------------------------------------------------------------------ engine side
-    def mark(self, ns: str, tokens: np.ndarray, snapshot: Any) -> Job:
-        """Record a dirty state; returns its job. Never blocks on I/O."""
+    def mark(self, ns: str, tokens: np.ndarray, snapshot: Any, coalesce: bool = True) -> Job:
+        """Record a dirty state; returns its job. Never blocks on I/O. ``snapshot`` is one
+        storage snapshot or a tuple of them (written together). ``coalesce=False``: the
+        state is only valid at exactly ``tokens`` (a checkpoint), so a longer state does
+        not supersede it nor it a shorter one."""
         with self._cond:
             key = (ns, tokens.tobytes())
             have = self._jobs.get(key)
             if have is not None and have.state in (PENDING, WRITING, DURABLE):
                 return have  # the same state is already on its way (or on disk)
+            snaps = snapshot if isinstance(snapshot, tuple) else (snapshot,)
             job = Job(ns, tokens, snapshot, due=time.monotonic() + self.debounce_s,
-                      nbytes=sum(memoryview(seg[0]).nbytes for seg in snapshot.segments))
+                      nbytes=sum(memoryview(seg[0]).nbytes for s in snaps for seg in s.segments),
+                      coalesce=coalesce)
             self.counts["marked"] += 1
             for old in self._queue:
-                if (old.ns == ns and len(old.tokens) < len(tokens)
+                if (coalesce and old.coalesce and old.ns == ns and len(old.tokens) < len(tokens)
                         and np.array_equal(old.tokens, tokens[: len(old.tokens)])):
                     old.state, old.superseded_by, old.snapshot = SUPERSEDED, job, None
                     self.counts["superseded"] += 1

@@ -17,8 +17,13 @@
   it on the storage writer thread (write-behind). RAM eviction never loses a dirty state:
   its snapshot stays with the coordinator until it is on disk.
 * Namespaces: KV of one namespace never seeds another (keys and folders include it).
-* Non-trimmable caches (rotating windows, SSM state) are kept in RAM as exact
-  checkpoints; the block store cannot hold them yet, so they are not persisted.
+* Non-trimmable caches (rotating windows, SSM / linear-attention state, and hybrids of
+  those with KV layers) are kept as exact checkpoints at the end of each turn: in RAM, and
+  on SSD as a block-store checkpoint of the non-trimmable layers plus the KV layers as
+  ordinary (deduplicated) blocks marked partial (see ``engine.disk_layout``). They are
+  restored only at exactly a checkpointed position, never trimmed.
+* A RAM entry handed over whole to the request that continues it (see ``RamTier._move``)
+  is given back by ``release(cache)`` if that request fails before its ``store``.
 """
 
 from __future__ import annotations
@@ -29,12 +34,16 @@ import re
 import sys
 import threading
 import time
+import weakref
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 import xxhash
 
+from engine import disk_layout as dl
 from engine import kvblocks as kb
 from engine.durability import Durability
 from engine.ram_tier import Entry, RamTier, as_tokens
@@ -42,8 +51,7 @@ from engine.ram_tier import Entry, RamTier, as_tokens
 log = logging.getLogger("mlxkv.prefix")
 
 _STORE_NS = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_DTYPES = {str(getattr(mx, n)): n for n in (
-    "float32", "float16", "bfloat16", "uint32", "int32", "uint8", "int8", "uint16", "int16")}
+_MAX_LENT = 8  # handed-over caches remembered for release() (weakly; see release)
 
 
 def default_ram_bytes(fraction: float = 0.25) -> int:
@@ -64,60 +72,6 @@ def store_namespace(ns: str) -> str:
     return f"{clean}-{xxhash.xxh3_64_hexdigest(ns.encode())}"
 
 
-# ----------------------------------------------------------------------------- layouts
-def _dtype_name(a: mx.array) -> str:
-    name = _DTYPES.get(str(a.dtype))
-    if name is None:
-        raise kb.UnsupportedCache(f"KV dtype {a.dtype} cannot be persisted")
-    return name
-
-
-def _layout_and_segments(cache: list, ntokens: int) -> tuple[list, list, list]:
-    """(layout specs, segments, arrays to pin) describing rows of every layer array."""
-    from storage.format import SegmentSpec
-
-    specs, segs, keep = [], [], []
-    for li, c in enumerate(cache):
-        spec = kb.layer_spec(c)
-        tag = "kv" if spec.kind == "kv" else f"q{spec.bits}g{spec.group_size}"
-        names = ("k", "v") if spec.kind == "kv" else ("kq", "ks", "kb", "vq", "vs", "vb")
-        for name, a in zip(names, kb.layer_arrays(c)):
-            if a.ndim != 4 or a.shape[2] < ntokens:
-                raise ValueError(f"layer {li}: unexpected KV array shape {a.shape}")
-            a = kb.fresh(a)
-            mx.eval(a)
-            if not memoryview(a).c_contiguous:
-                a = mx.contiguous(a)
-                mx.eval(a)
-            outer = a.shape[0] * a.shape[1]
-            row = a.shape[3] * a.itemsize
-            specs.append(SegmentSpec(f"{li}.{tag}.{name}", _dtype_name(a), (a.shape[3],),
-                                     outer, row))
-            segs.append((kb.byte_view(a), outer, a.shape[2], row))
-            keep.append(a)
-    return specs, segs, keep
-
-
-def _parse_layout(layout: Any) -> list[tuple[kb.LayerSpec, list]]:
-    """Group a stored layout back into layers: [(LayerSpec, [SegmentSpec, ...]), ...]."""
-    layers: list[tuple[kb.LayerSpec, list]] = []
-    current = None
-    for s in layout:
-        li, tag, _ = s.name.split(".")
-        if current is None or current[0] != li:
-            if tag == "kv":
-                spec = kb.LayerSpec("kv")
-            else:
-                m = re.fullmatch(r"q(\d+)g(\d+)", tag)
-                if m is None:
-                    raise ValueError(f"unknown layer tag {tag!r} in a stored layout")
-                spec = kb.LayerSpec("qkv", int(m.group(2)), int(m.group(1)))
-            current = (li, spec, [])
-            layers.append((spec, current[2]))
-        current[2].append(s)
-    return layers
-
-
 _lowered: set[int] = set()
 
 
@@ -135,6 +89,29 @@ def _background_priority() -> None:
         pass
 
 
+def _manifest_name(toks: np.ndarray) -> str:
+    """The manifest that names a conversation state (so GC keeps what it needs)."""
+    return f"c-{xxhash.xxh3_64_hexdigest(toks.tobytes())}"
+
+
+@dataclass(frozen=True)
+class _Lent:
+    """A RAM entry handed over to a request (see ``PrefixCache.release``)."""
+
+    layers: tuple  # weak references to the handed-over layer caches
+    ns: str
+    tokens: np.ndarray
+    session: str | None
+
+
+@dataclass(frozen=True)
+class _Written:
+    """Several writes of one state, settled together."""
+
+    bytes_written: int
+    results: tuple
+
+
 class NullPrefixCache:
     """Caching off: every lookup misses, stores are dropped."""
 
@@ -143,6 +120,9 @@ class NullPrefixCache:
 
     def store(self, tokens: Any, cache: list, ns: str, session: str | None = None) -> None:
         return None
+
+    def release(self, cache: list | None) -> bool:
+        return False
 
     def flush(self, timeout: float | None = None) -> dict[str, int]:
         return {"durable": 0, "flushed": 0, "pending": 0, "failed": 0, "missing": 0}
@@ -162,7 +142,8 @@ class NullPrefixCache:
 
 class PrefixCache:
     """RAM + SSD prefix cache (see the module docstring). Engine-thread methods:
-    ``lookup``, ``store``; ``flush``/``close``/``stats`` may be called from any thread."""
+    ``lookup``, ``store``, ``release``; ``flush``/``close``/``stats`` may be called from any
+    thread."""
 
     def __init__(self, ram_bytes: int | None = None, cache_dir: str | os.PathLike | None = None,
                  block_tokens: int = 256, ssd: bool = True, ssd_bytes: int | None = None,
@@ -179,12 +160,13 @@ class PrefixCache:
                                 else int(min_ssd_gain))
         self._lock = threading.Lock()  # stats are read from other threads
         self._sessions: set[str] = set()
-        self._layouts: dict[str, Any] = {}
+        # caches whose RAM entry was handed over (by id; weak refs to their layers)
+        self._lent: dict[int, _Lent] = {}
         self._s = {"lookups": 0, "ram_hits": 0, "ssd_hits": 0, "misses": 0,
                    "prompt_tokens": 0, "cached_tokens": 0, "ram_tokens": 0, "ssd_tokens": 0,
                    "restore_ms": 0.0, "restore_bytes": 0, "ssd_restore_failures": 0,
                    "ssd_corrupt": 0, "stores": 0, "store_ms": 0.0, "unsupported": 0,
-                   "checkpoint_stores": 0}
+                   "checkpoint_stores": 0, "checkpoints_persisted": 0, "released": 0}
         self.last: dict[str, Any] = {}
         self.disk = self.io = self.durability = None
         if ssd and cache_dir is not None:
@@ -202,8 +184,7 @@ class PrefixCache:
                                     durable=durable)
             self.disk.scan()
             self.io = StorageIO(self.disk)
-            self.durability = Durability(lambda snap: self.io.submit_write(snap, block=False),
-                                         debounce_s=debounce_s, retries=retries)
+            self.durability = Durability(self._submit, debounce_s=debounce_s, retries=retries)
 
     @classmethod
     def from_settings(cls, settings: Any) -> PrefixCache | NullPrefixCache:
@@ -222,18 +203,31 @@ class PrefixCache:
         t0 = time.perf_counter()
         toks = as_tokens(tokens)
         sns = store_namespace(ns)
+        self._prune_lent()
         match = self.ram.lookup(ns, toks, session)
         n, cache, tier, restore_ms = match.n, None, "ram" if match.n else None, 0.0
         if self.disk is not None and len(toks) > 1:
-            sm = self.disk.lookup(sns, toks, max_tokens=len(toks) - 1)
-            if sm.n_tokens >= n + self.min_ssd_gain or (n == 0 and sm.n_tokens > 0):
+            limit = len(toks) - 1
+            restored = None
+            sm = self.disk.lookup(sns, toks, max_tokens=limit)
+            # blocks of some layers only (a hybrid model's KV) come back with a checkpoint
+            if not dl.is_partial(sm.layout) and self._worth(sm.n_tokens, n):
                 t1 = time.perf_counter()
-                restored = self._restore(ns, sns, toks, sm)
-                restore_ms = (time.perf_counter() - t1) * 1e3
-                if restored is not None and restored[0] > n:
-                    n, cache, tier = restored[0], restored[1], "ssd"
+                restored = self._restore(sns, toks, sm)
+                restore_ms += (time.perf_counter() - t1) * 1e3
+            cm = self.disk.lookup_checkpoint(sns, toks, max_tokens=limit)
+            if cm.n_tokens and self._worth(cm.n_tokens, max(n, restored[0] if restored else 0)):
+                t1 = time.perf_counter()
+                r2 = self._restore_checkpoint(sns, toks, cm)
+                restore_ms += (time.perf_counter() - t1) * 1e3
+                if r2 is not None and (restored is None or r2[0] > restored[0]):
+                    restored = r2
+            if restored is not None and restored[0] > n:
+                n, cache, tier = restored[0], restored[1], "ssd"
         if tier == "ram":
             cache = match.lend()
+            if match.moved and cache is not None:
+                self._remember_lent(cache, ns, toks[:n], session)
         with self._lock:
             s = self._s
             s["lookups"] += 1
@@ -253,26 +247,15 @@ class PrefixCache:
         self._emit("lookup", **self.last)
         return (n, cache) if n > 0 else (0, None)
 
-    def _restore(self, ns: str, sns: str, toks: np.ndarray, match: Any) -> tuple[int, list] | None:
-        """Restore ``match`` from SSD on the reader thread into fresh mx arrays."""
-        from storage.io import ReadRequest
+    def _worth(self, n_ssd: int, n_ram: int) -> bool:
+        """Restore ``n_ssd`` tokens from SSD when RAM already offers ``n_ram``?"""
+        return n_ssd >= n_ram + self.min_ssd_gain or (n_ram == 0 and n_ssd > 0)
 
-        layout = self._layout(ns, sns, match)
-        if layout is None:
-            return None
-        # headroom up to the prompt's length: its prefill then writes in place
-        cap = kb.round_up(len(toks))
-        by_layer = _parse_layout(layout)
-        flat = [s for _, seg_specs in by_layer for s in seg_specs]
-        arrays = kb.writable_arrays([(1, s.outer, cap, *s.shape) for s in flat],
-                                    [getattr(mx, s.dtype) for s in flat])
-        segs = [(kb.byte_view(a), s.outer, cap, s.row_bytes) for a, s in zip(arrays, flat)]
-        layers, i = [], 0
-        for spec, seg_specs in by_layer:
-            layers.append((spec, arrays[i : i + len(seg_specs)]))
-            i += len(seg_specs)
-        fut = self.io.submit_read(ReadRequest(sns, toks, layout, segs, n_tokens=match,
-                                              keep=arrays))
+    def _read(self, req: Any) -> Any:
+        """Run a restore on the reader thread; None (counted, logged) when it fails."""
+        return self._wait(self.io.submit_read(req))
+
+    def _wait(self, fut: Future) -> Any:
         try:
             res = fut.result()
         except Exception as exc:  # noqa: BLE001  (unreadable folder, layout mismatch: a miss)
@@ -283,32 +266,99 @@ class PrefixCache:
         with self._lock:
             self._s["restore_bytes"] += res.bytes_read
             self._s["ssd_corrupt"] += res.corrupt
-        if res.n_tokens <= 0:
-            return None
-        del segs
-        return res.n_tokens, [kb.make_layer(spec, arrs, res.n_tokens) for spec, arrs in layers]
+        return res
 
-    def _layout(self, ns: str, sns: str, match: Any) -> Any:
-        """The stored layout of ``ns`` (from this process's stores or the store's index)."""
-        layout = self._layouts.get(ns)
-        if layout is not None:
-            return layout
-        # NOTE: BlockStore has no public accessor for an indexed block's layout yet.
-        with self.disk._lock:
-            space = self.disk._spaces.get(sns)
-            if space is None:
+    def _block_buffers(self, layout: Any, cap: int) -> tuple[list, list, list]:
+        """(per layer (index, LayerSpec, arrays), segments, all arrays) to restore blocks
+        of ``layout`` into, with room for ``cap`` tokens."""
+        by_layer = dl.parse_block_layout(layout)
+        flat = [s for _, _, seg_specs in by_layer for s in seg_specs]
+        arrays = kb.writable_arrays([(1, s.outer, cap, *s.shape) for s in flat],
+                                    [getattr(mx, s.dtype) for s in flat])
+        segs = [(kb.byte_view(a), s.outer, cap, s.row_bytes) for a, s in zip(arrays, flat)]
+        layers, i = [], 0
+        for li, spec, seg_specs in by_layer:
+            layers.append((li, spec, arrays[i : i + len(seg_specs)]))
+            i += len(seg_specs)
+        return layers, segs, arrays
+
+    def _restore(self, sns: str, toks: np.ndarray, match: Any) -> tuple[int, list] | None:
+        """Restore block ``match`` from SSD on the reader thread into fresh mx arrays, with
+        headroom up to the prompt's length (its prefill then writes in place)."""
+        from storage.io import ReadRequest
+
+        if match.layout is None:
+            return None
+        layers, segs, arrays = self._block_buffers(match.layout, kb.round_up(len(toks)))
+        if [li for li, _, _ in layers] != list(range(len(layers))):
+            return None  # not a whole model's layers: never a partial cache
+        res = self._read(ReadRequest(sns, toks, match.layout, segs, n_tokens=match,
+                                     keep=arrays))
+        del segs
+        if res is None or res.n_tokens <= 0:
+            return None
+        return res.n_tokens, [kb.make_layer(spec, arrs, res.n_tokens)
+                              for _, spec, arrs in layers]
+
+    def _restore_checkpoint(self, sns: str, toks: np.ndarray, cm: Any
+                            ) -> tuple[int, list] | None:
+        """Restore the checkpoint ``cm`` (and, for models that also have KV layers, their
+        blocks up to exactly the same position); None unless all of it verifies."""
+        from storage.io import ReadRequest
+
+        n = cm.n_tokens
+        try:
+            carrays = dl.checkpoint_buffers(cm.layout)
+            with_blocks = dl.checkpoint_has_blocks(cm.layout)
+        except ValueError as exc:
+            log.warning("mlxkv cache: unusable checkpoint layout: %s", exc)
+            return None
+        blocks: list = []
+        if with_blocks:
+            bm = self.disk.lookup(sns, toks, max_tokens=n)
+            if bm.n_tokens != n or not dl.is_partial(bm.layout):
+                return None  # its KV layers are not all on disk: nothing to restore
+            blocks, bsegs, barrays = self._block_buffers(bm.layout, kb.round_up(len(toks)))
+            bfut = self.io.submit_read(ReadRequest(sns, toks, bm.layout, bsegs, n_tokens=bm,
+                                                   keep=barrays))
+        cres = self._read(ReadRequest(sns, toks, cm.layout,
+                                      [(kb.byte_view(a), 1, 1, a.nbytes) for a in carrays],
+                                      n_tokens=cm, keep=carrays, checkpoint=True))
+        if with_blocks:
+            bres = self._wait(bfut)
+            if bres is None or bres.n_tokens != n:
                 return None
-            e = space.blocks.get(match.block_keys[0]) if match.block_keys else None
-            if e is None and match.tail_key is not None:
-                e = space.tails.get(bytes(16), {}).get(match.tail_key)
-            if e is None:
-                return None
-            return e.layout
+        if cres is None or cres.n_tokens != n:
+            return None
+        try:
+            layers = dl.checkpoint_layers(cm.layout, carrays)
+        except (ValueError, TypeError, KeyError) as exc:
+            log.warning("mlxkv cache: unusable checkpoint: %s", exc)
+            return None
+        for li, spec, arrs in blocks:
+            layers[li] = kb.make_layer(spec, arrs, n)
+        if sorted(layers) != list(range(len(layers))):
+            log.warning("mlxkv cache: a checkpoint does not cover every layer; not used")
+            return None
+        cache = [layers[i] for i in range(len(layers))]
+        if kb.cache_tokens(cache) not in (None, n):
+            log.warning("mlxkv cache: a checkpoint holds another position; not used")
+            return None
+        return n, cache
 
     # ------------------------------------------------------------------ store
     def store(self, tokens: Any, cache: list, ns: str, session: str | None = None) -> None:
         """Keep the state of ``cache`` (which holds ``tokens``) in RAM and persist it in the
-        background. Raises ValueError when the cache and the tokens disagree."""
+        background. Raises ValueError when the cache and the tokens disagree (a handed-over
+        entry is then given back, as by ``release``)."""
+        try:
+            self._store(tokens, cache, ns, session)
+        except BaseException:
+            self.release(cache)
+            raise
+        self._lent.pop(id(cache), None)
+
+    def _store(self, tokens: Any, cache: list, ns: str, session: str | None) -> None:
         t0 = time.perf_counter()
         toks = as_tokens(tokens)
         if len(toks) == 0 or not cache:
@@ -329,13 +379,22 @@ class PrefixCache:
             cache = [kb.make_layer(kb.layer_spec(c), kb.layer_arrays(c), len(toks))
                      for c in cache]
         entry = self.ram.store(ns, toks, cache, session)
-        if block_mode and self.durability is not None:
-            self.durability.mark(store_namespace(ns), toks, self.snapshot(toks, cache, ns))
+        persisted = False
+        if self.durability is not None:
+            if block_mode:
+                snap = self.snapshot(toks, cache, ns)
+            else:
+                cp = entry.checkpoint if entry is not None and entry.checkpoint else None
+                snap = self._checkpoint_snapshot(toks, cache, ns, cp)
+            if snap is not None:
+                self.durability.mark(store_namespace(ns), toks, snap, coalesce=block_mode)
+                persisted = True
         with self._lock:
             self._s["stores"] += 1
             self._s["store_ms"] += (time.perf_counter() - t0) * 1e3
             if not block_mode:
                 self._s["checkpoint_stores"] += 1
+                self._s["checkpoints_persisted"] += persisted
         self._emit("store", tokens=len(toks), ns=ns, in_ram=entry is not None)
 
     def snapshot(self, tokens: Any, cache: list, ns: str) -> Any:
@@ -345,12 +404,107 @@ class PrefixCache:
         from storage.io import Snapshot
 
         toks = as_tokens(tokens)
-        sns = store_namespace(ns)
-        specs, segs, keep = _layout_and_segments(cache, len(toks))
-        self._layouts.setdefault(ns, tuple(specs))
-        name = f"c-{xxhash.xxh3_64_hexdigest(toks.tobytes())}"
-        return Snapshot(sns, toks, tuple(specs), segs, manifest=name, keep=keep,
+        specs, segs, keep = dl.block_layout(cache, len(toks))
+        return Snapshot(store_namespace(ns), toks, tuple(specs), segs,
+                        manifest=_manifest_name(toks), keep=keep,
                         on_start=_background_priority)
+
+    def _checkpoint_snapshot(self, toks: np.ndarray, cache: list, ns: str,
+                             cp: kb.Checkpoint | None) -> Any:
+        """Snapshot(s) of a non-block cache: its non-trimmable layers as one checkpoint
+        (after its KV layers as blocks, when it has any); None if it cannot be persisted
+        (kept in RAM only)."""
+        from storage.io import Snapshot
+
+        sns = store_namespace(ns)
+        block_idx, ckpt_idx = dl.split_layers(cache)
+        try:
+            if cp is None:
+                cp = kb.take_checkpoint(cache)
+            specs, segs, keep = dl.checkpoint_layout(cp, ckpt_idx, bool(block_idx))
+            snaps = []
+            if block_idx:
+                bspecs, bsegs, bkeep = dl.block_layout(cache, len(toks), block_idx, part=True)
+                # no manifest of its own: the checkpoint's names the blocks and tail too
+                snaps.append(Snapshot(sns, toks, tuple(bspecs), bsegs, keep=bkeep,
+                                      on_start=_background_priority))
+        except kb.UnsupportedCache as exc:
+            log.debug("checkpoint kept in RAM only: %s", exc)
+            return None
+        snaps.append(Snapshot(sns, toks, tuple(specs), segs, manifest=_manifest_name(toks),
+                              keep=keep, on_start=_background_priority, checkpoint=True))
+        return snaps[0] if len(snaps) == 1 else tuple(snaps)
+
+    def _submit(self, snap: Any) -> Future:
+        """Durability's submit: one snapshot, or several written in order (blocks, then the
+        checkpoint that needs them) whose future settles when all have."""
+        if not isinstance(snap, tuple):
+            return self.io.submit_write(snap, block=False)
+        futs = [self.io.submit_write(s, block=False) for s in snap]
+        out: Future = Future()
+        left = [len(futs)]
+        lock = threading.Lock()
+
+        def done(_: Future) -> None:
+            with lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            exc = next((f.exception() for f in futs if f.exception() is not None), None)
+            if exc is not None:
+                out.set_exception(exc)
+            else:
+                out.set_result(_Written(sum(f.result().bytes_written for f in futs),
+                                        tuple(f.result() for f in futs)))
+
+        for f in futs:
+            f.add_done_callback(done)
+        return out
+
+    # ------------------------------------------------------------------ handed-over entries
+    def _remember_lent(self, cache: list, ns: str, toks: np.ndarray, session: str | None
+                       ) -> None:
+        try:
+            refs = tuple(weakref.ref(c) for c in cache)
+        except TypeError:
+            return
+        self._lent[id(cache)] = _Lent(refs, ns, toks.copy(), session)
+        while len(self._lent) > _MAX_LENT:
+            self._lent.pop(next(iter(self._lent)))
+
+    def _prune_lent(self) -> None:
+        for k in [k for k, r in self._lent.items() if any(w() is None for w in r.layers)]:
+            del self._lent[k]
+
+    def release(self, cache: list | None) -> bool:
+        """The request that got ``cache`` from ``lookup`` will not ``store`` it (it failed or
+        was dropped): give back what it borrowed. A lent (shared) cache borrowed nothing;
+        a RAM entry that was handed over whole (its buffers continue in place) is rebuilt
+        from the cache's first ``n`` rows, which the request never rewrites, and kept
+        again. Engine thread. Returns whether an entry was given back."""
+        if cache is None:
+            return False
+        rec = self._lent.pop(id(cache), None)
+        if rec is None or len(rec.layers) != len(cache) or \
+                any(w() is not c for w, c in zip(rec.layers, cache)):
+            return False
+        n = len(rec.tokens)
+        try:
+            if not kb.is_block_cache(cache):
+                raise ValueError("the cache is no longer a block cache")
+            arrays = [kb.layer_arrays(c) for c in cache]
+            mx.eval([a for layer in arrays for a in layer])
+            if any(int(c.offset) < n or not arrs or arrs[0].shape[2] < n
+                   for c, arrs in zip(cache, arrays)):
+                raise ValueError(f"the cache no longer holds its first {n} tokens")
+            back = [kb.make_layer(kb.layer_spec(c), arrs, n) for c, arrs in zip(cache, arrays)]
+            self.ram.store(rec.ns, rec.tokens, back, rec.session)
+        except Exception as exc:  # noqa: BLE001  (a failed computation left lazy garbage)
+            log.warning("mlxkv cache: could not take back a %d-token state: %s", n, exc)
+            return False
+        with self._lock:
+            self._s["released"] += 1
+        return True
 
     def _on_ram_drop(self, entry: Entry, evicted: bool, superseded_by: Entry | None) -> None:
         # The coordinator already holds a snapshot of every dirty block state (it was taken

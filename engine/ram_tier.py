@@ -124,6 +124,7 @@ class Match:
     n: int
     lend: Callable[[], list | None] = lambda: None
     entry: Entry | None = None
+    moved: bool = False  # lend() hands the entry's own buffers over and forgets the entry
 
 
 class RamTier:
@@ -338,7 +339,7 @@ class RamTier:
             pieces, owner = list(pinned.runs), pinned
         total = len(tokens)
         if self._movable(owner, pieces, n, total, session):
-            return Match(n, lambda: self._move(owner, n), owner)
+            return Match(n, lambda: self._move(owner, n), owner, moved=True)
         return Match(n, lambda: self._lend_runs(pieces, n, total), owner)
 
     def _movable(self, entry: Entry | None, pieces: list[Run], n: int, total: int,

@@ -408,7 +408,14 @@ QWEN3_NEXT = {"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers"
               "full_attention_interval": 2}
 
 
-@pytest.mark.parametrize("config", [GEMMA3, QWEN3_NEXT], ids=["rotating", "ssm-hybrid"])
+MAMBA = {"model_type": "mamba", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+         "state_size": 8, "num_hidden_layers": 2, "conv_kernel": 4, "use_bias": False,
+         "use_conv_bias": True, "time_step_rank": 8}  # SSM state only, no KV at all
+CKPT_MODELS = [GEMMA3, QWEN3_NEXT, MAMBA]
+CKPT_IDS = ["rotating+kv", "ssm+kv", "ssm-only"]
+
+
+@pytest.mark.parametrize("config", CKPT_MODELS, ids=CKPT_IDS)
 def test_non_trimmable_caches_restore_only_at_checkpoints(config, tmp_path):
     model = init_model(config, seed=1, scale=0.1)
     kinds = {type(c).__name__ for c in make_prompt_cache(model)}
@@ -435,6 +442,103 @@ def test_non_trimmable_caches_restore_only_at_checkpoints(config, tmp_path):
     pc.close()
 
 
+@pytest.mark.parametrize("config", CKPT_MODELS, ids=CKPT_IDS)
+def test_checkpoints_persist_and_restore_after_restart(config, tmp_path):
+    model = init_model(config, seed=1, scale=0.1)
+    ns = config["model_type"] + "-float32"
+    t1 = prompt(2 * BT + 13, 33)  # a ring that wrapped, KV over full blocks and a tail
+    out, _, cache = run(model, t1)
+    pc = pc_at(tmp_path)
+    pc.store(t1 + out, cache, ns)
+    assert pc.stats()["checkpoints_persisted"] == 1
+    rep = pc.close(30)
+    assert rep == {"durable": 1, "flushed": 1, "pending": 0, "failed": 0, "missing": 0}
+    has_kv = "KVCache" in {type(x).__name__ for x in make_prompt_cache(model)}
+    st = pc.disk.stats()
+    assert st["checkpoints"] == 1 and (st["blocks"] > 0) == has_kv
+
+    pc2 = pc_at(tmp_path)  # a new process: empty RAM, same folder
+    stored = len(t1) + len(out)
+    t2 = t1 + out + prompt(6, 34)
+    n, c = pc2.lookup(t2, ns)
+    assert n == stored and pc2.stats()["last"]["tier"] == "ssd"
+    assert [type(x) for x in c] == [type(x) for x in make_prompt_cache(model)]
+    warm, c = assert_same(model, t2, n, c)
+    # the restored + extended state is a new checkpoint: in RAM now, and on disk
+    pc2.store(t2 + warm, c, ns)
+    t3 = t2 + warm + [5, 6]
+    n3, c3 = pc2.lookup(t3, ns)
+    assert n3 == len(t2) + len(warm) and pc2.stats()["last"]["tier"] == "ram"
+    assert_same(model, t3, n3, c3)
+    # only at exact checkpoint positions: a prompt that diverges inside the stored range
+    # (even after whole KV blocks that are on disk) restores nothing
+    assert pc2.lookup(t1[: 2 * BT + 5] + prompt(9, 35), ns) == (0, None)
+    assert pc2.lookup(t1 + out, ns) == (0, None)  # would leave nothing to compute
+    rep = pc2.close(30)
+    assert rep["durable"] == 1 and rep["pending"] == 0 and pc2.disk.stats()["checkpoints"] == 2
+
+    pc3 = pc_at(tmp_path, ram_bytes=1)  # restart again, and RAM too small to hold anything
+    for toks, at in ((t2, stored), (t3, n3)):  # both checkpoints, each at its position
+        n, c = pc3.lookup(toks, ns)
+        assert n == at and pc3.stats()["last"]["tier"] == "ssd"
+        assert_same(model, toks, n, c)
+    pc3.close()
+
+
+def test_corrupt_checkpoint_is_never_restored(tmp_path):
+    model = init_model(QWEN3_NEXT, seed=1, scale=0.1)
+    t = prompt(BT + 9, 36)
+    _, _, cache = run(model, t, n_new=0)
+    pc = pc_at(tmp_path)
+    pc.store(t, cache, "ns")
+    pc.close(30)
+    [path] = list(tmp_path.glob("ns/*/*.ckpt"))
+    data = bytearray(path.read_bytes())
+    data[-1 - (len(data) % 4096 or 4096) // 2] ^= 0x5A  # a byte of the (last) payload page
+    data[4096 + 3] ^= 0x11  # and one at the start of the payload (the skeleton)
+    path.write_bytes(bytes(data))
+    pc2 = pc_at(tmp_path)
+    assert pc2.lookup(t + [3, 4], "ns") == (0, None)  # recompute, never a wrong state
+    assert pc2.stats()["ssd_corrupt"] == 1
+    assert not path.exists()
+    pc2.close()
+
+
+def test_failed_request_gives_back_a_handed_over_entry(llama):
+    pc = pc_at(None)
+    t = prompt(50, 37)
+    _, _, cache = run(llama, t, n_new=0)
+    pc.store(t, cache, "ns")
+    del cache
+    t2 = t + [7, 8, 9]
+    n, c = pc.lookup(t2, "ns")
+    assert n == len(t) and pc.ram.moves == 1 and len(pc.ram) == 0  # handed over
+    # the request writes part of its prompt in place, then fails before it stores
+    llama(mx.array(t2[n : n + 2])[None], cache=c)
+    mx.eval([x.state for x in c])
+    assert pc.release(c) is True
+    assert pc.release(c) is False  # once
+    n2, c2 = pc.lookup(t2, "ns")
+    assert n2 == len(t) and pc.ram.moves == 2
+    warm, c2 = assert_same(llama, t2, n2, c2)
+    pc.store(t2 + warm, c2, "ns")
+    # a lent (shared) cache borrowed nothing: release is a no-op
+    t3 = t[:40] + [1, 2]
+    n3, c3 = pc.lookup(t3, "ns")
+    assert n3 == 40 and pc.release(c3) is False and pc.ram.moves == 2
+    # a store that rejects its input gives the handed-over entry back too
+    t4 = t2 + warm + [4, 5]
+    n4, c4 = pc.lookup(t4, "ns")
+    assert n4 == len(t2 + warm) and pc.ram.moves == 3 and len(pc.ram) == 0
+    with pytest.raises(ValueError, match="holds"):
+        pc.store(t4 + [6], c4, "ns")
+    n5, c5 = pc.lookup(t4, "ns")
+    assert n5 == n4
+    assert_same(llama, t4, n5, c5)
+    assert pc.stats()["released"] == 2
+    pc.close()
+
+
 def test_restore_destinations_are_real_writable_buffers():
     from engine.kvblocks import byte_view, writable_arrays
 
@@ -450,6 +554,7 @@ def test_restore_destinations_are_real_writable_buffers():
 def test_null_prefix_cache():
     pc = NullPrefixCache()
     assert pc.lookup([1, 2, 3], "ns") == (0, None)
+    assert pc.release(None) is False
     assert pc.store([1, 2], [], "ns") is None
     assert pc.flush(1)["durable"] == 0
     assert pc.stats() == {"enabled": False}
