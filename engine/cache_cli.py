@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import time
 from typing import Any
@@ -67,19 +66,47 @@ def _open_store(root: str) -> Any:
                                 f"--cache-dir)")
     store = BlockStore(root)
     store.scan()
-    # Block size is not recorded in the folder; read it off an indexed block (a store made
-    # with another block_tokens would see only its tails).
-    # NOTE: BlockStore has no public accessor for indexed blocks yet.
-    with store._lock:
-        sizes = {e.t1 - e.t0 for sp in store._spaces.values() for e in sp.blocks.values()}
-    if len(sizes) == 1 and sizes != {store.block_tokens}:
-        store = BlockStore(root, block_tokens=sizes.pop())
+    bt = _block_tokens(store)
+    if bt is not None and bt != store.block_tokens:
+        store = BlockStore(root, block_tokens=bt)
         store.scan()
     return store
 
 
+def _block_tokens(store: Any) -> int | None:
+    """The block size the folder was written with (it is not recorded there): the one
+    whose chain key of a saved conversation's first block matches its manifest."""
+    from storage.store import BlockStore
+
+    for ns in sorted(store.stats()["namespaces"]):
+        for man in store.manifests(ns):
+            k, n = len(man.block_keys), len(man.tokens)
+            if k == 0:
+                continue
+            first = man.block_keys[0]
+            if store.chain_keys(ns, man.tokens[: store.block_tokens])[:1] == [first]:
+                return store.block_tokens
+            # k full blocks of bt tokens in n tokens: n // (k + 1) < bt <= n // k
+            for bt in range(n // (k + 1) + 1, n // k + 1):
+                if BlockStore(store.root, block_tokens=bt).chain_keys(
+                        ns, man.tokens[:bt])[:1] == [first]:
+                    return bt
+    return None
+
+
 def _namespaces(store: Any, only: str | None) -> list[str]:
-    names = sorted(store.stats()["namespaces"])
+    """Namespaces with indexed files, or only saved conversations (whose blocks are gone)."""
+    from storage.store import check_namespace
+
+    names = set(store.stats()["namespaces"])
+    for de in os.scandir(store.root):
+        try:
+            if de.is_dir() and de.name not in names and check_namespace(de.name) and \
+                    store.manifests(de.name):
+                names.add(de.name)
+        except ValueError:  # not a namespace folder
+            continue
+    names = sorted(names)
     if only is not None:
         if only not in names:
             raise KeyError(f"namespace {only!r} is not in {store.root} (have: "
@@ -89,38 +116,55 @@ def _namespaces(store: Any, only: str | None) -> list[str]:
 
 
 def _verify(store: Any, ns: str) -> dict[str, int]:
-    """Restore every saved conversation of ``ns`` into scratch buffers (all blocks checked)."""
-    import numpy as np
-
+    """Restore every saved conversation of ``ns`` into scratch buffers (every block and
+    checkpoint is checked against its content hash; a corrupt one is removed)."""
     out = {"conversations": 0, "ok": 0, "corrupt": 0, "missing": 0, "tokens": 0}
     for man in store.manifests(ns):
         out["conversations"] += 1
+        n = len(man.tokens)
+        got = []
         m = store.lookup(ns, man.tokens)
-        if m.n_tokens == 0:
-            out["missing"] += 1
-            continue
-        layout = _layout(store, ns, m)
-        segs = [(np.empty(s.outer * m.n_tokens * s.row_bytes, np.uint8), s.outer, m.n_tokens,
-                 s.row_bytes) for s in layout]
-        r = store.get_blocks(ns, man.tokens, layout, segs, n_tokens=m)
-        out["tokens"] += r.n_tokens
-        if r.corrupt:
-            out["corrupt"] += r.corrupt
-        elif r.missing or r.n_tokens < len(man.tokens):
-            out["missing"] += 1
-        else:
-            out["ok"] += 1
+        if m.n_tokens and m.layout is not None:
+            r = store.get_blocks(ns, man.tokens, m.layout, _scratch(m.layout, m.n_tokens),
+                                 n_tokens=m)
+            got.append(r)
+        if man.extra_keys:  # a checkpoint (rotating window / SSM state) at exactly n
+            cm = store.lookup_checkpoint(ns, man.tokens)
+            if cm.n_tokens == n:
+                got.append(store.get_checkpoint(ns, cm, cm.layout, _scratch(cm.layout, 1)))
+            else:
+                got.append(None)
+        elif not got or got[0].n_tokens < n:
+            got.append(None)
+        corrupt = sum(r.corrupt for r in got if r is not None)
+        out["corrupt"] += corrupt
+        out["tokens"] += max([r.n_tokens for r in got if r is not None] or [0])
+        if not corrupt:
+            out["missing" if any(r is None or r.missing for r in got) else "ok"] += 1
     return out
 
 
-def _layout(store: Any, ns: str, m: Any) -> Any:
-    # NOTE: BlockStore has no public accessor for an indexed block's layout yet.
-    with store._lock:
-        sp = store._spaces[ns]
-        if m.block_keys:
-            return sp.blocks[m.block_keys[0]].layout
-        return next(t for ts in sp.tails.values() for t in ts.values()
-                    if t.key == m.tail_key).layout
+def _scratch(layout: Any, rows: int) -> list:
+    import numpy as np
+
+    return [(np.empty(s.outer * rows * s.row_bytes, np.uint8), s.outer, rows, s.row_bytes)
+            for s in layout]
+
+
+def _clear(store: Any, ns: str) -> bool:
+    """Delete everything of ``ns``: its manifests, then (under the folder's exclusive
+    lock, through gc) every block, tail and checkpoint; then its folders if they are empty
+    (a file another process wrote meanwhile is left alone). True if the folder is gone."""
+    for man in store.manifests(ns):
+        store.delete_manifest(ns, man.name)
+    store.gc(ns, min_age_s=0.0)
+    top = os.path.join(store.root, ns)
+    for dirpath, _, _ in sorted(os.walk(top), key=lambda w: -len(w[0])):
+        try:
+            os.rmdir(dirpath)
+        except OSError:
+            pass
+    return not os.path.exists(top)
 
 
 def run_cache_command(args: argparse.Namespace) -> int:
@@ -146,8 +190,9 @@ def run_cache_command(args: argparse.Namespace) -> int:
             for ns in _namespaces(store, args.ns):
                 mans = sorted(store.manifests(ns), key=lambda m: m.created)
                 res[ns] = [{"name": m.name, "tokens": len(m.tokens),
-                            "blocks": len(m.block_keys), "cached_tokens":
-                            store.longest_prefix(ns, m.tokens),
+                            "blocks": len(m.block_keys), "checkpoint": bool(m.extra_keys),
+                            "cached_tokens": store.lookup_checkpoint(ns, m.tokens).n_tokens
+                            if m.extra_keys else store.longest_prefix(ns, m.tokens),
                             "created": m.created} for m in mans]
                 if not args.json:
                     print(f"{ns}: {len(mans)} conversations")
@@ -185,12 +230,12 @@ def run_cache_command(args: argparse.Namespace) -> int:
             names = _namespaces(store, args.ns)
             res = {"namespaces": names, "deleted": bool(args.yes)}
             if args.yes:
-                with store._flock(shared=False):
-                    for ns in names:
-                        shutil.rmtree(os.path.join(root, ns), ignore_errors=True)
+                res["left"] = [ns for ns in names if not _clear(store, ns)]
             if not args.json:
                 what = ", ".join(names) or "nothing"
                 print(f"deleted {what}" if args.yes else f"would delete {what} (add --yes)")
+                for ns in res.get("left", []):
+                    print(f"  {ns}: files this version does not know (or new ones) were kept")
         else:  # pragma: no cover - argparse restricts the choices
             raise ValueError(f"unknown cache command {cmd!r}")
         if args.json:

@@ -603,12 +603,34 @@ def test_cache_cli(llama, tmp_path):
     assert ls["model-a"][0]["cached_tokens"] == len(t)
     rc, v = _cli("--cache-dir", d, "--json", "verify")
     assert rc == 0 and v["model-a"]["ok"] == 1
+    # conversations of checkpointed models (SSM only; SSM + KV) are listed and verified too
+    for config, tag in ((MAMBA, "ssm"), (QWEN3_NEXT, "hybrid")):
+        model = init_model(config, seed=1, scale=0.1)
+        tc = prompt(BT + 7, 51)
+        _, _, cc = run(model, tc, n_new=0)
+        pc = pc_at(tmp_path)
+        pc.store(tc, cc, f"model-{tag}")
+        pc.close(30)
+    rc, ls = _cli("--cache-dir", d, "--json", "ls")
+    assert ls["model-ssm"][0]["checkpoint"] and ls["model-ssm"][0]["cached_tokens"] == BT + 7
+    assert ls["model-hybrid"][0]["cached_tokens"] == BT + 7
+    rc, v = _cli("--cache-dir", d, "--json", "verify")
+    assert rc == 0 and v["model-ssm"]["ok"] == 1 and v["model-hybrid"]["ok"] == 1
+    [ck] = list(tmp_path.glob("model-ssm/*/*.ckpt"))
+    data = bytearray(ck.read_bytes())
+    data[4096 + 1] ^= 0x20
+    ck.write_bytes(bytes(data))
+    rc, v = _cli("--cache-dir", d, "--json", "verify", "--ns", "model-ssm")
+    assert rc == 1 and v["model-ssm"]["corrupt"] == 1 and not ck.exists()
     rc, g = _cli("--cache-dir", d, "--json", "gc", "--min-age", "0")
     assert rc == 0 and g["removed"] == 0  # everything is referenced by its conversation
     rc, cl = _cli("--cache-dir", d, "--json", "clear")
     assert rc == 0 and not cl["deleted"] and (tmp_path / "model-a").exists()
+    rc, cl = _cli("--cache-dir", d, "--json", "clear", "--ns", "model-a", "--yes")
+    assert rc == 0 and cl["left"] == [] and not (tmp_path / "model-a").exists()
+    assert (tmp_path / "model-hybrid").exists()  # other namespaces are left alone
     rc, cl = _cli("--cache-dir", d, "--json", "clear", "--yes")
-    assert rc == 0 and not (tmp_path / "model-a").exists()
+    assert rc == 0 and cl["left"] == [] and not list(tmp_path.glob("model-*"))
     assert _cli("--cache-dir", str(tmp_path / "nope"), "stats")[0] == 2
 
 
