@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.split(
         "\n")[0])
     ap.add_argument("--json", action="store_true", help="end with one JSON line")
-    ap.add_argument("--reps", type=int, default=5, help="interleaved pairs (>= 5)")
+    ap.add_argument("--reps", type=int, default=7, help="interleaved pairs (>= 5)")
     ap.add_argument("--first-token-reps", type=int, default=5)
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--decode-tokens", type=int, default=16)
