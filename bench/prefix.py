@@ -165,7 +165,7 @@ def child_ssd(args: argparse.Namespace) -> int:
         # the storage layer alone on the same blocks, as bench.storage measures a warm restore:
         # with and without allocating the evaluated destination arrays
         m = pc.disk.lookup(sns, prompt, max_tokens=len(prompt) - 1)
-        layout = pc._layout(NS, sns, m)
+        layout = m.layout
         for with_alloc in (True, False):
             t = time.perf_counter()
             dst = [mx.zeros((1, s.outer, m.n_tokens, *s.shape), getattr(mx, s.dtype))
