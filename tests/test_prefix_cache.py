@@ -485,6 +485,23 @@ def test_checkpoints_persist_and_restore_after_restart(config, tmp_path):
     pc3.close()
 
 
+def test_checkpoints_are_never_coalesced(tmp_path):
+    # a longer state covers a shorter one's blocks, never its exact-position checkpoint
+    model = init_model(MAMBA, seed=1, scale=0.1)
+    pc = pc_at(tmp_path, debounce_s=3600)
+    t = prompt(BT + 3, 38)
+    out, _, c = run(model, t, n_new=3)
+    pc.store(t + out, c, "ns")
+    t2 = t + out + [9, 9]
+    n, c2 = pc.lookup(t2, "ns")
+    out2, _, c2 = run(model, t2, 3, c2, n)
+    pc.store(t2 + out2, c2, "ns")
+    rep = pc.flush(30)
+    assert rep["durable"] == 2 and rep["flushed"] == 2
+    assert pc.durability.counts["superseded"] == 0 and pc.disk.stats()["checkpoints"] == 2
+    pc.close()
+
+
 def test_corrupt_checkpoint_is_never_restored(tmp_path):
     model = init_model(QWEN3_NEXT, seed=1, scale=0.1)
     t = prompt(BT + 9, 36)
