@@ -559,7 +559,8 @@ class PrefixCache:
         if self.disk is not None:
             st = self.disk.stats()
             s.update({"ssd": True, "ssd_bytes": st["bytes"], "ssd_blocks": st["blocks"],
-                      "ssd_tails": st["tails"], "ssd_root": st["root"], "kernel": st["kernel"]})
+                      "ssd_tails": st["tails"], "ssd_checkpoints": st.get("checkpoints", 0),
+                      "ssd_root": st["root"], "kernel": st["kernel"]})
             s["durability"] = self.durability.report()
             s["write_counts"] = dict(self.durability.counts)
             s["queues"] = {**self.durability.queue_depth(),

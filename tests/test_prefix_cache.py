@@ -454,8 +454,8 @@ def test_checkpoints_persist_and_restore_after_restart(config, tmp_path):
     rep = pc.close(30)
     assert rep == {"durable": 1, "flushed": 1, "pending": 0, "failed": 0, "missing": 0}
     has_kv = "KVCache" in {type(x).__name__ for x in make_prompt_cache(model)}
-    st = pc.disk.stats()
-    assert st["checkpoints"] == 1 and (st["blocks"] > 0) == has_kv
+    st = pc.stats()
+    assert st["ssd_checkpoints"] == 1 and (st["ssd_blocks"] > 0) == has_kv
 
     pc2 = pc_at(tmp_path)  # a new process: empty RAM, same folder
     stored = len(t1) + len(out)
