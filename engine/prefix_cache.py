@@ -34,7 +34,6 @@ import re
 import sys
 import threading
 import time
-import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -51,7 +50,7 @@ from engine.ram_tier import Entry, RamTier, as_tokens
 log = logging.getLogger("mlxkv.prefix")
 
 _STORE_NS = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_MAX_LENT = 8  # handed-over caches remembered for release() (weakly; see release)
+_MAX_LENT = 8  # handed-over caches remembered for release()
 
 
 def default_ram_bytes(fraction: float = 0.25) -> int:
@@ -98,7 +97,7 @@ def _manifest_name(toks: np.ndarray) -> str:
 class _Lent:
     """A RAM entry handed over to a request (see ``PrefixCache.release``)."""
 
-    layers: tuple  # weak references to the handed-over layer caches
+    cache: list  # the request's prompt cache (the very list lookup returned)
     ns: str
     tokens: np.ndarray
     session: str | None
@@ -160,7 +159,7 @@ class PrefixCache:
                                 else int(min_ssd_gain))
         self._lock = threading.Lock()  # stats are read from other threads
         self._sessions: set[str] = set()
-        # caches whose RAM entry was handed over (by id; weak refs to their layers)
+        # caches whose RAM entry was handed over, by id, until stored or given back
         self._lent: dict[int, _Lent] = {}
         self._s = {"lookups": 0, "ram_hits": 0, "ssd_hits": 0, "misses": 0,
                    "prompt_tokens": 0, "cached_tokens": 0, "ram_tokens": 0, "ssd_tokens": 0,
@@ -203,7 +202,7 @@ class PrefixCache:
         t0 = time.perf_counter()
         toks = as_tokens(tokens)
         sns = store_namespace(ns)
-        self._prune_lent()
+        self._sweep_lent()
         match = self.ram.lookup(ns, toks, session)
         n, cache, tier, restore_ms = match.n, None, "ram" if match.n else None, 0.0
         if self.disk is not None and len(toks) > 1:
@@ -464,31 +463,43 @@ class PrefixCache:
     # ------------------------------------------------------------------ handed-over entries
     def _remember_lent(self, cache: list, ns: str, toks: np.ndarray, session: str | None
                        ) -> None:
-        try:
-            refs = tuple(weakref.ref(c) for c in cache)
-        except TypeError:
-            return
-        self._lent[id(cache)] = _Lent(refs, ns, toks.copy(), session)
+        self._lent[id(cache)] = _Lent(cache, ns, toks.copy(), session)
         while len(self._lent) > _MAX_LENT:
-            self._lent.pop(next(iter(self._lent)))
+            rec = self._lent.pop(next(iter(self._lent)))
+            if self._orphaned(rec):
+                self._give_back(rec)
 
-    def _prune_lent(self) -> None:
-        for k in [k for k, r in self._lent.items() if any(w() is None for w in r.layers)]:
-            del self._lent[k]
+    @staticmethod
+    def _orphaned(rec: _Lent) -> bool:
+        # Only our record still refers to the cache list (getrefcount adds its argument):
+        # the request is over and neither stored nor released it. Holding the list (and so
+        # its layer objects) never holds an extra reference to an array, so it does not
+        # stop MLX from writing the request's new tokens in place.
+        return sys.getrefcount(rec.cache) <= 2
+
+    def _sweep_lent(self) -> None:
+        """Give back handed-over entries whose request dropped its cache without storing
+        it (a failure the engine did not report through ``release``)."""
+        for key in [k for k, r in self._lent.items() if self._orphaned(r)]:
+            self._give_back(self._lent.pop(key))
 
     def release(self, cache: list | None) -> bool:
         """The request that got ``cache`` from ``lookup`` will not ``store`` it (it failed or
         was dropped): give back what it borrowed. A lent (shared) cache borrowed nothing;
         a RAM entry that was handed over whole (its buffers continue in place) is rebuilt
         from the cache's first ``n`` rows, which the request never rewrites, and kept
-        again. Engine thread. Returns whether an entry was given back."""
+        again. Engine thread. Returns whether an entry was given back. (Without this call
+        the entry comes back at the next ``lookup`` once nothing else holds the cache.)"""
         if cache is None:
             return False
-        rec = self._lent.pop(id(cache), None)
-        if rec is None or len(rec.layers) != len(cache) or \
-                any(w() is not c for w, c in zip(rec.layers, cache)):
+        rec = self._lent.get(id(cache))
+        if rec is None or rec.cache is not cache:
             return False
-        n = len(rec.tokens)
+        del self._lent[id(cache)]
+        return self._give_back(rec)
+
+    def _give_back(self, rec: _Lent) -> bool:
+        cache, n = rec.cache, len(rec.tokens)
         try:
             if not kb.is_block_cache(cache):
                 raise ValueError("the cache is no longer a block cache")
@@ -538,6 +549,7 @@ class PrefixCache:
         else:
             rep = self.durability.close(timeout)
             self.io.close(timeout)
+        self._lent.clear()
         self.ram.clear()
         return rep
 
