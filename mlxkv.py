@@ -98,13 +98,18 @@ def _params(settings: Any, stop: Sequence[str] = ()) -> Any:
         stop=tuple(stop), prefill_step_size=settings.prefill_step_size)
 
 
-def _start_engine(settings: Any) -> Any:
+def _start_engine(settings: Any, wait: bool = True) -> Any:
     from engine.engine import Engine
 
-    engine = Engine.from_settings(settings).start()
+    engine = Engine.from_settings(settings).start(wait=wait)
+    if wait:
+        _after_startup()
+    return engine
+
+
+def _after_startup() -> None:
     gc.freeze()  # what start-up built lives for the whole process: keep GC off it
     gc.enable()
-    return engine
 
 
 def stats_line(stats: Any, reason: str | None) -> str:
@@ -115,52 +120,63 @@ def stats_line(stats: Any, reason: str | None) -> str:
             f"{stats.generated_tokens} tok at {stats.decode_tps:.1f} tok/s, {reason}]")
 
 
-def _stream(handle: Any, out: Any) -> Any:
-    """Print a request's text as it arrives; Ctrl-C cancels it. Returns the Result."""
+def _printer(out: Any) -> Any:
+    """An event callback that writes token text as it is generated. It runs on the engine
+    thread, so a token reaches the terminal without a hop to the main thread."""
     from engine.engine import TokenEvent
 
-    events = handle.events()
+    def on_event(event: Any) -> None:
+        if isinstance(event, TokenEvent) and event.text:
+            out.write(event.text)
+            out.flush()
+
+    return on_event
+
+
+def _wait(handle: Any) -> Any:
+    """Wait for a request's result; Ctrl-C cancels it (the engine then finishes it)."""
     while True:
         try:
-            for event in events:
-                if isinstance(event, TokenEvent) and event.text:
-                    out.write(event.text)
-                    out.flush()
-            break
+            return handle.result()
         except KeyboardInterrupt:
-            handle.cancel()  # keep draining: the engine answers with "cancelled"
-    return handle.result()
+            handle.cancel()
 
 
 def cmd_generate(args: argparse.Namespace, settings: Any) -> int:
-    from engine.engine import EngineError, Request
+    from engine.engine import Request
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    engine = _start_engine(settings)
+    if args.raw:
+        request = Request(prompt=prompt, params=_params(settings, args.stop))
+    else:
+        messages = ([{"role": "system", "content": settings.system_prompt}]
+                    if settings.system_prompt else [])
+        messages.append({"role": "user", "content": prompt})
+        request = Request(messages=messages, params=_params(settings, args.stop))
+    # Queue the request while the model loads: it runs the moment the model is ready.
+    engine = _start_engine(settings, wait=False)
     try:
-        if args.raw:
-            request = Request(prompt=prompt, params=_params(settings, args.stop))
-        else:
-            messages = ([{"role": "system", "content": settings.system_prompt}]
-                        if settings.system_prompt else [])
-            messages.append({"role": "user", "content": prompt})
-            request = Request(messages=messages, params=_params(settings, args.stop))
-        handle = engine.submit(request)
-        try:
-            if args.json:
-                result = handle.result()
-            else:
-                result = _stream(handle, sys.stdout)
-                sys.stdout.write("\n")
-                sys.stderr.write(stats_line(result.stats, result.finish_reason) + "\n")
-        except EngineError as e:
-            return _fail(str(e))
+        printer = None if args.json else _printer(sys.stdout)
+        started = []
+
+        def on_event(event: Any) -> None:
+            if not started:  # the model is loaded and running: GC back on
+                started.append(True)
+                _after_startup()
+            if printer is not None:
+                printer(event)
+
+        handle = engine.submit(request, callback=on_event)
+        result = _wait(handle)
         if args.json:
             stats = result.stats.__dict__ if result.stats else None
             print(json.dumps({"text": result.text, "tokens": result.tokens,
                               "finish_reason": result.finish_reason,
                               "finish_detail": result.finish_detail, "stats": stats,
                               "model": engine.info}))
+        else:
+            sys.stdout.write("\n")
+            sys.stderr.write(stats_line(result.stats, result.finish_reason) + "\n")
         return 130 if result.finish_reason == "cancelled" else 0
     finally:
         engine.shutdown()
@@ -193,9 +209,9 @@ def cmd_chat(settings: Any) -> int:
                 continue
             messages.append({"role": "user", "content": line})
             handle = engine.submit(Request(messages=list(messages), params=_params(settings),
-                                           session=session))
+                                           session=session), callback=_printer(sys.stdout))
             try:
-                result = _stream(handle, sys.stdout)
+                result = _wait(handle)
             except EngineError as e:
                 messages.pop()
                 print(_fail(str(e)) and "")

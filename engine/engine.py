@@ -261,10 +261,16 @@ class Engine:
                    full_hash=getattr(settings, "full_hash", False))
 
     # lifecycle
-    def start(self, timeout: float | None = None) -> Engine:
-        """Start the thread and wait until the model is loaded (re-raises load errors)."""
+    def start(self, timeout: float | None = None, wait: bool = True) -> Engine:
+        """Start the thread; with ``wait``, wait until the model is loaded (re-raising a
+        load error). Without it, requests may be submitted at once: they are served as
+        soon as the model is loaded, or fail with the load error."""
         self._thread.start()
         _live_engines.add(self)
+        return self.wait_ready(timeout) if wait else self
+
+    def wait_ready(self, timeout: float | None = None) -> Engine:
+        """Wait for the model to be loaded; re-raise the load error if it failed."""
         if not self._ready.wait(timeout):
             raise EngineError(f"model {self.model_spec} did not load within {timeout} s")
         if self._load_error is not None:
@@ -295,6 +301,8 @@ class Engine:
         """Queue a request; ``callback`` (optional) sees each event on the engine thread."""
         handle = RequestHandle(request, callback)
         with self._submit_lock:
+            if self._load_error is not None:
+                raise self._load_error
             if self._stopping.is_set() or not self._thread.is_alive():
                 raise EngineError("engine is not running")
             self._queue.put(handle)
@@ -341,8 +349,11 @@ class Engine:
                 "compute_dtype": self.loaded.compute_dtype, "blas": describe(),
                 "model_type": self.loaded.config.get("model_type"),
             }
-        except BaseException as e:  # reported to start()'s caller
+        except BaseException as e:  # reported to start()'s caller and queued requests
             self._load_error = e
+            with self._submit_lock:
+                self._stopping.set()
+            self._drain(error=e)
             _clear_streams()
             self._ready.set()
             return
@@ -371,16 +382,19 @@ class Engine:
             _clear_streams()
 
 
-    def _drain(self) -> None:
+    def _drain(self, error: BaseException | None = None) -> None:
+        """Answer everything still queued: cancelled (shutdown), or the load ``error``."""
         while True:
             try:
                 cmd = self._queue.get_nowait()
             except queue.Empty:
                 return
             if isinstance(cmd, RequestHandle):
-                cmd._emit(FinishedEvent("cancelled", "shutdown"))
+                cmd._emit(ErrorEvent(str(error), error) if error is not None
+                          else FinishedEvent("cancelled", "shutdown"))
             elif isinstance(cmd, _Call):
-                cmd.future.set_exception(EngineError("engine shut down"))
+                cmd.future.set_exception(error if error is not None
+                                         else EngineError("engine shut down"))
 
     def _prompt_tokens(self, req: Request) -> list[int]:
         from engine.models import chat_prompt_tokens

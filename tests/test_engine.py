@@ -242,6 +242,23 @@ def test_bad_requests_and_models(qwen3_engine, tmp_path):
         Engine(str(tmp_path / "missing")).start()
 
 
+def test_submit_while_the_model_loads(tiny_qwen3, tmp_path):
+    eng = Engine(str(tiny_qwen3)).start(wait=False)
+    h = eng.submit(Request(prompt="hi", params=SamplingParams(max_tokens=2)))
+    assert h.result(timeout=120).tokens
+    eng.shutdown()
+    bad = Engine(str(tmp_path / "missing")).start(wait=False)
+    try:
+        h = bad.submit(Request(prompt="hi"))
+    except ModelNotFoundError:
+        pass  # the load had already failed: submit says why
+    else:  # queued before the load failed: the request carries the load error
+        with pytest.raises(EngineError, match="model folder not found"):
+            h.result(timeout=60)
+    with pytest.raises(ModelNotFoundError):
+        bad.wait_ready()
+
+
 class DictPrefixCache:
     """A minimal real prefix cache for the seam test: keeps the last stored state and
     lends it when it is a strict prefix of the next prompt."""
