@@ -73,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="no chat template: prompt as is")
     cfg = sub.add_parser("config", parents=[common], help="print the effective settings")
     cfg.add_argument("--json", action="store_true")
+    try:  # `mlxkv cache ...` lives with the prefix cache (engine/cache_cli.py)
+        from engine.cache_cli import add_cache_parser
+    except ImportError:
+        pass
+    else:
+        add_cache_parser(sub)
     return parser
 
 
@@ -263,13 +269,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         gc.enable()
 
 
+def _early_env(argv: Sequence[str]) -> None:
+    """--blas and --config must be known before anything imports `engine` (which loads
+    the BLAS before mlx), and building the parser already imports part of it."""
+    names = {"--blas": "MLXKV_BLAS", "--config": "MLXKV_CONFIG"}
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if flag in names:
+            if not eq and i + 1 < len(argv):
+                value = argv[i + 1]
+            if value:
+                os.environ[names[flag]] = value
+
+
 def _main(argv: Sequence[str] | None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _early_env(argv)
     args = build_parser().parse_args(argv)
-    # BLAS and config file choices must be known before `engine` loads mlx.
-    if getattr(args, "blas", None):
-        os.environ["MLXKV_BLAS"] = args.blas
-    if getattr(args, "config", None):
-        os.environ["MLXKV_CONFIG"] = args.config
     from engine.engine import EngineError
     from engine.models import ModelNotFoundError
     from engine.settings import SettingsError
@@ -278,6 +294,10 @@ def _main(argv: Sequence[str] | None) -> int:
         settings = _settings(args)
         if args.command == "config":
             return cmd_config(args, settings)
+        if args.command == "cache":
+            from engine.cache_cli import run_cache_command
+
+            return run_cache_command(args)
         if args.command == "generate":
             return cmd_generate(args, settings)
         if args.command is None:

@@ -428,6 +428,15 @@ class Engine:
             return 0, None
         return n, cache
 
+    def _release(self, cache: Any) -> None:
+        # A request that borrowed a cache from lookup and will not store it gives it back.
+        release = getattr(self.prefix_cache, "release", None)
+        if cache is not None and release is not None:
+            try:
+                release(cache)
+            except Exception:
+                log.exception("prefix cache release failed")
+
     def _serve(self, handle: RequestHandle) -> None:
         if handle.cancelled or self._stopping.is_set():
             handle._emit(FinishedEvent("cancelled", "shutdown" if self._stopping.is_set()
@@ -435,6 +444,7 @@ class Engine:
             return
         start = time.perf_counter()
         req = handle.request
+        cache = None
         try:
             tokens = self._prompt_tokens(req)
             if not tokens:
@@ -457,6 +467,7 @@ class Engine:
             handle._emit(FinishedEvent(out.finish_reason, detail))
         except Exception as e:
             log.debug("request %d failed", handle.id, exc_info=True)
+            self._release(cache)
             handle._emit(ErrorEvent(f"{type(e).__name__}: {e}", e))
             return
         # After the caller has its answer: hand the KV state to the prefix cache.

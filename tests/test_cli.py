@@ -69,6 +69,12 @@ def test_config_shows_values_and_sources(tmp_path):
     assert j["blas"]["name"].startswith("reference")
 
 
+def test_cache_command_is_wired(tmp_path):
+    r = mlxkv("cache", "--cache-dir", str(tmp_path), "--json", "stats")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1])["blocks"] == 0
+
+
 def test_generate_json_and_stream(tiny_qwen3):
     args = ("generate", "--model", str(tiny_qwen3), "--prompt", "hello", "--max-tokens", "12",
             "--temp", "1.0", "--seed", "7")
