@@ -11,7 +11,9 @@ divided by the other; "warm" means the files are in the page cache, "cold" means
 pages were dropped with posix_fadvise(DONTNEED) (fsync first) where the OS honours it.
 
 restore_vs_mlx_lm counts the allocation of the destination mx arrays (mlx-lm's load
-allocates its own); restore_prealloc_vs_mlx_lm is the restore into arrays the engine
+allocates its own) the way the engine allocates them, without a zero fill
+(engine.mxbuffers); restore_zeroed_vs_mlx_lm is the same with zero-filled destinations
+(the engine's fallback); restore_prealloc_vs_mlx_lm is the restore into arrays the engine
 already holds. --no-mlx runs the storage parts alone (numpy sources and destinations).
 """
 
@@ -35,7 +37,6 @@ import xxhash
 LAYERS, HEADS, DIM = 32, 8, 128
 ROW = DIM * 2  # bf16 bytes per token per head
 GIB = 1 << 30
-ALLOC_STREAMS = 4
 
 
 def median_time(fn: Callable[[], Any], repeats: int, setup: Callable[[], Any] | None = None) -> float:
@@ -123,30 +124,28 @@ class Bench:
         self.src_segs = [(memoryview(a), HEADS, self.T, ROW) for a in self.src]
         self.tokens = np.arange(self.T, dtype=np.uint32)
 
-    def alloc_dst(self) -> list:
-        """Evaluated mx arrays to restore into; checked to be real, distinct, writable."""
+    def alloc_dst(self, zeroed: bool = False) -> list:
+        """Evaluated mx arrays to restore into, as the engine allocates them (without a
+        zero fill, engine.mxbuffers), or zero-filled (its fallback) when ``zeroed``."""
         mx, shape = self.mx, (1, HEADS, self.T, DIM)
         if mx is None:
             return [np.zeros(shape, np.uint16) for _ in range(LAYERS * 2)]
-        # mx.zeros in bfloat16 fills slower on CPU than the same bytes as uint16 (a view
-        # shares the writable, contiguous buffer), and one CPU stream fills one array at a
-        # time: spread the fills over a few streams so the allocation is not the bottleneck
-        if not hasattr(self, "streams"):
-            self.streams = [mx.new_stream(mx.cpu) for _ in range(ALLOC_STREAMS)]
-        dst = [mx.zeros(shape, dtype=mx.uint16, stream=self.streams[i % ALLOC_STREAMS])
-               .view(mx.bfloat16) for i in range(LAYERS * 2)]
-        mx.eval(dst)
-        return dst
+        from engine import mxbuffers
+
+        shapes, dtypes = [shape] * (LAYERS * 2), [mx.bfloat16] * (LAYERS * 2)
+        if zeroed:
+            return mxbuffers.zeroed_arrays(shapes, dtypes)
+        return mxbuffers.unfilled_arrays(shapes, dtypes)
 
     def check_dst(self, dst: list) -> None:
         addrs = set()
         for a in dst:
             mv = memoryview(a)
             if mv.readonly or not mv.c_contiguous or mv.nbytes != HEADS * self.T * ROW:
-                raise RuntimeError("mx.zeros did not give a full writable buffer")
+                raise RuntimeError("a destination is not a full writable buffer")
             addrs.add(np.frombuffer(mv, dtype=np.uint8).ctypes.data)
         if len(addrs) != len(dst):
-            raise RuntimeError("mx.zeros returned shared buffers")
+            raise RuntimeError("destinations share buffers")
 
     def new_ns(self, tag: str) -> str:
         self.ns_counter += 1
@@ -245,8 +244,9 @@ class Bench:
             if bytes(memoryview(a).cast("B")) != bytes(memoryview(b).cast("B")):
                 raise RuntimeError("restored bytes differ from the source")
 
-        def ours_alloc():
-            d = self.alloc_dst()
+        def ours_alloc(zeroed=False):
+            d = self.alloc_dst(zeroed)
+            self.check_dst(d)
             ours([(memoryview(a), HEADS, self.T, ROW) for a in d])
 
         def mlx_load():
@@ -262,27 +262,36 @@ class Bench:
             np.copyto(out, self.blob)
 
         memcpy()
-        t = {k: [] for k in ("ours", "ours_alloc", "mlx", "memcpy", "alloc")}
+        t = {k: [] for k in ("ours", "ours_alloc", "ours_zeroed", "mlx", "memcpy", "alloc",
+                             "alloc_zeroed")}
         for _ in range(R):
             t["ours"].append(median_time(ours, 1))
             t["ours_alloc"].append(median_time(ours_alloc, 1))
+            if mx is not None:
+                t["ours_zeroed"].append(median_time(lambda: ours_alloc(True), 1))
+                t["alloc_zeroed"].append(median_time(lambda: self.alloc_dst(True), 1))
             if mx is not None:
                 t["mlx"].append(median_time(mlx_load, 1))
             t["memcpy"].append(median_time(memcpy, 1))
             t["alloc"].append(median_time(self.alloc_dst, 1))
         to, ta, tc, tz = (statistics.median(t[k]) for k in ("ours", "ours_alloc", "memcpy", "alloc"))
         what = "evaluated mx arrays" if mx is not None else "numpy arrays (--no-mlx)"
-        alloc = (f"mx.zeros(uint16).view(bf16) on {ALLOC_STREAMS} CPU streams + eval"
-                 if mx is not None else "np.zeros")
+        alloc = "unfilled, mx.load of an .npy stream + eval" if mx is not None else "np.zeros"
         self.add(f"restore warm: ours, verified, into {what}", to, n)
         self.add(f"restore warm: ours incl. allocating them ({alloc})", ta, n)
         if mx is not None:
+            tzr = statistics.median(t["ours_zeroed"])
+            self.add("restore warm: ours incl. allocating them zero-filled (fallback)", tzr, n)
             tm = statistics.median(t["mlx"])
             self.add("restore warm: mlx-lm load_prompt_cache + eval", tm, n)
             self.res["restore_vs_mlx_lm"] = tm / ta
+            self.res["restore_zeroed_vs_mlx_lm"] = tm / tzr
             self.res["restore_prealloc_vs_mlx_lm"] = tm / to
         self.add("memory copy: numpy copyto", tc, n)
         self.add(f"  ({alloc} of the destination alone)", tz, n)
+        if mx is not None:
+            self.add("  (zero-filled allocation of the destination alone)",
+                     statistics.median(t["alloc_zeroed"]), n)
         self.res["restore_vs_memcpy"] = tc / to
 
         # cold: drop the pages of every file, then read
@@ -559,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {what:<{w}}  {a:>16}  {c}")
     print("ratios (ours / other, throughput):")
     for k in ("persist_vs_limit", "persist_vs_mlx_lm", "restore_vs_mlx_lm",
-              "restore_prealloc_vs_mlx_lm", "restore_vs_memcpy", "restore_cold_vs_limit",
+              "restore_zeroed_vs_mlx_lm", "restore_prealloc_vs_mlx_lm", "restore_vs_memcpy", "restore_cold_vs_limit",
               "hash_vs_xxhash", "packhash_vs_pack", "gil_ratio", "gil_max_stall_ms",
               "gil_control_ratio", "dedup_ratio", "scan_10k_s", "scan_10k_cold_s"):
         if k in res:

@@ -18,11 +18,16 @@ the stored state never changes.
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
+
+from engine import mxbuffers as mxb
+
+log = logging.getLogger("mlxkv.engine")
 
 # mlx-lm grows KV buffers in steps of this many tokens; lent caches get headroom in the same
 # unit so the first prefill writes in place instead of reallocating.
@@ -203,26 +208,40 @@ def writable_arrays(shapes: list[tuple[int, ...]], dtypes: list[mx.Dtype]) -> li
     """Evaluated arrays, each backed by its own writable, C-contiguous buffer.
 
     Restores write into them through the buffer protocol (on the reader thread) with no
-    second copy. ``mx.zeros`` could in principle give a broadcast of one element or share a
-    buffer; both are checked, never assumed. One ``mx.eval`` for all of them.
+    second copy. They are allocated without a zero fill (see :mod:`engine.mxbuffers`):
+    their bytes are unspecified until the restore writes them, and only restored rows are
+    ever inside a cache's ``offset``. Where that allocation fails, zero-filled arrays are
+    used instead. A broadcast of one element, a shared or read-only buffer are checked for,
+    never assumed away.
     """
-    arrays = [mx.zeros(s, d) for s, d in zip(shapes, dtypes)]
-    mx.eval(arrays)
+    try:
+        arrays = mxb.unfilled_arrays(shapes, dtypes)
+    except Exception as exc:  # noqa: BLE001  (an MLX without the .npy stream path)
+        global _unfilled_failed
+        if not _unfilled_failed:
+            _unfilled_failed = True
+            log.warning("mlxkv: restore buffers fall back to zero-filled arrays: %s", exc)
+        arrays = mxb.zeroed_arrays(shapes, dtypes)
     seen: set[int] = set()
     for i, a in enumerate(arrays):
+        if tuple(a.shape) != tuple(shapes[i]) or a.dtype != dtypes[i]:
+            raise RuntimeError(f"allocated {a.dtype} {a.shape}, not {dtypes[i]} {shapes[i]}")
         mv = memoryview(a)
         n = a.size * a.itemsize
         addr = _address(mv)
-        if mv.readonly or not mv.c_contiguous or mv.nbytes != n or addr in seen:
+        if mv.readonly or not mv.c_contiguous or mv.nbytes != n or (n and addr in seen):
             a = mx.contiguous(mx.zeros(a.shape, a.dtype) + mx.zeros(a.shape, a.dtype))
             mx.eval(a)
             mv = memoryview(a)
             addr = _address(mv)
-            if mv.readonly or not mv.c_contiguous or mv.nbytes != n or addr in seen:
+            if mv.readonly or not mv.c_contiguous or mv.nbytes != n or (n and addr in seen):
                 raise RuntimeError(f"cannot allocate a writable {a.dtype} buffer of {a.shape}")
             arrays[i] = a
         seen.add(addr)
     return arrays
+
+
+_unfilled_failed = False
 
 
 def _address(mv: memoryview) -> int:

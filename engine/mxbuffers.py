@@ -1,0 +1,192 @@
+"""Evaluated MLX arrays for a restore to fill, allocated without a zero fill.
+
+A restore overwrites every byte it reports, so zero-filling its destinations first is pure
+cost: on CPU, ``mx.zeros`` + ``mx.eval`` writes (and page-faults) the whole buffer before
+the restore writes it again, and that first pass costs more than the restore itself.
+MLX has no public "empty" (``mx.empty`` is ``mx.zeros``), but its ``.npy`` loader
+allocates an array and hands the array's own buffer to the file object's ``readinto``:
+:func:`unfilled_arrays` gives it a stream whose data part leaves the buffer as allocated.
+
+Fresh memory still page-faults on its first write, and a fault taken in user space (once
+per 4 KiB page, in the restore's copy loop) costs several times the zeroing the kernel does
+for it. On Linux the buffers are therefore pre-faulted with ``MADV_POPULATE_WRITE`` (5.14+):
+the kernel maps and zeroes their pages in one call, and on memory that is already mapped
+(freed buffers the allocator reuses) it only walks the page table.
+
+What the buffers hold before the restore is unspecified (freed memory of this process or
+fresh zero pages); callers must only rely on the bytes they write. Rows a restore does
+not reach are outside the cache's ``offset`` and never read.
+
+Exit safety: MLX calls ``readinto`` on its I/O thread pool and drops its last reference
+to the stream there, which needs the GIL. If the interpreter is finalizing at that moment
+the thread is torn down inside a C++ destructor and the process aborts ("terminate
+called without an active exception"). :func:`unfilled_arrays` therefore returns only
+after every stream object has been released.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import logging
+import sys
+import threading
+import weakref
+from collections.abc import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+log = logging.getLogger("mlxkv.engine")
+
+_RELEASE_TIMEOUT_S = 10.0
+_ORDER = "<" if sys.byteorder == "little" else ">"
+_UINT = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+_PAGE = 4096
+_PREFAULT_MIN = 1 << 20  # smaller buffers: the syscall costs more than their faults
+_madvise = None  # libc madvise, False once unavailable
+
+
+def _libc_madvise():
+    global _madvise
+    if _madvise is None:
+        _madvise = False
+        if sys.platform.startswith("linux"):
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                f = libc.madvise
+                f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                f.restype = ctypes.c_int
+                _madvise = f
+            except (OSError, AttributeError):
+                pass
+    return _madvise
+
+
+def prefault(arrays: Sequence[mx.array]) -> int:
+    """Map the pages of these (evaluated, writable) arrays' buffers now, without writing
+    them (``MADV_POPULATE_WRITE``); returns the bytes covered. A no-op where the kernel
+    or the platform has no such call: the first write then faults them in as usual."""
+    global _madvise
+    f = _libc_madvise()
+    done = 0
+    for a in arrays:
+        if not f or a.nbytes < _PREFAULT_MIN:
+            continue
+        with memoryview(a) as mv:
+            p = int(np.frombuffer(mv.cast("B"), dtype=np.uint8).ctypes.data)
+        start = (p + _PAGE - 1) & ~(_PAGE - 1)
+        end = (p + a.nbytes) & ~(_PAGE - 1)
+        if end <= start:
+            continue
+        if f(start, end - start, _MADV_POPULATE_WRITE) == 0:
+            done += end - start
+            continue
+        err = ctypes.get_errno()
+        if err in (22, 38):  # EINVAL / ENOSYS: a kernel without it; stop asking
+            _madvise = f = False
+        # ENOMEM/EFAULT/EHWPOISON: the restore's writes fault (or fail) as they would anyway
+    return done
+
+
+class _Unfilled(io.RawIOBase):
+    """An ``.npy`` stream: the header is real, reads of the data leave the buffer alone."""
+
+    def __init__(self, header: bytes) -> None:
+        super().__init__()
+        self._h = header
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:  # b: a writable buffer over the array, from MLX
+        with memoryview(b) as mv:
+            n = mv.nbytes
+            if self._pos < len(self._h):
+                k = min(n, len(self._h) - self._pos)
+                mv.cast("B")[:k] = self._h[self._pos : self._pos + k]
+                self._pos += k
+                return k
+        self._pos += n
+        return n  # the array's data: deliberately not written
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        if whence != 0:
+            raise io.UnsupportedOperation("only absolute seeks")
+        self._pos = int(pos)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+
+def npy_header(itemsize: int, shape: Sequence[int]) -> bytes:
+    """A version 1.0 ``.npy`` header for an unsigned integer array of ``itemsize`` bytes."""
+    code = "|u1" if itemsize == 1 else f"{_ORDER}u{itemsize}"
+    dims = ", ".join(str(int(s)) for s in shape) + ("," if len(shape) == 1 else "")
+    d = f"{{'descr': '{code}', 'fortran_order': False, 'shape': ({dims}), }}"
+    pad = -(10 + len(d) + 1) % 64
+    d = d + " " * pad + "\n"
+    return b"\x93NUMPY\x01\x00" + len(d).to_bytes(2, "little") + d.encode("latin1")
+
+
+def unfilled_arrays(shapes: Sequence[tuple[int, ...]], dtypes: Sequence[mx.Dtype],
+                    populate: bool = True) -> list[mx.array]:
+    """Evaluated arrays of these shapes/dtypes whose contents were never written
+    (pre-faulted with :func:`prefault` when ``populate``).
+
+    Each is loaded as the unsigned integer type of its item size and viewed as its dtype
+    (a view shares the buffer). Raises ValueError for an item size it cannot load
+    (callers fall back to :func:`zeroed_arrays`). Must run on the thread that owns MLX.
+    """
+    kinds = [_UINT.get(d.size) for d in dtypes]
+    if any(k is None for k in kinds):
+        raise ValueError("no unsigned integer type of that item size")
+    files = [_Unfilled(npy_header(d.size, s)) for s, d in zip(shapes, dtypes)]
+    released = threading.Event()
+    left = [len(files)]
+    lock = threading.Lock()
+
+    def gone() -> None:  # runs on whichever thread drops a stream last (MLX's I/O pool)
+        with lock:
+            left[0] -= 1
+            if left[0] == 0:
+                released.set()
+
+    for f in files:
+        weakref.finalize(f, gone)
+    try:
+        raw = [mx.load(f, format="npy", stream=mx.cpu) for f in files]
+    finally:
+        del files, f  # after eval, MLX holds the only references
+    try:
+        mx.eval(raw)
+        out = [a if a.dtype == d else a.view(d, stream=mx.cpu) for a, d in zip(raw, dtypes)]
+        mx.eval(out)
+    finally:
+        del raw
+        # wait with the GIL released: MLX's I/O threads need it to drop the streams
+        if not released.wait(_RELEASE_TIMEOUT_S):
+            log.warning("mlxkv: MLX kept %d restore stream(s) for more than %.0f s",
+                        left[0], _RELEASE_TIMEOUT_S)
+    if populate:
+        prefault(out)
+    return out
+
+
+def zeroed_arrays(shapes: Sequence[tuple[int, ...]], dtypes: Sequence[mx.Dtype]
+                  ) -> list[mx.array]:
+    """Evaluated zero-filled arrays (the fallback). Zeros are written as the unsigned
+    type of the same size and viewed: filling bfloat16 directly is several times slower."""
+    out = []
+    for s, d in zip(shapes, dtypes):
+        k = _UINT.get(d.size)
+        out.append(mx.zeros(s, d) if k is None or d == mx.bool_
+                   else mx.zeros(s, k).view(d))
+    mx.eval(out)
+    return out
