@@ -36,7 +36,7 @@ MAIN = {
     "config": dict(hidden_size=256, num_hidden_layers=4, intermediate_size=512,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                    max_position_embeddings=4096),
-    "steps": 520, "lr": 3e-3, "rows": 6, "warmup": 30,
+    "steps": 680, "lr": 3e-3, "rows": 6, "warmup": 30,
 }
 # Draft model for speculative decoding: same tokenizer, 0.7M parameters.
 DRAFT = {
@@ -49,7 +49,7 @@ QUICK_STEPS = {"main": 30, "draft": 20}
 ROW_LEN = 256  # tokens per training row (examples are packed into rows)
 MAX_LEN = 256  # longer plain texts are cut into pieces of this many tokens
 PLAIN_WEIGHT = 0.5  # plain text counts less than the dialogues the model must answer
-OPENING_TOKENS, OPENING_WEIGHT = 3, 8.0  # the first tokens of every answer weigh more
+OPENING_TOKENS, OPENING_WEIGHT = 5, 8.0  # the first tokens of every answer weigh more
 
 
 def _preload_blas() -> str:
