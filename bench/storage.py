@@ -14,7 +14,9 @@ restore_vs_mlx_lm counts the allocation of the destination mx arrays (mlx-lm's l
 allocates its own) the way the engine allocates them, without a zero fill
 (engine.mxbuffers); restore_zeroed_vs_mlx_lm is the same with zero-filled destinations
 (the engine's fallback); restore_prealloc_vs_mlx_lm is the restore into arrays the engine
-already holds. --no-mlx runs the storage parts alone (numpy sources and destinations).
+already holds. Each allocating measurement, ours and mlx-lm's, starts after freed heap
+pages were returned to the OS (malloc_trim), so both pay for fresh pages as after a
+restart and neither reuses the other's. --no-mlx runs the storage parts alone (numpy sources and destinations).
 """
 
 from __future__ import annotations
@@ -48,6 +50,17 @@ def median_time(fn: Callable[[], Any], repeats: int, setup: Callable[[], Any] | 
         fn()
         ts.append(time.perf_counter() - t)
     return statistics.median(ts)
+
+
+def release_free_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc ``malloc_trim``; elsewhere a no-op), so
+    the next allocation takes fresh pages as a new process would."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def gbps(nbytes: int, seconds: float) -> float:
@@ -266,14 +279,19 @@ class Bench:
                              "alloc_zeroed")}
         for _ in range(R):
             t["ours"].append(median_time(ours, 1))
-            t["ours_alloc"].append(median_time(ours_alloc, 1))
+            # every allocating measurement (ours and mlx-lm's) starts from the same heap:
+            # pages freed by the one before are handed back to the OS first, else whichever
+            # runs second reuses mapped pages and skips the page faults the other paid
+            t["ours_alloc"].append(median_time(ours_alloc, 1, release_free_memory))
             if mx is not None:
-                t["ours_zeroed"].append(median_time(lambda: ours_alloc(True), 1))
-                t["alloc_zeroed"].append(median_time(lambda: self.alloc_dst(True), 1))
+                t["ours_zeroed"].append(median_time(lambda: ours_alloc(True), 1,
+                                                    release_free_memory))
+                t["alloc_zeroed"].append(median_time(lambda: self.alloc_dst(True), 1,
+                                                     release_free_memory))
             if mx is not None:
-                t["mlx"].append(median_time(mlx_load, 1))
+                t["mlx"].append(median_time(mlx_load, 1, release_free_memory))
             t["memcpy"].append(median_time(memcpy, 1))
-            t["alloc"].append(median_time(self.alloc_dst, 1))
+            t["alloc"].append(median_time(self.alloc_dst, 1, release_free_memory))
         to, ta, tc, tz = (statistics.median(t[k]) for k in ("ours", "ours_alloc", "memcpy", "alloc"))
         what = "evaluated mx arrays" if mx is not None else "numpy arrays (--no-mlx)"
         alloc = "unfilled, mx.load of an .npy stream + eval" if mx is not None else "np.zeros"
