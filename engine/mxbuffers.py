@@ -144,6 +144,10 @@ def unfilled_arrays(shapes: Sequence[tuple[int, ...]], dtypes: Sequence[mx.Dtype
     (a view shares the buffer). Raises ValueError for an item size it cannot load
     (callers fall back to :func:`zeroed_arrays`). Must run on the thread that owns MLX.
     """
+    if len(shapes) != len(dtypes):
+        raise ValueError(f"{len(shapes)} shapes but {len(dtypes)} dtypes")
+    if not shapes:
+        return []
     kinds = [_UINT.get(d.size) for d in dtypes]
     if any(k is None for k in kinds):
         raise ValueError("no unsigned integer type of that item size")
