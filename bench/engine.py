@@ -167,7 +167,7 @@ def first_token(reps: int, model_override: str | None = None) -> dict:
         cache_dir = tempfile.mkdtemp(prefix="mlxkv-bench-")  # cold prefix cache each run
         ours_cmd = [sys.executable, str(ROOT / "mlxkv.py"), "generate", *common,
                     "--cache-dir", cache_dir]
-        runs = [(lambda: _first_output(ours_cmd, env), ours_t),
+        runs = [(lambda cmd=ours_cmd: _first_output(cmd, env), ours_t),
                 (lambda: _first_output(peer + common, env_peer, b"==========\n"), peer_t)]
         for fn, out in (runs if rep % 2 == 0 else runs[::-1]):
             t = fn()

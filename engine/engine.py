@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 from engine.generate import Generation, SamplingParams
 
@@ -59,7 +59,7 @@ class ErrorEvent:
     exception: BaseException | None = None
 
 
-Event = Union[TokenEvent, StatsEvent, FinishedEvent, ErrorEvent]
+Event = TokenEvent | StatsEvent | FinishedEvent | ErrorEvent
 
 
 class EngineError(RuntimeError):

@@ -13,8 +13,8 @@ import importlib
 import json
 import os
 import sysconfig
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 # ChatML-style template: one template for every model the project builds, so prompts
 # look the same to the demo model, the draft model and the test models.

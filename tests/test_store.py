@@ -355,7 +355,7 @@ def _verify_all(root: Path, ns: str) -> int:
         hdr = fmt.decode_block_header(Path(e.path).read_bytes())
         assert hdr.key == key
     for parent, tails in store._spaces[ns].tails.items():
-        for e in tails.values():
+        for _entry in tails.values():
             chain = [p for p in store._spaces[ns].blocks if p == parent]
             assert chain, "a tail's parent block is missing"
     for e in [t for ts in store._spaces[ns].tails.values() for t in ts.values()]:

@@ -18,7 +18,6 @@ equality of weights across machines is not promised: BLAS summation order differ
 from __future__ import annotations
 
 import argparse
-import math
 import random
 import shutil
 import sys
