@@ -34,9 +34,10 @@ bench: ext
 	$(PY) -m bench.engine
 	$(PY) -m bench.prefix
 
+# `make binary ONEDIR=1`: a one-folder build (no unpacking on each start).
 binary: ext
 	$(PY) -m pip install -q "pyinstaller>=6.10"
-	$(PY) -m PyInstaller --noconfirm --distpath build/dist --workpath build/pyinstaller build/mlxkv.spec
+	$(PY) -m PyInstaller --noconfirm --distpath build/dist --workpath build/pyinstaller build/mlxkv.spec$(if $(ONEDIR), -- --onedir)
 
 demo-model: ext
 	$(PY) -m engine.demo.train
