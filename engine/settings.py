@@ -1,11 +1,13 @@
 """One settings object for every front end.
 
-Precedence: command-line flags > ``MLXKV_*`` environment > TOML config file > defaults.
-Each value remembers where it came from; ``mlxkv config`` prints them. No mlx here.
+Precedence: command-line flags > ``MLXKV_*`` environment > TOML config file > the model
+folder's ``generation_config.json`` (sampling values only, as its authors recommend) >
+defaults. Each value remembers where it came from; ``mlxkv config`` prints them. No mlx here.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -116,6 +118,27 @@ FIELDS: tuple[Field, ...] = (
     Field("blas", "auto", str, "CPU BLAS on Linux: auto, off, or a library path"),
 )
 FIELD_BY_NAME = {f.name: f for f in FIELDS}
+# Sampling values a model folder may recommend in Hugging Face's generation_config.json.
+MODEL_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def model_sampling_defaults(model: str) -> tuple[dict[str, Any], Path | None]:
+    """Sampling defaults from ``<model>/generation_config.json`` of a local model folder.
+
+    ``"do_sample": false`` means greedy. A missing or unreadable file gives nothing: the
+    model loader reports broken model folders, settings do not."""
+    path = Path(os.path.expanduser(model)) / "generation_config.json"
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}, None
+    if not isinstance(cfg, dict):
+        return {}, None
+    out = {k: cfg[k] for k in MODEL_SAMPLING_KEYS
+           if isinstance(cfg.get(k), (int, float)) and not isinstance(cfg.get(k), bool)}
+    if cfg.get("do_sample") is False:
+        out["temperature"] = 0.0
+    return out, path
 
 
 def _read_toml(path: Path) -> dict:
@@ -209,6 +232,14 @@ class Settings:
             except (SettingsError, ValueError, TypeError) as e:
                 raise SettingsError(f"{f.name} from {source}: {e}") from None
             sources[f.name] = source
+        recommended, gen_path = model_sampling_defaults(values["model"])
+        for name, raw in recommended.items():
+            if sources[name] == "default":
+                try:
+                    values[name] = FIELD_BY_NAME[name].parse(raw)
+                except (SettingsError, ValueError, TypeError):
+                    continue  # a bad recommendation is ignored, the default stands
+                sources[name] = f"model {gen_path}"
         return cls(values, sources, path)
 
     def describe(self) -> list[tuple[str, Any, str]]:

@@ -8,7 +8,9 @@ from engine.settings import FIELDS, Settings, SettingsError, parse_bytes
 def test_defaults_and_sources(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     s = Settings.load({}, env={})
-    assert all(src == "default" for _, _, src in s.describe())
+    # the demo model recommends greedy decoding in its generation_config.json
+    assert s.temperature == 0.0 and s.sources["temperature"].startswith("model ")
+    assert all(src == "default" for n, _, src in s.describe() if n != "temperature")
     assert [n for n, _, _ in s.describe()] == [f.name for f in FIELDS]
     assert s.block_tokens == 256 and s.dtype == "auto" and s.blas == "auto"
     assert s.model.endswith("engine/demo/model")
@@ -74,3 +76,25 @@ def test_replace_marks_override(tmp_path, monkeypatch):
     assert s.max_tokens == 7 and s.sources["max_tokens"] == "override"
     with pytest.raises(SettingsError):
         s.replace(nonsense=1)
+
+
+def test_model_generation_config_sits_between_config_file_and_defaults(tmp_path):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "generation_config.json").write_text(
+        '{"do_sample": true, "temperature": 0.6, "top_p": 0.8, "top_k": 20, "eos_token_id": 2}')
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("top_k = 7\n")
+    s = Settings.load({"model": str(model), "top_p": 0.5}, env={}, config_path=cfg)
+    gen = f"model {model / 'generation_config.json'}"
+    assert (s.temperature, s.sources["temperature"]) == (0.6, gen)
+    assert (s.top_p, s.sources["top_p"]) == (0.5, "flag --top-p")
+    assert (s.top_k, s.sources["top_k"]) == (7, f"config {cfg}")
+    assert (s.min_p, s.sources["min_p"]) == (0.0, "default")
+
+    (model / "generation_config.json").write_text('{"do_sample": false, "temperature": 0.9}')
+    assert Settings.load({"model": str(model)}, env={}, config_path=cfg).temperature == 0.0
+    # an unreadable recommendation is ignored; the defaults stand
+    (model / "generation_config.json").write_text("{not json")
+    s = Settings.load({"model": str(model)}, env={}, config_path=cfg)
+    assert (s.temperature, s.sources["temperature"]) == (0.7, "default")

@@ -205,6 +205,9 @@ def train_model(name: str, spec: dict, vocab: int, examples, out_dir: Path, step
     save_model_dir(model, config, out_dir)
     for f in tok_dir.iterdir():
         shutil.copy2(f, out_dir / f.name)
+    # The demo models memorise their answers: greedy decoding reproduces them, sampling
+    # drifts. Recommend greedy the standard way; --temp still overrides it.
+    (out_dir / "generation_config.json").write_text('{"do_sample": false}\n')
     return {"params": n_params, "final_loss": avg, "train_s": train_s}
 
 
