@@ -242,8 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"first token measured on the {ft['which']}: mlxkv generate vs the "
               "mlx_lm.generate CLI, same BLAS, same prompt, greedy")
     result["load_average_end"] = os.getloadavg()[0]
-    print(f"load average at the end: {result['load_average_end']:.1f} (2 cores: above ~2 the "
-          "machine was shared and the ratios are noisy)")
+    cores = os.cpu_count() or 1
+    print(f"load average at the end: {result['load_average_end']:.1f} ({cores} cores: above "
+          f"~{cores} the machine was shared and the ratios are noisy)")
     if args.json:
         print(json.dumps(result))
     return 0
