@@ -13,7 +13,9 @@ import argparse
 import gc
 import json
 import os
+import signal
 import sys
+import threading
 import uuid
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -282,8 +284,19 @@ def _early_env(argv: Sequence[str]) -> None:
                 os.environ[names[flag]] = value
 
 
+class Terminated(BaseException):
+    """SIGTERM: unwind like Ctrl-D (engine shutdown, prefix-cache flush), then exit 143.
+    A BaseException so that the REPL's Ctrl-C handling (cancel the reply) does not catch it."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise Terminated
+
+
 def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
     _early_env(argv)
     args = build_parser().parse_args(argv)
     from engine.engine import EngineError
@@ -309,6 +322,8 @@ def _main(argv: Sequence[str] | None) -> int:
         return _fail(str(e))
     except KeyboardInterrupt:
         return 130
+    except Terminated:
+        return 143
 
 
 if __name__ == "__main__":

@@ -135,3 +135,45 @@ def test_chat_ctrl_c_cancels_the_reply(tiny_qwen3):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_chat_sigterm_flushes_the_cache_and_exits(tiny_qwen3, tmp_path):
+    """SIGTERM unwinds through the engine's shutdown: the turn's KV state is durable on
+    disk afterwards (a new process is served from it) and the exit code is 143."""
+    import signal
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MLXKV_CACHE_DIR": str(tmp_path),
+           "XDG_CONFIG_HOME": str(ROOT / ".cache" / "no-config")}
+    env.pop("MLXKV_CONFIG", None)
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "mlxkv.py"), "chat", "--model", str(tiny_qwen3),
+         "--max-tokens", "5", "--temp", "0"],
+        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env=env)
+    try:
+        def read_until(buf: bytes, marker: bytes, count: int = 1) -> bytes:
+            while buf.count(marker) < count:
+                chunk = os.read(proc.stdout.fileno(), 4096)
+                assert chunk, (buf, proc.stderr.read())
+                buf += chunk
+            return buf
+
+        buf = read_until(b"", b"> ")  # the model is loaded
+        proc.stdin.write(b"hello\n")
+        proc.stdin.flush()
+        buf = read_until(buf, b"> ", 2)  # the reply, its stats line, the next prompt
+        assert b"[prompt" in buf
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stats = mlxkv("cache", "--cache-dir", str(tmp_path), "--json", "stats")
+    assert stats.returncode == 0, stats.stderr
+    on_disk = json.loads(stats.stdout)
+    assert on_disk["blocks"] + on_disk["tails"] > 0, on_disk
+    again = mlxkv("generate", "--model", str(tiny_qwen3), "--prompt", "hello", "--json",
+                  "--max-tokens", "2", "--temp", "0", MLXKV_CACHE_DIR=str(tmp_path))
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout.splitlines()[-1])["stats"]["cached_tokens"] > 0
