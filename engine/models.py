@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,11 +79,20 @@ def _file_digest(path: Path) -> bytes:
     return h.digest()
 
 
+def _in_frozen_bundle(path: Path) -> bool:
+    base = getattr(sys, "_MEIPASS", None)
+    return bool(base) and path.resolve().is_relative_to(Path(base).resolve())
+
+
 def model_fingerprint(path: str | os.PathLike, full_hash: bool = False) -> str:
     """128-bit hex fingerprint of a model folder: canonical config.json, weight files
     (sizes + mtimes, or content hashes with ``full_hash``), tokenizer files and chat
-    template. Equal folders give equal fingerprints in every process."""
+    template. Equal folders give equal fingerprints in every process.
+
+    A model inside a frozen (PyInstaller) bundle is always hashed by content: a one-file
+    bundle unpacks with fresh mtimes on every start, and its bundled models are small."""
     root = Path(path)
+    full_hash = full_hash or _in_frozen_bundle(root)
     h = hashlib.sha256(FINGERPRINT_VERSION)
 
     def put(tag: str, data: bytes) -> None:

@@ -70,6 +70,19 @@ def test_fingerprint_sensitive_to_weights(model_copy):
     assert model_fingerprint(model_copy, full_hash=True) != full_before
 
 
+def test_fingerprint_inside_frozen_bundle_hashes_contents(model_copy, tmp_path, monkeypatch):
+    # A one-file PyInstaller bundle unpacks under sys._MEIPASS with fresh mtimes each start.
+    monkeypatch.setattr("sys._MEIPASS", str(tmp_path), raising=False)
+    weights = next(model_copy.glob("*.safetensors"))
+    before = model_fingerprint(model_copy)
+    assert before == model_fingerprint(model_copy, full_hash=True)
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert model_fingerprint(model_copy) == before
+    monkeypatch.setattr("sys._MEIPASS", str(tmp_path / "elsewhere"))
+    assert model_fingerprint(model_copy) != before  # outside the bundle: size + mtime
+
+
 def test_fingerprint_sensitive_to_tokenizer_and_template(model_copy):
     before = model_fingerprint(model_copy)
     tc = model_copy / "tokenizer_config.json"
