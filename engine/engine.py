@@ -169,37 +169,6 @@ class RequestHandle:
         return self.result(timeout).text
 
 
-# ------------------------------------------------------------------------ prefix cache
-class _NullPrefixCache:
-    """Always a miss (used until/unless a real prefix cache is configured)."""
-
-    def lookup(self, tokens, namespace, session=None):
-        return 0, None
-
-    def store(self, tokens, cache, namespace, session=None):
-        return None
-
-
-def null_prefix_cache() -> Any:
-    try:
-        from engine.prefix_cache import NullPrefixCache
-    except ImportError:
-        return _NullPrefixCache()
-    return NullPrefixCache()
-
-
-def _prefix_cache_from_settings(settings: Any) -> Any:
-    try:
-        from engine.prefix_cache import PrefixCache
-    except ImportError:
-        return _NullPrefixCache()
-    return PrefixCache.from_settings(settings)
-
-
-def _is_null(cache: Any) -> bool:
-    return type(cache).__name__ in ("NullPrefixCache", "_NullPrefixCache")
-
-
 # ------------------------------------------------------------------------------ engine
 class _Call:
     def __init__(self, fn: Callable[..., Any], args: tuple):
@@ -239,6 +208,7 @@ class Engine:
         self.full_hash = full_hash
         self._prefix_arg = prefix_cache
         self.prefix_cache: Any = None
+        self._caching = False  # a real prefix cache (not NullPrefixCache) is in use
         self._queue: queue.Queue = queue.Queue()
         self._ready = threading.Event()
         self._stopping = threading.Event()
@@ -256,7 +226,9 @@ class Engine:
         built from the settings on the engine thread (``PrefixCache.from_settings``)."""
         if prefix_cache is None and settings.prefix_cache:
             def prefix_cache(loaded: Any, namespace: str) -> Any:
-                return _prefix_cache_from_settings(settings)
+                from engine.prefix_cache import PrefixCache
+
+                return PrefixCache.from_settings(settings)
         return cls(settings.model, dtype=settings.dtype, prefix_cache=prefix_cache,
                    full_hash=getattr(settings, "full_hash", False))
 
@@ -332,16 +304,18 @@ class Engine:
         try:
             from engine.blas import describe
             from engine.models import load_model
+            from engine.prefix_cache import NullPrefixCache
 
             self.loaded = load_model(self.model_spec, self.dtype, self.full_hash)
             self.namespace = f"{self.loaded.fingerprint}-{self.loaded.compute_dtype}-kv"
             arg = self._prefix_arg
             if arg is None:
-                self.prefix_cache = null_prefix_cache()
+                self.prefix_cache = NullPrefixCache()
             elif callable(arg) and not hasattr(arg, "lookup"):
                 self.prefix_cache = arg(self.loaded, self.namespace)
             else:
                 self.prefix_cache = arg
+            self._caching = not isinstance(self.prefix_cache, NullPrefixCache)
             self.info = {
                 "model": self.loaded.spec, "path": str(self.loaded.path),
                 "fingerprint": self.loaded.fingerprint, "namespace": self.namespace,
@@ -380,7 +354,6 @@ class Engine:
                 except Exception:
                     log.exception("prefix cache close failed")
             _clear_streams()
-
 
     def _drain(self, error: BaseException | None = None) -> None:
         """Answer everything still queued: cancelled (shutdown), or the load ``error``."""
@@ -471,7 +444,7 @@ class Engine:
             handle._emit(ErrorEvent(f"{type(e).__name__}: {e}", e))
             return
         # After the caller has its answer: hand the KV state to the prefix cache.
-        if not _is_null(self.prefix_cache) and out.tokens_in_cache:
+        if self._caching and out.tokens_in_cache:
             try:
                 import mlx.core as mx
 
