@@ -75,12 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="no chat template: prompt as is")
     cfg = sub.add_parser("config", parents=[common], help="print the effective settings")
     cfg.add_argument("--json", action="store_true")
-    try:  # `mlxkv cache ...` lives with the prefix cache (engine/cache_cli.py)
-        from engine.cache_cli import add_cache_parser
-    except ImportError:
-        pass
-    else:
-        add_cache_parser(sub)
+    from engine.cache_cli import add_cache_parser  # `mlxkv cache ...` (engine/cache_cli.py)
+
+    add_cache_parser(sub)
     return parser
 
 
