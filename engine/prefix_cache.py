@@ -205,8 +205,10 @@ class PrefixCache:
         self._sweep_lent()
         match = self.ram.lookup(ns, toks, session)
         n, cache, tier, restore_ms = match.n, None, "ram" if match.n else None, 0.0
-        if self.disk is not None and len(toks) > 1:
-            limit = len(toks) - 1
+        limit = len(toks) - 1
+        # The SSD tier is consulted only when it could beat the RAM hit (see _worth): a RAM
+        # hit that already covers the prompt skips hashing it for, and probing, the disk.
+        if self.disk is not None and limit > 0 and self._worth(limit, n):
             restored = None
             sm = self.disk.lookup(sns, toks, max_tokens=limit)
             # blocks of some layers only (a hybrid model's KV) come back with a checkpoint

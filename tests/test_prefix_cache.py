@@ -271,6 +271,21 @@ def test_ssd_used_when_ram_evicted(llama, tmp_path):
     pc.close()
 
 
+def test_ram_hit_covering_the_prompt_skips_the_ssd_tier(llama, tmp_path):
+    t = prompt(40, 23)
+    _, _, c = run(llama, t, n_new=0)
+    pc = pc_at(tmp_path)
+    pc.store(t, c, "ns")
+    looked: list[int] = []
+    real = pc.disk.lookup
+    pc.disk.lookup = lambda *a, **kw: looked.append(1) or real(*a, **kw)
+    n, _ = pc.lookup(t + [9], "ns")  # RAM already has every usable token
+    assert n == len(t) and pc.stats()["last"]["tier"] == "ram" and not looked
+    n, _ = pc.lookup(prompt(40, 24), "ns")  # a miss still asks the SSD tier
+    assert n == 0 and looked
+    pc.close()
+
+
 def test_corrupt_block_falls_back_to_recompute(llama, tmp_path):
     pc = pc_at(tmp_path)
     t = prompt(5 * BT + 3, 23)
