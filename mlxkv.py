@@ -219,7 +219,8 @@ def cmd_chat(settings: Any) -> int:
                 result = _wait(handle)
             except EngineError as e:
                 messages.pop()
-                print(_fail(str(e)) and "")
+                _fail(str(e))
+                print()  # end the line of whatever reply text was printed
                 continue
             print()
             print(stats_line(result.stats, result.finish_reason))
