@@ -13,6 +13,7 @@ import argparse
 import gc
 import json
 import os
+import select
 import signal
 import sys
 import threading
@@ -187,6 +188,26 @@ def cmd_generate(args: argparse.Namespace, settings: Any) -> int:
         engine.shutdown()
 
 
+_wakeup_fd: int | None = None  # read end of the signal wakeup pipe (main thread only)
+
+
+def _input(prompt: str) -> str:
+    """input(prompt), but a signal that lands between the prompt and the read still takes
+    effect at once: input() is one C call, so a handler tripped there would otherwise wait
+    for the next line (SIGTERM at the prompt did nothing). Waits for stdin or a signal."""
+    if _wakeup_fd is None:
+        return input(prompt)
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    select.select([sys.stdin, _wakeup_fd], [], [])  # the handler runs as this returns
+    try:
+        while os.read(_wakeup_fd, 512):
+            pass
+    except BlockingIOError:
+        pass
+    return input()
+
+
 def cmd_chat(settings: Any) -> int:
     from engine.engine import EngineError, Request
 
@@ -201,7 +222,7 @@ def cmd_chat(settings: Any) -> int:
     try:
         while True:
             try:
-                line = input("> ")
+                line = _input("> ")
             except EOFError:
                 print()
                 return 0
@@ -291,10 +312,22 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise Terminated
 
 
+def _watch_signals() -> None:
+    """Route signals to a wakeup pipe as well, so that _input can wait on them."""
+    global _wakeup_fd
+    if _wakeup_fd is None:
+        r, w = os.pipe()
+        os.set_blocking(r, False)
+        os.set_blocking(w, False)
+        signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        _wakeup_fd = r
+
+
 def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
+        _watch_signals()
     _early_env(argv)
     args = build_parser().parse_args(argv)
     from engine.engine import EngineError
