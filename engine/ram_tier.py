@@ -25,15 +25,16 @@ import numpy as np
 import xxhash
 
 from engine import kvblocks as kb
+from storage.keys import namespace_id
 
 KEY_BYTES = 16
 ROOT = bytes(KEY_BYTES)
 
 
-def ns_id(ns: str) -> bytes:
-    """The namespace's id; also the parent key of its first block, so that no index keyed
-    by parent (partial-block matches, checkpoints) is shared between namespaces."""
-    return xxhash.xxh3_128_digest(ns.encode())
+# The namespace's id (the same one the SSD tier uses) is also the parent key of its first
+# block, so that no index keyed by parent (partial-block matches, checkpoints) is shared
+# between namespaces.
+ns_id = namespace_id
 
 
 def chain_key(parent: bytes, nsid: bytes, toks: np.ndarray) -> bytes:
