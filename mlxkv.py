@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="no chat template: prompt as is")
     cfg = sub.add_parser("config", parents=[common], help="print the effective settings")
     cfg.add_argument("--json", action="store_true")
-    from engine.cache_cli import add_cache_parser  # `mlxkv cache ...` (engine/cache_cli.py)
+    from cli.cache import add_cache_parser  # `mlxkv cache ...` (cli/cache.py)
 
     add_cache_parser(sub)
     return parser
@@ -339,7 +339,7 @@ def _main(argv: Sequence[str] | None) -> int:
         if args.command == "config":
             return cmd_config(args, settings)
         if args.command == "cache":
-            from engine.cache_cli import run_cache_command
+            from cli.cache import run_cache_command
 
             return run_cache_command(args)
         if args.command == "generate":

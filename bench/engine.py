@@ -148,7 +148,7 @@ def first_token(reps: int, model_override: str | None = None) -> dict:
     elif (demo / "config.json").exists():
         model, which = demo, "demo model"
     else:
-        from tests.conftest import tiny_model
+        from bench.modelgen import tiny_model
 
         model, which = tiny_model("qwen3"), "tiny qwen3 test model (demo model not built)"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}

@@ -1,6 +1,6 @@
 """The "bench" model: a realistic-shape qwen3 with random weights, built offline on demand
 into a git-ignored folder (``.cache/models``). Sized for the BLAS in use: about 100M
-parameters with OpenBLAS, about 40M on mlx's reference BLAS (see shared benchmarks.md).
+parameters with OpenBLAS, about 40M on mlx's reference BLAS.
 
     from bench.models import bench_model_path
     path = bench_model_path()      # builds it the first time (tens of seconds)
@@ -8,11 +8,7 @@ parameters with OpenBLAS, about 40M on mlx's reference BLAS (see shared benchmar
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-MODEL_CACHE = Path(os.environ.get("MLXKV_TEST_MODELS", ROOT / ".cache" / "models"))
 
 # qwen3, hidden 1024, 8 layers, 16 query heads and 4 KV heads of 64: ~97M parameters.
 OPENBLAS_SHAPE = {"hidden_size": 1024, "num_hidden_layers": 8, "intermediate_size": 3072,
@@ -34,12 +30,12 @@ def bench_shape(blas_active: bool | None = None) -> dict:
 def bench_model_path(blas_active: bool | None = None) -> Path:
     """Folder of the bench model for the BLAS in use (built once, then reused)."""
     import engine  # noqa: F401
-    from engine.modelgen import build_random_model
+    from bench.modelgen import TEST_MODELS, build_random_model
 
     shape = bench_shape(blas_active)
     name = "bench-qwen3-h{hidden_size}-l{num_hidden_layers}-kv{num_key_value_heads}".format(
         **shape)
-    return build_random_model(MODEL_CACHE / name, arch="qwen3", vocab_size=2048, seed=1,
+    return build_random_model(TEST_MODELS / name, arch="qwen3", vocab_size=2048, seed=1,
                               tie_word_embeddings=False, **shape)
 
 

@@ -44,7 +44,7 @@ def bench_model() -> Path:
 
         return Path(bench_model_path())
     except ImportError:
-        from engine.modelgen import build_random_model
+        from bench.modelgen import build_random_model
 
         return build_random_model(
             ROOT / ".cache" / "models" / "bench-qwen3-prefix", arch="qwen3", vocab_size=512,
@@ -132,7 +132,7 @@ def med(xs: list[float]) -> float:
 # ----------------------------------------------------------------------------- child
 def child_ssd(args: argparse.Namespace) -> int:
     """A new process with empty RAM: SSD hit TTFT + restore throughput."""
-    from engine.prefix_cache import PrefixCache, store_namespace
+    from engine.cache.prefix_cache import PrefixCache, store_namespace
     from storage.io import ReadRequest
 
     model = load(Path(args.model))
@@ -231,7 +231,7 @@ class Bench:
     def ram_hit(self) -> None:
         from mlx_lm.models.cache import LRUPromptCache, trim_prompt_cache
 
-        from engine.prefix_cache import PrefixCache
+        from engine.cache.prefix_cache import PrefixCache
 
         a, model, prompt = self.args, self.model, self.prompt
         self.pc = pc = PrefixCache(ram_bytes=1 << 34, cache_dir=self.dir / "cache",
@@ -435,7 +435,7 @@ class Bench:
     def shared_ram(self) -> None:
         from mlx_lm.models.cache import LRUPromptCache
 
-        from engine.prefix_cache import PrefixCache
+        from engine.cache.prefix_cache import PrefixCache
 
         a, model = self.args, self.model
         system = self.prompt[: a.context]
@@ -470,8 +470,8 @@ class Bench:
     def trace(self) -> None:
         from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
-        from engine.modelgen import init_model, model_config
-        from engine.prefix_cache import PrefixCache
+        from bench.modelgen import init_model, model_config
+        from engine.cache.prefix_cache import PrefixCache
 
         model = init_model(model_config("qwen3", 512), seed=0)
         sys_p = tokens(1000, 7)

@@ -12,7 +12,7 @@ pages were dropped with posix_fadvise(DONTNEED) (fsync first) where the OS honou
 
 restore_vs_mlx_lm counts the allocation of the destination mx arrays (mlx-lm's load
 allocates its own) the way the engine allocates them, without a zero fill
-(engine.mxbuffers); restore_zeroed_vs_mlx_lm is the same with zero-filled destinations
+(engine.cache.buffers); restore_zeroed_vs_mlx_lm is the same with zero-filled destinations
 (the engine's fallback); restore_prealloc_vs_mlx_lm is the restore into arrays the engine
 already holds. Each allocating measurement, ours and mlx-lm's, starts after freed heap
 pages were returned to the OS (malloc_trim), so both pay for fresh pages as after a
@@ -139,11 +139,11 @@ class Bench:
 
     def alloc_dst(self, zeroed: bool = False) -> list:
         """Evaluated mx arrays to restore into, as the engine allocates them (without a
-        zero fill, engine.mxbuffers), or zero-filled (its fallback) when ``zeroed``."""
+        zero fill, engine.cache.buffers), or zero-filled (its fallback) when ``zeroed``."""
         mx, shape = self.mx, (1, HEADS, self.T, DIM)
         if mx is None:
             return [np.zeros(shape, np.uint16) for _ in range(LAYERS * 2)]
-        from engine import mxbuffers
+        from engine.cache import buffers as mxbuffers
 
         shapes, dtypes = [shape] * (LAYERS * 2), [mx.bfloat16] * (LAYERS * 2)
         if zeroed:

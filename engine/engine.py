@@ -226,7 +226,7 @@ class Engine:
         built from the settings on the engine thread (``PrefixCache.from_settings``)."""
         if prefix_cache is None and settings.prefix_cache:
             def prefix_cache(loaded: Any, namespace: str) -> Any:
-                from engine.prefix_cache import PrefixCache
+                from engine.cache.prefix_cache import PrefixCache
 
                 return PrefixCache.from_settings(settings)
         return cls(settings.model, dtype=settings.dtype, prefix_cache=prefix_cache,
@@ -304,7 +304,7 @@ class Engine:
         try:
             from engine.blas import describe
             from engine.models import load_model
-            from engine.prefix_cache import NullPrefixCache
+            from engine.cache.prefix_cache import NullPrefixCache
 
             self.loaded = load_model(self.model_spec, self.dtype, self.full_hash)
             self.namespace = f"{self.loaded.fingerprint}-{self.loaded.compute_dtype}-kv"

@@ -1,4 +1,4 @@
-"""Restore destinations allocated without a zero fill (engine.mxbuffers via
+"""Restore destinations allocated without a zero fill (engine.cache.buffers via
 kvblocks.writable_arrays): real, distinct, writable buffers; restores into them are
 byte-exact and stop at a corrupt block; a process using them exits cleanly."""
 
@@ -17,8 +17,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine import kvblocks as kb
-from engine import mxbuffers as mxb
+from engine.cache import kvblocks as kb
+from engine.cache import buffers as mxb
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -165,7 +165,7 @@ def test_restore_into_unfilled_arrays_is_exact_and_stops_at_a_corrupt_block(tmp_
 EXIT_SCRIPT = textwrap.dedent("""
     import engine
     import mlx.core as mx
-    from engine import kvblocks as kb, mxbuffers as mxb
+    from engine.cache import buffers as mxb, kvblocks as kb
     # uint16 has no view step: the interpreter reaches its exit right after the load, the
     # moment where MLX's I/O thread still held the stream before the release wait
     a = mxb.unfilled_arrays([(1, 8, 1024, 128)] * 4, [mx.uint16] * 4)

@@ -99,7 +99,7 @@ def test_fingerprint_sensitive_to_tokenizer_and_template(model_copy):
 def test_dtype_policy(tiny_qwen3, tmp_path):
     import mlx.core as mx
 
-    from engine.modelgen import save_model_dir
+    from bench.modelgen import save_model_dir
 
     lm = load_model(tiny_qwen3)
     lm.model.set_dtype(mx.bfloat16)

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from engine.modelgen import init_model
-from engine.prefix_cache import NullPrefixCache, PrefixCache, store_namespace
+from bench.modelgen import init_model
+from engine.cache.prefix_cache import NullPrefixCache, PrefixCache, store_namespace
 
 BT = 16  # small blocks so short prompts span several
 
@@ -376,7 +376,7 @@ def test_writes_are_coalesced(llama, tmp_path):
 def test_quantized_kv_cache_round_trips_through_ram_and_ssd(tmp_path):
     from mlx_lm.models.cache import QuantizedKVCache
 
-    from engine.modelgen import model_config
+    from bench.modelgen import model_config
 
     llama = init_model(model_config("llama", 512, head_dim=32), seed=2)  # quantizable heads
     t = prompt(2 * BT + 7, 27)
@@ -578,7 +578,7 @@ def test_failed_request_gives_back_a_handed_over_entry(llama):
 
 
 def test_restore_destinations_are_real_writable_buffers():
-    from engine.kvblocks import byte_view, writable_arrays
+    from engine.cache.kvblocks import byte_view, writable_arrays
 
     arrays = writable_arrays([(1, 2, 512, 16)] * 3 + [(1, 1, 256, 8)], [mx.float32] * 3 + [mx.bfloat16])
     views = [np.frombuffer(byte_view(a), dtype=np.uint8) for a in arrays]
@@ -618,7 +618,7 @@ def _cli(*argv: str) -> tuple[int, dict | None]:
     import io
     import json
 
-    from engine.cache_cli import add_cache_parser, run_cache_command
+    from cli.cache import add_cache_parser, run_cache_command
 
     ap = argparse.ArgumentParser()
     add_cache_parser(ap.add_subparsers(dest="command"))

@@ -3,7 +3,7 @@
     python -m engine.demo.train [--quick] [--out DIR]
 
 Builds a byte-level BPE tokenizer on the generated corpus (``engine.demo.corpus``), a
-qwen3-architecture model from mlx-lm's own classes (``engine.modelgen``), trains it with
+qwen3-architecture model from mlx-lm's own classes (``bench.modelgen``), trains it with
 AdamW on the chat dialogues (loss on the assistant's tokens) and the plain texts (loss on
 every token), then trains a much smaller draft model with the same tokenizer. Both are
 saved as float16 model folders that load with plain ``mlx_lm.load``:
@@ -149,7 +149,7 @@ def train_model(name: str, spec: dict, vocab: int, examples, out_dir: Path, step
     import mlx.optimizers as optim
     from mlx.utils import tree_flatten
 
-    from engine.modelgen import init_model, model_config, save_model_dir
+    from bench.modelgen import init_model, model_config, save_model_dir
 
     config = model_config("qwen3", vocab, **spec["config"])
     model = init_model(config, seed=SEED)
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     import mlx.core as mx
 
     from engine.demo.corpus import build_corpus, tokenizer_texts
-    from engine.modelgen import build_tokenizer
+    from bench.modelgen import build_tokenizer
 
     mx.random.seed(SEED)
     print(f"BLAS: {blas}", flush=True)

@@ -25,7 +25,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
-from engine import mxbuffers as mxb
+from engine.cache import buffers as mxb
 
 log = logging.getLogger("mlxkv.engine")
 
@@ -208,7 +208,7 @@ def writable_arrays(shapes: list[tuple[int, ...]], dtypes: list[mx.Dtype]) -> li
     """Evaluated arrays, each backed by its own writable, C-contiguous buffer.
 
     Restores write into them through the buffer protocol (on the reader thread) with no
-    second copy. They are allocated without a zero fill (see :mod:`engine.mxbuffers`):
+    second copy. They are allocated without a zero fill (see :mod:`engine.cache.buffers`):
     their bytes are unspecified until the restore writes them, and only restored rows are
     ever inside a cache's ``offset``. Where that allocation fails, zero-filled arrays are
     used instead. A broadcast of one element, a shared or read-only buffer are checked for,

@@ -11,7 +11,7 @@
   state tree with ints, ``None`` and array references. The skeleton is payload, so it is
   covered by the content hash like the arrays.
 
-Nothing here does I/O; ``engine.prefix_cache`` submits and restores.
+Nothing here does I/O; ``engine.cache.prefix_cache`` submits and restores.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from engine import kvblocks as kb
+from engine.cache import kvblocks as kb
 
 _DTYPES = {str(getattr(mx, n)): n for n in (
     "float32", "float16", "bfloat16", "uint32", "int32", "uint8", "int8", "uint16", "int16",

@@ -175,3 +175,15 @@ def build_random_model(
         return out
     os.replace(tmp, out)
     return out
+
+
+TEST_MODELS = Path(os.environ.get("MLXKV_TEST_MODELS",
+                                  Path(__file__).resolve().parent.parent / ".cache" / "models"))
+
+
+def tiny_model(arch: str, **overrides) -> Path:
+    """A tiny random-weight model of ``arch`` (tests' and benchmarks' fixture), built once
+    into the git-ignored ``.cache/models`` (or ``$MLXKV_TEST_MODELS``)."""
+    suffix = "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
+    name = f"{arch}-tiny" + (f"-{suffix}" if suffix else "")
+    return build_random_model(TEST_MODELS / name, arch=arch, **overrides)

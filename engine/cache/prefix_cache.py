@@ -20,7 +20,7 @@
 * Non-trimmable caches (rotating windows, SSM / linear-attention state, and hybrids of
   those with KV layers) are kept as exact checkpoints at the end of each turn: in RAM, and
   on SSD as a block-store checkpoint of the non-trimmable layers plus the KV layers as
-  ordinary (deduplicated) blocks marked partial (see ``engine.disk_layout``). They are
+  ordinary (deduplicated) blocks marked partial (see ``engine.cache.layout``). They are
   restored only at exactly a checkpointed position, never trimmed.
 * A RAM entry handed over whole to the request that continues it (see ``RamTier._move``)
   is given back by ``release(cache)`` if that request fails before its ``store``.
@@ -42,10 +42,10 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
-from engine import disk_layout as dl
-from engine import kvblocks as kb
-from engine.durability import Durability
-from engine.ram_tier import Entry, RamTier, as_tokens
+from engine.cache import layout as dl
+from engine.cache import kvblocks as kb
+from engine.cache.durability import Durability
+from engine.cache.ram_tier import Entry, RamTier, as_tokens
 
 log = logging.getLogger("mlxkv.prefix")
 

@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
-from engine import kvblocks as kb
+from engine.cache import kvblocks as kb
 from storage.keys import namespace_id
 
 KEY_BYTES = 16

@@ -1,0 +1,1 @@
+"""The command line's sub-commands (``mlxkv.py`` parses arguments and dispatches here)."""

@@ -1,0 +1,2 @@
+"""The prefix cache: RAM tier, SSD tier (through ``storage``), write-behind durability,
+the mapping of mlx-lm prompt caches onto blocks, and restore buffers."""
