@@ -303,8 +303,8 @@ class Engine:
     def _run(self) -> None:
         try:
             from engine.blas import describe
-            from engine.models import load_model
             from engine.cache.prefix_cache import NullPrefixCache
+            from engine.models import load_model
 
             self.loaded = load_model(self.model_spec, self.dtype, self.full_hash)
             self.namespace = f"{self.loaded.fingerprint}-{self.loaded.compute_dtype}-kv"

@@ -17,8 +17,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.cache import kvblocks as kb
 from engine.cache import buffers as mxb
+from engine.cache import kvblocks as kb
 
 ROOT = Path(__file__).resolve().parent.parent
 

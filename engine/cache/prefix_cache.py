@@ -42,8 +42,8 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
-from engine.cache import layout as dl
 from engine.cache import kvblocks as kb
+from engine.cache import layout as dl
 from engine.cache.durability import Durability
 from engine.cache.ram_tier import Entry, RamTier, as_tokens
 

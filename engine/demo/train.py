@@ -222,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     blas = _preload_blas()
     import mlx.core as mx
 
-    from engine.demo.corpus import build_corpus, tokenizer_texts
     from bench.modelgen import build_tokenizer
+    from engine.demo.corpus import build_corpus, tokenizer_texts
 
     mx.random.seed(SEED)
     print(f"BLAS: {blas}", flush=True)
