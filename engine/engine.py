@@ -3,179 +3,80 @@ serves commands from a queue; callers hold thread-safe :class:`RequestHandle` s.
 
     with Engine("path/or/hub-id").start() as engine:
         handle = engine.submit(Request(messages=[{"role": "user", "content": "hi"}]))
-        for event in handle:          # TokenEvent ..., StatsEvent, FinishedEvent
+        for event in handle:          # ProgressEvent ..., TokenEvent ..., StatsEvent, FinishedEvent
             ...
         handle.cancel()               # from any thread
+        engine.stats(); engine.cache_entries(); engine.subscribe(print)
 
-Prefix cache seam: see ``engine/prefix_cache.py`` (lookup before prefill, store after).
+Everything a front end needs is a public method here, callable from any thread: each runs
+on the engine thread, *between tokens* of a running generation or between requests, and
+waits with a timeout (:class:`EngineError` when it passes). The prefix cache (see
+``engine/cache/prefix_cache.py``) is looked up before the prefill and stored after; a
+generation that fails after starting from a cached prefix is answered again without it.
 """
 
 from __future__ import annotations
 
 import atexit
-import itertools
+import collections
+import dataclasses
 import logging
 import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
-from engine.generate import Generation, SamplingParams
+from engine.generate import Generation
+from engine.requests import (  # noqa: F401  (re-exported: the engine's public names)
+    CacheEvent,
+    EngineError,
+    EngineEvent,
+    ErrorEvent,
+    Event,
+    FinishedEvent,
+    LoadEvent,
+    ProgressEvent,
+    Request,
+    RequestHandle,
+    RequestRefused,
+    Result,
+    StatsEvent,
+    TokenEvent,
+    WaitTimeout,
+)
 
 log = logging.getLogger("mlxkv.engine")
+_warned: set[str] = set()  # user-facing warnings already given in this process
 
 
-# ----------------------------------------------------------------------------- events
-@dataclass(frozen=True)
-class TokenEvent:
-    token: int | None  # None: a final flush of held-back text
-    text: str
+def _warn_once(key: str, message: str, *args: Any) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message, *args)
 
 
-@dataclass(frozen=True)
-class StatsEvent:
-    prompt_tokens: int
-    cached_tokens: int
-    generated_tokens: int
-    ttft_s: float  # submit -> first token (includes queueing and prefill)
-    prefill_tps: float  # uncached prompt tokens per second of prefill
-    decode_tps: float  # tokens after the first per second
-    queue_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class FinishedEvent:
-    reason: str  # "stop", "length", "cancelled"
-    detail: str | None = None  # "eos", the matched stop string, "shutdown"
-
-
-@dataclass(frozen=True)
-class ErrorEvent:
-    message: str
-    exception: BaseException | None = None
-
-
-Event = TokenEvent | StatsEvent | FinishedEvent | ErrorEvent
-
-
-class EngineError(RuntimeError):
-    """A request failed, or the engine could not start."""
-
-
-# ---------------------------------------------------------------------------- requests
-@dataclass
-class Request:
-    """Exactly one of ``messages`` (chat template applied), ``prompt`` (raw text) or
-    ``prompt_tokens``. ``session`` groups requests of one conversation for the cache."""
-
-    messages: list[dict[str, str]] | None = None
-    prompt: str | None = None
-    prompt_tokens: list[int] | None = None
-    params: SamplingParams = field(default_factory=SamplingParams)
-    session: str | None = None
-
-    def __post_init__(self) -> None:
-        given = [x is not None for x in (self.messages, self.prompt, self.prompt_tokens)]
-        if sum(given) != 1:
-            raise ValueError("a request needs exactly one of messages, prompt, prompt_tokens")
-
-
-@dataclass
-class Result:
-    text: str
-    tokens: list[int]
-    finish_reason: str
-    finish_detail: str | None
-    stats: StatsEvent | None
-
-
-class RequestHandle:
-    """Thread-safe view of one request: iterate its events (once), or ``result()``."""
-
-    _ids = itertools.count(1)
-
-    def __init__(self, request: Request, callback: Callable[[Event], None] | None = None):
-        self.id = next(self._ids)
-        self.request = request
-        self.submitted = time.perf_counter()
-        self._events: queue.Queue = queue.Queue()
-        self._cancel = threading.Event()
-        self.done = threading.Event()  # set when the final event has been emitted
-        self._callback = callback
-        self.tokens: list[int] = []
-        self._text: list[str] = []
-        self.stats: StatsEvent | None = None
-        self.finished: FinishedEvent | None = None
-        self.error: ErrorEvent | None = None
-
-    # engine side
-    def _emit(self, event: Event) -> None:
-        if self._callback is not None:
-            try:
-                self._callback(event)
-            except Exception:  # a front end's bug must not kill the engine thread
-                log.exception("event callback failed")
-        self._events.put(event)
-        if isinstance(event, (FinishedEvent, ErrorEvent)):
-            self.done.set()
-
-    # caller side
-    def cancel(self) -> None:
-        """Ask the engine to stop this request (between tokens); safe from any thread."""
-        self._cancel.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancel.is_set()
-
-    def _record(self, event: Event) -> None:
-        if isinstance(event, TokenEvent):
-            if event.token is not None:
-                self.tokens.append(event.token)
-            self._text.append(event.text)
-        elif isinstance(event, StatsEvent):
-            self.stats = event
-        elif isinstance(event, FinishedEvent):
-            self.finished = event
-        elif isinstance(event, ErrorEvent):
-            self.error = event
-
-    def events(self, timeout: float | None = None) -> Iterator[Event]:
-        """Events until (and including) FinishedEvent or ErrorEvent. ``timeout`` bounds
-        the wait for each event (queue.Empty is raised when it passes)."""
-        while self.finished is None and self.error is None:
-            event = self._events.get(timeout=timeout)
-            self._record(event)
-            yield event
-
-    def __iter__(self) -> Iterator[Event]:
-        return self.events()
-
-    def result(self, timeout: float | None = None) -> Result:
-        """Wait for the end; raise :class:`EngineError` if the request failed."""
-        for _ in self.events(timeout):
-            pass
-        if self.error is not None:
-            raise EngineError(self.error.message) from self.error.exception
-        assert self.finished is not None
-        return Result("".join(self._text), list(self.tokens), self.finished.reason,
-                      self.finished.detail, self.stats)
-
-    def text(self, timeout: float | None = None) -> str:
-        return self.result(timeout).text
-
-
-# ------------------------------------------------------------------------------ engine
 class _Call:
     def __init__(self, fn: Callable[..., Any], args: tuple):
         self.fn, self.args, self.future = fn, args, Future()
 
+    def run(self) -> None:
+        if self.future.set_running_or_notify_cancel():
+            try:
+                self.future.set_result(self.fn(*self.args))
+            except BaseException as e:
+                self.future.set_exception(e)
+
+
+class _Retry(Exception):
+    """A generation from a cached prefix failed: compute the request again without it."""
+
 
 _STOP = object()
+_WAKE = object()  # a quick call is waiting in Engine._quick
+_LOAD_STAGES = ("model", "prefix cache", "ready")
 _live_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
@@ -196,10 +97,20 @@ def _shutdown_live_engines() -> None:
         engine.shutdown(timeout=10.0)
 
 
+def _namespace(fingerprint: str, compute_dtype: str) -> str:
+    from engine.cache import layout
+
+    kv_namespace = getattr(layout, "kv_namespace", None)
+    if kv_namespace is None:
+        return f"{fingerprint}-{compute_dtype}-kv"
+    return kv_namespace(fingerprint, compute_dtype)
+
+
 class Engine:
     """Owns one model on one thread. ``prefix_cache`` is an object with ``lookup`` and
-    ``store`` (see ENGINE_SEAM), or a callable ``(loaded_model, namespace) -> object``
-    called on the engine thread once the model is loaded; None = no caching."""
+    ``store`` (see ``engine.cache.PrefixCache``), or a callable
+    ``(loaded_model, namespace) -> object`` called on the engine thread once the model is
+    loaded; None = no caching."""
 
     def __init__(self, model: str, *, dtype: str = "auto", full_hash: bool = False,
                  prefix_cache: Any = None, name: str = "mlxkv-engine"):
@@ -210,15 +121,23 @@ class Engine:
         self.prefix_cache: Any = None
         self._caching = False  # a real prefix cache (not NullPrefixCache) is in use
         self._queue: queue.Queue = queue.Queue()
+        self._quick: collections.deque[_Call] = collections.deque()
         self._ready = threading.Event()
         self._stopping = threading.Event()
         # Held while checking _stopping and enqueueing, so nothing lands behind _STOP.
         self._submit_lock = threading.Lock()
         self._load_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._listeners: list[tuple[object, Callable[[EngineEvent], None]]] = []
+        self._listeners_lock = threading.Lock()
         self.loaded: Any = None  # LoadedModel; touch its arrays only on the engine thread
         self.namespace: str = ""
         self.info: dict[str, Any] = {}
+        self.load_s = 0.0
+        self._load_t0 = self._load_t1 = 0.0
+        self._serving: RequestHandle | None = None
+        self._counts = {"requests": 0, "errors": 0, "refused": 0, "cancelled": 0,
+                        "retries": 0}
 
     @classmethod
     def from_settings(cls, settings: Any, prefix_cache: Any = None) -> Engine:
@@ -267,7 +186,7 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    # commands
+    # requests
     def submit(self, request: Request, callback: Callable[[Event], None] | None = None
                ) -> RequestHandle:
         """Queue a request; ``callback`` (optional) sees each event on the engine thread."""
@@ -281,7 +200,8 @@ class Engine:
         return handle
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Future:
-        """Run ``fn(*args)`` on the engine thread (between requests); returns a Future."""
+        """Run ``fn(*args)`` on the engine thread (between requests); returns a Future.
+        For tests and tools: front ends have a public method for what they need."""
         cmd = _Call(fn, args)
         with self._submit_lock:
             if self._stopping.is_set() or not self._thread.is_alive():
@@ -290,39 +210,165 @@ class Engine:
                 self._queue.put(cmd)
         return cmd.future
 
-    def sync(self, timeout: float | None = None) -> None:
+    def sync(self, timeout: float | None = 30.0) -> None:
         """Wait until everything queued before this call has been served."""
-        self.call(lambda: None).result(timeout)
+        self._wait(self.call(lambda: None), timeout, "sync")
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def _wait(self, future: Future, timeout: float | None, what: str) -> Any:
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            future.cancel()
+            raise EngineError(f"the engine did not answer ({what}) within {timeout} s") from None
+
+    def _ask(self, what: str, fn: Callable[..., Any], *args: Any,
+             timeout: float | None = 30.0) -> Any:
+        """Run ``fn(*args)`` on the engine thread as soon as it is between two tokens (or
+        two requests), and wait for its result."""
+        if threading.current_thread() is self._thread:
+            return fn(*args)
+        cmd = _Call(fn, args)
+        with self._submit_lock:
+            if self._stopping.is_set() or not self._thread.is_alive():
+                raise EngineError("engine is not running")
+            self._quick.append(cmd)
+            self._queue.put(_WAKE)
+        return self._wait(cmd.future, timeout, what)
+
+    # what front ends need
+    def stats(self, timeout: float | None = 30.0) -> dict[str, Any]:
+        """The model, its load time, request counts, what is queued and the cache's stats."""
+        def collect() -> dict[str, Any]:
+            return {"model": dict(self.info), "load_s": self.load_s, **self._counts,
+                    "queued": self._queue.qsize(), "busy": self._serving is not None,
+                    "namespace": self.namespace, "cache": self.prefix_cache.stats()}
+        return self._ask("stats", collect, timeout=timeout)
+
+    def _facade(self, name: str, default: Any, *args: Any, timeout: float | None) -> Any:
+        def run() -> Any:
+            fn = getattr(self.prefix_cache, name, None)
+            return default if fn is None else fn(*args)
+        return self._ask(f"cache {name}", run, timeout=timeout)
+
+    def cache_entries(self, ns: str | None = None, timeout: float | None = 30.0) -> list:
+        """Cached states (``CacheEntryInfo``), of namespace ``ns`` or all."""
+        return self._facade("entries", [], ns, timeout=timeout)
+
+    def cache_entry(self, entry_id: str, timeout: float | None = 30.0) -> Any:
+        """One entry's details (``CacheEntryDetail``) or None."""
+        return self._facade("entry", None, entry_id, timeout=timeout)
+
+    def cache_pin(self, entry_id: str, pinned: bool = True, timeout: float | None = 30.0
+                  ) -> bool:
+        return self._facade("pin", False, entry_id, pinned, timeout=timeout)
+
+    def cache_evict(self, entry_id: str, timeout: float | None = 30.0) -> bool:
+        """Drop an entry from RAM (kept on SSD)."""
+        return self._facade("evict", False, entry_id, timeout=timeout)
+
+    def cache_delete(self, entry_id: str, timeout: float | None = 30.0) -> bool:
+        """Drop an entry from every tier."""
+        return self._facade("delete", False, entry_id, timeout=timeout)
+
+    def cache_verify(self, entry_id: str | None = None, timeout: float | None = 30.0) -> dict:
+        """Read and check SSD blocks (of one entry, or all)."""
+        empty = {"checked": 0, "ok": 0, "damaged": [], "manifests_damaged": 0}
+        return self._facade("verify", empty, entry_id, timeout=timeout)
+
+    def cache_flush(self, timeout: float | None = None) -> dict:
+        """Persist every dirty state now (the flush itself is bounded by ``timeout``)."""
+        wait = None if timeout is None else timeout + 30.0
+        return self._facade("flush", {}, timeout, timeout=wait)
+
+    def open_session(self, session: str, timeout: float | None = 30.0) -> None:
+        self._facade("open_session", None, session, timeout=timeout)
+
+    def close_session(self, session: str, timeout: float | None = 30.0) -> None:
+        self._facade("close_session", None, session, timeout=timeout)
+
+    def encode(self, text: str, timeout: float | None = 30.0) -> list[int]:
+        """Token ids of raw ``text``, as ``Request(prompt=text)`` would see them."""
+        return self._ask("encode", self._encode_text, text, timeout=timeout)
+
+    def encode_chat(self, messages: list[dict[str, str]], timeout: float | None = 30.0
+                    ) -> list[int]:
         from engine.models import chat_prompt_tokens
 
-        return self.call(lambda: chat_prompt_tokens(self.loaded.tokenizer, messages)).result()
+        return self._ask("encode_chat", lambda: chat_prompt_tokens(self.loaded.tokenizer,
+                                                                   messages), timeout=timeout)
+
+    def decode(self, tokens: list[int], timeout: float | None = 30.0) -> str:
+        return self._ask("decode", lambda: self.loaded.tokenizer.decode(list(tokens)),
+                         timeout=timeout)
+
+    def subscribe(self, callback: Callable[[EngineEvent], None]) -> Callable[[], None]:
+        """Call ``callback`` with every engine-wide event (:class:`CacheEvent`,
+        :class:`LoadEvent`), from the engine or storage threads; returns the function
+        that unsubscribes it."""
+        token = object()
+        with self._listeners_lock:
+            self._listeners.append((token, callback))
+
+        def unsubscribe() -> None:
+            with self._listeners_lock:
+                self._listeners[:] = [(t, c) for t, c in self._listeners if t is not token]
+        return unsubscribe
+
+    def _publish(self, event: EngineEvent) -> None:
+        with self._listeners_lock:
+            listeners = [c for _, c in self._listeners]
+        for callback in listeners:
+            try:
+                callback(event)
+            except Exception:  # a front end's bug must not break the engine or the cache
+                log.exception("engine event listener failed")
+
+    def _cache_event(self, data: dict) -> None:
+        kind = str(data.get("type", "cache.event")).removeprefix("cache.")
+        self._publish(CacheEvent(kind, {k: v for k, v in data.items() if k != "type"}))
 
     # engine thread
-    def _run(self) -> None:
-        try:
-            from engine.blas import describe
-            from engine.cache.prefix_cache import NullPrefixCache
-            from engine.models import load_model
+    def _load(self) -> None:
+        from engine.blas import describe
+        from engine.cache.prefix_cache import NullPrefixCache
+        from engine.models import load_model
 
-            self.loaded = load_model(self.model_spec, self.dtype, self.full_hash)
-            self.namespace = f"{self.loaded.fingerprint}-{self.loaded.compute_dtype}-kv"
-            arg = self._prefix_arg
-            if arg is None:
-                self.prefix_cache = NullPrefixCache()
-            elif callable(arg) and not hasattr(arg, "lookup"):
-                self.prefix_cache = arg(self.loaded, self.namespace)
-            else:
-                self.prefix_cache = arg
-            self._caching = not isinstance(self.prefix_cache, NullPrefixCache)
-            self.info = {
-                "model": self.loaded.spec, "path": str(self.loaded.path),
-                "fingerprint": self.loaded.fingerprint, "namespace": self.namespace,
-                "weights_dtype": self.loaded.weights_dtype,
-                "compute_dtype": self.loaded.compute_dtype, "blas": describe(),
-                "model_type": self.loaded.config.get("model_type"),
-            }
+        total = len(_LOAD_STAGES) - 1
+        self._publish(LoadEvent(_LOAD_STAGES[0], 0, total))
+        self.loaded = load_model(self.model_spec, self.dtype, self.full_hash)
+        self.namespace = _namespace(self.loaded.fingerprint, self.loaded.compute_dtype)
+        self._publish(LoadEvent(_LOAD_STAGES[1], 1, total))
+        arg = self._prefix_arg
+        if arg is None:
+            self.prefix_cache = NullPrefixCache()
+        elif callable(arg) and not hasattr(arg, "lookup"):
+            self.prefix_cache = arg(self.loaded, self.namespace)
+        else:
+            self.prefix_cache = arg
+        self._caching = not isinstance(self.prefix_cache, NullPrefixCache)
+        if hasattr(self.prefix_cache, "on_event"):
+            previous = self.prefix_cache.on_event
+
+            def on_event(data: dict) -> None:
+                if previous is not None:
+                    previous(data)
+                self._cache_event(data)
+            self.prefix_cache.on_event = on_event
+        self.load_s = time.perf_counter() - self._load_t0
+        self.info = {
+            "model": self.loaded.label, "spec": self.loaded.spec, "path": str(self.loaded.path),
+            "fingerprint": self.loaded.fingerprint, "namespace": self.namespace,
+            "weights_dtype": self.loaded.weights_dtype,
+            "compute_dtype": self.loaded.compute_dtype, "blas": describe(),
+            "model_type": self.loaded.config.get("model_type"),
+            "context_tokens": self.loaded.context_tokens, "load_s": self.load_s,
+        }
+        self._publish(LoadEvent(_LOAD_STAGES[2], total, total))
+
+    def _run(self) -> None:
+        self._load_t0 = time.perf_counter()
+        try:
+            self._load()
         except BaseException as e:  # reported to start()'s caller and queued requests
             self._load_error = e
             with self._submit_lock:
@@ -331,21 +377,23 @@ class Engine:
             _clear_streams()
             self._ready.set()
             return
+        finally:
+            self._load_t1 = time.perf_counter()
         self._ready.set()
         try:
             while True:
                 cmd = self._queue.get()
                 if cmd is _STOP:
                     break
-                if isinstance(cmd, _Call):
-                    if cmd.future.set_running_or_notify_cancel():
-                        try:
-                            cmd.future.set_result(cmd.fn(*cmd.args))
-                        except BaseException as e:
-                            cmd.future.set_exception(e)
+                if cmd is _WAKE:
+                    self._run_quick()
+                elif isinstance(cmd, _Call):
+                    cmd.run()
                 else:
                     self._serve(cmd)
         finally:
+            with self._submit_lock:
+                self._stopping.set()
             self._drain()
             close = getattr(self.prefix_cache, "close", None)
             if close is not None:
@@ -355,13 +403,21 @@ class Engine:
                     log.exception("prefix cache close failed")
             _clear_streams()
 
+    def _run_quick(self) -> None:
+        while self._quick:
+            self._quick.popleft().run()
+
     def _drain(self, error: BaseException | None = None) -> None:
         """Answer everything still queued: cancelled (shutdown), or the load ``error``."""
-        while True:
-            try:
-                cmd = self._queue.get_nowait()
-            except queue.Empty:
-                return
+        with self._submit_lock:  # nothing is enqueued any more: _stopping is set
+            pending = list(self._quick)
+            self._quick.clear()
+            while True:
+                try:
+                    pending.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+        for cmd in pending:
             if isinstance(cmd, RequestHandle):
                 cmd._emit(ErrorEvent(str(error), error) if error is not None
                           else FinishedEvent("cancelled", "shutdown"))
@@ -369,23 +425,48 @@ class Engine:
                 cmd.future.set_exception(error if error is not None
                                          else EngineError("engine shut down"))
 
+    def _encode_text(self, text: str) -> list[int]:
+        # As mlx_lm.stream_generate: add special tokens unless the text starts with BOS.
+        tok = self.loaded.tokenizer
+        bos = getattr(tok, "bos_token", None)
+        return list(tok.encode(text, add_special_tokens=bos is None or not text.startswith(bos)))
+
     def _prompt_tokens(self, req: Request) -> list[int]:
         from engine.models import chat_prompt_tokens
 
-        tok = self.loaded.tokenizer
         if req.prompt_tokens is not None:
             tokens = [int(t) for t in req.prompt_tokens]
             vocab = self.loaded.config.get("vocab_size")
             bad = [t for t in tokens if t < 0 or (vocab and t >= vocab)]
             if bad:  # mlx would index out of range silently
-                raise ValueError(f"token ids out of range [0, {vocab}): {bad[:5]}")
-            return tokens
-        if req.messages is not None:
-            return chat_prompt_tokens(tok, req.messages)
-        # As mlx_lm.stream_generate: add special tokens unless the text starts with BOS.
-        bos = getattr(tok, "bos_token", None)
-        return list(tok.encode(req.prompt, add_special_tokens=bos is None
-                               or not req.prompt.startswith(bos)))
+                raise RequestRefused(f"token ids out of range [0, {vocab}): {bad[:5]}")
+        elif req.messages is not None:
+            if all(not str(m.get("content") or "").strip() for m in req.messages):
+                raise RequestRefused("the prompt is empty")
+            tokens = chat_prompt_tokens(self.loaded.tokenizer, req.messages)
+        else:
+            if not (req.prompt or "").strip():
+                raise RequestRefused("the prompt is empty")
+            tokens = self._encode_text(req.prompt)
+        if not tokens:
+            raise RequestRefused("the prompt is empty")
+        return tokens
+
+    def _fit_context(self, tokens: list[int], req: Request) -> tuple[list[int], int]:
+        """The prompt to run and how many tokens may follow it within the model's context:
+        a prompt that leaves no room is refused, or (``truncate``) cut to its last tokens."""
+        context = self.loaded.context_tokens
+        max_tokens = req.params.max_tokens
+        if context is None:
+            return tokens, max_tokens
+        if len(tokens) >= context:
+            keep = max(context - max_tokens, context // 2, 1)
+            if not req.truncate:
+                raise RequestRefused(
+                    f"the prompt is {len(tokens)} tokens; the model's context is {context} "
+                    f"tokens (use --truncate to keep the last {keep})")
+            tokens = tokens[-keep:]
+        return tokens, min(max_tokens, context - len(tokens))
 
     def _lookup(self, tokens: list[int], session: str | None) -> tuple[int, Any]:
         try:
@@ -410,39 +491,87 @@ class Engine:
             except Exception:
                 log.exception("prefix cache release failed")
 
+    def _drop_cached(self, tokens: list[int], cache: Any, n_cached: int,
+                     exc: BaseException) -> None:
+        """A generation that started from ``n_cached`` cached tokens failed: drop every
+        cached state that would seed this prompt again (or, without ``invalidate``, give
+        the borrowed cache back as any failed request does)."""
+        invalidate = getattr(self.prefix_cache, "invalidate", None)
+        try:
+            if invalidate is not None:
+                invalidate(tokens, self.namespace)
+            else:
+                self._release(cache)
+        except Exception:
+            log.exception("prefix cache invalidate failed")
+        first = (str(exc).splitlines() or [""])[0][:200]
+        _warn_once(f"retry:{type(exc).__name__}",
+                   "a cached prompt prefix could not be used (%s: %s); it was dropped and the "
+                   "prompt computed again without it", type(exc).__name__, first)
+
     def _serve(self, handle: RequestHandle) -> None:
         if handle.cancelled or self._stopping.is_set():
+            self._counts["cancelled"] += 1
             handle._emit(FinishedEvent("cancelled", "shutdown" if self._stopping.is_set()
                                        else None))
             return
         start = time.perf_counter()
-        req = handle.request
-        cache = None
+        self._counts["requests"] += 1
+        self._serving = handle
         try:
-            tokens = self._prompt_tokens(req)
-            if not tokens:
-                raise ValueError("the prompt is empty")
-            n_cached, cache = self._lookup(tokens, req.session)
-            gen = Generation(self.loaded.model, self.loaded.tokenizer, tokens, req.params,
-                             cache=cache, n_cached=n_cached,
-                             should_stop=lambda: handle.cancelled or self._stopping.is_set())
-            for step in gen:
-                handle._emit(TokenEvent(step.token, step.text))
-            out = gen.outcome
-            ttft = (gen.first_token_time - handle.submitted) if gen.first_token_time else 0.0
-            handle._emit(StatsEvent(
-                prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
-                generated_tokens=len(out.tokens), ttft_s=ttft, prefill_tps=out.prefill_tps,
-                decode_tps=out.decode_tps, queue_s=start - handle.submitted))
-            detail = out.stop_detail
-            if out.finish_reason == "cancelled" and self._stopping.is_set():
-                detail = "shutdown"
-            handle._emit(FinishedEvent(out.finish_reason, detail))
+            self._serve_request(handle, start)
+        finally:
+            self._serving = None
+
+    def _serve_request(self, handle: RequestHandle, start: float) -> None:
+        req = handle.request
+        try:
+            tokens, max_tokens = self._fit_context(self._prompt_tokens(req), req)
+        except Exception as e:
+            self._counts["refused" if isinstance(e, RequestRefused) else "errors"] += 1
+            handle._emit(ErrorEvent(str(e) if isinstance(e, RequestRefused)
+                                    else f"{type(e).__name__}: {e}", e))
+            return
+        params = req.params
+        if max_tokens != params.max_tokens:
+            params = dataclasses.replace(params, max_tokens=max_tokens)
+        n_cached, cache = self._lookup(tokens, req.session)
+        sent: list[int] = []  # tokens of the TokenEvents already sent
+        retried = False
+        try:
+            try:
+                gen = self._generate(handle, tokens, params, cache, n_cached, sent, None)
+            except _Retry as failed:
+                self._counts["retries"] += 1
+                retried = True
+                self._drop_cached(tokens, cache, n_cached, failed.__cause__)
+                cache = None
+                gen = self._generate(handle, tokens, params, None, 0, [], sent)
         except Exception as e:
             log.debug("request %d failed", handle.id, exc_info=True)
-            self._release(cache)
+            if not retried:
+                self._release(cache)
+            self._counts["errors"] += 1
             handle._emit(ErrorEvent(f"{type(e).__name__}: {e}", e))
             return
+        out = gen.outcome
+        ttft = (gen.first_token_time - start) if gen.first_token_time else 0.0
+        submitted = handle.submitted
+        load_s = (max(0.0, self._load_t1 - max(submitted, self._load_t0))
+                  if submitted < self._load_t1 else 0.0)
+        handle._emit(StatsEvent(
+            prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
+            generated_tokens=len(out.tokens), ttft_s=ttft, prefill_tps=out.prefill_tps,
+            decode_tps=out.decode_tps, queue_s=start - submitted, load_s=load_s,
+            retried=retried))
+        detail = out.stop_detail
+        if out.finish_reason == "cancelled":
+            self._counts["cancelled"] += 1
+            if self._stopping.is_set():
+                detail = "shutdown"
+        elif out.finish_reason == "length" and max_tokens < req.params.max_tokens:
+            detail = "context"  # stopped at the end of the model's context
+        handle._emit(FinishedEvent(out.finish_reason, detail))
         # After the caller has its answer: hand the KV state to the prefix cache.
         if self._caching and out.tokens_in_cache:
             try:
@@ -453,3 +582,36 @@ class Engine:
                                         session=req.session)
             except Exception:
                 log.exception("prefix cache store failed")
+
+    def _generate(self, handle: RequestHandle, tokens: list[int], params: Any, cache: Any,
+                  n_cached: int, sent: list[int], replay: list[int] | None) -> Generation:
+        """Run one generation, sending its events to ``handle``; ``sent`` collects the
+        tokens sent. A failure with a cached prefix raises :class:`_Retry`. ``replay``: the
+        tokens an earlier, failed attempt already sent, which are checked, not sent again."""
+
+        def progress(done: int, total: int) -> None:
+            handle._emit(ProgressEvent(done, total))
+            self._run_quick()
+
+        gen = Generation(self.loaded.model, self.loaded.tokenizer, tokens, params,
+                         cache=cache, n_cached=n_cached, on_progress=progress,
+                         should_stop=lambda: handle.cancelled or self._stopping.is_set())
+        skip = 0
+        try:
+            for step in gen:
+                if replay is not None and skip < len(replay) and step.token is not None:
+                    if step.token != replay[skip]:
+                        raise EngineError(
+                            "computed again without the cache, the reply differs from the "
+                            f"{len(replay)} tokens already sent; it cannot be continued")
+                    skip += 1
+                    continue
+                handle._emit(TokenEvent(step.token, step.text))
+                if step.token is not None:
+                    sent.append(step.token)
+                self._run_quick()
+        except Exception as e:
+            if n_cached > 0 and not isinstance(e, EngineError):
+                raise _Retry() from e
+            raise
+        return gen

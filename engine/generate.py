@@ -142,11 +142,15 @@ class Generation:
     """One generation. Iterate for :class:`Step` s; ``outcome`` is set when it ends.
 
     ``cache`` must hold exactly ``prompt_tokens[:n_cached]`` (None when n_cached is 0) and
-    is updated in place. ``should_stop`` is polled between tokens and prefill chunks."""
+    is updated in place. ``should_stop`` is polled between tokens and prefill chunks.
+    ``on_progress(done, total)`` is called when the prefill starts, after each prefill chunk
+    and when the first token is ready, with prompt tokens processed so far (cached ones
+    included) out of the whole prompt; it only observes, so outputs do not change."""
 
     def __init__(self, model: Any, tokenizer: Any, prompt_tokens: Sequence[int],
                  params: SamplingParams, cache: list | None = None, n_cached: int = 0,
-                 should_stop: Callable[[], bool] | None = None):
+                 should_stop: Callable[[], bool] | None = None,
+                 on_progress: Callable[[int, int], None] | None = None):
         if not prompt_tokens:
             raise ValueError("empty prompt")
         if not 0 <= n_cached < len(prompt_tokens):
@@ -158,6 +162,7 @@ class Generation:
         self.n_cached = n_cached
         self.cache = cache
         self.should_stop = should_stop or (lambda: False)
+        self.on_progress = on_progress
         self.outcome: Outcome | None = None
         self.first_token_time: float | None = None
 
@@ -180,7 +185,13 @@ class Generation:
             history = mx.array(self.prompt_tokens[: self.n_cached])
             processors = [_with_history(proc, history) for proc in processors]
 
+        reported = [-1]
+
         def progress(done: int, total: int) -> None:
+            # generate_step counts only the uncached suffix it was given.
+            if self.on_progress is not None and done != reported[0]:
+                reported[0] = done
+                self.on_progress(self.n_cached + done, self.n_cached + total)
             if done < total and self.should_stop():
                 raise Cancelled
 

@@ -79,6 +79,13 @@ def _file_digest(path: Path) -> bytes:
     return h.digest()
 
 
+# Weight files up to this size in total are always hashed by content: a few milliseconds,
+# and the fingerprint then does not depend on mtimes, so a copy of the folder (the demo
+# model unpacked by a PyInstaller one-file binary on every start, a checkout, a backup)
+# shares the cache with the original.
+CONTENT_HASH_MAX_BYTES = 64 << 20
+
+
 def _in_frozen_bundle(path: Path) -> bool:
     base = getattr(sys, "_MEIPASS", None)
     return bool(base) and path.resolve().is_relative_to(Path(base).resolve())
@@ -86,35 +93,60 @@ def _in_frozen_bundle(path: Path) -> bool:
 
 def model_fingerprint(path: str | os.PathLike, full_hash: bool = False) -> str:
     """128-bit hex fingerprint of a model folder: canonical config.json, weight files
-    (sizes + mtimes, or content hashes with ``full_hash``), tokenizer files and chat
-    template. Equal folders give equal fingerprints in every process.
+    (sizes + mtimes, or content hashes), tokenizer files and chat template. Equal folders
+    give equal fingerprints in every process; the path is not part of it.
 
-    A model inside a frozen (PyInstaller) bundle is always hashed by content: a one-file
-    bundle unpacks with fresh mtimes on every start, and its bundled models are small."""
+    Weights are hashed by content with ``full_hash``, when they are small (at most
+    ``CONTENT_HASH_MAX_BYTES`` together: the demo models, test models) and inside a frozen
+    (PyInstaller) bundle, which unpacks with fresh mtimes on every start."""
     root = Path(path)
-    full_hash = full_hash or _in_frozen_bundle(root)
+    config = json.loads((root / "config.json").read_text())
+    weights = sorted(p for p in root.glob("*.safetensors") if p.is_file())
+    if not weights:
+        raise ModelNotFoundError(f"no *.safetensors weight files in {root}")
+    stats = [w.stat() for w in weights]
+    full_hash = (full_hash or sum(st.st_size for st in stats) <= CONTENT_HASH_MAX_BYTES
+                 or _in_frozen_bundle(root))
     h = hashlib.sha256(FINGERPRINT_VERSION)
 
     def put(tag: str, data: bytes) -> None:
         h.update(tag.encode() + b"\0" + len(data).to_bytes(8, "little") + data)
 
-    config = json.loads((root / "config.json").read_text())
     put("config", json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
-    weights = sorted(p for p in root.glob("*.safetensors") if p.is_file())
-    if not weights:
-        raise ModelNotFoundError(f"no *.safetensors weight files in {root}")
     put("weights-mode", b"sha256" if full_hash else b"stat")
-    for w in weights:
+    for w, st in zip(weights, stats):
         if full_hash:
             put("weight:" + w.name, _file_digest(w))
         else:
-            st = w.stat()
             put("weight:" + w.name, f"{st.st_size}:{st.st_mtime_ns}".encode())
     for name in TOKENIZER_FILES:
         p = root / name
         if p.is_file():
             put("tok:" + name, _file_digest(p))
     return h.hexdigest()[:32]
+
+
+def model_label(spec: str | os.PathLike, path: Path | None = None,
+                fingerprint: str | None = None) -> str:
+    """How to show a model to a user: the embedded demo models by name and version
+    (``demo model (1a2b3c4d)``: never the temporary folder a one-file binary unpacks them
+    to), anything else as it was given (a folder or a hub id)."""
+    from engine.demo import DEMO_MODEL_DIR, DRAFT_MODEL_DIR
+
+    where = Path(path if path is not None else os.path.expanduser(str(spec)))
+    try:
+        resolved = where.resolve()
+    except OSError:
+        return str(spec)
+    for folder, name in ((DEMO_MODEL_DIR, "demo model"), (DRAFT_MODEL_DIR, "demo draft model")):
+        if resolved == folder.resolve():
+            if fingerprint is None:
+                try:
+                    fingerprint = model_fingerprint(folder)
+                except (OSError, ValueError):
+                    return name
+            return f"{name} ({fingerprint[:8]})"
+    return str(spec)
 
 
 def weights_dtype(model: Any) -> str:
@@ -171,6 +203,20 @@ class LoadedModel:
     @property
     def name(self) -> str:
         return self.spec if not Path(self.spec).exists() else self.path.name
+
+    @property
+    def label(self) -> str:
+        """What to show a user (see :func:`model_label`)."""
+        return model_label(self.spec, self.path, self.fingerprint)
+
+    @property
+    def context_tokens(self) -> int | None:
+        """The model's context length (``max_position_embeddings``), when its config says."""
+        for cfg in (self.config, self.config.get("text_config") or {}):
+            value = cfg.get("max_position_embeddings")
+            if isinstance(value, int) and value > 0:
+                return value
+        return None
 
 
 def load_model(spec: str | os.PathLike, dtype: str = "auto", full_hash: bool = False,

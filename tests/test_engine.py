@@ -15,6 +15,13 @@ from engine.generate import SamplingParams, StopMatcher, cache_length
 from engine.models import ModelNotFoundError
 
 ROOT = Path(__file__).resolve().parent.parent
+T = 120  # seconds any wait in these tests may take before it fails
+
+
+def greedy(**kwargs) -> SamplingParams:
+    """Greedy decoding, whatever the defaults are."""
+    return SamplingParams(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
+                          repetition_penalty=1.0, **kwargs)
 
 WORDS = ("the cache keeps every block of the conversation on disk so that a restart "
          "returns instantly; import os, sys; def main(argv): return 0 # mlx engine").split(" ")
@@ -54,11 +61,11 @@ def reference(eng: Engine, tokens: list[int], max_tokens: int, **kwargs) -> list
         ids = [r.token for r in out]
         return ids[:-1] if out[-1].finish_reason == "stop" else ids
 
-    return eng.call(run).result()
+    return eng.call(run).result(timeout=T)
 
 
 def encode(eng: Engine, text: str) -> list[int]:
-    return eng.call(lambda: list(eng.loaded.tokenizer.encode(text))).result()
+    return eng.call(lambda: list(eng.loaded.tokenizer.encode(text))).result(timeout=T)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
@@ -71,8 +78,8 @@ def test_greedy_parity_with_mlx_lm(arch, qwen3_engine, llama_engine):
         max_tokens = 4 + (i * 5) % 23
         # Small prefill chunks on some prompts exercise the chunked prefill too.
         step = 7 if i % 3 == 0 else 2048
-        ours = eng.submit(Request(prompt_tokens=tokens, params=SamplingParams(
-            max_tokens=max_tokens, prefill_step_size=step))).result()
+        ours = eng.submit(Request(prompt_tokens=tokens, params=greedy(
+            max_tokens=max_tokens, prefill_step_size=step))).result(timeout=T)
         ref = reference(eng, tokens, max_tokens, prefill_step_size=step)
         assert ours.tokens == ref, f"prompt {i}: {text!r}"
         assert ours.finish_reason == ("length" if len(ref) == max_tokens else "stop")
@@ -100,7 +107,7 @@ def test_parity_with_a_prompt_cache(llama_engine):
             return cache
 
         ours = Generation(eng.loaded.model, eng.loaded.tokenizer, tokens,
-                          SamplingParams(max_tokens=12), cache=prefilled(), n_cached=n_cached)
+                          greedy(max_tokens=12), cache=prefilled(), n_cached=n_cached)
         ours_tokens = [s.token for s in ours if s.token is not None]
         out = list(stream_generate(eng.loaded.model, eng.loaded.tokenizer,
                                    mx.array(tokens[n_cached:]), max_tokens=12,
@@ -116,7 +123,7 @@ def test_parity_with_a_prompt_cache(llama_engine):
     for text in texts:
         tokens = encode(eng, text + " and more words to make room")
         n_cached = max(1, len(tokens) // 2)
-        ours, ref = eng.call(run, tokens, n_cached).result()
+        ours, ref = eng.call(run, tokens, n_cached).result(timeout=T)
         assert ours == ref, text
 
 
@@ -124,8 +131,8 @@ def test_seeded_sampling_parity_and_reproducible(qwen3_engine):
     eng = qwen3_engine
     tokens = encode(eng, "def main(argv): return the cache")
     params = SamplingParams(max_tokens=40, temperature=1.0, top_p=0.9, seed=1234)
-    a = eng.submit(Request(prompt_tokens=tokens, params=params)).result()
-    b = eng.submit(Request(prompt_tokens=tokens, params=params)).result()
+    a = eng.submit(Request(prompt_tokens=tokens, params=params)).result(timeout=T)
+    b = eng.submit(Request(prompt_tokens=tokens, params=params)).result(timeout=T)
     assert a.tokens == b.tokens and a.text == b.text
     assert len(set(a.tokens)) > 5  # really sampled, not a repeated token
     from mlx_lm.sample_utils import make_sampler
@@ -133,20 +140,20 @@ def test_seeded_sampling_parity_and_reproducible(qwen3_engine):
     ref = reference(eng, tokens, 40, seed=1234, sampler=make_sampler(1.0, 0.9))
     assert a.tokens == ref
     c = eng.submit(Request(prompt_tokens=tokens, params=SamplingParams(
-        max_tokens=40, temperature=1.0, top_p=0.9, seed=99))).result()
+        max_tokens=40, temperature=1.0, top_p=0.9, seed=99))).result(timeout=T)
     assert c.tokens != a.tokens
     # top-k, min-p and repetition penalty go through mlx-lm's samplers/processors too.
     d = eng.submit(Request(prompt_tokens=tokens, params=SamplingParams(
         max_tokens=20, temperature=0.8, top_k=5, min_p=0.05, repetition_penalty=1.3,
-        seed=5))).result()
+        seed=5))).result(timeout=T)
     assert len(d.tokens) == 20
 
 
 def test_text_matches_tokenizer_decode(qwen3_engine):
     eng = qwen3_engine
     r = eng.submit(Request(prompt="hello world", params=SamplingParams(
-        max_tokens=30, temperature=1.0, seed=3))).result()
-    decoded = eng.call(lambda: eng.loaded.tokenizer.decode(r.tokens)).result()
+        max_tokens=30, temperature=1.0, seed=3))).result(timeout=T)
+    decoded = eng.call(lambda: eng.loaded.tokenizer.decode(r.tokens)).result(timeout=T)
     assert r.text == decoded
 
 
@@ -167,26 +174,31 @@ def test_stop_matcher_unit():
 def test_stop_string_spanning_tokens(qwen3_engine):
     eng = qwen3_engine
     params = SamplingParams(max_tokens=60, temperature=1.0, seed=42)
-    full = eng.submit(Request(prompt="import os", params=params)).result()
-    pieces = eng.call(lambda: [eng.loaded.tokenizer.decode([t]) for t in full.tokens]).result()
+    full = eng.submit(Request(prompt="import os", params=params)).result(timeout=T)
+    pieces = eng.call(lambda: [eng.loaded.tokenizer.decode([t]) for t in full.tokens]).result(timeout=T)
     # A stop string that starts inside one token's text and ends inside a later one.
     k = next(i for i in range(5, len(pieces) - 2)
              if len(pieces[i]) >= 2 and pieces[i + 1] and len(pieces[i + 2]) >= 1)
     stop = pieces[k][1:] + pieces[k + 1] + pieces[k + 2][:1]
     expected = full.text[: full.text.find(stop)]
     r = eng.submit(Request(prompt="import os", params=SamplingParams(
-        max_tokens=60, temperature=1.0, seed=42, stop=(stop,)))).result()
+        max_tokens=60, temperature=1.0, seed=42, stop=(stop,)))).result(timeout=T)
     assert (r.finish_reason, r.finish_detail) == ("stop", stop)
     assert r.text == expected and stop not in r.text
 
 
 def test_max_tokens(qwen3_engine):
-    r = qwen3_engine.submit(Request(prompt="abc", params=SamplingParams(
-        max_tokens=3, temperature=1.0, seed=0))).result()
-    assert len(r.tokens) <= 3
-    if r.finish_reason == "length":
-        assert len(r.tokens) == 3
-    assert r.stats.generated_tokens == len(r.tokens)
+    """Exactly max_tokens tokens, on a prompt and seed that do not reach EOS before."""
+    def run(n):
+        return qwen3_engine.submit(Request(prompt="abc", params=SamplingParams(
+            max_tokens=n, temperature=1.0, top_p=1.0, seed=0))).result(timeout=T)
+
+    longer = run(40)
+    assert len(longer.tokens) > 7
+    r = run(7)
+    assert (r.finish_reason, r.finish_detail) == ("length", None)
+    assert len(r.tokens) == r.stats.generated_tokens == 7
+    assert r.tokens == longer.tokens[:7]
 
 
 def test_cancel_mid_stream_from_another_thread(qwen3_engine):
@@ -201,7 +213,7 @@ def test_cancel_mid_stream_from_another_thread(qwen3_engine):
     assert r.finish_reason == "cancelled" and 0 < len(r.tokens) < 100_000
     # The engine keeps serving afterwards.
     assert qwen3_engine.submit(Request(prompt="x", params=SamplingParams(max_tokens=2))
-                               ).result().finish_reason in ("length", "stop")
+                               ).result(timeout=T).finish_reason in ("length", "stop")
 
 
 def test_cancel_before_start_and_shutdown(tiny_qwen3):
@@ -213,8 +225,8 @@ def test_cancel_before_start_and_shutdown(tiny_qwen3):
     queued = eng.submit(Request(prompt="b"))
     gate.set()
     assert early.result(timeout=60).finish_reason == "cancelled"
-    assert early.result().tokens == []
-    eng.call(gate.clear).result()
+    assert early.result(timeout=T).tokens == []
+    eng.call(gate.clear).result(timeout=T)
     eng.call(gate.wait)
     pending = eng.submit(Request(prompt="c"))
     eng.shutdown(wait=False)  # asked while the engine thread is still busy
@@ -228,12 +240,15 @@ def test_cancel_before_start_and_shutdown(tiny_qwen3):
 
 
 def test_bad_requests_and_models(qwen3_engine, tmp_path):
-    h = qwen3_engine.submit(Request(prompt_tokens=[]))
-    with pytest.raises(EngineError, match="empty"):
-        h.result(timeout=60)
+    from engine.engine import RequestRefused
+
+    for bad in (dict(prompt_tokens=[]), dict(prompt=""), dict(prompt=" \n\t "),
+                dict(messages=[]), dict(messages=[{"role": "user", "content": "  "}])):
+        with pytest.raises(ValueError, match="the prompt is empty"):
+            Request(**bad)
     bad = qwen3_engine.submit(Request(prompt_tokens=[1, 10**9]))
-    with pytest.raises(EngineError, match="out of range"):
-        bad.result(timeout=60)
+    with pytest.raises(RequestRefused, match="out of range"):
+        bad.result(timeout=T)
     with pytest.raises(ValueError):
         Request()
     with pytest.raises(ValueError):
@@ -284,19 +299,19 @@ def test_prefix_cache_seam(tiny_qwen3):
     pc = DictPrefixCache()
     with Engine(str(tiny_qwen3), prefix_cache=pc).start() as eng:
         tokens = encode(eng, "the cache keeps every block of the conversation")
-        params = SamplingParams(max_tokens=8)
-        first = eng.submit(Request(prompt_tokens=tokens, params=params, session="s1")).result()
-        eng.sync()  # the store runs after the finished event
+        params = greedy(max_tokens=8)
+        first = eng.submit(Request(prompt_tokens=tokens, params=params, session="s1")).result(timeout=T)
+        eng.sync(timeout=T)  # the store runs after the finished event
         stored_tokens = pc.stored[0]
         assert stored_tokens[: len(tokens)] == tokens
         assert stored_tokens[len(tokens):len(tokens) + len(first.tokens)] == first.tokens
         follow = stored_tokens + encode(eng, " and then some more")
-        hit = eng.submit(Request(prompt_tokens=follow, params=params, session="s1")).result()
+        hit = eng.submit(Request(prompt_tokens=follow, params=params, session="s1")).result(timeout=T)
         assert hit.stats.cached_tokens == len(stored_tokens)
         assert pc.lookups[-1][1] == eng.namespace and pc.lookups[-1][2] == "s1"
-        eng.sync()
+        eng.sync(timeout=T)
     with Engine(str(tiny_qwen3)).start() as plain:
-        miss = plain.submit(Request(prompt_tokens=follow, params=params)).result()
+        miss = plain.submit(Request(prompt_tokens=follow, params=params)).result(timeout=T)
     assert miss.stats.cached_tokens == 0
     assert hit.tokens == miss.tokens  # a cache hit never changes the output
 
@@ -307,12 +322,23 @@ def _run_py(code: str, **env) -> subprocess.CompletedProcess:
 
 
 def test_engine_and_storage_import_without_textual():
-    r = _run_py("import sys, engine, engine.engine, engine.generate, engine.models, "
-                "engine.settings, engine.blas, storage\n"
-                "bad = [m for m in sys.modules if m.split('.')[0] in ('textual', 'mlx', "
-                "'mlx_lm', 'transformers')]\n"
-                "assert not bad, bad\nprint('ok')")
-    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+    """In a fresh interpreter: every module of ``storage`` (each one, not just the lazy
+    package) imports without mlx, and the engine's light modules without mlx, mlx-lm,
+    transformers or Textual."""
+    r = _run_py("import pkgutil, sys, storage\n"
+                "mods = [m.name for m in pkgutil.walk_packages(storage.__path__, 'storage.')]\n"
+                "assert 'storage.store' in mods and 'storage._blocks' in mods, mods\n"
+                "for name in mods:\n"
+                "    __import__(name)\n"
+                "heavy = lambda *tops: sorted(m for m in sys.modules if m.split('.')[0] in tops)\n"
+                "bad = heavy('mlx', 'textual')\n"
+                "assert not bad, bad\n"
+                "import engine, engine.engine, engine.requests, engine.generate, engine.models\n"
+                "import engine.settings, engine.blas, engine.demo\n"
+                "bad = heavy('textual', 'mlx', 'mlx_lm', 'transformers')\n"
+                "assert not bad, bad\n"
+                "print('ok', len(mods))")
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stderr
 
 
 def test_openblas_really_bound():

@@ -12,6 +12,7 @@ from engine.models import (
     apply_dtype_policy,
     load_model,
     model_fingerprint,
+    model_label,
     resolve_model_path,
     weights_dtype,
 )
@@ -23,6 +24,12 @@ def model_copy(tiny_qwen3, tmp_path):
     return shutil.copytree(tiny_qwen3, tmp_path / "m", copy_function=shutil.copy2)
 
 
+@pytest.fixture
+def stat_mode(monkeypatch):
+    """Size + mtime fingerprints for models of any size (tiny ones are hashed by content)."""
+    monkeypatch.setattr("engine.models.CONTENT_HASH_MAX_BYTES", 0)
+
+
 def test_load_local_folder(tiny_qwen3):
     lm = load_model(tiny_qwen3)
     assert lm.config["model_type"] == "qwen3"
@@ -32,7 +39,7 @@ def test_load_local_folder(tiny_qwen3):
     assert lm.tokenizer.eos_token_ids  # <|im_end|>
 
 
-def test_fingerprint_stable_across_calls_and_copies(tiny_qwen3, model_copy):
+def test_fingerprint_stable_across_calls_and_copies(tiny_qwen3, model_copy, stat_mode):
     a = model_fingerprint(tiny_qwen3)
     assert a == model_fingerprint(tiny_qwen3)
     assert a == model_fingerprint(model_copy)  # path is not part of it
@@ -56,7 +63,7 @@ def test_fingerprint_sensitive_to_config(model_copy):
     assert model_fingerprint(model_copy) != before
 
 
-def test_fingerprint_sensitive_to_weights(model_copy):
+def test_fingerprint_sensitive_to_weights(model_copy, stat_mode):
     weights = next(model_copy.glob("*.safetensors"))
     stat_before = model_fingerprint(model_copy)
     full_before = model_fingerprint(model_copy, full_hash=True)
@@ -70,7 +77,8 @@ def test_fingerprint_sensitive_to_weights(model_copy):
     assert model_fingerprint(model_copy, full_hash=True) != full_before
 
 
-def test_fingerprint_inside_frozen_bundle_hashes_contents(model_copy, tmp_path, monkeypatch):
+def test_fingerprint_inside_frozen_bundle_hashes_contents(model_copy, tmp_path, monkeypatch,
+                                                         stat_mode):
     # A one-file PyInstaller bundle unpacks under sys._MEIPASS with fresh mtimes each start.
     monkeypatch.setattr("sys._MEIPASS", str(tmp_path), raising=False)
     weights = next(model_copy.glob("*.safetensors"))
@@ -81,6 +89,43 @@ def test_fingerprint_inside_frozen_bundle_hashes_contents(model_copy, tmp_path, 
     assert model_fingerprint(model_copy) == before
     monkeypatch.setattr("sys._MEIPASS", str(tmp_path / "elsewhere"))
     assert model_fingerprint(model_copy) != before  # outside the bundle: size + mtime
+
+
+def test_demo_model_fingerprint_does_not_depend_on_place_or_mtimes(tmp_path):
+    """The demo model unpacked elsewhere with fresh mtimes (a one-file binary does this on
+    every start) is the same model: same fingerprint, so the same cache namespace."""
+    from engine.demo import DEMO_MODEL_DIR
+
+    if not (DEMO_MODEL_DIR / "config.json").exists():
+        pytest.skip("the demo model is not built")
+    copy = shutil.copytree(DEMO_MODEL_DIR, tmp_path / "_MEI12345" / "engine" / "demo" / "model")
+    for f in copy.iterdir():
+        st = f.stat()
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 3_600_000_000_000))
+    assert model_fingerprint(copy) == model_fingerprint(DEMO_MODEL_DIR)
+    assert model_fingerprint(DEMO_MODEL_DIR) == model_fingerprint(DEMO_MODEL_DIR, full_hash=True)
+
+
+def test_small_models_are_hashed_by_content(model_copy, tiny_qwen3):
+    weights = next(model_copy.glob("*.safetensors"))
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert model_fingerprint(model_copy) == model_fingerprint(tiny_qwen3)
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    assert model_fingerprint(model_copy) != model_fingerprint(tiny_qwen3)
+
+
+def test_model_label_names_the_demo_model_not_its_folder(tiny_qwen3):
+    from engine.demo import DEMO_MODEL_DIR
+
+    assert model_label("mlx-community/Qwen3-4B-4bit") == "mlx-community/Qwen3-4B-4bit"
+    assert model_label(str(tiny_qwen3)) == str(tiny_qwen3)
+    if (DEMO_MODEL_DIR / "config.json").exists():
+        label = model_label(str(DEMO_MODEL_DIR))
+        assert label == f"demo model ({model_fingerprint(DEMO_MODEL_DIR)[:8]})"
+        assert str(DEMO_MODEL_DIR) not in label
 
 
 def test_fingerprint_sensitive_to_tokenizer_and_template(model_copy):

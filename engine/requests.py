@@ -1,0 +1,241 @@
+"""What callers hand the engine and get back: :class:`Request`, the events of a request and
+of the engine, and :class:`RequestHandle`, the thread-safe view of one request.
+
+A handle records every event on the engine thread, under its lock, before it wakes anyone:
+``result()`` and ``events()`` only read that record. So an exception raised in the
+consumer's thread while it waits (Ctrl-C: KeyboardInterrupt) can interrupt the wait, but
+can never swallow an event; waiting again picks up where it was.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.generate import SamplingParams
+
+log = logging.getLogger("mlxkv.engine")
+
+
+# ----------------------------------------------------------------------------- events
+@dataclass(frozen=True)
+class TokenEvent:
+    token: int | None  # None: a final flush of held-back text
+    text: str
+
+
+@dataclass(frozen=True)
+class ProgressEvent:
+    """Prompt tokens processed so far (cached ones included) out of ``total``: sent when the
+    prefill starts, after each prefill chunk, and when the first token is ready."""
+
+    done: int
+    total: int
+
+
+@dataclass(frozen=True)
+class StatsEvent:
+    prompt_tokens: int
+    cached_tokens: int
+    generated_tokens: int
+    ttft_s: float  # start of serving (tokenize, cache lookup, prefill) -> first token
+    prefill_tps: float  # uncached prompt tokens per second of prefill
+    decode_tps: float  # tokens after the first per second
+    queue_s: float = 0.0  # submit -> start of serving (includes load_s)
+    load_s: float = 0.0  # part of queue_s spent waiting for the model to load
+    retried: bool = False  # a cached prefix failed; the answer was computed without it
+
+
+@dataclass(frozen=True)
+class FinishedEvent:
+    reason: str  # "stop", "length", "cancelled"
+    detail: str | None = None  # "eos", the matched stop string, "shutdown", "context"
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    message: str
+    exception: BaseException | None = None
+
+
+Event = TokenEvent | ProgressEvent | StatsEvent | FinishedEvent | ErrorEvent
+
+
+@dataclass(frozen=True)
+class CacheEvent:
+    """Engine-wide: something the prefix cache did (``kind``: hit, store, evict, persisted,
+    delete, warning, lookup, ...); ``data`` as the cache reported it."""
+
+    kind: str
+    data: dict
+
+
+@dataclass(frozen=True)
+class LoadEvent:
+    """Engine-wide: model loading reached ``stage`` (``done`` of ``total`` stages)."""
+
+    stage: str
+    done: float
+    total: float
+
+
+EngineEvent = CacheEvent | LoadEvent
+
+
+class EngineError(RuntimeError):
+    """A request failed, or the engine could not start, or did not answer in time."""
+
+
+class RequestRefused(EngineError, ValueError):
+    """The request cannot be served as given (empty prompt, longer than the model's
+    context, token ids out of range); the message says what was wrong."""
+
+
+class WaitTimeout(TimeoutError, queue.Empty):
+    """A wait on a request's events passed its timeout (the request goes on)."""
+
+
+# ---------------------------------------------------------------------------- requests
+def _blank(text: Any) -> bool:
+    return not isinstance(text, str) or not text.strip()
+
+
+@dataclass
+class Request:
+    """Exactly one of ``messages`` (chat template applied), ``prompt`` (raw text) or
+    ``prompt_tokens``. ``session`` groups requests of one conversation for the cache.
+    A prompt longer than the model's context is refused, unless ``truncate`` is set: then
+    only its last tokens are kept."""
+
+    messages: list[dict[str, str]] | None = None
+    prompt: str | None = None
+    prompt_tokens: list[int] | None = None
+    params: SamplingParams = field(default_factory=SamplingParams)
+    session: str | None = None
+    truncate: bool = False
+
+    def __post_init__(self) -> None:
+        given = [x is not None for x in (self.messages, self.prompt, self.prompt_tokens)]
+        if sum(given) != 1:
+            raise ValueError("a request needs exactly one of messages, prompt, prompt_tokens")
+        if self.prompt is not None and _blank(self.prompt):
+            raise ValueError("the prompt is empty")
+        if self.messages is not None and all(_blank(m.get("content")) for m in self.messages):
+            raise ValueError("the prompt is empty" if self.messages
+                             else "the prompt is empty (no messages)")
+        if self.prompt_tokens is not None and len(self.prompt_tokens) == 0:
+            raise ValueError("the prompt is empty (no tokens)")
+
+
+@dataclass
+class Result:
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    finish_detail: str | None
+    stats: StatsEvent | None
+
+
+_FINAL = (FinishedEvent, ErrorEvent)
+
+
+class RequestHandle:
+    """Thread-safe view of one request: iterate its events (once), or ``result()``."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, request: Request, callback: Callable[[Event], None] | None = None):
+        self.id = next(self._ids)
+        self.request = request
+        self.submitted = time.perf_counter()
+        self._cancel = threading.Event()
+        self.done = threading.Event()  # set once the final event is recorded
+        self._cond = threading.Condition()
+        self._log: list[Event] = []  # every event, in order (appended on the engine thread)
+        self._read = 0  # how many of them events() has handed out
+        self._callback = callback
+        self.tokens: list[int] = []
+        self._text: list[str] = []
+        self.progress: ProgressEvent | None = None
+        self.stats: StatsEvent | None = None
+        self.finished: FinishedEvent | None = None
+        self.error: ErrorEvent | None = None
+
+    # engine side
+    def _emit(self, event: Event) -> None:
+        if self._callback is not None:
+            try:
+                self._callback(event)
+            except Exception:  # a front end's bug must not kill the engine thread
+                log.exception("event callback failed")
+        with self._cond:
+            self._log.append(event)
+            if isinstance(event, TokenEvent):
+                if event.token is not None:
+                    self.tokens.append(event.token)
+                self._text.append(event.text)
+            elif isinstance(event, ProgressEvent):
+                self.progress = event
+            elif isinstance(event, StatsEvent):
+                self.stats = event
+            elif isinstance(event, FinishedEvent):
+                self.finished = event
+            elif isinstance(event, ErrorEvent):
+                self.error = event
+            self._cond.notify_all()
+        if isinstance(event, _FINAL):
+            self.done.set()
+
+    # caller side
+    def cancel(self) -> None:
+        """Ask the engine to stop this request (between tokens); safe from any thread."""
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def events(self, timeout: float | None = None) -> Iterator[Event]:
+        """Events until (and including) FinishedEvent or ErrorEvent, each once across calls.
+        ``timeout`` bounds the wait for each event (:class:`WaitTimeout`, a
+        ``queue.Empty``, is raised when it passes)."""
+        while True:
+            with self._cond:
+                if not self._cond.wait_for(lambda: self._read < len(self._log), timeout):
+                    raise WaitTimeout(f"no event from request {self.id} within {timeout} s")
+                event = self._log[self._read]
+                self._read += 1
+            yield event
+            if isinstance(event, _FINAL):
+                return
+
+    def __iter__(self) -> Iterator[Event]:
+        return self.events()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the request has ended; False if ``timeout`` passed first."""
+        return self.done.wait(timeout)
+
+    def result(self, timeout: float | None = None) -> Result:
+        """Wait for the end (:class:`WaitTimeout` after ``timeout`` s); raise
+        :class:`EngineError` (:class:`RequestRefused` for bad input) if it failed."""
+        if not self.done.wait(timeout):
+            raise WaitTimeout(f"request {self.id} did not finish within {timeout} s")
+        with self._cond:
+            error, finished = self.error, self.finished
+            text, tokens, stats = "".join(self._text), list(self.tokens), self.stats
+        if error is not None:
+            if isinstance(error.exception, EngineError):
+                raise error.exception
+            raise EngineError(error.message) from error.exception
+        assert finished is not None
+        return Result(text, tokens, finished.reason, finished.detail, stats)
+
+    def text(self, timeout: float | None = None) -> str:
+        return self.result(timeout).text
