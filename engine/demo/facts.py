@@ -22,6 +22,13 @@ FACTS: list[dict] = [
             "What is this engine?",
             "Why would I use mlxkv?",
             "What problem does mlxkv solve?",
+            "what's mlxkv",
+            "mlxkv?",
+            "what is mlxkv",
+            "explain mlxkv",
+            "whats mlxkv",
+            "What is mlxkv exactly?",
+            "so what is mlxkv",
         ],
         "a": [
             "mlxkv is a local LLM engine on MLX whose long prompts come back instantly. It keeps "
@@ -48,6 +55,12 @@ FACTS: list[dict] = [
             "How is the KV cache persisted?",
             "Explain the SSD cache.",
             "What does the SSD tier store?",
+            "how does the ssd cache work",
+            "ssd cache?",
+            "how does the cache on the ssd work",
+            "explain the ssd cache",
+            "how does caching to disk work",
+            "how does the SSD cache work",
         ],
         "a": [
             "The SSD tier writes the KV cache to disk in token blocks of 256 tokens. A writer "
@@ -74,6 +87,13 @@ FACTS: list[dict] = [
             "Which command runs the unit tests?",
             "How are the tests run?",
             "How do I run the tests on a fresh clone?",
+            "how do i run tests",
+            "how to run the tests",
+            "run the tests",
+            "how do I run tests?",
+            "how do i run the unit tests",
+            "tests?",
+            "how can i test it",
         ],
         "a": [
             "Run make test. It creates the .venv folder, installs mlxkv with its test extras, "
@@ -98,6 +118,12 @@ FACTS: list[dict] = [
             "What does the draft model do?",
             "Why does mlxkv have a draft model?",
             "Is speculative decoding safe to use?",
+            "does speculative decoding change the output",
+            "does speculative decoding change output",
+            "does spec decoding change the output?",
+            "is speculative decoding lossless?",
+            "does the output change with speculative decoding",
+            "speculative decoding?",
         ],
         "a": [
             "No. Speculative decoding never changes the output. A small draft model or a prompt "
@@ -124,6 +150,12 @@ FACTS: list[dict] = [
             "Can mlxkv run other models?",
             "What does the --model flag do?",
             "How do I run a bigger model?",
+            "how do i use a different model",
+            "how do i use another model",
+            "use a different model",
+            "how to change the model",
+            "how do i switch models?",
+            "can i use another model",
         ],
         "a": [
             "Pass --model with a local folder or a Hugging Face hub id, for example mlxkv chat "
@@ -146,6 +178,9 @@ FACTS: list[dict] = [
             "How do I open the chat?",
             "What do I need to run mlxkv?",
             "How do I try the demo?",
+            "how do i run it",
+            "how do i start it",
+            "how to run mlxkv",
         ],
         "a": [
             "Run make run. On a fresh machine with Python 3.10 or newer, a C compiler and make, "
@@ -368,6 +403,8 @@ FACTS: list[dict] = [
             "How fast is mlxkv?",
             "How is mlxkv compared with mlx-lm?",
             "What does make bench do?",
+            "how do i run benchmarks",
+            "how to run the benchmarks",
         ],
         "a": [
             "Run make bench, or python -m bench.storage, bench.engine or bench.prefix for one "
