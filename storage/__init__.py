@@ -12,6 +12,7 @@ from typing import Any
 _EXPORTS = {
     "BlockStore": "storage.store", "Match": "storage.store", "PutResult": "storage.store",
     "Restore": "storage.store", "StoreWriteError": "storage.store",
+    "CacheFolderError": "storage.keys",
     "SegmentSpec": "storage.format", "make_layout": "storage.format",
     "FormatError": "storage.format", "UnknownVersion": "storage.format",
     "Manifest": "storage.format",

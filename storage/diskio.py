@@ -1,10 +1,18 @@
 """Disk and kernel helpers of the block store: the ``_blocks`` kernel (or its numpy
 reference when the extension is not built), whole-buffer pread/pwrite, fsync, atomic
-small-file writes, and the piece plan used by the pread restore path. No mlx."""
+small-file writes, and the piece plan used by the pread restore path. No mlx.
+
+Nothing here follows a symlink below the cache root or blocks on a FIFO: files are opened
+with O_NOFOLLOW | O_NONBLOCK and must be regular (fstat), folders are created 0700 and
+checked with lstat, files are created 0600 with O_EXCL, and a removal walks the folders
+from the root with O_NOFOLLOW descriptors and unlinks only a regular file.
+"""
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import threading
 from typing import Any
 
@@ -121,12 +129,22 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def scandir(path: str) -> list[os.DirEntry]:
+def scandir(path: str, errors: dict[str, str] | None = None) -> list[os.DirEntry]:
+    """The entries of a folder; [] if it is gone, or unreadable (noted in ``errors``)."""
     try:
         with os.scandir(path) as it:
             return list(it)
     except (FileNotFoundError, NotADirectoryError):
         return []
+    except OSError as exc:
+        if errors is not None:
+            errors[printable(path)] = f"cannot list: {exc.strerror or exc}"
+        return []
+
+
+def printable(path: str) -> str:
+    """``path`` as text any terminal or JSON encoder accepts (undecodable bytes escaped)."""
+    return path.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def quiet(fn: Any, *args: Any) -> int:
@@ -139,41 +157,115 @@ def quiet(fn: Any, *args: Any) -> int:
 
 
 _NOATIME = getattr(os, "O_NOATIME", 0)
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+FILE_MODE = 0o600  # manifests hold the token ids of private conversations
+DIR_MODE = 0o700
+CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW | os.O_CLOEXEC
+
+
+class NotAFile(OSError):
+    """Something other than a regular file (a FIFO, socket, device or folder) where one of
+    our files should be: never read, written or removed."""
 
 
 def open_ro(path: str) -> int:
-    """Open for reading without updating atime (a read would otherwise dirty the inode:
-    10,000 journal updates on the first scan after a write)."""
+    """Open a regular file for reading: no symlink (O_NOFOLLOW), no wait on a FIFO
+    (O_NONBLOCK, then fstat), and no atime update (a read would otherwise dirty the
+    inode: 10,000 journal updates on the first scan after a write)."""
     global _NOATIME
+    flags = os.O_RDONLY | os.O_CLOEXEC | NOFOLLOW | _NONBLOCK
     try:
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC | _NOATIME)
+        fd = os.open(path, flags | _NOATIME)
     except PermissionError:
         if not _NOATIME:
             raise
         _NOATIME = 0  # only the owner (or root) may ask for O_NOATIME
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, flags)
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise NotAFile(errno.EINVAL, "not a regular file", path)
+    return fd
 
 
-def make_dirs(d: str, to_sync: set[str]) -> None:
-    """os.makedirs, noting the parents of every folder it creates in ``to_sync``: a new
-    folder's entry is only durable once its parent is fsynced too."""
-    missing = []
-    p = d
-    while not os.path.isdir(p):
-        missing.append(p)
-        p = os.path.dirname(p)
-    if missing:
-        os.makedirs(d, exist_ok=True)
-        to_sync.update(os.path.dirname(m) for m in missing)
+def _parts(root: str, path: str) -> list[str]:
+    rel = os.path.relpath(path, root)
+    parts = [] if rel == "." else rel.split(os.sep)
+    if parts[:1] == [os.pardir]:
+        raise ValueError(f"{path} is not under {root}")
+    return parts
 
 
-def atomic_write(path: str, data: bytes, durable: bool) -> None:
-    """Write a small file atomically: temp name, write, fsync, rename, fsync folder(s)."""
+def make_dirs(root: str, d: str, to_sync: set[str]) -> None:
+    """Create the folders from ``root`` down to ``d`` (0700), each checked to be a real
+    folder (not a symlink, not a file); notes in ``to_sync`` the parent of every folder
+    created (its entry is only durable once that parent is fsynced too)."""
+    p = root
+    for part in _parts(root, d):
+        parent, p = p, os.path.join(p, part)
+        try:
+            os.mkdir(p, DIR_MODE)
+            to_sync.add(parent)
+        except FileExistsError:
+            pass
+        if not stat.S_ISDIR(os.lstat(p).st_mode):
+            raise OSError(errno.ENOTDIR, "not a folder of the cache (a file or a symlink is "
+                          "in the way)", p)
+
+
+def create(root: str, path: str, mode: int = FILE_MODE) -> int:
+    """A new file ``path`` (O_EXCL: never an existing file, symlink or FIFO); a leftover
+    regular file of that name (a temp name of a dead thread) is replaced once."""
+    try:
+        return os.open(path, CREATE, mode)
+    except FileExistsError:
+        unlink_under(root, path)
+        return os.open(path, CREATE, mode)
+
+
+def unlink_under(root: str, path: str) -> bool:
+    """Remove the regular file ``path`` below ``root``, reaching it through O_NOFOLLOW
+    folder descriptors (a symlinked folder on the way is never entered); False if it is
+    gone, not a regular file, or cannot be removed."""
+    try:
+        parts = _parts(root, path)
+    except ValueError:
+        return False
+    if not parts:
+        return False
+    try:
+        fd = os.open(root, os.O_RDONLY | _DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        for part in parts[:-1]:
+            nfd = os.open(part, os.O_RDONLY | _DIRECTORY | NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+        if not stat.S_ISREG(os.stat(parts[-1], dir_fd=fd, follow_symlinks=False).st_mode):
+            return False
+        os.unlink(parts[-1], dir_fd=fd)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def atomic_write(root: str, path: str, data: bytes, durable: bool) -> None:
+    """Write a small file below ``root`` atomically: temp name, write, fsync, rename,
+    fsync folder(s)."""
     d = os.path.dirname(path)
     dirs = {d}
-    make_dirs(d, dirs)
+    make_dirs(root, d, dirs)
     tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    fd = create(root, tmp)
     try:
         try:
             pwrite_full(fd, data, 0)
@@ -183,7 +275,7 @@ def atomic_write(path: str, data: bytes, durable: bool) -> None:
             os.close(fd)
         os.rename(tmp, path)
     except BaseException:
-        quiet(os.unlink, tmp)
+        unlink_under(root, tmp)
         raise
     if durable:
         for p in sorted(dirs, key=len, reverse=True):

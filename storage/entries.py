@@ -13,10 +13,11 @@ import numpy as np
 
 from storage import diskio as dio
 from storage import format as fmt
+from storage.folder import ENTRY_RE, MANIFEST_DIR
 from storage.format import KIND_BLOCK, KIND_TAIL, PAGE, FormatError, Layout
 from storage.keys import EXT, KEY_FN
 
-MANIFEST_DIR = "manifests"
+__all__ = ["MANIFEST_DIR", "Entry", "Space", "kind_of", "read_entries", "read_entry"]
 _SCAN_THREADS = 4
 _HEAD_READ = 2 * PAGE  # one read covers the header of every usual layout
 
@@ -81,7 +82,8 @@ EMPTY_SPACE = Space()  # read-only stand-in for a namespace with nothing indexed
 
 
 def read_entry(path: str, ns: str, nsid: bytes, kind: int) -> Entry:
-    """Read and verify the header of one file; FormatError/OSError if it is unusable."""
+    """Read and verify the header of one file: FormatError if it is not what its name
+    says (damage), OSError if it cannot be read (dio.NotAFile: not a regular file)."""
     fd = dio.open_ro(path)
     try:
         st = os.fstat(fd)
@@ -129,9 +131,10 @@ def read_entries(todo: list) -> Iterator[tuple[str, Any]]:
             yield from chunk
 
 
+_KIND_OF_EXT = {ext[1:]: kind for kind, ext in EXT.items()}
+
+
 def kind_of(name: str) -> int | None:
-    """The entry kind a file name says (None: not an entry file)."""
-    for kind, ext in EXT.items():
-        if name.endswith(ext):
-            return kind
-    return None
+    """The entry kind a file name says (None: not named as an entry file)."""
+    m = ENTRY_RE.match(name)
+    return _KIND_OF_EXT[m.group(2)] if m else None

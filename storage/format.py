@@ -23,11 +23,17 @@ holds whole states (one "row" per segment) at token position t1; its token ids a
 ones after the last full block, as for a tail.
 
 Manifest body (kind 3): ``meta length u32 | meta (JSON) | token ids u32[n] | keys 16*k``.
+A manifest is all header: its header hash covers every byte, token ids and keys included.
+
+Metadata JSON is bounded before it is parsed (:data:`MAX_META` bytes, :data:`MAX_DEPTH`
+levels of nesting), so a hostile or damaged file is a FormatError, never a RecursionError
+or a huge allocation.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +58,9 @@ _HASH = struct.Struct("<Q")
 _BLOCK = struct.Struct("<16s16s16sQQQIII")
 _MAN = struct.Struct("<I")
 MAX_HEADER = 1 << 24  # a header larger than 16 MiB is damage, not data
+MAX_MANIFEST = 1 << 28  # bytes: 64 M token ids; a larger .man file is not one of ours
+MAX_META = 1 << 20  # bytes of metadata JSON in one header
+MAX_DEPTH = 8  # nesting of metadata JSON (ours is 3 deep)
 
 # Bytes per element of the dtypes KV caches use; others are accepted without the check.
 DTYPE_SIZES = {
@@ -244,15 +253,34 @@ def _verified_body(buf: Any) -> tuple[int, bytes]:
     return kind, raw[PREFIX_SIZE:]
 
 
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+
+
+def load_json(raw: bytes, what: str) -> Any:
+    """``json.loads`` of at most MAX_META bytes nested at most MAX_DEPTH deep; FormatError
+    otherwise (a nesting check first: the parser itself would recurse once per level)."""
+    if len(raw) > MAX_META:
+        raise FormatError(f"{what}: {len(raw)} bytes of metadata (at most {MAX_META})")
+    depth = np.frombuffer(_JSON_STRING.sub(b'""', raw), dtype=np.uint8)
+    steps = (depth == ord("[")).astype(np.int32) + (depth == ord("{"))
+    steps -= (depth == ord("]")).astype(np.int32) + (depth == ord("}"))
+    if steps.size and int(np.cumsum(steps).max()) > MAX_DEPTH:
+        raise FormatError(f"{what}: metadata nested deeper than {MAX_DEPTH} levels")
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise FormatError(f"{what}: bad metadata JSON: {exc}") from exc
+
+
 def _meta(raw: bytes) -> tuple[str, Layout, int]:
     """(namespace, layout, bytes per token) of a header's metadata, cached by its bytes."""
     hit = _layout_cache.get(raw)
     if hit is None:
+        meta = load_json(raw, "header")
         try:
-            meta = json.loads(raw)
             layout = layout_from_json(meta["layout"])
             hit = (str(meta["ns"]), layout, bytes_per_token(layout))
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
             raise FormatError(f"bad header metadata: {exc}") from exc
         if len(_layout_cache) > 1024:
             _layout_cache.clear()
@@ -310,12 +338,16 @@ def decode_manifest(buf: Any) -> Manifest:
     kind, body = _verified_body(buf)
     if kind != KIND_MANIFEST:
         raise FormatError(f"expected a manifest, found a {KIND_NAMES[kind]}")
+    if len(body) < _MAN.size:
+        raise FormatError("manifest body too short")
     (mlen,) = _MAN.unpack_from(body, 0)
+    if 4 + mlen > len(body):
+        raise FormatError(f"manifest metadata length {mlen} exceeds the body")
+    meta = load_json(body[4 : 4 + mlen], "manifest")
     try:
-        meta = json.loads(body[4 : 4 + mlen])
         nkeys = int(meta["n_keys"])
         rest = len(body) - 4 - mlen - 16 * nkeys
-        if rest < 0 or rest % 4:
+        if nkeys < 0 or rest < 0 or rest % 4:
             raise FormatError("manifest sizes do not add up")
         tokens = np.frombuffer(body[4 + mlen : 4 + mlen + rest], dtype="<u4").copy()
         kb = body[4 + mlen + rest :]
@@ -324,5 +356,5 @@ def decode_manifest(buf: Any) -> Manifest:
         extra = tuple(bytes.fromhex(k) for k in meta.get("extra", ()))
         return Manifest(str(meta["name"]), str(meta["ns"]), tokens, keys, tail,
                         float(meta["created"]), extra)
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise FormatError(f"bad manifest: {exc}") from exc

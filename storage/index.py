@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from storage import diskio as dio
@@ -24,6 +24,15 @@ from storage.entries import (
     kind_of,
     read_entries,
     read_entry,
+)
+from storage.folder import (
+    ENTRY_RE,
+    ENTRY_TMP_RE,
+    MAN_RE,
+    MAN_TMP_RE,
+    MARKER,
+    MARKER_TMP_RE,
+    SHARD_RE,
 )
 from storage.format import KIND_BLOCK, KIND_TAIL, FormatError, UnknownVersion
 from storage.keys import (
@@ -46,7 +55,7 @@ log = logging.getLogger("mlxkv.storage")
 class IndexMixin:
     """Index state and lookups of :class:`storage.store.BlockStore` (which sets
     ``root``, ``block_tokens``, ``_lock``, ``_spaces``, ``_bytes``, ``_clock``, ``_c``,
-    ``_skipped`` and provides ``_flock``)."""
+    ``_skipped`` and provides ``_flock``, ``_unlink`` and ``_leave``)."""
 
     root: str
     block_tokens: int
@@ -57,6 +66,8 @@ class IndexMixin:
     _skipped: dict[str, str]
     _removing: set[str]  # paths of retired entries whose files are being unlinked
     _removals: int  # bumped when a removal starts or ends (probes compare it)
+    _unlink: Callable[[str], bool]
+    _leave: Callable[[str, str], None]
 
     # ------------------------------------------------------------------ lookups
     def chain_keys(self, ns: str, tokens: Any) -> list[bytes]:
@@ -148,7 +159,8 @@ class IndexMixin:
 
     def _probe(self, ns: str, nsid: bytes, key: bytes, kind: int, parent: bytes) -> Entry | None:
         """Index the file ``key`` maps to if it exists and its header verifies (one open;
-        a missing file costs one failed open). A damaged file is removed, as scan() would."""
+        a missing file costs one failed open). A damaged file is removed, as scan() would;
+        one that cannot be read (or is not a regular file) is a miss and stays."""
         path = self._path(ns, key, kind)
         with self._lock:
             removals = self._removals
@@ -156,15 +168,19 @@ class IndexMixin:
             e = read_entry(path, ns, nsid, kind)
         except UnknownVersion as exc:
             with self._lock:
-                self._skipped[path] = str(exc)
+                self._skipped[dio.printable(path)] = str(exc)
             return None
         except FormatError as exc:  # files are renamed into place whole: this is damage
-            log.warning("mlxkv cache: removing %s: %s", path, exc)
-            removed = dio.quiet(os.unlink, path)
+            removed = self._unlink(path)
+            if removed:
+                log.warning("mlxkv cache: removed %s: %s", dio.printable(path), exc)
             with self._lock:
                 self._c["bad_removed"] += removed
             return None
-        except OSError:  # FileNotFoundError: the usual miss
+        except FileNotFoundError:  # the usual miss
+            return None
+        except OSError as exc:  # unreadable, or not a regular file: a miss, left alone
+            self._leave(path, f"{exc.strerror or exc}")
             return None
         if e.parent != parent:
             return None  # a key collision would be needed to get here; never trust it
@@ -220,7 +236,7 @@ class IndexMixin:
         if not entries:
             return
         for e in entries:
-            dio.quiet(os.unlink, e.path)
+            self._unlink(e.path)
         with self._lock:
             self._removing.difference_update(e.path for e in entries)
             self._removals += 1
@@ -261,39 +277,62 @@ class IndexMixin:
     def _scan_locked(self) -> dict[str, Any]:
         t_start = time.perf_counter()
         rep = {"blocks": 0, "tails": 0, "checkpoints": 0, "added": 0, "dropped": 0,
-               "tmp_removed": 0, "bad_removed": 0, "skipped": 0}
+               "tmp_removed": 0, "bad_removed": 0, "skipped": 0, "foreign": 0, "unreadable": 0}
         todo: list[tuple[str, str, bytes, int]] = []
         seen: set[str] = set()
+        unlistable: dict[str, str] = {}
         with self._lock:
             known = {e.path: e for sp in self._spaces.values() for e in sp.entries()}
-        for nsd in dio.scandir(self.root):
-            if not (nsd.is_dir() and NS_RE.match(nsd.name)):
+        # only real folders (never a symlink) named as ours are entered: the marker, the
+        # lock and anything else at the root are not looked at
+        for nsd in dio.scandir(self.root, unlistable):
+            if not NS_RE.match(nsd.name) or nsd.name == MARKER or MARKER_TMP_RE.match(nsd.name):
+                continue
+            if not _real_dir(nsd):
+                self._leave(nsd.path, "not a folder (a symlink is never followed)")
+                rep["foreign"] += 1
                 continue
             ns, nsid = nsd.name, namespace_id(nsd.name)
-            for sub in dio.scandir(nsd.path):
+            for sub in dio.scandir(nsd.path, unlistable):
                 manifests = sub.name == MANIFEST_DIR
-                if not manifests and (len(sub.name) != 2 or not sub.is_dir()):
+                if not (manifests or SHARD_RE.match(sub.name)) or not _real_dir(sub):
+                    self._leave(sub.path, "not a folder of the cache")
+                    rep["foreign"] += 1
                     continue
-                for de in dio.scandir(sub.path):
-                    if de.name.endswith(".tmp"):  # a writer died before its rename
-                        rep["tmp_removed"] += dio.quiet(os.unlink, de.path)
+                names, temps = (MAN_RE, MAN_TMP_RE) if manifests else (ENTRY_RE, ENTRY_TMP_RE)
+                for de in dio.scandir(sub.path, unlistable):
+                    regular = _regular(de)
+                    if regular and temps.match(de.name):  # a writer died before its rename
+                        rep["tmp_removed"] += self._unlink(de.path)
                         continue
-                    kind = None if manifests else kind_of(de.name)
-                    if kind is None:
+                    if not regular or not names.match(de.name) or \
+                            not (manifests or de.name[:2] == sub.name):
+                        self._leave(de.path, "not a cache file" if regular else
+                                    "not a regular file")
+                        rep["foreign"] += 1
+                        continue
+                    if manifests:  # read on demand (manifests(), gc)
                         continue
                     seen.add(de.path)
                     if de.path not in known:
-                        todo.append((de.path, ns, nsid, kind))
+                        todo.append((de.path, ns, nsid, kind_of(de.name)))
+        for path, why in unlistable.items():
+            self._leave(path, why)
+            rep["unreadable"] += 1
         found: list[Entry] = []
         for path, res in read_entries(todo):
             if isinstance(res, Entry):
                 found.append(res)
             elif isinstance(res, UnknownVersion):
-                self._skipped[path] = str(res)
+                self._skipped[dio.printable(path)] = str(res)
                 rep["skipped"] += 1
-            elif not isinstance(res, FileNotFoundError):
-                log.warning("mlxkv cache: removing %s: %s", path, res)
-                rep["bad_removed"] += dio.quiet(os.unlink, path)
+            elif isinstance(res, FormatError):  # read whole and wrong: ours, and damaged
+                if self._unlink(path):
+                    log.warning("mlxkv cache: removed %s: %s", dio.printable(path), res)
+                    rep["bad_removed"] += 1
+            elif not isinstance(res, FileNotFoundError):  # never removed on a read error
+                self._leave(path, f"{res.strerror or res}")
+                rep["unreadable"] += 1
         with self._lock:
             for e in known.values():
                 if e.path not in seen:
@@ -317,3 +356,17 @@ class IndexMixin:
             self._c["bad_removed"] += rep["bad_removed"]
         rep["seconds"] = time.perf_counter() - t_start
         return rep
+
+
+def _real_dir(de: os.DirEntry) -> bool:
+    try:
+        return de.is_dir(follow_symlinks=False)
+    except OSError:
+        return False
+
+
+def _regular(de: os.DirEntry) -> bool:
+    try:
+        return de.is_file(follow_symlinks=False)
+    except OSError:
+        return False

@@ -26,6 +26,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from storage.keys import CacheFolderError
 from storage.store import BlockStore, Match, PutResult, Restore
 
 log = logging.getLogger("mlxkv.storage")
@@ -171,7 +172,7 @@ class StorageIO:
                 try:
                     res = fn(job)
                 except BaseException as exc:  # the future carries every failure
-                    if not isinstance(exc, OSError):
+                    if not isinstance(exc, (OSError, CacheFolderError)):  # not a disk condition
                         log.exception("mlxkv storage: %s failed", "write" if is_writer else "read")
                     self._settled(is_writer, "failed" if is_writer else "read_failed")
                     job = None  # unpin before the caller is woken

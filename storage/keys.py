@@ -25,6 +25,12 @@ class StoreWriteError(OSError):
     """A write that could not complete; nothing partial of it is left on disk."""
 
 
+class CacheFolderError(RuntimeError):
+    """The cache folder cannot be used (missing marker over foreign files, read-only, a
+    file or a symlink where a folder or the lock should be...). The message says what is
+    wrong and what to do; callers fall back to running without the SSD tier."""
+
+
 @dataclass(frozen=True)
 class Match:
     """The longest cached prefix of a token sequence (from the index alone)."""

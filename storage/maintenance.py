@@ -4,15 +4,21 @@ byte cap, garbage collection of what no manifest references, and the manifests.
 Writers hold a shared flock on ``<root>/.lock``; scan, evict and gc hold it exclusively,
 so no file is removed while another process is between writing and renaming it.
 Readers take no lock and treat a vanished file as a miss.
+
+Manifests are verified like blocks (their header hash covers every byte). One that
+cannot be read (damaged, unreadable, not a regular file, from a newer mlxkv) is reported
+by ``manifests(ns, errors)`` / ``damaged_manifests(ns)``, and gc then removes nothing in
+its namespace: what it references is unknown, so no block there is provably unreferenced.
+``clear(ns)`` removes a namespace whole, damaged manifests included.
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
+import stat
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -21,8 +27,16 @@ import xxhash
 from storage import diskio as dio
 from storage import format as fmt
 from storage.entries import EMPTY_SPACE, MANIFEST_DIR, Space
+from storage.folder import MAN_RE, folder_lock
 from storage.format import FormatError, Manifest
-from storage.keys import ZERO_KEY, check_namespace, namespace_id, tail_key, token_ids
+from storage.keys import (
+    ZERO_KEY,
+    CacheFolderError,
+    check_namespace,
+    namespace_id,
+    tail_key,
+    token_ids,
+)
 
 
 class MaintenanceMixin:
@@ -36,17 +50,14 @@ class MaintenanceMixin:
     _c: dict[str, int]
     _spaces: dict[str, Space]
     _bytes: int
+    _unlink: Callable[[str], bool]
 
     @contextmanager
     def _flock(self, shared: bool) -> Iterator[None]:
-        """The folder lock (shared: writers; exclusive: scan/evict/gc), across processes."""
-        os.makedirs(self.root, exist_ok=True)
-        fd = os.open(os.path.join(self.root, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        """The folder lock (shared: writers; exclusive: scan/evict/gc), across processes;
+        CacheFolderError if the folder stopped being usable (see storage.folder)."""
+        with folder_lock(self.root, shared):
             yield
-        finally:
-            os.close(fd)  # closing the descriptor releases the lock
 
     def evict(self, max_bytes: int | None = None) -> dict[str, int]:
         """Remove least-recently-used entries until the store holds <= max_bytes."""
@@ -72,11 +83,15 @@ class MaintenanceMixin:
             self._remove_retired(victims)
         return {"evicted": removed, "bytes": freed}
 
-    def gc(self, ns: str | None = None, min_age_s: float = 60.0) -> dict[str, int]:
+    def gc(self, ns: str | None = None, min_age_s: float = 60.0) -> dict[str, Any]:
         """Remove blocks and tails no manifest references (older than ``min_age_s``, so a
         block another process wrote moments before its manifest survives). A manifest
-        whose first block and tail are both gone (evicted) restores nothing: removed too."""
+        whose first block and tail are both gone (evicted) restores nothing: removed too.
+
+        A namespace with a manifest that cannot be read is left whole (listed in
+        ``unreadable_manifests``, path -> reason): nothing it may reference is removed."""
         removed = freed = live_n = stale = 0
+        held: dict[str, str] = {}
         with self._flock(shared=False):
             self._scan_locked()
             with self._lock:
@@ -86,7 +101,12 @@ class MaintenanceMixin:
                 live: set[bytes] = set()
                 with self._lock:
                     present = {e.key for e in self._spaces.get(name, EMPTY_SPACE).entries()}
-                for m in self.manifests(name):
+                problems: dict[str, str] = {}
+                mans = self.manifests(name, problems)
+                if problems:
+                    held.update(problems)
+                    continue
+                for m in mans:
                     # it restores something while its first block, its tail or one of
                     # its checkpoints is still there
                     heads = {*m.block_keys[:1], *m.extra_keys, *([m.tail_key] if m.tail_key else [])}
@@ -110,7 +130,33 @@ class MaintenanceMixin:
                 self._c["gc_removed"] += removed
                 self._c["gc_bytes"] += freed
         return {"removed": removed, "bytes": freed, "live_keys": live_n,
-                "manifests_removed": stale}
+                "manifests_removed": stale, "unreadable_manifests": held}
+
+    def clear(self, ns: str) -> dict[str, Any]:
+        """Remove everything of namespace ``ns`` that is ours: its manifests (damaged ones
+        too), blocks, tails and checkpoints, then its folders once empty. Files that are
+        not ours are left, and so is the folder holding them (``folder_removed`` False)."""
+        check_namespace(ns)
+        nsd = os.path.join(self.root, ns)
+        mdir = os.path.join(nsd, MANIFEST_DIR)
+        with self._flock(shared=False):
+            self._scan_locked()
+            mans = sum(self._unlink(de.path) for de in _real_entries(nsd, mdir)
+                       if MAN_RE.match(de.name))
+            with self._lock:
+                dead = list(self._spaces.get(ns, EMPTY_SPACE).entries())
+                for e in dead:
+                    self._retire(e)
+                self._c["gc_removed"] += len(dead)
+                self._c["gc_bytes"] += sum(e.file_size for e in dead)
+            self._remove_retired(dead)
+            if _is_real_dir(nsd):
+                for sub in dio.scandir(nsd):
+                    if sub.is_dir(follow_symlinks=False):
+                        dio.quiet(os.rmdir, sub.path)
+                dio.quiet(os.rmdir, nsd)
+        return {"removed": len(dead), "bytes": sum(e.file_size for e in dead),
+                "manifests_removed": mans, "folder_removed": not os.path.lexists(nsd)}
 
     # ------------------------------------------------------------------ manifests
     def _manifest_path(self, ns: str, name: str) -> str:
@@ -132,37 +178,80 @@ class MaintenanceMixin:
         path = self._manifest_path(ns, name)
         try:
             with self._flock(shared=True):
-                dio.atomic_write(path, fmt.encode_manifest(man), self.durable)
+                dio.atomic_write(self.root, path, fmt.encode_manifest(man), self.durable)
         except OSError as exc:
             raise self._write_failed(exc, "manifest") from exc
+        except CacheFolderError as exc:
+            raise self._folder_failed(exc, "manifest") from exc
         return man
 
     def get_manifest(self, ns: str, name: str) -> Manifest | None:
+        """The manifest ``name`` of ``ns``; None if there is none or it cannot be read
+        (``damaged_manifests`` says which and why)."""
         try:
             m = _read_manifest(self._manifest_path(ns, name))
-        except (FileNotFoundError, FormatError):
+        except (OSError, FormatError):
             return None
         return m if m.name == name and m.ns == ns else None
 
-    def manifests(self, ns: str) -> list[Manifest]:
-        d = os.path.join(self.root, check_namespace(ns), MANIFEST_DIR)
+    def manifests(self, ns: str, errors: dict[str, str] | None = None) -> list[Manifest]:
+        """The readable manifests of ``ns``; each one that cannot be read is noted in
+        ``errors`` (printable path -> reason), none is removed."""
+        nsd = os.path.join(self.root, check_namespace(ns))
+        d = os.path.join(nsd, MANIFEST_DIR)
         out = []
-        for de in dio.scandir(d):
-            if de.name.endswith(".man"):
-                try:
-                    out.append(_read_manifest(de.path))
-                except (OSError, FormatError):
-                    continue
+        for de in _real_entries(nsd, d, errors):
+            if not MAN_RE.match(de.name):
+                continue
+            try:
+                m = _read_manifest(de.path)
+                if m.ns != ns or self._manifest_path(ns, m.name) != de.path:
+                    raise FormatError(f"manifest of {m.ns!r}/{m.name!r} stored under another name")
+                out.append(m)
+            except FileNotFoundError:
+                continue
+            except (OSError, FormatError) as exc:
+                if errors is not None:
+                    why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+                    errors[dio.printable(de.path)] = str(why)
         return out
 
+    def damaged_manifests(self, ns: str) -> dict[str, str]:
+        """Manifests of ``ns`` that cannot be read: printable path -> reason."""
+        errors: dict[str, str] = {}
+        self.manifests(ns, errors)
+        return errors
+
     def delete_manifest(self, ns: str, name: str) -> bool:
-        try:
-            os.unlink(self._manifest_path(ns, name))
-            return True
-        except FileNotFoundError:
-            return False
+        return self._unlink(self._manifest_path(ns, name))
+
+
+def _is_real_dir(path: str) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _real_entries(nsd: str, d: str, errors: dict[str, str] | None = None) -> list[os.DirEntry]:
+    """The entries of the folder ``d`` inside the namespace folder ``nsd``, both reached
+    without a symlink; a symlink on the way is noted in ``errors``, never followed."""
+    if not os.path.lexists(d):
+        return []
+    if not (_is_real_dir(nsd) and _is_real_dir(d)):
+        if errors is not None:
+            errors[dio.printable(d)] = "not a folder (a symlink is never followed)"
+        return []
+    return dio.scandir(d, errors)
 
 
 def _read_manifest(path: str) -> Manifest:
-    with open(path, "rb") as f:
-        return fmt.decode_manifest(f.read())
+    fd = dio.open_ro(path)
+    try:
+        size = os.fstat(fd).st_size
+        if size > fmt.MAX_MANIFEST:
+            raise FormatError(f"{size} bytes: larger than any manifest")
+        data = os.pread(fd, size, 0)
+    finally:
+        os.close(fd)
+    return fmt.decode_manifest(data)

@@ -1,19 +1,20 @@
 """Restores of the block store: every block verified against its content hash while it is
-scattered into the caller's buffers; a vanished file is a miss, a corrupt one is removed.
+scattered into the caller's buffers; a vanished or unreadable file is a miss (left alone),
+a corrupt one (read whole, and wrong) is removed.
 
-A restore maps each file (MAP_POPULATE) and scatters it with the hash fused into the
-copy, ``read_threads`` blocks at a time (blocks land in disjoint rows), asking the OS for
-the next files' pages ahead (posix_fadvise WILLNEED); where a file cannot be mapped it
-streams L2-sized pieces with pread instead.
+A restore streams each file in L2-sized pieces with pread (read, hash, scatter),
+``read_threads`` blocks at a time (blocks land in disjoint rows), asking the OS for the
+next files' pages ahead (posix_fadvise WILLNEED). Files are never mapped: a file
+truncated or failing under a mapping raises SIGBUS, which would kill the process; under
+pread it is a short read or an error, so a miss.
 """
 
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -26,7 +27,6 @@ from storage.keys import Match, Restore, Segment, check_segments
 
 log = logging.getLogger("mlxkv.storage")
 
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _READ_AHEAD = 8  # blocks whose pages are requested ahead of the one being verified
 
 
@@ -38,6 +38,8 @@ class ReadMixin:
     _lock: threading.RLock
     _c: dict[str, int]
     _rpool: ThreadPoolExecutor | None
+    _unlink: Callable[[str], bool]
+    _leave: Callable[[str, str], None]
 
     def get_blocks(
         self, ns: str, tokens: Any, layout: Any, segments: Sequence[Segment],
@@ -128,6 +130,9 @@ class ReadMixin:
             return None
         try:
             return self._read_verified(e, fd, layout, segs, t0, ntok, plans)
+        except OSError as exc:
+            self._unreadable(e, exc)
+            return None
         finally:
             os.close(fd)
 
@@ -144,7 +149,12 @@ class ReadMixin:
                 if fds[i] == -1:
                     out.append(None)
                     break
-                ok = self._read_verified(e, fds[i], layout, segs, t0, ntok, plans)
+                ok: bool | None
+                try:
+                    ok = self._read_verified(e, fds[i], layout, segs, t0, ntok, plans)
+                except OSError as exc:
+                    self._unreadable(e, exc)
+                    ok = None
                 os.close(fds[i])
                 fds[i] = None
                 out.append(ok)
@@ -171,63 +181,48 @@ class ReadMixin:
                 self._drop(e)
                 self._c["vanished"] += 1
             return -1
+        except OSError as exc:  # unreadable, or no longer a regular file: a miss
+            self._unreadable(e, exc)
+            return -1
         if prefetch and hasattr(os, "posix_fadvise"):
             # start reading the next block from disk while this one is verified/unpacked
             dio.quiet(os.posix_fadvise, fd, 0, 0, os.POSIX_FADV_WILLNEED)
         return fd
 
+    def _unreadable(self, e: Entry, exc: OSError) -> None:
+        """A file that cannot be read is a miss: dropped from the index until the next
+        scan, never removed (a read error is not proof of damage)."""
+        self._leave(e.path, f"{exc.strerror or exc}")
+        self._warn_once(f"read:{exc.errno}", "mlxkv cache: cannot read %s: %s (a miss; "
+                        "the file is left alone)", dio.printable(e.path), exc.strerror or exc)
+        with self._lock:
+            self._drop(e)
+            self._c["read_errors"] += 1
+
     def _read_verified(self, e: Entry, fd: int, layout: Layout, segs: list, t0: int,
                        ntok: int, plans: dict[int, list]) -> bool:
-        """Read, verify and scatter one block/tail into rows [t0, t0+ntok) of segs.
+        """Read, verify and scatter one block/tail into rows [t0, t0+ntok) of segs
+        (OSError if the file cannot be read).
 
         Full entries stream in L2-sized pieces (read, hash, scatter); the hash is checked
         at the end, so on a mismatch the rows written are garbage and not reported.
         """
-        if ntok != (1 if e.kind == KIND_CHECKPOINT else e.t1 - e.t0):
+        size = os.fstat(fd).st_size
+        if size < e.file_size:
+            reason: str | None = f"truncated file ({size} of {e.file_size} bytes)"
+        elif ntok != (1 if e.kind == KIND_CHECKPOINT else e.t1 - e.t0):
             reason = self._read_tail_prefix(e, fd, layout, segs, t0, ntok)
         else:
-            reason = self._read_mapped(e, fd, layout, segs, t0, ntok)
-            if reason is False:
-                reason = self._read_pieces(e, fd, layout, segs, t0, ntok, plans)
+            reason = self._read_pieces(e, fd, layout, segs, t0, ntok, plans)
         if reason is not None:
             self._remove_corrupt(e, reason)
             return False
         return True
 
-    def _read_mapped(self, e: Entry, fd: int, layout: Layout, segs: list, t0: int,
-                     ntok: int) -> str | None | bool:
-        """Verify and scatter straight from a read-only mapping of the file: one pass over
-        the bytes (hash fused with the scatter), no copy into a staging buffer. Files are
-        immutable once renamed into place (never truncated, only unlinked), so the mapping
-        stays valid. -> None (ok), a reason (bad), or False (cannot map: use pread)."""
-        size = os.fstat(fd).st_size
-        if size < e.file_size:
-            return f"truncated file ({size} of {e.file_size} bytes)"
-        try:
-            # MAP_POPULATE maps every page in one call (cheaper than faulting 4 KiB at a
-            # time during the scatter) and, for cold files, reads them in large chunks
-            m = mmap.mmap(fd, e.file_size, flags=mmap.MAP_SHARED | _POPULATE,
-                          prot=mmap.PROT_READ)
-        except (OSError, ValueError):
-            return False
-        try:
-            with memoryview(m) as mv:
-                reason = self._check_header(e, mv[: e.payload_offset], layout)
-                if reason is None:
-                    _, h = dio.unpack_hash(mv, e.payload_offset, segs, t0, ntok,
-                                           fmt.content_seed(e.key))
-                    if h != e.content_hash:
-                        reason = "content hash mismatch"
-            return reason
-        finally:
-            try:
-                m.close()
-            except BufferError:  # a view survived in a traceback; unmapped when collected
-                pass
-
     def _read_pieces(self, e: Entry, fd: int, layout: Layout, segs: list, t0: int,
                      ntok: int, plans: dict[int, list]) -> str | None:
-        """pread fallback: stream L2-sized pieces (read, hash, scatter)."""
+        """Stream L2-sized pieces with pread (read, hash, scatter): each byte crosses
+        memory once on its way to the destination, and a short read is a reason."""
         hbuf = self._scratch("h", e.payload_offset)
         with memoryview(hbuf) as hv:
             got = dio.pread_full(fd, hv[: e.payload_offset], 0)
@@ -293,8 +288,10 @@ class ReadMixin:
         return None
 
     def _remove_corrupt(self, e: Entry, reason: str) -> None:
-        log.warning("mlxkv cache: removing corrupt %s %s: %s", fmt.KIND_NAMES[e.kind], e.path, reason)
-        dio.quiet(os.unlink, e.path)
+        """A verified mismatch (read whole, and wrong): the file is removed."""
+        if self._unlink(e.path):
+            log.warning("mlxkv cache: removed corrupt %s %s: %s", fmt.KIND_NAMES[e.kind],
+                        dio.printable(e.path), reason)
         with self._lock:
             self._drop(e)
             self._c["corrupt_removed"] += 1

@@ -35,7 +35,12 @@ that shares a prefix of its tokens (KV rows are per token), so a conversation th
 continues re-prefills only its new tokens.
 
 Files: ``<root>/<ns>/<2 hex>/<key>.blk|.tail|.ckpt`` and ``<root>/<ns>/manifests/*.man``, each
-written atomically (temp name, write, fsync, rename, fsync dir). Several processes may
+written atomically (temp name, write, fsync, rename, fsync dir), 0600 in 0700 folders.
+The folder is marked as a cache (``<root>/MLXKV-CACHE``); opening a folder that is not
+one (user files, no marker), is read-only, or is a file raises
+:class:`~storage.keys.CacheFolderError` (see ``storage.folder``). Nothing is removed but
+files named as ours, in real folders, that failed verification (or orphaned temp files,
+evicted and collected entries); a file that cannot be read is a miss, never removed. Several processes may
 share a root: writers hold a shared flock on ``<root>/.lock``, scan/evict/gc an exclusive
 one; readers take no lock and treat a vanished file as a miss. Each process indexes what
 it scanned and what it wrote; a lookup that reaches a chain key its index lacks opens the
@@ -46,7 +51,7 @@ Thread-safe: one writer thread and one reader thread (see ``storage.io``) may ca
 concurrently with lookups from another thread.
 
 Modules: ``keys`` (chain keys, results), ``entries`` (index entries from file headers),
-``index`` (lookups, scan), ``write`` (put_*),
+``index`` (lookups, scan), ``write`` (put_*), ``folder`` (marker, lock, names),
 ``restore`` (get_*), ``maintenance`` (locks, evict, gc, manifests); ``BlockStore`` joins them.
 Speed: see ``storage.write`` and ``storage.restore`` (``read_threads`` defaults to
 min(4, CPUs)).
@@ -63,9 +68,11 @@ from typing import Any
 from storage import diskio as dio
 from storage.diskio import KERNEL
 from storage.entries import Space
+from storage.folder import open_folder
 from storage.index import IndexMixin
 from storage.keys import (
     ZERO_KEY,
+    CacheFolderError,
     Match,
     PutResult,
     Restore,
@@ -83,7 +90,17 @@ log = logging.getLogger("mlxkv.storage")
 _COUNTERS = ("blocks_written", "tails_written", "checkpoints_written", "bytes_written",
              "dedup_blocks", "write_failures", "blocks_read", "bytes_read", "hits", "misses",
              "corrupt_removed", "vanished", "bad_removed", "tmp_removed", "evicted",
-             "evicted_bytes", "gc_removed", "gc_bytes", "tails_superseded", "probed")
+             "evicted_bytes", "gc_removed", "gc_bytes", "tails_superseded", "probed",
+             "read_errors")
+_MAX_NOTED = 100  # skipped files remembered with their reason (the counters count all)
+_warned: set[str] = set()  # conditions already warned about, once per process
+_warned_lock = threading.Lock()
+
+
+def reset_warnings() -> None:
+    """Forget which conditions were warned about (tests check each warns once)."""
+    with _warned_lock:
+        _warned.clear()
 
 
 class BlockStore(IndexMixin, WriteMixin, ReadMixin, MaintenanceMixin):
@@ -98,6 +115,7 @@ class BlockStore(IndexMixin, WriteMixin, ReadMixin, MaintenanceMixin):
         if max_bytes is not None and max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.root = os.path.abspath(os.fspath(root))
+        open_folder(self.root)  # CacheFolderError if it is not a usable cache folder
         self.block_tokens = int(block_tokens)
         self.max_bytes = max_bytes
         self.durable = durable
@@ -115,9 +133,9 @@ class BlockStore(IndexMixin, WriteMixin, ReadMixin, MaintenanceMixin):
         # threads that verify+scatter blocks of one restore in parallel (1 = the caller's)
         self.read_threads = max(1, read_threads if read_threads is not None
                                 else min(4, os.cpu_count() or 1))
-        self._warned: set[str] = set()
         self._c: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self._skipped: dict[str, str] = {}  # path -> reason (unknown versions)
+        self._left: dict[str, str] = {}  # path -> reason: files left alone (not ours, unreadable)
         self._removing: set[str] = set()  # see IndexMixin._retire
         self._removals = 0
 
@@ -130,7 +148,7 @@ class BlockStore(IndexMixin, WriteMixin, ReadMixin, MaintenanceMixin):
             return {"root": self.root, "kernel": KERNEL, "block_tokens": self.block_tokens,
                     "bytes": self._bytes, "max_bytes": self.max_bytes, **totals,
                     "namespaces": per_ns, "skipped_unknown_version": dict(self._skipped),
-                    **self._c}
+                    "skipped": dict(self._left), **self._c}
 
     def close(self) -> None:
         """Stop the helper threads (the store stays usable; they restart on demand)."""
@@ -151,15 +169,32 @@ class BlockStore(IndexMixin, WriteMixin, ReadMixin, MaintenanceMixin):
         return buf
 
     def _warn_once(self, what: str, msg: str, *args: Any) -> None:
-        if what not in self._warned:
-            self._warned.add(what)
-            log.warning(msg, *args)
+        """One warning per condition per process (a full disk fails every write)."""
+        with _warned_lock:
+            if what in _warned:
+                return
+            _warned.add(what)
+        log.warning(msg, *args)
+
+    def _unlink(self, path: str) -> bool:
+        """Remove one of our files: a regular file reached from the root without
+        following a symlink (dio.unlink_under); False if it was not removed."""
+        return dio.unlink_under(self.root, path)
+
+    def _leave(self, path: str, reason: str) -> None:
+        """Note a file left alone (not ours, or unreadable) with its reason, for the first
+        few (paths made printable: names need not be UTF-8)."""
+        with self._lock:
+            p = dio.printable(path)
+            if p in self._left or len(self._left) < _MAX_NOTED:
+                self._left[p] = reason
 
 
 __all__ = [
     "KERNEL",
     "ZERO_KEY",
     "BlockStore",
+    "CacheFolderError",
     "Match",
     "PutResult",
     "Restore",

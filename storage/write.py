@@ -3,11 +3,14 @@ checkpoints, each file written atomically (temp name, write, fsync, rename, fsyn
 
 A block file is built in one page-aligned buffer (pack fused with XXH3, then the header)
 and written with one O_DIRECT pwrite where the filesystem allows, double-buffered so
-packing overlaps the disk write; fsyncs and renames are batched.
+packing overlaps the disk write; fsyncs and renames are batched, in chain order. When a
+write fails (a full disk), the blocks written before it are still fsynced and renamed
+into place, so the prefix of the chain that fit is usable; the rest is removed.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -22,6 +25,7 @@ from storage.entries import Entry, Space
 from storage.format import KIND_BLOCK, KIND_CHECKPOINT, KIND_TAIL, Layout, make_layout
 from storage.keys import (
     ZERO_KEY,
+    CacheFolderError,
     PutResult,
     Segment,
     StoreWriteError,
@@ -125,6 +129,8 @@ class WriteMixin:
                 with self._flock(shared=True):
                     self._write_files(ns, nsid, layout, segs, toks, jobs,
                                       self.durable if durable is None else durable, written)
+        except CacheFolderError as exc:
+            raise self._folder_failed(exc, "block") from exc
         finally:
             self._index_written(ns, written)
         return written
@@ -136,13 +142,19 @@ class WriteMixin:
         if manifest is not None:
             self.put_manifest(ns, manifest, toks, extra_keys=extra_keys)
         if self.max_bytes is not None and self._bytes > self.max_bytes:
-            self.evict()
+            try:
+                self.evict()
+            except CacheFolderError as exc:  # the write itself succeeded
+                self._warn_once(f"folder:{exc}", "mlxkv cache: %s", exc)
 
     def _write_files(self, ns: str, nsid: bytes, layout: Layout, segs: list, toks: Any,
                      jobs: list[Job], durable: bool, written: list[Entry]) -> None:
         pending: list[tuple[int, str | None, str, Entry]] = []  # fd, tmp, final, entry
+        writes: list[Future] = []  # the pwrite of each pending file, in order
         dirs: set[str] = set()
+        checked: set[str] = set()
         inflight: Future | None = None
+        publishing = False
         nblk = 0
         try:
             for kind, key, parent, t0, t1 in jobs:
@@ -153,7 +165,9 @@ class WriteMixin:
                 size = hdr_size + fmt.align(plen)
                 final = self._path(ns, key, kind)
                 d = os.path.dirname(final)
-                dio.make_dirs(d, dirs)
+                if d not in checked:  # real folders only (never a symlink), made 0700
+                    dio.make_dirs(self.root, d, dirs)
+                    checked.add(d)
                 tmp = os.path.join(d, f".{key.hex()}.{os.getpid()}.{threading.get_ident()}.tmp")
                 # The whole file image is built in one page-aligned buffer (pack fused with
                 # the hash, then the header) and written with one (direct where possible)
@@ -165,23 +179,28 @@ class WriteMixin:
                 mv[:hdr_size] = fmt.encode_block_header(
                     kind, key, parent, nsid, ns, layout, t0, t1, toks[t0:t1], chash, plen)
                 mv[hdr_size + plen : size] = bytes(size - hdr_size - plen)
+                if inflight is not None:
+                    inflight.result()  # the other buffer is free again (or the write failed)
                 fd = self._open_write(tmp)
                 entry = Entry(kind, key, parent, ns, final, size, hdr_size, plen, chash,
                               t0, t1, layout, toks[t0:t1].copy() if kind != KIND_BLOCK else None,
                               0.0)
                 pending.append((fd, tmp, final, entry))
                 dirs.add(d)
-                if inflight is not None:
-                    inflight.result()  # the other buffer is free again (or the write failed)
                 inflight = self._io_pool().submit(dio.pwrite_full, fd, mv, 0)
+                writes.append(inflight)
                 if len(pending) >= _BATCH:
                     inflight.result()
                     inflight = None
+                    publishing = True
                     self._publish(pending, written, durable)
+                    publishing = False
                     pending.clear()
+                    writes.clear()
             if inflight is not None:
                 inflight.result()
                 inflight = None
+            publishing = True
             self._publish(pending, written, durable)
             if durable:
                 for d in sorted(dirs, key=len, reverse=True):  # a new folder before its parent
@@ -189,24 +208,52 @@ class WriteMixin:
         except BaseException as exc:
             if inflight is not None:  # never close or unlink under a running write
                 wait([inflight])
+            if not publishing and isinstance(exc, OSError):
+                self._publish_landed(pending, writes, written, dirs, durable)
             for fd, tmp, _, _ in pending:
                 if fd >= 0:
                     dio.quiet(os.close, fd)
                 if tmp is not None:
-                    dio.quiet(os.unlink, tmp)
+                    self._unlink(tmp)
             if not isinstance(exc, OSError):
                 raise
             with self._lock:
                 self._c["write_failures"] += 1
             raise self._write_failed(exc, "block") from exc
 
+    def _publish_landed(self, pending: list, writes: list[Future], written: list[Entry],
+                        dirs: set[str], durable: bool) -> None:
+        """After a failed write: publish the files before it whose writes completed (a
+        prefix of the chain, so it is usable); ``pending`` keeps what is left to clean."""
+        n = 0
+        while n < len(writes) and writes[n].done() and writes[n].exception() is None:
+            n += 1
+        if not n:
+            return
+        head = pending[:n]
+        try:
+            self._publish(head, written, durable)
+            if durable:
+                for d in sorted(dirs, key=len, reverse=True):
+                    dio.fsync_dir(d)
+        except OSError:
+            pass  # the cleanup below removes whatever was not renamed
+        pending[:n] = head
+
     def _write_failed(self, exc: OSError, what: str) -> StoreWriteError:
-        """Warn once per errno; the error to raise for a failed ``what`` write."""
+        """Warn once per errno and process; the error to raise for a failed ``what`` write."""
         self._warn_once(f"write:{exc.errno}", "mlxkv cache: cannot write under %s: %s "
                         "(the cache keeps serving reads; new state is not persisted)",
-                        self.root, exc)
+                        dio.printable(self.root), exc.strerror or exc)
         return StoreWriteError(exc.errno, f"{what} write failed: {exc.strerror or exc}",
                                getattr(exc, "filename", None))
+
+    def _folder_failed(self, exc: CacheFolderError, what: str) -> StoreWriteError:
+        """A write refused because the folder stopped being usable (warned once)."""
+        self._warn_once(f"folder:{exc}", "mlxkv cache: %s", exc)
+        with self._lock:
+            self._c["write_failures"] += 1
+        return StoreWriteError(errno.EIO, f"{what} write refused: {exc}")
 
     def _io_pool(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -215,10 +262,14 @@ class WriteMixin:
             return self._pool
 
     def _open_write(self, path: str) -> int:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
-        if self.direct_io and hasattr(K, "open_direct"):
-            return K.open_direct(path, flags, 0o644)[0]  # falls back to buffered itself
-        return os.open(path, flags, 0o644)
+        """A new temp file (O_EXCL, O_NOFOLLOW, 0600), page-cache bypass where possible."""
+        fd = dio.create(self.root, path)
+        if self.direct_io and hasattr(K, "set_direct"):
+            try:
+                K.set_direct(fd, True, path=path)  # False (buffered) where unsupported
+            except OSError:
+                pass
+        return fd
 
     @staticmethod
     def _publish(pending: list, written: list[Entry], durable: bool) -> None:

@@ -17,9 +17,14 @@ import pytest
 
 from storage import format as fmt
 from storage.format import SegmentSpec
-from storage.store import BlockStore, StoreWriteError
+from storage.store import BlockStore, StoreWriteError, reset_warnings
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings():
+    reset_warnings()  # storage warns once per condition per process; each test starts fresh
 
 def make_kv(layout, tokens, t_cap):
     """One uint8 array [outer, t_cap, row_bytes] per segment; rows past len(tokens) are 0.
@@ -278,14 +283,17 @@ def test_scan_removes_temp_orphans_and_drops_vanished_files(tmp_path, threads):
     store = BlockStore(tmp_path, block_tokens=BT, read_threads=threads)
     toks = np.arange(2 * BT)
     r = store.put_blocks("m", toks, F32, segs(F32, make_kv(F32, toks, 2 * BT)))
-    orphan = tmp_path / "m" / "ab" / ".deadbeef.1.2.tmp"
+    orphan = tmp_path / "m" / "ab" / f".ab{'0' * 30}.1.2.tmp"  # named as our writers name them
     orphan.parent.mkdir(exist_ok=True)
     orphan.write_bytes(b"half a block")
+    theirs = tmp_path / "m" / "ab" / "notes.tmp"  # not a name of ours: never removed
+    theirs.write_bytes(b"someone's notes")
     os.unlink(store._path("m", r.keys[1], fmt.KIND_BLOCK))  # another process evicted it
     got, _ = restore(store, "m", toks, F32, 2 * BT)
     assert (got.n_tokens, got.missing) == (BT, 1) and store.stats()["vanished"] == 1
     rep = store.scan()
     assert rep["tmp_removed"] == 1 and not orphan.exists() and rep["blocks"] == 1
+    assert theirs.read_bytes() == b"someone's notes" and rep["foreign"] == 1
 
 
 def test_bad_arguments_say_what_is_wrong(tmp_path):
@@ -376,7 +384,7 @@ def test_sigkill_during_writes_leaves_only_complete_verified_entries(tmp_path):
         if starts == 6:  # killed while writing its 6th snapshot
             os.kill(child.pid, signal.SIGKILL)
             break
-    child.wait()
+    child.wait(timeout=60)
     assert child.returncode == -signal.SIGKILL
     assert _verify_all(tmp_path, "m") >= 5
 
@@ -580,41 +588,65 @@ def test_file_size_limit_fails_writes_cleanly(tmp_path):
 
 @pytest.fixture
 def tiny_tmpfs(tmp_path):
+    """A 1 MiB tmpfs (a real full disk); skipped where mounting is not allowed."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        pytest.skip("mounting a 1 MiB tmpfs needs root; test_file_size_limit_fails_writes_"
+                    "cleanly covers failing writes")
     mnt = tmp_path / "tmpfs"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True, check=False)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mnt)],
+                       capture_output=True, text=True, check=False, timeout=60)
     if r.returncode != 0:
-        pytest.skip(f"cannot mount a 1 MiB tmpfs here ({r.stderr.strip() or 'not root'}); "
-                    "the RLIMIT_FSIZE test covers full disks")
-    yield mnt
-    subprocess.run(["umount", str(mnt)], check=False)
+        pytest.skip(f"cannot mount a 1 MiB tmpfs here ({r.stderr.strip() or r.returncode}); "
+                    "test_file_size_limit_fails_writes_cleanly covers failing writes")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False, timeout=60)
 
 
-def test_full_disk_fails_writes_and_keeps_reads(tiny_tmpfs):
+def test_full_disk_keeps_the_prefix_that_fit_and_reads(tiny_tmpfs, caplog):
+    """Blocks are committed in chain order: when the disk fills up part way through a
+    write, the blocks that fit are renamed into place (a usable prefix of the chain), the
+    rest leaves nothing behind, one warning is logged, and reads go on."""
     store = BlockStore(tiny_tmpfs, block_tokens=BT)
     small = np.arange(BT)
     store.put_blocks("m", small, F32, segs(F32, make_kv(F32, small, BT)))
     big = fmt.make_layout([("k", "bfloat16", (64,), 64, 128)])
     toks = np.arange(5000, 5000 + 8 * BT)  # 8 blocks of 128 KiB + headers > 1 MiB
+    src = make_kv(big, toks, 8 * BT)
     with pytest.raises(StoreWriteError) as info:
-        store.put_blocks("m", toks, big, segs(big, make_kv(big, toks, 8 * BT)))
+        store.put_blocks("m", toks, big, segs(big, src))
     assert info.value.errno == 28  # ENOSPC
     assert not list(tiny_tmpfs.rglob("*.tmp"))
-    assert store.longest_prefix("m", toks) == 0
-    got, _ = restore(store, "m", small, F32, BT)
-    assert got.n_tokens == BT
-    st = os.statvfs(tiny_tmpfs)
-    assert st.f_bfree * st.f_frsize > 512 * 1024  # the partial blocks' space came back
+    landed = store.longest_prefix("m", toks)
+    assert BT <= landed < toks.size and landed % BT == 0  # the prefix that fit is usable
+    assert len(list(tiny_tmpfs.rglob("*.blk"))) == 1 + landed // BT  # and nothing more
+    got, dst = restore(store, "m", toks, big, 8 * BT)
+    assert got.n_tokens == landed and got.corrupt == 0
+    assert_rows_equal(src, dst, landed)
+    # a second store in the same process writing to the full disk: still one warning
+    other = BlockStore(tiny_tmpfs, block_tokens=BT)
+    more = np.arange(9000, 9000 + 8 * BT)
+    for s in (store, other):
+        with pytest.raises(StoreWriteError):
+            s.put_blocks("m", more, big, segs(big, make_kv(big, more, 8 * BT)))
+    assert sum("cannot write" in r.message for r in caplog.records) == 1
+    assert restore(store, "m", small, F32, BT)[0].n_tokens == BT
+    # a fresh scan finds exactly the same
+    assert BlockStore(tiny_tmpfs, block_tokens=BT).scan()["blocks"] == 1 + landed // BT + \
+        store.longest_prefix("m", more) // BT
 
 
-def test_pread_path_when_files_cannot_be_mapped(tmp_path, monkeypatch):
-    import storage.restore as restore_mod
+def test_restores_never_map_files(tmp_path, monkeypatch):
+    """Files are read with pread, never mapped (a mapped file truncated under a reader
+    raises SIGBUS); a corrupt block is still detected on that path."""
+    import mmap
 
     def no_mmap(*a, **k):
-        raise OSError(19, "mapping not supported on this filesystem")
+        raise AssertionError("a restore mapped a file")
 
-    monkeypatch.setattr(restore_mod.mmap, "mmap", no_mmap)
+    monkeypatch.setattr(mmap, "mmap", no_mmap)
     store = BlockStore(tmp_path, block_tokens=BT)
     toks = np.arange(4 * BT)
     src = make_kv(BF16, toks, 4 * BT)
@@ -626,6 +658,49 @@ def test_pread_path_when_files_cannot_be_mapped(tmp_path, monkeypatch):
           fmt.block_header_size(BF16, "m", BT) + 5)
     got, _ = restore(store, "m", toks, BF16, 4 * BT)
     assert (got.n_tokens, got.corrupt) == (2 * BT, 1)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="needs Linux /proc/self/fd")
+@pytest.mark.parametrize("threads", [1, 3], ids=["sequential", "parallel"])
+def test_block_truncated_under_a_restore_is_a_miss_not_a_crash(tmp_path, threads):
+    """Another process truncates block 1 after the lookup, at the moment the restore
+    first touches it (whether it maps or reads the file): a miss from block 1 on,
+    never SIGBUS. In a child process, so a crash fails the test instead of the run."""
+    child = _run_child('''
+        import json, mmap, os, sys
+        from storage import diskio, format as fmt
+        from storage.store import BlockStore
+        from test_store import BF16, BT
+        store = BlockStore(sys.argv[1], block_tokens=BT, read_threads=int(sys.argv[2]))
+        toks = np.arange(3 * BT)
+        r = store.put_blocks("m", toks, BF16, segs(BF16, make_kv(BF16, toks, 3 * BT)))
+        victim = store._path("m", r.keys[1], fmt.KIND_BLOCK)
+        m = store.lookup("m", toks)
+
+        def cut(fd):
+            if os.path.exists(victim) and os.readlink(f"/proc/self/fd/{fd}") == victim \\
+                    and os.path.getsize(victim) > 4096:
+                os.truncate(victim, 4096)
+
+        real_mmap, real_pread = mmap.mmap, diskio.pread_full
+
+        def mapping(fd, *a, **k):
+            mp = real_mmap(fd, *a, **k)
+            cut(fd)
+            return mp
+
+        def reading(fd, *a, **k):
+            cut(fd)
+            return real_pread(fd, *a, **k)
+
+        mmap.mmap, diskio.pread_full = mapping, reading
+        dst = make_kv(BF16, [], 3 * BT)
+        g = store.get_blocks("m", toks, BF16, segs(BF16, dst), m)
+        print(json.dumps([g.n_tokens, g.corrupt + g.missing]))
+    ''', str(tmp_path), str(threads))
+    out, err = child.communicate(timeout=60)
+    assert child.returncode == 0, f"restore crashed (rc {child.returncode}): {err}"
+    assert json.loads(out.strip().splitlines()[-1]) == [BT, 1]
 
 
 def test_buffered_writes_give_the_same_files(tmp_path):

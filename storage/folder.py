@@ -1,0 +1,238 @@
+"""The cache folder itself: its marker, the checks made when a store opens it, the
+cross-process lock, and the names of the files the store may create, read or remove.
+
+A cache folder holds a marker file, ``<root>/MLXKV-CACHE``: JSON ``{"format": 1, ...}``
+(the folder layout version). The store only scans, writes or removes files in a folder
+that has the marker, and only files named exactly as it names them, inside real
+folders (never through a symlink):
+
+    <root>/MLXKV-CACHE  <root>/.lock  <root>/<ns>/<2 hex>/<32 hex>.blk|.tail|.ckpt
+    <root>/<ns>/manifests/<16 hex>.man  (and the ``*.<pid>.<thread>.tmp`` names of writes)
+
+Opening a folder (:func:`open_folder`):
+
+- missing: it is created (0700) and marked;
+- empty: it is marked;
+- marked: the marker must parse and name a layout this code knows;
+- unmarked but not empty: it is *adopted* (marked) only if it holds nothing but the
+  layout above, written by an mlxkv from before markers: every file named as ours, a
+  regular file, in a real folder, starting with the mlxkv magic (temp files may also be
+  empty). Anything else (a user's files, a symlink, a FIFO, an unknown name) means the
+  folder is not ours: :class:`~storage.keys.CacheFolderError`, and nothing is touched;
+- a path that is a file, a read-only folder, or a ``.lock`` that is not a regular file:
+  CacheFolderError too.
+
+The marker is written under the exclusive folder lock, so processes opening a new folder
+at once agree; it is re-checked whenever the lock is taken, so a folder whose marker
+vanished (or was replaced by a folder) is refused from then on.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import re
+import stat
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from storage import diskio as dio
+from storage.format import MAGIC, FormatError, load_json
+from storage.keys import NS_RE, CacheFolderError
+
+MARKER = "MLXKV-CACHE"
+LOCK = ".lock"
+FOLDER_FORMAT = 1
+MANIFEST_DIR = "manifests"
+_MAX_MARKER = 4096
+
+SHARD_RE = re.compile(r"^[0-9a-f]{2}$")
+ENTRY_RE = re.compile(r"^([0-9a-f]{32})\.(blk|tail|ckpt)$")
+ENTRY_TMP_RE = re.compile(r"^\.[0-9a-f]{32}\.[0-9]+\.[0-9]+\.tmp$")
+MAN_RE = re.compile(r"^[0-9a-f]{16}\.man$")
+MAN_TMP_RE = re.compile(r"^[0-9a-f]{16}\.man\.[0-9]+\.[0-9]+\.tmp$")
+MARKER_TMP_RE = re.compile(r"^MLXKV-CACHE\.[0-9]+\.[0-9]+\.tmp$")
+
+_WHAT_TO_DO = ("choose another folder with --cache-dir, or run without the SSD tier "
+               "with --no-ssd-cache")
+
+
+def _fail(root: str, what: str) -> CacheFolderError:
+    return CacheFolderError(f"cache folder {dio.printable(root)} {what}: {_WHAT_TO_DO}")
+
+
+def open_folder(root: str) -> None:
+    """Create, check or adopt the cache folder ``root`` (see the module docstring);
+    CacheFolderError if it cannot be used."""
+    try:
+        st = os.stat(root)  # the root itself may be reached through a symlink
+    except FileNotFoundError:
+        try:
+            os.makedirs(root, mode=dio.DIR_MODE, exist_ok=True)
+        except OSError as exc:
+            raise _fail(root, f"cannot be created ({exc.strerror or exc})") from exc
+        st = os.stat(root)
+    except OSError as exc:
+        raise _fail(root, f"cannot be opened ({exc.strerror or exc})") from exc
+    if not stat.S_ISDIR(st.st_mode):
+        raise _fail(root, "is not a folder (a file is there)")
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise _fail(root, "is read-only")
+    if read_marker(root) is not None:
+        check_lock_file(root)
+        return
+    foreign = _first_foreign(root, shallow=True)
+    if foreign is not None:
+        raise _not_ours(root, foreign)
+    with folder_lock(root, shared=False, marked=False):
+        if read_marker(root) is not None:  # another process marked it meanwhile
+            return
+        foreign = _first_foreign(root, shallow=False)
+        if foreign is not None:
+            raise _not_ours(root, foreign)
+        write_marker(root)
+
+
+def _not_ours(root: str, foreign: str) -> CacheFolderError:
+    return _fail(root, f"is not an mlxkv cache (no {MARKER} marker, and it holds "
+                       f"{dio.printable(foreign)})")
+
+
+def read_marker(root: str) -> dict | None:
+    """The marker's contents; None if there is none; CacheFolderError if it is damaged,
+    not a regular file, or from a newer layout."""
+    path = os.path.join(root, MARKER)
+    try:
+        fd = dio.open_ro(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise _fail(root, f"has an unusable marker {MARKER} ({exc.strerror or exc})") from exc
+    try:
+        raw = os.pread(fd, _MAX_MARKER + 1, 0)
+    except OSError as exc:
+        raise _fail(root, f"has an unreadable marker {MARKER} ({exc.strerror or exc})") from exc
+    finally:
+        os.close(fd)
+    try:
+        if len(raw) > _MAX_MARKER:
+            raise FormatError("too large")
+        meta = load_json(raw, MARKER)
+        if not isinstance(meta, dict) or not isinstance(meta.get("format"), int):
+            raise FormatError("no format number")
+    except FormatError as exc:
+        raise _fail(root, f"has a damaged marker {MARKER} ({exc}); if the folder is an "
+                          f"mlxkv cache, delete the folder or its marker") from exc
+    if meta["format"] > FOLDER_FORMAT:
+        raise _fail(root, f"was written by a newer mlxkv (layout {meta['format']}, this "
+                          f"build reads {FOLDER_FORMAT})")
+    return meta
+
+
+def write_marker(root: str) -> None:
+    data = json.dumps({"format": FOLDER_FORMAT, "what": "mlxkv prefix cache",
+                       "created": time.time()}).encode()
+    try:
+        dio.atomic_write(root, os.path.join(root, MARKER), data, durable=True)
+    except OSError as exc:
+        raise _fail(root, f"cannot be marked ({exc.strerror or exc})") from exc
+
+
+def check_lock_file(root: str) -> None:
+    """CacheFolderError unless ``.lock`` is absent or a regular file."""
+    try:
+        st = os.lstat(os.path.join(root, LOCK))
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise _fail(root, f"has an unusable {LOCK} ({exc.strerror or exc})") from exc
+    if not stat.S_ISREG(st.st_mode):
+        raise _fail(root, f"has a {LOCK} that is not a regular file (remove it)")
+
+
+@contextmanager
+def folder_lock(root: str, shared: bool, marked: bool = True) -> Iterator[None]:
+    """flock on ``<root>/.lock`` (shared: writers; exclusive: scan/evict/gc), across
+    processes. With ``marked`` the marker is checked once the lock is held."""
+    path = os.path.join(root, LOCK)
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | dio.NOFOLLOW | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags, dio.FILE_MODE)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EMLINK):
+            raise _fail(root, f"has a {LOCK} that is not a regular file (remove it)") from exc
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise _fail(root, "is read-only") from exc
+        raise _fail(root, f"cannot be locked ({exc.strerror or exc})") from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _fail(root, f"has a {LOCK} that is not a regular file (remove it)")
+        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        if marked and read_marker(root) is None:
+            raise _fail(root, f"lost its {MARKER} marker")
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+def _magic_or_empty(path: str, allow_empty: bool) -> bool:
+    try:
+        fd = dio.open_ro(path)
+    except OSError:
+        return False
+    try:
+        head = os.pread(fd, len(MAGIC), 0)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return head == MAGIC or (allow_empty and not head)
+
+
+def _first_foreign(root: str, shallow: bool) -> str | None:
+    """The first thing under ``root`` that is not part of an mlxkv cache (None: all ours).
+    ``shallow`` looks at the names of the root's entries only."""
+    for de in dio.scandir(root):
+        if de.name == LOCK:
+            if not de.is_file(follow_symlinks=False):
+                return de.path
+        elif MARKER_TMP_RE.match(de.name):
+            if not de.is_file(follow_symlinks=False):
+                return de.path
+        elif not (NS_RE.match(de.name) and de.is_dir(follow_symlinks=False)):
+            return de.path
+        elif not shallow:
+            bad = _foreign_in_namespace(de.path)
+            if bad is not None:
+                return bad
+    return None
+
+
+def _foreign_in_namespace(nsd: str) -> str | None:
+    try:
+        subs = list(os.scandir(nsd))
+    except OSError:
+        return nsd
+    for sub in subs:
+        if not sub.is_dir(follow_symlinks=False):
+            return sub.path
+        if sub.name == MANIFEST_DIR:
+            names, temps, shard = MAN_RE, MAN_TMP_RE, None
+        elif SHARD_RE.match(sub.name):
+            names, temps, shard = ENTRY_RE, ENTRY_TMP_RE, sub.name
+        else:
+            return sub.path
+        try:
+            files = list(os.scandir(sub.path))
+        except OSError:
+            return sub.path
+        for de in files:
+            temp = bool(temps.match(de.name))
+            if not (temp or names.match(de.name)) or (shard and not temp and de.name[:2] != shard):
+                return de.path
+            if not de.is_file(follow_symlinks=False) or not _magic_or_empty(de.path, temp):
+                return de.path
+    return None
