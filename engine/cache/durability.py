@@ -14,6 +14,10 @@ the storage writer thread without ever blocking the engine thread:
   ``{durable, flushed, pending, failed, missing}`` and never counts as durable a state whose
   write has not returned from ``put_blocks`` with fsync.
 
+Memory: a job holds its tokens and snapshot only until it settles; a settled job is a small
+record keyed by a 128-bit hash of its tokens (what ``state()`` and the report need), and at
+most ``keep_settled`` of those are kept.
+
 Future callbacks run on the writer thread, so all state is guarded by one condition.
 """
 
@@ -29,32 +33,43 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import xxhash
 
-log = logging.getLogger("mlxkv.prefix")
+log = logging.getLogger("mlxkv.cache")
 
 PENDING, WRITING, DURABLE, FAILED, SUPERSEDED, MISSING = (
     "pending", "writing", "durable", "failed", "superseded", "missing")
 
 
-@dataclass(eq=False)
+def job_key(ns: str, tokens: np.ndarray) -> tuple[str, bytes]:
+    """A state's key: its namespace and a 128-bit hash of its tokens (not the tokens)."""
+    return (ns, xxhash.xxh3_128_digest(np.ascontiguousarray(tokens, dtype="<u4").tobytes()))
+
+
+@dataclass(eq=False, slots=True)
 class Job:
     ns: str  # storage namespace
-    tokens: np.ndarray
+    tokens: np.ndarray | None  # None once settled (only a pending write needs them)
     snapshot: Any  # storage.io.Snapshot; None once settled
+    key: tuple[str, bytes] = ("", b"")
+    ntokens: int = 0
+    eid: str = ""  # the entry id, for events
+    bytes_written: int = 0
     state: str = PENDING
     due: float = 0.0
     attempts: int = 0
     error: str | None = None
     superseded_by: Job | None = None
-    result: Any = None
     nbytes: int = 0  # bytes the snapshot pins until it settles
     evicted: bool = False  # the RAM tier no longer holds this state
     coalesce: bool = True  # False: an exact-position checkpoint, never covered by another
     marked: float = field(default_factory=time.monotonic)
 
-    @property
-    def key(self) -> tuple[str, bytes]:
-        return (self.ns, self.tokens.tobytes())
+    def settle(self, state: str) -> None:
+        """Enter a final-ish state: drop what only a pending write needs."""
+        self.state = state
+        if state in (DURABLE, SUPERSEDED, MISSING):
+            self.snapshot = self.tokens = None
 
     def final(self) -> Job:
         j = self
@@ -67,8 +82,12 @@ class Durability:
     """Tracks dirty states and drives the writer (see the module docstring)."""
 
     def __init__(self, submit: Callable[[Any], Future], debounce_s: float = 0.0,
-                 max_inflight: int = 2, retries: int = 2, keep_settled: int = 4096) -> None:
+                 max_inflight: int = 2, retries: int = 2, keep_settled: int = 4096,
+                 on_settled: Callable[[Job], None] | None = None,
+                 warn: Callable[..., Any] | None = None) -> None:
         self._submit = submit
+        self._on_settled = on_settled  # called on the writer thread, lock not held
+        self._warn = warn or (lambda cond, msg, *a: log.warning(msg, *a))
         self.debounce_s = max(0.0, float(debounce_s))
         self.max_inflight = max(1, int(max_inflight))
         self.retries = max(0, int(retries))
@@ -84,25 +103,28 @@ class Durability:
                        "failed": 0, "missing": 0, "bytes_written": 0}
 
     # ------------------------------------------------------------------ engine side
-    def mark(self, ns: str, tokens: np.ndarray, snapshot: Any, coalesce: bool = True) -> Job:
+    def mark(self, ns: str, tokens: np.ndarray, snapshot: Any, coalesce: bool = True,
+             eid: str = "") -> Job:
         """Record a dirty state; returns its job. Never blocks on I/O. ``snapshot`` is one
         storage snapshot or a tuple of them (written together). ``coalesce=False``: the
         state is only valid at exactly ``tokens`` (a checkpoint), so a longer state does
         not supersede it nor it a shorter one."""
+        key = job_key(ns, tokens)
         with self._cond:
-            key = (ns, tokens.tobytes())
             have = self._jobs.get(key)
             if have is not None and have.state in (PENDING, WRITING, DURABLE):
                 return have  # the same state is already on its way (or on disk)
             snaps = snapshot if isinstance(snapshot, tuple) else (snapshot,)
-            job = Job(ns, tokens, snapshot, due=time.monotonic() + self.debounce_s,
+            job = Job(ns, tokens, snapshot, key, len(tokens), eid,
+                      due=time.monotonic() + self.debounce_s,
                       nbytes=sum(memoryview(seg[0]).nbytes for s in snaps for seg in s.segments),
                       coalesce=coalesce)
             self.counts["marked"] += 1
             for old in self._queue:
                 if (coalesce and old.coalesce and old.ns == ns and len(old.tokens) < len(tokens)
                         and np.array_equal(old.tokens, tokens[: len(old.tokens)])):
-                    old.state, old.superseded_by, old.snapshot = SUPERSEDED, job, None
+                    old.superseded_by = job
+                    old.settle(SUPERSEDED)
                     self.counts["superseded"] += 1
             self._queue = [j for j in self._queue if j.state == PENDING]
             self._jobs.pop(key, None)
@@ -114,19 +136,52 @@ class Durability:
 
     def state(self, ns: str, tokens: np.ndarray) -> str | None:
         with self._cond:
-            j = self._jobs.get((ns, tokens.tobytes()))
+            j = self._jobs.get(job_key(ns, tokens))
             return None if j is None else j.final().state
 
     def forget(self, ns: str, tokens: np.ndarray) -> None:
         """The RAM tier dropped this state: a write that already failed can never happen."""
         with self._cond:
-            j = self._jobs.get((ns, tokens.tobytes()))
+            j = self._jobs.get(job_key(ns, tokens))
             if j is None:
                 return
             j.evicted = True
             if j.state == FAILED:
-                j.state, j.snapshot = MISSING, None
+                j.settle(MISSING)
                 self.counts["missing"] += 1
+
+    def hurry(self, ns: str, tokens: np.ndarray) -> None:
+        """Write this state next (it is leaving RAM): skip its debounce."""
+        with self._cond:
+            j = self._jobs.get(job_key(ns, tokens))
+            if j is None or j.state != PENDING or j not in self._queue:
+                return
+            self._queue.remove(j)
+            j.due = 0.0
+            self._queue.insert(0, j)
+            self._pump(force=False)
+
+    def cancel(self, ns: str, tokens: np.ndarray, timeout: float | None = 10.0) -> bool:
+        """Forget this state: a pending write is dropped, a running one is waited for (up
+        to ``timeout``). False when a write of it may still land on disk after this."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        key = job_key(ns, tokens)
+        with self._cond:
+            while True:
+                j = self._jobs.get(key)
+                if j is None:
+                    return True
+                if j.state != WRITING:
+                    break
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+            if j in self._queue:
+                self._queue.remove(j)
+            del self._jobs[key]
+            j.settle(MISSING)
+            return True
 
     # ------------------------------------------------------------------ pumping
     def _pump(self, force: bool) -> None:
@@ -161,13 +216,16 @@ class Durability:
     def _done(self, job: Job, fut: Future) -> None:
         from storage.io import WriteQueueFull
 
+        warning = None
         with self._cond:
             self._inflight -= 1
             exc = fut.exception()
             if exc is None:
-                job.state, job.result, job.snapshot = DURABLE, fut.result(), None
+                job.bytes_written = int(getattr(fut.result(), "bytes_written", 0))
+                job.settle(DURABLE)
                 self.counts["written"] += 1
-                self.counts["bytes_written"] += getattr(job.result, "bytes_written", 0)
+                self.counts["bytes_written"] += job.bytes_written
+                settled = job
             elif isinstance(exc, WriteQueueFull) and not self._closed:
                 # The storage queue is shared and full: try again shortly, off this stack.
                 job.attempts -= 1
@@ -181,20 +239,27 @@ class Durability:
                 return
             elif job.attempts <= self.retries and not self._closed:
                 self.counts["retried"] += 1
-                log.warning("mlxkv cache: write of %d tokens failed (%s); retrying",
-                            len(job.tokens), exc)
+                warning = ("write-retry", "prefix cache: a write of %d tokens to the SSD "
+                           "failed (%s); retrying", job.ntokens, exc)
                 job.state = PENDING
                 self._queue.insert(0, job)
+                settled = None
             else:
                 job.state, job.error = FAILED, f"{type(exc).__name__}: {exc}"
                 self.counts["failed"] += 1
                 if job.evicted:  # nothing else holds this state any more
-                    job.state, job.snapshot = MISSING, None
+                    job.settle(MISSING)
                     self.counts["missing"] += 1
-                log.warning("mlxkv cache: giving up on a write of %d tokens: %s",
-                            len(job.tokens), exc)
+                warning = ("write-failed", "prefix cache: giving up on a write of %d tokens "
+                           "to the SSD: %s", job.ntokens, exc)
+                settled = job
             self._pump(force=self._flushing)
             self._cond.notify_all()
+        # outside the lock: a receiver may call back in (stats, report)
+        if warning is not None:
+            self._warn(*warning)
+        if settled is not None and self._on_settled is not None:
+            self._on_settled(settled)
 
     def _trim_settled(self) -> None:
         extra = len(self._jobs) - self._keep_settled
@@ -259,7 +324,7 @@ class Durability:
                 self._timer.cancel()
                 self._timer = None
             for j in self._queue:  # never written: their state is gone with this process
-                j.state, j.snapshot = MISSING, None
+                j.settle(MISSING)
                 self.counts["missing"] += 1
             self._queue.clear()
             rep = self._report(rep["flushed"])

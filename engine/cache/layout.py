@@ -11,7 +11,13 @@
   state tree with ints, ``None`` and array references. The skeleton is payload, so it is
   covered by the content hash like the arrays.
 
-Nothing here does I/O; ``engine.cache.prefix_cache`` submits and restores.
+Versioning: :func:`kv_namespace` folds :data:`KV_LAYOUT_VERSION` (this mapping) and a
+fingerprint of the mlx-lm cache classes' positional ``state`` schema (which the skeleton
+and ``from_state`` rely on) into the namespace, so state written under another mapping or
+another mlx-lm schema is never read back as this one. Dtype names read from a stored
+header are looked up in a whitelist (:func:`mx_dtype`), never as attributes of ``mx``.
+
+Nothing here does I/O; ``engine.cache.ssd`` submits and restores.
 """
 
 from __future__ import annotations
@@ -22,16 +28,77 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+import xxhash
 
 from engine.cache import kvblocks as kb
 
-_DTYPES = {str(getattr(mx, n)): n for n in (
-    "float32", "float16", "bfloat16", "uint32", "int32", "uint8", "int8", "uint16", "int16",
-    "int64", "uint64")}
+# Bump when the mapping of cache state onto segments and skeletons changes.
+KV_LAYOUT_VERSION = 2
+# the only dtypes a stored layout may name (a header string is never an attribute lookup)
+DTYPES: dict[str, mx.Dtype] = {
+    "float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16,
+    "uint32": mx.uint32, "int32": mx.int32, "uint8": mx.uint8, "int8": mx.int8,
+    "uint16": mx.uint16, "int16": mx.int16, "int64": mx.int64, "uint64": mx.uint64,
+    "bool": mx.bool_}
+_DTYPES = {str(d): n for n, d in DTYPES.items()}
 SKEL = "ckpt.skel"
 SKEL_WITH_BLOCKS = "ckpt.skel.blocks"
 # classes a skeleton may name (never an arbitrary attribute of the module)
 _CLASSES = {c.__name__: c for c in kb.CHECKPOINT_TYPES}
+
+
+class LayoutError(ValueError):
+    """A stored layout this code cannot or must not restore (a miss, with the reason)."""
+
+
+def mx_dtype(name: str) -> mx.Dtype:
+    """The mx dtype a stored layout names; LayoutError for anything not whitelisted."""
+    d = DTYPES.get(name) if isinstance(name, str) else None
+    if d is None:
+        raise LayoutError(f"a stored layout names the dtype {name!r}, which is not one of "
+                          f"{', '.join(sorted(DTYPES))}")
+    return d
+
+
+def _state_fields(cls: type) -> tuple[str, ...]:
+    """The instance attributes ``cls().state`` returns, in order (probed with sentinels,
+    no source needed), or a marker when the probe fails."""
+    try:
+        obj = cls.__new__(cls)
+        names = ("keys", "values", "offset", "group_size", "bits", "keep", "max_size", "_idx",
+                 "step", "cache", "left_padding", "lengths")
+        for n in names:
+            try:
+                object.__setattr__(obj, n, f"<{n}>")
+            except AttributeError:
+                continue
+        state = obj.state
+        return tuple(str(x) if isinstance(x, str) else type(x).__name__ for x in state)
+    except Exception as exc:  # noqa: BLE001  (a schema we cannot probe is its own schema)
+        return (f"unprobed:{type(exc).__name__}",)
+
+
+def state_schema(classes: tuple[type, ...] | None = None) -> str:
+    """Fingerprint of the positional ``state`` schema of the cache classes restored here
+    (class names and field order) and of mlx-lm's major.minor version."""
+    import mlx_lm
+
+    classes = kb.CHECKPOINT_TYPES if classes is None else classes
+    major_minor = ".".join(str(getattr(mlx_lm, "__version__", "0.0")).split(".")[:2])
+    desc = ";".join(f"{c.__name__}({','.join(_state_fields(c))})" for c in classes)
+    return xxhash.xxh3_64_hexdigest(f"mlx-lm {major_minor};{desc}".encode())
+
+
+def kv_namespace(model_fingerprint: str, compute_dtype: str) -> str:
+    """The prefix-cache namespace of a model's KV state: the model fingerprint, the
+    compute dtype, :data:`KV_LAYOUT_VERSION` and :func:`state_schema` (a valid store
+    folder name)."""
+    if not re.fullmatch(r"[A-Za-z0-9]{1,64}", str(model_fingerprint)):
+        raise ValueError(f"model fingerprint must be 1-64 letters or digits, got "
+                         f"{model_fingerprint!r}")
+    if compute_dtype not in DTYPES:
+        raise ValueError(f"compute dtype {compute_dtype!r} is not one of {', '.join(DTYPES)}")
+    return f"{model_fingerprint}-{compute_dtype}-kv{KV_LAYOUT_VERSION}-{state_schema()[:12]}"
 
 
 def dtype_name(a: mx.array) -> str:
@@ -87,25 +154,62 @@ def is_partial(layout: Any) -> bool:
     return bool(layout) and layout[0].name.endswith(".part")
 
 
+_ARRAY_NAMES = {"kv": ("k", "v"), "qkv": ("kq", "ks", "kb", "vq", "vs", "vb")}
+
+
 def parse_block_layout(layout: Any) -> list[tuple[int, kb.LayerSpec, list]]:
-    """Group a stored block layout back into layers: [(index, LayerSpec, [SegmentSpec])]."""
+    """Group a stored block layout back into layers: [(index, LayerSpec, [SegmentSpec])].
+    LayoutError unless every layer has exactly its arrays, in order, of whitelisted dtypes
+    with the shapes block rows have (one trailing dimension)."""
+    if not layout:
+        raise LayoutError("an empty stored layout")
+    part = is_partial(layout)
     layers: list[tuple[int, kb.LayerSpec, list]] = []
     for s in layout:
         parts = s.name.split(".")
-        if len(parts) not in (3, 4) or not parts[0].isdigit():
-            raise ValueError(f"unknown segment name {s.name!r} in a stored layout")
+        if len(parts) != (4 if part else 3) or not parts[0].isdigit() or \
+                (part and parts[3] != "part"):
+            raise LayoutError(f"unknown segment name {s.name!r} in a stored layout")
         li, tag = int(parts[0]), parts[1]
         if not layers or layers[-1][0] != li:
+            if layers and li <= layers[-1][0]:
+                raise LayoutError(f"layer {li} is out of order in a stored layout")
             if tag == "kv":
                 spec = kb.LayerSpec("kv")
             else:
                 m = re.fullmatch(r"q(\d+)g(\d+)", tag)
                 if m is None:
-                    raise ValueError(f"unknown layer tag {tag!r} in a stored layout")
+                    raise LayoutError(f"unknown layer tag {tag!r} in a stored layout")
                 spec = kb.LayerSpec("qkv", int(m.group(2)), int(m.group(1)))
             layers.append((li, spec, []))
+        mx_dtype(s.dtype)
+        if len(s.shape) != 1 or s.shape[0] * DTYPES[s.dtype].size != s.row_bytes:
+            raise LayoutError(f"segment {s.name}: shape {s.shape} of {s.dtype} is not "
+                              f"{s.row_bytes} bytes per row")
         layers[-1][2].append(s)
+    for li, spec, segs in layers:
+        want = _ARRAY_NAMES[spec.kind]
+        if tuple(s.name.split(".")[2] for s in segs) != want:
+            raise LayoutError(f"layer {li} stores {[s.name for s in segs]}, not {list(want)}")
+    if not part and [li for li, _, _ in layers] != list(range(len(layers))):
+        raise LayoutError("a stored layout does not hold a whole model's layers")
     return layers
+
+
+def block_buffers(layout: Any, cap: int) -> tuple[list, list, list]:
+    """(per layer (index, LayerSpec, arrays), segments, all arrays) to restore blocks of
+    the stored ``layout`` into, with room for ``cap`` tokens. LayoutError when the layout
+    is not one this code writes."""
+    by_layer = parse_block_layout(layout)
+    flat = [s for _, _, seg_specs in by_layer for s in seg_specs]
+    arrays = kb.writable_arrays([(1, s.outer, cap, *s.shape) for s in flat],
+                                [DTYPES[s.dtype] for s in flat])
+    segs = [(kb.byte_view(a), s.outer, cap, s.row_bytes) for a, s in zip(arrays, flat)]
+    layers, i = [], 0
+    for li, spec, seg_specs in by_layer:
+        layers.append((li, spec, arrays[i : i + len(seg_specs)]))
+        i += len(seg_specs)
+    return layers, segs, arrays
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -160,7 +264,7 @@ def checkpoint_layout(cp: kb.Checkpoint, indices: list[int], with_blocks: bool
 
 def checkpoint_has_blocks(layout: Any) -> bool:
     if not layout or layout[0].name not in (SKEL, SKEL_WITH_BLOCKS):
-        raise ValueError("not a checkpoint layout (no skeleton segment first)")
+        raise LayoutError("not a checkpoint layout (no skeleton segment first)")
     return layout[0].name == SKEL_WITH_BLOCKS
 
 
@@ -170,22 +274,27 @@ def checkpoint_buffers(layout: Any) -> list[mx.array]:
     shapes, dtypes = [], []
     for i, s in enumerate(layout):
         shapes.append(tuple(s.shape))
-        dtypes.append(getattr(mx, s.dtype))
-        if i and (getattr(mx, s.dtype).size * int(np.prod(s.shape)) != s.row_bytes
-                  or s.outer != 1):
-            raise ValueError(f"segment {s.name} is not a whole state")
+        dtypes.append(mx_dtype(s.dtype))
+        if i and (dtypes[-1].size * int(np.prod(s.shape)) != s.row_bytes or s.outer != 1):
+            raise LayoutError(f"segment {s.name} is not a whole state")
     return kb.writable_arrays(shapes, dtypes)
 
 
 def checkpoint_layers(layout: Any, arrays: list[mx.array]) -> dict[int, Any]:
-    """{layer index: mlx-lm layer cache} from restored checkpoint arrays."""
-    skel = json.loads(bytes(kb.byte_view(arrays[0])))
-    if not isinstance(skel, dict) or skel.get("v") != 1:
-        raise ValueError("unknown checkpoint skeleton version")
-    out: dict[int, Any] = {}
-    for li, cls_name, tree in skel["layers"]:
-        cls = _CLASSES.get(cls_name)
-        if cls is None:
-            raise ValueError(f"checkpoint names an unknown cache class {cls_name!r}")
-        out[int(li)] = cls.from_state(_rebuild(tree, arrays[1:]))
+    """{layer index: mlx-lm layer cache} from restored checkpoint arrays; LayoutError
+    when the skeleton does not describe states of the whitelisted classes."""
+    try:
+        skel = json.loads(bytes(kb.byte_view(arrays[0])))
+        if not isinstance(skel, dict) or skel.get("v") != 1:
+            raise LayoutError("unknown checkpoint skeleton version")
+        out: dict[int, Any] = {}
+        for li, cls_name, tree in skel["layers"]:
+            cls = _CLASSES.get(cls_name)
+            if cls is None:
+                raise LayoutError(f"checkpoint names an unknown cache class {cls_name!r}")
+            out[int(li)] = cls.from_state(_rebuild(tree, arrays[1:]))
+    except LayoutError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError) as exc:
+        raise LayoutError(f"unusable checkpoint skeleton: {exc}") from exc
     return out

@@ -9,6 +9,9 @@ common prefix, down to a single token.
 Other caches (rotating windows, SSM state) are kept as whole checkpoints at the exact
 positions they were stored, and are lent only there.
 
+Keys are the block store's chain keys (``engine.cache.tokens``): namespaces here are
+store namespaces, and the facade hashes a prompt once for both tiers.
+
 Everything here runs on the engine thread; nothing blocks.
 """
 
@@ -18,58 +21,19 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import mlx.core as mx
 import numpy as np
-import xxhash
 
 from engine.cache import kvblocks as kb
-from storage.keys import namespace_id
-
-KEY_BYTES = 16
-ROOT = bytes(KEY_BYTES)
-
-
-# The namespace's id (the same one the SSD tier uses) is also the parent key of its first
-# block, so that no index keyed by parent (partial-block matches, checkpoints) is shared
-# between namespaces.
-ns_id = namespace_id
-
-
-def chain_key(parent: bytes, nsid: bytes, toks: np.ndarray) -> bytes:
-    """128-bit key of a token run: (parent key, namespace, token ids)."""
-    return xxhash.xxh3_128_digest(parent + nsid + toks.tobytes())
-
-
-def chain_keys(ns: str, tokens: np.ndarray, block_tokens: int) -> list[bytes]:
-    """Keys of every full block of ``tokens``, each chained to the one before."""
-    nsid = ns_id(ns)
-    keys, parent = [], nsid
-    for i in range(len(tokens) // block_tokens):
-        parent = chain_key(parent, nsid, tokens[i * block_tokens : (i + 1) * block_tokens])
-        keys.append(parent)
-    return keys
-
-
-def as_tokens(tokens: Any) -> np.ndarray:
-    """Token ids as a uint32 array; ValueError naming the problem otherwise."""
-    arr = np.asarray(tokens)
-    if arr.ndim != 1:
-        raise ValueError(f"tokens must be a flat sequence of ids, got shape {arr.shape}")
-    if arr.size and (arr.dtype.kind not in "iu"):
-        raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
-    if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
-        raise ValueError("token ids must be in [0, 2**32)")
-    return arr.astype(np.uint32)
-
-
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if diff.size else n
+from engine.cache.tokens import (
+    ZERO_KEY,
+    chain_keys,
+    common_prefix,
+    entry_id,
+    index_root,
+    tail_key_of,
+)
 
 
 @dataclass(eq=False)
@@ -107,8 +71,9 @@ class Entry:
     specs: tuple  # LayerSpec per layer (block caches) or () for checkpoints
     runs: list[Run] = field(default_factory=list)
     checkpoint: kb.Checkpoint | None = None
-    parent: bytes = ROOT  # chain key of the last full block (checkpoint index)
+    parent: bytes = ZERO_KEY  # index parent of the checkpoint (last full block or root)
     session: str | None = None
+    pinned: bool = False  # kept over others and never handed over or superseded
     nbytes: int = 0  # checkpoint bytes (block entries account through slabs)
     logical: int = 0  # bytes this entry would take alone (for the dedup ratio)
     created: float = field(default_factory=time.time)
@@ -116,6 +81,10 @@ class Entry:
     @property
     def key(self) -> tuple[str, bytes]:
         return (self.ns, self.tokens.tobytes())
+
+    @property
+    def id(self) -> str:
+        return entry_id(self.ns, self.tokens)
 
 
 @dataclass
@@ -194,9 +163,10 @@ class RamTier:
         return run
 
     # ------------------------------------------------------------------ store
-    def store(self, ns: str, tokens: np.ndarray, cache: list, session: str | None = None
-              ) -> Entry | None:
-        """Keep ``cache`` (holding exactly ``tokens``) and return its entry (None if empty)."""
+    def store(self, ns: str, tokens: np.ndarray, cache: list, session: str | None = None,
+              keys: list[bytes] | None = None, pinned: bool = False) -> Entry | None:
+        """Keep ``cache`` (holding exactly ``tokens``) and return its entry (None if empty
+        or evicted at once). ``keys``: ``chain_keys(ns, tokens)`` when already computed."""
         n = len(tokens)
         if n == 0:
             return None
@@ -205,11 +175,15 @@ class RamTier:
         if have is not None:
             self.entries.move_to_end(key)
             self._set_session(have, session)
+            have.pinned = have.pinned or pinned
             return have
+        if keys is None:
+            keys = chain_keys(ns, tokens, self.bt)
         if kb.is_block_cache(cache):
-            entry = self._store_blocks(ns, tokens, cache)
+            entry = self._store_blocks(ns, tokens, cache, keys)
         else:
-            entry = self._store_checkpoint(ns, tokens, cache)
+            entry = self._store_checkpoint(ns, tokens, cache, keys)
+        entry.pinned = pinned
         self.entries[key] = entry
         self._set_session(entry, session)
         for other in self._prefixes_of(entry):
@@ -217,15 +191,14 @@ class RamTier:
         self.evict()
         return entry if key in self.entries else None
 
-    def _store_blocks(self, ns: str, tokens: np.ndarray, cache: list) -> Entry:
+    def _store_blocks(self, ns: str, tokens: np.ndarray, cache: list, keys: list[bytes]
+                      ) -> Entry:
         n, bt = len(tokens), self.bt
         specs = tuple(kb.layer_spec(c) for c in cache)
         arrays = [kb.layer_arrays(c) for c in cache]
         for i, c in enumerate(cache):
             if int(c.offset) != n:
                 raise ValueError(f"layer {i} holds {c.offset} tokens but {n} tokens were given")
-        keys = chain_keys(ns, tokens, bt)
-        nsid = ns_id(ns)
         k = 0
         while k < len(keys) and keys[k] in self.runs:
             k += 1
@@ -243,10 +216,13 @@ class RamTier:
                 row_base, slab_t0 = start, start
             mx.eval([a for layer in slab_arrays for a in layer])
             slab = Slab(slab_arrays, specs, slab_t0, n - slab_t0, kb.arrays_nbytes(slab_arrays))
-            parent = keys[k - 1] if k else nsid
+            parent = keys[k - 1] if k else index_root(ns)
             for i in range(k, n // bt + (1 if n % bt else 0)):
                 t0, t1 = i * bt, min((i + 1) * bt, n)
-                rk = keys[i] if t1 - t0 == bt else chain_key(parent, nsid, tokens[t0:t1])
+                if t1 - t0 == bt:
+                    rk = keys[i]
+                else:
+                    rk = tail_key_of(ns, keys[i - 1] if i else ZERO_KEY, tokens[t0:t1])
                 run = self._add_run(Run(rk, parent, tokens[t0:t1], t0, slab, t0 - row_base, entry))
                 runs.append(run)
                 parent = rk
@@ -274,15 +250,19 @@ class RamTier:
         return out
 
     def _is_pinned(self, e: Entry) -> bool:
-        return e.session is not None and self.pinned.get(e.session) is e
+        return e.pinned or (e.session is not None and self.pinned.get(e.session) is e)
 
-    def _store_checkpoint(self, ns: str, tokens: np.ndarray, cache: list) -> Entry:
+    def is_pinned(self, e: Entry) -> bool:
+        """Kept over unpinned entries: pinned, or the latest entry of an open session."""
+        return self._is_pinned(e)
+
+    def _store_checkpoint(self, ns: str, tokens: np.ndarray, cache: list, keys: list[bytes]
+                          ) -> Entry:
         n = kb.cache_tokens(cache)
         if n is not None and n != len(tokens):
             raise ValueError(f"cache holds {n} tokens but {len(tokens)} tokens were given")
         cp = kb.take_checkpoint(cache)
-        keys = chain_keys(ns, tokens, self.bt)
-        parent = keys[-1] if keys else ns_id(ns)
+        parent = keys[-1] if keys else index_root(ns)
         entry = Entry(ns, tokens, (), checkpoint=cp, parent=parent, nbytes=cp.nbytes,
                       logical=cp.nbytes)
         self.checkpoints.setdefault(parent, []).append(entry)
@@ -292,12 +272,14 @@ class RamTier:
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, ns: str, tokens: np.ndarray, session: str | None = None,
-               block_mode: bool | None = None) -> Match:
-        """Longest usable prefix (at most len(tokens) - 1), lent as a new cache."""
+               keys: list[bytes] | None = None) -> Match:
+        """Longest usable prefix (at most len(tokens) - 1), lent as a new cache.
+        ``keys``: ``chain_keys(ns, tokens)`` when already computed."""
         limit = len(tokens) - 1
         if limit <= 0 or not self.entries:
             return Match(0)
-        keys = chain_keys(ns, tokens, self.bt)
+        if keys is None:
+            keys = chain_keys(ns, tokens, self.bt)
         best = self._lookup_blocks(ns, tokens, keys, limit, session)
         cp = self._lookup_checkpoint(ns, tokens, keys, limit)
         if cp is not None and cp.n > best.n:
@@ -314,7 +296,7 @@ class RamTier:
             m += 1
         pieces: list[Run] = [self.runs[keys[i]] for i in range(m)]
         n = m * bt
-        parent = keys[m - 1] if m else ns_id(ns)
+        parent = keys[m - 1] if m else index_root(ns)
         if m * bt < len(tokens):
             cands = self.children.get(parent, {}).get(int(tokens[m * bt]), [])
             best_c, best_run = 0, None
@@ -347,7 +329,8 @@ class RamTier:
                  session: str | None) -> bool:
         """Whether ``entry`` can be handed over instead of lent: the request continues it
         exactly, nothing else shares its buffers, and they have room for the new tokens."""
-        if entry is None or entry.checkpoint is not None or len(entry.tokens) != n:
+        if entry is None or entry.checkpoint is not None or len(entry.tokens) != n \
+                or entry.pinned:
             return False
         if len(pieces) != len(entry.runs) or any(a is not b for a, b in zip(pieces, entry.runs)):
             return False
@@ -394,7 +377,7 @@ class RamTier:
                            ) -> Match | None:
         if not self.checkpoints:
             return None
-        bt, root = self.bt, ns_id(ns)
+        bt, root = self.bt, index_root(ns)
         for d in range(min(len(keys), limit // bt), -1, -1):
             parent = keys[d - 1] if d else root
             best = None
@@ -414,7 +397,7 @@ class RamTier:
         while self.nbytes > self.max_bytes and self.entries:
             victim = None
             for e in self.entries.values():
-                if e.session is None or self.pinned.get(e.session) is not e:
+                if not self._is_pinned(e):
                     victim = e
                     break
             if victim is None:
@@ -444,6 +427,33 @@ class RamTier:
     def clear(self) -> None:
         for e in list(self.entries.values()):
             self._drop(e, evicted=False)
+
+    def drop(self, entry: Entry, evicted: bool = True) -> None:
+        """Forget ``entry`` (``evicted``: it leaves RAM for good; the SSD tier keeps it)."""
+        if self.entries.get(entry.key) is entry:
+            self._drop(entry, evicted=evicted)
+
+    def find(self, eid: str) -> Entry | None:
+        for e in self.entries.values():
+            if e.id == eid:
+                return e
+        return None
+
+    def touch(self, entry: Entry) -> None:
+        if self.entries.get(entry.key) is entry:
+            self.entries.move_to_end(entry.key)
+
+    def seeding(self, ns: str, tokens: np.ndarray) -> list[Entry]:
+        """Entries of ``ns`` that could seed a prompt of ``tokens`` (share its first
+        token: every run a lookup could use belongs to one of them)."""
+        if len(tokens) == 0:
+            return []
+        return [e for e in self.entries.values()
+                if e.ns == ns and len(e.tokens) and e.tokens[0] == tokens[0]]
+
+    def shared_by(self, entry: Entry) -> list[int]:
+        """Per run of ``entry``, how many entries use it (sharing through the index)."""
+        return [r.refs for r in entry.runs]
 
     # ------------------------------------------------------------------ sessions
     def _set_session(self, entry: Entry, session: str | None) -> None:

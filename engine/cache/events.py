@@ -1,0 +1,49 @@
+"""Events and warnings of the prefix cache.
+
+``Events.emit`` calls the receiver (``PrefixCache.on_event``) with
+``{"type": "cache.<kind>", ...}`` from whichever thread the event happens on (engine
+thread, storage writer); a receiver that raises is logged, never propagated. Warnings go
+to the ``mlxkv.cache`` logger once per condition per process, and out as a
+``cache.warning`` event with the message.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("mlxkv.cache")
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+class Events:
+    """The cache's event fan-out (see the module docstring)."""
+
+    def __init__(self, receiver: Callable[[dict], None] | None = None) -> None:
+        self.receiver = receiver
+
+    def emit(self, kind: str, **data: Any) -> None:
+        fn = self.receiver
+        if fn is None:
+            return
+        try:
+            fn({"type": f"cache.{kind}", **data})
+        except Exception as exc:  # noqa: BLE001  (a receiver's bug must not break the cache)
+            if kind != "warning":
+                self.warn("event-receiver", "a cache event receiver failed: %s: %s",
+                          type(exc).__name__, exc)
+
+    def warn(self, condition: str, msg: str, *args: Any) -> bool:
+        """Log ``msg % args`` once per ``condition`` per process; True the first time."""
+        text = msg % args if args else msg
+        with _warned_lock:
+            first = condition not in _warned
+            _warned.add(condition)
+        if first:
+            log.warning("%s", text)
+            self.emit("warning", message=text, condition=condition)
+        return first

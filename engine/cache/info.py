@@ -1,0 +1,52 @@
+"""What the prefix cache holds, as the front end sees it: one record per stored state.
+
+An entry is one state ``store()`` kept (the end of a turn), identified by
+:func:`engine.cache.tokens.entry_id` of its namespace and tokens, in RAM, on SSD (a
+manifest names it there) or both. ``kind`` is ``"checkpoint"`` for exact-position states
+of non-trimmable caches, ``"prefix"`` for a state another entry of the namespace extends
+(its blocks are all shared), ``"conversation"`` otherwise.
+
+Nothing here does I/O or touches mlx: :mod:`engine.cache.listing` gathers the facts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Kind = Literal["conversation", "prefix", "checkpoint"]
+Tier = Literal["ram", "ssd", "both"]
+
+
+@dataclass(frozen=True)
+class CacheEntryInfo:
+    id: str
+    ns: str
+    kind: Kind
+    tokens: int
+    blocks: int  # full blocks and tail (block caches) or 1 (a checkpoint)
+    bytes: int  # what the state takes alone
+    unique_bytes: int  # of which no other entry shares
+    shared_bytes: int  # of which some other entry shares
+    tier: Tier
+    pinned: bool
+    last_used: float  # unix time
+    hits: int  # lookups this process served from it
+    session: str | None
+
+
+@dataclass(frozen=True)
+class BlockInfo:
+    key: str  # hex of the chain key
+    tokens: int
+    bytes: int
+    tier: str  # "ram", "ssd" or "both"
+    shared_by: int  # entries using this block (1: only this one)
+    verified: bool | None  # None: not read back in this process
+
+
+@dataclass(frozen=True)
+class CacheEntryDetail:
+    info: CacheEntryInfo
+    token_ids: list[int]
+    blocks: list[BlockInfo]

@@ -1,0 +1,316 @@
+"""The SSD tier of the prefix cache: restores from, and snapshots for, the block store.
+
+* **Restore**: blocks (and checkpoints) are read by the storage reader thread straight
+  into evaluated mx arrays allocated here, then checked against the namespace's model
+  (``engine.cache.template``) before they are lent. The engine thread waits for a read at
+  most ``restore_timeout_s``: a read that takes longer (a hung disk) is a miss, with one
+  warning, its destination buffers are never used (the reader may still write into
+  them), and the tier is skipped until that read finishes.
+* **Persist**: ``store()`` hands an immutable snapshot of a state to the durability
+  coordinator, which writes it on the storage writer thread (write-behind); a manifest
+  named after the entry id keeps it through GC.
+* **Upkeep**: listing saved states (manifests), verifying them through the reader
+  thread, removing them (delete, invalidate).
+
+Engine thread, except the writer callbacks (durability).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from engine.cache import kvblocks as kb
+from engine.cache import layout as dl
+from engine.cache.durability import Durability, Job
+from engine.cache.events import Events
+from engine.cache.stats import Counters
+from engine.cache.template import Templates
+from engine.cache.tokens import entry_id, manifest_name
+
+_lowered: set[int] = set()
+
+
+def _background_priority() -> None:
+    """Runs on the storage writer thread before each write: lower that thread's scheduling
+    priority once, so that on a busy machine persistence yields to generation (Linux
+    applies nice values per thread; elsewhere this is a no-op)."""
+    tid = threading.get_native_id()
+    if tid in _lowered or not sys.platform.startswith("linux"):
+        return
+    _lowered.add(tid)
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + 10))
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass(frozen=True)
+class _Written:
+    """Several writes of one state, settled together."""
+
+    bytes_written: int
+    results: tuple
+
+
+class SsdTier:
+    """Block store + reader/writer threads + durability (see the module docstring).
+    Opening raises ``storage.CacheFolderError`` / OSError when the folder is unusable."""
+
+    def __init__(self, root: str, block_tokens: int, max_bytes: int | None, durable: bool,
+                 debounce_s: float, retries: int, restore_timeout_s: float | None,
+                 events: Events, counters: Counters, templates: Templates) -> None:
+        from storage.io import StorageIO
+        from storage.store import BlockStore
+
+        self.events, self.counters, self.templates = events, counters, templates
+        self.restore_timeout_s = restore_timeout_s
+        try:
+            os.makedirs(root, exist_ok=True)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot create the cache folder {root}: "
+                          f"{exc.strerror}") from exc
+        self.disk = BlockStore(root, block_tokens=block_tokens, max_bytes=max_bytes,
+                               durable=durable)
+        self.disk.scan()
+        self.io = StorageIO(self.disk)
+        self.durability = Durability(self._submit, debounce_s=debounce_s, retries=retries,
+                                     on_settled=self._settled, warn=events.warn)
+        self._stuck: list[Future] = []  # reads that outlived the timeout, until they end
+
+    # ------------------------------------------------------------------ restore
+    def available(self) -> bool:
+        """False while a read that timed out is still running (the reader is stuck)."""
+        self._stuck = [f for f in self._stuck if not f.done()]
+        if self._stuck:
+            self.counters.add(ssd_skipped_stuck=1)
+        return not self._stuck
+
+    def lookup(self, sns: str, toks: np.ndarray, limit: int, n_ram: int, worth: Any
+               ) -> tuple[int, list | None, float]:
+        """The longest prefix the SSD holds that beats ``n_ram`` (``worth(n_ssd, n_ram)``):
+        ``(n, cache, restore_ms)``; ``(0, None, ms)`` when there is none."""
+        restored, restore_ms = None, 0.0
+        sm = self.disk.lookup(sns, toks, max_tokens=limit)
+        # blocks of some layers only (a hybrid model's KV) come back with a checkpoint
+        if sm.layout is not None and not dl.is_partial(sm.layout) and worth(sm.n_tokens, n_ram):
+            t1 = time.perf_counter()
+            restored = self._restore_blocks(sns, toks, sm)
+            restore_ms += (time.perf_counter() - t1) * 1e3
+        best = max(n_ram, restored[0] if restored else 0)
+        if self._stuck:
+            return (restored[0], restored[1], restore_ms) if restored else (0, None, restore_ms)
+        cm = self.disk.lookup_checkpoint(sns, toks, max_tokens=limit)
+        if cm.n_tokens and worth(cm.n_tokens, best):
+            t1 = time.perf_counter()
+            r2 = self._restore_checkpoint(sns, toks, cm)
+            restore_ms += (time.perf_counter() - t1) * 1e3
+            if r2 is not None and (restored is None or r2[0] > restored[0]):
+                restored = r2
+        if restored is None:
+            return 0, None, restore_ms
+        return restored[0], restored[1], restore_ms
+
+    def _unusable(self, sns: str, exc: Exception) -> None:
+        self.counters.add(layout_mismatches=1)
+        self.events.warn(f"layout:{sns}", "prefix cache: a state stored in %s does not fit "
+                         "this model and is not used (the prompt is recomputed): %s", sns, exc)
+
+    def _wait(self, fut: Future) -> Any:
+        """The result of a read, or None (a failure or a timeout: counted, warned once)."""
+        try:
+            res = fut.result(timeout=self.restore_timeout_s)
+        except FutureTimeout:
+            self._stuck.append(fut)
+            self.counters.add(ssd_restore_timeouts=1)
+            self.events.warn("restore-timeout", "prefix cache: an SSD restore took longer "
+                             "than %.0f s (a hung disk?); it counts as a miss and the SSD tier "
+                             "is skipped until it finishes", self.restore_timeout_s or 0)
+            return None
+        except Exception as exc:  # noqa: BLE001  (unreadable folder, layout mismatch: a miss)
+            self.counters.add(ssd_restore_failures=1)
+            self.events.warn(f"restore-failed:{type(exc).__name__}",
+                             "prefix cache: an SSD restore failed (recomputed): %s", exc)
+            return None
+        self.counters.add(restore_bytes=res.bytes_read, ssd_corrupt=res.corrupt)
+        return res
+
+    def _restore_blocks(self, sns: str, toks: np.ndarray, match: Any
+                        ) -> tuple[int, list] | None:
+        """Restore block ``match`` into fresh mx arrays with headroom up to the prompt's
+        length (its prefill then writes in place)."""
+        from storage.io import ReadRequest
+
+        try:
+            layers, segs, arrays = dl.block_buffers(match.layout, kb.round_up(len(toks)))
+        except dl.LayoutError as exc:
+            self._unusable(sns, exc)
+            return None
+        res = self._wait(self.io.submit_read(ReadRequest(sns, toks, match.layout, segs,
+                                                         n_tokens=match, keep=arrays)))
+        del segs
+        if res is None or res.n_tokens <= 0:
+            return None
+        cache = [kb.make_layer(spec, arrs, res.n_tokens) for _, spec, arrs in layers]
+        try:
+            self.templates.check(sns, cache)
+        except dl.LayoutError as exc:
+            self._unusable(sns, exc)
+            return None
+        return res.n_tokens, cache
+
+    def _restore_checkpoint(self, sns: str, toks: np.ndarray, cm: Any
+                            ) -> tuple[int, list] | None:
+        """Restore the checkpoint ``cm`` (and, for models that also have KV layers, their
+        blocks up to exactly the same position); None unless all of it verifies and fits."""
+        from storage.io import ReadRequest
+
+        n = cm.n_tokens
+        try:
+            carrays = dl.checkpoint_buffers(cm.layout)
+            blocks: list = []
+            if dl.checkpoint_has_blocks(cm.layout):
+                bm = self.disk.lookup(sns, toks, max_tokens=n)
+                if bm.n_tokens != n or not dl.is_partial(bm.layout):
+                    return None  # its KV layers are not all on disk: nothing to restore
+                blocks, bsegs, barrays = dl.block_buffers(bm.layout, kb.round_up(len(toks)))
+        except dl.LayoutError as exc:
+            self._unusable(sns, exc)
+            return None
+        bfut = None
+        if blocks:
+            bfut = self.io.submit_read(ReadRequest(sns, toks, bm.layout, bsegs, n_tokens=bm,
+                                                   keep=barrays))
+            del bsegs, barrays
+        cres = self._wait(self.io.submit_read(ReadRequest(
+            sns, toks, cm.layout, [(kb.byte_view(a), 1, 1, a.nbytes) for a in carrays],
+            n_tokens=cm, keep=carrays, checkpoint=True)))
+        if bfut is not None:
+            if self._stuck:  # the reader is stuck: the block read will not come soon
+                self._stuck.append(bfut)
+                return None
+            bres = self._wait(bfut)
+            if bres is None or bres.n_tokens != n:
+                return None
+        if cres is None or cres.n_tokens != n:
+            return None
+        try:
+            layers = dl.checkpoint_layers(cm.layout, carrays)
+            for li, spec, arrs in blocks:
+                layers[li] = kb.make_layer(spec, arrs, n)
+            if sorted(layers) != list(range(len(layers))):
+                raise dl.LayoutError("a checkpoint does not cover every layer")
+            cache = [layers[i] for i in range(len(layers))]
+            if kb.cache_tokens(cache) not in (None, n):
+                raise dl.LayoutError(f"a checkpoint at {n} tokens holds another position")
+            self.templates.check(sns, cache)
+        except dl.LayoutError as exc:
+            self._unusable(sns, exc)
+            return None
+        return n, cache
+
+    # ------------------------------------------------------------------ persist
+    def persist(self, sns: str, toks: np.ndarray, cache: list, block_mode: bool,
+                cp: kb.Checkpoint | None) -> bool:
+        """Hand a snapshot of ``cache`` (holding ``toks``) to the writer; False when it
+        cannot be persisted (kept in RAM only)."""
+        eid = entry_id(sns, toks)
+        if block_mode:
+            snap = self._block_snapshot(sns, toks, cache, eid)
+        else:
+            snap = self._checkpoint_snapshot(sns, toks, cache, cp, eid)
+        if snap is None:
+            return False
+        self.durability.mark(sns, toks, snap, coalesce=block_mode, eid=eid)
+        return True
+
+    def _block_snapshot(self, sns: str, toks: np.ndarray, cache: list, eid: str) -> Any:
+        """New array objects over the cache's evaluated buffers, byte views of them, a
+        manifest so GC keeps the state, and a low writer priority."""
+        from storage.io import Snapshot
+
+        specs, segs, keep = dl.block_layout(cache, len(toks))
+        return Snapshot(sns, toks, tuple(specs), segs, manifest=manifest_name(eid), keep=keep,
+                        on_start=_background_priority)
+
+    def _checkpoint_snapshot(self, sns: str, toks: np.ndarray, cache: list,
+                             cp: kb.Checkpoint | None, eid: str) -> Any:
+        """Snapshot(s) of a non-block cache: its non-trimmable layers as one checkpoint
+        (after its KV layers as blocks, when it has any); None if it cannot be persisted."""
+        from storage.io import Snapshot
+
+        block_idx, ckpt_idx = dl.split_layers(cache)
+        try:
+            if cp is None:
+                cp = kb.take_checkpoint(cache)
+            specs, segs, keep = dl.checkpoint_layout(cp, ckpt_idx, bool(block_idx))
+            snaps = []
+            if block_idx:
+                bspecs, bsegs, bkeep = dl.block_layout(cache, len(toks), block_idx, part=True)
+                # no manifest of its own: the checkpoint's names the blocks and tail too
+                snaps.append(Snapshot(sns, toks, tuple(bspecs), bsegs, keep=bkeep,
+                                      on_start=_background_priority))
+        except kb.UnsupportedCache:
+            return None
+        snaps.append(Snapshot(sns, toks, tuple(specs), segs, manifest=manifest_name(eid),
+                              keep=keep, on_start=_background_priority, checkpoint=True))
+        return snaps[0] if len(snaps) == 1 else tuple(snaps)
+
+    def _submit(self, snap: Any) -> Future:
+        """Durability's submit: one snapshot, or several written in order (blocks, then the
+        checkpoint that needs them) whose future settles when all have."""
+        if not isinstance(snap, tuple):
+            return self.io.submit_write(snap, block=False)
+        futs = [self.io.submit_write(s, block=False) for s in snap]
+        out: Future = Future()
+        left = [len(futs)]
+        lock = threading.Lock()
+
+        def done(_: Future) -> None:
+            with lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            exc = next((f.exception() for f in futs if f.exception() is not None), None)
+            if exc is not None:
+                out.set_exception(exc)
+            else:
+                out.set_result(_Written(sum(f.result().bytes_written for f in futs),
+                                        tuple(f.result() for f in futs)))
+
+        for f in futs:
+            f.add_done_callback(done)
+        return out
+
+    def _settled(self, job: Job) -> None:
+        """Writer thread: a write settled (durable or failed for good)."""
+        if job.state == "durable":
+            self.events.emit("persisted", id=job.eid, ns=job.ns, tokens=job.ntokens,
+                             bytes=job.bytes_written)
+
+    # ------------------------------------------------------------------ lifecycle
+    def flush(self, timeout: float | None) -> dict[str, int]:
+        return self.durability.flush(timeout)
+
+    def close(self, timeout: float | None) -> dict[str, int]:
+        rep = self.durability.close(timeout)
+        self.io.close(timeout)
+        return rep
+
+    def stats(self) -> dict[str, Any]:
+        st = self.disk.stats()
+        return {"ssd": True, "ssd_bytes": st["bytes"], "ssd_blocks": st["blocks"],
+                "ssd_tails": st["tails"], "ssd_checkpoints": st.get("checkpoints", 0),
+                "ssd_root": st["root"], "kernel": st["kernel"],
+                "durability": self.durability.report(),
+                "write_counts": dict(self.durability.counts),
+                "queues": {**self.durability.queue_depth(),
+                           "storage_pending_writes": self.io.pending_writes}}

@@ -1,0 +1,62 @@
+"""Counters of the prefix cache (read from any thread) and per-entry usage."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+COUNTERS = ("lookups", "ram_hits", "ssd_hits", "misses", "prompt_tokens", "cached_tokens",
+            "ram_tokens", "ssd_tokens", "restore_ms", "restore_bytes", "ssd_restore_failures",
+            "ssd_restore_timeouts", "ssd_skipped_stuck", "layout_mismatches", "ssd_corrupt",
+            "stores", "store_ms", "unsupported", "checkpoint_stores", "checkpoints_persisted",
+            "released", "invalidated", "deleted", "evicted")
+
+_MAX_USAGE = 4096
+
+
+class Counters:
+    """Thread-safe counters plus the last lookup's summary."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._s: dict[str, float] = dict.fromkeys(COUNTERS, 0)
+        for k in ("restore_ms", "store_ms"):
+            self._s[k] = 0.0
+        self.last: dict[str, Any] = {}
+
+    def add(self, **kw: float) -> None:
+        with self._lock:
+            for k, v in kw.items():
+                self._s[k] += v
+
+    def set_last(self, last: dict[str, Any]) -> None:
+        with self._lock:
+            self.last = last
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            s: dict[str, Any] = dict(self._s)
+            s["last"] = dict(self.last)
+        return s
+
+
+class Usage:
+    """Hits and last use per entry id (bounded; engine thread)."""
+
+    def __init__(self) -> None:
+        self._u: OrderedDict[str, tuple[int, float]] = OrderedDict()
+
+    def hit(self, eid: str) -> None:
+        hits, _ = self._u.pop(eid, (0, 0.0))
+        self._u[eid] = (hits + 1, time.time())
+        while len(self._u) > _MAX_USAGE:
+            self._u.popitem(last=False)
+
+    def get(self, eid: str) -> tuple[int, float | None]:
+        hits, when = self._u.get(eid, (0, None))
+        return hits, when
+
+    def forget(self, eid: str) -> None:
+        self._u.pop(eid, None)

@@ -1,0 +1,145 @@
+"""Saved states on the SSD tier: what each manifest names, verifying them (every byte
+read back through the storage reader thread and checked against its content hash), and
+removing them.
+
+A saved state is a manifest (named after the entry id) plus the blocks, tail or
+checkpoint it names that are still on disk. Engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from engine.cache.tokens import entry_id, manifest_name
+
+log = logging.getLogger("mlxkv.cache")
+
+
+@dataclass
+class Saved:
+    """One saved state of the SSD tier."""
+
+    eid: str
+    ns: str
+    tokens: np.ndarray
+    checkpoint: bool
+    created: float
+    blocks: list[tuple[bytes, int, int]] = field(default_factory=list)  # key, tokens, bytes
+    cached: int = 0  # tokens a restore would give back now
+    manifest: str = ""
+
+
+def saved_states(disk: Any, sns: str) -> list[Saved]:
+    """The states saved in ``sns`` whose first block, tail or checkpoint is on disk."""
+    from storage.format import bytes_per_token
+
+    out = []
+    for man in disk.manifests(sns):
+        toks = np.ascontiguousarray(man.tokens, dtype="<u4")
+        s = Saved(entry_id(sns, toks), sns, toks, bool(man.extra_keys), man.created,
+                  manifest=man.name)
+        bt = disk.block_tokens
+        if s.checkpoint:
+            cm = disk.lookup_checkpoint(sns, toks)
+            if cm.n_tokens != len(toks):
+                continue
+            s.blocks.append((cm.checkpoint_key, len(toks), cm.nbytes))
+            bm = disk.lookup(sns, toks, max_tokens=len(toks))
+            if bm.n_tokens == len(toks) and bm.layout is not None:
+                _add_blocks(s, bm, bt, bytes_per_token(bm.layout))
+            s.cached = len(toks)
+        else:
+            m = disk.lookup(sns, toks)
+            if m.n_tokens == 0 or m.layout is None:
+                continue
+            _add_blocks(s, m, bt, bytes_per_token(m.layout))
+            s.cached = m.n_tokens
+        out.append(s)
+    return out
+
+
+def _add_blocks(s: Saved, m: Any, bt: int, bpt: int) -> None:
+    s.blocks.extend((k, bt, bt * bpt) for k in m.block_keys)
+    if m.tail_key is not None and m.tail_tokens:
+        s.blocks.append((m.tail_key, m.tail_tokens, m.tail_tokens * bpt))
+
+
+def damaged_manifests(disk: Any, sns: str) -> int:
+    """Manifest files of ``sns`` that cannot be read back (damaged, truncated)."""
+    fn = getattr(disk, "damaged_manifests", None)
+    if fn is not None:
+        return len(fn(sns))
+    from storage.format import FormatError, decode_manifest
+
+    bad = 0
+    d = os.path.join(disk.root, sns, "manifests")
+    try:
+        names = [e for e in os.scandir(d) if e.name.endswith(".man")]
+    except OSError:
+        return 0
+    for e in names:
+        try:
+            with open(e.path, "rb") as f:
+                decode_manifest(f.read())
+        except (OSError, FormatError):
+            bad += 1
+    return bad
+
+
+def _scratch(layout: Any, rows: int) -> list:
+    return [(np.empty(s.outer * rows * s.row_bytes, np.uint8), s.outer, rows, s.row_bytes)
+            for s in layout]
+
+
+def verify(io: Any, s: Saved, timeout: float | None) -> tuple[bool, dict[bytes, bool]]:
+    """Read every block of ``s`` back through the reader thread (into scratch buffers)
+    and check it: (all ok, {key: verified}). A corrupt block is removed by the store."""
+    from storage.io import ReadRequest
+
+    disk, toks = io.store, s.tokens
+    ok, seen = True, {}
+    reads = []
+    if s.checkpoint:
+        cm = disk.lookup_checkpoint(s.ns, toks)
+        if cm.n_tokens == len(toks):
+            reads.append((ReadRequest(s.ns, toks, cm.layout, _scratch(cm.layout, 1),
+                                      n_tokens=cm, checkpoint=True), [cm.checkpoint_key]))
+        else:
+            ok = False
+    m = disk.lookup(s.ns, toks, max_tokens=len(toks) if s.checkpoint else None)
+    if m.n_tokens and m.layout is not None:
+        keys = [*m.block_keys, *([m.tail_key] if m.tail_key is not None else [])]
+        reads.append((ReadRequest(s.ns, toks, m.layout, _scratch(m.layout, m.n_tokens),
+                                  n_tokens=m), keys))
+    for req, keys in reads:
+        try:
+            res = io.submit_read(req).result(timeout=timeout)
+        except FutureTimeout:
+            log.warning("prefix cache: verifying %s took longer than %s s", s.eid, timeout)
+            return False, seen
+        except Exception as exc:  # noqa: BLE001  (an unreadable or foreign layout: damage)
+            log.debug("verify %s: %s", s.eid, exc)
+            return False, seen
+        good = res.blocks_read
+        for i, k in enumerate(keys):
+            seen[k] = i < good
+        if res.corrupt or res.missing or res.n_tokens < res.requested:
+            ok = False
+    return ok, seen
+
+
+def remove(disk: Any, sns: str, keys: set[bytes], manifests: list[str]) -> int:
+    """Remove the files of ``keys`` and the named manifests from ``sns``; files removed."""
+    n = sum(bool(disk.delete_manifest(sns, name)) for name in manifests)
+    if keys:
+        n += int(disk.remove(sns, keys).get("removed", 0))
+    return n
+
+
+__all__ = ["Saved", "damaged_manifests", "manifest_name", "remove", "saved_states", "verify"]
