@@ -144,7 +144,7 @@ def scandir(path: str, errors: dict[str, str] | None = None) -> list[os.DirEntry
 
 def printable(path: str) -> str:
     """``path`` as text any terminal or JSON encoder accepts (undecodable bytes escaped)."""
-    return path.encode("utf-8", "backslashreplace").decode("utf-8")
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
 def quiet(fn: Any, *args: Any) -> int:

@@ -101,3 +101,46 @@ def test_prefix_layout_is_stable():
     magic, version, kind, hlen = struct.unpack_from("<8sHHI", raw)
     assert (magic, version, kind) == (fmt.MAGIC, 1, fmt.KIND_BLOCK)
     assert fmt.header_span(raw) == 16 + hlen + 8 <= len(raw)
+
+
+def test_every_manifest_byte_is_covered_by_its_hash():
+    m = fmt.Manifest("chat-1", "model-a", np.arange(40, dtype=np.uint32),
+                     (b"a" * 16, b"b" * 16), b"t" * 16, 123.5, (b"c" * 16,))
+    raw = fmt.encode_manifest(m)
+    for i in range(len(raw)):
+        bad = bytearray(raw)
+        bad[i] ^= 0x01
+        with pytest.raises(FormatError):
+            fmt.decode_manifest(bytes(bad))
+
+
+@pytest.mark.parametrize("meta", [b"[" * 100_000 + b"]" * 100_000,
+                                  b'{"a":' * 50_000 + b"1" + b"}" * 50_000,
+                                  b"[" * 100_000, b'"' + b"x" * (2 << 20) + b'"'],
+                         ids=["deep-list", "deep-object", "unclosed", "huge"])
+def test_hostile_metadata_json_is_a_format_error(meta):
+    """Header and manifest metadata nested 100,000 deep or megabytes long (with a valid
+    header hash: written on purpose, not damaged) is a FormatError, not a RecursionError."""
+    body = fmt._BLOCK.pack(b"k" * 16, b"p" * 16, b"n" * 16, 0, fmt.align(len(meta) + 200), 0,
+                           0, 0, len(meta)) + meta
+    with pytest.raises(FormatError):
+        fmt.decode_block_header(fmt._prefix(fmt.KIND_BLOCK, body))
+    with pytest.raises(FormatError):
+        fmt.decode_manifest(fmt._prefix(fmt.KIND_MANIFEST, struct.pack("<I", len(meta)) + meta))
+
+
+def test_metadata_strings_with_brackets_are_not_nesting():
+    meta = {"ns": "[[[[[[[[[[[[", "layout": fmt.layout_json(KV_F32)}
+    assert fmt.load_json(json_bytes(meta), "header") == meta
+
+
+def test_short_or_inconsistent_manifests_are_format_errors():
+    for body in (b"", b"\x01\x00", struct.pack("<I", 1000) + b"{}"):
+        with pytest.raises(FormatError):
+            fmt.decode_manifest(fmt._prefix(fmt.KIND_MANIFEST, body))
+
+
+def json_bytes(obj):
+    import json
+
+    return json.dumps(obj).encode()
