@@ -335,6 +335,44 @@ def _run_child(code: str, *args: str, **kw) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
+def _readline(proc: subprocess.Popen, timeout: float = 60) -> str:
+    """The child's next stdout line, for a child that prints it and then waits (nothing
+    else is buffered); fails, killing the child, instead of waiting forever."""
+    import selectors
+
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            proc.kill()
+            pytest.fail(f"no output from the child in {timeout} s")
+    return proc.stdout.readline()
+
+
+def _lines(proc: subprocess.Popen, timeout: float = 60):
+    """The child's stdout lines as they come (read by a helper thread); fails, killing the
+    child, when none comes for ``timeout`` seconds."""
+    import queue
+    import threading
+
+    q: queue.SimpleQueue = queue.SimpleQueue()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            q.put(line)
+        q.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    while True:
+        try:
+            line = q.get(timeout=timeout)
+        except queue.Empty:
+            proc.kill()
+            pytest.fail(f"no output from the child in {timeout} s")
+        if line is None:
+            return
+        yield line
+
+
 WRITER = '''
 import sys
 from storage import format as fmt
@@ -379,7 +417,7 @@ def _verify_all(root: Path, ns: str) -> int:
 def test_sigkill_during_writes_leaves_only_complete_verified_entries(tmp_path):
     child = _run_child(WRITER, str(tmp_path), "m", "5000", "1000")
     starts = 0
-    for line in child.stdout:
+    for line in _lines(child):
         starts += line.startswith("start")
         if starts == 6:  # killed while writing its 6th snapshot
             os.kill(child.pid, signal.SIGKILL)
@@ -415,7 +453,7 @@ def test_two_processes_share_one_folder(tmp_path):
         r = store.get_blocks("m", toks, layout, segs(layout, dst))
         print(r.n_tokens, r.missing, flush=True)
     ''', str(tmp_path), stdin=subprocess.PIPE)
-    assert reader.stdout.readline().strip() == "104"
+    assert _readline(reader).strip() == "104"
     store.evict(0)
     out, err = reader.communicate("go\n", timeout=60)
     assert reader.returncode == 0, err
@@ -448,7 +486,7 @@ def test_lookup_finds_another_processes_new_blocks_without_a_rescan(tmp_path):
                           "probed": st["probed"], "indexed": st["blocks"] + st["tails"],
                           "miss": store.longest_prefix("m", other)}), flush=True)
     ''', str(tmp_path), stdin=subprocess.PIPE)
-    assert reader.stdout.readline().strip() == "2"  # its index: our first two blocks
+    assert _readline(reader).strip() == "2"  # its index: our first two blocks
     r = ours.put_blocks("m", toks, BF16, segs(BF16, make_kv(BF16, toks, toks.size)))
     assert (r.blocks_written, r.blocks_present, r.tail_written) == (2, 2, True)
     out, err = reader.communicate("go\n", timeout=60)
@@ -534,7 +572,7 @@ def test_maintenance_lock_of_one_process_blocks_anothers_eviction_and_gc(tmp_pat
             sys.stdin.readline()
         print("released", flush=True)
     ''', str(tmp_path), stdin=subprocess.PIPE)
-    assert holder.stdout.readline().strip() == "held"
+    assert _readline(holder).strip() == "held"
     with ThreadPoolExecutor(1) as ex:
         fut = ex.submit(store.evict, 0) if op == "evict" else \
             ex.submit(store.gc, "m", 0.0)
