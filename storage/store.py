@@ -145,8 +145,8 @@ class BlockStore(IndexMixin, WriteMixin, ReadMixin, MaintenanceMixin):
                       for ns, sp in self._spaces.items()}
             totals = {k: sum(v[k] for v in per_ns.values())
                       for k in ("blocks", "tails", "checkpoints")}
-            return {"root": dio.printable(self.root), "kernel": KERNEL, "block_tokens": self.block_tokens,
-                    "bytes": self._bytes, "max_bytes": self.max_bytes, **totals,
+            return {"root": dio.printable(self.root), "kernel": KERNEL,
+                    "block_tokens": self.block_tokens, "bytes": self._bytes, "max_bytes": self.max_bytes, **totals,
                     "namespaces": per_ns, "skipped_unknown_version": dict(self._skipped),
                     "skipped": dict(self._left), **self._c}
 
