@@ -1,13 +1,13 @@
 """``mlxkv cache {stats,ls,verify,gc,flush,clear}``: inspect and maintain the SSD tier.
 
-Works on the cache folder alone (no model, no mlx): the lead wires it into ``mlxkv.py``::
-
-    add_cache_parser(subparsers)          # adds the "cache" command
-    rc = run_cache_command(args)          # when args.command == "cache"
+Works on the cache folder alone (no model, no mlx). The parser is in ``cli/parser.py``
+(every settings flag, ``--cache-dir`` included, and ``--json`` are accepted before or after
+``cache`` and its verb); ``run_cache_command(args, settings)`` runs one verb.
 
 A running engine flushes its own dirty state on exit (and on request in the TUI); the
 ``flush`` command here makes what other processes left behind consistent (removes their
-temp files, rebuilds the index) and reports what is on disk.
+temp files, rebuilds the index) and reports what is on disk. A folder that cannot be used
+(read-only, a file, not an mlxkv cache) is one ``mlxkv: error:`` line and exit status 1.
 """
 
 from __future__ import annotations
@@ -19,35 +19,7 @@ import sys
 import time
 from typing import Any
 
-
-def add_cache_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("cache", help="inspect and maintain the prefix cache on disk")
-    p.add_argument("--cache-dir", help="cache folder (default: the cache_dir setting)")
-    p.add_argument("--json", action="store_true", help="print JSON")
-    sub = p.add_subparsers(dest="cache_command", metavar="{stats,ls,verify,gc,flush,clear}")
-    sub.required = True
-    sub.add_parser("stats", help="bytes, blocks and tails per namespace")
-    ls = sub.add_parser("ls", help="namespaces and their saved conversations")
-    ls.add_argument("--ns", help="only this namespace")
-    v = sub.add_parser("verify", help="read every saved conversation and check every block")
-    v.add_argument("--ns", help="only this namespace")
-    g = sub.add_parser("gc", help="remove blocks no saved conversation references")
-    g.add_argument("--ns", help="only this namespace")
-    g.add_argument("--min-age", type=float, default=60.0,
-                   help="keep unreferenced blocks younger than this many seconds (default 60)")
-    sub.add_parser("flush", help="clean up after other processes and report what is on disk")
-    c = sub.add_parser("clear", help="delete cached state")
-    c.add_argument("--ns", help="only this namespace")
-    c.add_argument("--yes", action="store_true", help="do it (without it, only say what)")
-    return p
-
-
-def _cache_dir(args: argparse.Namespace) -> str:
-    if getattr(args, "cache_dir", None):
-        return os.path.expanduser(args.cache_dir)
-    from engine.settings import Settings
-
-    return os.path.expanduser(Settings.load().cache_dir)
+MANIFEST_DIR = "manifests"
 
 
 def _human(n: float) -> str:
@@ -61,7 +33,7 @@ def _human(n: float) -> str:
 def _open_store(root: str) -> Any:
     from storage.store import BlockStore
 
-    if not os.path.isdir(root):
+    if not os.path.lexists(root):  # looking must not create it
         raise FileNotFoundError(f"no cache folder at {root} (nothing cached yet, or pass "
                                 f"--cache-dir)")
     store = BlockStore(root)
@@ -102,7 +74,7 @@ def _namespaces(store: Any, only: str | None) -> list[str]:
     for de in os.scandir(store.root):
         try:
             if de.is_dir() and de.name not in names and check_namespace(de.name) and \
-                    store.manifests(de.name):
+                    _manifest_files(store, de.name):
                 names.add(de.name)
         except ValueError:  # not a namespace folder
             continue
@@ -115,10 +87,33 @@ def _namespaces(store: Any, only: str | None) -> list[str]:
     return names
 
 
-def _verify(store: Any, ns: str) -> dict[str, int]:
+def _manifest_files(store: Any, ns: str) -> list[str]:
+    d = os.path.join(store.root, ns, MANIFEST_DIR)
+    try:
+        return sorted(de.path for de in os.scandir(d) if de.name.endswith(".man"))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def damaged_manifests(store: Any, ns: str) -> list[str]:
+    """Manifest files of ``ns`` that cannot be read or fail their hash check (the store's
+    listing skips them silently; verify must name them)."""
+    from storage.format import FormatError, decode_manifest
+
+    bad = []
+    for path in _manifest_files(store, ns):
+        try:
+            with open(path, "rb") as f:
+                decode_manifest(f.read())
+        except (OSError, FormatError):
+            bad.append(path)
+    return bad
+
+
+def _verify(store: Any, ns: str) -> dict[str, Any]:
     """Restore every saved conversation of ``ns`` into scratch buffers (every block and
     checkpoint is checked against its content hash; a corrupt one is removed)."""
-    out = {"conversations": 0, "ok": 0, "corrupt": 0, "missing": 0, "tokens": 0}
+    out: dict[str, Any] = {"conversations": 0, "ok": 0, "corrupt": 0, "missing": 0, "tokens": 0}
     for man in store.manifests(ns):
         out["conversations"] += 1
         n = len(man.tokens)
@@ -141,6 +136,9 @@ def _verify(store: Any, ns: str) -> dict[str, int]:
         out["tokens"] += max([r.n_tokens for r in got if r is not None] or [0])
         if not corrupt:
             out["missing" if any(r is None or r.missing for r in got) else "ok"] += 1
+    bad = damaged_manifests(store, ns)
+    out["manifests_damaged"] = len(bad)
+    out["damaged_manifests"] = bad
     return out
 
 
@@ -157,6 +155,11 @@ def _clear(store: Any, ns: str) -> bool:
     (a file another process wrote meanwhile is left alone). True if the folder is gone."""
     for man in store.manifests(ns):
         store.delete_manifest(ns, man.name)
+    for path in damaged_manifests(store, ns):  # unreadable, but ours by name and place
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
     store.gc(ns, min_age_s=0.0)
     top = os.path.join(store.root, ns)
     for dirpath, _, _ in sorted(os.walk(top), key=lambda w: -len(w[0])):
@@ -167,81 +170,106 @@ def _clear(store: Any, ns: str) -> bool:
     return not os.path.exists(top)
 
 
-def run_cache_command(args: argparse.Namespace) -> int:
-    """Run one ``mlxkv cache`` subcommand; returns the exit status."""
+def run_cache_command(args: argparse.Namespace, settings: Any) -> int:
+    """Run one ``mlxkv cache`` verb on ``settings.cache_dir``; returns the exit status."""
     try:
-        root = _cache_dir(args)
-        store = _open_store(root)
-        cmd = args.cache_command
-        if cmd == "stats":
-            st = store.stats()
-            res = {k: st[k] for k in ("root", "bytes", "blocks", "tails", "namespaces",
-                                      "kernel", "skipped_unknown_version")}
-            if not args.json:
-                print(f"{st['root']}: {_human(st['bytes'])} in {st['blocks']} blocks and "
-                      f"{st['tails']} tails ({st['kernel']} kernel)")
-                for ns, v in sorted(st["namespaces"].items()):
-                    print(f"  {ns}: {_human(v['bytes'])}, {v['blocks']} blocks, "
-                          f"{v['tails']} tails")
-                for path, why in st["skipped_unknown_version"].items():
-                    print(f"  skipped {path}: {why}")
-        elif cmd == "ls":
-            res = {}
-            for ns in _namespaces(store, args.ns):
-                mans = sorted(store.manifests(ns), key=lambda m: m.created)
-                res[ns] = [{"name": m.name, "tokens": len(m.tokens),
-                            "blocks": len(m.block_keys), "checkpoint": bool(m.extra_keys),
-                            "cached_tokens": store.lookup_checkpoint(ns, m.tokens).n_tokens
-                            if m.extra_keys else store.longest_prefix(ns, m.tokens),
-                            "created": m.created} for m in mans]
-                if not args.json:
-                    print(f"{ns}: {len(mans)} conversations")
-                    for m in res[ns]:
-                        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(m["created"]))
-                        print(f"  {m['name']:<24} {m['tokens']:>8} tokens "
-                              f"({m['cached_tokens']} on disk)  {when}")
-        elif cmd == "verify":
-            res = {ns: _verify(store, ns) for ns in _namespaces(store, args.ns)}
-            bad = sum(v["corrupt"] + v["missing"] for v in res.values())
-            if not args.json:
-                for ns, v in res.items():
-                    print(f"{ns}: {v['ok']}/{v['conversations']} conversations intact, "
-                          f"{v['corrupt']} corrupt blocks removed, {v['missing']} incomplete")
-            if args.json:
-                print(json.dumps(res))
-            return 1 if bad else 0
-        elif cmd == "gc":
-            names = _namespaces(store, args.ns) if args.ns else [None]
-            res = {"removed": 0, "bytes": 0}
-            for ns in names:
-                r = store.gc(ns, min_age_s=args.min_age)
-                res["removed"] += r["removed"]
-                res["bytes"] += r["bytes"]
-            if not args.json:
-                print(f"removed {res['removed']} unreferenced blocks ({_human(res['bytes'])})")
-        elif cmd == "flush":
-            rep = store.scan()
-            res = {"on_disk_bytes": store.stats()["bytes"], **rep}
-            if not args.json:
-                print(f"{root}: {rep['blocks']} blocks and {rep['tails']} tails on disk, "
-                      f"{rep['tmp_removed']} temp files and {rep['bad_removed']} damaged files "
-                      f"removed")
-        elif cmd == "clear":
-            names = _namespaces(store, args.ns)
-            res = {"namespaces": names, "deleted": bool(args.yes)}
-            if args.yes:
-                res["left"] = [ns for ns in names if not _clear(store, ns)]
-            if not args.json:
-                what = ", ".join(names) or "nothing"
-                print(f"deleted {what}" if args.yes else f"would delete {what} (add --yes)")
-                for ns in res.get("left", []):
-                    print(f"  {ns}: files this version does not know (or new ones) were kept")
-        else:  # pragma: no cover - argparse restricts the choices
-            raise ValueError(f"unknown cache command {cmd!r}")
-        if args.json:
+        return _run(args, os.path.expanduser(settings.cache_dir))
+    except KeyError as exc:  # a namespace that is not there
+        return _error(exc.args[0] if exc.args else str(exc))
+    except (FileNotFoundError, ValueError, _folder_error()) as exc:
+        return _error(str(exc))
+    except OSError as exc:  # the last resort: what failed, where
+        where = f" ({exc.filename})" if exc.filename else ""
+        return _error(f"cache folder {settings.cache_dir}: {exc.strerror or exc}{where}")
+
+
+def _error(message: str) -> int:
+    print(f"mlxkv: error: {message}", file=sys.stderr)
+    return 1
+
+
+def _folder_error() -> type[Exception]:
+    try:
+        from storage import CacheFolderError
+    except (ImportError, AttributeError):  # a storage package without it: OSError covers it
+        return OSError
+    return CacheFolderError
+
+
+def _run(args: argparse.Namespace, root: str) -> int:
+    as_json = getattr(args, "json", False)
+    ns_only = getattr(args, "ns", None)
+    store = _open_store(root)
+    cmd = args.cache_command
+    if cmd == "stats":
+        st = store.stats()
+        res = {k: st[k] for k in ("root", "bytes", "blocks", "tails", "namespaces",
+                                  "kernel", "skipped_unknown_version")}
+        if not as_json:
+            print(f"{st['root']}: {_human(st['bytes'])} in {st['blocks']} blocks and "
+                  f"{st['tails']} tails ({st['kernel']} kernel)")
+            for ns, v in sorted(st["namespaces"].items()):
+                print(f"  {ns}: {_human(v['bytes'])}, {v['blocks']} blocks, "
+                      f"{v['tails']} tails")
+            for path, why in st["skipped_unknown_version"].items():
+                print(f"  skipped {path}: {why}")
+    elif cmd == "ls":
+        res = {}
+        for ns in _namespaces(store, ns_only):
+            mans = sorted(store.manifests(ns), key=lambda m: m.created)
+            res[ns] = [{"name": m.name, "tokens": len(m.tokens),
+                        "blocks": len(m.block_keys), "checkpoint": bool(m.extra_keys),
+                        "cached_tokens": store.lookup_checkpoint(ns, m.tokens).n_tokens
+                        if m.extra_keys else store.longest_prefix(ns, m.tokens),
+                        "created": m.created} for m in mans]
+            if not as_json:
+                print(f"{ns}: {len(mans)} conversations")
+                for m in res[ns]:
+                    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(m["created"]))
+                    print(f"  {m['name']:<24} {m['tokens']:>8} tokens "
+                          f"({m['cached_tokens']} on disk)  {when}")
+    elif cmd == "verify":
+        res = {ns: _verify(store, ns) for ns in _namespaces(store, ns_only)}
+        bad = sum(v["corrupt"] + v["missing"] + v["manifests_damaged"] for v in res.values())
+        if as_json:
             print(json.dumps(res))
-        return 0
-    except (FileNotFoundError, KeyError, PermissionError, ValueError) as exc:
-        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        print(f"mlxkv cache: {msg}", file=sys.stderr)
-        return 2
+        else:
+            for ns, v in res.items():
+                print(f"{ns}: {v['ok']}/{v['conversations']} conversations intact, "
+                      f"{v['corrupt']} corrupt blocks removed, {v['missing']} incomplete, "
+                      f"{v['manifests_damaged']} damaged manifests")
+                for path in v["damaged_manifests"]:
+                    print(f"  damaged manifest (left in place): {path}")
+            print("damaged: see above" if bad else "all intact")
+        return 1 if bad else 0
+    elif cmd == "gc":
+        names = _namespaces(store, ns_only) if ns_only else [None]
+        res = {"removed": 0, "bytes": 0}
+        for ns in names:
+            r = store.gc(ns, min_age_s=args.min_age)
+            res["removed"] += r["removed"]
+            res["bytes"] += r["bytes"]
+        if not as_json:
+            print(f"removed {res['removed']} unreferenced blocks ({_human(res['bytes'])})")
+    elif cmd == "flush":
+        rep = store.scan()
+        res = {"on_disk_bytes": store.stats()["bytes"], **rep}
+        if not as_json:
+            print(f"{root}: {rep['blocks']} blocks and {rep['tails']} tails on disk, "
+                  f"{rep['tmp_removed']} temp files and {rep['bad_removed']} damaged files "
+                  f"removed")
+    elif cmd == "clear":
+        names = _namespaces(store, ns_only)
+        res = {"namespaces": names, "deleted": bool(args.yes)}
+        if args.yes:
+            res["left"] = [ns for ns in names if not _clear(store, ns)]
+        if not as_json:
+            what = ", ".join(names) or "nothing"
+            print(f"deleted {what}" if args.yes else f"would delete {what} (add --yes)")
+            for ns in res.get("left", []):
+                print(f"  {ns}: files this version does not know (or new ones) were kept")
+    else:  # pragma: no cover - argparse restricts the choices
+        raise ValueError(f"unknown cache command {cmd!r}")
+    if as_json:
+        print(json.dumps(res))
+    return 0

@@ -87,35 +87,84 @@ def _positive_int(value: Any) -> int:
 
 @dataclass(frozen=True)
 class Field:
+    """One setting, and how the command line spells it (the CLI builds its flags from these).
+
+    ``flag``: the option (default ``--`` + the name with dashes; None: no flag).
+    ``arg_type``: what argparse converts the flag's text with, so that a typo is reported
+    at once (``parse`` still validates it, as it does for the environment and config file).
+    Booleans get ``flag`` and ``--no-...`` (``negation``); ``off`` is an extra switch
+    ``(flag, value, help)`` that sets one value, e.g. ``--no-ssd-cache`` = 0 bytes."""
+
     name: str
     default: Any
     parse: Callable[[Any], Any]
     help: str
+    flag: str | None = ""
+    arg_type: Callable[[str], Any] | None = None
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    negation: str | None = None
+    off: tuple[str, Any, str] | None = None
 
+    @property
+    def option(self) -> str | None:
+        """The flag that sets this field (None: the field has none)."""
+        if self.flag is None:
+            return None
+        return self.flag or "--" + self.name.replace("_", "-")
+
+    @property
+    def is_bool(self) -> bool:
+        return isinstance(self.default, bool)
+
+    @property
+    def negative(self) -> str | None:
+        """A boolean field's ``--no-...`` flag."""
+        if not self.is_bool or self.option is None:
+            return None
+        return self.negation or "--no-" + self.option[2:]
+
+    def flag_source(self, value: Any) -> str:
+        """How ``mlxkv config`` names the flag that gave ``value``."""
+        if self.off is not None and value == self.off[1]:
+            return "flag " + self.off[0]
+        if self.is_bool and value is False and self.negative:
+            return "flag " + self.negative
+        return f"flag {self.option}"
+
+
+SIZE = "SIZE"  # metavar of byte sizes: 2GiB, 512MB, a byte count
 
 FIELDS: tuple[Field, ...] = (
-    Field("model", str(DEMO_MODEL), str, "model folder or Hugging Face hub id"),
-    Field("draft_model", None, _optional(str), "draft model for speculative decoding"),
+    Field("model", str(DEMO_MODEL), str, "model folder or Hugging Face hub id (default: the demo model)",
+          metavar="PATH|ID"),
+    Field("draft_model", None, _optional(str), "draft model for speculative decoding (not built yet)",
+          metavar="PATH|ID"),
     Field("cache_dir", os.path.expanduser(os.path.join("~", ".cache", "mlxkv")), _path,
-          "prefix cache folder (SSD tier)"),
+          "prefix cache folder (SSD tier; default ~/.cache/mlxkv)", metavar="DIR"),
     Field("prefix_cache", True, _bool, "keep and reuse the KV state of prompts"),
-    Field("ram_cache_bytes", 2 * 1024**3, parse_bytes, "RAM tier capacity"),
-    Field("ssd_cache_bytes", 20 * 1024**3, parse_bytes, "SSD tier capacity"),
-    Field("block_tokens", 256, _positive_int, "tokens per cache block"),
+    Field("ram_cache_bytes", 2 * 1024**3, parse_bytes, "RAM tier capacity, e.g. 2GiB", metavar=SIZE),
+    Field("ssd_cache_bytes", 20 * 1024**3, parse_bytes, "SSD tier capacity, e.g. 20GiB (0: SSD tier off)",
+          metavar=SIZE, off=("--no-ssd-cache", 0, "SSD tier off: cache in RAM only (= --ssd-cache-bytes 0)")),
+    Field("block_tokens", 256, _positive_int, "tokens per cache block", arg_type=int, metavar="N"),
     Field("dtype", "auto", _choice(*DTYPE_POLICIES),
-          "compute dtype (auto: float32 on CPU for bf16/fp16 weights)"),
+          "compute dtype (auto: float32 on CPU for bf16/fp16 weights)", choices=DTYPE_POLICIES),
     Field("full_hash", False, _bool,
           "fingerprint weights by content (slow once) instead of size + mtime"),
-    Field("temperature", 0.7, float, "sampling temperature (0 = greedy)"),
-    Field("top_p", 0.95, float, "nucleus sampling threshold (1 = off)"),
-    Field("top_k", 0, int, "top-k sampling (0 = off)"),
-    Field("min_p", 0.0, float, "min-p sampling (0 = off)"),
-    Field("repetition_penalty", 1.0, float, "repetition penalty (1 = off)"),
-    Field("seed", None, _optional(int), "random seed for sampling"),
-    Field("max_tokens", 512, _positive_int, "maximum tokens to generate"),
-    Field("prefill_step_size", 2048, _positive_int, "prompt tokens per prefill chunk"),
-    Field("system_prompt", None, _optional(str), "system message for chat"),
-    Field("blas", "auto", str, "CPU BLAS on Linux: auto, off, or a library path"),
+    Field("temperature", 0.7, float, "sampling temperature (0 = greedy)", flag="--temp",
+          arg_type=float, metavar="T"),
+    Field("top_p", 0.95, float, "nucleus sampling threshold (1 = off)", arg_type=float, metavar="P"),
+    Field("top_k", 0, int, "top-k sampling (0 = off)", arg_type=int, metavar="K"),
+    Field("min_p", 0.0, float, "min-p sampling (0 = off)", arg_type=float, metavar="P"),
+    Field("repetition_penalty", 1.0, float, "repetition penalty (1 = off)", arg_type=float,
+          metavar="X"),
+    Field("seed", None, _optional(int), "random seed for sampling", arg_type=int, metavar="N"),
+    Field("max_tokens", 512, _positive_int, "maximum tokens to generate", arg_type=int, metavar="N"),
+    Field("prefill_step_size", 2048, _positive_int, "prompt tokens per prefill chunk", arg_type=int,
+          metavar="N"),
+    Field("system_prompt", None, _optional(str), "system message for chat", metavar="TEXT"),
+    Field("blas", "auto", str, "CPU BLAS on Linux: auto, off, or a library path",
+          metavar="auto|off|PATH"),
 )
 FIELD_BY_NAME = {f.name: f for f in FIELDS}
 # Sampling values a model folder may recommend in Hugging Face's generation_config.json.
@@ -219,7 +268,7 @@ class Settings:
         for f in FIELDS:
             env_name = "MLXKV_" + f.name.upper()
             if f.name in flags:
-                raw, source = flags[f.name], "flag --" + f.name.replace("_", "-")
+                raw, source = flags[f.name], f.flag_source(flags[f.name])
             elif env.get(env_name) not in (None, ""):
                 raw, source = env[env_name], "env " + env_name
             elif f.name in file_values:

@@ -91,9 +91,9 @@ def test_generate_json_and_stream(tiny_qwen3):
 
 def test_chat_repl(tiny_qwen3, tmp_path):
     # Two turns, then end of input (Ctrl-D) leaves cleanly; the second turn reuses the
-    # first turn's KV state through the prefix cache.
+    # first turn's KV state through the prefix cache. `//` sends a message starting with /.
     r = mlxkv("chat", "--model", str(tiny_qwen3), "--max-tokens", "5", "--temp", "0",
-              stdin="hello\n/unknown-is-a-message\n", MLXKV_CACHE_DIR=str(tmp_path))
+              stdin="hello\n//a message, not a command\n", MLXKV_CACHE_DIR=str(tmp_path))
     assert r.returncode == 0, r.stderr
     stats = [ln for ln in r.stdout.splitlines() if ln.startswith("[prompt")]
     assert len(stats) == 2

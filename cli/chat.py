@@ -1,0 +1,167 @@
+"""``mlxkv chat``: a plain line chat. Lines starting with ``/`` are chat commands, answered
+here and never sent to the model (``//`` sends a message that starts with ``/``)."""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from typing import Any
+
+from cli.common import (
+    Progress,
+    fail,
+    printer,
+    reject_draft_model,
+    sampling_params,
+    start_engine,
+    stats_line,
+    wait_result,
+)
+from cli.terminal import LineReader
+
+HELP = """chat commands:
+  /help          this list
+  /clear         forget the conversation (cached state stays for reuse)
+  /stats         what the engine and its prefix cache hold
+  /quit, /exit   leave (Ctrl-D too); Ctrl-C stops a reply
+  //text         send a message that starts with /"""
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def engine_stats(engine: Any) -> dict[str, Any]:
+    """``engine.stats()``; from an engine without it, what it has: the prefix cache's stats."""
+    stats = getattr(engine, "stats", None)
+    if callable(stats):
+        return stats()
+    pc = engine.call(lambda: engine.prefix_cache.stats()).result(30.0)
+    return {"model": engine.info, "cache": pc}
+
+
+def format_stats(stats: dict[str, Any]) -> list[str]:
+    info = stats.get("model") or {}
+    lines = []
+    if isinstance(info, dict) and info.get("model"):
+        lines.append(f"model: {info['model']} ({info.get('compute_dtype', '?')})")
+    if "requests" in stats:
+        lines.append(f"requests: {stats['requests']}")
+    c = stats.get("cache") or {}
+    if not c.get("enabled", False):
+        lines.append("prefix cache: off")
+        return lines
+    lines.append(f"cached tokens served: {c.get('cached_tokens', 0)} of {c.get('prompt_tokens', 0)} "
+                 f"prompt tokens ({c.get('ram_hits', 0)} RAM hits, {c.get('ssd_hits', 0)} SSD hits, "
+                 f"{c.get('misses', 0)} misses)")
+    lines.append(f"RAM tier: {human_bytes(c.get('ram_bytes', 0))} of {human_bytes(c.get('ram_max_bytes', 0))}, "
+                 f"{c.get('ram_entries', 0)} entries")
+    if c.get("ssd"):
+        lines.append(f"SSD tier: {human_bytes(c.get('ssd_bytes', 0))}, {c.get('ssd_blocks', 0)} blocks")
+    else:
+        reason = c.get("ssd_disabled_reason")
+        lines.append("SSD tier: off" + (f" ({reason})" if reason else ""))
+    return lines
+
+
+class Chat:
+    def __init__(self, engine: Any, settings: Any) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.session = ""
+        self.messages: list[dict[str, str]] = []
+        self.new_conversation()
+
+    def new_conversation(self) -> None:
+        if self.session:
+            self._session_call("close_session")
+        self.session = uuid.uuid4().hex
+        self._session_call("open_session")
+        self.messages = ([{"role": "system", "content": self.settings.system_prompt}]
+                         if self.settings.system_prompt else [])
+
+    def _session_call(self, name: str) -> None:
+        fn = getattr(self.engine, name, None)
+        if fn is not None:
+            fn(self.session)
+
+    def command(self, line: str) -> bool:
+        """Answer a chat command; False when the chat should end."""
+        word = line.split()[0].lower()
+        if word in ("/quit", "/exit", "/q"):
+            return False
+        if word in ("/help", "/?"):
+            print(HELP)
+        elif word == "/clear":
+            self.new_conversation()
+            print("conversation cleared")
+        elif word == "/stats":
+            for text in format_stats(engine_stats(self.engine)):
+                print(text)
+        else:
+            print(f"unknown command {word}, /help lists them")
+        return True
+
+    def ask(self, text: str) -> None:
+        from engine.engine import EngineError, Request
+
+        self.messages.append({"role": "user", "content": text})
+        handle = self.engine.submit(
+            Request(messages=list(self.messages), params=sampling_params(self.settings),
+                    session=self.session),
+            callback=printer(sys.stdout, Progress(self.settings.prefill_step_size)))
+        try:
+            result = wait_result(handle)
+        except EngineError as e:
+            self.messages.pop()
+            print()  # end the line of whatever reply text was printed
+            fail(str(e))
+            return
+        print()
+        print(stats_line(result.stats, result.finish_reason))
+        self.messages.append({"role": "assistant", "content": result.text})
+
+    def close(self) -> None:
+        try:
+            self._session_call("close_session")
+        except Exception as e:  # leaving must not fail on it
+            fail(f"closing the chat session: {e}")
+
+
+def cmd_chat(settings: Any) -> int:
+    reject_draft_model(settings)
+    engine = start_engine(settings)
+    try:
+        info = engine.info
+        print(f"mlxkv chat: {info['model']} ({info['compute_dtype']}, {info['blas']})")
+        print("/help lists commands, /quit or Ctrl-D leaves; Ctrl-C stops a reply.")
+        chat = Chat(engine, settings)
+        reader = LineReader()
+        try:
+            while True:
+                try:
+                    line = reader.read("> ")
+                except EOFError:
+                    print()
+                    return 0
+                except KeyboardInterrupt:
+                    print()
+                    continue
+                text = line.strip()
+                if not text:
+                    continue
+                if text.startswith("//"):
+                    chat.ask(line.lstrip()[1:])
+                elif text.startswith("/"):
+                    if not chat.command(text):
+                        return 0
+                else:
+                    chat.ask(line)
+        finally:
+            chat.close()
+    finally:
+        engine.shutdown()

@@ -1,0 +1,135 @@
+"""What ``generate`` and ``chat`` share: sampling parameters from the settings, engine
+start-up, waiting for a reply, the token printer, the stats line and prefill progress."""
+
+from __future__ import annotations
+
+import gc
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
+
+from cli.parser import PROG
+
+
+def fail(message: str, code: int = 1) -> int:
+    """Print one ``mlxkv: error:`` line; returns ``code`` for the caller to exit with."""
+    sys.stderr.write(f"{PROG}: error: {message}\n")
+    return code
+
+
+def reject_draft_model(settings: Any) -> None:
+    """Speculative decoding is not built yet: a draft model must not be silently ignored."""
+    if settings.draft_model is not None:
+        source = settings.sources.get("draft_model", "")
+        where = "" if source.startswith("flag") else f" (draft_model from {source})"
+        raise UsageError(f"speculative decoding is not built yet; --draft-model is not accepted{where}")
+
+
+class UsageError(ValueError):
+    """The command line asks for something that cannot be done (exit status 2)."""
+
+
+def sampling_params(settings: Any, stop: Sequence[str] = ()) -> Any:
+    from engine.generate import SamplingParams
+
+    return SamplingParams(
+        max_tokens=settings.max_tokens, temperature=settings.temperature,
+        top_p=settings.top_p, top_k=settings.top_k, min_p=settings.min_p,
+        repetition_penalty=settings.repetition_penalty, seed=settings.seed,
+        stop=tuple(stop), prefill_step_size=settings.prefill_step_size)
+
+
+def start_engine(settings: Any, wait: bool = True) -> Any:
+    from engine.engine import Engine
+
+    engine = Engine.from_settings(settings).start(wait=wait)
+    if wait:
+        after_startup()
+    return engine
+
+
+def after_startup() -> None:
+    gc.freeze()  # what start-up built lives for the whole process: keep GC off it
+    gc.enable()
+
+
+def wait_result(handle: Any) -> Any:
+    """Wait for a request's result; Ctrl-C cancels it (the engine then finishes it)."""
+    while True:
+        try:
+            return handle.result()
+        except KeyboardInterrupt:
+            handle.cancel()
+
+
+def stats_line(stats: Any, reason: str | None) -> str:
+    """``[prompt .., cached .., load .. s, TTFT .. s, ...]``: TTFT counts from the start of
+    serving the request (lookup + prefill); a model load before it is shown apart."""
+    if stats is None:
+        return f"[{reason}]"
+    load_s = getattr(stats, "load_s", 0.0) or 0.0
+    load = f"model load {load_s:.2f} s, " if load_s > 0 else ""
+    return (f"[prompt {stats.prompt_tokens} tok, cached {stats.cached_tokens}, {load}"
+            f"TTFT {stats.ttft_s:.2f} s, prefill {stats.prefill_tps:.0f} tok/s, "
+            f"{stats.generated_tokens} tok at {stats.decode_tps:.1f} tok/s, {reason}]")
+
+
+class Progress:
+    """``prefill 4096/10000 tokens`` on one rewritten line of a terminal's stderr while a
+    long prompt is computed. Shown only when stderr is a terminal and more than one prefill
+    chunk (``step`` tokens) is left to compute when the prefill starts."""
+
+    def __init__(self, step: int, stream: TextIO | None = None) -> None:
+        self.step = step
+        self.stream = stream or sys.stderr
+        self.enabled = _isatty(self.stream)
+        self.shown = False
+        self._long: bool | None = None  # decided at the first report
+
+    def update(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if self._long is None:
+            self._long = total - done > self.step
+        if not self._long or done >= total:
+            self.clear()
+            return
+        self.stream.write(f"\r{PROG}: prefill {done}/{total} tokens")
+        self.stream.flush()
+        self.shown = True
+
+    def clear(self) -> None:
+        if self.shown:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+            self.shown = False
+
+
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def printer(out: TextIO, progress: Progress | None = None) -> Callable[[Any], None]:
+    """An event callback that writes token text as it is generated. It runs on the engine
+    thread, so a token reaches the terminal without a hop to the main thread."""
+    from engine import engine as eng
+
+    progress_event = getattr(eng, "ProgressEvent", None)  # reported by newer engines
+
+    def on_event(event: Any) -> None:
+        if isinstance(event, eng.TokenEvent):
+            if progress is not None:
+                progress.clear()
+            if event.text:
+                out.write(event.text)
+                out.flush()
+        elif progress_event is not None and isinstance(event, progress_event):
+            if progress is not None:
+                progress.update(event.done, event.total)
+        elif progress is not None and isinstance(event, (eng.FinishedEvent, eng.ErrorEvent)):
+            progress.clear()
+
+    return on_event

@@ -1,0 +1,161 @@
+"""``mlxkv`` (TUI if there is one, else chat), ``mlxkv chat``, ``mlxkv generate``,
+``mlxkv config``, ``mlxkv cache ...``, ``mlxkv --version``.
+
+Start-up is kept light on purpose (``mlxkv generate``'s process start -> first token is
+benchmarked against mlx-lm's CLI): argparse first, then ``engine`` (which loads OpenBLAS
+before mlx), and mlx/mlx-lm only when a model is needed. Textual is never imported here
+unless the TUI runs.
+
+Nothing reaches the user as a traceback: a failure is one ``mlxkv: error: ...`` line and
+exit status 1 (2 for a command line that cannot be run as given); warnings go through the
+one logging handler of :mod:`cli.logs`. ``MLXKV_DEBUG=1`` shows tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from cli.parser import JSON_COMMANDS, build_parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    # Start-up allocates hundreds of thousands of long-lived objects (mlx-lm, transformers);
+    # cyclic GC passes over them are wasted work. Re-enabled once the model is loaded.
+    gc.disable()
+    try:
+        return _main(argv)
+    finally:
+        gc.enable()
+
+
+def _early_env(argv: Sequence[str]) -> None:
+    """--blas and --config must be known before anything imports `engine` (which loads
+    the BLAS before mlx), and building the parser already imports part of it."""
+    names = {"--blas": "MLXKV_BLAS", "--config": "MLXKV_CONFIG"}
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if flag in names:
+            if not eq and i + 1 < len(argv):
+                value = argv[i + 1]
+            if value:
+                os.environ[names[flag]] = value
+
+
+def _settings(args: argparse.Namespace) -> Any:
+    from engine.settings import FIELD_BY_NAME, Settings
+
+    flags = {k: v for k, v in vars(args).items() if k in FIELD_BY_NAME}
+    return Settings.load(flags, config_path=getattr(args, "config", None))
+
+
+def _debug() -> bool:
+    return os.environ.get("MLXKV_DEBUG", "") not in ("", "0")
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    from cli import logs
+    from cli.common import UsageError, fail
+    from cli.terminal import Terminated, watch_signals
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if threading.current_thread() is threading.main_thread():
+        watch_signals()
+    logs.install()
+    _early_env(argv)
+    args = build_parser().parse_args(argv)
+    if getattr(args, "json", False) and args.command not in JSON_COMMANDS:
+        return fail(f"--json applies to {', '.join(JSON_COMMANDS)}, not to "
+                    f"{args.command or 'the chat'}", 2)
+    try:
+        return _dispatch(args)
+    except UsageError as e:
+        return fail(str(e), 2)
+    except KeyboardInterrupt:
+        return 130
+    except Terminated:
+        return 143
+    except Exception as e:
+        if _debug():
+            raise
+        return fail(_describe(e))
+
+
+def _describe(e: BaseException) -> str:
+    """One line for an exception: our errors carry clear messages; an OSError is named by
+    what failed and on which path; anything else is a bug, said as such."""
+    from engine.engine import EngineError
+    from engine.models import ModelNotFoundError
+    from engine.settings import SettingsError
+
+    if isinstance(e, (SettingsError, ModelNotFoundError, EngineError, ValueError, _folder_error())):
+        return str(e)
+    if isinstance(e, OSError):
+        where = f": {e.filename}" if e.filename else ""
+        return f"{e.strerror or e}{where}"
+    return f"unexpected {type(e).__name__}: {e} (MLXKV_DEBUG=1 shows where)"
+
+
+def _folder_error() -> type[BaseException]:
+    try:
+        from storage import CacheFolderError
+    except (ImportError, AttributeError):  # a storage package without it: nothing extra
+        return OSError
+    return CacheFolderError
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    if args.command == "config":
+        return cmd_config(args, settings)
+    if args.command == "cache":
+        from cli.cache import run_cache_command
+
+        return run_cache_command(args, settings)
+    if args.command == "generate":
+        from cli.generate import cmd_generate
+
+        return cmd_generate(args, settings)
+    if args.command is None:
+        code = _run_tui(settings)
+        if code is not None:
+            return code
+    from cli.chat import cmd_chat
+
+    return cmd_chat(settings)
+
+
+def cmd_config(args: argparse.Namespace, settings: Any) -> int:
+    from engine.blas import blas_info, describe
+
+    rows = settings.describe()
+    if getattr(args, "json", False):
+        print(json.dumps({"settings": {n: {"value": v, "source": s} for n, v, s in rows},
+                          "config_file": str(settings.config_path), "blas": blas_info()},
+                         default=str))
+        return 0
+    width = max(len(n) for n, _, _ in rows)
+    for name, value, source in rows:
+        print(f"{name:<{width}}  {value!s:<40}  ({source})")
+    exists = "" if settings.config_path.exists() else " (not present)"
+    print(f"{'config file':<{width}}  {settings.config_path}{exists}")
+    print(f"{'BLAS in use':<{width}}  {describe()}")
+    return 0
+
+
+def _run_tui(settings: Any) -> int | None:
+    """Run the Textual app if the tui package has one (``tui.app.run(settings)``)."""
+    import importlib.util
+
+    if importlib.util.find_spec("tui") is None or importlib.util.find_spec("tui.app") is None:
+        return None
+    from tui import app
+
+    run = getattr(app, "run", None)
+    return None if run is None else int(run(settings) or 0)
