@@ -132,7 +132,8 @@ def med(xs: list[float]) -> float:
 # ----------------------------------------------------------------------------- child
 def child_ssd(args: argparse.Namespace) -> int:
     """A new process with empty RAM: SSD hit TTFT + restore throughput."""
-    from engine.cache.prefix_cache import PrefixCache, store_namespace
+    from engine.cache import PrefixCache
+    from engine.cache.tokens import store_namespace
     from storage.io import ReadRequest
 
     model = load(Path(args.model))
@@ -231,7 +232,7 @@ class Bench:
     def ram_hit(self) -> None:
         from mlx_lm.models.cache import LRUPromptCache, trim_prompt_cache
 
-        from engine.cache.prefix_cache import PrefixCache
+        from engine.cache import PrefixCache
 
         a, model, prompt = self.args, self.model, self.prompt
         self.pc = pc = PrefixCache(ram_bytes=1 << 34, cache_dir=self.dir / "cache",
@@ -435,7 +436,7 @@ class Bench:
     def shared_ram(self) -> None:
         from mlx_lm.models.cache import LRUPromptCache
 
-        from engine.cache.prefix_cache import PrefixCache
+        from engine.cache import PrefixCache
 
         a, model = self.args, self.model
         system = self.prompt[: a.context]
@@ -471,7 +472,7 @@ class Bench:
         from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
         from bench.modelgen import init_model, model_config
-        from engine.cache.prefix_cache import PrefixCache
+        from engine.cache import PrefixCache
 
         model = init_model(model_config("qwen3", 512), seed=0)
         sys_p = tokens(1000, 7)

@@ -61,7 +61,7 @@ def test_unfilled_path_is_used_and_zeroed_fallback_is_zero():
     a = mxb.unfilled_arrays([(1, 8, 64, 128)], [mx.bfloat16])  # raises if MLX changed
     assert a[0].dtype == mx.bfloat16
     kb.writable_arrays([(4, 4)], [mx.float32])
-    assert kb._unfilled_failed is False
+    assert mxb.unfilled_usable()
     z = mxb.zeroed_arrays([(1, 2, 64, 8), (5,)], [mx.bfloat16, mx.int32])
     assert all(not any(bytes(kb.byte_view(x))) for x in z)
 
@@ -77,16 +77,25 @@ def test_prefault_keeps_contents():
     assert bytes(kb.byte_view(a[0])) == want.tobytes()
 
 
-def test_writable_arrays_falls_back_to_zeros(monkeypatch, caplog):
+def test_writable_arrays_falls_back_to_zeros_for_good(monkeypatch, caplog):
+    calls = []
+
     def broken(shapes, dtypes):
+        calls.append(1)
         raise RuntimeError("no .npy streams in this MLX")
 
     monkeypatch.setattr(mxb, "unfilled_arrays", broken)
-    monkeypatch.setattr(kb, "_unfilled_failed", False)
+    monkeypatch.setattr(mxb, "_given_up", None)
     arrays = kb.writable_arrays([(1, 2, 32, 8)] * 2, [mx.bfloat16] * 2)
-    assert "fall back to zero-filled" in caplog.text
+    assert "zero-filled from now on" in caplog.text
     assert _addr(arrays[0]) != _addr(arrays[1])
     assert not any(bytes(kb.byte_view(arrays[0])))
+    # once given up (as after MLX kept a stream past the release wait), the unfilled
+    # path, and its wait on the engine thread, is never tried again; one warning
+    assert not mxb.unfilled_usable()
+    caplog.clear()
+    again = kb.writable_arrays([(3, 5)], [mx.float32])
+    assert len(calls) == 1 and not caplog.text and not any(bytes(kb.byte_view(again[0])))
 
 
 def test_npy_header_is_what_numpy_writes():
@@ -126,14 +135,14 @@ def test_restore_into_unfilled_arrays_is_exact_and_stops_at_a_corrupt_block(tmp_
            for _ in range(4)]
     toks = np.arange(100, 100 + T, dtype=np.uint32)
     sio.submit_write(Snapshot("ns", toks, layout, [(memoryview(a), H, T, 2 * D) for a in src],
-                              tail=False)).result()
+                              tail=False)).result(timeout=60)
     cap = kb.round_up(T + 40)
 
     def restore():
         arrays = kb.writable_arrays([(1, H, cap, D)] * 4, [mx.bfloat16] * 4)
         segs = [(kb.byte_view(a), H, cap, 2 * D) for a in arrays]
         res = sio.submit_read(ReadRequest("ns", toks, layout, segs, n_tokens=T,
-                                          keep=arrays)).result()
+                                          keep=arrays)).result(timeout=60)
         spec = kb.LayerSpec("kv")
         return res, [kb.make_layer(spec, arrays[i : i + 2], res.n_tokens) for i in (0, 2)]
 

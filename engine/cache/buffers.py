@@ -20,8 +20,11 @@ not reach are outside the cache's ``offset`` and never read.
 Exit safety: MLX calls ``readinto`` on its I/O thread pool and drops its last reference
 to the stream there, which needs the GIL. If the interpreter is finalizing at that moment
 the thread is torn down inside a C++ destructor and the process aborts ("terminate
-called without an active exception"). :func:`unfilled_arrays` therefore returns only
-after every stream object has been released.
+called without an active exception"). :func:`unfilled_arrays` therefore waits until
+every stream object has been released, at most ``RELEASE_TIMEOUT_S``: if MLX ever keeps
+one longer, the wait (on the engine thread) is not risked again: :func:`give_up_unfilled`
+switches every later allocation to :func:`zeroed_arrays` for the rest of the process, with
+one warning.
 """
 
 from __future__ import annotations
@@ -37,9 +40,10 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
-log = logging.getLogger("mlxkv.engine")
+log = logging.getLogger("mlxkv.cache")
 
-_RELEASE_TIMEOUT_S = 10.0
+RELEASE_TIMEOUT_S = 10.0
+_given_up: str | None = None  # why unfilled allocation is off for good (None: it is on)
 _ORDER = "<" if sys.byteorder == "little" else ">"
 _UINT = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
@@ -175,12 +179,25 @@ def unfilled_arrays(shapes: Sequence[tuple[int, ...]], dtypes: Sequence[mx.Dtype
     finally:
         del raw
         # wait with the GIL released: MLX's I/O threads need it to drop the streams
-        if not released.wait(_RELEASE_TIMEOUT_S):
-            log.warning("mlxkv: MLX kept %d restore stream(s) for more than %.0f s",
-                        left[0], _RELEASE_TIMEOUT_S)
+        if not released.wait(RELEASE_TIMEOUT_S):
+            give_up_unfilled(f"MLX kept {left[0]} restore stream(s) for more than "
+                             f"{RELEASE_TIMEOUT_S:.0f} s")
     if populate:
         prefault(out)
     return out
+
+
+def give_up_unfilled(reason: str) -> None:
+    """Use zero-filled restore buffers from now on (once per process, one warning)."""
+    global _given_up
+    if _given_up is None:
+        _given_up = reason
+        log.warning("prefix cache: %s; restore buffers are zero-filled from now on", reason)
+
+
+def unfilled_usable() -> bool:
+    """Whether :func:`unfilled_arrays` may still be used (see :func:`give_up_unfilled`)."""
+    return _given_up is None
 
 
 def zeroed_arrays(shapes: Sequence[tuple[int, ...]], dtypes: Sequence[mx.Dtype]

@@ -27,7 +27,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, Rotating
 
 from engine.cache import buffers as mxb
 
-log = logging.getLogger("mlxkv.engine")
+log = logging.getLogger("mlxkv.cache")
 
 # mlx-lm grows KV buffers in steps of this many tokens; lent caches get headroom in the same
 # unit so the first prefill writes in place instead of reallocating.
@@ -214,13 +214,13 @@ def writable_arrays(shapes: list[tuple[int, ...]], dtypes: list[mx.Dtype]) -> li
     used instead. A broadcast of one element, a shared or read-only buffer are checked for,
     never assumed away.
     """
-    try:
-        arrays = mxb.unfilled_arrays(shapes, dtypes)
-    except Exception as exc:  # noqa: BLE001  (an MLX without the .npy stream path)
-        global _unfilled_failed
-        if not _unfilled_failed:
-            _unfilled_failed = True
-            log.warning("mlxkv: restore buffers fall back to zero-filled arrays: %s", exc)
+    arrays = None
+    if mxb.unfilled_usable():
+        try:
+            arrays = mxb.unfilled_arrays(shapes, dtypes)
+        except Exception as exc:  # noqa: BLE001  (an MLX without the .npy stream path)
+            mxb.give_up_unfilled(f"cannot allocate unfilled restore buffers ({exc})")
+    if arrays is None:
         arrays = mxb.zeroed_arrays(shapes, dtypes)
     seen: set[int] = set()
     for i, a in enumerate(arrays):
@@ -239,9 +239,6 @@ def writable_arrays(shapes: list[tuple[int, ...]], dtypes: list[mx.Dtype]) -> li
             arrays[i] = a
         seen.add(addr)
     return arrays
-
-
-_unfilled_failed = False
 
 
 def _address(mv: memoryview) -> int:
