@@ -9,15 +9,18 @@ cdef extern from "xxh3.h" nogil:
         int nt_stores
 
     int MK_ISA_SCALAR, MK_ISA_SSE2, MK_ISA_AVX2, MK_ISA_AVX512, MK_ISA_NEON
-    int mk_isa
     int mk_isa_supported(int isa)
+    int mk_get_isa()
     int mk_set_isa(int isa)
     int mk_best_isa()
 
     uint64_t mk_xxh3_64(const void *data, size_t length, uint64_t seed)
+    uint64_t mk_xxh3_64_isa(int isa, const void *data, size_t length, uint64_t seed)
     void mk_xxh3_init(mk_xxh3_state *st, uint64_t seed)
+    void mk_xxh3_init_isa(mk_xxh3_state *st, uint64_t seed, int isa)
     void mk_xxh3_update(mk_xxh3_state *st, const uint8_t *p, size_t length)
     void mk_xxh3_update_copy(mk_xxh3_state *st, uint8_t *dst, const uint8_t *p, size_t length)
+    void mk_xxh3_copy_verify(mk_xxh3_state *st, uint8_t *dst, const uint8_t *p, size_t length)
     uint64_t mk_xxh3_digest(const mk_xxh3_state *st)
 
 
@@ -44,7 +47,9 @@ cdef class AlignedBuffer:
     cdef Py_ssize_t _alignment
     cdef Py_ssize_t _exports
     cdef bint _zero
+    cdef bint _busy  # a resize is copying with the GIL released
     cdef Py_ssize_t _shape[1]
     cdef Py_ssize_t _strides[1]
 
+    cdef int _check_idle(self, str action) except -1
     cdef int _allocate(self, Py_ssize_t nbytes) except -1

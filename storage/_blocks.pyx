@@ -6,14 +6,19 @@ touches are pinned first (a held ``Py_buffer`` keeps its exporter alive and unre
 Contract: ``.cache/STORAGE_API.md``; pure-Python oracle: ``storage/reference.py``.
 A *segment* is ``(buf, outer, t_capacity, row_bytes)``: a C-contiguous buffer of exactly
 ``outer * t_capacity * row_bytes`` bytes whose rows ``[t0, t1)`` of each outer slice are moved.
+Buffers must be C-contiguous; a strided view is refused even when its exporter ignores the
+request for contiguous memory (MLX hands out sliced and broadcast arrays that way).
 
-Beyond the contract: ``unpack_hash`` (scatter + hash in one pass, for verified restores),
+Beyond the contract: ``unpack_hash`` (scatter, then hash what landed, for verified restores),
 ``pack(..., hash=False)``, ``Xxh3Hasher`` (streaming), ``set_direct`` (toggle O_DIRECT /
 F_NOCACHE on an open fd, e.g. for an unaligned tail), ``hash_isa``/``hash_isas``/
-``set_hash_isa`` (which SIMD stripe loop runs; env ``MLXKV_XXH3_ISA``), and a ``path=``
-keyword on the I/O calls that names the file in their OSError.
+``set_hash_isa``/``hash_self_check`` (which SIMD stripe loop runs; env ``MLXKV_XXH3_ISA``),
+and a ``path=`` keyword on the I/O calls that names the file in their OSError.
+The selected stripe loop passes a known-answer test at import; if it fails, the scalar loop
+runs instead and one warning is logged (``mlxkv.storage``).
 """
 
+import logging
 import os
 
 from cpython.buffer cimport (
@@ -22,14 +27,27 @@ from cpython.buffer cimport (
     PyBUF_ND,
     PyBUF_STRIDES,
     PyBUF_WRITABLE,
+    PyBuffer_IsContiguous,
     PyBuffer_Release,
     PyObject_GetBuffer,
 )
+from cpython.pythread cimport (
+    NOWAIT_LOCK,
+    WAIT_LOCK,
+    PyThread_acquire_lock,
+    PyThread_allocate_lock,
+    PyThread_free_lock,
+    PyThread_release_lock,
+    PyThread_type_lock,
+)
+from cpython.pyport cimport PY_SSIZE_T_MAX
 from libc.errno cimport errno
-from libc.stdint cimport uint8_t, uint64_t
-from libc.stdlib cimport calloc, free
-from libc.string cimport memcpy, memset, strerror
+from libc.stdint cimport uint8_t, uint32_t, uint64_t
+from libc.stdlib cimport calloc, free, qsort
+from libc.string cimport memcmp, memcpy, memset
 from posix.stdlib cimport posix_memalign
+
+_log = logging.getLogger("mlxkv.storage")
 
 # Hash on the calling thread without dropping the GIL below this size: a GIL round trip
 # costs more than hashing a small header.
@@ -53,27 +71,177 @@ def hash_isas() -> list:
 
 def hash_isa() -> str:
     """Name of the stripe loop in use."""
+    cdef int cur = mk_get_isa()
     for name, isa in _ISA_NAMES.items():
-        if isa == mk_isa:
+        if isa == cur:
             return name
     return "?"
 
 
-def set_hash_isa(str name) -> None:
-    """Select a stripe loop by name (tests and benchmarks); 'best' picks the fastest."""
-    cdef int isa = mk_best_isa() if name == "best" else _ISA_NAMES.get(name, -1)
-    if isa < 0 or not mk_set_isa(isa):
+# Known answers: XXH3-64 of _kat_byte(0..n-1) with seed 0 and seed _KAT_SEED, from the
+# xxhash package (tests/test_blocks.py recomputes them). Lengths reach every short path, a
+# partial and a full 1 KiB block (scramble) and several 16 KiB split-copy chunks.
+_KAT_SEED = 0x9E3779B97F4A7C15
+_KAT = (
+    (0, 0x2d06800538d394c2, 0x602b0e2cd6662c8b),
+    (7, 0xe6f7770846c47df5, 0xea8f3a28ed450ba5),
+    (16, 0x81e9eb8634460bb9, 0x7f7f704e06138a8a),
+    (200, 0xe07bfbc15015bf69, 0x835addcc5ee1d8d4),
+    (241, 0x2d431e984c441f15, 0x67e2cf13c7452cbc),
+    (1025, 0x83cba9b371e4e7f4, 0x18c39aa411c5deb2),
+    (4159, 0x262f67471c89c1e9, 0x086b9aa87fe206bf),
+    (70001, 0x401c3408c59b310c, 0x19855626e8c0ba55),
+)
+cdef size_t _KAT_MAX = 70001
+# Streaming splits: uneven on purpose, so buffered and direct stripes both run.
+cdef size_t[7] _KAT_SPLITS = [1, 63, 64, 65, 255, 257, 4097]
+
+
+cdef inline uint8_t _kat_byte(size_t i) noexcept nogil:
+    return <uint8_t>((<uint32_t>(i * <size_t>0x9E3779B1u)) >> 24)
+
+
+cdef str _kat_vector(int isa, size_t n, uint64_t seed, uint64_t expect, uint8_t *src,
+                     uint8_t *dst):
+    """Every way the kernel hashes n known bytes with loop `isa`; what failed, or None."""
+    cdef size_t i, off, pos, k, split
+    cdef uint64_t got
+    cdef int mode
+    cdef mk_xxh3_state st
+    for off in (0, 1, 63):  # one-shot, at unaligned starts too
+        for i in range(n):
+            src[off + i] = _kat_byte(i)
+        got = mk_xxh3_64_isa(isa, src + off, n, seed)
+        if got != expect:
+            return f"one-shot, {n} bytes at offset {off}, seed {seed:#x}: {got:#x} != {expect:#x}"
+    # src now holds the bytes at offset 63; streaming and fused copies read them from there.
+    mk_xxh3_init_isa(&st, seed, isa)
+    pos = split = 0
+    while pos < n:
+        k = min(n - pos, _KAT_SPLITS[split % 7])
+        mk_xxh3_update(&st, src + 63 + pos, k)
+        pos += k
+        split += 1
+    got = mk_xxh3_digest(&st)
+    if got != expect:
+        return f"streaming, {n} bytes, seed {seed:#x}: {got:#x} != {expect:#x}"
+    # The copying paths: fused copy + hash with cached (0) and non-temporal (1) stores, and
+    # copy then hash the destination (2, unpack_hash); to an aligned and an unaligned dst.
+    for mode in (0, 1, 2):
+        for off in (0, 8):
+            memset(dst, 0, n + 64)
+            mk_xxh3_init_isa(&st, seed, isa)
+            st.nt_stores = mode == 1
+            k = n // 3
+            if mode == 2:
+                mk_xxh3_copy_verify(&st, dst + off, src + 63, k)
+                mk_xxh3_copy_verify(&st, dst + off + k, src + 63 + k, n - k)
+            else:
+                mk_xxh3_update_copy(&st, dst + off, src + 63, k)
+                mk_xxh3_update_copy(&st, dst + off + k, src + 63 + k, n - k)
+            got = mk_xxh3_digest(&st)
+            if got != expect or memcmp(dst + off, src + 63, n) != 0:
+                what = ("fused copy+hash", "fused copy+hash, non-temporal", "copy, hash dst")[mode]
+                return (f"{what}, {n} bytes to offset {off}, seed {seed:#x}: "
+                        f"{'bytes differ' if got == expect else f'{got:#x} != {expect:#x}'}")
+    return None
+
+
+cdef str _self_check(int isa, uint64_t tamper):
+    """Known-answer test of stripe loop `isa`; None if it passes, else what failed.
+
+    ``tamper`` is XORed into every expected hash: nonzero only in tests, to fail on purpose.
+    """
+    cdef void *mem = NULL
+    cdef uint8_t *src
+    cdef str failed = None
+    if posix_memalign(&mem, 64, 2 * (_KAT_MAX + 128)) != 0 or mem == NULL:
+        raise MemoryError()
+    src = <uint8_t *>mem
+    try:
+        for n, h0, h1 in _KAT:
+            for seed, expect in ((0, h0), (_KAT_SEED, h1)):
+                failed = _kat_vector(isa, n, seed, expect ^ tamper, src, src + _KAT_MAX + 128)
+                if failed is not None:
+                    return failed
+    finally:
+        free(mem)
+    return None
+
+
+def hash_self_check(name: str | None = None) -> str | None:
+    """Run the known-answer test on stripe loop ``name`` (default: the one in use).
+
+    Returns None when every vector matches, else a description of the first mismatch.
+    """
+    name = hash_isa() if name is None else name
+    if name not in hash_isas():
         raise ValueError(f"hash ISA {name!r} is not available here; usable: {hash_isas()}")
+    return _self_check(_ISA_NAMES[name], 0)
 
 
-_env_isa = os.environ.get("MLXKV_XXH3_ISA")
-set_hash_isa(_env_isa if _env_isa else "best")
+_warned = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        _log.warning(message)
+
+
+def set_hash_isa(name: str, *, tamper: int = 0) -> str:
+    """Select a stripe loop by name ('best' picks the fastest); returns the loop now in use.
+
+    The loop must pass the known-answer test first; if it does not, the scalar loop is
+    selected and one warning is logged. Hashes already under way finish with the loop they
+    started with. ``tamper`` is for tests only: XORed into the expected hashes of ``name``'s
+    check (not the scalar fallback's), it makes that check fail on purpose.
+    """
+    cdef int isa = mk_best_isa() if name == "best" else _ISA_NAMES.get(name, -1)
+    if isa < 0 or not mk_isa_supported(isa):
+        raise ValueError(f"hash ISA {name!r} is not available here; usable: {hash_isas()}")
+    failed = _self_check(isa, tamper)
+    if failed is not None:
+        chosen = [k for k, v in _ISA_NAMES.items() if v == isa][0]
+        if isa == MK_ISA_SCALAR:
+            _warn_once("scalar", f"XXH3 self-check failed on the scalar hash loop ({failed}); "
+                                 "stored blocks may fail verification")
+        else:
+            _warn_once(chosen, f"XXH3 self-check failed on the {chosen} hash loop ({failed}); "
+                               "using the scalar loop instead")
+            if _self_check(MK_ISA_SCALAR, 0) is not None:
+                _warn_once("scalar", "XXH3 self-check failed on the scalar hash loop too; "
+                                     "stored blocks may fail verification")
+            isa = MK_ISA_SCALAR
+    mk_set_isa(isa)
+    return hash_isa()
+
+
+def _select_at_import() -> None:
+    """The fastest verified loop, or the one MLXKV_XXH3_ISA names (never raises)."""
+    env = os.environ.get("MLXKV_XXH3_ISA")
+    if env and env != "best":
+        try:
+            set_hash_isa(env)
+            return
+        except ValueError:
+            _warn_once("env", f"MLXKV_XXH3_ISA={env!r} is not usable here (usable: "
+                              f"{', '.join(hash_isas())}); using the fastest loop")
+    set_hash_isa("best")
+
+
+_select_at_import()
 
 
 # --------------------------------------------------------------------------- buffers
 
 cdef int _get_buffer(object obj, Py_buffer *view, bint writable, str what) except -1:
-    """Acquire a C-contiguous byte view of obj, turning buffer refusals into ValueError."""
+    """Acquire a C-contiguous byte view of obj, turning buffer refusals into ValueError.
+
+    The request asks for strides, so an exporter that honours it refuses a strided array
+    itself; one that ignores it (MLX: sliced and broadcast arrays report len = nbytes over
+    strided memory) is caught by checking the view we got against its shape and strides.
+    """
     cdef int flags = PyBUF_C_CONTIGUOUS
     if writable:
         flags |= PyBUF_WRITABLE
@@ -83,7 +251,34 @@ cdef int _get_buffer(object obj, Py_buffer *view, bint writable, str what) excep
         raise ValueError(f"{what}: cannot use this buffer ({exc})") from None
     except TypeError:
         raise TypeError(f"{what}: object does not export a buffer: {type(obj).__name__}") from None
+    problem = _view_problem(view, writable)
+    if problem is not None:
+        PyBuffer_Release(view)
+        raise ValueError(f"{what}: cannot use this buffer ({type(obj).__name__}: {problem})")
     return 0
+
+
+cdef str _view_problem(Py_buffer *view, bint writable):
+    """Why a view the exporter handed out cannot be read as view.len flat bytes, or None."""
+    cdef Py_ssize_t i
+    if writable and view.readonly:
+        return "buffer is read-only"
+    if view.len < 0 or view.itemsize < 0 or view.ndim < 0:
+        return f"negative length ({view.len}), itemsize ({view.itemsize}) or ndim ({view.ndim})"
+    if view.shape != NULL:
+        n = view.itemsize  # a Python int: a lying shape must not overflow the check
+        for i in range(view.ndim):
+            if view.shape[i] < 0:
+                return f"negative shape {[view.shape[j] for j in range(view.ndim)]}"
+            n *= view.shape[i]
+        if n != view.len:
+            return (f"shape {[view.shape[j] for j in range(view.ndim)]} x itemsize "
+                    f"{view.itemsize} = {n} bytes, but it reports {view.len}")
+    if not PyBuffer_IsContiguous(view, b'C'):
+        shape = [view.shape[i] for i in range(view.ndim)] if view.shape != NULL else None
+        strides = [view.strides[i] for i in range(view.ndim)] if view.strides != NULL else None
+        return f"not C-contiguous: shape {shape}, strides {strides}, itemsize {view.itemsize}"
+    return None
 
 
 cdef struct seg_t:
@@ -91,6 +286,18 @@ cdef struct seg_t:
     Py_ssize_t outer
     Py_ssize_t t_cap
     Py_ssize_t row_bytes
+
+
+cdef struct span_t:
+    char *ptr
+    char *end
+    Py_ssize_t index
+
+
+cdef int _cmp_span(const void *a, const void *b) noexcept nogil:
+    cdef char *x = (<const span_t *>a).ptr
+    cdef char *y = (<const span_t *>b).ptr
+    return -1 if x < y else (1 if x > y else 0)
 
 
 cdef class _Segments:
@@ -120,6 +327,8 @@ cdef class _Segments:
             outer, t_cap, row_bytes = int(outer), int(t_cap), int(row_bytes)
             if outer < 0 or t_cap < 0 or row_bytes < 0:
                 raise ValueError(f"segment {i}: negative dimension ({outer}, {t_cap}, {row_bytes})")
+            if max(outer, t_cap, row_bytes) > PY_SSIZE_T_MAX:
+                raise ValueError(f"segment {i}: dimension too large ({outer}, {t_cap}, {row_bytes})")
             _get_buffer(buf, &self.views[i], writable, f"segment {i}")
             self.acquired = i + 1
             if outer * t_cap * row_bytes != self.views[i].len:
@@ -132,6 +341,32 @@ cdef class _Segments:
             self.segs[i].outer = outer
             self.segs[i].t_cap = t_cap
             self.segs[i].row_bytes = row_bytes
+        if writable:
+            self.check_segments_disjoint()
+
+    cdef int check_segments_disjoint(self) except -1:
+        """Refuse destinations that share bytes: the later scatter would overwrite the
+        earlier one after its bytes were verified."""
+        cdef Py_ssize_t i, j, k
+        cdef span_t *spans = <span_t *>calloc(self.n + 1, sizeof(span_t))
+        if spans == NULL:
+            raise MemoryError()
+        try:
+            k = 0
+            for i in range(self.n):
+                if self.views[i].len:
+                    spans[k].ptr = self.segs[i].ptr
+                    spans[k].end = self.segs[i].ptr + self.views[i].len
+                    spans[k].index = i
+                    k += 1
+            qsort(spans, <size_t>k, sizeof(span_t), _cmp_span)
+            for j in range(1, k):
+                if spans[j].ptr < spans[j - 1].end:
+                    raise ValueError(f"segment {spans[j].index} overlaps segment "
+                                     f"{spans[j - 1].index} (destinations must be disjoint)")
+        finally:
+            free(spans)
+        return 0
 
     def __dealloc__(self):
         cdef Py_ssize_t i
@@ -200,6 +435,70 @@ cdef inline int _check_flat(Py_ssize_t size, Py_ssize_t offset, Py_ssize_t need,
     return 0
 
 
+# ------------------------------------------------------------------ streaming hasher
+
+cdef class Xxh3Hasher:
+    """Streaming XXH3-64: ``update`` any number of buffers, ``digest`` any time.
+
+    ``digest()`` equals ``xxh3_64`` of the concatenated input; the stripe loop is the one
+    selected when the hasher was made. Safe to share between threads (as hashlib objects
+    are): calls on one hasher run one at a time, large updates with the GIL released.
+    """
+    cdef mk_xxh3_state st
+    cdef PyThread_type_lock lock
+
+    def __cinit__(self, uint64_t seed=0):
+        self.lock = PyThread_allocate_lock()
+        if self.lock == NULL:
+            raise MemoryError()
+        mk_xxh3_init(&self.st, seed)
+
+    def __dealloc__(self):
+        if self.lock != NULL:
+            PyThread_free_lock(self.lock)
+
+    cdef int _lock(self) except -1:
+        if not PyThread_acquire_lock(self.lock, NOWAIT_LOCK):
+            with nogil:  # the holder may need the GIL to finish
+                PyThread_acquire_lock(self.lock, WAIT_LOCK)
+        return 0
+
+    cdef void _unlock(self) noexcept:
+        PyThread_release_lock(self.lock)
+
+    def update(self, buf) -> None:
+        cdef Py_buffer view
+        _get_buffer(buf, &view, False, "Xxh3Hasher.update")
+        try:
+            self._lock()
+            try:
+                if view.len < _NOGIL_MIN:
+                    mk_xxh3_update(&self.st, <const uint8_t *>view.buf, <size_t>view.len)
+                else:
+                    with nogil:
+                        mk_xxh3_update(&self.st, <const uint8_t *>view.buf, <size_t>view.len)
+            finally:
+                self._unlock()
+        finally:
+            PyBuffer_Release(&view)
+
+    def digest(self) -> int:
+        cdef uint64_t h
+        self._lock()
+        h = mk_xxh3_digest(&self.st)
+        self._unlock()
+        return h
+
+    @property
+    def length(self) -> int:
+        """Bytes fed so far."""
+        cdef uint64_t n
+        self._lock()
+        n = self.st.total_len
+        self._unlock()
+        return n
+
+
 # ------------------------------------------------------------------ the byte movers
 
 cdef void _gather(seg_t *segs, Py_ssize_t n, Py_ssize_t t0, Py_ssize_t ntok, char *out,
@@ -224,7 +523,11 @@ cdef void _gather(seg_t *segs, Py_ssize_t n, Py_ssize_t t0, Py_ssize_t ntok, cha
 
 cdef void _scatter(seg_t *segs, Py_ssize_t n, Py_ssize_t t0, Py_ssize_t ntok, const char *inp,
                    mk_xxh3_state *st) noexcept nogil:
-    """Copy packed bytes from inp into rows [t0, t0+ntok), hashing them in the same pass."""
+    """Copy packed bytes from inp into rows [t0, t0+ntok); with st, hash what landed.
+
+    The hash reads the destination, piece by piece right after copying it (still in L1),
+    never the source: a faulty copy then fails verification instead of passing it.
+    """
     cdef Py_ssize_t i, o, chunk, stride
     cdef char *dst
     for i in range(n):
@@ -234,10 +537,10 @@ cdef void _scatter(seg_t *segs, Py_ssize_t n, Py_ssize_t t0, Py_ssize_t ntok, co
         stride = segs[i].t_cap * segs[i].row_bytes
         dst = segs[i].ptr + t0 * segs[i].row_bytes
         for o in range(segs[i].outer):
-            if st != NULL:
-                mk_xxh3_update_copy(st, <uint8_t *>dst, <const uint8_t *>inp, <size_t>chunk)
-            else:
+            if st == NULL:
                 memcpy(dst, inp, <size_t>chunk)
+            else:
+                mk_xxh3_copy_verify(st, <uint8_t *>dst, <const uint8_t *>inp, <size_t>chunk)
             inp += chunk
             dst += stride
 
@@ -285,10 +588,10 @@ def pack(dst, Py_ssize_t dst_offset, segments, Py_ssize_t t0, Py_ssize_t t1,
 
 cdef Py_ssize_t _unpack(src, Py_ssize_t src_offset, segments, Py_ssize_t dst_t0,
                         Py_ssize_t ntokens, mk_xxh3_state *st) except -1:
-    cdef _Segments segs = _Segments(segments, True)
-    cdef Py_buffer inp
     if ntokens < 0:
         raise ValueError(f"ntokens must be >= 0, got {ntokens}")
+    cdef _Segments segs = _Segments(segments, True)
+    cdef Py_buffer inp
     cdef Py_ssize_t total = segs.check_range(dst_t0, dst_t0 + ntokens)
     _get_buffer(src, &inp, False, "src")
     try:
@@ -304,22 +607,31 @@ cdef Py_ssize_t _unpack(src, Py_ssize_t src_offset, segments, Py_ssize_t dst_t0,
 def unpack(src, Py_ssize_t src_offset, segments, Py_ssize_t dst_t0, Py_ssize_t ntokens) -> int:
     """Scatter a packed block from ``src`` into rows [dst_t0, dst_t0+ntokens) of each segment.
 
-    Returns the number of bytes read. Segment buffers must be writable.
+    Returns the number of bytes read. Segment buffers must be writable and disjoint.
     """
     return _unpack(src, src_offset, segments, dst_t0, ntokens, NULL)
 
 
 def unpack_hash(src, Py_ssize_t src_offset, segments, Py_ssize_t dst_t0, Py_ssize_t ntokens,
-                uint64_t seed=0) -> tuple:
-    """``unpack`` that also returns xxh3_64(seed) of the bytes it read, in one pass.
+                uint64_t seed=0, *, Xxh3Hasher hasher=None) -> tuple:
+    """``unpack``, then xxh3_64(seed) of the bytes as they landed in the segments.
 
     For verify-on-restore: scatter into fresh buffers, then discard them if the hash differs.
+    Returns ``(nbytes, hash)``; it equals the hash of the packed bytes read iff every byte
+    was copied right. With ``hasher`` (a block restored in pieces), the destination bytes
+    are fed to it instead (``seed`` is then unused) and the hash is ``hasher.digest()``.
     """
     cdef mk_xxh3_state st
-    mk_xxh3_init(&st, seed)
-    st.nt_stores = packed_size(segments, ntokens) >= _STREAM_MIN
-    n = _unpack(src, src_offset, segments, dst_t0, ntokens, &st)
-    return (n, mk_xxh3_digest(&st))
+    if hasher is None:
+        mk_xxh3_init(&st, seed)
+        n = _unpack(src, src_offset, segments, dst_t0, ntokens, &st)
+        return (n, mk_xxh3_digest(&st))
+    hasher._lock()
+    try:
+        n = _unpack(src, src_offset, segments, dst_t0, ntokens, &hasher.st)
+        return (n, mk_xxh3_digest(&hasher.st))
+    finally:
+        hasher._unlock()
 
 
 def xxh3_64(buf, uint64_t seed=0) -> int:
@@ -347,7 +659,9 @@ cdef class AlignedBuffer:
     """Page-aligned bytes with the buffer protocol (1-D, format 'B', writable).
 
     Counts the views it has handed out and refuses ``resize``/``free`` while any is alive,
-    so no memoryview, numpy array or in-flight kernel call can see freed memory.
+    so no memoryview, numpy array or in-flight kernel call can see freed memory. A resize
+    copies with the GIL released; meanwhile the buffer is marked busy, and other threads'
+    ``resize``/``free``/new views are refused (BufferError) instead of racing the copy.
     """
 
     def __cinit__(self, Py_ssize_t nbytes, Py_ssize_t alignment=4096, bint zero=False):
@@ -359,23 +673,40 @@ cdef class AlignedBuffer:
         self._zero = zero
         self._allocate(nbytes)
 
+    cdef int _check_idle(self, str action) except -1:
+        if self._busy:
+            raise BufferError(f"cannot {action} an AlignedBuffer while another thread resizes it")
+        return 0
+
     cdef int _allocate(self, Py_ssize_t nbytes) except -1:
-        """Allocate nbytes (rounded up to the alignment), copying the old contents over."""
+        """Allocate nbytes (rounded up to the alignment), copying the old contents over.
+
+        Called with the GIL held and no views alive; the old pointer is pinned in a local
+        and the buffer marked busy before the GIL is dropped for the copy.
+        """
         cdef void *p = NULL
-        cdef size_t cap = <size_t>((nbytes + self._alignment - 1) // self._alignment * self._alignment)
-        cdef size_t keep = <size_t>(nbytes if nbytes < self._nbytes else self._nbytes)
+        cdef char *old = self._ptr
+        cdef size_t cap, keep
+        cdef bint zero = self._zero
+        self._check_idle("resize")
+        if nbytes > PY_SSIZE_T_MAX - self._alignment:
+            raise MemoryError(f"cannot allocate {nbytes} bytes aligned to {self._alignment}")
+        cap = <size_t>((nbytes + self._alignment - 1) // self._alignment * self._alignment)
+        keep = <size_t>(nbytes if nbytes < self._nbytes else self._nbytes) if old != NULL else 0
         if cap == 0:
             cap = <size_t>self._alignment
         if posix_memalign(&p, <size_t>self._alignment, cap) != 0 or p == NULL:
             raise MemoryError(f"cannot allocate {nbytes} bytes aligned to {self._alignment}")
+        self._busy = True
         with nogil:
-            if self._ptr != NULL and keep:
-                memcpy(p, self._ptr, keep)
-            if self._zero and cap > keep:
+            if keep:
+                memcpy(p, old, keep)
+            if zero and cap > keep:
                 memset(<char *>p + keep, 0, cap - keep)
-        free(self._ptr)
         self._ptr = <char *>p
         self._nbytes = nbytes
+        self._busy = False
+        free(old)
         return 0
 
     def __dealloc__(self):
@@ -383,6 +714,7 @@ cdef class AlignedBuffer:
         self._ptr = NULL
 
     def __getbuffer__(self, Py_buffer *view, int flags):
+        self._check_idle("export")
         if self._ptr == NULL:
             raise BufferError("AlignedBuffer was freed")
         self._shape[0] = self._nbytes
@@ -408,7 +740,8 @@ cdef class AlignedBuffer:
 
     def __repr__(self) -> str:
         return (f"AlignedBuffer(nbytes={self._nbytes}, alignment={self._alignment}, "
-                f"exports={self._exports}{', freed' if self._ptr == NULL else ''})")
+                f"exports={self._exports}{', freed' if self._ptr == NULL else ''}"
+                f"{', resizing' if self._busy else ''})")
 
     @property
     def nbytes(self) -> int:
@@ -433,6 +766,7 @@ cdef class AlignedBuffer:
 
     def resize(self, Py_ssize_t nbytes) -> None:
         """Reallocate to nbytes, keeping the common prefix (new bytes zeroed if zero=True)."""
+        self._check_idle("resize")
         if self._exports:
             raise BufferError(f"cannot resize an AlignedBuffer with {self._exports} live view(s)")
         if nbytes < 0:
@@ -441,6 +775,7 @@ cdef class AlignedBuffer:
 
     def free(self) -> None:
         """Release the memory now; later views raise BufferError (resize reallocates)."""
+        self._check_idle("free")
         if self._exports:
             raise BufferError(f"cannot free an AlignedBuffer with {self._exports} live view(s)")
         free(self._ptr)
@@ -452,8 +787,8 @@ cdef class AlignedBuffer:
 
 cdef object _oserror(int err, object path):
     if path is None:
-        return OSError(err, strerror(err).decode("utf-8", "replace"))
-    return OSError(err, strerror(err).decode("utf-8", "replace"), os.fspath(path))
+        return OSError(err, os.strerror(err))
+    return OSError(err, os.strerror(err), os.fspath(path))
 
 
 def pwrite_full(int fd, buf, long long offset, *, path=None) -> int:
@@ -576,7 +911,8 @@ def open_direct(path, int flags, int mode=0o644, *, bint direct=True) -> tuple:
 def set_direct(int fd, bint on, *, path=None) -> bool:
     """Turn page-cache bypass on/off for an open fd; False if the filesystem cannot."""
     cdef int r, err = 0
-    r = mk_set_direct(fd, on, &err)
+    with nogil:
+        r = mk_set_direct(fd, on, &err)
     if r < 0:
         raise _oserror(err, path)
     return bool(r)
@@ -590,40 +926,3 @@ def drop_cache(int fd, *, path=None) -> bool:
     if r < 0:
         raise _oserror(err, path)
     return bool(r)
-
-
-
-# ------------------------------------------------------------------ streaming hasher
-
-cdef class Xxh3Hasher:
-    """Streaming XXH3-64: ``update`` any number of buffers, ``digest`` any time.
-
-    ``digest()`` equals ``xxh3_64`` of the concatenated input (the packer uses the same
-    state to hash rows while it copies them).
-    """
-    cdef mk_xxh3_state st
-
-    def __cinit__(self, uint64_t seed=0):
-        mk_xxh3_init(&self.st, seed)
-
-    def update(self, buf) -> None:
-        cdef Py_buffer view
-        _get_buffer(buf, &view, False, "Xxh3Hasher.update")
-        try:
-            if view.len < _NOGIL_MIN:
-                mk_xxh3_update(&self.st, <const uint8_t *>view.buf, <size_t>view.len)
-            else:
-                # Another thread could call update on this object meanwhile; the state is not
-                # locked, so (as with hashlib objects) share one hasher per thread only.
-                with nogil:
-                    mk_xxh3_update(&self.st, <const uint8_t *>view.buf, <size_t>view.len)
-        finally:
-            PyBuffer_Release(&view)
-
-    def digest(self) -> int:
-        return mk_xxh3_digest(&self.st)
-
-    @property
-    def length(self) -> int:
-        """Bytes fed so far."""
-        return self.st.total_len

@@ -11,6 +11,8 @@
  *     (scalar, SSE2, AVX2, AVX-512 on x86-64 picked at run time; NEON/scalar elsewhere)
  *   - one-shot mk_xxh3_64() and a streaming state (init/update/digest) that the packer feeds
  *     chunk by chunk, plus mk_xxh3_update_copy() which copies and hashes in one pass.
+ * Each hash runs one loop from start to end: the *_isa() entry points name it, the others
+ * read the selected one once (one-shot: per call; streaming: at init).
  */
 #ifndef MLXKV_XXH3_H
 #define MLXKV_XXH3_H
@@ -517,8 +519,19 @@ MK_DEFINE_CONSUME(mk_consume_neon, , MK_NEON_DECL, MK_NEON_LOAD, MK_NEON_STORE, 
 
 enum { MK_ISA_SCALAR = 0, MK_ISA_SSE2 = 1, MK_ISA_AVX2 = 2, MK_ISA_AVX512 = 3, MK_ISA_NEON = 4 };
 
-static mk_consume_fn mk_consume = mk_consume_scalar;
+/*
+ * The selected loop is one int, read and written atomically. Every hash picks its loop ONCE
+ * (one-shot: at the call; streaming: at init, kept in the state), so a switch by another
+ * thread never mixes two loops inside one hash, and never races a plain pointer store.
+ */
 static int mk_isa = MK_ISA_SCALAR;
+#if defined(__GNUC__) || defined(__clang__)
+#define MK_LOAD_ACQUIRE(x) __atomic_load_n(&(x), __ATOMIC_ACQUIRE)
+#define MK_STORE_RELEASE(x, v) __atomic_store_n(&(x), (v), __ATOMIC_RELEASE)
+#else /* an aligned int is read and written whole on every target we build for */
+#define MK_LOAD_ACQUIRE(x) (*(volatile int *)&(x))
+#define MK_STORE_RELEASE(x, v) (*(volatile int *)&(x) = (v))
+#endif
 
 /* Is `isa` usable on this CPU? */
 MK_API int mk_isa_supported(int isa) {
@@ -546,21 +559,27 @@ MK_API int mk_isa_supported(int isa) {
     }
 }
 
-/* Select the stripe loop; returns 0 if `isa` is not usable here. Called with the GIL held. */
-MK_API int mk_set_isa(int isa) {
-    if (!mk_isa_supported(isa)) return 0;
+/* The stripe loop of `isa` (scalar for anything not compiled in). */
+static mk_consume_fn mk_consume_for(int isa) {
     switch (isa) {
 #ifdef MK_X86
-    case MK_ISA_SSE2: mk_consume = mk_consume_sse2; break;
-    case MK_ISA_AVX2: mk_consume = mk_consume_avx2; break;
-    case MK_ISA_AVX512: mk_consume = mk_consume_avx512; break;
+    case MK_ISA_SSE2: return mk_consume_sse2;
+    case MK_ISA_AVX2: return mk_consume_avx2;
+    case MK_ISA_AVX512: return mk_consume_avx512;
 #endif
 #ifdef MK_NEON
-    case MK_ISA_NEON: mk_consume = mk_consume_neon; break;
+    case MK_ISA_NEON: return mk_consume_neon;
 #endif
-    default: mk_consume = mk_consume_scalar; break;
+    default: return mk_consume_scalar;
     }
-    mk_isa = isa;
+}
+
+MK_API int mk_get_isa(void) { return MK_LOAD_ACQUIRE(mk_isa); }
+
+/* Select the stripe loop; returns 0 if `isa` is not usable here. */
+MK_API int mk_set_isa(int isa) {
+    if (!mk_isa_supported(isa)) return 0;
+    MK_STORE_RELEASE(mk_isa, isa);
     return 1;
 }
 
@@ -613,11 +632,12 @@ static void mk_copy_nt(uint8_t *dst, const uint8_t *src, size_t n) {
 
 /* ----------------------------------------------------- long: finalization */
 
-static uint64_t mk_long_finish(uint64_t *acc, size_t *nb, const uint8_t *secret,
+static uint64_t mk_long_finish(mk_consume_fn consume, uint64_t *acc, size_t *nb,
+                               const uint8_t *secret,
                                const uint8_t *tail, size_t tail_len, const uint8_t *last_stripe,
                                uint64_t total_len) {
     /* tail: the bytes after the last consumed stripe (1..), minus its final stripe. */
-    mk_consume(acc, nb, secret, tail, NULL, (tail_len - 1) / MK_STRIPE, 0);
+    consume(acc, nb, secret, tail, NULL, (tail_len - 1) / MK_STRIPE, 0);
     mk_accumulate_scalar(acc, last_stripe, secret + MK_SECRET_LEN - MK_STRIPE - 7);
     uint64_t r = total_len * MK_P64_1;
     for (int i = 0; i < 4; i++)
@@ -626,8 +646,8 @@ static uint64_t mk_long_finish(uint64_t *acc, size_t *nb, const uint8_t *secret,
     return mk_avalanche(r);
 }
 
-/* One-shot XXH3-64 of len bytes. Reentrant; no GIL needed. */
-MK_API uint64_t mk_xxh3_64(const void *data, size_t len, uint64_t seed) {
+/* One-shot XXH3-64 of len bytes with the stripe loop of `isa`. Reentrant; no GIL needed. */
+MK_API uint64_t mk_xxh3_64_isa(int isa, const void *data, size_t len, uint64_t seed) {
     const uint8_t *p = (const uint8_t *)data;
     if (len <= MK_MIDSIZE_MAX) return mk_xxh3_short(p, len, seed);
     uint8_t derived[MK_SECRET_LEN] MK_ALIGN64;
@@ -639,7 +659,13 @@ MK_API uint64_t mk_xxh3_64(const void *data, size_t len, uint64_t seed) {
     uint64_t acc[8] MK_ALIGN64;
     size_t nb = 0;
     mk_acc_init(acc);
-    return mk_long_finish(acc, &nb, secret, p, len, p + len - MK_STRIPE, (uint64_t)len);
+    return mk_long_finish(mk_consume_for(isa), acc, &nb, secret, p, len, p + len - MK_STRIPE,
+                          (uint64_t)len);
+}
+
+/* One-shot XXH3-64 with the selected loop. */
+MK_API uint64_t mk_xxh3_64(const void *data, size_t len, uint64_t seed) {
+    return mk_xxh3_64_isa(mk_get_isa(), data, len, seed);
 }
 
 /* --------------------------------------------------------------- streaming */
@@ -655,13 +681,14 @@ typedef struct {
     size_t buf_len;
     size_t nb_stripes; /* stripes consumed in the current block */
     int nt_stores;     /* update_copy: stream dst with non-temporal stores (large blocks) */
+    mk_consume_fn consume; /* the stripe loop, fixed at init for the whole hash */
 } mk_xxh3_state;
 
 static void mk_consume_copy_unaligned_nt(mk_xxh3_state *st, uint8_t *dst, const uint8_t *p,
                                          size_t n) {
     while (n) {
         size_t k = n < MK_SPLIT_STRIPES ? n : MK_SPLIT_STRIPES;
-        mk_consume(st->acc, &st->nb_stripes, st->secret, p, NULL, k, 0);
+        st->consume(st->acc, &st->nb_stripes, st->secret, p, NULL, k, 0);
         mk_copy_nt(dst, p, k * MK_STRIPE);
         p += k * MK_STRIPE;
         dst += k * MK_STRIPE;
@@ -669,8 +696,10 @@ static void mk_consume_copy_unaligned_nt(mk_xxh3_state *st, uint8_t *dst, const 
     }
 }
 
-MK_API void mk_xxh3_init(mk_xxh3_state *st, uint64_t seed) {
+/* Start a hash with the stripe loop of `isa`. */
+MK_API void mk_xxh3_init_isa(mk_xxh3_state *st, uint64_t seed, int isa) {
     mk_acc_init(st->acc);
+    st->consume = mk_consume_for(isa);
     mk_derive_secret(st->secret, seed);
     st->seed = seed;
     st->total_len = 0;
@@ -704,7 +733,7 @@ MK_API void mk_xxh3_update_copy(mk_xxh3_state *st, uint8_t *dst, const uint8_t *
         }
         p += fill;
         len -= fill; /* > 0: more input follows the full buffer */
-        mk_consume(st->acc, &st->nb_stripes, st->secret, data, NULL, MK_BUF_LEN / MK_STRIPE, 0);
+        st->consume(st->acc, &st->nb_stripes, st->secret, data, NULL, MK_BUF_LEN / MK_STRIPE, 0);
         memcpy(st->buf, data + MK_BUF_LEN - MK_STRIPE, MK_STRIPE);
         st->buf_len = 0;
     }
@@ -713,7 +742,7 @@ MK_API void mk_xxh3_update_copy(mk_xxh3_state *st, uint8_t *dst, const uint8_t *
         if (dst && st->nt_stores && ((uintptr_t)dst & (MK_STRIPE - 1)))
             mk_consume_copy_unaligned_nt(st, dst, p, n);
         else
-            mk_consume(st->acc, &st->nb_stripes, st->secret, p, dst, n, st->nt_stores);
+            st->consume(st->acc, &st->nb_stripes, st->secret, p, dst, n, st->nt_stores);
         p += n * MK_STRIPE;
         len -= n * MK_STRIPE;
         if (dst) dst += n * MK_STRIPE;
@@ -721,6 +750,56 @@ MK_API void mk_xxh3_update_copy(mk_xxh3_state *st, uint8_t *dst, const uint8_t *
     }
     memcpy(data, p, len);
     if (dst) memcpy(dst, p, len);
+    st->buf_len = len;
+}
+
+/* Start a hash with the selected loop. */
+MK_API void mk_xxh3_init(mk_xxh3_state *st, uint64_t seed) { mk_xxh3_init_isa(st, seed, mk_get_isa()); }
+
+/*
+ * Copy len bytes from p to dst and hash them as they landed: the same steps as
+ * mk_xxh3_update_copy, but every byte is hashed from dst, each piece right after memcpy
+ * put it there (still in L1). The copy and the hash share no code, so a faulty copy
+ * changes the hash instead of hiding behind it. (This costs the non-temporal stores of
+ * update_copy: reading back a streamed line would go to DRAM.)
+ */
+#define MK_VERIFY_STRIPES 32 /* 2 KiB pieces: the copy's lines are still in L1 when hashed */
+MK_API void mk_xxh3_copy_verify(mk_xxh3_state *st, uint8_t *dst, const uint8_t *p, size_t len) {
+    if (len == 0) return;
+    st->total_len += len;
+    uint8_t *data = st->buf + MK_STRIPE;
+    if (len <= MK_BUF_LEN - st->buf_len) {
+        memcpy(dst, p, len);
+        memcpy(data + st->buf_len, dst, len);
+        st->buf_len += len;
+        return;
+    }
+    if (st->buf_len) {
+        size_t fill = MK_BUF_LEN - st->buf_len;
+        memcpy(dst, p, fill);
+        memcpy(data + st->buf_len, dst, fill);
+        dst += fill;
+        p += fill;
+        len -= fill; /* > 0: more input follows the full buffer */
+        st->consume(st->acc, &st->nb_stripes, st->secret, data, NULL, MK_BUF_LEN / MK_STRIPE, 0);
+        memcpy(st->buf, data + MK_BUF_LEN - MK_STRIPE, MK_STRIPE);
+        st->buf_len = 0;
+    }
+    if (len > MK_BUF_LEN) {
+        size_t n = (len - 1) / MK_STRIPE; /* leaves 1..64 bytes */
+        len -= n * MK_STRIPE;
+        while (n) {
+            size_t k = n < MK_VERIFY_STRIPES ? n : MK_VERIFY_STRIPES;
+            memcpy(dst, p, k * MK_STRIPE);
+            st->consume(st->acc, &st->nb_stripes, st->secret, dst, NULL, k, 0);
+            dst += k * MK_STRIPE;
+            p += k * MK_STRIPE;
+            n -= k;
+        }
+        memcpy(st->buf, dst - MK_STRIPE, MK_STRIPE);
+    }
+    memcpy(dst, p, len);
+    memcpy(data, dst, len);
     st->buf_len = len;
 }
 
@@ -735,7 +814,7 @@ MK_API uint64_t mk_xxh3_digest(const mk_xxh3_state *st) {
     uint64_t acc[8] MK_ALIGN64;
     size_t nb = st->nb_stripes;
     memcpy(acc, st->acc, sizeof acc);
-    return mk_long_finish(acc, &nb, st->secret, data, st->buf_len,
+    return mk_long_finish(st->consume, acc, &nb, st->secret, data, st->buf_len,
                           data + st->buf_len - MK_STRIPE, st->total_len);
 }
 

@@ -1,12 +1,19 @@
 """storage._blocks against its oracles: the xxhash package for XXH3-64, storage.reference
-for pack/unpack; AlignedBuffer view counting; file I/O on real files; GIL release."""
+for pack/unpack; AlignedBuffer view counting; file I/O on real files; GIL release; strided
+exporters refused; the hash-loop self-check and its fallback; kernels shared by threads."""
 
 from __future__ import annotations
 
+import logging
 import os
 import random
+import re
+import subprocess
 import sys
+import textwrap
 import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,13 +27,22 @@ DATA = RNG.integers(0, 256, 20_000, dtype=np.uint8).tobytes()
 SEEDS = [0, 1, 0x9E3779B97F4A7C15, 2**64 - 1]
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
 @pytest.fixture(params=B.hash_isas())
 def isa(request):
     """Run a test once per stripe loop this CPU supports (all must agree bit for bit)."""
     before = B.hash_isa()
-    B.set_hash_isa(request.param)
+    assert B.set_hash_isa(request.param) == request.param  # it passed its self-check
     yield request.param
     B.set_hash_isa(before)
+
+
+def _run_python(code: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run code in a fresh interpreter at the repository root (a crash fails, not kills, the test)."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
 # ------------------------------------------------------------------------ XXH3-64
@@ -36,7 +52,7 @@ def test_hash_every_length_0_to_10000(isa):
     mv = memoryview(DATA)
     seed = 0x1234_5678_9ABC_DEF0
     for n in range(10_001):
-        off = n % 7  # unaligned starts too
+        off = n % 64  # every start offset 0..63 into the buffer
         piece = mv[off : off + n]
         assert B.xxh3_64(piece) == xxhash.xxh3_64_intdigest(piece), n
         assert B.xxh3_64(piece, seed) == xxhash.xxh3_64_intdigest(piece, seed), n
@@ -61,6 +77,28 @@ def test_hash_large_buffer_unaligned_offsets(isa):
         for seed in (0, 0xDEADBEEF):
             piece = mv[off : off + 5_000_000 - off * 1001]
             assert B.xxh3_64(piece, seed) == xxhash.xxh3_64_intdigest(piece, seed), (off, seed)
+
+
+@pytest.fixture(scope="module")
+def over_4_gib():
+    """(unaligned view of 4 GiB + 4,099 bytes, its xxh3_64 with seed 0x5EED). np.zeros maps
+    untouched pages to the shared zero page, so this costs hashing time, not memory."""
+    n = (4 << 30) + 4_099
+    big = np.zeros(n + 1, np.uint8)
+    for pos in (1, (1 << 32) - 1, 1 << 32, n - 5):
+        big[pos] = pos % 251 + 1
+    mv = memoryview(big)[1:]
+    return mv, xxhash.xxh3_64_intdigest(mv, 0x5EED)
+
+
+def test_hash_over_4_gib(isa, over_4_gib):
+    # Lengths past 2**32: a 32-bit truncation anywhere would change the hash.
+    mv, want = over_4_gib
+    assert B.xxh3_64(mv, 0x5EED) == want
+    h = B.Xxh3Hasher(0x5EED)
+    h.update(mv[: (1 << 32) + 17])
+    h.update(mv[(1 << 32) + 17 :])
+    assert h.digest() == want and h.length == len(mv)
 
 
 def test_hash_accepts_buffers_and_rejects_others():
@@ -458,7 +496,11 @@ def test_kernels_and_io_release_the_gil(tmp_path):
     assert _progress_during(lambda: B.pack(dst, 0, segs, 0, 1024, hash=False))
     assert _progress_during(lambda: B.unpack(dst, 0, segs, 0, 1024))
     assert _progress_during(lambda: B.unpack_hash(dst, 0, segs, 0, 1024))
+    assert _progress_during(lambda: B.unpack_hash(dst, 0, segs, 0, 1024, hasher=B.Xxh3Hasher()))
     assert _progress_during(lambda: B.xxh3_64(dst))
+    assert _progress_during(lambda: B.Xxh3Hasher().update(dst))
+    grow = B.AlignedBuffer(src.nbytes, zero=True)
+    assert _progress_during(lambda: grow.resize(grow.nbytes + 4096))
     fd = os.open(tmp_path / "gil.bin", os.O_CREAT | os.O_RDWR)
     try:
         assert _progress_during(lambda: B.pwrite_full(fd, dst, 0))
@@ -475,3 +517,337 @@ def test_gil_probe_detects_a_call_that_holds_the_gil():
             x += i
 
     assert not _progress_during(busy, attempts=5)
+
+
+# ------------------------------------------------------------------ strided exporters
+
+
+def _strided_numpy():
+    a = RNG.integers(0, 256, (8, 64), dtype=np.uint8)
+    return {"every_other_row": a[::2], "column_slice": a[:, 1:33], "transposed": a.T,
+            "reversed": a[::-1], "broadcast": np.broadcast_to(a[0], (8, 64))}
+
+
+def _refusals(buf, nbytes):
+    """Every kernel entry point that takes a buffer, handed ``buf`` in each role."""
+    flat = bytearray(nbytes + 64)
+    return {
+        "xxh3_64": lambda: B.xxh3_64(buf),
+        "Xxh3Hasher.update": lambda: B.Xxh3Hasher().update(buf),
+        "pack segment": lambda: B.pack(flat, 0, [(buf, 1, 1, nbytes)], 0, 1),
+        "pack dst": lambda: B.pack(buf, 0, [(bytes(1), 1, 1, 1)], 0, 1),
+        "unpack src": lambda: B.unpack(buf, 0, [(bytearray(1), 1, 1, 1)], 0, 1),
+        "unpack segment": lambda: B.unpack(flat, 0, [(buf, 1, 1, nbytes)], 0, 1),
+        "unpack_hash segment": lambda: B.unpack_hash(flat, 0, [(buf, 1, 1, nbytes)], 0, 1),
+        "pwrite_full": lambda: B.pwrite_full(-1, buf, 0),
+        "pwritev_full": lambda: B.pwritev_full(-1, [b"ok", buf], 0),
+        "pread_full": lambda: B.pread_full(-1, buf, 0),
+    }
+
+
+def _assert_refused(calls: dict, match: str) -> None:
+    for name, call in calls.items():
+        try:
+            call()
+        except ValueError as exc:
+            assert re.search(match, str(exc)), (name, str(exc))
+        else:
+            pytest.fail(f"{name} accepted a strided buffer")
+
+
+@pytest.mark.parametrize("name", list(_strided_numpy()))
+def test_strided_numpy_views_are_refused_by_every_entry_point(name):
+    view = _strided_numpy()[name]
+    _assert_refused(_refusals(view, view.nbytes), "contiguous|read-only")
+
+
+def _mlx_cases():
+    mx = pytest.importorskip("mlx.core")
+    a = mx.arange(8 * 64).astype(mx.uint8).reshape(8, 64)
+    strided = {"every_other_row": a[::2], "column_slice": a[:, 1:33], "transposed": a.T,
+               "broadcast": mx.broadcast_to(a[0], (8, 64)),
+               "broadcast_column": mx.broadcast_to(a[:, :1], (8, 64))}
+    contiguous = {"whole": a, "row_slice": a[2:5], "column_slice_of_one_row": a[3, 5:40]}
+    mx.eval(*strided.values(), *contiguous.values())
+    return mx, strided, contiguous
+
+
+def test_mlx_strided_arrays_are_refused_never_misread():
+    # MLX ignores the request for contiguous memory and reports len = nbytes over strided
+    # memory: the kernel must check what it got, or it reads the wrong bytes.
+    mx, strided, contiguous = _mlx_cases()
+    for name, arr in strided.items():
+        assert not memoryview(arr).c_contiguous, name  # the exporter says so in its strides
+        calls = _refusals(arr, arr.nbytes)
+        for writes in ("pack dst", "unpack segment", "unpack_hash segment", "pread_full"):
+            del calls[writes]  # mlx arrays export read-only: refused for that already
+        _assert_refused(calls, "not C-contiguous")
+    for name, arr in contiguous.items():
+        want = np.array(arr).tobytes()
+        assert B.xxh3_64(arr) == xxhash.xxh3_64_intdigest(want), name
+        out = bytearray(len(want))
+        assert B.pack(out, 0, [(arr, 1, 1, len(want))], 0, 1)[0] == len(want)
+        assert bytes(out) == want, name
+
+
+# ------------------------------------------------------------------ hash-loop self-check
+
+
+def _kat_input(n: int) -> bytes:
+    i = np.arange(n, dtype=np.uint64)
+    return (((i * np.uint64(0x9E3779B1)) & np.uint64(0xFFFFFFFF)) >> np.uint64(24)).astype(np.uint8).tobytes()
+
+
+def test_self_check_vectors_are_xxhash_answers():
+    for n, h0, h1 in B._KAT:
+        data = _kat_input(n)
+        assert xxhash.xxh3_64_intdigest(data, 0) == h0, n
+        assert xxhash.xxh3_64_intdigest(data, B._KAT_SEED) == h1, n
+
+
+def test_every_hash_loop_passes_the_self_check():
+    assert B.hash_self_check() is None
+    for name in B.hash_isas():
+        assert B.hash_self_check(name) is None, name
+    with pytest.raises(ValueError, match="not available"):
+        B.hash_self_check("no-such-loop")
+
+
+def test_failed_self_check_falls_back_to_scalar_with_one_warning(caplog):
+    vector = [name for name in B.hash_isas() if name != "scalar"]
+    if not vector:
+        pytest.skip("only the scalar loop runs on this CPU")
+    before = B.hash_isa()
+    try:
+        with caplog.at_level(logging.WARNING, logger="mlxkv.storage"):
+            assert B.set_hash_isa(vector[-1], tamper=1) == "scalar"
+            assert B.hash_isa() == "scalar"
+            assert B.set_hash_isa(vector[-1], tamper=1 << 40) == "scalar"  # same condition again
+        warnings = [r for r in caplog.records if r.name == "mlxkv.storage"]
+        assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
+        assert vector[-1] in warnings[0].getMessage() and "scalar" in warnings[0].getMessage()
+        assert B.xxh3_64(DATA) == xxhash.xxh3_64_intdigest(DATA)  # the fallback hashes right
+    finally:
+        B.set_hash_isa(before)
+    assert B.hash_isa() == before
+
+
+def test_import_selects_a_checked_loop_and_never_raises():
+    probe = "from storage import _blocks as B; print(B.hash_isa(), B.hash_self_check())"
+    r = _run_python(probe, {"MLXKV_XXH3_ISA": "scalar"})
+    assert r.returncode == 0 and r.stdout.split() == ["scalar", "None"], r.stderr
+    r = _run_python("import logging; logging.basicConfig(); " + probe, {"MLXKV_XXH3_ISA": "bogus"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [B.set_hash_isa("best"), "None"]
+    assert "MLXKV_XXH3_ISA='bogus' is not usable" in r.stderr and "Traceback" not in r.stderr
+
+
+# ------------------------------------------------------------------ verified unpack
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_unpack_hash_is_the_hash_of_what_landed(layout, isa):
+    segs = LAYOUTS[layout]()
+    t_cap = segs[0][2]
+    for t0, t1 in _ranges(t_cap):
+        n = B.packed_size(segs, t1 - t0)
+        block = bytearray(n + 3)
+        _, h = B.pack(block, 3, segs, t0, t1, 77)
+        dst = [(np.zeros(len(memoryview(s[0]).cast("B")), np.uint8),) + tuple(s[1:]) for s in segs]
+        assert B.unpack_hash(block, 3, dst, t0, t1 - t0, 77) == (n, h)
+        # Re-pack the destination rows: the same bytes, so the same hash.
+        again = bytearray(n)
+        assert B.pack(again, 0, dst, t0, t1, 77) == (n, h) and again == block[3:]
+
+
+def test_unpack_hash_every_length_and_alignment(isa):
+    src = np.frombuffer(DATA, np.uint8)
+    dst = np.zeros(4096 + 128, np.uint8)
+    for n in range(4097):
+        so, do = n % 63 + 1, (n * 7) % 64
+        _, h = B.unpack_hash(src[so : so + n], 0, [(dst[do : do + n], 1, 1, n)], 0, 1, n)
+        assert h == xxhash.xxh3_64_intdigest(src[so : so + n], n), n
+        assert bytes(dst[do : do + n]) == bytes(src[so : so + n]), n
+
+
+def test_unpack_hash_into_a_hasher_in_pieces():
+    segs = _kv_bf16(layers=2, heads=4, t_cap=64, dim=64)
+    n = B.packed_size(segs, 64)
+    block = bytearray(n)
+    _, h = B.pack(block, 0, segs, 0, 64, 5)
+    dst = [(np.zeros_like(s[0]),) + tuple(s[1:]) for s in segs]
+    hasher = B.Xxh3Hasher(5)
+    pos = 0
+    for seg in dst:  # one segment per call, as a piecewise restore does
+        k, _ = B.unpack_hash(block, pos, [seg], 0, 64, hasher=hasher)
+        pos += k
+    assert pos == n and hasher.digest() == h and hasher.length == n
+    assert all(np.array_equal(d[0], s[0]) for d, s in zip(dst, segs))
+
+
+def test_unpack_refuses_overlapping_destinations():
+    # Two destinations sharing bytes: the second scatter overwrites the first after it
+    # landed, so a hash of the packed bytes would pass over wrong KV rows. Refused up front.
+    segs = _kv_f32(t_cap=16)
+    n = B.packed_size(segs, 16)
+    block = bytearray(n)
+    B.pack(block, 0, segs, 0, 16)
+    one = np.zeros_like(segs[0][0])
+    size = one.nbytes
+    shared = np.zeros(2 * size - 4096, np.uint8)
+    for dst in ([(one,) + segs[0][1:], (one,) + segs[1][1:]],  # the same array twice
+                [(shared[:size],) + segs[0][1:], (shared[size - 4096 :],) + segs[1][1:]]):
+        for call in (B.unpack, B.unpack_hash):
+            with pytest.raises(ValueError, match="overlaps segment"):
+                call(block, 0, dst, 0, 16)
+            assert not one.any() and not shared.any()  # refused before writing anything
+    a = np.zeros(8 * 16 * 256 * 2, np.uint8)  # adjacent halves of one array are fine
+    assert B.unpack_hash(block, 0, [(a[: a.size // 2], 8, 16, 256), (a[a.size // 2 :], 8, 16, 256)],
+                         0, 16)[0] == n
+
+
+def test_unpack_hash_takes_segments_from_an_iterator():
+    segs = _kv_f32(t_cap=8)
+    n = B.packed_size(segs, 8)
+    block = bytearray(n)
+    _, h = B.pack(block, 0, iter(segs), 0, 8, 3)
+    dst = [(np.zeros_like(s[0]),) + tuple(s[1:]) for s in segs]
+    assert B.unpack_hash(block, 0, (d for d in dst), 0, 8, 3) == (n, h)
+    assert all(np.array_equal(d[0], s[0]) for d, s in zip(dst, segs))
+
+
+def test_segment_dimensions_beyond_ssize_t_are_a_value_error():
+    with pytest.raises(ValueError, match="too large"):
+        B.pack(bytearray(8), 0, [(b"", 0, 2**70, 1)], 0, 0)
+
+
+# ------------------------------------------------------------------ threads
+
+
+def test_aligned_buffer_resize_copy_is_not_raced_by_other_threads():
+    # resize copies with the GIL released; other threads' resize/free/new views must be
+    # refused meanwhile, never free or export the memory being copied. In a subprocess: on
+    # a racing implementation this is a use-after-free or double free (a crash).
+    r = _run_python("""
+        import threading
+        from storage import _blocks as B
+        N = 32 << 20
+        buf = B.AlignedBuffer(N)
+        memoryview(buf)[:8] = b"pattern!"
+        refused, errors = [0], []
+
+        def guard(fn):
+            try:
+                fn()
+            except BufferError as exc:
+                if "another thread" in str(exc):
+                    refused[0] += 1
+                elif "live view" not in str(exc):
+                    errors.append(exc)
+
+        def resizer(start):
+            start.wait()
+            for i in range(16):
+                guard(lambda: buf.resize(N + (i % 2) * 4096))
+
+        def look():
+            with memoryview(buf) as mv:
+                assert mv[:8] == b"pattern!", bytes(mv[:8])
+
+        def race(other, resizers):
+            # `other` runs over and over until the resizers are done
+            start, stop = threading.Barrier(resizers + 1, timeout=30), threading.Event()
+            def loop():
+                start.wait()
+                while not stop.is_set():
+                    guard(other)
+            threads = [threading.Thread(target=resizer, args=(start,)) for _ in range(resizers)]
+            looper = threading.Thread(target=loop)
+            for t in threads + [looper]:
+                t.start()
+            for t in threads:
+                t.join(120)
+            stop.set()
+            looper.join(120)
+            assert not errors, errors
+
+        race(look, 2)  # two resizers and a reader of new views
+        assert bytes(memoryview(buf)[:8]) == b"pattern!"
+        assert buf.exports == 0 and not buf.freed
+        race(buf.free, 1)  # a resizer and a freer
+        print("ok", refused[0])
+    """)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert r.stdout.startswith("ok") and int(r.stdout.split()[1]) > 0, r.stdout  # they did overlap
+
+
+def test_hasher_shared_by_threads_serializes_updates():
+    # Two threads feed one hasher whole periods of one pattern, large updates (GIL released)
+    # and small ones (GIL held): every interleaving of whole updates gives the same input, so
+    # the digest is exact unless two updates overlapped (a corrupted state).
+    period = RNG.integers(0, 256, 100, dtype=np.uint8)
+    big, small = np.tile(period, 40_000), period
+    h = B.Xxh3Hasher(11)
+    rounds = 64
+    start = threading.Barrier(2, timeout=60)
+
+    def feed():
+        start.wait()
+        for _ in range(rounds):
+            h.update(big)
+            h.update(small)
+        return True
+
+    with ThreadPoolExecutor(2) as pool:
+        assert all(f.result(timeout=120) for f in [pool.submit(feed) for _ in range(2)])
+    n = 2 * rounds * (big.nbytes + small.nbytes)
+    assert h.length == n
+    assert h.digest() == xxhash.xxh3_64_intdigest(np.tile(period, n // 100), 11)
+
+
+def test_switching_hash_loop_while_threads_hash():
+    # Each hash runs one loop start to end, whatever another thread selects meanwhile.
+    big = RNG.integers(0, 256, 3 << 20, dtype=np.uint8)
+    want = xxhash.xxh3_64_intdigest(big, 9)
+    segs = [(big.reshape(16, -1), 16, 1, big.nbytes // 16)]
+    block = B.AlignedBuffer(big.nbytes)
+    out = [(np.zeros_like(big).reshape(16, -1), 16, 1, big.nbytes // 16)]
+    done, before = threading.Event(), B.hash_isa()
+
+    def one_shot():
+        return all(B.xxh3_64(big, 9) == want for _ in range(40))
+
+    def streaming():
+        ok = True
+        for _ in range(20):
+            h = B.Xxh3Hasher(9)
+            for piece in np.array_split(big, 7):
+                h.update(piece)
+            ok &= h.digest() == want
+        return ok
+
+    def kernels():
+        ok = True
+        for _ in range(20):
+            ok &= B.pack(block, 0, segs, 0, 1, 9) == (big.nbytes, want)
+            ok &= B.unpack_hash(block, 0, out, 0, 1, 9) == (big.nbytes, want)
+        return ok
+
+    def switcher():
+        names, i = B.hash_isas(), 0
+        while not done.is_set():
+            B.set_hash_isa(names[i % len(names)])
+            i += 1
+        return i
+
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            sw = pool.submit(switcher)
+            work = [pool.submit(f) for f in (one_shot, streaming, kernels)]
+            results = [f.result(timeout=300) for f in work]
+            done.set()
+            assert sw.result(timeout=60) > 1
+        assert results == [True, True, True]
+    finally:
+        done.set()
+        B.set_hash_isa(before)
