@@ -189,3 +189,24 @@ def test_checkpoint_write_and_read_through_the_threads(io):
                                    checkpoint=True)).result(WAIT)
     assert r.n_tokens == toks.size
     np.testing.assert_array_equal(dst, state)
+
+
+def test_unusable_folder_fails_the_write_future_cleanly(tmp_path, caplog):
+    """The folder's lock replaced by a folder: each write's future fails with
+    StoreWriteError (one warning, no traceback logged), and reads go on."""
+    from storage.store import reset_warnings
+
+    reset_warnings()
+    store = BlockStore(tmp_path, block_tokens=BT)
+    with StorageIO(store) as sio:
+        toks = np.arange(BT)
+        sio.submit_write(snapshot(toks)[0]).result(WAIT)
+        (tmp_path / ".lock").unlink()
+        (tmp_path / ".lock").mkdir()
+        for j in range(3):
+            with pytest.raises(StoreWriteError, match="lock"):
+                sio.submit_write(snapshot(np.arange(100 * j + 100, 100 * j + 100 + BT))[0]).result(WAIT)
+        r = sio.submit_read(ReadRequest("m", toks, LAYOUT, segs(kv([], BT)))).result(WAIT)
+        assert r.n_tokens == BT
+        assert sio.counts()["failed"] == 3
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
