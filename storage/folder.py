@@ -16,9 +16,11 @@ Opening a folder (:func:`open_folder`):
 - marked: the marker must parse and name a layout this code knows;
 - unmarked but not empty: it is *adopted* (marked) only if it holds nothing but the
   layout above, written by an mlxkv from before markers: every file named as ours, a
-  regular file, in a real folder, starting with the mlxkv magic (temp files may also be
-  empty). Anything else (a user's files, a symlink, a FIFO, an unknown name) means the
-  folder is not ours: :class:`~storage.keys.CacheFolderError`, and nothing is touched;
+  regular file in a real folder, whose 16-byte prefix parses as ours (magic, a record
+  kind matching its name, a plausible header length; any format version). A temp file
+  may also be empty. Anything else (a user's files, a symlink, a FIFO, an unknown name)
+  means the folder is not ours: :class:`~storage.keys.CacheFolderError`, and nothing is
+  touched. Damage past the prefix is found later, as in any cache folder;
 - a path that is a file, a read-only folder, or a ``.lock`` that is not a regular file:
   CacheFolderError too.
 
@@ -40,7 +42,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from storage import diskio as dio
-from storage.format import MAGIC, FormatError, load_json
+from storage.format import (
+    KIND_BLOCK,
+    KIND_CHECKPOINT,
+    KIND_MANIFEST,
+    KIND_TAIL,
+    PREFIX_SIZE,
+    FormatError,
+    UnknownVersion,
+    load_json,
+    parse_prefix,
+)
 from storage.keys import NS_RE, CacheFolderError
 
 MARKER = "MLXKV-CACHE"
@@ -178,18 +190,31 @@ def folder_lock(root: str, shared: bool, marked: bool = True) -> Iterator[None]:
         os.close(fd)  # closing the descriptor releases the lock
 
 
-def _magic_or_empty(path: str, allow_empty: bool) -> bool:
+_KIND_OF_NAME = {"blk": KIND_BLOCK, "tail": KIND_TAIL, "ckpt": KIND_CHECKPOINT, "man": KIND_MANIFEST}
+
+
+def _parses_as_ours(path: str, kind: int | None) -> bool:
+    """The file's prefix is an mlxkv prefix of ``kind`` (None: a temp file of any kind,
+    or empty)."""
     try:
         fd = dio.open_ro(path)
     except OSError:
         return False
     try:
-        head = os.pread(fd, len(MAGIC), 0)
+        head = os.pread(fd, PREFIX_SIZE, 0)
     except OSError:
         return False
     finally:
         os.close(fd)
-    return head == MAGIC or (allow_empty and not head)
+    if kind is None and not head:
+        return True
+    try:
+        got = parse_prefix(head)[1]
+    except UnknownVersion:  # a newer mlxkv's file: ours (the kind is not checked)
+        return True
+    except FormatError:
+        return False
+    return kind is None or got == kind
 
 
 def _first_foreign(root: str, shallow: bool) -> str | None:
@@ -233,6 +258,7 @@ def _foreign_in_namespace(nsd: str) -> str | None:
             temp = bool(temps.match(de.name))
             if not (temp or names.match(de.name)) or (shard and not temp and de.name[:2] != shard):
                 return de.path
-            if not de.is_file(follow_symlinks=False) or not _magic_or_empty(de.path, temp):
+            kind = None if temp else _KIND_OF_NAME[de.name.rsplit(".", 1)[1]]
+            if not de.is_file(follow_symlinks=False) or not _parses_as_ours(de.path, kind):
                 return de.path
     return None

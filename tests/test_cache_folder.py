@@ -108,7 +108,7 @@ def test_an_unmarked_folder_of_only_our_files_is_adopted(tmp_path):
     assert restore(store, "m", toks, F32, toks.size)[0].n_tokens == toks.size
 
 
-@pytest.mark.parametrize("extra", ["file", "symlink", "bad-magic", "subfolder"])
+@pytest.mark.parametrize("extra", ["file", "symlink", "bad-magic", "wrong-kind", "subfolder"])
 def test_an_unmarked_folder_with_anything_else_is_not_adopted(tmp_path, extra):
     toks, keys = old_cache(tmp_path)
     shard = tmp_path / "m" / keys[0].hex()[:2]
@@ -118,6 +118,9 @@ def test_an_unmarked_folder_with_anything_else_is_not_adopted(tmp_path, extra):
         (shard / (keys[0].hex()[:2] + "2" * 30 + ".blk")).symlink_to(tmp_path / "m" / "manifests")
     elif extra == "bad-magic":
         (shard / (keys[0].hex()[:2] + "1" * 30 + ".blk")).write_bytes(b"x" * 64)
+    elif extra == "wrong-kind":  # an mlxkv manifest where a block should be
+        man = next((tmp_path / "m" / "manifests").iterdir()).read_bytes()
+        (shard / (keys[0].hex()[:2] + "1" * 30 + ".blk")).write_bytes(man)
     else:
         (shard / "sub").mkdir()
     before = tree(tmp_path)
