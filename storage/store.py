@@ -3,6 +3,7 @@
 API (all byte-level; ``storage`` never imports mlx)::
 
     store = BlockStore(root, block_tokens=256, max_bytes=None, durable=True, direct_io=True)
+        # creates/marks/adopts the folder; CacheFolderError if it is not a usable cache
     store.scan()                                   # at startup: rebuild the index from headers
 
     # layout: one SegmentSpec per per-layer tensor (format.SegmentSpec / make_layout)
@@ -27,7 +28,12 @@ API (all byte-level; ``storage`` never imports mlx)::
     m = store.lookup_checkpoint(ns, tokens, max_tokens=None)           -> Match (.checkpoint_key)
     store.get_checkpoint(ns, m, layout, segments)                       -> Restore
     store.put_manifest / get_manifest / manifests / delete_manifest   # named conversations
+    store.manifests(ns, errors={})  # + the unreadable ones: errors[path] = reason
+    store.damaged_manifests(ns)     # -> {path: reason}: what ``cache verify`` reports
     store.evict(max_bytes) ; store.gc(ns, min_age_s) ; store.stats() ; store.close()
+        # gc leaves a namespace whole while one of its manifests cannot be read
+        # (its report lists them under "unreadable_manifests")
+    store.clear(ns)                 # remove a namespace whole, damaged manifests included
 
 Keys: block key = xxh3_128(parent key, namespace id, token ids of the block); a tail key
 hashes its parent key and its (< block_tokens) token ids. A tail is usable for any query
