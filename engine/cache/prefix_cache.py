@@ -16,7 +16,8 @@
   lookup for the RAM tier and names the store's blocks);
 * ``layout`` / ``template``: the versioned mapping of mlx-lm caches onto stored bytes,
   and the check of a restored cache against the model's before it is lent;
-* ``listing`` / ``info``: entries for front ends; ``stats`` / ``events``: counters,
+* ``manage`` / ``listing`` / ``info``: entries for front ends (list, pin, evict, delete,
+  verify, invalidate); ``stats`` / ``events``: counters,
   events (``on_event``) and once-per-condition warnings.
 
 ``lookup`` returns the longest cached prefix (at most ``len(tokens) - 1``) as a new mlx-lm
@@ -36,15 +37,15 @@ from typing import Any
 import numpy as np
 
 from engine.cache import kvblocks as kb
-from engine.cache import listing, upkeep
 from engine.cache.events import Events
 from engine.cache.info import CacheEntryDetail, CacheEntryInfo
 from engine.cache.lending import Lending
+from engine.cache.manage import ManageMixin, folder_errors
 from engine.cache.ram_tier import Entry, RamTier
 from engine.cache.ssd import SsdTier
 from engine.cache.stats import Counters, Usage
 from engine.cache.template import Templates, probe_model
-from engine.cache.tokens import as_tokens, chain_keys, common_prefix, store_namespace
+from engine.cache.tokens import as_tokens, chain_keys, store_namespace
 from engine.cache.tokens import entry_id as eid_of
 
 __all__ = ["NullPrefixCache", "PrefixCache", "default_ram_bytes", "store_namespace"]
@@ -59,12 +60,6 @@ def default_ram_bytes(fraction: float = 0.25) -> int:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * fraction)
     except (ValueError, OSError, AttributeError):
         return 2 << 30
-
-
-def _folder_errors() -> tuple[type[BaseException], ...]:
-    import storage
-
-    return (getattr(storage, "CacheFolderError", OSError), OSError)
 
 
 class NullPrefixCache:
@@ -121,8 +116,9 @@ class NullPrefixCache:
         return None
 
 
-class PrefixCache:
-    """RAM + SSD prefix cache (see the module docstring)."""
+class PrefixCache(ManageMixin):
+    """RAM + SSD prefix cache (see the module docstring); the front end's entry management
+    (entries, pin, evict, delete, verify, invalidate) is in ``engine.cache.manage``."""
 
     def __init__(self, ram_bytes: int | None = None, cache_dir: str | os.PathLike | None = None,
                  block_tokens: int = 256, ssd: bool = True, ssd_bytes: int | None = None,
@@ -153,7 +149,7 @@ class PrefixCache:
                 self.ssd = SsdTier(root, self.block_tokens, ssd_bytes, durable, debounce_s,
                                    retries, restore_timeout_s, self._events, self.counters,
                                    self.templates)
-            except _folder_errors() as exc:
+            except folder_errors() as exc:
                 self.ssd_disabled_reason = str(exc)
                 self._events.warn("ssd-unusable", "prefix cache: running without the SSD "
                                   "tier (RAM only): %s", exc)
@@ -319,155 +315,6 @@ class PrefixCache:
         self._sessions.discard(session)
         self.ram.release_session(session)
         self.ram.evict()
-
-    # ------------------------------------------------------------------ entries
-    def _saved(self, sns: str | None) -> list[upkeep.Saved]:
-        if self.ssd is None:
-            return []
-        try:
-            names = [sns] if sns is not None else sorted(self.ssd.disk.stats()["namespaces"])
-            return [s for name in names for s in upkeep.saved_states(self.ssd.disk, name)]
-        except _folder_errors() as exc:
-            self._events.warn("list-failed", "prefix cache: cannot list the SSD tier: %s", exc)
-            return []
-
-    def _facts(self, sns: str | None) -> dict[str, listing.Facts]:
-        return listing.gather(self.ram, self._saved(sns), sns)
-
-    def entries(self, ns: str | None = None) -> list[CacheEntryInfo]:
-        """Every stored state (of ``ns``, or all), most recently used first."""
-        infos = listing.infos(self._facts(None if ns is None else store_namespace(ns)),
-                              self.ram, self._pins, self.usage)
-        return sorted(infos.values(), key=lambda i: -i.last_used)
-
-    def entry(self, entry_id: str) -> CacheEntryDetail | None:
-        facts = self._facts(None)
-        f = facts.get(entry_id)
-        if f is None:
-            return None
-        info = listing.infos(facts, self.ram, self._pins, self.usage)[entry_id]
-        return listing.detail(info, f, self._verified)
-
-    def pin(self, entry_id: str, pinned: bool = True) -> bool:
-        """Keep an entry over others in RAM (never superseded or handed over)."""
-        e = self.ram.find(entry_id)
-        found = e is not None or any(s.eid == entry_id for s in self._saved(None))
-        if not found:
-            return False
-        if pinned:
-            self._pins.add(entry_id)
-        else:
-            self._pins.discard(entry_id)
-        if e is not None:
-            e.pinned = pinned
-            if not pinned:
-                self.ram.evict()
-        self._events.emit("pin", id=entry_id, pinned=pinned)
-        return True
-
-    def evict(self, entry_id: str) -> bool:
-        """Drop an entry from RAM; the SSD tier keeps it (its write goes first)."""
-        e = self.ram.find(entry_id)
-        if e is None:
-            return False
-        if self.ssd is not None:
-            self.ssd.durability.hurry(e.ns, e.tokens)
-        self.ram.drop(e, evicted=True)
-        self.counters.add(evicted=1)
-        return True
-
-    def delete(self, entry_id: str) -> bool:
-        """Drop an entry from every tier (blocks other entries use stay)."""
-        found = False
-        e = self.ram.find(entry_id)
-        ns_toks = None
-        if e is not None:
-            ns_toks = (e.ns, e.tokens)
-            self.ram.drop(e, evicted=False)
-            found = True
-        self.lending.forget(lambda r: eid_of(r.ns, r.tokens) == entry_id)
-        if self.ssd is not None:
-            saved = self._saved(None)
-            mine = next((s for s in saved if s.eid == entry_id), None)
-            if mine is not None:
-                ns_toks = (mine.ns, mine.tokens)
-            if ns_toks is not None and not self.ssd.durability.cancel(*ns_toks):
-                self._events.warn("delete-writing", "prefix cache: a deleted entry was still "
-                                  "being written; it may come back on disk")
-            if mine is not None:
-                others = {k for s in saved if s is not mine and s.ns == mine.ns
-                          for k, _, _ in s.blocks}
-                self._remove(mine.ns, {k for k, _, _ in mine.blocks} - others, [mine.manifest])
-                found = True
-        self._pins.discard(entry_id)
-        self.usage.forget(entry_id)
-        if found:
-            self.counters.add(deleted=1)
-            self._events.emit("delete", id=entry_id)
-        return found
-
-    def _remove(self, sns: str, keys: set[bytes], manifests: list[str]) -> None:
-        try:
-            upkeep.remove(self.ssd.disk, sns, keys, manifests)
-        except _folder_errors() as exc:
-            self._events.warn("remove-failed", "prefix cache: cannot remove from the SSD "
-                              "tier: %s", exc)
-
-    def invalidate(self, tokens: Any, ns: str) -> None:
-        """Drop every cached state that could seed a prompt of ``tokens`` (both tiers):
-        a generation from such a state failed."""
-        toks, sns = as_tokens(tokens), store_namespace(ns)
-        if len(toks) == 0:
-            return
-        dropped = self.ram.seeding(sns, toks)
-        for e in dropped:
-            self.ram.drop(e, evicted=False)
-            if self.ssd is not None:
-                self.ssd.durability.cancel(e.ns, e.tokens)
-        self.lending.forget(lambda r: r.ns == sns and common_prefix(r.tokens, toks) > 0)
-        if self.ssd is not None:
-            keys = self._seeding_keys(sns, toks)
-            mans = [s.manifest for s in self._saved(sns)
-                    if keys & {k for k, _, _ in s.blocks}]
-            self._remove(sns, keys, mans)
-        self.counters.add(invalidated=1)
-        self._events.emit("invalidate", ns=ns, tokens=len(toks), ram_entries=len(dropped))
-
-    def _seeding_keys(self, sns: str, toks: np.ndarray) -> set[bytes]:
-        disk = self.ssd.disk
-        m = disk.lookup(sns, toks)
-        keys = set(m.block_keys) | ({m.tail_key} if m.tail_key is not None else set())
-        limit = len(toks)
-        while limit > 0:
-            cm = disk.lookup_checkpoint(sns, toks, max_tokens=limit)
-            if not cm.n_tokens:
-                break
-            keys.add(cm.checkpoint_key)
-            limit = cm.n_tokens - 1
-        return keys
-
-    def verify(self, entry_id: str | None = None) -> dict[str, Any]:
-        """Read back saved states (one, or all) and check every block's content hash."""
-        out: dict[str, Any] = {"checked": 0, "ok": 0, "damaged": [], "manifests_damaged": 0}
-        if self.ssd is None:
-            return out
-        saved = self._saved(None)
-        if entry_id is None:
-            for name in sorted({s.ns for s in saved} | set(self.ssd.disk.stats()["namespaces"])):
-                out["manifests_damaged"] += upkeep.damaged_manifests(self.ssd.disk, name)
-        for s in saved:
-            if entry_id is not None and s.eid != entry_id:
-                continue
-            ok, seen = upkeep.verify(self.ssd.io, s, self.ssd.restore_timeout_s)
-            self._verified.update(seen)
-            out["checked"] += 1
-            if ok:
-                out["ok"] += 1
-            else:
-                out["damaged"].append(s.eid)
-        if len(self._verified) > 100_000:
-            self._verified.clear()
-        return out
 
     # ------------------------------------------------------------------ durability
     def flush(self, timeout: float | None = None) -> dict[str, int]:

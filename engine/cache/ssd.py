@@ -73,11 +73,7 @@ class SsdTier:
 
         self.events, self.counters, self.templates = events, counters, templates
         self.restore_timeout_s = restore_timeout_s
-        try:
-            os.makedirs(root, exist_ok=True)
-        except OSError as exc:
-            raise OSError(exc.errno, f"cannot create the cache folder {root}: "
-                          f"{exc.strerror}") from exc
+        # BlockStore creates the folder, or raises CacheFolderError saying what to do.
         self.disk = BlockStore(root, block_tokens=block_tokens, max_bytes=max_bytes,
                                durable=durable)
         self.disk.scan()
