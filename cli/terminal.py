@@ -42,15 +42,20 @@ def watch_signals() -> None:
 
 
 def _wait_readable(fd: int) -> None:
-    """Block until ``fd`` is readable or a signal arrived (its handler runs as this returns)."""
+    """Block until ``fd`` is readable; a signal's handler runs while waiting (SIGTERM and
+    Ctrl-C raise from here), and a signal that raises nothing just resumes the wait."""
     if _wakeup_fd is None:
         return
-    select.select([fd, _wakeup_fd], [], [])
-    try:
-        while os.read(_wakeup_fd, 512):
-            pass
-    except BlockingIOError:
-        pass
+    while True:
+        ready, _, _ = select.select([fd, _wakeup_fd], [], [])
+        if _wakeup_fd in ready:
+            try:
+                while os.read(_wakeup_fd, 512):
+                    pass
+            except BlockingIOError:
+                pass
+        if fd in ready:
+            return
 
 
 class LineReader:
@@ -69,11 +74,7 @@ class LineReader:
         if self.tty:
             _wait_readable(self.stdin.fileno())
             return input()
-        line = self._read_line()
-        # Echo what was read, so that a piped session's output reads as a transcript.
-        self.stdout.write(line + "\n")
-        self.stdout.flush()
-        return line
+        return self._read_line()
 
     def _read_line(self) -> str:
         fd = self.stdin.fileno()
