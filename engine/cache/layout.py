@@ -96,8 +96,8 @@ def kv_namespace(model_fingerprint: str, compute_dtype: str) -> str:
     if not re.fullmatch(r"[A-Za-z0-9]{1,64}", str(model_fingerprint)):
         raise ValueError(f"model fingerprint must be 1-64 letters or digits, got "
                          f"{model_fingerprint!r}")
-    if compute_dtype not in DTYPES:
-        raise ValueError(f"compute dtype {compute_dtype!r} is not one of {', '.join(DTYPES)}")
+    if not re.fullmatch(r"[A-Za-z0-9]{1,16}", str(compute_dtype)):  # e.g. "float32", "none"
+        raise ValueError(f"compute dtype must be 1-16 letters or digits, got {compute_dtype!r}")
     return f"{model_fingerprint}-{compute_dtype}-kv{KV_LAYOUT_VERSION}-{state_schema()[:12]}"
 
 

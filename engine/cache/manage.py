@@ -165,9 +165,10 @@ class ManageMixin:
         return keys
 
     def verify(self, entry_id: str | None = None) -> dict[str, Any]:
-        """Read back saved states (one, or all) and check every block's content hash."""
+        """Read back saved states (one, or all) and check every block's content hash.
+        Nothing is checked while a restore is stuck on the reader thread."""
         out: dict[str, Any] = {"checked": 0, "ok": 0, "damaged": [], "manifests_damaged": 0}
-        if self.ssd is None:
+        if self.ssd is None or not self.ssd.available():
             return out
         saved = self._saved(None)
         if entry_id is None:

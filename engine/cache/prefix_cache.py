@@ -29,6 +29,7 @@ All methods run on the engine thread; ``stats`` may be called from any thread.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -49,6 +50,8 @@ from engine.cache.tokens import as_tokens, chain_keys, store_namespace
 from engine.cache.tokens import entry_id as eid_of
 
 __all__ = ["NullPrefixCache", "PrefixCache", "default_ram_bytes", "store_namespace"]
+
+log = logging.getLogger("mlxkv.cache")
 
 _EMPTY_FLUSH = {"durable": 0, "flushed": 0, "pending": 0, "failed": 0, "missing": 0}
 DEFAULT_RESTORE_TIMEOUT_S = 30.0
@@ -189,8 +192,14 @@ class PrefixCache(ManageMixin):
         self._events.receiver = fn
 
     def bind_model(self, ns: str, model: Any) -> None:
-        """Restored states of ``ns`` must fit ``model``'s caches (one token through it)."""
-        self.templates.learn(store_namespace(ns), probe_model(model), replace=True)
+        """Restored states of ``ns`` must fit ``model``'s caches (one token through it, at
+        load). A model that cannot be probed is learned from its first stored cache."""
+        try:
+            cache = probe_model(model)
+        except Exception as exc:  # noqa: BLE001  (an unusual model: fall back, never fail a load)
+            log.debug("cannot probe the model's cache layout: %s", exc)
+            return
+        self.templates.learn(store_namespace(ns), cache, replace=True)
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, tokens: Any, ns: str, session: str | None = None) -> tuple[int, list | None]:
