@@ -26,6 +26,10 @@ class OncePerMessage(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             message = record.getMessage().strip()
+            for prefix in ("mlxkv: ", "mlxkv "):  # "mlxkv: warning: mlxkv cache: ..." says it twice
+                if message.startswith(prefix):
+                    message = message[len(prefix):]
+                    break
             # One line per condition: a message logged with arguments is keyed by its
             # template ("write of %d tokens failed"), so counts and sizes do not repeat it.
             key = record.msg if record.args and isinstance(record.msg, str) else message

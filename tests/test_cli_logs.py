@@ -34,8 +34,8 @@ def test_each_condition_is_one_line(handler_output):
     log = logging.getLogger("mlxkv.storage")
     for n in (29, 65, 12, 7):  # a full disk: every write fails, each with its own size
         log.warning("write of %d tokens failed: %s", n, "No space left on device")
-    log.warning("cache folder /x is read-only")
-    log.warning("cache folder /x is read-only")
+    log.warning("mlxkv cache: cache folder /x is read-only")
+    log.warning("mlxkv cache: cache folder /x is read-only")
     logging.getLogger("mlxkv.engine").info("not for the user")
     try:
         raise OSError(28, "No space left on device")
@@ -43,7 +43,7 @@ def test_each_condition_is_one_line(handler_output):
         logging.getLogger("mlxkv.prefix").exception("persisting failed")
     assert handler_output.getvalue().splitlines() == [
         "mlxkv: warning: write of 29 tokens failed: No space left on device",
-        "mlxkv: warning: cache folder /x is read-only",
+        "mlxkv: warning: cache: cache folder /x is read-only",
         "mlxkv: warning: persisting failed",
     ]
 
