@@ -325,7 +325,7 @@ def test_pin_keeps_an_entry_in_ram(llama):
     pc.close()
 
 
-def test_evict_delete_and_events(llama, tmp_path, fresh_warnings):
+def test_evict_delete_and_events(qwen3, tmp_path, fresh_warnings):
     got, lock = [], threading.Lock()
 
     def receiver(ev):
@@ -334,15 +334,15 @@ def test_evict_delete_and_events(llama, tmp_path, fresh_warnings):
 
     pc = pc_at(tmp_path, on_event=receiver)
     t1, t2 = prompt(2 * BT + 4, 20), prompt(2 * BT + 6, 21)
-    stored(pc, llama, t1, "ns")
-    stored(pc, llama, t2, "ns")
+    stored(pc, qwen3, t1, "ns")
+    stored(pc, qwen3, t2, "ns")
     pc.flush(30)
     id1, id2 = (entry_id("ns", np.array(t, np.uint32)) for t in (t1, t2))
     assert pc.evict(id1) is True and pc.evict(id1) is False
     assert [e.tier for e in pc.entries() if e.id == id1] == ["ssd"]
     n, c = pc.lookup(t1 + [5], "ns")
     assert n == len(t1) and pc.stats()["last"]["tier"] == "ssd"
-    assert_same(llama, t1 + [5], n, c)
+    assert_same(qwen3, t1 + [5], n, c)
     assert pc.delete(id2) is True and pc.delete(id2) is False
     assert pc.lookup(t2 + [5], "ns") == (0, None)
     assert id2 not in {e.id for e in pc.entries()}
@@ -382,11 +382,11 @@ def test_verify_finds_damaged_blocks_and_manifests(llama, tmp_path):
     pc2.close()
 
 
-def test_invalidate_drops_what_would_seed_the_prompt(llama, tmp_path):
+def test_invalidate_drops_what_would_seed_the_prompt(qwen3, tmp_path):
     pc = pc_at(tmp_path)
     t = prompt(3 * BT + 3, 40)
-    stored(pc, llama, t, "ns")
-    stored(pc, llama, t, "other")
+    stored(pc, qwen3, t, "ns")
+    stored(pc, qwen3, t, "other")
     pc.flush(30)
     pc.invalidate(t + [1, 2], "ns")
     assert pc.lookup(t + [1, 2], "ns") == (0, None)  # neither RAM nor SSD
@@ -433,6 +433,10 @@ def test_unusable_ssd_tier_falls_back_to_ram_with_one_warning(llama, tmp_path, f
         stored(pc, llama, t, "ns")
         assert pc.lookup(t + [1], "ns")[0] == len(t)  # the RAM tier works
         pc.close()
+        if where is not_a_folder:  # a receiver connected later still hears why
+            got = []
+            pc.on_event = got.append
+            assert [e["type"] for e in got] == ["cache.warning"] and "RAM only" in got[0]["message"]
     warnings = [r for r in caplog.records if r.name == "mlxkv.cache"]
     assert len(warnings) == 1 and "RAM only" in warnings[0].getMessage()
     assert (theirs / "notes.txt").read_text() == "a user's files"

@@ -98,6 +98,27 @@ def test_writable_arrays_falls_back_to_zeros_for_good(monkeypatch, caplog):
     assert len(calls) == 1 and not caplog.text and not any(bytes(kb.byte_view(again[0])))
 
 
+def test_a_stream_kept_past_the_release_wait_switches_to_zeros_for_good(monkeypatch, caplog):
+    kept = []  # stands for MLX holding a stream past the wait
+
+    class KeptStream(mxb._Unfilled):
+        def __init__(self, header: bytes) -> None:
+            super().__init__(header)
+            kept.append(self)
+
+    monkeypatch.setattr(mxb, "_Unfilled", KeptStream)
+    monkeypatch.setattr(mxb, "RELEASE_TIMEOUT_S", 0.01)
+    monkeypatch.setattr(mxb, "_given_up", None)
+    a = kb.writable_arrays([(2, 3)], [mx.float32])  # the wait times out: still usable
+    assert a[0].shape == (2, 3) and kept
+    assert not mxb.unfilled_usable() and caplog.text.count("zero-filled from now on") == 1
+    n = len(kept)
+    z = kb.writable_arrays([(4, 5)], [mx.float32])  # no stream, no wait: zeros
+    assert len(kept) == n and not any(bytes(kb.byte_view(z[0])))
+    assert caplog.text.count("zero-filled from now on") == 1
+    kept.clear()
+
+
 def test_npy_header_is_what_numpy_writes():
     import io
 

@@ -602,6 +602,12 @@ def test_null_prefix_cache():
     assert pc.store([1, 2], [], "ns") is None
     assert pc.flush(1)["durable"] == 0
     assert pc.stats() == {"enabled": False}
+    # every facade method a front end calls, with empty answers
+    assert pc.entries() == [] and pc.entry("x") is None
+    assert pc.pin("x") is False and pc.evict("x") is False and pc.delete("x") is False
+    assert pc.verify() == {"checked": 0, "ok": 0, "damaged": [], "manifests_damaged": 0}
+    assert pc.invalidate([1, 2], "ns") is None and pc.open_session("s") is None
+    assert pc.close_session("s") is None and pc.on_event is None
 
 
 def test_bad_input_is_reported(llama):

@@ -21,14 +21,31 @@ _warned_lock = threading.Lock()
 
 
 class Events:
-    """The cache's event fan-out (see the module docstring)."""
+    """The cache's event fan-out (see the module docstring). Warnings given before a
+    receiver is connected (e.g. the SSD tier found unusable while the cache was built)
+    are handed to the first receiver when it is."""
 
     def __init__(self, receiver: Callable[[dict], None] | None = None) -> None:
-        self.receiver = receiver
+        self._receiver = receiver
+        self._early: list[dict] = []  # warnings nobody received yet (a few)
+
+    @property
+    def receiver(self) -> Callable[[dict], None] | None:
+        return self._receiver
+
+    @receiver.setter
+    def receiver(self, fn: Callable[[dict], None] | None) -> None:
+        self._receiver = fn
+        early, self._early = self._early, []
+        for ev in early if fn is not None else ():
+            self.emit(ev["type"].removeprefix("cache."), **{k: v for k, v in ev.items()
+                                                             if k != "type"})
 
     def emit(self, kind: str, **data: Any) -> None:
-        fn = self.receiver
+        fn = self._receiver
         if fn is None:
+            if kind == "warning" and len(self._early) < 16:
+                self._early.append({"type": f"cache.{kind}", **data})
             return
         try:
             fn({"type": f"cache.{kind}", **data})
