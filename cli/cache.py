@@ -95,19 +95,12 @@ def _manifest_files(store: Any, ns: str) -> list[str]:
         return []
 
 
-def damaged_manifests(store: Any, ns: str) -> list[str]:
-    """Manifest files of ``ns`` that cannot be read or fail their hash check (the store's
-    listing skips them silently; verify must name them)."""
-    from storage.format import FormatError, decode_manifest
-
-    bad = []
-    for path in _manifest_files(store, ns):
-        try:
-            with open(path, "rb") as f:
-                decode_manifest(f.read())
-        except (OSError, FormatError):
-            bad.append(path)
-    return bad
+def damaged_manifests(store: Any, ns: str) -> dict[str, str]:
+    """Manifest files of ``ns`` that cannot be read or fail their hash check, with the
+    reason (the store's listing skips them; verify must name them)."""
+    problems: dict[str, str] = {}
+    store.manifests(ns, problems)
+    return problems
 
 
 def _verify(store: Any, ns: str) -> dict[str, Any]:
@@ -138,7 +131,7 @@ def _verify(store: Any, ns: str) -> dict[str, Any]:
             out["missing" if any(r is None or r.missing for r in got) else "ok"] += 1
     bad = damaged_manifests(store, ns)
     out["manifests_damaged"] = len(bad)
-    out["damaged_manifests"] = bad
+    out["damaged_manifests"] = bad  # path -> reason
     return out
 
 
@@ -238,19 +231,23 @@ def _run(args: argparse.Namespace, root: str) -> int:
                 print(f"{ns}: {v['ok']}/{v['conversations']} conversations intact, "
                       f"{v['corrupt']} corrupt blocks removed, {v['missing']} incomplete, "
                       f"{v['manifests_damaged']} damaged manifests")
-                for path in v["damaged_manifests"]:
-                    print(f"  damaged manifest (left in place): {path}")
+                for path, why in v["damaged_manifests"].items():
+                    print(f"  damaged manifest (left in place): {path}: {why}")
             print("damaged: see above" if bad else "all intact")
         return 1 if bad else 0
     elif cmd == "gc":
         names = _namespaces(store, ns_only) if ns_only else [None]
-        res = {"removed": 0, "bytes": 0}
+        res = {"removed": 0, "bytes": 0, "unreadable_manifests": {}}
         for ns in names:
             r = store.gc(ns, min_age_s=args.min_age)
             res["removed"] += r["removed"]
             res["bytes"] += r["bytes"]
+            res["unreadable_manifests"].update(r.get("unreadable_manifests", {}))
         if not as_json:
             print(f"removed {res['removed']} unreferenced blocks ({_human(res['bytes'])})")
+        for path, why in res["unreadable_manifests"].items():
+            print(f"mlxkv: warning: kept everything of the namespace of {path}: this manifest "
+                  f"cannot be read ({why}); see `mlxkv cache verify`", file=sys.stderr)
     elif cmd == "flush":
         rep = store.scan()
         res = {"on_disk_bytes": store.stats()["bytes"], **rep}

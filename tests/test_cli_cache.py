@@ -134,8 +134,15 @@ def test_verify_reports_a_damaged_manifest_and_fails(filled, tmp_path):
     assert "1 damaged manifests" in r.stdout and str(man) in r.stdout, r.stdout
     j = mlxkv("cache", "verify", "--cache-dir", str(root), "--json")
     assert j.returncode == 1
-    assert json.loads(j.stdout)["ns-a"]["damaged_manifests"] == [str(man)]
+    assert list(json.loads(j.stdout)["ns-a"]["damaged_manifests"]) == [str(man)]
     assert man.exists()  # reported, not removed
+    # gc cannot know what the damaged manifest keeps alive: it removes nothing there
+    blocks = sorted(p.name for p in root.glob("ns-a/*/*") if p.parent.name != "manifests")
+    g = mlxkv("cache", "gc", "--min-age", "0", "--cache-dir", str(root))
+    assert g.returncode == 0, g.stderr
+    assert "removed 0 unreferenced blocks" in g.stdout
+    assert g.stderr.startswith("mlxkv: warning: ") and str(man) in g.stderr, g.stderr
+    assert sorted(p.name for p in root.glob("ns-a/*/*") if p.parent.name != "manifests") == blocks
 
 
 def test_missing_folder_is_not_created(tmp_path):
