@@ -294,7 +294,7 @@ class PrefixCache(ManageMixin):
         if self.ssd is None:
             raise ValueError("the SSD tier is off: nothing to snapshot for")
         sns, toks = store_namespace(ns), as_tokens(tokens)
-        return self.ssd._block_snapshot(sns, toks, cache, eid_of(sns, toks))
+        return self.ssd.block_snapshot(sns, toks, cache, eid_of(sns, toks))
 
     # ------------------------------------------------------------------ handed-over entries
     def release(self, cache: list | None) -> bool:

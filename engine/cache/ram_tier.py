@@ -9,8 +9,9 @@ common prefix, down to a single token.
 Other caches (rotating windows, SSM state) are kept as whole checkpoints at the exact
 positions they were stored, and are lent only there.
 
-Keys are the block store's chain keys (``engine.cache.tokens``): namespaces here are
-store namespaces, and the facade hashes a prompt once for both tiers.
+Keys are the block store's chain keys (``engine.cache.tokens``), so a RAM block and the
+SSD file holding the same tokens share a key; namespaces here are store namespaces, and
+the facade hashes a prompt once per lookup and hands the keys in.
 
 Everything here runs on the engine thread; nothing blocks.
 """

@@ -220,7 +220,7 @@ class SsdTier:
         cannot be persisted (kept in RAM only)."""
         eid = entry_id(sns, toks)
         if block_mode:
-            snap = self._block_snapshot(sns, toks, cache, eid)
+            snap = self.block_snapshot(sns, toks, cache, eid)
         else:
             snap = self._checkpoint_snapshot(sns, toks, cache, cp, eid)
         if snap is None:
@@ -228,7 +228,7 @@ class SsdTier:
         self.durability.mark(sns, toks, snap, coalesce=block_mode, eid=eid)
         return True
 
-    def _block_snapshot(self, sns: str, toks: np.ndarray, cache: list, eid: str) -> Any:
+    def block_snapshot(self, sns: str, toks: np.ndarray, cache: list, eid: str) -> Any:
         """New array objects over the cache's evaluated buffers, byte views of them, a
         manifest so GC keeps the state, and a low writer priority."""
         from storage.io import Snapshot
