@@ -758,12 +758,33 @@ MK_API void mk_xxh3_init(mk_xxh3_state *st, uint64_t seed) { mk_xxh3_init_isa(st
 
 /*
  * Copy len bytes from p to dst and hash them as they landed: the same steps as
- * mk_xxh3_update_copy, but every byte is hashed from dst, each piece right after memcpy
+ * mk_xxh3_update_copy, but every byte is hashed from dst, each piece right after the copy
  * put it there (still in L1). The copy and the hash share no code, so a faulty copy
- * changes the hash instead of hiding behind it. (This costs the non-temporal stores of
- * update_copy: reading back a streamed line would go to DRAM.)
+ * changes the hash instead of hiding behind it. (This gives up the non-temporal stores of
+ * update_copy: reading a streamed line back would go to DRAM.)
  */
-#define MK_VERIFY_STRIPES 32 /* 2 KiB pieces: the copy's lines are still in L1 when hashed */
+#define MK_VERIFY_STRIPES 16 /* 1 KiB pieces: the copy's lines are still in L1 when hashed */
+
+/* Copy k stripes with plain vector moves. Not memcpy: glibc turns copies of 2 KiB and up
+ * into `rep movsb`, which the core cannot overlap with the hashing that follows (measured:
+ * unpack_hash at 0.72x of unpack with memcpy, 0.86x with this). */
+static inline void mk_copy_stripes(uint8_t *d, const uint8_t *p, size_t k) {
+#ifdef MK_X86
+    for (size_t i = 0; i < k; i++, d += MK_STRIPE, p += MK_STRIPE) {
+        __m128i a = _mm_loadu_si128((const __m128i *)p + 0);
+        __m128i b = _mm_loadu_si128((const __m128i *)p + 1);
+        __m128i c = _mm_loadu_si128((const __m128i *)p + 2);
+        __m128i e = _mm_loadu_si128((const __m128i *)p + 3);
+        _mm_storeu_si128((__m128i *)d + 0, a);
+        _mm_storeu_si128((__m128i *)d + 1, b);
+        _mm_storeu_si128((__m128i *)d + 2, c);
+        _mm_storeu_si128((__m128i *)d + 3, e);
+    }
+#else
+    memcpy(d, p, k * MK_STRIPE);
+#endif
+}
+
 MK_API void mk_xxh3_copy_verify(mk_xxh3_state *st, uint8_t *dst, const uint8_t *p, size_t len) {
     if (len == 0) return;
     st->total_len += len;
@@ -790,7 +811,7 @@ MK_API void mk_xxh3_copy_verify(mk_xxh3_state *st, uint8_t *dst, const uint8_t *
         len -= n * MK_STRIPE;
         while (n) {
             size_t k = n < MK_VERIFY_STRIPES ? n : MK_VERIFY_STRIPES;
-            memcpy(dst, p, k * MK_STRIPE);
+            mk_copy_stripes(dst, p, k);
             st->consume(st->acc, &st->nb_stripes, st->secret, dst, NULL, k, 0);
             dst += k * MK_STRIPE;
             p += k * MK_STRIPE;
