@@ -65,28 +65,45 @@ def _answers(r) -> dict:
     return out
 
 
-def _unusable(kind: str, tmp_path: Path) -> Path:
+@pytest.fixture
+def unusable(request, tmp_path):
+    """A cache folder that cannot be used: a file, a folder whose .lock is a folder (both
+    break even for root), or a read-only bind mount of a folder (root with mount)."""
+    kind = request.param
     if kind == "file":
         path = tmp_path / "cache-is-a-file"
         path.write_text("not a folder\n")
-        return path
+        yield path
+        assert path.read_text() == "not a folder\n"
+        return
     path = tmp_path / "cache"
     path.mkdir()
-    (path / ".lock").mkdir()  # cannot be opened as the lock file, even by root
-    return path
+    if kind == "lock-is-a-folder":
+        (path / ".lock").mkdir()  # cannot be opened as the lock file, even by root
+        yield path
+        return
+    view = tmp_path / "read-only"
+    view.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "--bind", str(path), str(view)],
+                                           capture_output=True, timeout=30).returncode != 0:
+        pytest.skip("a read-only folder for root needs mount")
+    try:
+        if subprocess.run(["mount", "-o", "remount,bind,ro", str(view)], capture_output=True,
+                          timeout=30).returncode != 0:
+            pytest.skip("cannot remount read-only")
+        yield view
+    finally:
+        subprocess.run(["umount", str(view)], capture_output=True, timeout=30)
 
 
-@pytest.mark.parametrize("kind", ["file", "lock-is-a-folder"])
-def test_unusable_cache_folder_still_answers(tiny_qwen3, tmp_path, kind):
-    folder = _unusable(kind, tmp_path)
+@pytest.mark.parametrize("unusable", ["file", "lock-is-a-folder", "read-only"], indirect=True)
+def test_unusable_cache_folder_still_answers(tiny_qwen3, unusable):
     r = mlxkv("generate", "--model", str(tiny_qwen3), "-p", "hello", "--max-tokens", "3",
-              "--temp", "0", "--json", "--cache-dir", str(folder))
+              "--temp", "0", "--json", "--cache-dir", str(unusable))
     _answers(r)
     warnings = [ln for ln in stderr_lines(r) if ln.startswith("mlxkv: warning: ")]
     assert stderr_lines(r) == warnings and len(warnings) == 1, r.stderr
-    assert str(folder) in warnings[0] and "--no-ssd-cache" in warnings[0], warnings
-    if kind == "file":
-        assert folder.read_text() == "not a folder\n"
+    assert str(unusable) in warnings[0] and "--no-ssd-cache" in warnings[0], warnings
 
 
 def test_no_ssd_cache_answers_without_touching_the_folder(tiny_qwen3, tmp_path):
