@@ -110,16 +110,25 @@ def pack(
     return total, xxh3_64(out[dst_offset : dst_offset + total], seed)
 
 
+def _check_disjoint(segs: list) -> None:
+    """Destinations must not share bytes (a later scatter would overwrite an earlier one)."""
+    spans = sorted((a.__array_interface__["data"][0], a.size, i) for i, (a, *_) in enumerate(segs) if a.size)
+    for (p0, n0, i0), (p1, _, i1) in zip(spans, spans[1:]):
+        if p1 < p0 + n0:
+            raise ValueError(f"segment {i1} overlaps segment {i0} (destinations must be disjoint)")
+
+
 def unpack(
     src: Any, src_offset: int, segments: Sequence[Segment], dst_t0: int, ntokens: int
 ) -> int:
     """Scatter a packed block from ``src`` into rows [dst_t0, dst_t0+ntokens) of each segment.
 
-    Returns the number of bytes read from ``src``.
+    Returns the number of bytes read from ``src``. Segments must be writable and disjoint.
     """
-    segs = [_check_segment(i, s, writable=True) for i, s in enumerate(segments)]
     if ntokens < 0:
         raise ValueError(f"ntokens must be >= 0, got {ntokens}")
+    segs = [_check_segment(i, s, writable=True) for i, s in enumerate(segments)]
+    _check_disjoint(segs)
     _check_range(segs, dst_t0, dst_t0 + ntokens)
     inp = _as_bytes(src, False, "src")
     total = sum(o * ntokens * rb for _, o, _, rb in segs)
@@ -139,8 +148,16 @@ def unpack(
 
 def unpack_hash(
     src: Any, src_offset: int, segments: Sequence[Segment], dst_t0: int, ntokens: int,
-    seed: int = 0,
+    seed: int = 0, *, hasher: Any = None,
 ) -> tuple[int, int]:
-    """``unpack`` plus xxh3_64(seed) of the bytes read: ``(nbytes, hash)``."""
+    """``unpack``, then xxh3_64(seed) of the bytes as they landed in the segments:
+    ``(nbytes, hash)``. With ``hasher`` (``update(buf)``, ``digest() -> int``) the landed
+    bytes are fed to it instead and the hash is ``hasher.digest()``."""
+    segments = list(segments)
     n = unpack(src, src_offset, segments, dst_t0, ntokens)
-    return n, xxh3_64(_as_bytes(src, False, "src")[src_offset : src_offset + n], seed)
+    landed = np.empty(n, np.uint8)
+    pack(landed, 0, segments, dst_t0, dst_t0 + ntokens, hash=False)
+    if hasher is None:
+        return n, xxh3_64(landed, seed)
+    hasher.update(landed)
+    return n, hasher.digest()

@@ -683,6 +683,17 @@ def test_unpack_hash_into_a_hasher_in_pieces():
         pos += k
     assert pos == n and hasher.digest() == h and hasher.length == n
     assert all(np.array_equal(d[0], s[0]) for d, s in zip(dst, segs))
+    class IntDigest:  # the reference takes any hasher with update() and an int digest()
+        def __init__(self, seed: int) -> None:
+            self.h = xxhash.xxh3_64(seed=seed)
+            self.update = self.h.update
+            self.digest = self.h.intdigest
+
+    ref = IntDigest(5)
+    pos = 0
+    for seg in dst:
+        pos += R.unpack_hash(block, pos, [seg], 0, 64, hasher=ref)[0]
+    assert ref.digest() == h
 
 
 def test_unpack_refuses_overlapping_destinations():
@@ -697,7 +708,7 @@ def test_unpack_refuses_overlapping_destinations():
     shared = np.zeros(2 * size - 4096, np.uint8)
     for dst in ([(one,) + segs[0][1:], (one,) + segs[1][1:]],  # the same array twice
                 [(shared[:size],) + segs[0][1:], (shared[size - 4096 :],) + segs[1][1:]]):
-        for call in (B.unpack, B.unpack_hash):
+        for call in (B.unpack, B.unpack_hash, R.unpack, R.unpack_hash):
             with pytest.raises(ValueError, match="overlaps segment"):
                 call(block, 0, dst, 0, 16)
             assert not one.any() and not shared.any()  # refused before writing anything
