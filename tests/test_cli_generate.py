@@ -186,8 +186,6 @@ def full_disk(tmp_path):
         subprocess.run(["umount", str(mnt)], capture_output=True, timeout=30)
 
 
-@pytest.mark.xfail(strict=True, reason="the storage and the prefix cache each warn about the same "
-                   "failed write (two lines); reported to the lead")
 def test_full_disk_is_one_warning(tiny_qwen3, full_disk):
     r = mlxkv("generate", "--model", str(tiny_qwen3), "--raw", "-p", "word " * 700, "--max-tokens", "3",
               "--temp", "0", "--json", "--block-tokens", "64", "--cache-dir", str(full_disk))

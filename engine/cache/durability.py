@@ -87,7 +87,8 @@ class Durability:
                  warn: Callable[..., Any] | None = None) -> None:
         self._submit = submit
         self._on_settled = on_settled  # called on the writer thread, lock not held
-        self._warn = warn or (lambda cond, msg, *a: log.warning(msg, *a))
+        self._warn = warn or (lambda cond, msg, *a, logged=False: log.log(
+            logging.DEBUG if logged else logging.WARNING, msg, *a))
         self.debounce_s = max(0.0, float(debounce_s))
         self.max_inflight = max(1, int(max_inflight))
         self.retries = max(0, int(retries))
@@ -215,11 +216,13 @@ class Durability:
 
     def _done(self, job: Job, fut: Future) -> None:
         from storage.io import WriteQueueFull
+        from storage.keys import StoreWriteError
 
         warning = None
         with self._cond:
             self._inflight -= 1
             exc = fut.exception()
+            told = isinstance(exc, StoreWriteError)  # the store warned the user about it
             if exc is None:
                 job.bytes_written = int(getattr(fut.result(), "bytes_written", 0))
                 job.settle(DURABLE)
@@ -240,7 +243,7 @@ class Durability:
             elif job.attempts <= self.retries and not self._closed:
                 self.counts["retried"] += 1
                 warning = ("write-retry", "prefix cache: a write of %d tokens to the SSD "
-                           "failed (%s); retrying", job.ntokens, exc)
+                           "failed (%s); retrying", job.ntokens, exc, told)
                 job.state = PENDING
                 self._queue.insert(0, job)
                 settled = None
@@ -251,13 +254,13 @@ class Durability:
                     job.settle(MISSING)
                     self.counts["missing"] += 1
                 warning = ("write-failed", "prefix cache: giving up on a write of %d tokens "
-                           "to the SSD: %s", job.ntokens, exc)
+                           "to the SSD: %s", job.ntokens, exc, told)
                 settled = job
             self._pump(force=self._flushing)
             self._cond.notify_all()
         # outside the lock: a receiver may call back in (stats, report)
         if warning is not None:
-            self._warn(*warning)
+            self._warn(*warning[:-1], logged=warning[-1])
         if settled is not None and self._on_settled is not None:
             self._on_settled(settled)
 

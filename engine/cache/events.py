@@ -54,13 +54,17 @@ class Events:
                 self.warn("event-receiver", "a cache event receiver failed: %s: %s",
                           type(exc).__name__, exc)
 
-    def warn(self, condition: str, msg: str, *args: Any) -> bool:
-        """Log ``msg % args`` once per ``condition`` per process; True the first time."""
+    def warn(self, condition: str, msg: str, *args: Any, logged: bool = False) -> bool:
+        """Log ``msg % args`` once per ``condition`` per process (``logged``: another layer
+        already told the user; only the event goes out); True the first time."""
         text = msg % args if args else msg
         with _warned_lock:
             first = condition not in _warned
             _warned.add(condition)
         if first:
-            log.warning("%s", text)
+            if logged:
+                log.debug("%s", text)
+            else:
+                log.warning("%s", text)
             self.emit("warning", message=text, condition=condition)
         return first
