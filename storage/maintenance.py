@@ -18,7 +18,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -157,6 +157,19 @@ class MaintenanceMixin:
                 dio.quiet(os.rmdir, nsd)
         return {"removed": len(dead), "bytes": sum(e.file_size for e in dead),
                 "manifests_removed": mans, "folder_removed": not os.path.lexists(nsd)}
+
+    def remove(self, ns: str, keys: Iterable[bytes]) -> dict[str, int]:
+        """Remove the blocks, tails and checkpoints of ``ns`` with these keys (index and
+        files, under the exclusive folder lock); keys not indexed are ignored."""
+        check_namespace(ns)
+        want = set(keys)
+        with self._flock(shared=False):
+            with self._lock:
+                dead = [e for e in self._spaces.get(ns, EMPTY_SPACE).entries() if e.key in want]
+                for e in dead:
+                    self._retire(e)
+            self._remove_retired(dead)
+        return {"removed": len(dead), "bytes": sum(e.file_size for e in dead)}
 
     # ------------------------------------------------------------------ manifests
     def _manifest_path(self, ns: str, name: str) -> str:
