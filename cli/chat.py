@@ -110,16 +110,19 @@ class Chat:
         from engine.engine import EngineError, Request
 
         self.messages.append({"role": "user", "content": text})
-        handle = self.engine.submit(
-            Request(messages=list(self.messages), params=sampling_params(self.settings),
-                    session=self.session),
-            callback=printer(sys.stdout, Progress(self.settings.prefill_step_size)))
         try:
+            handle = self.engine.submit(
+                Request(messages=list(self.messages), params=sampling_params(self.settings),
+                        session=self.session),
+                callback=printer(sys.stdout, Progress(self.settings.prefill_step_size)))
             result = wait_result(handle)
-        except EngineError as e:
+        except (EngineError, ValueError) as e:  # e.g. the conversation outgrew the context
             self.messages.pop()
             print()  # end the line of whatever reply text was printed
-            fail(str(e))
+            message = str(e)
+            if "--truncate" in message:  # a flag of `generate`; here the way out is /clear
+                message = message.split(" (use --truncate")[0] + " (/clear starts a new conversation)"
+            fail(message)
             return
         print()
         print(stats_line(result.stats, result.finish_reason))
@@ -133,6 +136,8 @@ class Chat:
 
 
 def cmd_chat(settings: Any) -> int:
+    from engine.engine import EngineError
+
     reject_draft_model(settings)
     engine = start_engine(settings)
     try:
@@ -157,8 +162,11 @@ def cmd_chat(settings: Any) -> int:
                 if text.startswith("//"):
                     chat.ask(line.lstrip()[1:])
                 elif text.startswith("/"):
-                    if not chat.command(text):
-                        return 0
+                    try:
+                        if not chat.command(text):
+                            return 0
+                    except (EngineError, ValueError) as e:
+                        fail(str(e))
                 else:
                     chat.ask(line)
         finally:

@@ -4,10 +4,12 @@ the prompt still ends the chat at once."""
 
 from __future__ import annotations
 
+import json
 import os
 import pty
 import re
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -106,3 +108,23 @@ def test_terminal_chat_sigterm_at_the_prompt(tiny_qwen3, tmp_path):
             proc.kill()
             proc.wait()
         os.close(master)
+
+
+def test_a_refused_turn_leaves_the_chat_usable(tiny_qwen3, tmp_path):
+    """A message longer than the model's context is refused with one error line that says
+    the way out (/clear; --truncate is generate's flag); the chat goes on."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_qwen3, model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["max_position_embeddings"] = 48
+    (model / "config.json").write_text(json.dumps(cfg))
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "mlxkv.py"), "chat", "--model", str(model), "--max-tokens", "3",
+         "--temp", "0", "--no-ssd-cache"],
+        cwd=ROOT, input="mlxkv " * 80 + "\nhi\n", capture_output=True, text=True,
+        env=env_for(tmp_path / "unused"), timeout=DEADLINE_S)
+    assert r.returncode == 0, r.stderr
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("mlxkv: error: ")]
+    assert len(errors) == 1 and "context is 48 tokens" in errors[0], r.stderr
+    assert "/clear starts a new conversation" in errors[0] and "--truncate" not in errors[0]
+    assert len(re.findall(r"\[prompt \d+ tok", r.stdout)) == 1, r.stdout
