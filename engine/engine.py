@@ -346,6 +346,9 @@ class Engine:
         else:
             self.prefix_cache = arg
         self._caching = not isinstance(self.prefix_cache, NullPrefixCache)
+        bind_model = getattr(self.prefix_cache, "bind_model", None)
+        if bind_model is not None:  # restored states are checked against this model's caches
+            bind_model(self.namespace, self.loaded.model)
         if hasattr(self.prefix_cache, "on_event"):
             previous = self.prefix_cache.on_event
 

@@ -446,3 +446,29 @@ def test_unusable_ssd_tier_falls_back_to_ram_with_one_warning(llama, tmp_path, f
     assert st["ssd"] is False and st["ssd_disabled_reason"] is None and not caplog.records
     assert not (tmp_path / "c").exists()
     pc.close()
+
+
+def test_engine_binds_its_model_so_a_misfit_state_is_never_restored(tiny_llama, tmp_path):
+    from engine.engine import Engine, Request
+    from engine.generate import SamplingParams
+
+    params = SamplingParams(max_tokens=4)
+    t = prompt(2 * BT + 5, 70)
+    with Engine(str(tiny_llama)).start() as plain:
+        ns = plain.namespace
+        cold = plain.submit(Request(prompt_tokens=t + [3], params=params)).result(timeout=120)
+    other = init_model(model_config("llama", 512, head_dim=32), seed=3)
+    pc = pc_at(tmp_path)
+    stored(pc, other, t, ns)  # another model's state under this model's namespace
+    pc.close(30)
+    made: list[PrefixCache] = []
+
+    def factory(loaded, namespace):
+        made.append(pc_at(tmp_path))
+        return made[-1]
+
+    with Engine(str(tiny_llama), prefix_cache=factory).start() as eng:  # a restart
+        r = eng.submit(Request(prompt_tokens=t + [3], params=params)).result(timeout=120)
+        eng.sync()
+    assert r.stats.cached_tokens == 0 and r.tokens == cold.tokens
+    assert made[0].stats()["layout_mismatches"] == 1
