@@ -136,7 +136,7 @@ def _byte_compile() -> None:
     import compileall
 
     compileall.compile_file(str(ROOT / "mlxkv.py"), quiet=2)
-    for pkg in ("engine", "storage"):
+    for pkg in ("cli", "engine", "storage"):
         compileall.compile_dir(str(ROOT / pkg), quiet=2)
 
 
