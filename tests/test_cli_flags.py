@@ -40,6 +40,8 @@ def sample_flag(f) -> tuple[list[str], object]:
         return [f.option, f.choices[-1]], f.choices[-1]
     if f.arg_type in (int, float):
         return [f.option, "3"], f.arg_type("3")
+    if f.metavar == "SIZE":
+        return [f.option, "3GiB"], "3GiB"
     return [f.option, "/some/where"], "/some/where"
 
 
@@ -68,6 +70,18 @@ def test_every_setting_flag_works_in_every_position(where, place):
         # a flag not given stays out of the namespace, so env and config file can fill it
         others = {g.name for g in FIELDS} - {f.name}
         assert not others & set(vars(args)), (where, f.name, vars(args))
+
+
+def test_flag_values_become_settings_with_their_flag_as_source(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))  # no user config file
+    parser = build_parser()
+    for f in FIELDS:
+        if f.name == "model":
+            continue  # a model folder that exists is another test's business
+        flag, _ = sample_flag(f)
+        args = parser.parse_args(["config", *flag])
+        s = Settings.load({f.name: getattr(args, f.name)}, env={})
+        assert s.sources[f.name] == f"flag {flag[0]}", (f.name, s.sources[f.name])
 
 
 def test_a_later_command_does_not_reset_an_earlier_flag():
