@@ -3,17 +3,19 @@
 
 Every loop over bytes and every syscall runs with the GIL released; the Python objects it
 touches are pinned first (a held ``Py_buffer`` keeps its exporter alive and unresizable).
-Contract: ``.cache/STORAGE_API.md``; pure-Python oracle: ``storage/reference.py``.
+Pure-Python oracle, with the same signatures and errors: ``storage/reference.py``.
 A *segment* is ``(buf, outer, t_capacity, row_bytes)``: a C-contiguous buffer of exactly
 ``outer * t_capacity * row_bytes`` bytes whose rows ``[t0, t1)`` of each outer slice are moved.
 Buffers must be C-contiguous; a strided view is refused even when its exporter ignores the
 request for contiguous memory (MLX hands out sliced and broadcast arrays that way).
 
-Beyond the contract: ``unpack_hash`` (scatter, then hash what landed, for verified restores),
-``pack(..., hash=False)``, ``Xxh3Hasher`` (streaming), ``set_direct`` (toggle O_DIRECT /
-F_NOCACHE on an open fd, e.g. for an unaligned tail), ``hash_isa``/``hash_isas``/
-``set_hash_isa``/``hash_self_check`` (which SIMD stripe loop runs; env ``MLXKV_XXH3_ISA``),
-and a ``path=`` keyword on the I/O calls that names the file in their OSError.
+Besides ``pack``/``unpack``/``xxh3_64``/``AlignedBuffer`` and the I/O calls:
+``unpack_hash`` (scatter, then hash what landed, for verified restores; ``hasher=`` for a
+block restored in pieces), ``pack(..., hash=False)``, ``Xxh3Hasher`` (streaming, shareable
+by threads), ``set_direct`` (toggle O_DIRECT / F_NOCACHE on an open fd, e.g. for an
+unaligned tail), ``hash_isa``/``hash_isas``/``set_hash_isa``/``hash_self_check`` (which
+SIMD stripe loop runs; env ``MLXKV_XXH3_ISA``), and a ``path=`` keyword on the I/O calls
+that names the file in their OSError.
 The selected stripe loop passes a known-answer test at import; if it fails, the scalar loop
 runs instead and one warning is logged (``mlxkv.storage``).
 """

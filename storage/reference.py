@@ -2,7 +2,7 @@
 
 Same signatures and errors as the Cython versions; the tests compare the two byte for byte.
 Slow but obviously correct: use it as the oracle, or as a stand-in while ``_blocks`` is
-not built. A *segment* is ``(buf, outer, t_capacity, row_bytes)`` (see STORAGE_API).
+not built. A *segment* is ``(buf, outer, t_capacity, row_bytes)`` (see ``storage/_blocks.pyx``).
 """
 
 from __future__ import annotations
