@@ -103,50 +103,62 @@ cdef inline uint8_t _kat_byte(size_t i) noexcept nogil:
     return <uint8_t>((<uint32_t>(i * <size_t>0x9E3779B1u)) >> 24)
 
 
-cdef str _kat_vector(int isa, size_t n, uint64_t seed, uint64_t expect, uint8_t *src,
-                     uint8_t *dst):
-    """Every way the kernel hashes n known bytes with loop `isa`; what failed, or None."""
+cdef struct kat_fail_t:
+    int kind  # 0 one-shot, 1 streaming, 2 fused copy, 3 fused non-temporal copy, 4 copy+verify
+    size_t offset
+    uint64_t got
+    bint bytes_differ
+
+
+cdef bint _kat_vector(int isa, size_t n, uint64_t seed, uint64_t expect, uint8_t *src,
+                      uint8_t *dst, kat_fail_t *fail) noexcept nogil:
+    """Every way the kernel hashes n known bytes with loop `isa`; False (and *fail) on the
+    first mismatch."""
     cdef size_t i, off, pos, k, split
-    cdef uint64_t got
     cdef int mode
     cdef mk_xxh3_state st
-    for off in (0, 1, 63):  # one-shot, at unaligned starts too
+    fail.bytes_differ = False
+    for off in range(0, 64, 31):  # one-shot at offsets 0, 31, 62: unaligned starts too
         for i in range(n):
             src[off + i] = _kat_byte(i)
-        got = mk_xxh3_64_isa(isa, src + off, n, seed)
-        if got != expect:
-            return f"one-shot, {n} bytes at offset {off}, seed {seed:#x}: {got:#x} != {expect:#x}"
-    # src now holds the bytes at offset 63; streaming and fused copies read them from there.
+        fail.kind, fail.offset = 0, off
+        fail.got = mk_xxh3_64_isa(isa, src + off, n, seed)
+        if fail.got != expect:
+            return False
+    # src + 62 holds the bytes now; streaming and the copies read them from there.
     mk_xxh3_init_isa(&st, seed, isa)
     pos = split = 0
     while pos < n:
         k = min(n - pos, _KAT_SPLITS[split % 7])
-        mk_xxh3_update(&st, src + 63 + pos, k)
+        mk_xxh3_update(&st, src + 62 + pos, k)
         pos += k
         split += 1
-    got = mk_xxh3_digest(&st)
-    if got != expect:
-        return f"streaming, {n} bytes, seed {seed:#x}: {got:#x} != {expect:#x}"
-    # The copying paths: fused copy + hash with cached (0) and non-temporal (1) stores, and
-    # copy then hash the destination (2, unpack_hash); to an aligned and an unaligned dst.
-    for mode in (0, 1, 2):
-        for off in (0, 8):
+    fail.kind, fail.offset, fail.got = 1, 62, mk_xxh3_digest(&st)
+    if fail.got != expect:
+        return False
+    # The copying paths (fused copy + hash with cached and with non-temporal stores, and
+    # copy then hash the destination: unpack_hash), to an aligned and an unaligned dst.
+    for mode in range(3):
+        for off in range(0, 16, 8):
             memset(dst, 0, n + 64)
             mk_xxh3_init_isa(&st, seed, isa)
             st.nt_stores = mode == 1
             k = n // 3
             if mode == 2:
-                mk_xxh3_copy_verify(&st, dst + off, src + 63, k)
-                mk_xxh3_copy_verify(&st, dst + off + k, src + 63 + k, n - k)
+                mk_xxh3_copy_verify(&st, dst + off, src + 62, k)
+                mk_xxh3_copy_verify(&st, dst + off + k, src + 62 + k, n - k)
             else:
-                mk_xxh3_update_copy(&st, dst + off, src + 63, k)
-                mk_xxh3_update_copy(&st, dst + off + k, src + 63 + k, n - k)
-            got = mk_xxh3_digest(&st)
-            if got != expect or memcmp(dst + off, src + 63, n) != 0:
-                what = ("fused copy+hash", "fused copy+hash, non-temporal", "copy, hash dst")[mode]
-                return (f"{what}, {n} bytes to offset {off}, seed {seed:#x}: "
-                        f"{'bytes differ' if got == expect else f'{got:#x} != {expect:#x}'}")
-    return None
+                mk_xxh3_update_copy(&st, dst + off, src + 62, k)
+                mk_xxh3_update_copy(&st, dst + off + k, src + 62 + k, n - k)
+            fail.kind, fail.offset, fail.got = 2 + mode, off, mk_xxh3_digest(&st)
+            fail.bytes_differ = memcmp(dst + off, src + 62, n) != 0
+            if fail.got != expect or fail.bytes_differ:
+                return False
+    return True
+
+
+_KAT_KINDS = ("one-shot", "streaming", "fused copy+hash", "fused copy+hash, non-temporal",
+              "copy, then hash the destination")
 
 
 cdef str _self_check(int isa, uint64_t tamper):
@@ -156,16 +168,23 @@ cdef str _self_check(int isa, uint64_t tamper):
     """
     cdef void *mem = NULL
     cdef uint8_t *src
-    cdef str failed = None
+    cdef size_t n
+    cdef uint64_t seed, expect
+    cdef bint ok
+    cdef kat_fail_t fail
     if posix_memalign(&mem, 64, 2 * (_KAT_MAX + 128)) != 0 or mem == NULL:
         raise MemoryError()
     src = <uint8_t *>mem
     try:
         for n, h0, h1 in _KAT:
             for seed, expect in ((0, h0), (_KAT_SEED, h1)):
-                failed = _kat_vector(isa, n, seed, expect ^ tamper, src, src + _KAT_MAX + 128)
-                if failed is not None:
-                    return failed
+                expect ^= tamper
+                with nogil:
+                    ok = _kat_vector(isa, n, seed, expect, src, src + _KAT_MAX + 128, &fail)
+                if not ok:
+                    what = "bytes differ" if fail.bytes_differ else f"{fail.got:#x} != {expect:#x}"
+                    return (f"{_KAT_KINDS[fail.kind]}, {n} bytes at offset {fail.offset}, "
+                            f"seed {seed:#x}: {what}")
     finally:
         free(mem)
     return None
