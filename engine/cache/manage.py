@@ -98,21 +98,17 @@ class ManageMixin:
         """Drop an entry from every tier (blocks other entries use stay)."""
         found = False
         e = self.ram.find(entry_id)
-        ns_toks = None
         if e is not None:
-            ns_toks = (e.ns, e.tokens)
             self.ram.drop(e, evicted=False)
+            self._cancel_write(e.ns, e.tokens)  # before listing: a running write lands first
             found = True
         self.lending.forget(lambda r: eid_of(r.ns, r.tokens) == entry_id)
         if self.ssd is not None:
             saved = self._saved(None)
             mine = next((s for s in saved if s.eid == entry_id), None)
             if mine is not None:
-                ns_toks = (mine.ns, mine.tokens)
-            if ns_toks is not None and not self.ssd.durability.cancel(*ns_toks):
-                self._events.warn("delete-writing", "prefix cache: a deleted entry was still "
-                                  "being written; it may come back on disk")
-            if mine is not None:
+                if e is None:
+                    self._cancel_write(mine.ns, mine.tokens)
                 others = {k for s in saved if s is not mine and s.ns == mine.ns
                           for k, _, _ in s.blocks}
                 self._remove(mine.ns, {k for k, _, _ in mine.blocks} - others, [mine.manifest])
@@ -123,6 +119,11 @@ class ManageMixin:
             self.counters.add(deleted=1)
             self._events.emit("delete", id=entry_id)
         return found
+
+    def _cancel_write(self, sns: str, toks: np.ndarray) -> None:
+        if self.ssd is not None and not self.ssd.durability.cancel(sns, toks):
+            self._events.warn("delete-writing", "prefix cache: a deleted state was still being "
+                              "written after 10 s; it may come back on disk")
 
     def _remove(self, sns: str, keys: set[bytes], manifests: list[str]) -> None:
         try:
@@ -140,8 +141,7 @@ class ManageMixin:
         dropped = self.ram.seeding(sns, toks)
         for e in dropped:
             self.ram.drop(e, evicted=False)
-            if self.ssd is not None:
-                self.ssd.durability.cancel(e.ns, e.tokens)
+            self._cancel_write(e.ns, e.tokens)
         self.lending.forget(lambda r: r.ns == sns and common_prefix(r.tokens, toks) > 0)
         if self.ssd is not None:
             keys = self._seeding_keys(sns, toks)
