@@ -80,9 +80,13 @@ class IndexMixin:
             keys.append(parent)
         return keys
 
-    def lookup(self, ns: str, tokens: Any, max_tokens: int | None = None) -> Match:
+    def lookup(self, ns: str, tokens: Any, max_tokens: int | None = None,
+               keys: Sequence[bytes] | None = None) -> Match:
         """Longest cached prefix of ``tokens`` (at most ``max_tokens``): the index, plus
-        one probe of the disk for the first key it lacks (another process's write)."""
+        one probe of the disk for the first key it lacks (another process's write).
+        ``keys``: ``chain_keys(ns, tokens)`` (or a prefix of them) when the caller already
+        computed them: those blocks are not hashed again."""
+        given = keys
         toks = token_ids(tokens)
         nsid = namespace_id(check_namespace(ns))
         limit = usable(toks, max_tokens)
@@ -94,7 +98,8 @@ class IndexMixin:
             with self._lock:  # held across the walk: one acquisition, not one per block
                 blocks = self._spaces.get(ns, EMPTY_SPACE).blocks
                 for b in range(len(keys), nfull):
-                    k = block_key(parent, nsid, toks[b * bt : (b + 1) * bt])
+                    k = given[b] if given is not None and b < len(given) else \
+                        block_key(parent, nsid, toks[b * bt : (b + 1) * bt])
                     if (e := blocks.get(k)) is None:
                         break
                     keys.append(k)
@@ -132,9 +137,10 @@ class IndexMixin:
     def longest_prefix(self, ns: str, tokens: Any, max_tokens: int | None = None) -> int:
         return self.lookup(ns, tokens, max_tokens).n_tokens
 
-    def lookup_checkpoint(self, ns: str, tokens: Any, max_tokens: int | None = None) -> Match:
+    def lookup_checkpoint(self, ns: str, tokens: Any, max_tokens: int | None = None,
+                          keys: Sequence[bytes] | None = None) -> Match:
         """The longest checkpoint at an exact prefix of ``tokens`` (at most ``max_tokens``);
-        Match.n_tokens == 0 when there is none. Index only."""
+        Match.n_tokens == 0 when there is none. Index only. ``keys`` as for ``lookup``."""
         toks = token_ids(tokens)
         nsid = namespace_id(check_namespace(ns))
         limit = usable(toks, max_tokens)
@@ -152,7 +158,8 @@ class IndexMixin:
                         best = e
                 if (b + 1) * bt > limit:
                     break
-                parent = block_key(parent, nsid, toks[b * bt : (b + 1) * bt])
+                parent = keys[b] if keys is not None and b < len(keys) else \
+                    block_key(parent, nsid, toks[b * bt : (b + 1) * bt])
         if best is None:
             return Match(ns, 0, ())
         return Match(ns, best.t1, (), None, 0, best.payload_len, best.layout, best.key)

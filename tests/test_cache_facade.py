@@ -98,6 +98,31 @@ def test_both_tiers_use_the_store_chain_keys(llama, tmp_path):
     pc.close()
 
 
+def test_a_prompt_is_hashed_once_per_lookup(llama, tmp_path, monkeypatch):
+    import storage.index
+    from engine.cache import tokens as ctokens
+
+    t = prompt(4 * BT + 5, 1)
+    pc = pc_at(tmp_path)
+    stored(pc, llama, t, "ns")
+    pc.close(30)
+    pc2 = pc_at(tmp_path)
+    calls = {"cache": 0, "store": 0}
+
+    def counted(where, fn):
+        def key(*a):
+            calls[where] += 1
+            return fn(*a)
+        return key
+
+    monkeypatch.setattr(ctokens, "block_key", counted("cache", ctokens.block_key))
+    monkeypatch.setattr(storage.index, "block_key", counted("store", storage.index.block_key))
+    n, _ = pc2.lookup(t + [1], "ns")  # an SSD hit: both tiers walk the prompt's keys
+    assert n == len(t) and pc2.stats()["last"]["tier"] == "ssd"
+    assert calls == {"cache": 4, "store": 0}
+    pc2.close()
+
+
 # ----------------------------------------------------------------------------- versions
 def test_namespace_folds_layout_version_and_state_schema(monkeypatch):
     fp = "0123456789abcdef0123456789abcdef"

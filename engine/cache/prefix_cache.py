@@ -13,7 +13,7 @@
 * ``ssd``: restores from and snapshots for the block store, write-behind through
   ``durability``, reads bounded by a timeout; ``upkeep``: saved states, verify, removal;
 * ``tokens``: token ids and the chain keys both tiers share (a prompt is hashed once per
-  lookup for the RAM tier and names the store's blocks);
+  lookup; the RAM tier and the block store walk the same keys);
 * ``layout`` / ``template``: the versioned mapping of mlx-lm caches onto stored bytes,
   and the check of a restored cache against the model's before it is lent;
 * ``manage`` / ``listing`` / ``info``: entries for front ends (list, pin, evict, delete,
@@ -209,14 +209,15 @@ class PrefixCache(ManageMixin):
         toks = as_tokens(tokens)
         sns = store_namespace(ns)
         self.lending.sweep()
-        keys = chain_keys(sns, toks, self.block_tokens) if self.ram.entries else None
+        # hashed once, here: the RAM tier and the store both walk these keys
+        keys = chain_keys(sns, toks, self.block_tokens)
         match = self.ram.lookup(sns, toks, session, keys=keys)
         n, cache, tier, restore_ms = match.n, None, "ram" if match.n else None, 0.0
         limit = len(toks) - 1
         # The SSD tier is consulted only when it could beat the RAM hit (see _worth): a RAM
-        # hit that already covers the prompt skips hashing it for, and probing, the disk.
+        # hit that already covers the prompt skips probing the disk.
         if self.ssd is not None and limit > 0 and self._worth(limit, n) and self.ssd.available():
-            n2, c2, restore_ms = self.ssd.lookup(sns, toks, limit, n, self._worth)
+            n2, c2, restore_ms = self.ssd.lookup(sns, toks, keys, limit, n, self._worth)
             if c2 is not None and n2 > n:
                 n, cache, tier = n2, c2, "ssd"
         if tier == "ram":

@@ -90,12 +90,13 @@ class SsdTier:
             self.counters.add(ssd_skipped_stuck=1)
         return not self._stuck
 
-    def lookup(self, sns: str, toks: np.ndarray, limit: int, n_ram: int, worth: Any
-               ) -> tuple[int, list | None, float]:
+    def lookup(self, sns: str, toks: np.ndarray, keys: list[bytes], limit: int, n_ram: int,
+               worth: Any) -> tuple[int, list | None, float]:
         """The longest prefix the SSD holds that beats ``n_ram`` (``worth(n_ssd, n_ram)``):
-        ``(n, cache, restore_ms)``; ``(0, None, ms)`` when there is none."""
+        ``(n, cache, restore_ms)``; ``(0, None, ms)`` when there is none. ``keys``: the
+        prompt's chain keys (the store does not hash it again)."""
         restored, restore_ms = None, 0.0
-        sm = self.disk.lookup(sns, toks, max_tokens=limit)
+        sm = self.disk.lookup(sns, toks, max_tokens=limit, keys=keys)
         # blocks of some layers only (a hybrid model's KV) come back with a checkpoint
         if sm.layout is not None and not dl.is_partial(sm.layout) and worth(sm.n_tokens, n_ram):
             t1 = time.perf_counter()
@@ -104,10 +105,10 @@ class SsdTier:
         best = max(n_ram, restored[0] if restored else 0)
         if self._stuck:
             return (restored[0], restored[1], restore_ms) if restored else (0, None, restore_ms)
-        cm = self.disk.lookup_checkpoint(sns, toks, max_tokens=limit)
+        cm = self.disk.lookup_checkpoint(sns, toks, max_tokens=limit, keys=keys)
         if cm.n_tokens and worth(cm.n_tokens, best):
             t1 = time.perf_counter()
-            r2 = self._restore_checkpoint(sns, toks, cm)
+            r2 = self._restore_checkpoint(sns, toks, cm, keys)
             restore_ms += (time.perf_counter() - t1) * 1e3
             if r2 is not None and (restored is None or r2[0] > restored[0]):
                 restored = r2
@@ -163,7 +164,7 @@ class SsdTier:
             return None
         return res.n_tokens, cache
 
-    def _restore_checkpoint(self, sns: str, toks: np.ndarray, cm: Any
+    def _restore_checkpoint(self, sns: str, toks: np.ndarray, cm: Any, keys: list[bytes]
                             ) -> tuple[int, list] | None:
         """Restore the checkpoint ``cm`` (and, for models that also have KV layers, their
         blocks up to exactly the same position); None unless all of it verifies and fits."""
@@ -174,7 +175,7 @@ class SsdTier:
             carrays = dl.checkpoint_buffers(cm.layout)
             blocks: list = []
             if dl.checkpoint_has_blocks(cm.layout):
-                bm = self.disk.lookup(sns, toks, max_tokens=n)
+                bm = self.disk.lookup(sns, toks, max_tokens=n, keys=keys)
                 if bm.n_tokens != n or not dl.is_partial(bm.layout):
                     return None  # its KV layers are not all on disk: nothing to restore
                 blocks, bsegs, barrays = dl.block_buffers(bm.layout, kb.round_up(len(toks)))
