@@ -85,6 +85,13 @@ def _positive_int(value: Any) -> int:
     return number
 
 
+def _positive_float(value: Any) -> float:
+    number = float(value)
+    if not number > 0:
+        raise SettingsError(f"must be a positive number, got {value!r}")
+    return number
+
+
 @dataclass(frozen=True)
 class Field:
     """One setting, and how the command line spells it (the CLI builds its flags from these).
@@ -147,6 +154,9 @@ FIELDS: tuple[Field, ...] = (
     Field("ssd_cache_bytes", 20 * 1024**3, parse_bytes, "SSD tier capacity, e.g. 20GiB (0: SSD tier off)",
           metavar=SIZE, off=("--no-ssd-cache", 0, "SSD tier off: cache in RAM only (= --ssd-cache-bytes 0)")),
     Field("block_tokens", 256, _positive_int, "tokens per cache block", arg_type=int, metavar="N"),
+    Field("restore_timeout_s", 30.0, _positive_float,
+          "seconds an SSD restore may take before it counts as a miss (a hung disk)",
+          arg_type=float, metavar="S"),
     Field("dtype", "auto", _choice(*DTYPE_POLICIES),
           "compute dtype (auto: float32 on CPU for bf16/fp16 weights)", choices=DTYPE_POLICIES),
     Field("full_hash", False, _bool,

@@ -497,3 +497,12 @@ def test_engine_binds_its_model_so_a_misfit_state_is_never_restored(tiny_llama, 
         eng.sync()
     assert r.stats.cached_tokens == 0 and r.tokens == cold.tokens
     assert made[0].stats()["layout_mismatches"] == 1
+
+
+def test_settings_reach_the_tiers(tmp_path):
+    from engine.settings import FIELDS
+
+    assert {f.name: f.default for f in FIELDS}["restore_timeout_s"] == 30.0
+    pc = PrefixCache.from_settings(_settings(cache_dir=str(tmp_path), restore_timeout_s=7.0))
+    assert pc.ssd.restore_timeout_s == 7.0 and pc.block_tokens == BT and pc.stats()["ssd"]
+    pc.close()
