@@ -102,9 +102,9 @@ class SsdTier:
             t1 = time.perf_counter()
             restored = self._restore_blocks(sns, toks, sm)
             restore_ms += (time.perf_counter() - t1) * 1e3
+        if self._stuck:  # that read timed out: the reader will not serve another one soon
+            return 0, None, restore_ms
         best = max(n_ram, restored[0] if restored else 0)
-        if self._stuck:
-            return (restored[0], restored[1], restore_ms) if restored else (0, None, restore_ms)
         cm = self.disk.lookup_checkpoint(sns, toks, max_tokens=limit, keys=keys)
         if cm.n_tokens and worth(cm.n_tokens, best):
             t1 = time.perf_counter()
