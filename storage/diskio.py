@@ -73,9 +73,20 @@ def hasher(seed: int) -> Any:
     """Streaming XXH3-64 with ``update(buf)`` and ``digest() -> int``."""
     if hasattr(K, "Xxh3Hasher"):
         return K.Xxh3Hasher(seed)
-    h = xxhash.xxh3_64(seed=seed)
-    h.digest = h.intdigest  # type: ignore[method-assign]
-    return h
+    return _XxhashHasher(seed)
+
+
+class _XxhashHasher:
+    """The xxhash package's streaming state with the kernel hasher's interface."""
+
+    def __init__(self, seed: int) -> None:
+        self._h = xxhash.xxh3_64(seed=seed)
+
+    def update(self, buf: Any) -> None:
+        self._h.update(buf)
+
+    def digest(self) -> int:
+        return self._h.intdigest()
 
 
 CHUNK = 512 * 1024  # bytes moved per step: stays in L2, so each byte crosses DRAM once

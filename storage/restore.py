@@ -221,8 +221,8 @@ class ReadMixin:
 
     def _read_pieces(self, e: Entry, fd: int, layout: Layout, segs: list, t0: int,
                      ntok: int, plans: dict[int, list]) -> str | None:
-        """Stream L2-sized pieces with pread (read, hash, scatter): each byte crosses
-        memory once on its way to the destination, and a short read is a reason."""
+        """Stream L2-sized pieces with pread (read, scatter, hash the scattered bytes while
+        they are in cache); a short read is a reason."""
         hbuf = self._scratch("h", e.payload_offset)
         with memoryview(hbuf) as hv:
             got = dio.pread_full(fd, hv[: e.payload_offset], 0)
@@ -241,8 +241,9 @@ class ReadMixin:
                 if got < n:
                     reason = f"truncated payload ({e.payload_offset + off + got} bytes)"
                     break
-                h.update(mv[:n])
-                K.unpack(mv, 0, sub, t0, ntok)
+                # Hash what landed in the destination, not the staging copy: a faulty
+                # scatter then fails the block instead of restoring wrong KV.
+                K.unpack_hash(mv, 0, sub, t0, ntok, hasher=h)
             mv.release()
             if reason is None and h.digest() != e.content_hash:
                 reason = "content hash mismatch"
