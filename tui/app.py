@@ -1,0 +1,329 @@
+"""The mlxkv Textual app: ``run(settings)`` is what bare ``mlxkv`` and ``make run`` open.
+
+The first screen takes keys at once: the engine (and mlx with it) is imported, built and
+loaded on a background thread by :class:`tui.bridge.EngineBridge`, with a progress bar; a
+message sent meanwhile is answered once the model is ready. The conversation store is
+called on one store thread (:meth:`MlxkvApp.db`), engine calls in thread workers
+(:meth:`MlxkvApp.background`); nothing blocks the UI. Failures become notifications that
+say what to do, never a traceback: a model that does not load, an unusable conversations
+file (moved aside, or kept in a temporary folder), engine and cache warnings from the
+``mlxkv`` loggers.
+
+Keys are bindings with ids (F1 lists them; ``keys.toml`` next to the config file remaps
+them); every action is in the command palette (Ctrl+P); Textual's themes are kept across
+runs. F2 opens the cache inspector (:mod:`tui.inspector`, imported when first opened).
+
+For tests and ``bench/tui.py``: ``MlxkvApp(settings)`` works with ``run_test()``;
+``app.metrics`` records start-to-interactive and token-to-screen times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from textual.app import App, SystemCommand
+from textual.binding import Binding
+from textual.screen import Screen
+
+from tui.bridge import EngineBridge
+from tui.messages import (
+    CacheChanged,
+    EngineFailed,
+    EngineLoading,
+    EngineReady,
+    EngineWarning,
+    OpenConversation,
+)
+
+log = logging.getLogger("mlxkv.tui")
+CACHE_REFRESH_S = 0.15  # cache events are drained (and screens told) at most this often
+
+
+class Metrics:
+    """Timestamps (``time.perf_counter``) for benchmarks and tests: ``started`` (app
+    constructed, or the process start given), ``interactive_at`` (first screen painted and
+    taking keys; ``interactive`` is set then), ``model_ready_at``, and ``token_lag_s``:
+    for each burst of reply text, engine produced -> screen refreshed with it."""
+
+    def __init__(self, started: float | None = None) -> None:
+        self.started = time.perf_counter() if started is None else started
+        self.interactive_at: float | None = None
+        self.interactive = threading.Event()
+        self.model_ready_at: float | None = None
+        self.model_ready = threading.Event()
+        self.token_lag_s: collections.deque[float] = collections.deque(maxlen=100_000)
+        self.replies = 0
+        self.last_stats: dict[str, Any] | None = None
+
+    def token_shown(self, produced: float, widget: Any) -> None:
+        widget.call_after_refresh(lambda: self.token_lag_s.append(time.perf_counter() - produced))
+
+    def reply_done(self, stats: dict[str, Any]) -> None:
+        self.replies += 1
+        self.last_stats = stats
+
+
+def _config_dir() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "mlxkv"
+
+
+def open_store(path: str | os.PathLike | None) -> tuple[Any, str | None]:
+    """The conversation store, and a notice when it is not the usual one: an unreadable
+    file is moved aside (nothing deleted); an unusable folder gives a temporary store."""
+    from tui.store import ConversationStore, StoreError, move_aside
+
+    try:
+        return ConversationStore(path), None
+    except StoreError as e:
+        if e.unreadable and e.path is not None:
+            try:
+                moved = move_aside(e.path)
+                return ConversationStore(path), f"{e}\nIt was moved to {moved}; a new one was started."
+            except (OSError, StoreError):
+                pass
+        first = str(e)
+    except OSError as e:
+        first = f"{e.strerror or e}: {e.filename}"
+    folder = tempfile.mkdtemp(prefix="mlxkv-conversations-")
+    return ConversationStore(Path(folder) / "conversations.db"), (
+        f"{first}\nConversations are kept in {folder} for this run only: fix the folder, "
+        "or set MLXKV_DATA_DIR to a folder you can write.")
+
+
+class MlxkvApp(App):
+    TITLE = "mlxkv"
+    CSS_PATH = "app.tcss"
+    BINDINGS = [
+        Binding("ctrl+q", "quit", "Quit", id="app.quit", priority=True),
+        Binding("f1", "help", "Keys", id="app.help"),
+        Binding("question_mark", "help", "Keys", show=False, id="app.help_key"),
+        Binding("f2", "toggle_inspector", "Cache", id="app.inspector"),
+        Binding("f3,ctrl+o", "switch_model", "Model", id="app.model"),
+        Binding("f4", "change_theme", "Theme", show=False, id="app.theme"),
+    ]
+
+    def __init__(self, settings: Any, *, store_path: str | os.PathLike | None = None,
+                 started: float | None = None) -> None:
+        self.metrics = Metrics(started)
+        self.settings = settings
+        self.bridge = EngineBridge(settings, self.post_message)
+        self._db_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mlxkv-tui-store")
+        self.store, self._store_notice = open_store(store_path)
+        self._prefs_path = Path(self.store.path).parent / "tui.json"
+        super().__init__()
+        self._load_prefs()
+
+    # screens ----------------------------------------------------------------------------
+    def get_default_screen(self) -> Screen:
+        from tui.chat import ChatScreen
+
+        self.chat = ChatScreen(self.bridge, self.settings)
+        return self.chat
+
+    async def on_mount(self) -> None:
+        self.set_interval(CACHE_REFRESH_S, self._drain_cache_events)
+        self._apply_keymap()
+        if self._store_notice:
+            self.notify(self._store_notice, title="Conversations file", severity="warning", timeout=15)
+        self.call_after_refresh(self._mark_interactive)
+
+    def _mark_interactive(self) -> None:
+        self.metrics.interactive_at = time.perf_counter()
+        self.metrics.interactive.set()
+        self.bridge.start()  # after the first paint: the screen is up before mlx is imported
+
+    async def on_unmount(self) -> None:
+        await asyncio.to_thread(self.close_engine)
+
+    def close_engine(self) -> None:
+        """Stop the engine (flushing its cache) and close the store; idempotent."""
+        self.bridge.shutdown()
+        self._db_thread.shutdown(wait=True)
+        self.store.close()
+
+    # threads ----------------------------------------------------------------------------
+    async def db(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a store call on the store thread (in submission order) and await it."""
+        return await asyncio.wrap_future(self._db_thread.submit(fn, *args))
+
+    def background(self, fn: Callable[[], Any], what: str, quiet: bool = False) -> None:
+        """Run a blocking engine call in a thread worker; a failure is a notification (or,
+        ``quiet``, only logged: e.g. warming a cache that is not there)."""
+        def work() -> None:
+            try:
+                fn()
+            except Exception as e:
+                log.debug("%s failed", what, exc_info=True)
+                if not quiet:
+                    self.call_from_thread(self.notify, f"Could not {what}: {e}", severity="error")
+        self.run_worker(work, thread=True, group="engine", exit_on_error=False)
+
+    # engine messages --------------------------------------------------------------------
+    def on_engine_loading(self, message: EngineLoading) -> None:
+        self.chat.show_progress(message.done, message.total)
+        self.chat.show_model_state(f"loading: {message.stage}…")
+
+    def on_engine_ready(self, message: EngineReady) -> None:
+        self.metrics.model_ready_at = time.perf_counter()
+        self.metrics.model_ready.set()
+        self.chat.show_progress(None)
+        self.chat.show_model_state()
+        conversation = self.chat.conversation
+        if conversation is not None:  # after a model switch: the new engine has no sessions
+            from tui.chat import session_for
+
+            self.background(lambda: self.bridge.open_session(session_for(conversation.id)),
+                            "open the conversation's cache session", quiet=True)
+
+    def on_engine_failed(self, message: EngineFailed) -> None:
+        self.metrics.model_ready.set()
+        self.chat.show_progress(None)
+        self.chat.show_model_state()
+        self.notify(f"{message.message}\nPress F3 to choose another model (the demo model works offline).",
+                    title="The model could not be loaded", severity="error", timeout=30)
+
+    def on_engine_warning(self, message: EngineWarning) -> None:
+        self.notify(message.message, title="mlxkv", severity="warning", timeout=12)
+
+    def _drain_cache_events(self) -> None:
+        kinds = self.bridge.take_cache_changes()
+        if kinds:
+            for screen in self.screen_stack:
+                screen.post_message(CacheChanged(kinds))
+
+    async def on_open_conversation(self, message: OpenConversation) -> None:
+        from tui.chat import conversation_for
+
+        cid = conversation_for(message.session)
+        if cid is None:
+            self.notify("That cache entry is not from a saved conversation", severity="warning")
+            return
+        while self.screen is not self.chat and len(self.screen_stack) > 1:
+            self.pop_screen()
+        await self.chat.open_conversation(cid)
+
+    # actions ----------------------------------------------------------------------------
+    def action_toggle_inspector(self) -> None:
+        if type(self.screen).__name__ == "InspectorScreen":
+            self.pop_screen()
+            return
+        try:
+            from tui.inspector import InspectorScreen
+        except ImportError as e:
+            self.notify(f"The cache inspector is not available: {e}", severity="warning")
+            return
+        self.push_screen(InspectorScreen(self.bridge))
+
+    def action_switch_model(self) -> None:
+        from engine.settings import DEMO_MODEL
+        from tui.widgets.modals import ModelPicker
+
+        choices = [("Demo model (built in, offline)", str(DEMO_MODEL))]
+        if str(self.settings.model) != str(DEMO_MODEL):
+            choices.append((f"From the settings: {self.settings.model}", str(self.settings.model)))
+        for spec in self._prefs.get("recent_models", []):
+            if spec not in [c[1] for c in choices]:
+                choices.append((spec, spec))
+        self.push_screen(ModelPicker(self.bridge.model_spec, choices), self.switch_model)
+
+    def switch_model(self, spec: str | None) -> None:
+        """Shut the engine down and load ``spec`` (a folder or a hub id) in the background."""
+        if not spec:
+            return
+        if self.chat.pending is not None:
+            self.chat.pending.stream.cancel()
+        self.bridge.start(spec)
+        self.chat.show_model_state("loading…")
+        self.chat.show_progress(0, 3)
+        recent = [s for s in self._prefs.get("recent_models", []) if s != spec]
+        self._prefs["recent_models"] = [spec, *recent][:8]
+        self._save_prefs()
+
+    def action_help(self) -> None:
+        from tui.chat import ChatScreen
+        from tui.widgets.help import HelpScreen, binding_rows
+        from tui.widgets.message import MessageView
+        from tui.widgets.prompt import PromptArea
+        from tui.widgets.sidebar import ConversationList
+
+        if type(self.screen).__name__ == "HelpScreen":
+            self.pop_screen()
+            return
+        classes: list[tuple[str, Any]] = [("everywhere", type(self)), ("chat", ChatScreen),
+                                          ("message box", PromptArea), ("a message", MessageView),
+                                          ("sidebar", ConversationList)]
+        if type(self.screen).__name__ == "InspectorScreen":
+            classes.insert(1, ("inspector", type(self.screen)))
+        self.push_screen(HelpScreen(binding_rows(classes), str(_config_dir() / "keys.toml")))
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        yield SystemCommand("Switch model", "Load another model: the demo model, a folder, a hub id (F3)",
+                            self.action_switch_model)
+        yield SystemCommand("Cache inspector", "What the prefix cache holds, live (F2)",
+                            self.action_toggle_inspector)
+        yield SystemCommand("Help: keys", "Every key and its binding id (F1)", self.action_help)
+        for title, help_text, callback in getattr(self.chat, "commands", list)():
+            yield SystemCommand(title, help_text, callback)
+
+    # keymap and preferences -------------------------------------------------------------
+    def _apply_keymap(self) -> None:
+        path = _config_dir() / "keys.toml"
+        if not path.exists():
+            return
+        import tomllib
+
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+            keymap = {str(k): str(v) for k, v in data.get("keys", data).items()}
+            self.set_keymap(keymap)
+        except (OSError, ValueError, AttributeError) as e:
+            self.notify(f"{path}: {e}\nThe default keys are used.", title="Key map not used",
+                        severity="warning", timeout=12)
+
+    def _load_prefs(self) -> None:
+        try:
+            self._prefs: dict[str, Any] = json.loads(self._prefs_path.read_text(encoding="utf-8"))
+            if not isinstance(self._prefs, dict):
+                self._prefs = {}
+        except (OSError, ValueError):
+            self._prefs = {}
+        theme = self._prefs.get("theme")
+        if isinstance(theme, str) and theme in self.available_themes:
+            self.theme = theme
+
+    def _save_prefs(self) -> None:
+        try:
+            tmp = self._prefs_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self._prefs), encoding="utf-8")
+            os.replace(tmp, self._prefs_path)
+        except OSError:
+            log.debug("could not save %s", self._prefs_path, exc_info=True)
+
+    def watch_theme(self, theme: str) -> None:
+        if getattr(self, "_prefs", None) is not None and self._prefs.get("theme") != theme:
+            self._prefs["theme"] = theme
+            self._save_prefs()
+
+
+def run(settings: Any) -> int:
+    """Open the TUI on ``settings`` (bare ``mlxkv``); returns the exit status."""
+    app = MlxkvApp(settings)
+    try:
+        app.run()
+    finally:
+        app.close_engine()
+    return int(app.return_code or 0)

@@ -1,0 +1,370 @@
+"""The only place the TUI touches the engine.
+
+:class:`EngineBridge` builds and starts the engine on a background thread (importing the
+engine, and so mlx, there: the UI takes keys while the model loads), subscribes to its
+engine-wide events and turns them into Textual messages (:mod:`tui.messages`) posted with
+``post_message``, which is thread-safe. Cache events are only counted here; the app drains
+the counts on a timer (:meth:`EngineBridge.take_cache_changes`), so a burst of stores is one
+refresh. Each reply has a :class:`ReplyStream`: its callback runs on the engine thread and
+buffers token text, posting one :class:`~tui.messages.ReplyTokens` per burst that the UI
+drains, so a fast model never floods the message queue.
+
+Every other engine call (``stats``, ``cache_*``, ``decode``, ``prefetch``...) blocks: call
+them from a thread worker, never from the UI thread. Warnings on the ``mlxkv`` loggers
+(the cache folder falling back to RAM-only, a disk that fills up) become
+:class:`~tui.messages.EngineWarning` messages, once per condition.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tui.messages import (
+    EngineFailed,
+    EngineLoading,
+    EngineReady,
+    EngineWarning,
+    ReplyFinished,
+    ReplyProgress,
+    ReplyStats,
+    ReplyTokens,
+)
+
+log = logging.getLogger("mlxkv.tui")
+Post = Callable[[Any], Any]
+
+
+class NotReady(RuntimeError):
+    """The engine is not running (still loading, failed to load, or switching models)."""
+
+
+def describe_error(e: BaseException) -> str:
+    """One line for an exception: the project's errors carry clear messages."""
+    if isinstance(e, OSError) and not str(e).strip():
+        return f"{e.strerror or type(e).__name__}: {e.filename}"
+    if isinstance(e, (ValueError, OSError, RuntimeError)) and str(e).strip():
+        return str(e)
+    return f"unexpected {type(e).__name__}: {e}"
+
+
+class WarningRelay(logging.Handler):
+    """Posts each distinct WARNING of the ``mlxkv`` loggers once (keyed like the CLI's
+    handler: a message logged with arguments by its template)."""
+
+    def __init__(self, post: Post) -> None:
+        super().__init__(logging.WARNING)
+        self.post = post
+        self._seen: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = record.getMessage().strip()
+            key = record.msg if record.args and isinstance(record.msg, str) else message
+            with self._lock:
+                if (record.name, key) in self._seen:
+                    return
+                self._seen.add((record.name, key))
+            self.post(EngineWarning(message))
+        except Exception:  # a warning must never break the thread that logs it
+            pass
+
+
+class ReplyStream:
+    """One reply in flight. :meth:`on_event` runs on the engine thread; the UI calls
+    :meth:`drain` when a :class:`ReplyTokens` arrives and gets all text since the last
+    drain, with the time the oldest of it was produced (for token-to-screen latency)."""
+
+    _ids = iter(range(1, 1 << 62))
+
+    def __init__(self, post: Post) -> None:
+        self.rid = next(self._ids)
+        self.post = post
+        self.handle: Any = None
+        self._lock = threading.Lock()
+        self._parts: list[str] = []
+        self._oldest: float | None = None
+        self._posted = False
+        self.text_parts: list[str] = []  # the whole reply so far
+        self.stats: dict[str, Any] | None = None
+        self.done = threading.Event()
+        self._cancel_requested = False
+
+    def on_event(self, event: Any) -> None:
+        if isinstance(event, _Failed):
+            self.done.set()
+            self.post(ReplyFinished(self.rid, "error", None, event.message, event.refused))
+            return
+        name = type(event).__name__
+        if name == "TokenEvent":
+            if not event.text:
+                return
+            with self._lock:
+                self._parts.append(event.text)
+                self.text_parts.append(event.text)
+                if self._oldest is None:
+                    self._oldest = time.perf_counter()
+                if self._posted:
+                    return
+                self._posted = True
+            self.post(ReplyTokens(self.rid))
+        elif name == "ProgressEvent":
+            self.post(ReplyProgress(self.rid, event.done, event.total))
+        elif name == "StatsEvent":
+            stats = dataclasses.asdict(event)
+            self.stats = stats
+            self.post(ReplyStats(self.rid, stats))
+        elif name == "FinishedEvent":
+            self.done.set()
+            self.post(ReplyFinished(self.rid, event.reason, event.detail))
+        elif name == "ErrorEvent":
+            self.done.set()
+            exc = event.exception
+            refused = type(exc).__name__ == "RequestRefused"
+            self.post(ReplyFinished(self.rid, "error", None, event.message, refused))
+
+    def drain(self) -> tuple[str, float | None]:
+        with self._lock:
+            text, oldest = "".join(self._parts), self._oldest
+            self._parts.clear()
+            self._oldest = None
+            self._posted = False
+        return text, oldest
+
+    @property
+    def text(self) -> str:
+        with self._lock:
+            return "".join(self.text_parts)
+
+    def cancel(self) -> None:
+        self._cancel_requested = True
+        if self.handle is not None:
+            self.handle.cancel()
+
+
+class EngineBridge:
+    """Owns the engine for the app: start, switch models, submit replies, blocking calls.
+
+    ``post`` delivers messages to the app (``app.post_message``); replies post to the
+    target given to :meth:`submit`."""
+
+    def __init__(self, settings: Any, post: Post) -> None:
+        self.settings = settings
+        self.post = post
+        self.engine: Any = None
+        self.info: dict[str, Any] = {}
+        self.error: str | None = None
+        self.ready = threading.Event()  # set when loaded, or when loading failed
+        self.model_spec: str = str(settings.model)
+        self._lock = threading.Lock()
+        self._pending: list[tuple[Any, ReplyStream]] = []  # submitted before the engine exists
+        self._unsubscribe: Callable[[], None] | None = None
+        self._cache_kinds: collections.Counter[str] = collections.Counter()
+        self._starter: threading.Thread | None = None
+        self._relay = WarningRelay(post)
+        self._closed = False
+        self.load_started = 0.0
+        self.loaded_at: float | None = None
+
+    # lifecycle ------------------------------------------------------------------------
+    def start(self, model: str | None = None) -> threading.Thread:
+        """Start (or switch to) ``model`` in the background; returns the starter thread.
+        The app hears :class:`EngineLoading`, then :class:`EngineReady` or
+        :class:`EngineFailed`."""
+        logging.getLogger("mlxkv").addHandler(self._relay)
+        with self._lock:
+            previous, self.engine = self.engine, None
+            self.ready.clear()
+            self.error = None
+            self.info = {}
+            if model is not None:
+                self.model_spec = str(model)
+        thread = threading.Thread(target=self._start, args=(previous, self.model_spec),
+                                  name="mlxkv-tui-start", daemon=True)
+        self._starter = thread
+        thread.start()
+        return thread
+
+    def _start(self, previous: Any, spec: str) -> None:
+        self.load_started = time.perf_counter()
+        try:
+            self._stop_engine(previous)
+            self.post(EngineLoading("starting", 0, 3))
+            from engine.engine import Engine
+
+            settings = self.settings
+            if spec != str(settings.model):
+                settings = settings.replace(model=spec)
+            engine = Engine.from_settings(settings)
+            self._unsubscribe = engine.subscribe(self._on_engine_event)
+            engine.start(wait=False)
+            with self._lock:
+                self.engine = engine
+                pending, self._pending = self._pending, []
+            for request, stream in pending:
+                self._submit_now(engine, request, stream)
+            engine.wait_ready()
+        except BaseException as e:  # reported to the user as a notification, not a traceback
+            log.debug("engine start failed", exc_info=True)
+            message = describe_error(e)
+            with self._lock:
+                self.error = message
+                pending, self._pending = self._pending, []
+            for _, stream in pending:
+                stream.on_event(_Failed(message))
+            self.ready.set()
+            self.post(EngineFailed(message))
+            return
+        self.info = dict(engine.info)
+        self.loaded_at = time.perf_counter()
+        self.ready.set()
+        self.post(EngineReady(dict(self.info)))
+
+    def _stop_engine(self, engine: Any) -> None:
+        if engine is None:
+            return
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+        engine.shutdown(timeout=30.0)
+
+    def shutdown(self) -> None:
+        """Stop the engine (its cache is flushed and closed); blocks: call off the UI thread."""
+        self._closed = True
+        logging.getLogger("mlxkv").removeHandler(self._relay)
+        starter = self._starter
+        if starter is not None and starter is not threading.current_thread():
+            starter.join(60.0)
+        with self._lock:
+            engine, self.engine = self.engine, None
+        self._stop_engine(engine)
+
+    # events ---------------------------------------------------------------------------
+    def _on_engine_event(self, event: Any) -> None:
+        name = type(event).__name__
+        if name == "LoadEvent":
+            self.post(EngineLoading(event.stage, 1 + event.done, 1 + event.total))
+        elif name == "CacheEvent":
+            with self._lock:
+                self._cache_kinds[event.kind] += 1
+            if event.kind == "warning":
+                message = str(event.data.get("message") or event.data)
+                self._relay.emit(logging.LogRecord("mlxkv.cache", logging.WARNING, "", 0,
+                                                   message, None, None))
+
+    def take_cache_changes(self) -> dict[str, int]:
+        """Cache event counts by kind since the last call (empty: nothing changed)."""
+        with self._lock:
+            kinds = dict(self._cache_kinds)
+            self._cache_kinds.clear()
+        return kinds
+
+    # replies --------------------------------------------------------------------------
+    def submit(self, messages: list[dict[str, str]], params: dict[str, Any], session: str | None,
+               post: Post) -> ReplyStream:
+        """Queue a chat reply; its messages go to ``post`` (the chat screen's). Served once
+        the model is loaded when it is still loading. Never blocks."""
+        stream = ReplyStream(post)
+        request = (messages, params, session)
+        with self._lock:
+            engine, error = self.engine, self.error
+            if engine is None and error is None:
+                self._pending.append((request, stream))
+                return stream
+        if engine is None:
+            stream.on_event(_Failed(error or "the engine is not running"))
+            return stream
+        self._submit_now(engine, request, stream)
+        return stream
+
+    def _submit_now(self, engine: Any, request: tuple, stream: ReplyStream) -> None:
+        from engine.generate import SamplingParams
+        from engine.requests import Request
+
+        messages, params, session = request
+        try:
+            sampling = SamplingParams(**params)
+            stream.handle = engine.submit(Request(messages=messages, params=sampling, session=session),
+                                          stream.on_event)
+            if stream._cancel_requested:
+                stream.handle.cancel()
+        except Exception as e:  # a refused request (empty prompt, engine stopped) is an answer
+            stream.on_event(_Failed(describe_error(e), refused=isinstance(e, ValueError)))
+
+    # blocking engine calls (thread workers only) ---------------------------------------
+    def running(self, timeout: float | None = 60.0) -> Any:
+        """The engine once loaded; :class:`NotReady` when it failed or did not load in time."""
+        if not self.ready.wait(timeout):
+            raise NotReady(f"the model {self.model_spec} is still loading")
+        engine = self.engine
+        if engine is None or self.error is not None:
+            raise NotReady(self.error or "the engine is not running")
+        return engine
+
+    def stats(self) -> dict[str, Any]:
+        return self.running().stats()
+
+    def cache_entries(self, ns: str | None = None) -> list:
+        return self.running().cache_entries(ns)
+
+    def cache_entry(self, entry_id: str) -> Any:
+        return self.running().cache_entry(entry_id)
+
+    def cache_pin(self, entry_id: str, pinned: bool = True) -> bool:
+        return self.running().cache_pin(entry_id, pinned)
+
+    def cache_evict(self, entry_id: str) -> bool:
+        return self.running().cache_evict(entry_id)
+
+    def cache_delete(self, entry_id: str) -> bool:
+        return self.running().cache_delete(entry_id)
+
+    def cache_verify(self, entry_id: str | None = None) -> dict:
+        return self.running().cache_verify(entry_id)
+
+    def cache_flush(self, timeout: float | None = None) -> dict:
+        return self.running().cache_flush(timeout)
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.running().decode(tokens)
+
+    def open_session(self, session: str) -> None:
+        self.running().open_session(session)
+
+    def close_session(self, session: str) -> None:
+        engine = self.engine
+        if engine is not None and self.ready.is_set() and self.error is None:
+            engine.close_session(session)
+
+    def prefetch(self, messages: list[dict[str, str]], session: str | None) -> bool:
+        """Warm a conversation's cached state (``engine.prefetch`` where the engine has it);
+        False when it has not."""
+        engine = self.running()
+        prefetch = getattr(engine, "prefetch", None)
+        if prefetch is None:
+            return False
+        result = prefetch(messages, session=session)
+        if hasattr(result, "result"):
+            result.result(60.0)
+        return True
+
+    def __getattr__(self, name: str) -> Any:
+        # Engine methods added later (cache_gc, ...) reach the inspector without a change here.
+        if name.startswith(("cache_", "prefetch")):
+            return getattr(self.running(), name)
+        raise AttributeError(name)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Failed:
+    """Stands in for an ErrorEvent when a reply fails before the engine has it."""
+
+    message: str
+    refused: bool = False
+

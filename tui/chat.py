@@ -1,0 +1,417 @@
+"""The chat screen: conversations in a sidebar, the open one as Markdown messages, a
+message box, a model bar and a progress bar (model load, long prefills).
+
+A reply streams into its :class:`~tui.widgets.message.MessageView` through Textual's
+Markdown stream (one drain of the reply's buffer per burst of tokens) and is rendered in
+full once it ends. The message list is anchored to its end, so it follows new text
+until the user scrolls up. Conversations live in :mod:`tui.store` (called on the app's one
+store thread, so writes keep their order and never block a key); each has its own engine
+session (``mlxkv-chat-<id>``), opened and prefetched when the conversation opens, so its
+next turn starts from the cached prefix. Conversation actions (rename, delete, export,
+branch, settings) are in :mod:`tui.chat_actions`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import Screen
+from textual.widgets import Footer, ProgressBar, Static
+
+from tui.bridge import ReplyStream
+from tui.chat_actions import ConversationActions
+from tui.messages import ReplyFinished, ReplyProgress, ReplyStats, ReplyTokens
+from tui.widgets.message import MessageView, format_status
+from tui.widgets.prompt import PromptArea
+from tui.widgets.sidebar import ConversationList
+
+log = logging.getLogger("mlxkv.tui")
+SESSION_PREFIX = "mlxkv-chat-"
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "seed")
+
+
+def session_for(conversation_id: int) -> str:
+    return f"{SESSION_PREFIX}{conversation_id}"
+
+
+def conversation_for(session: str) -> int | None:
+    """The conversation id of an engine session of the chat (None: not one of ours)."""
+    if not session or not session.startswith(SESSION_PREFIX):
+        return None
+    try:
+        return int(session[len(SESSION_PREFIX):])
+    except ValueError:
+        return None
+
+
+def title_from(text: str) -> str:
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "New chat")
+    return line if len(line) <= 48 else line[:47].rstrip() + "…"
+
+
+def guarded(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """A handler whose failure becomes a notification, never a traceback on the screen."""
+    @functools.wraps(fn)
+    async def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await fn(self, *args, **kwargs)
+        except Exception as e:
+            log.debug("%s failed", fn.__name__, exc_info=True)
+            self.app.notify(f"{fn.__name__.strip('_').replace('_', ' ')}: {e}", severity="error",
+                            title="Something went wrong", timeout=10)
+    return run
+
+
+@dataclass
+class Pending:
+    """The reply being generated (one at a time)."""
+
+    stream: ReplyStream
+    conversation_id: int
+    view: MessageView | None
+    stats: dict[str, Any] | None = None
+    first_total: int | None = None
+
+
+class ChatScreen(ConversationActions, Screen):
+    CSS_PATH = "chat.tcss"
+    BINDINGS = [
+        Binding("escape", "cancel", "Stop", id="chat.cancel"),
+        Binding("ctrl+n", "new_conversation", "New", id="chat.new"),
+        Binding("ctrl+f", "search", "Search", id="chat.search"),
+        Binding("ctrl+r", "rename", "Rename", id="chat.rename"),
+        Binding("f8", "delete", "Delete", id="chat.delete"),
+        Binding("ctrl+s", "export", "Export", id="chat.export"),
+        Binding("ctrl+t", "conversation_settings", "System & sampling", id="chat.settings"),
+        Binding("ctrl+g", "regenerate", "Regenerate", id="chat.regenerate"),
+        Binding("ctrl+e", "branch_last", "Edit & branch", id="chat.branch", priority=True, show=False),
+        Binding("ctrl+y", "copy_reply", "Copy reply", id="chat.copy", priority=True),
+        Binding("f7", "copy_code", "Copy code", id="chat.copy_code", show=False),
+        Binding("ctrl+b", "toggle_sidebar", "Sidebar", id="chat.sidebar", show=False),
+        Binding("ctrl+up", "focus_messages", "Messages", id="chat.messages", show=False),
+    ]
+
+    def __init__(self, bridge: Any, settings: Any) -> None:
+        super().__init__(id="chat")
+        self.bridge = bridge
+        self.settings = settings
+        self.conversation: Any = None
+        self.history: list[Any] = []  # stored messages of the open conversation
+        self.pending: Pending | None = None
+        self.search_text = ""
+        self._opening = 0
+
+    @property
+    def store(self) -> Any:
+        return self.app.store
+
+    def compose(self) -> ComposeResult:
+        with Horizontal(id="layout"):
+            yield ConversationList(id="sidebar")
+            with Vertical(id="main"):
+                yield Static("", id="model-bar")
+                yield ProgressBar(id="progress", show_eta=False)
+                with VerticalScroll(id="messages"):
+                    yield Static(self._empty_text(), id="empty")
+                yield PromptArea(id="prompt")
+        yield Footer()
+
+    def _empty_text(self) -> str:
+        return ("Type a message and press Enter (Shift+Enter or Ctrl+J: new line).\n"
+                "Ctrl+N: new chat · F2: cache inspector · Ctrl+P: every command · F1: keys")
+
+    def on_mount(self) -> None:
+        self.query_one("#messages", VerticalScroll).anchor()
+        self.query_one("#progress", ProgressBar).display = False
+        self.prompt.focus()
+        self.show_model_state()
+        self.call_after_refresh(self.refresh_list)
+
+    @property
+    def prompt(self) -> PromptArea:
+        return self.query_one("#prompt", PromptArea)
+
+    @property
+    def messages_box(self) -> VerticalScroll:
+        return self.query_one("#messages", VerticalScroll)
+
+    # model state (called by the app on engine messages) -----------------------------
+    def show_model_state(self, text: str | None = None) -> None:
+        b = self.bridge
+        name = b.info.get("model") or b.model_spec.rstrip("/").rsplit("/", 1)[-1]
+        if text is None:
+            if b.error:
+                text = "not loaded: F3 chooses another model"
+            elif b.ready.is_set():
+                ctx = b.info.get("context_tokens")
+                text = f"{b.info.get('compute_dtype', '')}" + (f" · context {ctx}" if ctx else "")
+            else:
+                text = "loading…"
+        title = self.conversation.title if self.conversation is not None else "New chat"
+        self.query_one("#model-bar", Static).update(f"[b]{name}[/b] · {text}   [dim]{title}[/dim]")
+
+    def show_progress(self, done: float | None, total: float | None = None) -> None:
+        bar = self.query_one("#progress", ProgressBar)
+        if done is None:
+            bar.display = False
+            return
+        bar.display = True
+        bar.update(total=total, progress=done)
+
+    # conversations --------------------------------------------------------------------
+    async def refresh_list(self) -> None:
+        conversations = await self.app.db(self.store.list, self.search_text or None)
+        current = self.conversation.id if self.conversation is not None else None
+        await self.query_one(ConversationList).show(conversations, current)
+
+    @guarded
+    async def open_conversation(self, cid: int, *, focus_prompt: bool = True) -> None:
+        """Show conversation ``cid``; a reply still running is stopped (what it said is kept)."""
+        if self.pending is not None:
+            self.pending.stream.cancel()
+            self.pending.view = None
+        self._opening += 1
+        ticket = self._opening
+        conversation = await self.app.db(self.store.get, cid)
+        history = await self.app.db(self.store.messages, cid)
+        if ticket != self._opening:  # another conversation was asked for meanwhile
+            return
+        previous = self.conversation
+        self.conversation, self.history = conversation, history
+        box = self.messages_box
+        await box.remove_children()
+        label = self._assistant_label()
+        views = [MessageView(m.role, m.content, message_id=m.id, stats=m.stats,
+                             label=label if m.role == "assistant" else None)
+                 for m in history if m.role != "system"]
+        if views:
+            await box.mount_all(views)
+        else:
+            await box.mount(Static(self._empty_text(), id="empty"))
+        box.anchor()
+        self.show_model_state()
+        await self.refresh_list()
+        if focus_prompt:
+            self.prompt.focus()
+        self._switch_session(previous.id if previous is not None else None, cid)
+
+    def _switch_session(self, old: int | None, new: int) -> None:
+        if old == new:
+            return
+        payload = self._payload()
+
+        def work() -> None:
+            if old is not None:
+                self.bridge.close_session(session_for(old))
+            self.bridge.open_session(session_for(new))
+            if len(payload) > 1 or (payload and payload[0]["role"] != "system"):
+                self.bridge.prefetch(payload, session_for(new))
+        self.app.background(work, "open the conversation's cache session", quiet=True)
+
+    async def new_conversation(self) -> None:
+        if self.pending is not None:
+            self.pending.stream.cancel()
+            self.pending.view = None
+        previous, self.conversation, self.history = self.conversation, None, []
+        await self.messages_box.remove_children()
+        await self.messages_box.mount(Static(self._empty_text(), id="empty"))
+        if previous is not None:
+            self.app.background(lambda: self.bridge.close_session(session_for(previous.id)),
+                                "close the conversation's cache session", quiet=True)
+        self.show_model_state()
+        await self.refresh_list()
+        self.prompt.focus()
+
+    async def ensure_conversation(self, first_text: str = "") -> Any:
+        if self.conversation is None:
+            conversation = await self.app.db(self.store.create, title_from(first_text),
+                                             self.bridge.model_spec)
+            self.conversation, self.history = conversation, []
+            self.app.background(lambda: self.bridge.open_session(session_for(conversation.id)),
+                                "open the conversation's cache session", quiet=True)
+        return self.conversation
+
+    # sending ----------------------------------------------------------------------------
+    async def on_prompt_area_submitted(self, event: PromptArea.Submitted) -> None:
+        event.stop()
+        await self.send(event.text)
+
+    @guarded
+    async def send(self, text: str) -> None:
+        if not text.strip():
+            return
+        if self.pending is not None:
+            self.notify("A reply is still being written: Esc stops it", severity="warning")
+            return
+        self.prompt.clear()
+        conversation = await self.ensure_conversation(text)
+        message = await self.app.db(self.store.add_message, conversation.id, "user", text)
+        self.history.append(message)
+        await self._mount_view(MessageView("user", text, message_id=message.id))
+        await self.generate()
+        await self.refresh_list()
+
+    async def _mount_view(self, view: MessageView) -> None:
+        box = self.messages_box
+        for empty in box.query("#empty"):
+            await empty.remove()
+        await box.mount(view)
+        box.anchor()
+
+    def _assistant_label(self) -> str:
+        return self.bridge.info.get("model") or "Assistant"
+
+    def _payload(self) -> list[dict[str, str]]:
+        system = self.conversation.system_prompt if self.conversation is not None else None
+        system = system or self.settings.system_prompt
+        messages = [{"role": "system", "content": system}] if system else []
+        return messages + [{"role": m.role, "content": m.content} for m in self.history
+                           if m.role != "system"]
+
+    def sampling(self) -> dict[str, Any]:
+        s = self.settings
+        params = {k: getattr(s, k) for k in SAMPLING_KEYS}
+        params["prefill_step_size"] = s.prefill_step_size
+        if self.conversation is not None:
+            params.update({k: v for k, v in (self.conversation.sampling or {}).items() if k in SAMPLING_KEYS})
+        return params
+
+    async def generate(self) -> None:
+        """Ask for a reply to the open conversation as it stands."""
+        conversation = self.conversation
+        view = MessageView("assistant", label=self._assistant_label())
+        await self._mount_view(view)
+        view.start_stream()
+        view.set_status("waiting for the model…" if not self.bridge.ready.is_set() else "thinking…")
+        stream = self.bridge.submit(self._payload(), self.sampling(), session_for(conversation.id),
+                                    self.post_message)
+        self.pending = Pending(stream, conversation.id, view)
+
+    # reply events (posted by the engine thread) -----------------------------------------
+    def _current(self, rid: int) -> Pending | None:
+        p = self.pending
+        return p if p is not None and p.stream.rid == rid else None
+
+    async def on_reply_tokens(self, message: ReplyTokens) -> None:
+        p = self._current(message.rid)
+        if p is None:
+            return
+        text, produced = p.stream.drain()
+        if p.first_total is not None:
+            p.first_total = None
+            self.show_progress(None)
+        view = p.view
+        if not text or view is None or not view.is_attached:
+            return
+        if not view.content:
+            view.set_status("")
+        await view.append(text)
+        if produced is not None:
+            self.app.metrics.token_shown(produced, self)
+
+    def on_reply_progress(self, message: ReplyProgress) -> None:
+        p = self._current(message.rid)
+        if p is None:
+            return
+        if p.first_total is None and message.done < message.total:
+            if message.total - message.done <= self.settings.prefill_step_size:
+                return  # one chunk: over before a bar would help
+            p.first_total = message.total
+        if p.first_total is not None:
+            self.show_progress(message.done, message.total)
+            if p.view is not None and p.view.is_attached:
+                p.view.set_status(f"reading the prompt: {message.done}/{message.total} tokens")
+
+    def on_reply_stats(self, message: ReplyStats) -> None:
+        p = self._current(message.rid)
+        if p is not None:
+            p.stats = message.stats
+
+    @guarded
+    async def on_reply_finished(self, message: ReplyFinished) -> None:
+        p = self._current(message.rid)
+        if p is None:
+            return
+        self.pending = None
+        self.show_progress(None)
+        text, _ = p.stream.drain()
+        full = p.stream.text
+        view = p.view if p.view is not None and p.view.is_attached else None
+        if message.error is not None:
+            await self._reply_failed(p, view, full, message)
+            return
+        stats = dict(p.stats or {})
+        stats["finish_reason"] = message.reason
+        stats["model"] = self._assistant_label()
+        if view is not None:
+            view.stats = stats
+            await view.finish(full)
+            view.set_status(format_status(stats, message.reason))
+        if not full:
+            if view is not None:
+                view.set_status("stopped before the first token")
+            return
+        stored = await self.app.db(self.store.add_message, p.conversation_id, "assistant", full, stats)
+        if view is not None:
+            view.message_id = stored.id
+        if self.conversation is not None and self.conversation.id == p.conversation_id:
+            self.history.append(stored)
+        self.app.metrics.reply_done(stats)
+
+    async def _reply_failed(self, p: Pending, view: MessageView | None, text: str,
+                            message: ReplyFinished) -> None:
+        error = message.error or "the reply failed"
+        if message.refused and "context" in error:
+            error = error.split(" (use --truncate")[0]
+            advice = ("Start a new chat (Ctrl+N), or branch from an earlier message "
+                      "(focus it and press e) to keep the conversation short.")
+            title = "The conversation is too long for the model"
+        elif not self.bridge.ready.is_set() or self.bridge.error:
+            advice = "Choose a model that loads with F3 (the demo model works offline)."
+            title = "No model"
+        else:
+            advice = "Try again with Ctrl+G, or start a new chat (Ctrl+N)."
+            title = "The reply failed"
+        self.notify(f"{error}\n{advice}", title=title, severity="error", timeout=12)
+        if view is not None:
+            await view.finish(text)
+            if not text:
+                await view.remove()
+            else:
+                view.set_status(f"failed: {error}")
+
+    def action_cancel(self) -> None:
+        if self.pending is not None:
+            self.pending.stream.cancel()
+            if self.pending.view is not None and self.pending.view.is_attached:
+                self.pending.view.set_status("stopping…")
+        elif self.focused is not self.prompt:
+            self.prompt.focus()
+
+    async def on_message_view_action(self, event: MessageView.Action) -> None:
+        event.stop()
+        if event.action == "leave":
+            self.prompt.focus()
+        elif event.action == "branch":
+            await self.branch_from(event.view)
+        elif event.action == "regenerate":
+            await self.regenerate(event.view)
+
+    async def on_conversation_list_open(self, event: ConversationList.Open) -> None:
+        event.stop()
+        if self.conversation is None or self.conversation.id != event.conversation_id:
+            await self.open_conversation(event.conversation_id)
+        else:
+            self.prompt.focus()
+
+    async def on_conversation_list_search(self, event: ConversationList.Search) -> None:
+        event.stop()
+        self.search_text = event.text.strip()
+        await self.refresh_list()

@@ -1,0 +1,158 @@
+"""One message of a conversation: who said it, the text as Markdown (streamed while a
+reply is generated, then rendered once in full so fenced code is right), and for a reply
+its status line (prompt and cached tokens and where they came from, TTFT, speed).
+
+A message takes focus (Tab, or Up/Down in the message list), and its keys act on it:
+copy it, copy its code blocks, branch from it (edit and resend), regenerate."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.message import Message
+from textual.widgets import Markdown, Static
+
+_FENCE = re.compile(r"^([ \t]*)(`{3,}|~{3,})[^\n]*\n(.*?)^\1\2[ \t]*$", re.M | re.S)
+
+
+def code_blocks(markdown: str) -> list[str]:
+    """The contents of the fenced code blocks of ``markdown``, in order."""
+    return [m.group(3) for m in _FENCE.finditer(markdown)]
+
+
+def _tps(value: float) -> str:
+    return f"{value:.0f}" if value >= 10 else f"{value:.1f}"
+
+
+def format_status(stats: dict[str, Any] | None, reason: str | None = None) -> str:
+    """The status line of a reply, e.g. ``412 prompt tok · 384 cached (RAM 384) ·
+    TTFT 0.04 s · 96 tok at 231 tok/s``."""
+    if not stats:
+        return reason or ""
+    parts = [f"{stats.get('prompt_tokens', 0)} prompt tok"]
+    cached = int(stats.get("cached_tokens") or 0)
+    ram, ssd = stats.get("cached_ram_tokens"), stats.get("cached_ssd_tokens")
+    where = []
+    if ram:
+        where.append(f"RAM {ram}")
+    if ssd:
+        where.append(f"SSD {ssd}")
+    parts.append(f"{cached} cached" + (f" ({' · '.join(where)})" if cached and where else ""))
+    if stats.get("load_s"):
+        parts.append(f"model load {stats['load_s']:.2f} s")
+    parts.append(f"TTFT {stats.get('ttft_s', 0.0):.2f} s")
+    parts.append(f"{stats.get('generated_tokens', 0)} tok at {_tps(stats.get('decode_tps', 0.0))} tok/s")
+    accepted = stats.get("accepted_tokens") or stats.get("acceptance")
+    if accepted:
+        parts.append(f"accepted {accepted}")
+    if stats.get("retried"):
+        parts.append("cache retried")
+    if reason and reason != "stop":
+        parts.append(reason)
+    return " · ".join(parts)
+
+
+class MessageView(Vertical, can_focus=True):
+    """A message; ``message_id`` is its id in the store (None until it is saved)."""
+
+    BINDINGS = [
+        Binding("c,y", "copy", "Copy", id="message.copy"),
+        Binding("k", "copy_code", "Copy code", id="message.copy_code"),
+        Binding("e", "branch", "Edit & branch", id="message.branch"),
+        Binding("r", "regenerate", "Regenerate", id="message.regenerate"),
+        Binding("up", "neighbour(-1)", "Previous", show=False, id="message.previous"),
+        Binding("down", "neighbour(1)", "Next", show=False, id="message.next"),
+    ]
+
+    class Action(Message):
+        """The user asked for ``action`` (branch, regenerate) on ``view``."""
+
+        def __init__(self, view: MessageView, action: str) -> None:
+            super().__init__()
+            self.view, self.action = view, action
+
+    def __init__(self, role: str, content: str = "", *, message_id: int | None = None,
+                 stats: dict[str, Any] | None = None, label: str | None = None) -> None:
+        super().__init__(classes=f"message {role}")
+        self.role = role
+        self.content = content
+        self.message_id = message_id
+        self.stats = stats
+        self._label = label or {"user": "You", "assistant": "Assistant", "system": "System"}.get(role, role)
+        self._stream: Any = None
+        self.streaming = False
+
+    def compose(self) -> ComposeResult:
+        yield Static(self._label, classes="role")
+        yield Markdown(self.content, classes="body")
+        yield Static(self._status_text(), classes="status", markup=False)
+
+    def _status_text(self) -> str:
+        if self.stats is None:
+            return ""
+        return format_status(self.stats, self.stats.get("finish_reason"))
+
+    @property
+    def body(self) -> Markdown:
+        return self.query_one(".body", Markdown)
+
+    def set_status(self, text: str) -> None:
+        status = self.query_one(".status", Static)
+        status.update(text)
+        status.display = bool(text)
+
+    def on_mount(self) -> None:
+        self.query_one(".status", Static).display = bool(self._status_text())
+
+    def start_stream(self) -> None:
+        self.streaming = True
+        self.add_class("streaming")
+        self._stream = Markdown.get_stream(self.body)
+
+    async def append(self, text: str) -> None:
+        self.content += text
+        if self._stream is not None:
+            await self._stream.write(text)
+
+    async def finish(self, text: str | None = None) -> None:
+        """End the stream and render the whole text once more (fenced code renders right)."""
+        if text is not None:
+            self.content = text
+        if self._stream is not None:
+            stream, self._stream = self._stream, None
+            await stream.stop()
+        self.streaming = False
+        self.remove_class("streaming")
+        await self.body.update(self.content)
+
+    def action_copy(self) -> None:
+        self.app.copy_to_clipboard(self.content)
+        self.notify(f"Copied the message ({len(self.content)} characters)")
+
+    def action_copy_code(self) -> None:
+        blocks = code_blocks(self.content)
+        if not blocks:
+            self.notify("This message has no code blocks", severity="warning")
+            return
+        self.app.copy_to_clipboard("\n".join(blocks))
+        self.notify(f"Copied {len(blocks)} code block{'s' * (len(blocks) != 1)}")
+
+    def action_branch(self) -> None:
+        self.post_message(self.Action(self, "branch"))
+
+    def action_regenerate(self) -> None:
+        self.post_message(self.Action(self, "regenerate"))
+
+    def action_neighbour(self, step: int) -> None:
+        views = [v for v in self.parent.children if isinstance(v, MessageView)] if self.parent else []
+        if self in views:
+            i = views.index(self) + step
+            if 0 <= i < len(views):
+                views[i].focus()
+                views[i].scroll_visible()
+            elif i >= len(views):
+                self.post_message(self.Action(self, "leave"))
