@@ -201,14 +201,15 @@ def _like(text: str) -> str:
 class ConversationStore:
     """Conversations and their messages in one SQLite file (see the module docstring).
 
-    ``clock`` gives the times stored in ``created``/``updated`` (``time.time`` unless a
-    caller needs fixed ones). Raises :class:`StoreError` when the file cannot be used.
+    ``clock`` (an attribute too) gives the times stored in ``created``/``updated``
+    (``time.time`` unless a caller needs fixed ones, e.g. for screenshots). Raises
+    :class:`StoreError` when the file cannot be used.
     """
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *,
                  clock: Callable[[], float] = time.time, busy_timeout_s: float = 10.0):
         self.path = Path(path) if path is not None else default_path()
-        self._clock = clock
+        self.clock = clock
         self._lock = threading.RLock()
         _private_folder(self.path.parent)
         _private_file(self.path)
@@ -308,7 +309,7 @@ class ConversationStore:
         return row
 
     def _touch(self, db: sqlite3.Connection, cid: int) -> None:
-        db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (self._clock(), cid))
+        db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (self.clock(), cid))
 
     def _insert_message(self, db: sqlite3.Connection, cid: int, role: str, content: str,
                         stats: dict | None) -> int:
@@ -320,7 +321,7 @@ class ConversationStore:
         position = db.execute("SELECT coalesce(max(position) + 1, 0) FROM messages "
                               "WHERE conversation_id = ?", (cid,)).fetchone()[0]
         cur = db.execute("INSERT INTO messages (conversation_id, role, content, created, position, stats) "
-                         "VALUES (?, ?, ?, ?, ?, ?)", (cid, role, content, self._clock(), position, stats_json))
+                         "VALUES (?, ?, ?, ?, ?, ?)", (cid, role, content, self.clock(), position, stats_json))
         return cur.lastrowid
 
     # --- conversations --------------------------------------------------------------------
@@ -329,7 +330,7 @@ class ConversationStore:
         """A new, empty conversation."""
         sampling_json = _json(dict(sampling or {}), "sampling")
         with self._tx() as db:
-            now = self._clock()
+            now = self.clock()
             cur = db.execute("INSERT INTO conversations (title, created, updated, model, system_prompt, sampling) "
                              "VALUES (?, ?, ?, ?, ?, ?)", (title, now, now, model, system_prompt, sampling_json))
             return _conversation(self._row(db, cur.lastrowid))
@@ -357,7 +358,7 @@ class ConversationStore:
         with self._tx() as db:
             self._row(db, cid)
             db.execute(f"UPDATE conversations SET {column} = ?, updated = ? WHERE id = ?",
-                       (value, self._clock(), cid))
+                       (value, self.clock(), cid))
             return _conversation(self._row(db, cid))
 
     def rename(self, cid: int, title: str) -> Conversation:
@@ -436,7 +437,7 @@ class ConversationStore:
                             (message_id, cid)).fetchone()
             if at is None:
                 raise NotFoundError(f"conversation {cid} has no message with id {message_id!r}")
-            now = self._clock()
+            now = self.clock()
             cur = db.execute(
                 "INSERT INTO conversations (title, created, updated, model, system_prompt, sampling, "
                 "parent_id, branched_from_message) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
