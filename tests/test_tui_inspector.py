@@ -1,0 +1,248 @@
+"""The cache inspector screen on a real engine: a tiny random-weight qwen3, a real cache
+folder under tmp_path, driven with Textual's Pilot inside a minimal host app."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from textual.app import App
+
+from bench.modelgen import tiny_model
+from engine.cache.info import CacheEntryInfo
+from engine.engine import Engine, Request
+from engine.generate import SamplingParams
+from engine.settings import Settings
+from tui.inspector import ConfirmScreen, InspectorScreen, OpenConversation
+
+T = 60.0  # generous bound on every wait: a failing test fails, never hangs
+SIZE = (120, 40)
+
+
+class Host(App):
+    """Pushes the inspector; records the conversations it is asked to open."""
+
+    def __init__(self, engine: Any, live: bool = True) -> None:
+        super().__init__()
+        self.engine, self.live = engine, live
+        self.opened: list[str] = []
+
+    def on_mount(self) -> None:
+        self.push_screen(InspectorScreen(self.engine, live=self.live))
+
+    def on_open_conversation(self, message: OpenConversation) -> None:
+        self.opened.append(message.session)
+
+
+@pytest.fixture
+def engine(tmp_path: Path):
+    settings = Settings.load({"model": str(tiny_model("qwen3")), "cache_dir": str(tmp_path / "cache"),
+                              "block_tokens": 16, "ram_cache_bytes": 256 << 20}, env={})
+    eng = Engine.from_settings(settings).start(timeout=T)
+    yield eng
+    eng.shutdown(timeout=T)
+
+
+def ask(engine: Engine, text: str, session: str, max_tokens: int = 4) -> None:
+    handle = engine.submit(Request(messages=[{"role": "user", "content": text}], session=session,
+                                   params=SamplingParams(max_tokens=max_tokens)))
+    handle.result(timeout=T)
+    engine.sync(T)  # the state is stored after the answer
+
+
+def cache_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.suffix in (".blk", ".tail", ".ckpt", ".man"))
+
+
+async def until(pilot: Any, cond: Callable[[], Any], what: str) -> Any:
+    deadline = time.monotonic() + T
+    while not (value := cond()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await pilot.pause(0.05)
+    return value
+
+
+def run(coro_fn: Callable[..., Any], engine: Any, live: bool = True) -> Host:
+    app = Host(engine, live)
+
+    async def main() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: isinstance(app.screen, InspectorScreen), "the inspector")
+            await coro_fn(pilot, app.screen)
+    asyncio.run(main())
+    return app
+
+
+def test_lists_the_entry_and_its_blocks(engine):
+    ask(engine, "Tell me about the cache inspector screen, please.", "s1")
+    [info] = engine.cache_entries()
+
+    async def check(pilot, screen: InspectorScreen) -> None:
+        await until(pilot, lambda: screen.table.keys == [info.id], "the entry in the table")
+        detail = await until(pilot, lambda: screen.detail, "the detail pane")
+        assert detail.info.id == info.id and detail.info.session == "s1"
+        assert len(detail.blocks) == info.blocks >= 2
+        assert screen.blocks.row_count == len(detail.blocks)
+        assert "cache inspector" in str(screen.query_one("#detail-preview").render())
+        await until(pilot, lambda: "hit rate" in str(screen.query_one("#fig-hits").render()),
+                    "the header figures")
+        await pilot.press("o")
+        await until(pilot, lambda: pilot.app.opened == ["s1"], "OpenConversation")
+    run(check, engine)
+
+
+def test_evict_pin_and_verify_act_on_the_store(engine, tmp_path):
+    ask(engine, "A conversation that goes to SSD and back.", "s1")
+    engine.cache_flush(timeout=T)
+    [info] = engine.cache_entries()
+    assert info.tier == "both"
+
+    async def check(pilot, screen: InspectorScreen) -> None:
+        await until(pilot, lambda: screen.table.keys == [info.id], "the entry")
+        await pilot.press("p")
+        await until(pilot, lambda: "pin" in screen.results, "pin")
+        assert screen.results["pin"] is True and engine.stats()["cache"]["pinned"] == 1
+
+        await pilot.press("e")  # on SSD too: no confirmation
+        await until(pilot, lambda: "evict" in screen.results, "evict")
+        assert screen.results["evict"] is True
+        assert engine.cache_entries()[0].tier == "ssd"
+        assert engine.stats()["cache"]["ram_entries"] == 0
+        await until(pilot, lambda: screen.table.selected.tier == "ssd", "the table to show SSD")
+        assert screen.table.selected.pinned  # kept pinned on SSD: it comes back pinned
+
+        await pilot.press("u")
+        await until(pilot, lambda: not screen.table.selected.pinned, "the table to show the unpin")
+        assert engine.stats()["cache"]["pinned"] == 0
+
+        await pilot.press("v")
+        await until(pilot, lambda: "verify" in screen.results, "verify")
+        assert screen.results["verify"]["ok"] == 1 and not screen.results["verify"]["damaged"]
+        await until(pilot, lambda: screen.detail and all(b.verified for b in screen.detail.blocks),
+                    "the blocks shown as verified")
+
+        # Damage one block file on disk: verify finds it.
+        block = next(p for p in cache_files(tmp_path / "cache") if p.suffix == ".blk")
+        data = bytearray(block.read_bytes())
+        data[-1] ^= 0xFF
+        block.write_bytes(bytes(data))
+        del screen.results["verify"]
+        await pilot.press("v")
+        await until(pilot, lambda: "verify" in screen.results, "the second verify")
+        assert screen.results["verify"]["damaged"] == [info.id]
+        assert not block.exists()  # the damaged block is gone from the store
+        await until(pilot, lambda: "verify" in screen.results and not screen.verifying,
+                    "the verify indicator to go")
+        assert not screen.has_class("-verifying")
+    run(check, engine)
+
+
+def test_delete_asks_first_and_removes_the_files(engine, tmp_path):
+    ask(engine, "Something to delete from both tiers.", "gone")
+    engine.cache_flush(timeout=T)
+    [info] = engine.cache_entries()
+    assert cache_files(tmp_path / "cache")
+
+    async def check(pilot, screen: InspectorScreen) -> None:
+        await until(pilot, lambda: screen.table.keys == [info.id], "the entry")
+        await pilot.press("d")
+        await until(pilot, lambda: isinstance(pilot.app.screen, ConfirmScreen), "the question")
+        await pilot.press("n")
+        await until(pilot, lambda: pilot.app.screen is screen, "the answer")
+        await pilot.pause()
+        assert "delete" not in screen.results
+        assert [e.id for e in engine.cache_entries()] == [info.id]
+
+        await pilot.press("d")
+        await until(pilot, lambda: isinstance(pilot.app.screen, ConfirmScreen), "the question")
+        await pilot.press("y")
+        await until(pilot, lambda: "delete" in screen.results, "delete")
+        assert screen.results["delete"] is True
+        assert engine.cache_entries() == []
+        await until(pilot, lambda: screen.table.row_count == 0, "the table to empty")
+        assert screen.detail is None
+    run(check, engine)
+    assert cache_files(tmp_path / "cache") == []
+
+
+def test_filter_and_sort(engine):
+    ask(engine, "alpha: a short one", "alpha")
+    ask(engine, "beta: a longer question that takes rather more tokens than the first", "beta")
+    ask(engine, "gamma: a middle sized question here", "gamma")
+    by_session = {e.session: e for e in engine.cache_entries()}
+    assert set(by_session) == {"alpha", "beta", "gamma"}
+
+    async def check(pilot, screen: InspectorScreen) -> None:
+        table = screen.table
+        await until(pilot, lambda: table.row_count == 3, "three entries")
+        await pilot.press("slash", *"beta")
+        await until(pilot, lambda: table.keys == [by_session["beta"].id], "the filter")
+        await pilot.press("escape")
+        await until(pilot, lambda: table.row_count == 3, "the filter cleared")
+        assert screen.focused is table
+
+        for _ in range(len(table.columns)):
+            if table.sort_key == "tokens":
+                break
+            await pilot.press("s")
+        assert table.sort_key == "tokens"
+        tokens = [table.row(k).tokens for k in table.keys]
+        assert tokens == sorted(tokens, reverse=True) and len(set(tokens)) == 3
+        await pilot.press("r")
+        assert [table.row(k).tokens for k in table.keys] == sorted(tokens)
+        # The cursor stays on its entry when the order changes.
+        await pilot.press("end")
+        last = table.cursor_key
+        await pilot.press("r")
+        assert table.cursor_key == last and table.keys[0] == last
+    run(check, engine)
+
+
+def synthetic(n: int) -> list[CacheEntryInfo]:
+    now = time.time()
+    return [CacheEntryInfo(id=f"{i:032x}", ns=f"model-{i % 7}", kind=("conversation", "prefix")[i % 2],
+                           tokens=(i * 7919) % 30000, blocks=1 + i % 120, bytes=i * 4096,
+                           unique_bytes=i * 1024, shared_bytes=i * 3072,
+                           tier=("ram", "ssd", "both")[i % 3], pinned=i % 50 == 0,
+                           last_used=now - i, hits=i % 13, session=f"chat-{i}" if i % 4 else None)
+            for i in range(n)]
+
+
+def test_ten_thousand_entries_render_and_scroll(engine):
+    records = synthetic(10_000)
+
+    async def check(pilot, screen: InspectorScreen) -> None:
+        table = screen.table
+        t0 = time.perf_counter()
+        screen.load_entries(records)
+        t1 = time.perf_counter()
+        await pilot.pause()
+        print(f"inspector_10k_refresh_ms {(time.perf_counter() - t0) * 1e3:.1f} "
+              f"(load_entries {(t1 - t0) * 1e3:.1f})")
+        assert table.row_count == 10_000 and table.keys[0] == records[0].id  # newest first
+        assert records[0].id[:11] in "\n".join(str(s.text) for s in
+                                               [table.render_line(y) for y in range(3)])
+        await pilot.press("pagedown", "pagedown", "end")
+        assert table.cursor_key == records[-1].id
+        assert table.scroll_y == table.max_scroll_y > 0
+        lines = [table.render_line(y).text for y in range(table.size.height)]
+        assert records[-1].id[:11] in "".join(lines)
+        await pilot.press("home")
+        assert table.cursor_key == records[0].id and table.scroll_y == 0
+
+        await pilot.press("slash", *"chat-999")
+        expected = [r.id for r in records if r.session and "chat-999" in r.session]
+        await until(pilot, lambda: table.keys == expected, "the filter over 10,000")
+        await pilot.press("escape")
+        for _ in range(3):
+            await pilot.press("s")
+        before = table.cursor_key
+        screen.load_entries(records[::-1])  # a live refresh in another order
+        assert table.cursor_key == before and before is not None
+        await pilot.pause()
+    run(check, engine, live=False)

@@ -1,0 +1,532 @@
+"""The cache inspector: every state the prefix cache holds, in RAM and on SSD, live.
+
+    app.push_screen(InspectorScreen(engine))
+
+``engine`` is an :class:`engine.engine.Engine` or any object with its front-end calls
+(``stats``, ``cache_entries``, ``cache_entry``, ``cache_pin``, ``cache_evict``,
+``cache_delete``, ``cache_verify``, ``cache_flush``, ``decode``; ``subscribe`` and
+``cache_gc`` when it has them). Each of them blocks (up to a timeout) while the engine
+thread serves it, so the screen calls them only from thread workers and gets the
+answers back as messages. Cache events set a dirty flag (from the engine's threads);
+a 5 Hz timer turns a dirty flag into one refresh of the entry list, so a burst of
+events costs one listing. The header figures (hit rate and its sparkline, bytes per
+tier against their caps, dedup ratio, queue depths, last restore) come from
+``engine.stats()`` once a second. The table and the block chain are virtualized
+(:mod:`tui.widgets.entry_table`); the detail pane loads 150 ms after the cursor stops.
+Opening an entry's conversation posts :class:`OpenConversation` for the app.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from rich.text import Text
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.message import Message
+from textual.screen import ModalScreen, Screen
+from textual.widgets import Button, Footer, Input, Label, ProgressBar, Sparkline, Static
+
+from engine.cache.info import CacheEntryDetail, CacheEntryInfo
+from tui.widgets.entry_table import BlockTable, EntryTable, VirtualTable, age, human_bytes
+
+CALL_TIMEOUT_S = 5.0  # listing and stats; a busy or loading engine is tried again later
+ACTION_TIMEOUT_S = 120.0
+VERIFY_TIMEOUT_S = 600.0
+DETAIL_DEBOUNCE_S = 0.15
+STATS_PERIOD_S = 1.0
+PREVIEW_HEAD, PREVIEW_TAIL = 96, 256  # tokens decoded for the preview of a long entry
+
+
+class OpenConversation(Message):
+    """Open the conversation of cache ``session`` in the chat screen (the app handles it)."""
+
+    def __init__(self, session: str) -> None:
+        super().__init__()
+        self.session = session
+
+
+class _Refreshed(Message):
+    def __init__(self, entries: list | None, stats: dict | None, error: str | None) -> None:
+        super().__init__()
+        self.entries, self.stats, self.error = entries, stats, error
+
+
+class _DetailLoaded(Message):
+    def __init__(self, entry_id: str, detail: CacheEntryDetail | None, preview: str,
+                 error: str | None) -> None:
+        super().__init__()
+        self.entry_id, self.detail, self.preview, self.error = entry_id, detail, preview, error
+
+
+class _ActionDone(Message):
+    def __init__(self, what: str, result: Any, text: str, severity: str) -> None:
+        super().__init__()
+        self.what, self.result, self.text, self.severity = what, result, text, severity
+
+
+class ConfirmScreen(ModalScreen[bool]):
+    """Ask yes or no; dismissed with the answer (No has the focus)."""
+
+    DEFAULT_CSS = """
+    ConfirmScreen { align: center middle; }
+    #confirm-box { width: 64; height: auto; padding: 1 2; border: thick $error;
+                   background: $surface; }
+    #confirm-buttons { height: auto; margin-top: 1; align: center middle; }
+    #confirm-buttons Button { margin: 0 2; }
+    """
+    BINDINGS = [Binding("y", "answer(True)", "Yes", id="confirm.yes"),
+                Binding("n,escape", "answer(False)", "No", id="confirm.no")]
+
+    def __init__(self, question: str) -> None:
+        super().__init__()
+        self.question = question
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="confirm-box"):
+            yield Static(Text(self.question), id="confirm-question")
+            with Horizontal(id="confirm-buttons"):
+                yield Button("Yes (y)", id="confirm-yes", variant="error")
+                yield Button("No (n)", id="confirm-no", variant="primary")
+
+    def on_mount(self) -> None:
+        self.query_one("#confirm-no", Button).focus()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id == "confirm-yes")
+
+    def action_answer(self, yes: bool) -> None:
+        self.dismiss(yes)
+
+
+def _bar(fraction: float, width: int = 8) -> str:
+    filled = round(max(0.0, min(1.0, fraction)) * width)
+    return "█" * filled + "░" * (width - filled)
+
+
+class Figures:
+    """The header figures from successive ``engine.stats()`` answers: the hit rate per
+    interval (for the sparkline) and the last restore come from counter differences."""
+
+    def __init__(self, history: int = 60) -> None:
+        self.history: list[float] = []
+        self._size = history
+        self._prev: dict | None = None
+        self.last_restore: tuple[float, float] | None = None  # (ms, bytes)
+
+    def update(self, stats: dict) -> dict[str, str]:
+        c = stats.get("cache") or {}
+        if not c.get("enabled"):
+            return {"hits": "prefix cache off", "tiers": "", "queues": "", "restore": ""}
+        prev, self._prev = self._prev, c
+        dp = c.get("prompt_tokens", 0) - (prev or {}).get("prompt_tokens", 0)
+        dc = c.get("cached_tokens", 0) - (prev or {}).get("cached_tokens", 0)
+        if dp > 0:
+            self.history = [*self.history, dc / dp][-self._size:]
+        dms = c.get("restore_ms", 0) - (prev or {}).get("restore_ms", 0)
+        dbytes = c.get("restore_bytes", 0) - (prev or {}).get("restore_bytes", 0)
+        if dms > 0:
+            self.last_restore = (dms, dbytes)
+        hits = (f"hit rate {c.get('hit_fraction', 0.0):.0%}  ·  {c.get('ram_hits', 0)} RAM  "
+                f"{c.get('ssd_hits', 0)} SSD  {c.get('misses', 0)} missed")
+        ram, ram_cap = c.get("ram_bytes", 0), c.get("ram_max_bytes") or 0
+        tiers = (f"RAM {_bar(ram / ram_cap if ram_cap else 0)} {human_bytes(ram)} / "
+                 f"{human_bytes(ram_cap) if ram_cap else '∞'}")
+        if c.get("ssd"):
+            ssd, ssd_cap = c.get("ssd_bytes", 0), c.get("ssd_max_bytes")
+            tiers += (f"   SSD {_bar(ssd / ssd_cap if ssd_cap else 0)} {human_bytes(ssd)} / "
+                      f"{human_bytes(ssd_cap) if ssd_cap else '–'}")
+        else:
+            reason = c.get("ssd_disabled_reason")
+            tiers += "   SSD off" + (f" ({reason})" if reason else "")
+        tiers += f"   dedup ×{c.get('dedup_ratio', 1.0):.2f}"
+        q = c.get("queues") or {}
+        queues = (f"writer {q.get('waiting', 0)} queued, {q.get('inflight', 0)} writing, "
+                  f"{q.get('storage_pending_writes', 0)} in storage   "
+                  f"reader {q.get('storage_pending_reads', '–')}   "
+                  f"dirty {(c.get('durability') or {}).get('pending', 0)}")
+        if self.last_restore is None:
+            restore = "no restore from SSD yet"
+        else:
+            ms, nbytes = self.last_restore
+            restore = f"last restore {ms:.0f} ms, {human_bytes(nbytes / ms * 1e3)}/s"
+        return {"hits": hits, "tiers": tiers, "queues": queues, "restore": restore}
+
+
+def _summary(e: CacheEntryInfo) -> Text:
+    text = Text()
+    text.append(f"{e.kind}", style="bold")
+    text.append(f"  {e.session or '(no conversation)'}\n")
+    text.append(f"id {e.id}\nmodel {e.ns}\n")
+    text.append(f"{e.tokens} tokens in {e.blocks} blocks · {human_bytes(e.bytes)} "
+                f"({human_bytes(e.unique_bytes)} unique, {human_bytes(e.shared_bytes)} shared)\n")
+    text.append(f"tier {e.tier} · {'pinned' if e.pinned else 'not pinned'} · {e.hits} hits · "
+                f"used {age(e.last_used)} ago\n")
+    return text
+
+
+class InspectorScreen(Screen):
+    """The cache inspector (see the module docstring). ``live=False``: no refresh unless
+    asked (``r``) or fed with :meth:`load_entries`."""
+
+    CSS_PATH = "inspector.tcss"
+    BINDINGS = [
+        Binding("slash", "filter", "Filter", id="inspector.filter"),
+        Binding("escape", "clear_filter", "Clear filter", show=False, id="inspector.clear_filter"),
+        Binding("s", "sort(1)", "Sort", id="inspector.sort"),
+        Binding("S", "sort(-1)", "Sort back", show=False, id="inspector.sort_back"),
+        Binding("r", "reverse", "Reverse", id="inspector.reverse"),
+        Binding("e", "evict", "Evict", id="inspector.evict"),
+        Binding("d,delete", "delete", "Delete", id="inspector.delete"),
+        Binding("p", "pin(True)", "Pin", id="inspector.pin"),
+        Binding("u", "pin(False)", "Unpin", id="inspector.unpin"),
+        Binding("v", "verify", "Verify", id="inspector.verify"),
+        Binding("V", "verify_all", "Verify all", show=False, id="inspector.verify_all"),
+        Binding("f", "flush", "Flush", id="inspector.flush"),
+        Binding("g", "gc", "GC", id="inspector.gc"),
+        Binding("o,enter", "open_conversation", "Open chat", id="inspector.open"),
+        Binding("ctrl+r", "refresh", "Refresh", show=False, id="inspector.refresh"),
+    ]
+
+    def __init__(self, engine: Any, *, live: bool = True, name: str | None = None,
+                 id: str | None = None, classes: str | None = None) -> None:
+        super().__init__(name=name, id=id, classes=classes)
+        self.engine = engine
+        self.live = live
+        self.figures = Figures()
+        self.results: dict[str, Any] = {}  # the last result of each action, by name
+        self.detail: CacheEntryDetail | None = None
+        self.verifying = False
+        self._dirty = threading.Event()
+        self._busy = False
+        self._stats_at = 0.0
+        self._unsubscribe: Callable[[], None] | None = None
+        self._detail_timer: Any = None
+        self._detail_loading: str | None = None
+
+    # ------------------------------------------------------------------ layout
+    def compose(self) -> ComposeResult:
+        with Vertical(id="inspector-figures"):
+            with Horizontal(classes="figure-row"):
+                yield Label("", id="fig-hits")
+                yield Sparkline([], id="fig-sparkline")
+                yield Label("", id="fig-restore")
+            yield Label("", id="fig-tiers")
+            yield Label("", id="fig-queues")
+        with Horizontal(id="inspector-bar"):
+            yield Input(placeholder="filter: id, model, kind, tier, session", id="filter")
+            yield Label("", id="entry-count")
+        yield EntryTable(id="entries")
+        with Horizontal(id="verify-bar"):
+            yield Label("verifying", id="verify-label")
+            yield ProgressBar(total=None, show_eta=False, id="verify-progress")
+        with Horizontal(id="detail"):
+            with VerticalScroll(id="detail-text"):
+                yield Static("", id="detail-summary")
+                yield Static("", id="detail-preview")
+            yield BlockTable(id="detail-blocks")
+        yield Footer()
+
+    @property
+    def table(self) -> EntryTable:
+        return self.query_one("#entries", EntryTable)
+
+    @property
+    def blocks(self) -> BlockTable:
+        return self.query_one("#detail-blocks", BlockTable)
+
+    def on_mount(self) -> None:
+        self.table.focus()
+        subscribe = getattr(self.engine, "subscribe", None)
+        if self.live and subscribe is not None:
+            self._unsubscribe = subscribe(self._on_engine_event)
+        if self.live:
+            self._dirty.set()
+        self.set_interval(0.2, self._tick)
+        self._show_count()
+
+    def on_unmount(self) -> None:
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+
+    # ------------------------------------------------------------------ live refresh
+    def _on_engine_event(self, event: Any) -> None:
+        """Engine or storage thread: note that the listing is stale."""
+        if type(event).__name__ in ("CacheEvent", "LoadEvent"):
+            self._dirty.set()
+
+    def mark_dirty(self) -> None:
+        """Refresh the listing at the next tick (any thread)."""
+        self._dirty.set()
+
+    def _tick(self) -> None:
+        if self._busy or self.engine is None or not self.is_current:
+            return
+        entries = self._dirty.is_set()
+        now = time.monotonic()
+        if not entries and (not self.live or now - self._stats_at < STATS_PERIOD_S):
+            return
+        self._dirty.clear()
+        self._busy, self._stats_at = True, now
+        self._refresh(entries)
+
+    @work(thread=True, group="inspector-refresh", exit_on_error=False)
+    def _refresh(self, entries: bool) -> None:
+        listed = stats = error = None
+        try:
+            if entries:
+                listed = self.engine.cache_entries(timeout=CALL_TIMEOUT_S)
+            stats = self.engine.stats(timeout=CALL_TIMEOUT_S)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        self.post_message(_Refreshed(listed, stats, error))
+
+    @on(_Refreshed)
+    def _refreshed(self, message: _Refreshed) -> None:
+        self._busy = False
+        if message.error is not None:
+            self.query_one("#fig-hits", Label).update(Text(f"engine: {message.error}"))
+            if message.entries is None:
+                self._dirty.set()  # tried again at a later tick
+        if message.entries is not None:
+            self.load_entries(message.entries)
+            if self.table.cursor_key is not None:
+                self._load_detail(self.table.cursor_key)
+        if message.stats is not None:
+            self._show_figures(message.stats)
+
+    def load_entries(self, records: Iterable[CacheEntryInfo]) -> None:
+        """Show ``records`` (what ``engine.cache_entries()`` answers), keeping the
+        cursor on its entry, the sort and the filter."""
+        self.table.set_rows(records)
+        self._show_count()
+
+    def _show_count(self) -> None:
+        t = self.table
+        arrow = "▼" if t.reverse else "▲"
+        self.query_one("#entry-count", Label).update(
+            f"{t.row_count} of {len(t._rows)} entries · sort {t.sort_key} {arrow}")
+
+    def _show_figures(self, stats: dict) -> None:
+        figs = self.figures.update(stats)
+        for key, text in figs.items():
+            self.query_one(f"#fig-{key}", Label).update(Text(text))
+        self.query_one("#fig-sparkline", Sparkline).data = list(self.figures.history)
+
+    # ------------------------------------------------------------------ detail pane
+    def on_virtual_table_cursor_moved(self, message: VirtualTable.CursorMoved) -> None:
+        if message.table is not self.table:
+            return
+        if self._detail_timer is not None:
+            self._detail_timer.stop()
+        if message.key is None:
+            self._show_detail(None, "")
+            return
+        self._detail_timer = self.set_timer(DETAIL_DEBOUNCE_S, self._detail_due)
+
+    def _detail_due(self) -> None:
+        self._detail_timer = None
+        if self.table.cursor_key is not None:
+            self._load_detail(self.table.cursor_key)
+
+    @work(thread=True, group="inspector-detail", exit_on_error=False)
+    def _load_detail(self, entry_id: str) -> None:
+        if self.engine is None:
+            return
+        detail, preview, error = None, "", None
+        try:
+            detail = self.engine.cache_entry(entry_id, timeout=CALL_TIMEOUT_S)
+            if detail is not None:
+                ids = detail.token_ids
+                if len(ids) <= PREVIEW_HEAD + PREVIEW_TAIL:
+                    preview = self.engine.decode(ids, timeout=CALL_TIMEOUT_S)
+                else:
+                    head = self.engine.decode(ids[:PREVIEW_HEAD], timeout=CALL_TIMEOUT_S)
+                    tail = self.engine.decode(ids[-PREVIEW_TAIL:], timeout=CALL_TIMEOUT_S)
+                    skipped = len(ids) - PREVIEW_HEAD - PREVIEW_TAIL
+                    preview = f"{head}\n… ({skipped} tokens) …\n{tail}"
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        self.post_message(_DetailLoaded(entry_id, detail, preview, error))
+
+    @on(_DetailLoaded)
+    def _detail_loaded(self, message: _DetailLoaded) -> None:
+        if message.entry_id != self.table.cursor_key:
+            return  # the cursor moved on meanwhile
+        if message.error is not None:
+            self.query_one("#detail-summary", Static).update(Text(f"engine: {message.error}"))
+            return
+        self._show_detail(message.detail, message.preview)
+
+    def _show_detail(self, detail: CacheEntryDetail | None, preview: str) -> None:
+        self.detail = detail
+        summary = Text("no entry selected") if detail is None else _summary(detail.info)
+        self.query_one("#detail-summary", Static).update(summary)
+        self.query_one("#detail-preview", Static).update(Text(preview, style="italic"))
+        self.blocks.set_blocks([] if detail is None else detail.blocks)
+
+    # ------------------------------------------------------------------ actions
+    def _selected(self) -> CacheEntryInfo | None:
+        e = self.table.selected
+        if e is None:
+            self.notify("No entry selected.", severity="warning")
+        return e
+
+    def _confirm(self, question: str, then: Callable[[], None]) -> None:
+        def answered(yes: bool | None) -> None:
+            if yes:
+                then()
+        self.app.push_screen(ConfirmScreen(question), answered)
+
+    @staticmethod
+    def _describe_entry(e: CacheEntryInfo) -> str:
+        return f"{e.kind} {e.session or e.id[:12]} ({e.tokens} tokens)"
+
+    @work(thread=True, group="inspector-action", exit_on_error=False)
+    def _act(self, what: str, call: Callable[[], Any],
+             describe: Callable[[Any], tuple[str, str]]) -> None:
+        try:
+            result = call()
+            text, severity = describe(result)
+        except Exception as exc:
+            result, text, severity = None, f"{what} failed: {type(exc).__name__}: {exc}", "error"
+        self.post_message(_ActionDone(what, result, text, severity))
+
+    @on(_ActionDone)
+    def _action_done(self, message: _ActionDone) -> None:
+        self.results[message.what] = message.result
+        if message.what == "verify":
+            self.verifying = False
+            self.remove_class("-verifying")
+        self.notify(message.text, title=f"cache {message.what}", severity=message.severity)
+        self._dirty.set()
+
+    def action_evict(self) -> None:
+        e = self._selected()
+        if e is None:
+            return
+        if e.tier == "ssd":
+            self.notify(f"{self._describe_entry(e)} is only on SSD: nothing to evict from RAM.")
+            return
+
+        def run() -> None:
+            self._act("evict", lambda: self.engine.cache_evict(e.id, timeout=ACTION_TIMEOUT_S),
+                      lambda ok: (f"Evicted {self._describe_entry(e)} from RAM.", "information") if ok
+                      else ("It was no longer in RAM.", "warning"))
+        if e.tier == "ram":
+            self._confirm(f"{self._describe_entry(e)} is only in RAM (not on SSD): evicting it drops it "
+                          "for good. Evict it?", run)
+        else:
+            run()
+
+    def action_delete(self) -> None:
+        e = self._selected()
+        if e is None:
+            return
+        self._confirm(f"Delete {self._describe_entry(e)} from RAM and SSD? Blocks other entries "
+                      "share stay.", lambda: self._act(
+                          "delete", lambda: self.engine.cache_delete(e.id, timeout=ACTION_TIMEOUT_S),
+                          lambda ok: (f"Deleted {self._describe_entry(e)}.", "information") if ok
+                          else ("It was already gone.", "warning")))
+
+    def action_pin(self, pin: bool) -> None:
+        # Explicit: an entry shows as pinned also while it is its session's latest state,
+        # so a toggle on ``e.pinned`` would guess wrong.
+        e = self._selected()
+        if e is None:
+            return
+        self._act("pin", lambda: self.engine.cache_pin(e.id, pin, timeout=ACTION_TIMEOUT_S),
+                  lambda ok: (f"{'Pinned' if pin else 'Unpinned'} {self._describe_entry(e)}.", "information")
+                  if ok else ("It is no longer cached.", "warning"))
+
+    def action_verify(self) -> None:
+        e = self._selected()
+        if e is not None:
+            self._verify(e.id, self._describe_entry(e))
+
+    def action_verify_all(self) -> None:
+        self._verify(None, "every saved entry")
+
+    def _verify(self, entry_id: str | None, label: str) -> None:
+        if self.verifying:
+            self.notify("A verify is already running.", severity="warning")
+            return
+        self.verifying = True
+        self.query_one("#verify-label", Label).update(f"verifying {label}")
+        self.add_class("-verifying")
+
+        def describe(r: dict) -> tuple[str, str]:
+            if not r.get("checked") and not r.get("manifests_damaged"):
+                return "Nothing on SSD to verify.", "warning"
+            bad = len(r.get("damaged", [])) + r.get("manifests_damaged", 0)
+            text = f"Checked {r['checked']} saved states: {r.get('ok', 0)} intact"
+            if bad:
+                return f"{text}, {bad} damaged (they will be read as misses).", "error"
+            return text + ".", "information"
+        self._act("verify", lambda: self.engine.cache_verify(entry_id, timeout=VERIFY_TIMEOUT_S),
+                  describe)
+
+    def action_flush(self) -> None:
+        def describe(r: dict) -> tuple[str, str]:
+            text = (f"Flushed {r.get('flushed', 0)} writes: {r.get('durable', 0)} durable, "
+                    f"{r.get('pending', 0)} pending, {r.get('failed', 0)} failed.")
+            return text, "error" if r.get("failed") else "information"
+        self._act("flush", lambda: self.engine.cache_flush(timeout=ACTION_TIMEOUT_S), describe)
+
+    def action_gc(self) -> None:
+        gc = getattr(self.engine, "cache_gc", None)
+        if gc is None:
+            self.notify("This engine cannot collect the SSD tier's garbage while it runs; "
+                        "quit and run `mlxkv cache gc`.", severity="warning")
+            return
+        self._confirm("Remove the SSD blocks no saved entry uses?", lambda: self._act(
+            "gc", lambda: gc(timeout=ACTION_TIMEOUT_S),
+            lambda r: (f"GC removed {r.get('removed', 0)} files "
+                       f"({human_bytes(r.get('bytes', 0))}).", "information")))
+
+    def action_open_conversation(self) -> None:
+        e = self._selected()
+        if e is None:
+            return
+        if not e.session:
+            self.notify(f"{self._describe_entry(e)} belongs to no conversation.", severity="warning")
+            return
+        self.post_message(OpenConversation(e.session))
+
+    def action_filter(self) -> None:
+        self.add_class("-filtering")
+        self.query_one("#filter", Input).focus()
+
+    def action_clear_filter(self) -> None:
+        box = self.query_one("#filter", Input)
+        box.value = ""
+        self.table.set_filter("")
+        self.remove_class("-filtering")
+        self.table.focus()
+        self._show_count()
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        if event.input.id == "filter":
+            self.table.set_filter(event.value)
+            self._show_count()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        if event.input.id == "filter":
+            self.table.focus()
+
+    def action_sort(self, step: int) -> None:
+        self.table.cycle_sort(step)
+        self._show_count()
+
+    def action_reverse(self) -> None:
+        self.table.toggle_reverse()
+        self._show_count()
+
+    def action_refresh(self) -> None:
+        self._dirty.set()
