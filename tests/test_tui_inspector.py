@@ -17,7 +17,8 @@ from engine.cache.info import CacheEntryInfo
 from engine.engine import Engine, Request
 from engine.generate import SamplingParams
 from engine.settings import Settings
-from tui.inspector import ConfirmScreen, InspectorScreen, OpenConversation
+from tui.inspector import ConfirmScreen, InspectorScreen
+from tui.messages import CacheChanged, OpenConversation
 
 T = 60.0  # generous bound on every wait: a failing test fails, never hangs
 SIZE = (120, 40)
@@ -126,6 +127,12 @@ def test_evict_pin_and_verify_act_on_the_store(engine, tmp_path):
         await until(pilot, lambda: screen.detail and all(b.verified for b in screen.detail.blocks),
                     "the blocks shown as verified")
 
+        del screen.results["verify"]
+        await pilot.press("V")  # every saved entry, and the manifests
+        await until(pilot, lambda: "verify" in screen.results, "verify all")
+        assert screen.results["verify"] == {"checked": 1, "ok": 1, "damaged": [],
+                                            "manifests_damaged": 0}
+
         # Damage one block file on disk: verify finds it.
         block = next(p for p in cache_files(tmp_path / "cache") if p.suffix == ".blk")
         data = bytearray(block.read_bytes())
@@ -195,12 +202,67 @@ def test_filter_and_sort(engine):
         assert tokens == sorted(tokens, reverse=True) and len(set(tokens)) == 3
         await pilot.press("r")
         assert [table.row(k).tokens for k in table.keys] == sorted(tokens)
+        await pilot.click("#entries", offset=(2, 0))  # the header's first label: "what"
+        assert table.sort_key == "kind"
+        await pilot.click("#entries", offset=(48, 0))  # "tokens"
+        assert table.sort_key == "tokens" and [table.row(k).tokens for k in table.keys] == tokens
         # The cursor stays on its entry when the order changes.
         await pilot.press("end")
         last = table.cursor_key
         await pilot.press("r")
         assert table.cursor_key == last and table.keys[0] == last
     run(check, engine)
+
+
+def test_flush_and_gc(engine, tmp_path):
+    ask(engine, "Written to SSD by the flush.", "f1")
+
+    async def check(pilot, screen: InspectorScreen) -> None:
+        await until(pilot, lambda: screen.table.row_count == 1, "the entry")
+        await pilot.press("f")
+        await until(pilot, lambda: "flush" in screen.results, "flush")
+        assert screen.results["flush"]["pending"] == 0 and screen.results["flush"]["failed"] == 0
+        assert engine.cache_entries()[0].tier == "both" and cache_files(tmp_path / "cache")
+        await until(pilot, lambda: screen.table.selected.tier == "both", "the table to show SSD")
+
+        await pilot.press("g")
+        await until(pilot, lambda: isinstance(pilot.app.screen, ConfirmScreen), "the question")
+        await pilot.press("y")
+        await until(pilot, lambda: "gc" in screen.results, "gc")
+        if getattr(engine, "cache_gc", None) is None:  # said plainly, nothing touched
+            assert screen.results["gc"] is None
+            assert any("mlxkv cache gc" in n.message for n in pilot.app._notifications)
+        assert [e.tier for e in engine.cache_entries()] == ["both"]  # in use: kept
+    run(check, engine)
+
+
+class Bridge:
+    """A front end's view of the engine: calls without a timeout, no subscribe (the app
+    posts CacheChanged instead)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        if not name.startswith(("cache_", "stats", "decode")):
+            raise AttributeError(name)
+        fn = getattr(self._engine, name)
+        return lambda *args: fn(*args)
+
+
+def test_works_through_a_bridge_and_cache_changed_messages(engine):
+    async def check(pilot, screen: InspectorScreen) -> None:
+        await until(pilot, lambda: "hit rate" in str(screen.query_one("#fig-hits").render()),
+                    "the first refresh")
+        assert screen.table.row_count == 0
+        await asyncio.to_thread(ask, engine, "Stored while the inspector is open.", "b1")
+        await pilot.pause(0.3)
+        assert screen.table.row_count == 0  # no subscription: nothing tells it yet
+        screen.post_message(CacheChanged({"store": 1}))
+        await until(pilot, lambda: screen.table.row_count == 1, "the refresh on CacheChanged")
+        assert screen.table.selected.session == "b1"
+        await until(pilot, lambda: screen.detail, "the detail through the bridge")
+    run(check, Bridge(engine))
 
 
 def synthetic(n: int) -> list[CacheEntryInfo]:

@@ -18,6 +18,7 @@ Opening an entry's conversation posts :class:`OpenConversation` for the app.
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -33,6 +34,8 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, Footer, Input, Label, ProgressBar, Sparkline, Static
 
 from engine.cache.info import CacheEntryDetail, CacheEntryInfo
+from engine.cache.tokens import store_namespace
+from tui.messages import CacheChanged, OpenConversation
 from tui.widgets.entry_table import BlockTable, EntryTable, VirtualTable, age, human_bytes
 
 CALL_TIMEOUT_S = 5.0  # listing and stats; a busy or loading engine is tried again later
@@ -41,14 +44,6 @@ VERIFY_TIMEOUT_S = 600.0
 DETAIL_DEBOUNCE_S = 0.15
 STATS_PERIOD_S = 1.0
 PREVIEW_HEAD, PREVIEW_TAIL = 96, 256  # tokens decoded for the preview of a long entry
-
-
-class OpenConversation(Message):
-    """Open the conversation of cache ``session`` in the chat screen (the app handles it)."""
-
-    def __init__(self, session: str) -> None:
-        super().__init__()
-        self.session = session
 
 
 class _Refreshed(Message):
@@ -158,11 +153,11 @@ class Figures:
         return {"hits": hits, "tiers": tiers, "queues": queues, "restore": restore}
 
 
-def _summary(e: CacheEntryInfo) -> Text:
+def _summary(e: CacheEntryInfo, model: str) -> Text:
     text = Text()
     text.append(f"{e.kind}", style="bold")
     text.append(f"  {e.session or '(no conversation)'}\n")
-    text.append(f"id {e.id}\nmodel {e.ns}\n")
+    text.append(f"id {e.id}\nmodel {model}\n")
     text.append(f"{e.tokens} tokens in {e.blocks} blocks · {human_bytes(e.bytes)} "
                 f"({human_bytes(e.unique_bytes)} unique, {human_bytes(e.shared_bytes)} shared)\n")
     text.append(f"tier {e.tier} · {'pinned' if e.pinned else 'not pinned'} · {e.hits} hits · "
@@ -207,7 +202,7 @@ class InspectorScreen(Screen):
         self._stats_at = 0.0
         self._unsubscribe: Callable[[], None] | None = None
         self._detail_timer: Any = None
-        self._detail_loading: str | None = None
+        self._takes_timeout: dict[str, bool] = {}
 
     # ------------------------------------------------------------------ layout
     def compose(self) -> ComposeResult:
@@ -255,11 +250,29 @@ class InspectorScreen(Screen):
             self._unsubscribe()
             self._unsubscribe = None
 
+    # ------------------------------------------------------------------ engine calls
+    def _call(self, name: str, *args: Any, timeout: float) -> Any:
+        """``engine.<name>(*args)`` (worker thread), with ``timeout`` where it takes one:
+        an Engine does, a front end's bridge may wait in its own way."""
+        fn = getattr(self.engine, name)
+        takes = self._takes_timeout.get(name)
+        if takes is None:
+            try:
+                params = inspect.signature(fn).parameters.values()
+                takes = any(p.name == "timeout" or p.kind is p.VAR_KEYWORD for p in params)
+            except (TypeError, ValueError):
+                takes = False
+            self._takes_timeout[name] = takes
+        return fn(*args, timeout=timeout) if takes else fn(*args)
+
     # ------------------------------------------------------------------ live refresh
     def _on_engine_event(self, event: Any) -> None:
         """Engine or storage thread: note that the listing is stale."""
         if type(event).__name__ in ("CacheEvent", "LoadEvent"):
             self._dirty.set()
+
+    def on_cache_changed(self, message: CacheChanged) -> None:
+        self._dirty.set()
 
     def mark_dirty(self) -> None:
         """Refresh the listing at the next tick (any thread)."""
@@ -281,8 +294,8 @@ class InspectorScreen(Screen):
         listed = stats = error = None
         try:
             if entries:
-                listed = self.engine.cache_entries(timeout=CALL_TIMEOUT_S)
-            stats = self.engine.stats(timeout=CALL_TIMEOUT_S)
+                listed = self._call("cache_entries", timeout=CALL_TIMEOUT_S)
+            stats = self._call("stats", timeout=CALL_TIMEOUT_S)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
         self.post_message(_Refreshed(listed, stats, error))
@@ -314,6 +327,12 @@ class InspectorScreen(Screen):
             f"{t.row_count} of {len(t._rows)} entries · sort {t.sort_key} {arrow}")
 
     def _show_figures(self, stats: dict) -> None:
+        ns, label = stats.get("namespace"), (stats.get("model") or {}).get("model")
+        if ns and label:
+            try:
+                self.table.set_model_name(store_namespace(ns), str(label))
+            except ValueError:
+                pass
         figs = self.figures.update(stats)
         for key, text in figs.items():
             self.query_one(f"#fig-{key}", Label).update(Text(text))
@@ -341,14 +360,14 @@ class InspectorScreen(Screen):
             return
         detail, preview, error = None, "", None
         try:
-            detail = self.engine.cache_entry(entry_id, timeout=CALL_TIMEOUT_S)
+            detail = self._call("cache_entry", entry_id, timeout=CALL_TIMEOUT_S)
             if detail is not None:
                 ids = detail.token_ids
                 if len(ids) <= PREVIEW_HEAD + PREVIEW_TAIL:
-                    preview = self.engine.decode(ids, timeout=CALL_TIMEOUT_S)
+                    preview = self._call("decode", ids, timeout=CALL_TIMEOUT_S)
                 else:
-                    head = self.engine.decode(ids[:PREVIEW_HEAD], timeout=CALL_TIMEOUT_S)
-                    tail = self.engine.decode(ids[-PREVIEW_TAIL:], timeout=CALL_TIMEOUT_S)
+                    head = self._call("decode", ids[:PREVIEW_HEAD], timeout=CALL_TIMEOUT_S)
+                    tail = self._call("decode", ids[-PREVIEW_TAIL:], timeout=CALL_TIMEOUT_S)
                     skipped = len(ids) - PREVIEW_HEAD - PREVIEW_TAIL
                     preview = f"{head}\n… ({skipped} tokens) …\n{tail}"
         except Exception as exc:
@@ -366,7 +385,8 @@ class InspectorScreen(Screen):
 
     def _show_detail(self, detail: CacheEntryDetail | None, preview: str) -> None:
         self.detail = detail
-        summary = Text("no entry selected") if detail is None else _summary(detail.info)
+        summary = Text("no entry selected") if detail is None else _summary(
+            detail.info, self.table.model_names.get(detail.info.ns, detail.info.ns))
         self.query_one("#detail-summary", Static).update(summary)
         self.query_one("#detail-preview", Static).update(Text(preview, style="italic"))
         self.blocks.set_blocks([] if detail is None else detail.blocks)
@@ -416,7 +436,7 @@ class InspectorScreen(Screen):
             return
 
         def run() -> None:
-            self._act("evict", lambda: self.engine.cache_evict(e.id, timeout=ACTION_TIMEOUT_S),
+            self._act("evict", lambda: self._call("cache_evict", e.id, timeout=ACTION_TIMEOUT_S),
                       lambda ok: (f"Evicted {self._describe_entry(e)} from RAM.", "information") if ok
                       else ("It was no longer in RAM.", "warning"))
         if e.tier == "ram":
@@ -431,7 +451,7 @@ class InspectorScreen(Screen):
             return
         self._confirm(f"Delete {self._describe_entry(e)} from RAM and SSD? Blocks other entries "
                       "share stay.", lambda: self._act(
-                          "delete", lambda: self.engine.cache_delete(e.id, timeout=ACTION_TIMEOUT_S),
+                          "delete", lambda: self._call("cache_delete", e.id, timeout=ACTION_TIMEOUT_S),
                           lambda ok: (f"Deleted {self._describe_entry(e)}.", "information") if ok
                           else ("It was already gone.", "warning")))
 
@@ -441,7 +461,7 @@ class InspectorScreen(Screen):
         e = self._selected()
         if e is None:
             return
-        self._act("pin", lambda: self.engine.cache_pin(e.id, pin, timeout=ACTION_TIMEOUT_S),
+        self._act("pin", lambda: self._call("cache_pin", e.id, pin, timeout=ACTION_TIMEOUT_S),
                   lambda ok: (f"{'Pinned' if pin else 'Unpinned'} {self._describe_entry(e)}.", "information")
                   if ok else ("It is no longer cached.", "warning"))
 
@@ -469,7 +489,7 @@ class InspectorScreen(Screen):
             if bad:
                 return f"{text}, {bad} damaged (they will be read as misses).", "error"
             return text + ".", "information"
-        self._act("verify", lambda: self.engine.cache_verify(entry_id, timeout=VERIFY_TIMEOUT_S),
+        self._act("verify", lambda: self._call("cache_verify", entry_id, timeout=VERIFY_TIMEOUT_S),
                   describe)
 
     def action_flush(self) -> None:
@@ -477,18 +497,20 @@ class InspectorScreen(Screen):
             text = (f"Flushed {r.get('flushed', 0)} writes: {r.get('durable', 0)} durable, "
                     f"{r.get('pending', 0)} pending, {r.get('failed', 0)} failed.")
             return text, "error" if r.get("failed") else "information"
-        self._act("flush", lambda: self.engine.cache_flush(timeout=ACTION_TIMEOUT_S), describe)
+        self._act("flush", lambda: self._call("cache_flush", timeout=ACTION_TIMEOUT_S), describe)
 
     def action_gc(self) -> None:
-        gc = getattr(self.engine, "cache_gc", None)
-        if gc is None:
-            self.notify("This engine cannot collect the SSD tier's garbage while it runs; "
-                        "quit and run `mlxkv cache gc`.", severity="warning")
-            return
-        self._confirm("Remove the SSD blocks no saved entry uses?", lambda: self._act(
-            "gc", lambda: gc(timeout=ACTION_TIMEOUT_S),
-            lambda r: (f"GC removed {r.get('removed', 0)} files "
-                       f"({human_bytes(r.get('bytes', 0))}).", "information")))
+        self._confirm("Remove the SSD tier's blocks and files that no saved entry uses?",
+                      lambda: self._act("gc", self._gc, lambda r: (
+                          f"GC removed {r.get('removed', 0)} files "
+                          f"({human_bytes(r.get('bytes', 0))}).", "information")))
+
+    def _gc(self) -> dict:
+        # Looked up in the worker: a bridge may wait for the engine to answer what it has.
+        if getattr(self.engine, "cache_gc", None) is None:
+            raise RuntimeError("this engine cannot collect the SSD tier's garbage while it "
+                               "runs; quit and run `mlxkv cache gc`")
+        return self._call("cache_gc", timeout=ACTION_TIMEOUT_S)
 
     def action_open_conversation(self) -> None:
         e = self._selected()

@@ -133,6 +133,9 @@ class VirtualTable(ScrollView, can_focus=True):
     def marked(self, row: Any) -> bool:
         return False
 
+    def cell(self, column: Column, row: Any) -> str:
+        return column.text(row)
+
     @property
     def row_count(self) -> int:
         return len(self._view)
@@ -291,7 +294,7 @@ class VirtualTable(ScrollView, can_focus=True):
                 arrow = ("▼" if self._reverse else "▲") if c.key == self._sort_key else ""
                 cells.append(fit(c.label + arrow, c.width, c.right))
         else:
-            cells = [fit(c.text(row), c.width, c.right) for c in self.columns]
+            cells = [fit(self.cell(c, row), c.width, c.right) for c in self.columns]
         return " " + " ".join(cells) + " "
 
     def render_line(self, y: int) -> Strip:
@@ -346,11 +349,28 @@ class EntryTable(VirtualTable):
     default_sort = "last_used"
     default_reverse = True
 
+    def __init__(self, *, name: str | None = None, id: str | None = None,
+                 classes: str | None = None) -> None:
+        super().__init__(name=name, id=id, classes=classes)
+        self.model_names: dict[str, str] = {}  # store namespace -> model label
+
+    def set_model_name(self, ns: str, label: str) -> None:
+        """Show ``label`` for the entries of namespace ``ns``."""
+        if self.model_names.get(ns) != label:
+            self.model_names[ns] = label
+            self.refresh()
+
+    def cell(self, column: Column, row: CacheEntryInfo) -> str:
+        if column.key == "ns":
+            return self.model_names.get(row.ns, row.ns)
+        return column.text(row)
+
     def row_key(self, row: CacheEntryInfo) -> str:
         return row.id
 
     def haystack(self, e: CacheEntryInfo) -> str:
-        return (f"{e.id} {e.ns} {e.kind} {e.tier} {_TIER.get(e.tier, '')} {e.session or ''}"
+        return (f"{e.id} {e.ns} {self.model_names.get(e.ns, '')} {e.kind} {e.tier} "
+                f"{_TIER.get(e.tier, '')} {e.session or ''}"
                 f"{' pinned' if e.pinned else ''}").lower()
 
     def marked(self, row: CacheEntryInfo) -> bool:
