@@ -13,7 +13,7 @@ import pytest
 from textual.app import App
 
 from bench.modelgen import tiny_model
-from engine.cache.info import CacheEntryInfo
+from engine.cache.info import BlockInfo, CacheEntryInfo
 from engine.engine import Engine, Request
 from engine.generate import SamplingParams
 from engine.settings import Settings
@@ -214,6 +214,25 @@ def test_filter_and_sort(engine):
     run(check, engine)
 
 
+def test_header_figures_follow_a_restore_from_ssd(engine):
+    ask(engine, "Restore me from the SSD tier, if you would.", "r1")
+    engine.cache_flush(timeout=T)
+    [info] = engine.cache_entries()
+    assert engine.cache_evict(info.id)
+
+    async def check(pilot, screen: InspectorScreen) -> None:
+        restore = screen.query_one("#fig-restore")
+        await until(pilot, lambda: "no restore" in str(restore.render()), "the first figures")
+        assert "SSD" in str(screen.query_one("#fig-tiers").render())
+        # The same conversation again: its prefix comes back from SSD.
+        await asyncio.to_thread(ask, engine, "Restore me from the SSD tier, if you would.", "r1")
+        assert engine.stats()["cache"]["ssd_hits"] == 1
+        await until(pilot, lambda: "last restore" in str(restore.render()), "the restore figure")
+        assert screen.figures.last_restore[0] > 0 and screen.figures.history
+        assert "1 SSD" in str(screen.query_one("#fig-hits").render())
+    run(check, engine)
+
+
 def test_flush_and_gc(engine, tmp_path):
     ask(engine, "Written to SSD by the flush.", "f1")
 
@@ -303,6 +322,15 @@ def test_ten_thousand_entries_render_and_scroll(engine):
         await pilot.press("escape")
         for _ in range(3):
             await pilot.press("s")
+        blocks = [BlockInfo(key=f"{i:032x}", tokens=16, bytes=8192, tier="ssd", shared_by=1 + i % 3,
+                            verified=(None, True, False)[i % 3]) for i in range(10_000)]
+        screen.blocks.set_blocks(blocks)
+        screen.blocks.focus()
+        await pilot.press("end")
+        assert screen.blocks.row_count == 10_000 and screen.blocks.cursor_key == "9999"
+        shown = [screen.blocks.render_line(y).text for y in range(screen.blocks.size.height)]
+        assert shown[-1].split()[0] == "9999" and "DAMAGED" in "".join(shown)
+        table.focus()
         before = table.cursor_key
         screen.load_entries(records[::-1])  # a live refresh in another order
         assert table.cursor_key == before and before is not None

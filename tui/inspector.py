@@ -59,6 +59,12 @@ class _DetailLoaded(Message):
         self.entry_id, self.detail, self.preview, self.error = entry_id, detail, preview, error
 
 
+class _VerifyProgress(Message):
+    def __init__(self, done: int, total: int) -> None:
+        super().__init__()
+        self.done, self.total = done, total
+
+
 class _ActionDone(Message):
     def __init__(self, what: str, result: Any, text: str, severity: str) -> None:
         super().__init__()
@@ -269,6 +275,10 @@ class InspectorScreen(Screen):
     def _on_engine_event(self, event: Any) -> None:
         """Engine or storage thread: note that the listing is stale."""
         if type(event).__name__ in ("CacheEvent", "LoadEvent"):
+            data = getattr(event, "data", None) or {}
+            if getattr(event, "kind", None) == "verify" and "total" in data:
+                self.post_message(_VerifyProgress(int(data.get("done", 0)), int(data["total"])))
+                return
             self._dirty.set()
 
     def on_cache_changed(self, message: CacheChanged) -> None:
@@ -418,6 +428,14 @@ class InspectorScreen(Screen):
             result, text, severity = None, f"{what} failed: {type(exc).__name__}: {exc}", "error"
         self.post_message(_ActionDone(what, result, text, severity))
 
+    @on(_VerifyProgress)
+    def _verify_progress(self, message: _VerifyProgress) -> None:
+        """An engine that reports verify progress (CacheEvent "verify" with done and
+        total) gets a real bar instead of the indeterminate one."""
+        if self.verifying:
+            self.query_one("#verify-progress", ProgressBar).update(total=message.total,
+                                                                   progress=message.done)
+
     @on(_ActionDone)
     def _action_done(self, message: _ActionDone) -> None:
         self.results[message.what] = message.result
@@ -479,6 +497,7 @@ class InspectorScreen(Screen):
             return
         self.verifying = True
         self.query_one("#verify-label", Label).update(f"verifying {label}")
+        self.query_one("#verify-progress", ProgressBar).update(total=None, progress=0)
         self.add_class("-verifying")
 
         def describe(r: dict) -> tuple[str, str]:
