@@ -104,7 +104,9 @@ def open_store(path: str | os.PathLike | None) -> tuple[Any, str | None]:
 
 class MlxkvApp(App):
     TITLE = "mlxkv"
-    CSS_PATH = "app.tcss"
+    # chat.tcss too: Textual (8.2) loads a screen's CSS_PATH when the screen is pushed, not
+    # for the screen get_default_screen returns.
+    CSS_PATH = ["app.tcss", "chat.tcss"]
     BINDINGS = [
         Binding("ctrl+q", "quit", "Quit", id="app.quit", priority=True),
         Binding("f1", "help", "Keys", id="app.help"),
@@ -117,6 +119,7 @@ class MlxkvApp(App):
     def __init__(self, settings: Any, *, store_path: str | os.PathLike | None = None,
                  started: float | None = None) -> None:
         self.metrics = Metrics(started)
+        self._warnings: list[str] = []
         self.settings = settings
         self.bridge = EngineBridge(settings, self.post_message)
         self._db_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mlxkv-tui-store")
@@ -180,6 +183,7 @@ class MlxkvApp(App):
         self.metrics.model_ready.set()
         self.chat.show_progress(None)
         self.chat.show_model_state()
+        self.background(self._check_cache, "read the cache's state", quiet=True)
         conversation = self.chat.conversation
         if conversation is not None:  # after a model switch: the new engine has no sessions
             from tui.chat import session_for
@@ -195,7 +199,17 @@ class MlxkvApp(App):
                     title="The model could not be loaded", severity="error", timeout=30)
 
     def on_engine_warning(self, message: EngineWarning) -> None:
+        self._warnings.append(message.message)
         self.notify(message.message, title="mlxkv", severity="warning", timeout=12)
+
+    def _check_cache(self) -> None:
+        """Tell the user when the cache runs without its SSD tier: the warning is logged once
+        per process, and may have been logged before this app listened."""
+        stats = self.bridge.stats()
+        reason = (stats.get("cache") or {}).get("ssd_disabled_reason")
+        if reason and not any(reason in w for w in self._warnings):
+            self.call_from_thread(self.post_message, EngineWarning(
+                f"prefix cache: running without the SSD tier (RAM only): {reason}"))
 
     def _drain_cache_events(self) -> None:
         kinds = self.bridge.take_cache_changes()

@@ -64,7 +64,7 @@ class ConversationList(Vertical):
                 view.index = i
                 break
         else:
-            view.index = None
+            view.index = 0 if items else None
 
     def on_input_changed(self, event: Input.Changed) -> None:
         event.stop()

@@ -1,0 +1,275 @@
+"""The app shell on the real app, engine and demo model: start-up (the screen takes keys
+while the model loads; importing the app imports no mlx), keys with ids and the F1 list,
+a key map file, the command palette, themes kept across runs, the model switcher, the
+conversations file when it is unreadable, export, copy, and conversations opened from
+the cache inspector."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from textual.binding import Binding
+
+from engine.settings import DEMO_MODEL, Settings
+from tui.app import MlxkvApp
+from tui.chat import ChatScreen, session_for
+from tui.messages import OpenConversation
+from tui.widgets.message import MessageView
+from tui.widgets.modals import AskText, ConversationSettings, ModelPicker
+from tui.widgets.prompt import PromptArea
+from tui.widgets.sidebar import ConversationList
+
+ROOT = Path(__file__).resolve().parent.parent
+DEADLINE_S = 30.0
+SIZE = (120, 40)
+
+
+def make_settings(tmp_path: Path, **flags: Any) -> Settings:
+    return Settings.load({"cache_dir": str(tmp_path / "cache"), **flags},
+                         env={"XDG_CONFIG_HOME": str(tmp_path / "config")})
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    folder = tmp_path / "data"
+    monkeypatch.setenv("MLXKV_DATA_DIR", str(folder))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    return folder
+
+
+async def wait_for(pilot: Any, condition: Callable[[], Any], what: str, timeout: float = DEADLINE_S) -> Any:
+    end = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < end, f"no {what} within {timeout} s"
+        await pilot.pause(0.02)
+
+
+async def send(pilot: Any, text: str) -> None:
+    app = pilot.app
+    before = app.metrics.replies
+    app.chat.prompt.focus()
+    app.chat.prompt.load_text(text)
+    await pilot.press("enter")
+    await wait_for(pilot, lambda: app.metrics.replies > before and app.chat.pending is None, "reply")
+
+
+def drive(app: MlxkvApp, scenario: Callable[[Any], Any]) -> None:
+    async def main() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await scenario(pilot)
+    try:
+        asyncio.run(main())
+    finally:
+        app.close_engine()
+
+
+def notices(app: MlxkvApp, severity: str | None = None) -> list[str]:
+    return [n.message for n in app._notifications if severity is None or n.severity == severity]
+
+
+def test_importing_the_app_imports_neither_mlx_nor_the_engine() -> None:
+    code = ("import sys, tui.app, tui.chat, tui.bridge\n"
+            "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'engine', "
+            "'transformers'))\n"
+            "print(heavy)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_screen_takes_keys_while_the_model_loads(tmp_path: Path, data_dir: Path) -> None:
+    app = MlxkvApp(make_settings(tmp_path))
+
+    async def scenario(pilot: Any) -> None:
+        await wait_for(pilot, app.metrics.interactive.is_set, "first screen")
+        assert app.focused is app.chat.prompt
+        await pilot.press("h", "i")
+        assert app.chat.prompt.text == "hi"
+        await wait_for(pilot, app.metrics.model_ready.is_set, "model")
+        # The engine is started after the first paint: the screen was up before the model.
+        assert app.metrics.interactive_at < app.metrics.model_ready_at
+        assert app.bridge.error is None and app.bridge.info["context_tokens"] > 0
+        await pilot.pause()
+        assert app.chat.query_one("#progress").display is False
+    drive(app, scenario)
+
+
+def test_every_binding_has_an_id_and_f1_lists_them(tmp_path: Path, data_dir: Path) -> None:
+    for cls in (MlxkvApp, ChatScreen, PromptArea, MessageView, ConversationList):
+        for b in cls.BINDINGS:
+            assert isinstance(b, Binding) and b.id, f"{cls.__name__}: {b}"
+    app = MlxkvApp(make_settings(tmp_path))
+
+    async def scenario(pilot: Any) -> None:
+        app.chat.query_one("#messages").focus()  # "?" outside the message box
+        await pilot.press("question_mark")
+        await wait_for(pilot, lambda: type(app.screen).__name__ == "HelpScreen", "help")
+        text = app.screen.query_one("Markdown").source
+        for bid in ("app.quit", "chat.new", "chat.cancel", "prompt.send", "prompt.newline", "message.copy"):
+            assert f"`{bid}`" in text
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: app.screen is app.chat, "chat again")
+        await pilot.press("f1")
+        await wait_for(pilot, lambda: type(app.screen).__name__ == "HelpScreen", "help on F1")
+    drive(app, scenario)
+
+
+def test_a_key_map_file_remaps_a_binding_by_id(tmp_path: Path, data_dir: Path) -> None:
+    keys = tmp_path / "config" / "mlxkv" / "keys.toml"
+    keys.parent.mkdir(parents=True)
+    keys.write_text('"chat.new" = "f9"\n')
+    app = MlxkvApp(make_settings(tmp_path))
+
+    async def scenario(pilot: Any) -> None:
+        await send(pilot, "What is mlxkv?")
+        assert app.chat.conversation is not None
+        await pilot.press("f9")
+        await wait_for(pilot, lambda: app.chat.conversation is None, "new chat on f9")
+    drive(app, scenario)
+
+
+def test_every_chat_action_is_in_the_command_palette(tmp_path: Path, data_dir: Path) -> None:
+    app = MlxkvApp(make_settings(tmp_path))
+
+    async def scenario(pilot: Any) -> None:
+        titles = [c.title for c in app.get_system_commands(app.chat)]
+        for title in ("New chat", "Rename conversation", "Delete conversation", "Export conversation",
+                      "Search conversations", "System prompt and sampling", "Regenerate reply",
+                      "Edit and branch", "Stop reply", "Copy reply", "Copy code", "Switch model",
+                      "Cache inspector", "Help: keys", "Theme"):
+            assert title in titles
+        await send(pilot, "What is mlxkv?")
+        await pilot.press("ctrl+p")
+        await wait_for(pilot, lambda: type(app.screen).__name__ == "CommandPalette", "palette")
+        await pilot.press(*"Rename conversation")
+        await pilot.pause(0.3)  # the palette searches in a worker: wait for its list
+        await wait_for(pilot, lambda: app.screen.query("CommandList") and
+                       app.screen.query_one("CommandList").option_count > 0, "matches")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: isinstance(app.screen, AskText), "rename dialog")
+        app.screen.query_one("#answer").value = "Renamed"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.chat.conversation.title == "Renamed", "renamed")
+        stored = await app.db(app.store.get, app.chat.conversation.id)
+        assert stored.title == "Renamed"
+    drive(app, scenario)
+
+
+def test_the_theme_is_kept_across_runs(tmp_path: Path, data_dir: Path) -> None:
+    app = MlxkvApp(make_settings(tmp_path))
+
+    async def scenario(pilot: Any) -> None:
+        app.theme = "nord"
+        await pilot.pause()
+    drive(app, scenario)
+    assert json.loads((data_dir / "tui.json").read_text())["theme"] == "nord"
+    again = MlxkvApp(make_settings(tmp_path))
+    try:
+        assert again.theme == "nord"
+    finally:
+        again.close_engine()
+
+
+def test_model_switcher_reports_a_bad_folder_and_loads_the_demo_model(tmp_path: Path, data_dir: Path) -> None:
+    app = MlxkvApp(make_settings(tmp_path))
+
+    async def scenario(pilot: Any) -> None:
+        await wait_for(pilot, app.metrics.model_ready.is_set, "model")
+        await pilot.press("f3")
+        await wait_for(pilot, lambda: isinstance(app.screen, ModelPicker), "model picker")
+        app.screen.query_one("#spec").value = str(tmp_path / "missing-model")
+        app.screen.query_one("#spec").focus()
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.bridge.error is not None, "load failure")
+        await wait_for(pilot, lambda: any("F3" in m for m in notices(app, "error")), "notification")
+        await pilot.press("f3")
+        await wait_for(pilot, lambda: isinstance(app.screen, ModelPicker), "model picker again")
+        options = app.screen.query_one("#choices")
+        options.focus()
+        options.highlighted = 0
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.bridge.ready.is_set() and app.bridge.error is None
+                       and app.bridge.info, "demo model")
+        assert app.bridge.model_spec == str(DEMO_MODEL)
+        await send(pilot, "What is mlxkv?")
+        assert "mlxkv" in app.chat.query(MessageView).last().content
+    drive(app, scenario)
+
+
+def test_an_unreadable_conversations_file_is_moved_aside(tmp_path: Path, data_dir: Path) -> None:
+    data_dir.mkdir(mode=0o700)
+    (data_dir / "conversations.db").write_bytes(b"not a database at all" * 100)
+    app = MlxkvApp(make_settings(tmp_path))
+
+    async def scenario(pilot: Any) -> None:
+        await wait_for(pilot, lambda: any("moved" in m for m in notices(app, "warning")), "notice")
+        await send(pilot, "What is mlxkv?")
+    drive(app, scenario)
+    assert [p.name for p in data_dir.iterdir() if "unreadable" in p.name]
+    assert (data_dir / "conversations.db").stat().st_size > 0
+
+
+def test_export_copy_and_conversation_settings(tmp_path: Path, data_dir: Path) -> None:
+    app = MlxkvApp(make_settings(tmp_path))
+    target = tmp_path / "out" / "chat.md"
+
+    async def scenario(pilot: Any) -> None:
+        await send(pilot, "What is mlxkv?")
+        reply = app.chat.query(MessageView).last()
+        await pilot.press("ctrl+y")
+        assert app.clipboard == reply.content
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: isinstance(app.screen, AskText), "export dialog")
+        assert app.screen.query_one("#answer").value.startswith(str(data_dir / "exports"))
+        app.screen.query_one("#answer").value = str(target)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: any(str(target) in m for m in notices(app)), "where it went")
+        assert "What is mlxkv?" in target.read_text() and reply.content.strip()[:20] in target.read_text()
+        await pilot.press("ctrl+t")
+        await wait_for(pilot, lambda: isinstance(app.screen, ConversationSettings), "settings dialog")
+        app.screen.query_one("#system").load_text("Answer briefly.")
+        app.screen.query_one("#s-temperature").value = "warm"
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        assert isinstance(app.screen, ConversationSettings)  # refused, saying why
+        assert "temperature" in str(app.screen.query_one("#error").render())
+        app.screen.query_one("#s-temperature").value = "0"
+        app.screen.query_one("#s-max_tokens").value = "32"
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: app.screen is app.chat, "saved")
+        stored = await wait_for(pilot, lambda: app.chat.conversation.sampling and app.chat.conversation,
+                                "sampling saved")
+        assert stored.sampling == {"temperature": 0.0, "max_tokens": 32}
+        assert stored.system_prompt == "Answer briefly."
+        assert app.chat.sampling()["max_tokens"] == 32
+        assert app.chat._payload()[0] == {"role": "system", "content": "Answer briefly."}
+    drive(app, scenario)
+
+
+def test_open_conversation_from_the_inspector(tmp_path: Path, data_dir: Path) -> None:
+    app = MlxkvApp(make_settings(tmp_path))
+
+    async def scenario(pilot: Any) -> None:
+        await send(pilot, "What is mlxkv?")
+        first = app.chat.conversation
+        await pilot.press("ctrl+n")
+        await wait_for(pilot, lambda: app.chat.conversation is None, "new chat")
+        await pilot.press("f2")
+        await wait_for(pilot, lambda: type(app.screen).__name__ == "InspectorScreen", "inspector")
+        app.screen.post_message(OpenConversation(session_for(first.id)))
+        await wait_for(pilot, lambda: app.screen is app.chat and app.chat.conversation is not None
+                       and app.chat.conversation.id == first.id, "conversation opened")
+        app.post_message(OpenConversation("not-a-chat-session"))
+        await wait_for(pilot, lambda: any("not from a saved conversation" in m for m in notices(app)), "notice")
+    drive(app, scenario)

@@ -1,0 +1,321 @@
+"""The chat screen driven as a user drives it (``App.run_test`` + Pilot) on the real app,
+the real engine and real models: the demo model (it answers its sample questions) and a
+tiny random-weight qwen3 (it never stops on its own: replies to cancel). Conversations in
+a real SQLite file, the prefix cache in a real folder, both under ``tmp_path``."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.settings import Settings
+from tui.app import MlxkvApp
+from tui.chat import session_for
+from tui.store import ConversationStore
+from tui.widgets.message import MessageView, code_blocks, format_status
+from tui.widgets.prompt import PromptArea
+
+DEADLINE_S = 30.0  # a failing test fails; it never hangs
+SIZE = (120, 40)
+
+
+def make_settings(tmp_path: Path, **flags: Any) -> Settings:
+    return Settings.load({"cache_dir": str(tmp_path / "cache"), **flags},
+                         env={"XDG_CONFIG_HOME": str(tmp_path / "config")})
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    folder = tmp_path / "data"
+    monkeypatch.setenv("MLXKV_DATA_DIR", str(folder))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    return folder
+
+
+async def wait_for(pilot: Any, condition: Callable[[], Any], what: str,
+                   timeout: float = DEADLINE_S) -> Any:
+    """Let the app run until ``condition()`` is true; fails after ``timeout``."""
+    end = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < end, f"no {what} within {timeout} s"
+        await pilot.pause(0.02)
+
+
+async def send(pilot: Any, text: str) -> None:
+    app = pilot.app
+    before = app.metrics.replies
+    app.chat.prompt.focus()
+    app.chat.prompt.load_text(text)
+    await pilot.press("enter")
+    await wait_for(pilot, lambda: app.metrics.replies > before and app.chat.pending is None, "reply")
+
+
+def views(app: MlxkvApp) -> list[MessageView]:
+    return list(app.chat.query(MessageView))
+
+
+def run(coro_fn: Callable[[], Any]) -> None:
+    asyncio.run(coro_fn())
+
+
+def open_app(settings: Settings) -> MlxkvApp:
+    return MlxkvApp(settings)
+
+
+def test_reply_streams_as_markdown_with_a_status_line(tmp_path: Path, data_dir: Path) -> None:
+    app = open_app(make_settings(tmp_path))
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, app.metrics.interactive.is_set, "first screen")
+            await pilot.press(*"What is mlxkv?")
+            assert app.chat.prompt.text == "What is mlxkv?"
+            await pilot.press("enter")
+            assert app.chat.prompt.text == ""  # sent at once, even while the model loads
+            await wait_for(pilot, lambda: app.metrics.replies == 1 and app.chat.pending is None, "reply")
+            user, reply = views(app)
+            assert (user.role, user.content) == ("user", "What is mlxkv?")
+            assert reply.role == "assistant" and "mlxkv" in reply.content
+            # The text reached the screen through the stream (token lag recorded per burst),
+            # and the final Markdown document holds the whole reply.
+            await wait_for(pilot, lambda: len(app.metrics.token_lag_s) > 0, "token shown")
+            assert reply.body.source == reply.content
+            status = str(reply.query_one(".status").render())
+            assert "prompt tok" in status and "cached" in status and "TTFT" in status and "tok/s" in status
+    try:
+        run(scenario)
+    finally:
+        app.close_engine()
+    with ConversationStore() as store:
+        (conversation,) = store.list()
+        assert conversation.title == "What is mlxkv?"
+        roles = [(m.role, m.content) for m in store.messages(conversation.id)]
+        assert roles[0] == ("user", "What is mlxkv?") and roles[1][0] == "assistant"
+        stats = store.messages(conversation.id)[1].stats
+        assert stats["prompt_tokens"] > 0 and stats["finish_reason"] in ("stop", "length")
+
+
+def test_second_turn_reads_the_first_from_the_cache(tmp_path: Path, data_dir: Path) -> None:
+    app = open_app(make_settings(tmp_path))
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await send(pilot, "What is mlxkv?")
+            await send(pilot, "How does the prefix cache work?")
+            first, second = [v for v in views(app) if v.role == "assistant"]
+            assert first.stats["cached_tokens"] == 0
+            assert second.stats["cached_tokens"] > 0
+            status = str(second.query_one(".status").render())
+            assert f"{second.stats['cached_tokens']} cached" in status
+    try:
+        run(scenario)
+    finally:
+        app.close_engine()
+
+
+def test_esc_stops_a_reply_mid_stream_and_keeps_what_it_said(tmp_path: Path, data_dir: Path,
+                                                             tiny_qwen3: Path) -> None:
+    # Greedy, the random-weight model never picks its end token: only Esc ends this reply.
+    app = open_app(make_settings(tmp_path, model=str(tiny_qwen3), max_tokens=20000, temperature=0))
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            app.chat.prompt.load_text("tell me everything")
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: len(app.metrics.token_lag_s) >= 3, "streamed tokens")
+            assert app.chat.pending is not None, ([n.message for n in app._notifications],
+                                                  [(v.content[:50], v.stats) for v in views(app)])
+            await pilot.press("escape")
+            await wait_for(pilot, lambda: app.chat.pending is None and app.metrics.replies == 1, "stop")
+            reply = views(app)[-1]
+            assert reply.stats["finish_reason"] == "cancelled"
+            assert 0 < reply.stats["generated_tokens"] < 20000
+            assert "cancelled" in str(reply.query_one(".status").render())
+            conversation = app.chat.conversation
+            stored = await app.db(app.store.messages, conversation.id)
+            assert stored[-1].role == "assistant" and stored[-1].content == reply.content
+            assert app.chat.prompt.has_focus  # the box takes the next message at once
+    try:
+        run(scenario)
+    finally:
+        app.close_engine()
+
+
+def test_switching_conversations_shows_each_ones_messages(tmp_path: Path, data_dir: Path) -> None:
+    app = open_app(make_settings(tmp_path))
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await send(pilot, "What is mlxkv?")
+            first = app.chat.conversation
+            await pilot.press("ctrl+n")
+            await wait_for(pilot, lambda: app.chat.conversation is None and not views(app), "new chat")
+            await send(pilot, "How does the prefix cache work?")
+            second = app.chat.conversation
+            assert second.id != first.id
+            # The sidebar lists both, newest first; choosing the older one shows its messages.
+            listed = await wait_for(pilot, lambda: [i.conversation.id for i in app.chat.query("ConversationItem")]
+                                    if len(app.chat.query("ConversationItem")) == 2 else None, "two listed")
+            assert listed == [second.id, first.id]
+            sidebar = app.chat.query_one("#conversations")
+            sidebar.focus()
+            sidebar.index = 1
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: app.chat.conversation is not None and app.chat.conversation.id == first.id,
+                           "first conversation")
+            assert [v.content for v in views(app)][0] == "What is mlxkv?"
+            assert len(views(app)) == 2
+            # Search narrows the list by message text.
+            await pilot.press("ctrl+f")
+            await pilot.press(*"how does")
+            await wait_for(pilot, lambda: [i.conversation.id for i in app.chat.query("ConversationItem")]
+                           == [second.id], "search result")
+    try:
+        run(scenario)
+    finally:
+        app.close_engine()
+
+
+def test_reopened_app_finds_the_conversation_and_its_cache(tmp_path: Path, data_dir: Path) -> None:
+    settings = make_settings(tmp_path)
+    first_app = open_app(settings)
+
+    async def first_run() -> None:
+        async with first_app.run_test(size=SIZE) as pilot:
+            await send(pilot, "What is mlxkv?")
+    try:
+        run(first_run)
+    finally:
+        first_app.close_engine()  # flushes the cache to its folder
+
+    app = open_app(settings)
+
+    async def second_run() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            items = await wait_for(pilot, lambda: list(app.chat.query("ConversationItem")), "saved conversation")
+            assert items[0].conversation.title == "What is mlxkv?"
+            app.chat.query_one("#conversations").focus()
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: len(views(app)) == 2, "its messages")
+            assert views(app)[0].content == "What is mlxkv?"
+            assert "prompt tok" in str(views(app)[1].query_one(".status").render())  # stats were kept
+            await send(pilot, "How does the prefix cache work?")
+            reply = views(app)[-1]
+            assert reply.stats["cached_tokens"] > 0  # the first turn, restored from disk
+    try:
+        run(second_run)
+    finally:
+        app.close_engine()
+
+
+def test_enter_sends_and_ctrl_j_inserts_a_newline(tmp_path: Path, data_dir: Path) -> None:
+    app = open_app(make_settings(tmp_path))
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.press("a", "ctrl+j", "b")
+            assert app.chat.prompt.text == "a\nb"
+            assert app.chat.pending is None and app.chat.conversation is None
+            await pilot.press("?")  # typed, not the help key, while writing
+            assert app.chat.prompt.text == "a\nb?"
+    try:
+        run(scenario)
+    finally:
+        app.close_engine()
+
+
+def test_a_model_that_does_not_load_is_a_notification(tmp_path: Path, data_dir: Path) -> None:
+    app = open_app(make_settings(tmp_path, model=str(tmp_path / "no-such-model")))
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, app.metrics.model_ready.is_set, "load outcome")
+            await pilot.pause()
+            errors = [n for n in app._notifications if n.severity == "error"]
+            assert errors and "F3" in errors[0].message and "no-such-model" in errors[0].message
+            # The screen still works, and a message sent says what to do instead of failing.
+            app.chat.prompt.load_text("hello")
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: len([n for n in app._notifications if n.severity == "error"]) >= 2,
+                           "second notification")
+            assert app.chat.pending is None
+            assert app.is_running
+    try:
+        run(scenario)
+    finally:
+        app.close_engine()
+
+
+def test_an_unusable_cache_folder_is_a_warning_and_chat_goes_on(tmp_path: Path, data_dir: Path) -> None:
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the cache folder should be")
+    settings = Settings.load({"cache_dir": str(blocker)}, env={"XDG_CONFIG_HOME": str(tmp_path / "config")})
+    app = open_app(settings)
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: [n for n in app._notifications if "RAM only" in n.message],
+                           "warning")
+            await send(pilot, "What is mlxkv?")
+            assert "mlxkv" in views(app)[-1].content
+    try:
+        run(scenario)
+    finally:
+        app.close_engine()
+
+
+def test_regenerate_and_branch(tmp_path: Path, data_dir: Path) -> None:
+    app = open_app(make_settings(tmp_path))
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await send(pilot, "What is mlxkv?")
+            original = app.chat.conversation
+            before = app.metrics.replies
+            await pilot.press("ctrl+g")
+            await wait_for(pilot, lambda: app.metrics.replies > before and app.chat.pending is None, "regenerated")
+            stored = await app.db(app.store.messages, original.id)
+            assert [m.role for m in stored] == ["user", "assistant"]  # replaced, not appended
+            # Edit the question into a branch: the original stays, the branch is answered.
+            await pilot.press("ctrl+e")
+            await wait_for(pilot, lambda: type(app.screen).__name__ == "EditMessage", "editor")
+            editor = app.screen.query_one("#text")
+            editor.load_text("How does the prefix cache work?")
+            before = app.metrics.replies
+            await pilot.press("ctrl+s")
+            await wait_for(pilot, lambda: app.metrics.replies > before and app.chat.pending is None, "branch reply")
+            branch = app.chat.conversation
+            assert branch.id != original.id and branch.parent_id == original.id
+            assert [v.content for v in views(app)][0] == "How does the prefix cache work?"
+            kept = await app.db(app.store.messages, original.id)
+            assert kept[0].content == "What is mlxkv?"
+    try:
+        run(scenario)
+    finally:
+        app.close_engine()
+
+
+def test_status_line_and_code_blocks() -> None:
+    stats = {"prompt_tokens": 412, "cached_tokens": 384, "cached_ram_tokens": 256, "cached_ssd_tokens": 128,
+             "ttft_s": 0.041, "generated_tokens": 96, "decode_tps": 231.4}
+    line = format_status(stats, "stop")
+    assert line == "412 prompt tok · 384 cached (RAM 256 · SSD 128) · TTFT 0.04 s · 96 tok at 231 tok/s"
+    assert format_status({**stats, "cached_ram_tokens": 0, "cached_ssd_tokens": 0}, "cancelled").endswith("cancelled")
+    text = "Run:\n\n```sh\nmake run\n```\n\nthen\n\n~~~python\nprint(1)\n~~~\n"
+    assert code_blocks(text) == ["make run\n", "print(1)\n"]
+
+
+def test_session_ids_round_trip() -> None:
+    from tui.chat import conversation_for
+
+    assert conversation_for(session_for(42)) == 42
+    assert conversation_for("someone-else") is None
+    assert PromptArea.BINDINGS[0].id == "prompt.send"
