@@ -144,7 +144,7 @@ async def inspector_scene(pilot: Any) -> None:
     await wait_for(pilot, lambda: type(app.screen).__name__ == "InspectorScreen", "the inspector")
     screen = app.screen
     await wait_for(pilot, lambda: screen.table.row_count == len(entries) and screen.detail is not None
-                   and screen._stats_at > 0 and not screen._busy, "the entries and the detail")
+                   and bool(screen.figures.history), "the entries, the detail and the figures")
     await _settle(pilot)
 
 
