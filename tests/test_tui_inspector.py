@@ -17,8 +17,9 @@ from engine.cache.info import BlockInfo, CacheEntryInfo
 from engine.engine import Engine, Request
 from engine.generate import SamplingParams
 from engine.settings import Settings
-from tui.inspector import ConfirmScreen, InspectorScreen
+from tui.inspector import InspectorScreen
 from tui.messages import CacheChanged, OpenConversation
+from tui.widgets.modals import Confirm
 
 T = 60.0  # generous bound on every wait: a failing test fails, never hangs
 SIZE = (120, 40)
@@ -158,7 +159,7 @@ def test_delete_asks_first_and_removes_the_files(engine, tmp_path):
     async def check(pilot, screen: InspectorScreen) -> None:
         await until(pilot, lambda: screen.table.keys == [info.id], "the entry")
         await pilot.press("d")
-        await until(pilot, lambda: isinstance(pilot.app.screen, ConfirmScreen), "the question")
+        await until(pilot, lambda: isinstance(pilot.app.screen, Confirm), "the question")
         await pilot.press("n")
         await until(pilot, lambda: pilot.app.screen is screen, "the answer")
         await pilot.pause()
@@ -166,7 +167,7 @@ def test_delete_asks_first_and_removes_the_files(engine, tmp_path):
         assert [e.id for e in engine.cache_entries()] == [info.id]
 
         await pilot.press("d")
-        await until(pilot, lambda: isinstance(pilot.app.screen, ConfirmScreen), "the question")
+        await until(pilot, lambda: isinstance(pilot.app.screen, Confirm), "the question")
         await pilot.press("y")
         await until(pilot, lambda: "delete" in screen.results, "delete")
         assert screen.results["delete"] is True
@@ -245,7 +246,7 @@ def test_flush_and_gc(engine, tmp_path):
         await until(pilot, lambda: screen.table.selected.tier == "both", "the table to show SSD")
 
         await pilot.press("g")
-        await until(pilot, lambda: isinstance(pilot.app.screen, ConfirmScreen), "the question")
+        await until(pilot, lambda: isinstance(pilot.app.screen, Confirm), "the question")
         await pilot.press("y")
         await until(pilot, lambda: "gc" in screen.results, "gc")
         if getattr(engine, "cache_gc", None) is None:  # said plainly, nothing touched

@@ -24,19 +24,22 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from rich.markup import escape
 from rich.text import Text
 from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
-from textual.screen import ModalScreen, Screen
-from textual.widgets import Button, Footer, Input, Label, ProgressBar, Sparkline, Static
+from textual.screen import Screen
+from textual.widgets import Footer, Input, Label, ProgressBar, Sparkline, Static
 
 from engine.cache.info import CacheEntryDetail, CacheEntryInfo
 from engine.cache.tokens import store_namespace
 from tui.messages import CacheChanged, OpenConversation
+from tui.widgets.cache_figures import Figures
 from tui.widgets.entry_table import BlockTable, EntryTable, VirtualTable, age, human_bytes
+from tui.widgets.modals import Confirm
 
 CALL_TIMEOUT_S = 5.0  # listing and stats; a busy or loading engine is tried again later
 ACTION_TIMEOUT_S = 120.0
@@ -69,94 +72,6 @@ class _ActionDone(Message):
     def __init__(self, what: str, result: Any, text: str, severity: str) -> None:
         super().__init__()
         self.what, self.result, self.text, self.severity = what, result, text, severity
-
-
-class ConfirmScreen(ModalScreen[bool]):
-    """Ask yes or no; dismissed with the answer (No has the focus)."""
-
-    DEFAULT_CSS = """
-    ConfirmScreen { align: center middle; }
-    #confirm-box { width: 64; height: auto; padding: 1 2; border: thick $error;
-                   background: $surface; }
-    #confirm-buttons { height: auto; margin-top: 1; align: center middle; }
-    #confirm-buttons Button { margin: 0 2; }
-    """
-    BINDINGS = [Binding("y", "answer(True)", "Yes", id="confirm.yes"),
-                Binding("n,escape", "answer(False)", "No", id="confirm.no")]
-
-    def __init__(self, question: str) -> None:
-        super().__init__()
-        self.question = question
-
-    def compose(self) -> ComposeResult:
-        with Vertical(id="confirm-box"):
-            yield Static(Text(self.question), id="confirm-question")
-            with Horizontal(id="confirm-buttons"):
-                yield Button("Yes (y)", id="confirm-yes", variant="error")
-                yield Button("No (n)", id="confirm-no", variant="primary")
-
-    def on_mount(self) -> None:
-        self.query_one("#confirm-no", Button).focus()
-
-    def on_button_pressed(self, event: Button.Pressed) -> None:
-        self.dismiss(event.button.id == "confirm-yes")
-
-    def action_answer(self, yes: bool) -> None:
-        self.dismiss(yes)
-
-
-def _bar(fraction: float, width: int = 8) -> str:
-    filled = round(max(0.0, min(1.0, fraction)) * width)
-    return "█" * filled + "░" * (width - filled)
-
-
-class Figures:
-    """The header figures from successive ``engine.stats()`` answers: the hit rate per
-    interval (for the sparkline) and the last restore come from counter differences."""
-
-    def __init__(self, history: int = 60) -> None:
-        self.history: list[float] = []
-        self._size = history
-        self._prev: dict | None = None
-        self.last_restore: tuple[float, float] | None = None  # (ms, bytes)
-
-    def update(self, stats: dict) -> dict[str, str]:
-        c = stats.get("cache") or {}
-        if not c.get("enabled"):
-            return {"hits": "prefix cache off", "tiers": "", "queues": "", "restore": ""}
-        prev, self._prev = self._prev, c
-        dp = c.get("prompt_tokens", 0) - (prev or {}).get("prompt_tokens", 0)
-        dc = c.get("cached_tokens", 0) - (prev or {}).get("cached_tokens", 0)
-        if dp > 0:
-            self.history = [*self.history, dc / dp][-self._size:]
-        dms = c.get("restore_ms", 0) - (prev or {}).get("restore_ms", 0)
-        dbytes = c.get("restore_bytes", 0) - (prev or {}).get("restore_bytes", 0)
-        if dms > 0:
-            self.last_restore = (dms, dbytes)
-        hits = (f"hit rate {c.get('hit_fraction', 0.0):.0%}  ·  {c.get('ram_hits', 0)} RAM  "
-                f"{c.get('ssd_hits', 0)} SSD  {c.get('misses', 0)} missed")
-        ram, ram_cap = c.get("ram_bytes", 0), c.get("ram_max_bytes") or 0
-        tiers = (f"RAM {_bar(ram / ram_cap if ram_cap else 0)} {human_bytes(ram)} / "
-                 f"{human_bytes(ram_cap) if ram_cap else '∞'}")
-        if c.get("ssd"):
-            ssd, ssd_cap = c.get("ssd_bytes", 0), c.get("ssd_max_bytes")
-            tiers += (f"   SSD {_bar(ssd / ssd_cap if ssd_cap else 0)} {human_bytes(ssd)} / "
-                      f"{human_bytes(ssd_cap) if ssd_cap else '–'}")
-        else:
-            reason = c.get("ssd_disabled_reason")
-            tiers += "   SSD off" + (f" ({reason})" if reason else "")
-        tiers += f"   dedup ×{c.get('dedup_ratio', 1.0):.2f}"
-        q = c.get("queues") or {}
-        queues = (f"writer {q.get('waiting', 0)} queued, {q.get('inflight', 0)} writing, "
-                  f"{q.get('storage_pending_writes', 0)} in storage   "
-                  f"reader {q.get('storage_pending_reads', '–')}   "
-                  f"dirty {(c.get('durability') or {}).get('pending', 0)}")
-        if self.last_restore is None:
-            restore = "no restore from SSD yet"
-        else:
-            ms, nbytes = self.last_restore
-            restore = f"last restore {ms:.0f} ms, {human_bytes(nbytes / ms * 1e3)}/s"
-        return {"hits": hits, "tiers": tiers, "queues": queues, "restore": restore}
 
 
 def _summary(e: CacheEntryInfo, model: str) -> Text:
@@ -340,7 +255,8 @@ class InspectorScreen(Screen):
         ns, label = stats.get("namespace"), (stats.get("model") or {}).get("model")
         if ns and label:
             try:
-                self.table.set_model_name(store_namespace(ns), str(label))
+                # a folder's name, not its path: the column is narrow
+                self.table.set_model_name(store_namespace(ns), str(label).rstrip("/").rsplit("/", 1)[-1])
             except ValueError:
                 pass
         figs = self.figures.update(stats)
@@ -412,7 +328,7 @@ class InspectorScreen(Screen):
         def answered(yes: bool | None) -> None:
             if yes:
                 then()
-        self.app.push_screen(ConfirmScreen(question), answered)
+        self.app.push_screen(Confirm(escape(question)), answered)
 
     @staticmethod
     def _describe_entry(e: CacheEntryInfo) -> str:
