@@ -16,7 +16,8 @@ from another thread).
   of ``--starts`` fresh processes (the first run pays a cold file cache).
 - ``key_latency_p95_ms``: a key typed in the message box every ~40 ms while replies
   stream and for 0.5 s after each (the cache writer persists the new blocks then) ->
-  the first frame where the box shows it.
+  the first frame where the box shows it (also split by phase; ``loop_stall_*``: how
+  late the UI's event loop wakes from a 5 ms sleep, i.e. how long it was held up).
 - ``token_lag_p95_ms``: the engine thread hands a token to the reply's callback -> the
   first frame whose reply Markdown holds its text (not mid-update).
 - ``inspector_10k_refresh_ms``: the cache inspector (``InspectorScreen``, not live) is
@@ -172,6 +173,7 @@ async def _live(app: Any, turns: int) -> dict:
     probe = FrameProbe(app, sample)
     keys: list[tuple[float, int]] = []  # (time sent, prompt length it makes)
     typing = threading.Event()
+    streaming = threading.Event()  # a reply is being generated (else: after it, the writer persists)
     stop = threading.Event()
     base = [0]
 
@@ -180,10 +182,19 @@ async def _live(app: Any, turns: int) -> dict:
         while not stop.is_set():
             if typing.is_set():
                 base[0] += 1
-                keys.append((time.perf_counter(), base[0]))
+                keys.append((time.perf_counter(), base[0], streaming.is_set()))
                 _key(app, rng.choice("abcdefghij"))
             time.sleep(KEY_PERIOD_S * rng.uniform(0.75, 1.25))
 
+    stalls: list[float] = []  # how late a 5 ms sleep of the UI's event loop wakes up
+
+    async def watch_loop() -> None:
+        while not stop.is_set():
+            t = time.perf_counter()
+            await asyncio.sleep(0.005)
+            stalls.append((time.perf_counter() - t - 0.005) * 1e3)
+
+    watcher = asyncio.get_running_loop().create_task(watch_loop())
     thread = threading.Thread(target=typist, name="bench-typist", daemon=True)
     thread.start()
     replies: list[dict] = []
@@ -198,8 +209,10 @@ async def _live(app: Any, turns: int) -> dict:
                 raise RuntimeError("the chat did not start a reply")
             prompt.focus()
             base[0] = len(prompt.text)
+            streaming.set()
             typing.set()
             await _until(lambda p=p: chat.pending is not p, "the reply to finish")
+            streaming.clear()
             await asyncio.sleep(AFTER_REPLY_S)  # keys go on while the writer persists
             typing.clear()
             await asyncio.sleep(0.2)  # the last keys reach the screen
@@ -208,6 +221,7 @@ async def _live(app: Any, turns: int) -> dict:
     finally:
         stop.set()
         thread.join(5)
+        await watcher
         ReplyStream.on_event = original
         app._display = probe._original
 
@@ -219,14 +233,15 @@ async def _live(app: Any, turns: int) -> dict:
             missed_tokens += 1
         else:
             token_lags.append((hit - t) * 1e3)
-    key_lags, missed_keys = [], 0
+    key_lags, missed_keys, phase = [], 0, {True: [], False: []}
     # base[] restarted per turn: match each key within its turn's frames by time order
-    for t, length in keys:
+    for t, length, during in keys:
         hit = next((ft for ft, (_, _, n) in frames if ft >= t and n >= length), None)
         if hit is None:
             missed_keys += 1
         else:
             key_lags.append((hit - t) * 1e3)
+            phase[during].append((hit - t) * 1e3)
     gen = [r.get("generated_tokens", 0) for r in replies]
     return {
         "token_lag_p50_ms": _p(token_lags, 0.5), "token_lag_p95_ms": _p(token_lags, 0.95),
@@ -234,6 +249,9 @@ async def _live(app: Any, turns: int) -> dict:
         "tokens_not_matched": missed_tokens,
         "key_latency_p50_ms": _p(key_lags, 0.5), "key_latency_p95_ms": _p(key_lags, 0.95),
         "key_latency_max_ms": max(key_lags, default=None), "keys": len(keys), "keys_not_matched": missed_keys,
+        "key_latency_streaming_p95_ms": _p(phase[True], 0.95), "keys_streaming": len(phase[True]),
+        "key_latency_after_reply_p95_ms": _p(phase[False], 0.95),
+        "loop_stall_p99_ms": _p(stalls, 0.99), "loop_stall_max_ms": max(stalls, default=None),
         "replies": len(replies), "reply_tokens_mean": statistics.mean(gen) if gen else None,
         "decode_tps_mean": statistics.mean(r.get("decode_tps", 0.0) for r in replies) if replies else None,
         "frames": len(frames),
