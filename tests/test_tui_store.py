@@ -312,3 +312,23 @@ def test_two_stores_on_one_file(tmp_path):
             for f in [pool.submit(add, one, "a"), pool.submit(add, two, "b")]:
                 f.result(timeout=120)
         assert [m.position for m in two.messages(c.id)] == list(range(100))
+
+
+def test_a_damaged_file_is_a_store_error_not_a_traceback(tmp_path):
+    path = tmp_path / "c.db"
+    with ConversationStore(path) as s:
+        c = s.create("long")
+        for i in range(200):
+            s.add_message(c.id, "user", f"message {i} " + "x" * 500)
+    db = sqlite3.connect(path)
+    db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    db.close()
+    page = 4096
+    with open(path, "r+b") as fh:  # overwrite pages of the messages table, keep the header page
+        fh.seek(page * 3)
+        fh.write(b"\xa5" * page * 6)
+    with pytest.raises(StoreError) as e:
+        with ConversationStore(path) as s:
+            s.list("message 199")
+            s.messages(c.id)
+    assert e.value.unreadable and "move it away" in str(e.value)
