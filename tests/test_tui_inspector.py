@@ -276,8 +276,6 @@ def test_works_through_a_bridge_and_cache_changed_messages(engine):
                     "the first refresh")
         assert screen.table.row_count == 0
         await asyncio.to_thread(ask, engine, "Stored while the inspector is open.", "b1")
-        await pilot.pause(0.3)
-        assert screen.table.row_count == 0  # no subscription: nothing tells it yet
         screen.post_message(CacheChanged({"store": 1}))
         await until(pilot, lambda: screen.table.row_count == 1, "the refresh on CacheChanged")
         assert screen.table.selected.session == "b1"

@@ -249,7 +249,7 @@ class InspectorScreen(Screen):
         t = self.table
         arrow = "▼" if t.reverse else "▲"
         self.query_one("#entry-count", Label).update(
-            f"{t.row_count} of {len(t._rows)} entries · sort {t.sort_key} {arrow}")
+            f"{t.row_count} of {t.total_count} entries · sort {t.sort_key} {arrow}")
 
     def _show_figures(self, stats: dict) -> None:
         ns, label = stats.get("namespace"), (stats.get("model") or {}).get("model")

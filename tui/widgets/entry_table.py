@@ -141,6 +141,11 @@ class VirtualTable(ScrollView, can_focus=True):
         return len(self._view)
 
     @property
+    def total_count(self) -> int:
+        """Rows held, shown or filtered out."""
+        return len(self._rows)
+
+    @property
     def keys(self) -> list[str]:
         """The row keys shown, in order."""
         return list(self._view)
