@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 from rich.cells import cell_len, set_cell_size
@@ -119,6 +120,7 @@ class VirtualTable(ScrollView, can_focus=True):
         self._sort_key = self.default_sort
         self._reverse = self.default_reverse
         self._terms: tuple[str, ...] = ()
+        self._hay: dict[str, str] | None = None  # haystacks of the rows, built on first filter
         self._width = 1 + sum(c.width + 1 for c in self.columns)
         self.virtual_size = Size(self._width, 1)
 
@@ -172,6 +174,7 @@ class VirtualTable(ScrollView, can_focus=True):
     def set_rows(self, rows: Iterable[Any]) -> None:
         """Replace every row; the cursor stays on its row if that is still shown."""
         self._rows = {self.row_key(r): r for r in rows}
+        self._hay = None
         self._rebuild()
 
     def set_filter(self, text: str) -> None:
@@ -207,18 +210,23 @@ class VirtualTable(ScrollView, can_focus=True):
         raise ValueError(f"no column {key!r}; columns: {', '.join(c.key for c in self.columns)}")
 
     def _rebuild(self) -> None:
+        # Sorted as rows (a column's sort is often a C-level attrgetter), then keyed.
         rows = self._rows
-        keys: list[str] = list(rows)
         if self._terms:
-            terms, hay = self._terms, self.haystack
-
-            def match(row: Any) -> bool:
-                h = hay(row)
-                return all(t in h for t in terms)
-            keys = [k for k in keys if match(rows[k])]
+            if self._hay is None:
+                self._hay = {k: self.haystack(r) for k, r in rows.items()}
+            terms = self._terms
+            if len(terms) == 1:
+                keys = [k for k, h in self._hay.items() if terms[0] in h]
+            else:
+                keys = [k for k, h in self._hay.items() if all(t in h for t in terms)]
+            chosen: Iterable[Any] = [rows[k] for k in keys]
+        else:
+            keys, chosen = list(rows), rows.values()
         if self._sort_key is not None:
-            sort = self._column(self._sort_key).sort
-            keys.sort(key=lambda k: sort(rows[k]), reverse=self._reverse)
+            ordered = sorted(chosen, key=self._column(self._sort_key).sort, reverse=self._reverse)
+            row_key = self.row_key
+            keys = [row_key(r) for r in ordered]
         self._view = keys
         old = self._cursor_key
         if old is not None and old in rows:
@@ -328,21 +336,21 @@ _KIND = {"conversation": "conversation", "prefix": "prefix", "checkpoint": "chec
 _TIER = {"ram": "RAM", "ssd": "SSD", "both": "both"}
 
 ENTRY_COLUMNS: tuple[Column, ...] = (
-    Column("kind", "what", 12, lambda e: _KIND.get(e.kind, e.kind), lambda e: e.kind),
+    Column("kind", "what", 12, lambda e: _KIND.get(e.kind, e.kind), attrgetter("kind")),
     Column("entry", "entry", 14, lambda e: e.session or e.id[:12],
            lambda e: (e.session or "\uffff", e.id)),
-    Column("ns", "model", 16, lambda e: e.ns, lambda e: e.ns),
-    Column("tokens", "tokens", 7, lambda e: str(e.tokens), lambda e: e.tokens, True, True),
-    Column("blocks", "blocks", 6, lambda e: str(e.blocks), lambda e: e.blocks, True, True),
-    Column("bytes", "bytes", 9, lambda e: human_bytes(e.bytes), lambda e: e.bytes, True, True),
+    Column("ns", "model", 16, lambda e: e.ns, attrgetter("ns")),
+    Column("tokens", "tokens", 7, lambda e: str(e.tokens), attrgetter("tokens"), True, True),
+    Column("blocks", "blocks", 6, lambda e: str(e.blocks), attrgetter("blocks"), True, True),
+    Column("bytes", "bytes", 9, lambda e: human_bytes(e.bytes), attrgetter("bytes"), True, True),
     Column("unique", "unique", 9, lambda e: human_bytes(e.unique_bytes),
-           lambda e: e.unique_bytes, True, True),
+           attrgetter("unique_bytes"), True, True),
     Column("shared", "shared", 9, lambda e: human_bytes(e.shared_bytes),
-           lambda e: e.shared_bytes, True, True),
-    Column("tier", "tier", 4, lambda e: _TIER.get(e.tier, e.tier), lambda e: e.tier),
-    Column("pinned", "pin", 3, lambda e: "●" if e.pinned else "", lambda e: e.pinned, False, True),
-    Column("last_used", "used", 5, lambda e: age(e.last_used), lambda e: e.last_used, True, True),
-    Column("hits", "hits", 5, lambda e: str(e.hits), lambda e: e.hits, True, True),
+           attrgetter("shared_bytes"), True, True),
+    Column("tier", "tier", 4, lambda e: _TIER.get(e.tier, e.tier), attrgetter("tier")),
+    Column("pinned", "pin", 3, lambda e: "●" if e.pinned else "", attrgetter("pinned"), False, True),
+    Column("last_used", "used", 5, lambda e: age(e.last_used), attrgetter("last_used"), True, True),
+    Column("hits", "hits", 5, lambda e: str(e.hits), attrgetter("hits"), True, True),
 )
 
 
@@ -363,6 +371,7 @@ class EntryTable(VirtualTable):
         """Show ``label`` for the entries of namespace ``ns``."""
         if self.model_names.get(ns) != label:
             self.model_names[ns] = label
+            self._hay = None
             self.refresh()
 
     def cell(self, column: Column, row: CacheEntryInfo) -> str:
