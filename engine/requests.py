@@ -1,10 +1,10 @@
 """What callers hand the engine and get back: :class:`Request`, the events of a request and
 of the engine, and :class:`RequestHandle`, the thread-safe view of one request.
 
-A handle records every event on the engine thread, under its lock, before it wakes anyone:
-``result()`` and ``events()`` only read that record. So an exception raised in the
-consumer's thread while it waits (Ctrl-C: KeyboardInterrupt) can interrupt the wait, but
-can never swallow an event; waiting again picks up where it was.
+A handle records every event on the engine thread before it wakes anyone: ``result()``
+and ``events()`` only read that record. So an exception raised in the consumer's thread
+while it waits (Ctrl-C: KeyboardInterrupt) can interrupt the wait, but can never swallow
+an event or stall the engine; waiting again picks up where it was.
 """
 
 from __future__ import annotations
@@ -146,7 +146,12 @@ _FINAL = (FinishedEvent, ErrorEvent)
 
 
 class RequestHandle:
-    """Thread-safe view of one request: iterate its events (once), or ``result()``."""
+    """Thread-safe view of one request: iterate its events (once), or ``result()``.
+
+    Only the engine thread writes: it appends each event to the record, then wakes the
+    waiters through queues whose ``put`` never blocks. A waiter takes no lock the engine
+    needs, so an exception raised in it at any point (Ctrl-C) cannot stall the engine, and
+    it reads the record (not a queue) so nothing is lost when it stops waiting halfway."""
 
     _ids = itertools.count(1)
 
@@ -156,12 +161,12 @@ class RequestHandle:
         self.submitted = time.perf_counter()
         self._cancel = threading.Event()
         self.done = threading.Event()  # set once the final event is recorded
-        self._cond = threading.Condition()
         self._log: list[Event] = []  # every event, in order (appended on the engine thread)
+        self._final = False  # the last event of the log is FinishedEvent or ErrorEvent
         self._read = 0  # how many of them events() has handed out
+        self._waiters: list[queue.SimpleQueue] = []
         self._callback = callback
         self.tokens: list[int] = []
-        self._text: list[str] = []
         self.progress: ProgressEvent | None = None
         self.stats: StatsEvent | None = None
         self.finished: FinishedEvent | None = None
@@ -174,21 +179,21 @@ class RequestHandle:
                 self._callback(event)
             except Exception:  # a front end's bug must not kill the engine thread
                 log.exception("event callback failed")
-        with self._cond:
-            self._log.append(event)
-            if isinstance(event, TokenEvent):
-                if event.token is not None:
-                    self.tokens.append(event.token)
-                self._text.append(event.text)
-            elif isinstance(event, ProgressEvent):
-                self.progress = event
-            elif isinstance(event, StatsEvent):
-                self.stats = event
-            elif isinstance(event, FinishedEvent):
-                self.finished = event
-            elif isinstance(event, ErrorEvent):
-                self.error = event
-            self._cond.notify_all()
+        if isinstance(event, TokenEvent) and event.token is not None:
+            self.tokens.append(event.token)
+        elif isinstance(event, ProgressEvent):
+            self.progress = event
+        elif isinstance(event, StatsEvent):
+            self.stats = event
+        elif isinstance(event, FinishedEvent):
+            self.finished = event
+        elif isinstance(event, ErrorEvent):
+            self.error = event
+        self._log.append(event)
+        if isinstance(event, _FINAL):
+            self._final = True
+        for waiter in list(self._waiters):
+            waiter.put(None)
         if isinstance(event, _FINAL):
             self.done.set()
 
@@ -201,16 +206,32 @@ class RequestHandle:
     def cancelled(self) -> bool:
         return self._cancel.is_set()
 
+    def _wait_for(self, ready: Callable[[], bool], timeout: float | None, what: str) -> None:
+        if ready():
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        waiter: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiters.append(waiter)
+        try:
+            while not ready():  # checked after registering: no wake-up is missed
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise WaitTimeout(f"request {self.id}: {what} within {timeout} s")
+                try:
+                    waiter.get(timeout=left)
+                except queue.Empty:
+                    pass
+        finally:
+            self._waiters.remove(waiter)
+
     def events(self, timeout: float | None = None) -> Iterator[Event]:
         """Events until (and including) FinishedEvent or ErrorEvent, each once across calls.
         ``timeout`` bounds the wait for each event (:class:`WaitTimeout`, a
         ``queue.Empty``, is raised when it passes)."""
         while True:
-            with self._cond:
-                if not self._cond.wait_for(lambda: self._read < len(self._log), timeout):
-                    raise WaitTimeout(f"no event from request {self.id} within {timeout} s")
-                event = self._log[self._read]
-                self._read += 1
+            self._wait_for(lambda: self._read < len(self._log), timeout, "no event")
+            # one statement: an interrupt cannot land between taking and counting it
+            self._read, event = self._read + 1, self._log[self._read]
             yield event
             if isinstance(event, _FINAL):
                 return
@@ -220,22 +241,27 @@ class RequestHandle:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until the request has ended; False if ``timeout`` passed first."""
-        return self.done.wait(timeout)
+        try:
+            self._wait_for(lambda: self._final, timeout, "not finished")
+        except WaitTimeout:
+            return False
+        return True
 
     def result(self, timeout: float | None = None) -> Result:
         """Wait for the end (:class:`WaitTimeout` after ``timeout`` s); raise
         :class:`EngineError` (:class:`RequestRefused` for bad input) if it failed."""
-        if not self.done.wait(timeout):
-            raise WaitTimeout(f"request {self.id} did not finish within {timeout} s")
-        with self._cond:
-            error, finished = self.error, self.finished
-            text, tokens, stats = "".join(self._text), list(self.tokens), self.stats
-        if error is not None:
-            if isinstance(error.exception, EngineError):
-                raise error.exception
-            raise EngineError(error.message) from error.exception
-        assert finished is not None
-        return Result(text, tokens, finished.reason, finished.detail, stats)
+        self._wait_for(lambda: self._final, timeout, "did not finish")
+        events = self._log[:]
+        last = events[-1]
+        if isinstance(last, ErrorEvent):
+            if isinstance(last.exception, EngineError):
+                raise last.exception
+            raise EngineError(last.message) from last.exception
+        assert isinstance(last, FinishedEvent)
+        tokens = [e for e in events if isinstance(e, TokenEvent)]
+        stats = [e for e in events if isinstance(e, StatsEvent)]
+        return Result("".join(e.text for e in tokens), [e.token for e in tokens if e.token is not None],
+                      last.reason, last.detail, stats[-1] if stats else None)
 
     def text(self, timeout: float | None = None) -> str:
         return self.result(timeout).text
