@@ -97,15 +97,6 @@ def _shutdown_live_engines() -> None:
         engine.shutdown(timeout=10.0)
 
 
-def _namespace(fingerprint: str, compute_dtype: str) -> str:
-    from engine.cache import layout
-
-    kv_namespace = getattr(layout, "kv_namespace", None)
-    if kv_namespace is None:
-        return f"{fingerprint}-{compute_dtype}-kv"
-    return kv_namespace(fingerprint, compute_dtype)
-
-
 class Engine:
     """Owns one model on one thread. ``prefix_cache`` is an object with ``lookup`` and
     ``store`` (see ``engine.cache.PrefixCache``), or a callable
@@ -330,13 +321,14 @@ class Engine:
     # engine thread
     def _load(self) -> None:
         from engine.blas import describe
+        from engine.cache.layout import kv_namespace
         from engine.cache.prefix_cache import NullPrefixCache
         from engine.models import load_model
 
         total = len(_LOAD_STAGES) - 1
         self._publish(LoadEvent(_LOAD_STAGES[0], 0, total))
         self.loaded = load_model(self.model_spec, self.dtype, self.full_hash)
-        self.namespace = _namespace(self.loaded.fingerprint, self.loaded.compute_dtype)
+        self.namespace = kv_namespace(self.loaded.fingerprint, self.loaded.compute_dtype)
         self._publish(LoadEvent(_LOAD_STAGES[1], 1, total))
         arg = self._prefix_arg
         if arg is None:
