@@ -43,8 +43,11 @@ def _ours(eng, tokens: list[int], n: int) -> tuple[float, ...]:
     from engine.generate import SamplingParams
 
     t0 = _now()
-    handle = eng.submit(Request(prompt_tokens=tokens, params=SamplingParams(max_tokens=n)))
-    stamps = [_now() for ev in handle if isinstance(ev, TokenEvent) and ev.token is not None]
+    greedy = SamplingParams(max_tokens=n, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
+                            repetition_penalty=1.0)  # as stream_generate's defaults
+    handle = eng.submit(Request(prompt_tokens=tokens, params=greedy))
+    stamps = [_now() for ev in handle.events(timeout=600)
+              if isinstance(ev, TokenEvent) and ev.token is not None]
     return _rates(t0, stamps, len(tokens), n)
 
 
@@ -58,7 +61,7 @@ def _mlx_lm(eng, tokens: list[int], n: int) -> tuple[float, ...]:
             eng.loaded.model, eng.loaded.tokenizer, mx.array(tokens), max_tokens=n)]
         return t0, stamps
 
-    t0, stamps = eng.call(run).result()
+    t0, stamps = eng.call(run).result(600)
     return _rates(t0, stamps, len(tokens), n)
 
 
@@ -79,11 +82,11 @@ def throughput(reps: int, prompt_tokens: int, decode_tokens: int) -> dict:
 
     path = bench_model_path()
     with Engine(str(path), dtype="float32").start() as eng:
-        vocab = eng.call(lambda: eng.loaded.tokenizer.vocab_size).result()
-        special = eng.call(lambda: set(eng.loaded.tokenizer.all_special_ids)).result()
+        vocab = eng.call(lambda: eng.loaded.tokenizer.vocab_size).result(60)
+        special = eng.call(lambda: set(eng.loaded.tokenizer.all_special_ids)).result(60)
         # Random weights may pick EOS under greedy: no EOS for either side, so every run
         # decodes exactly decode_tokens tokens.
-        eng.call(lambda: setattr(eng.loaded.tokenizer, "eos_token_ids", set())).result()
+        eng.call(lambda: setattr(eng.loaded.tokenizer, "eos_token_ids", set())).result(60)
         rng = random.Random(0)
         ids = [i for i in range(vocab) if i not in special]
         tokens = [rng.choice(ids) for _ in range(prompt_tokens)]
