@@ -46,6 +46,7 @@ from engine.requests import (  # noqa: F401  (re-exported: the engine's public n
     StatsEvent,
     TokenEvent,
     WaitTimeout,
+    _blank,
 )
 
 log = logging.getLogger("mlxkv.engine")
@@ -436,7 +437,7 @@ class Engine:
             if bad:  # mlx would index out of range silently
                 raise RequestRefused(f"token ids out of range [0, {vocab}): {bad[:5]}")
         elif req.messages is not None:
-            if all(not str(m.get("content") or "").strip() for m in req.messages):
+            if all(_blank(m.get("content")) for m in req.messages):
                 raise RequestRefused("the prompt is empty")
             tokens = chat_prompt_tokens(self.loaded.tokenizer, req.messages)
         else:

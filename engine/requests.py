@@ -102,8 +102,9 @@ class WaitTimeout(TimeoutError, queue.Empty):
 
 
 # ---------------------------------------------------------------------------- requests
-def _blank(text: Any) -> bool:
-    return not isinstance(text, str) or not text.strip()
+def _blank(content: Any) -> bool:
+    # None or whitespace; other content (a list of parts, for multimodal templates) counts
+    return content is None or (isinstance(content, str) and not content.strip())
 
 
 @dataclass

@@ -241,6 +241,8 @@ def test_blank_prompts_are_refused(eng):
                                                    {"role": "user", "content": "\n"}])):
         with pytest.raises(ValueError, match="the prompt is empty"):
             Request(**bad)
+    # content given as parts (multimodal chat templates) is not blank
+    Request(messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
     req = Request(prompt="x")
     req.prompt = " "  # changed after it was checked
     with pytest.raises(RequestRefused, match="the prompt is empty"):
