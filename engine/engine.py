@@ -229,11 +229,15 @@ class Engine:
 
     # what front ends need
     def stats(self, timeout: float | None = 30.0) -> dict[str, Any]:
-        """The model, its load time, request counts, what is queued and the cache's stats."""
-        def collect() -> dict[str, Any]:
+        """The model, its load time, request counts, what is queued and the cache's stats
+        (``loading`` and no cache stats, without waiting, while the model loads)."""
+        def collect(loading: bool = False) -> dict[str, Any]:
             return {"model": dict(self.info), "load_s": self.load_s, **self._counts,
-                    "queued": self._queue.qsize(), "busy": self._serving is not None,
-                    "namespace": self.namespace, "cache": self.prefix_cache.stats()}
+                    "loading": loading, "queued": self._queue.qsize(),
+                    "busy": self._serving is not None, "namespace": self.namespace,
+                    "cache": None if loading else self.prefix_cache.stats()}
+        if self._thread.is_alive() and not self._ready.is_set():
+            return collect(loading=True)
         return self._ask("stats", collect, timeout=timeout)
 
     def _facade(self, name: str, default: Any, *args: Any, timeout: float | None) -> Any:

@@ -184,6 +184,8 @@ def test_ttft_counts_from_serving_and_load_is_reported(tiny_qwen3):
     t0 = time.perf_counter()
     e = Engine(str(tiny_qwen3)).start(wait=False)
     try:
+        early = e.stats(timeout=T)  # answered at once, loaded or not
+        assert early["loading"] in (True, False) and early["requests"] == 0
         h = e.submit(Request(prompt=TEXT, params=greedy(max_tokens=3)), callback=lambda ev: (
             isinstance(ev, TokenEvent) and not first and first.append(time.perf_counter())))
         s = h.result(timeout=T).stats
