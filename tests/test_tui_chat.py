@@ -241,12 +241,13 @@ def test_a_model_that_does_not_load_is_a_notification(tmp_path: Path, data_dir: 
             await pilot.pause()
             errors = [n for n in app._notifications if n.severity == "error"]
             assert errors and "F3" in errors[0].message and "no-such-model" in errors[0].message
-            # The screen still works, and a message sent says what to do instead of failing.
+            # The screen still works; a message sent says what to do and stays in the box.
             app.chat.prompt.load_text("hello")
             await pilot.press("enter")
             await wait_for(pilot, lambda: len([n for n in app._notifications if n.severity == "error"]) >= 2,
                            "second notification")
-            assert app.chat.pending is None
+            assert "F3" in [n for n in app._notifications if n.severity == "error"][1].message
+            assert app.chat.prompt.text == "hello" and app.chat.pending is None
             assert app.is_running
     try:
         run(scenario)
@@ -319,3 +320,21 @@ def test_session_ids_round_trip() -> None:
     assert conversation_for(session_for(42)) == 42
     assert conversation_for("someone-else") is None
     assert PromptArea.BINDINGS[0].id == "prompt.send"
+
+
+def test_a_conversation_longer_than_the_context_is_a_notification(tmp_path: Path, data_dir: Path) -> None:
+    app = open_app(make_settings(tmp_path))
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await send(pilot, "word " * 5000)  # the demo model's context is 4096 tokens
+            errors = [n for n in app._notifications if n.severity == "error"]
+            assert errors and "too long" in errors[0].title and "Ctrl+N" in errors[0].message
+            reply = views(app)[-1]
+            assert "failed" in str(reply.query_one(".status").render())
+            stored = await app.db(app.store.messages, app.chat.conversation.id)
+            assert [m.role for m in stored] == ["user"]  # kept, to edit into a shorter branch
+    try:
+        run(scenario)
+    finally:
+        app.close_engine()

@@ -63,7 +63,7 @@ class Metrics:
         self.model_ready_at: float | None = None
         self.model_ready = threading.Event()
         self.token_lag_s: collections.deque[float] = collections.deque(maxlen=100_000)
-        self.replies = 0
+        self.replies = 0  # replies ended (finished, stopped or failed)
         self.last_stats: dict[str, Any] | None = None
 
     def token_shown(self, produced: float, widget: Any) -> None:
@@ -250,7 +250,10 @@ class MlxkvApp(App):
         for spec in self._prefs.get("recent_models", []):
             if spec not in [c[1] for c in choices]:
                 choices.append((spec, spec))
-        self.push_screen(ModelPicker(self.bridge.model_spec, choices), self.switch_model)
+        from tui.chat import model_label
+
+        self.push_screen(ModelPicker(self.bridge.info.get("model") or model_label(self.bridge.model_spec),
+                                     choices), self.switch_model)
 
     def switch_model(self, spec: str | None) -> None:
         """Shut the engine down and load ``spec`` (a folder or a hub id) in the background."""

@@ -51,6 +51,14 @@ def conversation_for(session: str) -> int | None:
         return None
 
 
+def model_label(spec: str) -> str:
+    """A short name for a model before it is loaded (its folder's name, or the hub id)."""
+    spec = spec.rstrip("/")
+    if spec.endswith(("demo/model", "demo\\model")):
+        return "demo model"
+    return spec.rsplit("/", 1)[-1] if spec.startswith(("/", ".", "~")) else spec
+
+
 def title_from(text: str) -> str:
     line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "New chat")
     return line if len(line) <= 48 else line[:47].rstrip() + "…"
@@ -107,6 +115,7 @@ class ChatScreen(ConversationActions, Screen):
         self.pending: Pending | None = None
         self.search_text = ""
         self._opening = 0
+        self._listed: list[int] = []  # conversation ids as the sidebar lists them
 
     @property
     def store(self) -> Any:
@@ -145,7 +154,7 @@ class ChatScreen(ConversationActions, Screen):
     # model state (called by the app on engine messages) -----------------------------
     def show_model_state(self, text: str | None = None) -> None:
         b = self.bridge
-        name = b.info.get("model") or b.model_spec.rstrip("/").rsplit("/", 1)[-1]
+        name = b.info.get("model") or model_label(b.model_spec)
         if text is None:
             if b.error:
                 text = "not loaded: F3 chooses another model"
@@ -166,9 +175,14 @@ class ChatScreen(ConversationActions, Screen):
         bar.update(total=total, progress=done)
 
     # conversations --------------------------------------------------------------------
-    async def refresh_list(self) -> None:
-        conversations = await self.app.db(self.store.list, self.search_text or None)
+    async def refresh_list(self, *, only_if_moved: bool = False) -> None:
+        """List the conversations again; ``only_if_moved``: unless the open one is already
+        listed first (a new message moves it there) and no search narrows the list."""
         current = self.conversation.id if self.conversation is not None else None
+        if only_if_moved and not self.search_text and self._listed[:1] == [current]:
+            return
+        conversations = await self.app.db(self.store.list, self.search_text or None)
+        self._listed = [c.id for c in conversations]
         await self.query_one(ConversationList).show(conversations, current)
 
     @guarded
@@ -250,13 +264,17 @@ class ChatScreen(ConversationActions, Screen):
         if self.pending is not None:
             self.notify("A reply is still being written: Esc stops it", severity="warning")
             return
+        if self.bridge.error:  # the text stays in the box for when a model is loaded
+            self.notify(f"{self.bridge.error}\nPress F3 to choose a model (the demo model works offline).",
+                        title="No model is loaded", severity="error", timeout=12)
+            return
         self.prompt.clear()
         conversation = await self.ensure_conversation(text)
         message = await self.app.db(self.store.add_message, conversation.id, "user", text)
         self.history.append(message)
         await self._mount_view(MessageView("user", text, message_id=message.id))
+        await self.refresh_list(only_if_moved=True)  # before the reply: its tokens stream undisturbed
         await self.generate()
-        await self.refresh_list()
 
     async def _mount_view(self, view: MessageView) -> None:
         box = self.messages_box
@@ -380,12 +398,11 @@ class ChatScreen(ConversationActions, Screen):
             advice = "Try again with Ctrl+G, or start a new chat (Ctrl+N)."
             title = "The reply failed"
         self.notify(f"{error}\n{advice}", title=title, severity="error", timeout=12)
+        self.app.metrics.reply_done({"finish_reason": "error", "error": error})
         if view is not None:
             await view.finish(text)
-            if not text:
-                await view.remove()
-            else:
-                view.set_status(f"failed: {error}")
+            view.add_class("error")
+            view.set_status(f"failed: {error}")
 
     def action_cancel(self) -> None:
         if self.pending is not None:

@@ -143,9 +143,11 @@ class ConversationSettings(_Dialog):
 
     BINDINGS = [_CANCEL, Binding("ctrl+s,f10", "save", "Save", id="dialog.save", priority=True)]
     DEFAULT_CSS = """
-    ConversationSettings Grid { grid-size: 3; grid-columns: 22 16 1fr; height: auto; grid-gutter: 0 1; }
-    ConversationSettings Grid Input { width: 16; }
-    ConversationSettings Grid Label { padding-top: 1; }
+    ConversationSettings TextArea { height: 6; margin-bottom: 1; }
+    ConversationSettings Grid { grid-size: 3; grid-columns: 22 16 1fr; grid-rows: 1; height: auto;
+                                grid-gutter: 0 1; }
+    ConversationSettings Grid Input { width: 16; height: 1; border: none; padding: 0 1; background: $boost; }
+    ConversationSettings Grid Input:focus { background: $primary 30%; }
     """
 
     def __init__(self, system_prompt: str | None, sampling: dict[str, Any], defaults: dict[str, Any]) -> None:
