@@ -226,6 +226,10 @@ def test_enter_sends_and_ctrl_j_inserts_a_newline(tmp_path: Path, data_dir: Path
             assert app.chat.pending is None and app.chat.conversation is None
             await pilot.press("?")  # typed, not the help key, while writing
             assert app.chat.prompt.text == "a\nb?"
+            app.chat.prompt.clear()
+            await send(pilot, "What is mlxkv?")
+            await pilot.press("up")  # on an empty box: the last message sent comes back
+            assert app.chat.prompt.text == "What is mlxkv?"
     try:
         run(scenario)
     finally:
@@ -334,6 +338,22 @@ def test_a_conversation_longer_than_the_context_is_a_notification(tmp_path: Path
             assert "failed" in str(reply.query_one(".status").render())
             stored = await app.db(app.store.messages, app.chat.conversation.id)
             assert [m.role for m in stored] == ["user"]  # kept, to edit into a shorter branch
+    try:
+        run(scenario)
+    finally:
+        app.close_engine()
+
+
+def test_a_long_prompt_shows_prefill_progress(tmp_path: Path, data_dir: Path, tiny_qwen3: Path) -> None:
+    app = open_app(make_settings(tmp_path, model=str(tiny_qwen3), prefill_step_size=32, max_tokens=4,
+                                 temperature=0))
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await send(pilot, " ".join(f"word{i}" for i in range(400)))
+            assert app.metrics.prefill_updates >= 2  # chunk by chunk, on the bar
+            assert app.chat.query_one("#progress").display is False  # gone once the reply streams
+            assert views(app)[-1].stats["finish_reason"] == "length"
     try:
         run(scenario)
     finally:

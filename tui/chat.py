@@ -344,6 +344,7 @@ class ChatScreen(ConversationActions, Screen):
             p.first_total = message.total
         if p.first_total is not None:
             self.show_progress(message.done, message.total)
+            self.app.metrics.prefill_updates += 1
             if p.view is not None and p.view.is_attached:
                 p.view.set_status(f"reading the prompt: {message.done}/{message.total} tokens")
 

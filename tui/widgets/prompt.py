@@ -38,6 +38,10 @@ class PromptArea(TextArea):
     def action_newline(self) -> None:
         self.insert("\n")
 
+    def action_cursor_up(self, select: bool = False) -> None:
+        if select or not self.recall():
+            super().action_cursor_up(select)
+
     def recall(self) -> bool:
         """Put the last message sent back in an empty box (True if it did)."""
         if self.text or not self.sent:
