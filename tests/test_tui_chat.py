@@ -358,3 +358,27 @@ def test_a_long_prompt_shows_prefill_progress(tmp_path: Path, data_dir: Path, ti
         run(scenario)
     finally:
         app.close_engine()
+
+
+def test_text_and_enter_in_one_terminal_read_are_sent_together(tmp_path: Path, data_dir: Path) -> None:
+    # A terminal delivers "What is mlxkv?\r" (typed fast, or pasted) in one read: every key
+    # is queued before the first is handled, and Enter must still send the whole text.
+    from textual import events
+
+    app = open_app(make_settings(tmp_path))
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: app.focused is app.chat.prompt, "message box")
+            for ch in "What is mlxkv?":
+                app._driver.process_message(events.Key(ch, ch))
+            app._driver.process_message(events.Key("ctrl+j", None))
+            app._driver.process_message(events.Key("x", "x"))
+            app._driver.process_message(events.Key("enter", None))
+            await wait_for(pilot, lambda: app.metrics.replies == 1 and app.chat.pending is None, "reply")
+            assert views(app)[0].content == "What is mlxkv?\nx"
+            assert app.chat.prompt.text == ""
+    try:
+        run(scenario)
+    finally:
+        app.close_engine()

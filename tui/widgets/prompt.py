@@ -29,14 +29,20 @@ class PromptArea(TextArea):
         super().__init__(soft_wrap=True, show_line_numbers=False, tab_behavior="focus", **kwargs)
         self.sent: list[str] = []
 
+    # Priority bindings run as the app receives the key, possibly before this widget has
+    # handled the keys typed just before it (a terminal sends "text\r" in one read): act
+    # from this widget's own queue, after them.
     def action_submit(self) -> None:
+        self.call_later(self._submit)
+
+    def action_newline(self) -> None:
+        self.call_later(self.insert, "\n")
+
+    def _submit(self) -> None:
         text = self.text
         if text.strip():
             self.sent.append(text)
             self.post_message(self.Submitted(self, text))
-
-    def action_newline(self) -> None:
-        self.insert("\n")
 
     def action_cursor_up(self, select: bool = False) -> None:
         if select or not self.recall():
