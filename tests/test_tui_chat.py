@@ -382,3 +382,23 @@ def test_text_and_enter_in_one_terminal_read_are_sent_together(tmp_path: Path, d
         run(scenario)
     finally:
         app.close_engine()
+
+
+def test_quitting_mid_reply_keeps_what_it_said(tmp_path: Path, data_dir: Path, tiny_qwen3: Path) -> None:
+    app = open_app(make_settings(tmp_path, model=str(tiny_qwen3), max_tokens=20000, temperature=0))
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            app.chat.prompt.load_text("tell me everything")
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: len(app.metrics.token_lag_s) >= 3, "streamed tokens")
+            await pilot.press("ctrl+q")
+    try:
+        run(scenario)
+    finally:
+        app.close_engine()
+    with ConversationStore() as store:
+        (conversation,) = store.list()
+        user, reply = store.messages(conversation.id)
+        assert reply.role == "assistant" and reply.content
+        assert reply.stats["finish_reason"] == "cancelled"

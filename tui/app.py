@@ -149,6 +149,10 @@ class MlxkvApp(App):
         self.bridge.start()  # after the first paint: the screen is up before mlx is imported
 
     async def on_unmount(self) -> None:
+        try:
+            await self.chat.save_pending()
+        except Exception:  # closing must not fail on it
+            log.debug("saving the reply being written failed", exc_info=True)
         await asyncio.to_thread(self.close_engine)
 
     def close_engine(self) -> None:

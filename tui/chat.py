@@ -405,6 +405,17 @@ class ChatScreen(ConversationActions, Screen):
             view.add_class("error")
             view.set_status(f"failed: {error}")
 
+    async def save_pending(self) -> None:
+        """The app is closing: keep what the reply being written has said so far."""
+        p, self.pending = self.pending, None
+        if p is None:
+            return
+        p.stream.cancel()
+        text = p.stream.text
+        if text:
+            stats = {**(p.stats or {}), "finish_reason": "cancelled", "model": self._assistant_label()}
+            await self.app.db(self.store.add_message, p.conversation_id, "assistant", text, stats)
+
     def action_cancel(self) -> None:
         if self.pending is not None:
             self.pending.stream.cancel()
