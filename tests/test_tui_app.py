@@ -261,7 +261,10 @@ def test_open_conversation_from_the_inspector(tmp_path: Path, data_dir: Path) ->
     app = MlxkvApp(make_settings(tmp_path))
 
     async def scenario(pilot: Any) -> None:
+        heard: list[Any] = []
+        app.bridge.subscribe(heard.append)  # what the inspector listens to
         await send(pilot, "What is mlxkv?")
+        await wait_for(pilot, lambda: any(type(e).__name__ == "CacheEvent" for e in heard), "cache event")
         first = app.chat.conversation
         await pilot.press("ctrl+n")
         await wait_for(pilot, lambda: app.chat.conversation is None, "new chat")

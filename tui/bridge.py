@@ -166,6 +166,7 @@ class EngineBridge:
         self._pending: list[tuple[Any, ReplyStream]] = []  # submitted before the engine exists
         self._unsubscribe: Callable[[], None] | None = None
         self._cache_kinds: collections.Counter[str] = collections.Counter()
+        self._listeners: list[Callable[[Any], None]] = []
         self._starter: threading.Thread | None = None
         self._relay = WarningRelay(post)
         self._closed = False
@@ -246,7 +247,27 @@ class EngineBridge:
         self._stop_engine(engine)
 
     # events ---------------------------------------------------------------------------
+    def subscribe(self, callback: Callable[[Any], None]) -> Callable[[], None]:
+        """Call ``callback`` with every engine-wide event (``CacheEvent``, ``LoadEvent``) of
+        this engine and of any it switches to, from engine or storage threads; returns the
+        function that unsubscribes it."""
+        with self._lock:
+            self._listeners.append(callback)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if callback in self._listeners:
+                    self._listeners.remove(callback)
+        return unsubscribe
+
     def _on_engine_event(self, event: Any) -> None:
+        with self._lock:
+            listeners = list(self._listeners)
+        for callback in listeners:
+            try:
+                callback(event)
+            except Exception:  # a screen's bug must not break the engine or the cache
+                log.exception("TUI event listener failed")
         name = type(event).__name__
         if name == "LoadEvent":
             self.post(EngineLoading(event.stage, 1 + event.done, 1 + event.total))
