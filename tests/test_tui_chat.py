@@ -402,3 +402,26 @@ def test_quitting_mid_reply_keeps_what_it_said(tmp_path: Path, data_dir: Path, t
         user, reply = store.messages(conversation.id)
         assert reply.role == "assistant" and reply.content
         assert reply.stats["finish_reason"] == "cancelled"
+
+
+def test_deleting_a_conversation_mid_reply(tmp_path: Path, data_dir: Path, tiny_qwen3: Path) -> None:
+    app = open_app(make_settings(tmp_path, model=str(tiny_qwen3), max_tokens=20000, temperature=0))
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            app.chat.prompt.load_text("tell me everything")
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: len(app.metrics.token_lag_s) >= 3, "streamed tokens")
+            await pilot.press("f8")
+            await wait_for(pilot, lambda: type(app.screen).__name__ == "Confirm", "confirmation")
+            await pilot.press("y")
+            await wait_for(pilot, lambda: app.chat.pending is None and app.metrics.replies == 0
+                           and app.chat.conversation is None, "stopped")
+            await wait_for(pilot, lambda: any("Deleted" in n.message for n in app._notifications), "notice")
+            await pilot.pause(0.2)
+            assert not [n.message for n in app._notifications if n.severity == "error"]
+            assert await app.db(app.store.list) == []
+    try:
+        run(scenario)
+    finally:
+        app.close_engine()

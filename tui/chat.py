@@ -377,7 +377,10 @@ class ChatScreen(ConversationActions, Screen):
             if view is not None:
                 view.set_status("stopped before the first token")
             return
-        stored = await self.app.db(self.store.add_message, p.conversation_id, "assistant", full, stats)
+        try:
+            stored = await self.app.db(self.store.add_message, p.conversation_id, "assistant", full, stats)
+        except LookupError:  # its conversation was deleted while it was written
+            return
         if view is not None:
             view.message_id = stored.id
         if self.conversation is not None and self.conversation.id == p.conversation_id:
@@ -414,7 +417,10 @@ class ChatScreen(ConversationActions, Screen):
         text = p.stream.text
         if text:
             stats = {**(p.stats or {}), "finish_reason": "cancelled", "model": self._assistant_label()}
-            await self.app.db(self.store.add_message, p.conversation_id, "assistant", text, stats)
+            try:
+                await self.app.db(self.store.add_message, p.conversation_id, "assistant", text, stats)
+            except LookupError:  # its conversation was deleted
+                pass
 
     def action_cancel(self) -> None:
         if self.pending is not None:
