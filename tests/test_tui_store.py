@@ -332,3 +332,13 @@ def test_a_damaged_file_is_a_store_error_not_a_traceback(tmp_path):
             s.list("message 199")
             s.messages(c.id)
     assert e.value.unreadable and "move it away" in str(e.value)
+
+
+def test_search_ignores_case_beyond_ascii(store):
+    a = store.create("Über den Cache")
+    b = store.create("Straße")
+    store.add_message(b.id, "user", "ΣΟΦΙΑ and ÉCOLE")
+    assert [c.id for c in store.list("über")] == [a.id]
+    assert [c.id for c in store.list("STRASSE")] == [b.id]  # casefold: ß is ss
+    assert [c.id for c in store.list("σοφια")] == [b.id]
+    assert [c.id for c in store.list("école")] == [b.id]

@@ -194,8 +194,10 @@ def _rollback(db: sqlite3.Connection) -> None:
             pass  # the error being raised says what went wrong
 
 
-def _like(text: str) -> str:
-    return "%" + text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+def _contains(haystack: str | None, needle: str) -> bool:
+    """SQL ``contains(text, needle)``: ``needle`` (casefolded) is in ``text`` ignoring case,
+    in every script (SQLite's LIKE folds ASCII letters only)."""
+    return haystack is not None and needle in haystack.casefold()
 
 
 class ConversationStore:
@@ -219,6 +221,7 @@ class ConversationStore:
         except sqlite3.Error as e:
             raise StoreError(f"cannot open the conversations file {self.path}: {e}", self.path) from None
         self._db.row_factory = sqlite3.Row
+        self._db.create_function("contains", 2, _contains, deterministic=True)
         try:
             self._open()
         except sqlite3.Error as e:
@@ -337,16 +340,15 @@ class ConversationStore:
 
     def list(self, search: str | None = None) -> list[Conversation]:
         """Every conversation, most recently updated first; with ``search``, only those whose
-        title or some message contains it (case-insensitive for ASCII letters)."""
+        title or some message contains it, ignoring case (in every script)."""
         with self._tx(write=False) as db:
             if not search:
                 rows = db.execute("SELECT * FROM conversations ORDER BY updated DESC, id DESC").fetchall()
             else:
-                pattern = _like(search)
                 rows = db.execute(
-                    "SELECT * FROM conversations c WHERE c.title LIKE ?1 ESCAPE '\\' OR EXISTS "
-                    "(SELECT 1 FROM messages m WHERE m.conversation_id = c.id AND m.content LIKE ?1 ESCAPE '\\') "
-                    "ORDER BY updated DESC, id DESC", (pattern,)).fetchall()
+                    "SELECT * FROM conversations c WHERE contains(c.title, ?1) OR EXISTS "
+                    "(SELECT 1 FROM messages m WHERE m.conversation_id = c.id AND contains(m.content, ?1)) "
+                    "ORDER BY updated DESC, id DESC", (search.casefold(),)).fetchall()
             return [_conversation(r) for r in rows]
 
     def get(self, cid: int) -> Conversation:
