@@ -158,11 +158,13 @@ def test_every_chat_action_is_in_the_command_palette(tmp_path: Path, data_dir: P
                        app.screen.query_one("CommandList").option_count > 0, "matches")
         await pilot.press("enter")
         await wait_for(pilot, lambda: isinstance(app.screen, AskText), "rename dialog")
-        app.screen.query_one("#answer").value = "Renamed"
+        app.screen.query_one("#answer").value = "[b]Renamed[/b"  # shown as typed, not as markup
         await pilot.press("enter")
-        await wait_for(pilot, lambda: app.chat.conversation.title == "Renamed", "renamed")
+        await wait_for(pilot, lambda: app.chat.conversation.title == "[b]Renamed[/b", "renamed")
         stored = await app.db(app.store.get, app.chat.conversation.id)
-        assert stored.title == "Renamed"
+        assert stored.title == "[b]Renamed[/b"
+        await pilot.pause()
+        assert "[b]Renamed[/b" in str(app.chat.query_one("#model-bar").render())
     drive(app, scenario)
 
 

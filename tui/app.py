@@ -161,6 +161,12 @@ class MlxkvApp(App):
         self._db_thread.shutdown(wait=True)
         self.store.close()
 
+    def notify(self, message: str, *, title: str = "", severity: Any = "information",
+               timeout: float | None = None, markup: bool = True) -> None:
+        """Notifications are plain text: they carry titles, paths and error messages, whose
+        brackets must show as typed (as markup they could fail to render)."""
+        super().notify(message, title=title, severity=severity, timeout=timeout, markup=False)
+
     # threads ----------------------------------------------------------------------------
     async def db(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run a store call on the store thread (in submission order) and await it."""

@@ -22,6 +22,7 @@ from typing import Any
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.content import Content
 from textual.screen import Screen
 from textual.widgets import Footer, ProgressBar, Static
 
@@ -164,7 +165,9 @@ class ChatScreen(ConversationActions, Screen):
             else:
                 text = "loading…"
         title = self.conversation.title if self.conversation is not None else "New chat"
-        self.query_one("#model-bar", Static).update(f"[b]{name}[/b] · {text}   [dim]{title}[/dim]")
+        # Content, not markup: a title or a folder name may hold brackets.
+        self.query_one("#model-bar", Static).update(
+            Content.assemble((name, "bold"), f" · {text}   ", (title, "dim")))
 
     def show_progress(self, done: float | None, total: float | None = None) -> None:
         bar = self.query_one("#progress", ProgressBar)

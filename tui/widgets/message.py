@@ -87,7 +87,7 @@ class MessageView(Vertical, can_focus=True):
         self.streaming = False
 
     def compose(self) -> ComposeResult:
-        yield Static(self._label, classes="role")
+        yield Static(self._label, classes="role", markup=False)
         yield Markdown(self.content, classes="body")
         yield Static(self._status_text(), classes="status", markup=False)
 
