@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -278,3 +279,13 @@ def test_open_conversation_from_the_inspector(tmp_path: Path, data_dir: Path) ->
         app.post_message(OpenConversation("not-a-chat-session"))
         await wait_for(pilot, lambda: any("not from a saved conversation" in m for m in notices(app)), "notice")
     drive(app, scenario)
+
+
+def test_bare_mlxkv_without_a_terminal_answers_as_the_line_chat(tmp_path: Path) -> None:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MLXKV_CACHE_DIR": str(tmp_path / "cache"),
+           "MLXKV_DATA_DIR": str(tmp_path / "data"), "XDG_CONFIG_HOME": str(tmp_path / "config")}
+    env.pop("MLXKV_CONFIG", None)
+    out = subprocess.run([sys.executable, str(ROOT / "mlxkv.py")], input="What is mlxkv?\n", cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "local LLM engine" in out.stdout and "\x1b[" not in out.stdout

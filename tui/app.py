@@ -25,6 +25,7 @@ import concurrent.futures
 import json
 import logging
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -347,8 +348,21 @@ class MlxkvApp(App):
             self._save_prefs()
 
 
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
 def run(settings: Any) -> int:
-    """Open the TUI on ``settings`` (bare ``mlxkv``); returns the exit status."""
+    """Open the TUI on ``settings`` (bare ``mlxkv``); returns the exit status. Without a
+    terminal on both ends (``mlxkv < questions.txt``, output to a pipe) there is nothing
+    to draw on: the line chat answers instead."""
+    if not (_isatty(sys.stdin) and _isatty(sys.stdout)):
+        from cli.chat import cmd_chat
+
+        return cmd_chat(settings)
     app = MlxkvApp(settings)
     try:
         app.run()
