@@ -114,7 +114,7 @@ def test_second_turn_reads_the_first_from_the_cache(tmp_path: Path, data_dir: Pa
             assert first.stats["cached_tokens"] == 0
             assert second.stats["cached_tokens"] > 0
             status = str(second.query_one(".status").render())
-            assert f"{second.stats['cached_tokens']} cached" in status
+            assert f"{second.stats['cached_tokens']} cached (RAM {second.stats['cached_tokens']})" in status
     try:
         run(scenario)
     finally:
@@ -210,6 +210,8 @@ def test_reopened_app_finds_the_conversation_and_its_cache(tmp_path: Path, data_
             await send(pilot, "How does the prefix cache work?")
             reply = views(app)[-1]
             assert reply.stats["cached_tokens"] > 0  # the first turn, restored from disk
+            assert reply.stats["cached_ssd_tokens"] == reply.stats["cached_tokens"]
+            assert f"(SSD {reply.stats['cached_tokens']}, read in" in str(reply.query_one(".status").render())
     try:
         run(second_run)
     finally:
@@ -314,6 +316,8 @@ def test_status_line_and_code_blocks() -> None:
     line = format_status(stats, "stop")
     assert line == "412 prompt tok · 384 cached (RAM 256 · SSD 128) · TTFT 0.04 s · 96 tok at 231 tok/s"
     assert format_status({**stats, "cached_ram_tokens": 0, "cached_ssd_tokens": 0}, "cancelled").endswith("cancelled")
+    assert "(SSD 384, read in 12 ms)" in format_status({**stats, "cached_ram_tokens": 0, "cached_ssd_tokens": 384,
+                                                        "restore_ms": 12.3}, "stop")
     text = "Run:\n\n```sh\nmake run\n```\n\nthen\n\n~~~python\nprint(1)\n~~~\n"
     assert code_blocks(text) == ["make run\n", "print(1)\n"]
 

@@ -76,6 +76,22 @@ class WarningRelay(logging.Handler):
             pass
 
 
+def with_sources(stats: dict[str, Any], lookup: dict | None) -> dict[str, Any]:
+    """``stats`` with where its cached tokens came from (``cached_ram_tokens``,
+    ``cached_ssd_tokens``, ``restore_ms``) taken from the cache's lookup event, unless the
+    engine reported them itself."""
+    if "cached_ram_tokens" in stats or not lookup or stats.get("retried"):
+        return stats
+    cached = int(stats.get("cached_tokens") or 0)
+    tier = str(lookup.get("tier") or "")
+    out = dict(stats)
+    out["cached_ram_tokens"] = cached if tier == "ram" else 0
+    out["cached_ssd_tokens"] = cached if tier == "ssd" else 0
+    if lookup.get("restore_ms"):
+        out["restore_ms"] = lookup["restore_ms"]
+    return out
+
+
 class ReplyStream:
     """One reply in flight. :meth:`on_event` runs on the engine thread; the UI calls
     :meth:`drain` when a :class:`ReplyTokens` arrives and gets all text since the last
@@ -83,9 +99,12 @@ class ReplyStream:
 
     _ids = iter(range(1, 1 << 62))
 
-    def __init__(self, post: Post) -> None:
+    def __init__(self, post: Post, take_lookup: Callable[[], dict | None] = lambda: None) -> None:
         self.rid = next(self._ids)
         self.post = post
+        self._take_lookup = take_lookup
+        self.lookup: dict | None = None  # the cache lookup of this reply's prompt
+        self._started = False
         self.handle: Any = None
         self._lock = threading.Lock()
         self._parts: list[str] = []
@@ -102,6 +121,11 @@ class ReplyStream:
             self.post(ReplyFinished(self.rid, "error", None, event.message, event.refused))
             return
         name = type(event).__name__
+        if not self._started and name in ("ProgressEvent", "TokenEvent"):
+            # The engine looks the prompt up right before its prefill starts: the lookup
+            # the cache reported last is this reply's.
+            self._started = True
+            self.lookup = self._take_lookup()
         if name == "TokenEvent":
             if not event.text:
                 return
@@ -117,7 +141,7 @@ class ReplyStream:
         elif name == "ProgressEvent":
             self.post(ReplyProgress(self.rid, event.done, event.total))
         elif name == "StatsEvent":
-            stats = dataclasses.asdict(event)
+            stats = with_sources(dataclasses.asdict(event), self.lookup)
             self.stats = stats
             self.post(ReplyStats(self.rid, stats))
         elif name == "FinishedEvent":
@@ -167,6 +191,7 @@ class EngineBridge:
         self._unsubscribe: Callable[[], None] | None = None
         self._cache_kinds: collections.Counter[str] = collections.Counter()
         self._listeners: list[Callable[[Any], None]] = []
+        self._last_lookup: dict | None = None  # the cache's last lookup (engine thread)
         self._starter: threading.Thread | None = None
         self._relay = WarningRelay(post)
         self._closed = False
@@ -274,10 +299,17 @@ class EngineBridge:
         elif name == "CacheEvent":
             with self._lock:
                 self._cache_kinds[event.kind] += 1
+                if event.kind == "lookup":
+                    self._last_lookup = dict(event.data)
             if event.kind == "warning":
                 message = str(event.data.get("message") or event.data)
                 self._relay.emit(logging.LogRecord("mlxkv.cache", logging.WARNING, "", 0,
                                                    message, None, None))
+
+    def _take_lookup(self) -> dict | None:
+        with self._lock:
+            lookup, self._last_lookup = self._last_lookup, None
+        return lookup
 
     def take_cache_changes(self) -> dict[str, int]:
         """Cache event counts by kind since the last call (empty: nothing changed)."""
@@ -291,7 +323,7 @@ class EngineBridge:
                post: Post) -> ReplyStream:
         """Queue a chat reply; its messages go to ``post`` (the chat screen's). Served once
         the model is loaded when it is still loading. Never blocks."""
-        stream = ReplyStream(post)
+        stream = ReplyStream(post, self._take_lookup)
         request = (messages, params, session)
         with self._lock:
             engine, error = self.engine, self.error

@@ -40,7 +40,8 @@ def format_status(stats: dict[str, Any] | None, reason: str | None = None) -> st
     if ram:
         where.append(f"RAM {ram}")
     if ssd:
-        where.append(f"SSD {ssd}")
+        restore = stats.get("restore_ms")
+        where.append(f"SSD {ssd}" + (f", read in {restore:.0f} ms" if restore else ""))
     parts.append(f"{cached} cached" + (f" ({' · '.join(where)})" if cached and where else ""))
     if stats.get("load_s"):
         parts.append(f"model load {stats['load_s']:.2f} s")
