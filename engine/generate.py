@@ -13,21 +13,29 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.settings import FIELD_BY_NAME
+
+
+def _default(name: str) -> Any:
+    """The settings' default of ``name``: one set of sampling defaults, not two."""
+    return FIELD_BY_NAME[name].default
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request generation options (defaults: greedy, like mlx_lm.generate)."""
+    """Per-request generation options. The defaults are the settings' defaults
+    (``engine.settings``), so a request built without the CLI samples as the CLI does."""
 
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    max_tokens: int = _default("max_tokens")
+    temperature: float = _default("temperature")
+    top_p: float = _default("top_p")
+    top_k: int = _default("top_k")
+    min_p: float = _default("min_p")
+    repetition_penalty: float = _default("repetition_penalty")
     repetition_context_size: int = 20
-    seed: int | None = None
+    seed: int | None = _default("seed")
     stop: tuple[str, ...] = ()
-    prefill_step_size: int = 2048
+    prefill_step_size: int = _default("prefill_step_size")
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:

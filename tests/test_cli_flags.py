@@ -106,8 +106,6 @@ def test_off_switches_and_sizes(tmp_path):
     assert json.loads(r.stdout)["settings"]["ssd_cache_bytes"]["value"] == 3 * 1024**3
 
 
-@pytest.mark.xfail(strict=True, reason="engine.generate.SamplingParams keeps its own defaults "
-                   "(max_tokens 256, temperature 0.0, top_p 1.0); reported to the lead")
 def test_sampling_defaults_are_one_set(tmp_path, monkeypatch):
     """A request built without the CLI (engine.generate.SamplingParams()) samples as the
     settings' defaults say: one set of defaults, not two that drift apart."""

@@ -222,7 +222,7 @@ def test_cancel_before_start_and_shutdown(tiny_qwen3):
     eng.call(gate.wait)  # occupy the engine thread
     early = eng.submit(Request(prompt="a"))
     early.cancel()
-    queued = eng.submit(Request(prompt="b"))
+    queued = eng.submit(Request(prompt="b", params=SamplingParams(max_tokens=8)))
     gate.set()
     assert early.result(timeout=60).finish_reason == "cancelled"
     assert early.result(timeout=T).tokens == []

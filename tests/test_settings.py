@@ -25,7 +25,7 @@ def test_precedence_flag_env_file_default(tmp_path):
     assert (s.temperature, s.sources["temperature"]) == (0.2, "env MLXKV_TEMPERATURE")
     assert (s.top_k, s.sources["top_k"]) == (5, f"config {cfg}")
     assert s.model == "from-file"
-    assert (s.top_p, s.sources["top_p"]) == (0.95, "default")  # None flag = not given
+    assert (s.top_p, s.sources["top_p"]) == (1.0, "default")  # None flag = not given
 
 
 def test_config_file_from_env_and_mlxkv_table(tmp_path):
@@ -97,4 +97,4 @@ def test_model_generation_config_sits_between_config_file_and_defaults(tmp_path)
     # an unreadable recommendation is ignored; the defaults stand
     (model / "generation_config.json").write_text("{not json")
     s = Settings.load({"model": str(model)}, env={}, config_path=cfg)
-    assert (s.temperature, s.sources["temperature"]) == (0.7, "default")
+    assert (s.temperature, s.sources["temperature"]) == (0.0, "default")
