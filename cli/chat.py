@@ -36,12 +36,8 @@ def human_bytes(n: float) -> str:
 
 
 def engine_stats(engine: Any) -> dict[str, Any]:
-    """``engine.stats()``; from an engine without it, what it has: the prefix cache's stats."""
-    stats = getattr(engine, "stats", None)
-    if callable(stats):
-        return stats()
-    pc = engine.call(lambda: engine.prefix_cache.stats()).result(30.0)
-    return {"model": engine.info, "cache": pc}
+    """``engine.stats()``: the model, request counts and the cache's stats (``["cache"]``)."""
+    return engine.stats()
 
 
 def format_stats(stats: dict[str, Any]) -> list[str]:

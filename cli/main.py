@@ -136,16 +136,24 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 def cmd_config(args: argparse.Namespace, settings: Any) -> int:
     from engine.blas import blas_info, describe
+    from engine.models import model_label
 
     rows = settings.describe()
+    # the model as users know it (a one-file binary unpacks the demo model to a temporary
+    # folder: its raw path means nothing to them)
+    labels = {n: model_label(v) for n, v, _ in rows if n == "model" and v}
     if getattr(args, "json", False):
-        print(json.dumps({"settings": {n: {"value": v, "source": s} for n, v, s in rows},
+        print(json.dumps({"settings": {n: {"value": v, "source": s,
+                                           **({"label": labels[n]} if n in labels else {})}
+                                       for n, v, s in rows},
                           "config_file": str(settings.config_path), "blas": blas_info()},
                          default=str))
         return 0
     width = max(len(n) for n, _, _ in rows)
     for name, value, source in rows:
-        print(f"{name:<{width}}  {value!s:<40}  ({source})")
+        label = labels.get(name)
+        shown = value if label is None or label == str(value) else f"{label}  [{value}]"
+        print(f"{name:<{width}}  {shown!s:<40}  ({source})")
     exists = "" if settings.config_path.exists() else " (not present)"
     print(f"{'config file':<{width}}  {settings.config_path}{exists}")
     print(f"{'BLAS in use':<{width}}  {describe()}")
