@@ -276,6 +276,30 @@ class Engine:
         wait = None if timeout is None else timeout + 30.0
         return self._facade("flush", {}, timeout, timeout=wait)
 
+    def cache_gc(self, min_age_s: float = 0.0, timeout: float | None = 30.0) -> dict:
+        """Remove the SSD blocks of this model's namespace that no saved state names
+        (older than ``min_age_s``): ``{removed, bytes, live_keys, manifests_removed,
+        unreadable_manifests}``; zeros without an SSD tier."""
+        empty = {"removed": 0, "bytes": 0, "live_keys": 0, "manifests_removed": 0,
+                 "unreadable_manifests": {}}
+        return self._facade("gc", empty, self.namespace, float(min_age_s), timeout=timeout)
+
+    def prefetch(self, messages: list[dict[str, Any]], session: str | None = None) -> Future:
+        """Warm the cached state of the prompt ``messages`` would send next (chat template
+        with the generation prompt) into RAM, restoring it from SSD, on the engine thread
+        between requests (so a chat opened after a restart answers from RAM). The Future
+        resolves to the tokens now warm in RAM (0 when nothing is cached or caching is
+        off) or to the error that stopped it."""
+        def run() -> int:
+            fn = getattr(self.prefix_cache, "prefetch", None)
+            if fn is None or not messages or all(_blank(m.get("content")) for m in messages):
+                return 0
+            from engine.models import chat_prompt_tokens
+
+            tokens = chat_prompt_tokens(self.loaded.tokenizer, messages)
+            return int(fn(tokens, self.namespace, session=session))
+        return self.call(run)
+
     def open_session(self, session: str, timeout: float | None = 30.0) -> None:
         self._facade("open_session", None, session, timeout=timeout)
 
@@ -468,6 +492,13 @@ class Engine:
             tokens = tokens[-keep:]
         return tokens, min(max_tokens, context - len(tokens))
 
+    def _tier_split(self, cached: int) -> tuple[int, int]:
+        """(RAM, SSD) shares of the ``cached`` tokens the last lookup served."""
+        last = getattr(self.prefix_cache, "last", None) or {}
+        if cached <= 0 or last.get("cached_tokens") != cached:
+            return 0, 0
+        return int(last.get("ram_tokens", 0)), int(last.get("ssd_tokens", 0))
+
     def _lookup(self, tokens: list[int], session: str | None) -> tuple[int, Any]:
         try:
             n, cache = self.prefix_cache.lookup(tokens, self.namespace, session=session)
@@ -536,6 +567,7 @@ class Engine:
         if max_tokens != params.max_tokens:
             params = dataclasses.replace(params, max_tokens=max_tokens)
         n_cached, cache = self._lookup(tokens, req.session)
+        ram_tokens, ssd_tokens = self._tier_split(n_cached)
         sent: list[int] = []  # tokens of the TokenEvents already sent
         retried = False
         try:
@@ -563,7 +595,9 @@ class Engine:
             prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
             generated_tokens=len(out.tokens), ttft_s=ttft, prefill_tps=out.prefill_tps,
             decode_tps=out.decode_tps, queue_s=start - submitted, load_s=load_s,
-            retried=retried))
+            retried=retried,
+            cached_ram_tokens=ram_tokens if out.cached_tokens == n_cached and not retried else 0,
+            cached_ssd_tokens=ssd_tokens if out.cached_tokens == n_cached and not retried else 0))
         detail = out.stop_detail
         if out.finish_reason == "cancelled":
             self._counts["cancelled"] += 1

@@ -50,6 +50,8 @@ class StatsEvent:
     queue_s: float = 0.0  # submit -> start of serving (includes load_s)
     load_s: float = 0.0  # part of queue_s spent waiting for the model to load
     retried: bool = False  # a cached prefix failed; the answer was computed without it
+    cached_ram_tokens: int = 0  # of cached_tokens, those the RAM tier held
+    cached_ssd_tokens: int = 0  # of cached_tokens, those restored from the SSD tier
 
 
 @dataclass(frozen=True)

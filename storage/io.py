@@ -88,6 +88,7 @@ class StorageIO:
         self._closed = False
         self._abort = threading.Event()
         self._pending = 0  # writes submitted and not settled
+        self._pending_reads = 0  # reads submitted and not settled (queued or running)
         self._n = {"written": 0, "failed": 0, "read": 0, "read_failed": 0, "cancelled": 0}
         self._writer = threading.Thread(target=self._run, args=(self._wq, self._write, True),
                                         name=f"{name}-writer", daemon=True)
@@ -124,6 +125,7 @@ class StorageIO:
         fut: Future = Future()
         with self._lock:
             self._check_open()
+            self._pending_reads += 1
             self._rq.put((fut, request))
         return fut
 
@@ -131,6 +133,12 @@ class StorageIO:
     def pending_writes(self) -> int:
         with self._lock:
             return self._pending
+
+    @property
+    def pending_reads(self) -> int:
+        """Reads queued or running on the reader thread (its queue depth)."""
+        with self._lock:
+            return self._pending_reads
 
     def counts(self) -> dict[str, int]:
         with self._lock:
@@ -189,6 +197,8 @@ class StorageIO:
             self._n[what] += 1
             if is_writer:
                 self._pending -= 1
+            else:
+                self._pending_reads -= 1
         if is_writer:
             self._slots.release()
 

@@ -429,10 +429,10 @@ def test_sessions_pin_their_latest_entry(llama):
     pc.open_session("chat")
     stored(pc, llama, t, "ns", session="chat")
     [e] = pc.entries()
-    assert e.session == "chat" and e.pinned and pc.stats()["sessions"] == 1
+    assert e.session == "chat" and e.session_pinned and pc.stats()["sessions"] == 1
     pc.close_session("chat")
     [e] = pc.entries()
-    assert not e.pinned and pc.stats()["sessions"] == 0
+    assert not e.session_pinned and pc.stats()["sessions"] == 0
     pc.close()
 
 
@@ -506,3 +506,105 @@ def test_settings_reach_the_tiers(tmp_path):
     pc = PrefixCache.from_settings(_settings(cache_dir=str(tmp_path), restore_timeout_s=7.0))
     assert pc.ssd.restore_timeout_s == 7.0 and pc.block_tokens == BT and pc.stats()["ssd"]
     pc.close()
+
+
+# ----------------------------------------------------------------------------- front-end figures
+def test_dedup_ratio_counts_sharing_not_buffer_headroom(llama):
+    """One entry: ratio 1 (its preallocated rows are no sharing); two conversations on one
+    prefix: the shared rows count once, so the ratio is above 1."""
+    system = prompt(2 * BT, 60)
+    pc = pc_at(None)
+    stored(pc, llama, system + prompt(5, 61), "ns")
+    assert pc.stats()["dedup_ratio"] == pytest.approx(1.0, abs=0.01)
+    stored(pc, llama, system + prompt(7, 62), "ns")
+    s = pc.stats()
+    assert s["ram_entries"] == 2 and s["dedup_ratio"] > 1.3
+    assert s["ram_token_bytes"] <= s["ram_bytes"]
+    pc.close()
+
+
+def test_session_hold_is_not_an_explicit_pin(llama):
+    pc = pc_at(None)
+    t = prompt(30, 63)
+    pc.open_session("chat")
+    stored(pc, llama, t, "ns", session="chat")
+    [e] = pc.entries()
+    assert e.session_pinned and not e.pinned
+    assert pc.pin(e.id) is True
+    [e] = pc.entries()
+    assert e.session_pinned and e.pinned
+    pc.close_session("chat")
+    [e] = pc.entries()
+    assert not e.session_pinned and e.pinned
+    pc.close()
+
+
+def test_listing_after_verify_shows_what_is_restorable(llama, tmp_path):
+    """A damaged second block that verify removed: the SSD-only entry lists the tokens a
+    restore gives back (up to the missing block), not all it once held."""
+    t = prompt(3 * BT + 5, 64)
+    pc = pc_at(tmp_path)
+    stored(pc, llama, t, "ns")
+    pc.close(30)
+    eid = entry_id("ns", np.array(t, np.uint32))
+    key = chain_keys("ns", np.array(t, np.uint32), BT)[1].hex()
+    blk = tmp_path / "ns" / key[:2] / f"{key}.blk"
+    data = bytearray(blk.read_bytes())
+    data[4096 + 7] ^= 0x40
+    blk.write_bytes(bytes(data))
+    pc2 = pc_at(tmp_path)
+    assert [(e.tokens, e.tier) for e in pc2.entries()] == [(len(t), "ssd")]
+    assert pc2.verify() == {"checked": 1, "ok": 0, "damaged": [eid], "manifests_damaged": 0}
+    [e] = pc2.entries()
+    assert e.id == eid and e.tokens == BT and e.blocks == 1
+    d = pc2.entry(eid)
+    assert d.token_ids == t[:BT] and len(d.blocks) == 1
+    assert pc2.lookup(t + [1], "ns")[0] == BT  # what the listing says is what restores
+    pc2.close()
+
+
+def test_verify_reports_progress_per_entry(llama, tmp_path):
+    got = []
+    pc = pc_at(tmp_path, on_event=got.append)
+    for seed in (65, 66, 67):
+        stored(pc, llama, prompt(BT + 3, seed), "ns")
+    pc.flush(30)
+    assert pc.verify()["checked"] == 3
+    progress = [(e["done"], e["total"]) for e in got if e["type"] == "cache.verify"]
+    assert progress == [(1, 3), (2, 3), (3, 3)]
+    pc.close()
+
+
+def test_gc_removes_what_no_manifest_names(llama, tmp_path):
+    t1, t2 = prompt(2 * BT + 3, 68), prompt(2 * BT + 4, 69)
+    pc = pc_at(tmp_path)
+    stored(pc, llama, t1, "ns")
+    stored(pc, llama, t2, "ns")
+    pc.flush(30)
+    assert pc.gc("ns")["removed"] == 0
+    name = next(s.manifest for s in pc._saved("ns") if s.eid == entry_id("ns", np.array(t2, np.uint32)))
+    assert pc.disk.delete_manifest("ns", name)
+    rep = pc.gc("ns")
+    assert rep["removed"] == 3 and rep["bytes"] > 0  # two blocks and the tail of t2
+    pc.close(30)
+    pc2 = pc_at(tmp_path)
+    assert pc2.lookup(t1 + [1], "ns")[0] == len(t1) and pc2.lookup(t2 + [1], "ns")[0] == 0
+    assert pc_at(None).gc("ns")["removed"] == 0  # no SSD tier: nothing to collect
+    pc2.close()
+
+
+def test_prefetch_warms_the_ssd_state_into_ram(llama, tmp_path):
+    t = prompt(3 * BT + 5, 70)
+    pc = pc_at(tmp_path)
+    stored(pc, llama, t, "ns")
+    pc.close(30)
+    pc2 = pc_at(tmp_path)
+    assert pc2.prefetch(t + [9, 9], "ns") == len(t) and len(pc2.ram) == 1
+    assert pc2.prefetch(t + [9, 9], "ns") == len(t)  # already warm: nothing read again
+    assert pc2.stats()["ssd_hits"] == 0
+    n, c = pc2.lookup(t + [9, 9], "ns")
+    assert n == len(t) and pc2.last["tier"] == "ram"
+    assert (pc2.last["ram_tokens"], pc2.last["ssd_tokens"]) == (len(t), 0)
+    assert_same(llama, t + [9, 9], n, c)
+    assert pc2.prefetch([5], "ns") == 0 and pc_at(None).prefetch(t, "ns") == 0
+    pc2.close()

@@ -436,3 +436,78 @@ def test_an_interrupt_at_any_point_of_reading_loses_nothing(tiny_qwen3):
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr[-3000:]
     counts = dict(line.split() for line in r.stdout.split("\n")[:2])
     assert int(counts["result"]) > 5 and int(counts["events"]) > 5
+
+
+# ----------------------------------------------------------------------------- cache tiers
+CHAT = [{"role": "user", "content": TEXT + TEXT}]
+
+
+def disk_cache(root, **kw):
+    from engine.cache.prefix_cache import PrefixCache
+
+    return PrefixCache(ram_bytes=64 << 20, cache_dir=str(root), block_tokens=16, **kw)
+
+
+def ask(e, messages, session=None):
+    return e.submit(Request(messages=messages, session=session, params=greedy(max_tokens=4))
+                    ).result(timeout=T)
+
+
+def test_stats_event_says_which_tier_served_the_cached_tokens(tiny_qwen3, tmp_path):
+    with Engine(str(tiny_qwen3), prefix_cache=disk_cache(tmp_path)).start(timeout=T) as e:
+        first = ask(e, CHAT)
+        assert (first.stats.cached_ram_tokens, first.stats.cached_ssd_tokens) == (0, 0)
+        again = ask(e, CHAT).stats  # the state the first request stored, in RAM
+        assert again.cached_tokens > 0 and again.cached_ram_tokens == again.cached_tokens
+        assert again.cached_ssd_tokens == 0
+    # a restart: the same folder, nothing in RAM
+    with Engine(str(tiny_qwen3), prefix_cache=disk_cache(tmp_path)).start(timeout=T) as e:
+        s = ask(e, CHAT).stats
+        assert s.cached_tokens > 0 and s.cached_ssd_tokens == s.cached_tokens
+        assert s.cached_ram_tokens == 0
+
+
+def test_prefetch_after_a_restart_warms_the_conversation_into_ram(tiny_qwen3, tmp_path):
+    with Engine(str(tiny_qwen3), prefix_cache=disk_cache(tmp_path)).start(timeout=T) as e:
+        reply = ask(e, CHAT, session="chat")
+    follow_up = [*CHAT, {"role": "assistant", "content": reply.text},
+                 {"role": "user", "content": "and then?"}]
+    got = []
+    with Engine(str(tiny_qwen3), prefix_cache=disk_cache(tmp_path)).start(timeout=T) as e:
+        e.subscribe(got.append)
+        warm = e.prefetch(follow_up, session="chat").result(timeout=T)
+        assert warm > 0
+        assert e.stats(timeout=T)["cache"]["ram_entries"] == 1
+        s = ask(e, follow_up, session="chat").stats
+        assert s.cached_tokens >= warm and s.cached_ram_tokens == s.cached_tokens
+        assert s.cached_ssd_tokens == 0
+        assert e.prefetch([], session="chat").result(timeout=T) == 0
+    assert any(isinstance(ev, CacheEvent) and ev.kind == "prefetch" and ev.data["restored"] == warm
+               for ev in got)
+    with Engine(str(tiny_qwen3)).start(timeout=T) as plain:  # no prefix cache: nothing warm
+        assert plain.prefetch(CHAT).result(timeout=T) == 0
+
+
+def test_cache_gc_verify_progress_and_queue_figures(tiny_qwen3, tmp_path):
+    got = []
+    pc = disk_cache(tmp_path, ssd_bytes=64 << 20)
+    with Engine(str(tiny_qwen3), prefix_cache=pc).start(timeout=T) as e:
+        e.subscribe(got.append)
+        ask(e, CHAT)
+        ask(e, [{"role": "user", "content": TEXT[::-1]}])
+        e.cache_flush(timeout=T)
+        c = e.stats(timeout=T)["cache"]
+        assert c["queues"]["storage_pending_reads"] == 0 and c["ssd_max_bytes"] == 64 << 20
+        assert e.cache_verify(timeout=T)["ok"] == 2
+        progress = [(ev.data["done"], ev.data["total"]) for ev in got
+                    if isinstance(ev, CacheEvent) and ev.kind == "verify"]
+        assert progress == [(1, 2), (2, 2)]
+        assert e.cache_gc(timeout=T)["removed"] == 0  # every block is named by a saved state
+        for man in tmp_path.glob("*/manifests/*.man"):  # the saved states' names are lost
+            man.unlink()
+        rep = e.cache_gc(timeout=T)
+        assert rep["removed"] > 0 and rep["bytes"] > 0
+        assert e.cache_gc(timeout=T)["removed"] == 0
+    with Engine(str(tiny_qwen3)).start(timeout=T) as plain:
+        assert plain.cache_gc(timeout=T) == {"removed": 0, "bytes": 0, "live_keys": 0,
+                                             "manifests_removed": 0, "unreadable_manifests": {}}

@@ -4,7 +4,9 @@ An entry is one state ``store()`` kept (the end of a turn), identified by
 :func:`engine.cache.tokens.entry_id` of its namespace and tokens, in RAM, on SSD (a
 manifest names it there) or both. ``kind`` is ``"checkpoint"`` for exact-position states
 of non-trimmable caches, ``"prefix"`` for a state another entry of the namespace extends
-(its blocks are all shared), ``"conversation"`` otherwise.
+(its blocks are all shared), ``"conversation"`` otherwise. ``tokens`` and ``blocks`` are
+what a restore gives back now: an SSD-only state whose block went missing (damaged,
+removed by verify) counts the tokens before that block.
 
 Nothing here does I/O or touches mlx: :mod:`engine.cache.listing` gathers the facts.
 """
@@ -29,10 +31,11 @@ class CacheEntryInfo:
     unique_bytes: int  # of which no other entry shares
     shared_bytes: int  # of which some other entry shares
     tier: Tier
-    pinned: bool
+    pinned: bool  # pinned explicitly (``pin``): kept over others, in RAM and when it comes back
     last_used: float  # unix time
     hits: int  # lookups this process served from it
     session: str | None
+    session_pinned: bool = False  # held in RAM as the latest entry of an open session
 
 
 @dataclass(frozen=True)

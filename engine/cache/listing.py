@@ -74,6 +74,14 @@ def _kind(f: Facts, by_ns: dict[str, list[Facts]]) -> str:
     return "conversation"
 
 
+def restorable(f: Facts) -> int:
+    """Tokens the entry gives back now: all of them from RAM; from SSD only, those up to
+    the first block that is missing (``saved_states`` stops its blocks there)."""
+    if f.ram is not None or f.saved is None:
+        return len(f.tokens)
+    return min(len(f.tokens), int(f.saved.cached))
+
+
 def infos(facts: dict[str, Facts], ram: RamTier, pins: set[str], usage: Usage
           ) -> dict[str, CacheEntryInfo]:
     by_ns: dict[str, list[Facts]] = {}
@@ -89,12 +97,13 @@ def infos(facts: dict[str, Facts], ram: RamTier, pins: set[str], usage: Usage
             "ram" if f.ram is not None else "ssd")
         hits, when = usage.get(f.eid)
         session = f.ram.session if f.ram is not None else None
-        pinned = f.eid in pins or (f.ram is not None and ram.is_pinned(f.ram))
+        pinned = f.eid in pins or (f.ram is not None and f.ram.pinned)
+        held = f.ram is not None and session is not None and ram.pinned.get(session) is f.ram
         out[f.eid] = CacheEntryInfo(
-            id=f.eid, ns=f.ns, kind=_kind(f, by_ns), tokens=len(f.tokens), blocks=len(blocks),
+            id=f.eid, ns=f.ns, kind=_kind(f, by_ns), tokens=restorable(f), blocks=len(blocks),
             bytes=total, unique_bytes=total - shared, shared_bytes=shared, tier=tier,
             pinned=pinned, last_used=when if when is not None else f.created, hits=hits,
-            session=session)
+            session=session, session_pinned=held)
     return out
 
 
@@ -107,4 +116,5 @@ def detail(info: CacheEntryInfo, f: Facts, verified: dict[bytes, bool]) -> Cache
         blocks.append(BlockInfo(key=k.hex(), tokens=n, bytes=b, tier=tier,
                                 shared_by=max(r[2] if r else 0, s[2] if s else 0),
                                 verified=verified.get(k)))
-    return CacheEntryDetail(info=info, token_ids=[int(t) for t in f.tokens], blocks=blocks)
+    return CacheEntryDetail(info=info, token_ids=[int(t) for t in f.tokens[:restorable(f)]],
+                            blocks=blocks)

@@ -165,8 +165,9 @@ class ManageMixin:
         return keys
 
     def verify(self, entry_id: str | None = None) -> dict[str, Any]:
-        """Read back saved states (one, or all) and check every block's content hash.
-        Nothing is checked while a restore is stuck on the reader thread."""
+        """Read back saved states (one, or all) and check every block's content hash; a
+        ``verify`` event (``done`` of ``total``) follows each state checked. Nothing is
+        checked while a restore is stuck on the reader thread."""
         out: dict[str, Any] = {"checked": 0, "ok": 0, "damaged": [], "manifests_damaged": 0}
         if self.ssd is None or not self.ssd.available():
             return out
@@ -174,9 +175,8 @@ class ManageMixin:
         if entry_id is None:
             for name in sorted({s.ns for s in saved} | set(self.ssd.disk.stats()["namespaces"])):
                 out["manifests_damaged"] += upkeep.damaged_manifests(self.ssd.disk, name)
-        for s in saved:
-            if entry_id is not None and s.eid != entry_id:
-                continue
+        todo = [s for s in saved if entry_id is None or s.eid == entry_id]
+        for done, s in enumerate(todo, 1):
             ok, seen = upkeep.verify(self.ssd.io, s, self.ssd.restore_timeout_s)
             self._verified.update(seen)
             out["checked"] += 1
@@ -184,6 +184,7 @@ class ManageMixin:
                 out["ok"] += 1
             else:
                 out["damaged"].append(s.eid)
+            self._events.emit("verify", done=done, total=len(todo), id=s.eid, ok=ok)
         if len(self._verified) > 100_000:
             self._verified.clear()
         return out

@@ -54,6 +54,8 @@ __all__ = ["NullPrefixCache", "PrefixCache", "default_ram_bytes", "store_namespa
 log = logging.getLogger("mlxkv.cache")
 
 _EMPTY_FLUSH = {"durable": 0, "flushed": 0, "pending": 0, "failed": 0, "missing": 0}
+_EMPTY_GC = {"removed": 0, "bytes": 0, "live_keys": 0, "manifests_removed": 0,
+             "unreadable_manifests": {}}
 DEFAULT_RESTORE_TIMEOUT_S = 30.0
 
 
@@ -70,8 +72,16 @@ class NullPrefixCache:
 
     on_event: Callable[[dict], None] | None = None
 
+    last: dict[str, Any] = {}
+
     def lookup(self, tokens: Any, ns: str, session: str | None = None) -> tuple[int, None]:
         return 0, None
+
+    def prefetch(self, tokens: Any, ns: str, session: str | None = None) -> int:
+        return 0
+
+    def gc(self, ns: str | None = None, min_age_s: float = 0.0) -> dict[str, Any]:
+        return {**_EMPTY_GC, "unreadable_manifests": {}}
 
     def store(self, tokens: Any, cache: list, ns: str, session: str | None = None) -> None:
         return None
@@ -233,12 +243,61 @@ class PrefixCache(ManageMixin):
                           **({"ram_hits": 1, "ram_tokens": n} if tier == "ram" else
                              {"ssd_hits": 1, "ssd_tokens": n} if tier == "ssd" else {"misses": 1}))
         last = {"prompt_tokens": len(toks), "cached_tokens": n, "tier": tier,
+                "ram_tokens": n if tier == "ram" else 0, "ssd_tokens": n if tier == "ssd" else 0,
                 "restore_ms": restore_ms, "lookup_ms": (time.perf_counter() - t0) * 1e3}
         self.counters.set_last(last)
         self._events.emit("lookup", **last)
         if n > 0:
             self._events.emit("hit", tokens=n, tier=tier, ns=ns)
         return (n, cache) if n > 0 else (0, None)
+
+    @property
+    def last(self) -> dict[str, Any]:
+        """The last lookup: ``cached_tokens`` and which tier served them (``tier``;
+        ``ram_tokens`` / ``ssd_tokens``), ``restore_ms``, ``lookup_ms``."""
+        return self.counters.snapshot()["last"]
+
+    def prefetch(self, tokens: Any, ns: str, session: str | None = None) -> int:
+        """Warm the longest cached prefix of ``tokens`` into RAM, restoring it from SSD
+        when RAM holds less of it (as a lookup would), so the request that sends
+        ``tokens`` starts from RAM. Returns the tokens a lookup now finds in RAM."""
+        toks, sns = as_tokens(tokens), store_namespace(ns)
+        limit = len(toks) - 1  # as lookup: at least one token is left to compute
+        if limit <= 0:
+            return 0
+        self.lending.sweep()
+        keys = chain_keys(sns, toks, self.block_tokens)
+        n = self.ram.lookup(sns, toks, session, keys=keys).n  # (touches it: kept warm)
+        restored = 0
+        if self.ssd is not None and self._worth(limit, n) and self.ssd.available():
+            n2, cache, restore_ms = self.ssd.lookup(sns, toks, keys, limit, n, self._worth)
+            if cache is not None and n2 > n:
+                entry = self.ram.store(sns, toks[:n2], cache, session,
+                                       keys=keys[: n2 // self.block_tokens],
+                                       pinned=eid_of(sns, toks[:n2]) in self._pins)
+                if entry is not None:
+                    n = restored = n2
+            self.counters.add(restore_ms=restore_ms)
+        self.counters.add(prefetches=1, prefetched_tokens=restored)
+        self._events.emit("prefetch", ns=ns, tokens=n, restored=restored)
+        return n
+
+    def gc(self, ns: str | None = None, min_age_s: float = 0.0) -> dict[str, Any]:
+        """Remove the SSD tier's blocks that no saved state names (of ``ns``, or all),
+        older than ``min_age_s``: ``{removed, bytes, live_keys, manifests_removed,
+        unreadable_manifests}`` (see ``storage.maintenance``). States still being written
+        land first, so their blocks are named when GC looks."""
+        if self.ssd is None:
+            return {**_EMPTY_GC, "unreadable_manifests": {}}
+        self.ssd.flush(10.0)
+        try:
+            rep = self.ssd.disk.gc(None if ns is None else store_namespace(ns),
+                                   min_age_s=min_age_s)
+        except folder_errors() as exc:
+            self._events.warn("gc-failed", "prefix cache: cannot collect the SSD tier: %s", exc)
+            return {**_EMPTY_GC, "unreadable_manifests": {}}
+        self._events.emit("gc", ns=ns, removed=rep.get("removed", 0), bytes=rep.get("bytes", 0))
+        return rep
 
     def _worth(self, n_ssd: int, n_ram: int) -> bool:
         """Restore ``n_ssd`` tokens from SSD when RAM already offers ``n_ram``?"""
@@ -348,7 +407,10 @@ class PrefixCache(ManageMixin):
             "ram_bytes": ram.nbytes, "ram_max_bytes": ram.max_bytes, "ram_entries": len(ram),
             "ram_blocks": len(ram.runs), "ram_logical_bytes": ram.logical_bytes,
             "ram_moves": ram.moves, "released": self.lending.released,
-            "dedup_ratio": (ram.logical_bytes / ram.nbytes) if ram.nbytes else 1.0,
+            # token bytes the entries would take alone over the token bytes held: sharing,
+            # not buffer headroom (a stored cache keeps its preallocated rows)
+            "ram_token_bytes": ram.token_bytes,
+            "dedup_ratio": (ram.logical_bytes / ram.token_bytes) if ram.token_bytes else 1.0,
             "hit_fraction": (s["cached_tokens"] / s["prompt_tokens"]) if s["prompt_tokens"] else 0.0,
             "sessions": len(self._sessions), "pinned": len(self._pins),
             "ssd_disabled_reason": self.ssd_disabled_reason,

@@ -61,6 +61,7 @@ class Run:
     row0: int
     owner: Entry | None = None  # the entry that stored it (for LRU touches)
     refs: int = 0
+    nbytes: int = 0  # bytes of its token rows (its share of the slab, headroom excluded)
 
 
 @dataclass(eq=False)
@@ -114,9 +115,10 @@ class RamTier:
         self.children: dict[bytes, dict[int, list[Run]]] = {}
         self.checkpoints: dict[bytes, list[Entry]] = {}  # parent key -> checkpoint entries
         self.pinned: dict[str, Entry] = {}  # session id -> its latest entry
-        self.slab_bytes = 0
+        self.slab_bytes = 0  # buffers held, headroom past the last token included
+        self.row_bytes = 0  # token rows of the indexed runs, each counted once
         self.checkpoint_bytes = 0
-        self.logical_bytes = 0  # bytes the entries would take without sharing
+        self.logical_bytes = 0  # token bytes the entries would take without sharing
         self.moves = 0  # entries handed over to the request that continued them
 
     # ------------------------------------------------------------------ accounting
@@ -124,12 +126,19 @@ class RamTier:
     def nbytes(self) -> int:
         return self.slab_bytes + self.checkpoint_bytes
 
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of the tokens held (shared rows once; no buffer headroom): what the
+        entries' ``logical`` bytes compare to in the dedup ratio."""
+        return self.row_bytes + self.checkpoint_bytes
+
     def __len__(self) -> int:
         return len(self.entries)
 
     def _ref_run(self, run: Run) -> None:
         run.refs += 1
         if run.refs == 1:
+            self.row_bytes += run.nbytes
             run.slab.refs += 1
             if run.slab.refs == 1:
                 self.slab_bytes += run.slab.nbytes
@@ -138,6 +147,7 @@ class RamTier:
         run.refs -= 1
         if run.refs > 0:
             return
+        self.row_bytes -= run.nbytes
         if self.runs.get(run.key) is run:
             del self.runs[run.key]
         kids = self.children.get(run.parent)
@@ -217,6 +227,7 @@ class RamTier:
                 row_base, slab_t0 = start, start
             mx.eval([a for layer in slab_arrays for a in layer])
             slab = Slab(slab_arrays, specs, slab_t0, n - slab_t0, kb.arrays_nbytes(slab_arrays))
+            row = self._bytes_per_token(slab_arrays)
             parent = keys[k - 1] if k else index_root(ns)
             for i in range(k, n // bt + (1 if n % bt else 0)):
                 t0, t1 = i * bt, min((i + 1) * bt, n)
@@ -224,7 +235,8 @@ class RamTier:
                     rk = keys[i]
                 else:
                     rk = tail_key_of(ns, keys[i - 1] if i else ZERO_KEY, tokens[t0:t1])
-                run = self._add_run(Run(rk, parent, tokens[t0:t1], t0, slab, t0 - row_base, entry))
+                run = self._add_run(Run(rk, parent, tokens[t0:t1], t0, slab, t0 - row_base, entry,
+                                        nbytes=(t1 - t0) * row))
                 runs.append(run)
                 parent = rk
         for r in runs:

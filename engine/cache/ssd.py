@@ -304,10 +304,12 @@ class SsdTier:
 
     def stats(self) -> dict[str, Any]:
         st = self.disk.stats()
-        return {"ssd": True, "ssd_bytes": st["bytes"], "ssd_blocks": st["blocks"],
+        return {"ssd": True, "ssd_bytes": st["bytes"], "ssd_max_bytes": st.get("max_bytes"),
+                "ssd_blocks": st["blocks"],
                 "ssd_tails": st["tails"], "ssd_checkpoints": st.get("checkpoints", 0),
                 "ssd_root": st["root"], "kernel": st["kernel"],
                 "durability": self.durability.report(),
                 "write_counts": dict(self.durability.counts),
                 "queues": {**self.durability.queue_depth(),
-                           "storage_pending_writes": self.io.pending_writes}}
+                           "storage_pending_writes": self.io.pending_writes,
+                           "storage_pending_reads": self.io.pending_reads}}
