@@ -69,6 +69,19 @@ def test_config_shows_values_and_sources(tmp_path):
     assert j["blas"]["name"].startswith("reference")
 
 
+def test_config_names_the_model_as_users_know_it():
+    """The default model is the demo model: shown by name beside its folder (which, in a
+    one-file binary, is a temporary path); --json keeps the raw value."""
+    from engine.demo import DEMO_MODEL_DIR
+
+    r = mlxkv("config")
+    assert r.returncode == 0, r.stderr
+    row = next(ln for ln in r.stdout.splitlines() if ln.startswith("model "))
+    assert "demo model (" in row and str(DEMO_MODEL_DIR) in row
+    j = json.loads(mlxkv("config", "--json").stdout)["settings"]["model"]
+    assert j["value"] == str(DEMO_MODEL_DIR) and j["label"].startswith("demo model (")
+
+
 def test_cache_command_is_wired(tmp_path):
     r = mlxkv("cache", "--cache-dir", str(tmp_path), "--json", "stats")
     assert r.returncode == 0, r.stderr
