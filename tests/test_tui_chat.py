@@ -207,11 +207,15 @@ def test_reopened_app_finds_the_conversation_and_its_cache(tmp_path: Path, data_
             await wait_for(pilot, lambda: len(views(app)) == 2, "its messages")
             assert views(app)[0].content == "What is mlxkv?"
             assert "prompt tok" in str(views(app)[1].query_one(".status").render())  # stats were kept
+            # Opening it warmed its cached state from the SSD into RAM ...
+            (opened, warm), = await wait_for(pilot, lambda: app.metrics.prefetched, "prefetch")
+            assert opened == items[0].conversation.id and warm > 0
             await send(pilot, "How does the prefix cache work?")
+            # ... so its next turn starts from RAM.
             reply = views(app)[-1]
-            assert reply.stats["cached_tokens"] > 0  # the first turn, restored from disk
-            assert reply.stats["cached_ssd_tokens"] == reply.stats["cached_tokens"]
-            assert f"(SSD {reply.stats['cached_tokens']}, read in" in str(reply.query_one(".status").render())
+            assert reply.stats["cached_tokens"] > 0
+            assert reply.stats["cached_ram_tokens"] == reply.stats["cached_tokens"]
+            assert f"(RAM {reply.stats['cached_tokens']})" in str(reply.query_one(".status").render())
     try:
         run(second_run)
     finally:

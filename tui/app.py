@@ -66,6 +66,7 @@ class Metrics:
         self.token_lag_s: collections.deque[float] = collections.deque(maxlen=100_000)
         self.replies = 0  # replies ended (finished, stopped or failed)
         self.prefill_updates = 0  # prefill chunks shown on the progress bar
+        self.prefetched: list[tuple[int, int | None]] = []  # (conversation, tokens warmed) on opening
         self.last_stats: dict[str, Any] | None = None
 
     def token_shown(self, produced: float, widget: Any) -> None:

@@ -395,17 +395,17 @@ class EngineBridge:
         if engine is not None and self.ready.is_set() and self.error is None:
             engine.close_session(session)
 
-    def prefetch(self, messages: list[dict[str, str]], session: str | None) -> bool:
-        """Warm a conversation's cached state (``engine.prefetch`` where the engine has it);
-        False when it has not."""
+    def prefetch(self, messages: list[dict[str, str]], session: str | None) -> int | None:
+        """Warm a conversation's cached state into RAM (``engine.prefetch``): the tokens now
+        warm, or None when the engine cannot prefetch."""
         engine = self.running()
         prefetch = getattr(engine, "prefetch", None)
         if prefetch is None:
-            return False
+            return None
         result = prefetch(messages, session=session)
         if hasattr(result, "result"):
-            result.result(60.0)
-        return True
+            result = result.result(60.0)
+        return int(result or 0)
 
     def __getattr__(self, name: str) -> Any:
         # Engine methods added later (cache_gc, ...) reach the inspector without a change here.

@@ -218,6 +218,9 @@ class ChatScreen(ConversationActions, Screen):
         if focus_prompt:
             self.prompt.focus()
         self._switch_session(previous.id if previous is not None else None, cid)
+        if conversation.model and conversation.model != self.bridge.model_spec:
+            self.notify(f"This conversation was last written with {model_label(conversation.model)}; "
+                        "F3 switches models.", title="Another model")
 
     def _switch_session(self, old: int | None, new: int) -> None:
         if old == new:
@@ -229,7 +232,8 @@ class ChatScreen(ConversationActions, Screen):
                 self.bridge.close_session(session_for(old))
             self.bridge.open_session(session_for(new))
             if len(payload) > 1 or (payload and payload[0]["role"] != "system"):
-                self.bridge.prefetch(payload, session_for(new))
+                warm = self.bridge.prefetch(payload, session_for(new))
+                self.app.metrics.prefetched.append((new, warm))
         self.app.background(work, "open the conversation's cache session", quiet=True)
 
     async def new_conversation(self) -> None:
@@ -273,6 +277,9 @@ class ChatScreen(ConversationActions, Screen):
             return
         self.prompt.clear()
         conversation = await self.ensure_conversation(text)
+        if conversation.model != self.bridge.model_spec:  # the model that answers from now on
+            conversation = await self.app.db(self.store.set_model, conversation.id, self.bridge.model_spec)
+            self.conversation = conversation
         message = await self.app.db(self.store.add_message, conversation.id, "user", text)
         self.history.append(message)
         await self._mount_view(MessageView("user", text, message_id=message.id))
