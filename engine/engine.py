@@ -7,6 +7,7 @@ serves commands from a queue; callers hold thread-safe :class:`RequestHandle` s.
             ...
         handle.cancel()               # from any thread
         engine.stats(); engine.cache_entries(); engine.subscribe(print)
+        engine.prefetch(messages).result()   # warm a conversation's cached state into RAM
 
 Everything a front end needs is a public method here, callable from any thread: each runs
 on the engine thread, *between tokens* of a running generation or between requests, and

@@ -4,7 +4,8 @@
     n, cache = pc.lookup(prompt_tokens, ns, session=None)   # engine thread
     ... prefill prompt_tokens[n:] into cache (or a fresh cache when None) and generate ...
     pc.store(tokens_in_cache, cache, ns, session=None)     # engine thread
-    pc.flush(timeout) ; pc.stats() ; pc.close(timeout)
+    pc.prefetch(prompt_tokens, ns, session=None)           # engine thread: SSD -> RAM now
+    pc.flush(timeout) ; pc.gc(ns) ; pc.stats() ; pc.close(timeout)
 
 ``PrefixCache`` orchestrates the tiers; each job has its module:
 
