@@ -100,6 +100,7 @@ def test_the_screen_takes_keys_while_the_model_loads(tmp_path: Path, data_dir: P
         await wait_for(pilot, app.metrics.model_ready.is_set, "model")
         # The engine is started after the first paint: the screen was up before the model.
         assert app.metrics.interactive_at < app.metrics.model_ready_at
+        assert app.metrics.load_stages[0] == "starting" and "ready" in app.metrics.load_stages
         assert app.bridge.error is None and app.bridge.info["context_tokens"] > 0
         await pilot.pause()
         assert app.chat.query_one("#progress").display is False
@@ -279,6 +280,16 @@ def test_open_conversation_from_the_inspector(tmp_path: Path, data_dir: Path) ->
         app.post_message(OpenConversation("not-a-chat-session"))
         await wait_for(pilot, lambda: any("not from a saved conversation" in m for m in notices(app)), "notice")
     drive(app, scenario)
+
+
+def test_the_model_picker_offers_downloaded_hub_models(tmp_path: Path) -> None:
+    from tui.app import hub_cache_models
+
+    hub = tmp_path / "hf" / "hub"
+    (hub / "models--mlx-community--Qwen3-0.6B-4bit").mkdir(parents=True)
+    (hub / "datasets--someone--data").mkdir()
+    assert hub_cache_models({"HF_HOME": str(tmp_path / "hf")}) == ["mlx-community/Qwen3-0.6B-4bit"]
+    assert hub_cache_models({"HF_HUB_CACHE": str(tmp_path / "nowhere")}) == []
 
 
 def test_bare_mlxkv_without_a_terminal_answers_as_the_line_chat(tmp_path: Path) -> None:

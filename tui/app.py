@@ -67,6 +67,7 @@ class Metrics:
         self.replies = 0  # replies ended (finished, stopped or failed)
         self.prefill_updates = 0  # prefill chunks shown on the progress bar
         self.prefetched: list[tuple[int, int | None]] = []  # (conversation, tokens warmed) on opening
+        self.load_stages: list[str] = []  # model loading stages shown on the progress bar
         self.last_stats: dict[str, Any] | None = None
 
     def token_shown(self, produced: float, widget: Any) -> None:
@@ -80,6 +81,18 @@ class Metrics:
 def _config_dir() -> Path:
     base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
     return Path(base) / "mlxkv"
+
+
+def hub_cache_models(env: dict[str, str] | None = None) -> list[str]:
+    """Hugging Face ids of the models already downloaded (they load offline)."""
+    env = os.environ if env is None else env
+    home = env.get("HF_HUB_CACHE") or os.path.join(
+        env.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface"), "hub")
+    try:
+        names = sorted(os.listdir(home))
+    except OSError:
+        return []
+    return [n[len("models--"):].replace("--", "/", 1) for n in names if n.startswith("models--")][:50]
 
 
 def open_store(path: str | os.PathLike | None) -> tuple[Any, str | None]:
@@ -188,6 +201,7 @@ class MlxkvApp(App):
 
     # engine messages --------------------------------------------------------------------
     def on_engine_loading(self, message: EngineLoading) -> None:
+        self.metrics.load_stages.append(message.stage)
         self.chat.show_progress(message.done, message.total)
         self.chat.show_model_state(f"loading: {message.stage}…")
 
@@ -260,7 +274,7 @@ class MlxkvApp(App):
         choices = [("Demo model (built in, offline)", str(DEMO_MODEL))]
         if str(self.settings.model) != str(DEMO_MODEL):
             choices.append((f"From the settings: {self.settings.model}", str(self.settings.model)))
-        for spec in self._prefs.get("recent_models", []):
+        for spec in [*self._prefs.get("recent_models", []), *hub_cache_models()]:
             if spec not in [c[1] for c in choices]:
                 choices.append((spec, spec))
         from tui.chat import model_label
