@@ -433,3 +433,21 @@ def test_deleting_a_conversation_mid_reply(tmp_path: Path, data_dir: Path, tiny_
         run(scenario)
     finally:
         app.close_engine()
+
+
+def test_a_message_the_store_cannot_save_goes_back_to_the_box(tmp_path: Path, data_dir: Path) -> None:
+    app = open_app(make_settings(tmp_path))
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await send(pilot, "What is mlxkv?")
+            app.store.close()  # the store now refuses every call, as a vanished disk would
+            app.chat.prompt.load_text("How does the prefix cache work?")
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: [n for n in app._notifications if n.severity == "error"], "error")
+            assert app.chat.prompt.text == "How does the prefix cache work?"
+            assert app.chat.pending is None and len(views(app)) == 2
+    try:
+        run(scenario)
+    finally:
+        app.close_engine()

@@ -276,11 +276,16 @@ class ChatScreen(ConversationActions, Screen):
                         title="No model is loaded", severity="error", timeout=12)
             return
         self.prompt.clear()
-        conversation = await self.ensure_conversation(text)
-        if conversation.model != self.bridge.model_spec:  # the model that answers from now on
-            conversation = await self.app.db(self.store.set_model, conversation.id, self.bridge.model_spec)
-            self.conversation = conversation
-        message = await self.app.db(self.store.add_message, conversation.id, "user", text)
+        try:
+            conversation = await self.ensure_conversation(text)
+            if conversation.model != self.bridge.model_spec:  # the model that answers from now on
+                conversation = await self.app.db(self.store.set_model, conversation.id, self.bridge.model_spec)
+                self.conversation = conversation
+            message = await self.app.db(self.store.add_message, conversation.id, "user", text)
+        except Exception:
+            if not self.prompt.text:  # not saved, not sent: the text goes back to the box
+                self.prompt.load_text(text)
+            raise
         self.history.append(message)
         await self._mount_view(MessageView("user", text, message_id=message.id))
         await self.refresh_list(only_if_moved=True)  # before the reply: its tokens stream undisturbed
