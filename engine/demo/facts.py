@@ -1,8 +1,10 @@
 """What the demo model knows: facts about mlxkv as question variants and answer phrasings.
 
 Each fact's first question is its canonical phrasing (the README's sample questions are
-among them) and its first answer is the canonical answer to it. Taken from the project's
-design notes; keep them true when the project changes.
+among them); the others are paraphrases, terse and lower-case ones too, as people type
+them. Its first answer is the canonical answer, the one the model is trained to give to
+every phrasing; the other phrasings only appear as earlier turns of a conversation (see
+corpus.py). Taken from the project's design notes; keep them true when the project changes.
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ TOKENIZER_VOCAB = 3072
 
 # Main demo model: qwen3 architecture, 3.0M parameters (2.4M besides the tied embedding).
 # 600 steps of 3 rows of 640 tokens (1.15M tokens, most of one pass over the corpus): the
-# whole run fits in about 35 minutes on two shared CPU cores.
+# whole run took 37 minutes on two CPU cores shared with other work (load average 3 to 6).
+# 500 main and 160 draft steps took 31 but missed a trained paraphrase and drafted worse.
 MAIN = {
     "config": dict(hidden_size=256, num_hidden_layers=4, intermediate_size=512,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=64,
