@@ -451,3 +451,75 @@ def test_a_message_the_store_cannot_save_goes_back_to_the_box(tmp_path: Path, da
         run(scenario)
     finally:
         app.close_engine()
+
+
+def test_the_view_follows_the_reply_unless_scrolled_up(tmp_path: Path, data_dir: Path, tiny_qwen3: Path) -> None:
+    from textual import events
+
+    with ConversationStore() as store:  # a conversation longer than the screen
+        conversation = store.create("long one")
+        for i in range(8):
+            store.add_message(conversation.id, "user", f"question {i}")
+            store.add_message(conversation.id, "assistant", "\n\n".join(f"line {j} of answer {i}" for j in range(4)))
+    # Sampled with this seed, the random-weight model writes text for over 1000 tokens.
+    app = open_app(make_settings(tmp_path, model=str(tiny_qwen3), max_tokens=1000, temperature=1.0, seed=3))
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: list(app.chat.query("ConversationItem")), "listed")
+            app.chat.query_one("#conversations").focus()
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: len(views(app)) == 16, "its messages")
+            box = app.chat.messages_box
+            shown = app.metrics.token_lag_s
+
+            async def stream_some(more: int = 5) -> None:
+                start = len(shown)
+                await wait_for(pilot, lambda: len(shown) >= start + more and app.chat.pending is not None,
+                               "streamed text")
+
+            def key(name: str) -> None:  # as the terminal sends it; pilot.press would wait out the reply
+                app._driver.process_message(events.Key(name, None))
+
+            app.chat.prompt.load_text("tell me everything")
+            key("enter")
+            await stream_some()
+            assert box.max_scroll_y > 0 and box.scroll_y == box.max_scroll_y  # it follows
+            box.focus()
+            key("home")  # the user scrolls up while it streams
+            await wait_for(pilot, lambda: box.scroll_y == 0, "scrolled to the top")
+            await stream_some()
+            assert box.scroll_y == 0  # left where the user put it
+            key("end")  # back at the end, it follows again
+            await wait_for(pilot, lambda: box.scroll_y == box.max_scroll_y, "scrolled to the end")
+            grown = box.max_scroll_y
+            await wait_for(pilot, lambda: box.max_scroll_y > grown, "more lines")
+            await pilot.pause(0.1)
+            assert box.scroll_y == box.max_scroll_y
+            key("escape")
+            await wait_for(pilot, lambda: app.chat.pending is None, "stopped")
+    try:
+        run(scenario)
+    finally:
+        app.close_engine()
+
+
+def test_control_characters_of_a_reply_never_reach_the_terminal(tmp_path: Path, data_dir: Path,
+                                                                tiny_qwen3: Path) -> None:
+    # With this seed the random-weight model's reply starts with ESC: drawn raw, it would
+    # be an escape sequence sent to the user's terminal.
+    app = open_app(make_settings(tmp_path, model=str(tiny_qwen3), max_tokens=20, temperature=0.8, seed=2))
+
+    async def scenario() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await send(pilot, "tell me everything")
+            await pilot.pause()
+            reply = views(app)[-1]
+            assert "\x1b" in reply.content  # kept as the model wrote it (copy, export)
+            screen = ["".join(seg.text for seg in strip) for strip in app.screen._compositor.render_strips()]
+            assert not [line for line in screen if "\x1b" in line]
+            assert any("\u241b" in line for line in screen)  # shown as the ESC symbol
+    try:
+        run(scenario)
+    finally:
+        app.close_engine()

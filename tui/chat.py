@@ -29,7 +29,7 @@ from textual.widgets import Footer, ProgressBar, Static
 from tui.bridge import ReplyStream
 from tui.chat_actions import ConversationActions
 from tui.messages import ReplyFinished, ReplyProgress, ReplyStats, ReplyTokens
-from tui.widgets.message import MessageView, format_status
+from tui.widgets.message import MessageView, format_status, printable
 from tui.widgets.prompt import PromptArea
 from tui.widgets.sidebar import ConversationList
 
@@ -167,7 +167,7 @@ class ChatScreen(ConversationActions, Screen):
         title = self.conversation.title if self.conversation is not None else "New chat"
         # Content, not markup: a title or a folder name may hold brackets.
         self.query_one("#model-bar", Static).update(
-            Content.assemble((name, "bold"), f" · {text}   ", (title, "dim")))
+            Content.assemble((printable(name), "bold"), f" · {printable(text)}   ", (printable(title), "dim")))
 
     def show_progress(self, done: float | None, total: float | None = None) -> None:
         bar = self.query_one("#progress", ProgressBar)

@@ -19,6 +19,20 @@ from textual.widgets import Markdown, Static
 _FENCE = re.compile(r"^([ \t]*)(`{3,}|~{3,})[^\n]*\n(.*?)^\1\2[ \t]*$", re.M | re.S)
 
 
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _picture(m: re.Match) -> str:
+    code = ord(m.group())
+    return chr(0x2400 + code) if code < 0x20 else "\u2421" if code == 0x7F else "\ufffd"
+
+
+def printable(text: str) -> str:
+    """``text`` safe to draw: control characters (a model's or a paste's ESC would reach
+    the terminal as an escape sequence) are shown as their symbols (ESC as ␛)."""
+    return _CONTROL.sub(_picture, text)
+
+
 def code_blocks(markdown: str) -> list[str]:
     """The contents of the fenced code blocks of ``markdown``, in order."""
     return [m.group(3) for m in _FENCE.finditer(markdown)]
@@ -88,8 +102,8 @@ class MessageView(Vertical, can_focus=True):
         self.streaming = False
 
     def compose(self) -> ComposeResult:
-        yield Static(self._label, classes="role", markup=False)
-        yield Markdown(self.content, classes="body")
+        yield Static(printable(self._label), classes="role", markup=False)
+        yield Markdown(printable(self.content), classes="body")
         yield Static(self._status_text(), classes="status", markup=False)
 
     def _status_text(self) -> str:
@@ -117,7 +131,7 @@ class MessageView(Vertical, can_focus=True):
     async def append(self, text: str) -> None:
         self.content += text
         if self._stream is not None:
-            await self._stream.write(text)
+            await self._stream.write(printable(text))
 
     async def finish(self, text: str | None = None) -> None:
         """End the stream and render the whole text once more (fenced code renders right)."""
@@ -128,7 +142,7 @@ class MessageView(Vertical, can_focus=True):
             await stream.stop()
         self.streaming = False
         self.remove_class("streaming")
-        await self.body.update(self.content)
+        await self.body.update(printable(self.content))
 
     def action_copy(self) -> None:
         self.app.copy_to_clipboard(self.content)

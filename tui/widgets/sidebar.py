@@ -12,6 +12,8 @@ from textual.containers import Vertical
 from textual.message import Message
 from textual.widgets import Input, Label, ListItem, ListView
 
+from tui.widgets.message import printable
+
 
 def _when(ts: float) -> str:
     age = time.time() - ts
@@ -28,7 +30,7 @@ class ConversationItem(ListItem):
     def compose(self) -> ComposeResult:
         c = self.conversation
         prefix = "↳ " if c.parent_id is not None else ""
-        yield Label(f"{prefix}{c.title}", classes="title", markup=False)
+        yield Label(f"{prefix}{printable(c.title)}", classes="title", markup=False)
         yield Label(_when(c.updated), classes="when")
 
 
