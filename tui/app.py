@@ -179,8 +179,12 @@ class MlxkvApp(App):
     def notify(self, message: str, *, title: str = "", severity: Any = "information",
                timeout: float | None = None, markup: bool = True) -> None:
         """Notifications are plain text: they carry titles, paths and error messages, whose
-        brackets must show as typed (as markup they could fail to render)."""
-        super().notify(message, title=title, severity=severity, timeout=timeout, markup=False)
+        brackets must show as typed (as markup they could fail to render) and whose control
+        characters must not reach the terminal."""
+        from tui.widgets.message import printable
+
+        super().notify(printable(message), title=printable(title), severity=severity, timeout=timeout,
+                       markup=False)
 
     # threads ----------------------------------------------------------------------------
     async def db(self, fn: Callable[..., Any], *args: Any) -> Any:
