@@ -326,6 +326,19 @@ def test_status_line_and_code_blocks() -> None:
     assert code_blocks(text) == ["make run\n", "print(1)\n"]
 
 
+def test_where_cached_tokens_came_from() -> None:
+    from tui.bridge import with_sources
+
+    base = {"cached_tokens": 64, "retried": False}
+    assert with_sources(base, {"tier": "ssd", "restore_ms": 4.0}) == {
+        **base, "cached_ram_tokens": 0, "cached_ssd_tokens": 64, "restore_ms": 4.0}
+    assert with_sources(base, {"tier": "ram", "restore_ms": 0.0})["cached_ram_tokens"] == 64
+    # The engine's own split wins; the lookup adds how long the SSD read took.
+    engine_split = {**base, "cached_ram_tokens": 16, "cached_ssd_tokens": 48}
+    assert with_sources(engine_split, {"tier": "ssd", "restore_ms": 4.0}) == {**engine_split, "restore_ms": 4.0}
+    assert with_sources({**base, "retried": True}, {"tier": "ssd"}) == {**base, "retried": True}
+
+
 def test_session_ids_round_trip() -> None:
     from tui.chat import conversation_for
 

@@ -80,14 +80,15 @@ def with_sources(stats: dict[str, Any], lookup: dict | None) -> dict[str, Any]:
     """``stats`` with where its cached tokens came from (``cached_ram_tokens``,
     ``cached_ssd_tokens``, ``restore_ms``) taken from the cache's lookup event, unless the
     engine reported them itself."""
-    if "cached_ram_tokens" in stats or not lookup or stats.get("retried"):
+    if not lookup or stats.get("retried"):
         return stats
-    cached = int(stats.get("cached_tokens") or 0)
-    tier = str(lookup.get("tier") or "")
     out = dict(stats)
-    out["cached_ram_tokens"] = cached if tier == "ram" else 0
-    out["cached_ssd_tokens"] = cached if tier == "ssd" else 0
-    if lookup.get("restore_ms"):
+    if "cached_ram_tokens" not in out:
+        cached = int(out.get("cached_tokens") or 0)
+        tier = str(lookup.get("tier") or "")
+        out["cached_ram_tokens"] = cached if tier == "ram" else 0
+        out["cached_ssd_tokens"] = cached if tier == "ssd" else 0
+    if lookup.get("restore_ms") and out.get("cached_ssd_tokens"):
         out["restore_ms"] = lookup["restore_ms"]
     return out
 
