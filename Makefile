@@ -33,6 +33,7 @@ bench: ext
 	$(PY) -m bench.storage
 	$(PY) -m bench.engine
 	$(PY) -m bench.prefix
+	$(PY) -m bench.tui
 
 # `make binary ONEDIR=1`: a one-folder build (no unpacking on each start).
 binary: ext
