@@ -235,7 +235,7 @@ async def _live(app: Any, turns: int) -> dict:
         else:
             token_lags.append((hit - t) * 1e3)
     key_lags, missed_keys, phase = [], 0, {True: [], False: []}
-    # base[] restarted per turn: match each key within its turn's frames by time order
+    # the box is cleared after each turn, so lengths restart; a key shows before that clear
     for t, length, during in keys:
         hit = next((ft for ft, (_, _, n) in frames if ft >= t and n >= length), None)
         if hit is None:
