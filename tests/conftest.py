@@ -18,3 +18,12 @@ def tiny_qwen3() -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama() -> Path:
     return tiny_model("llama")
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The TUI's data and config folders under tmp_path (conversations, keys, theme)."""
+    folder = tmp_path / "data"
+    monkeypatch.setenv("MLXKV_DATA_DIR", str(folder))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    return folder

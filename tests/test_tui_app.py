@@ -11,15 +11,14 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
 from textual.binding import Binding
+from tui_pilot import SIZE, make_settings, send, wait_for
 
-from engine.settings import DEMO_MODEL, Settings
+from engine.settings import DEMO_MODEL
 from tui.app import MlxkvApp
 from tui.chat import ChatScreen, session_for
 from tui.messages import OpenConversation
@@ -29,40 +28,6 @@ from tui.widgets.prompt import PromptArea
 from tui.widgets.sidebar import ConversationList
 
 ROOT = Path(__file__).resolve().parent.parent
-DEADLINE_S = 30.0
-SIZE = (120, 40)
-
-
-def make_settings(tmp_path: Path, **flags: Any) -> Settings:
-    return Settings.load({"cache_dir": str(tmp_path / "cache"), **flags},
-                         env={"XDG_CONFIG_HOME": str(tmp_path / "config")})
-
-
-@pytest.fixture
-def data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    folder = tmp_path / "data"
-    monkeypatch.setenv("MLXKV_DATA_DIR", str(folder))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    return folder
-
-
-async def wait_for(pilot: Any, condition: Callable[[], Any], what: str, timeout: float = DEADLINE_S) -> Any:
-    end = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < end, f"no {what} within {timeout} s"
-        await pilot.pause(0.02)
-
-
-async def send(pilot: Any, text: str) -> None:
-    app = pilot.app
-    before = app.metrics.replies
-    app.chat.prompt.focus()
-    app.chat.prompt.load_text(text)
-    await pilot.press("enter")
-    await wait_for(pilot, lambda: app.metrics.replies > before and app.chat.pending is None, "reply")
 
 
 def drive(app: MlxkvApp, scenario: Callable[[Any], Any]) -> None:

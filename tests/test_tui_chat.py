@@ -6,12 +6,11 @@ a real SQLite file, the prefix cache in a real folder, both under ``tmp_path``."
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
+from tui_pilot import SIZE, make_settings, send, wait_for
 
 from engine.settings import Settings
 from tui.app import MlxkvApp
@@ -19,43 +18,6 @@ from tui.chat import session_for
 from tui.store import ConversationStore
 from tui.widgets.message import MessageView, code_blocks, format_status
 from tui.widgets.prompt import PromptArea
-
-DEADLINE_S = 30.0  # a failing test fails; it never hangs
-SIZE = (120, 40)
-
-
-def make_settings(tmp_path: Path, **flags: Any) -> Settings:
-    return Settings.load({"cache_dir": str(tmp_path / "cache"), **flags},
-                         env={"XDG_CONFIG_HOME": str(tmp_path / "config")})
-
-
-@pytest.fixture
-def data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    folder = tmp_path / "data"
-    monkeypatch.setenv("MLXKV_DATA_DIR", str(folder))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    return folder
-
-
-async def wait_for(pilot: Any, condition: Callable[[], Any], what: str,
-                   timeout: float = DEADLINE_S) -> Any:
-    """Let the app run until ``condition()`` is true; fails after ``timeout``."""
-    end = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < end, f"no {what} within {timeout} s"
-        await pilot.pause(0.02)
-
-
-async def send(pilot: Any, text: str) -> None:
-    app = pilot.app
-    before = app.metrics.replies
-    app.chat.prompt.focus()
-    app.chat.prompt.load_text(text)
-    await pilot.press("enter")
-    await wait_for(pilot, lambda: app.metrics.replies > before and app.chat.pending is None, "reply")
 
 
 def views(app: MlxkvApp) -> list[MessageView]:

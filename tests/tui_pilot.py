@@ -1,0 +1,41 @@
+"""Helpers shared by the TUI tests: settings under tmp_path, and driving the real app with
+Textual's Pilot until a condition holds (bounded: a failing test fails, it never hangs)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from engine.settings import Settings
+
+DEADLINE_S = 30.0
+SIZE = (120, 40)
+
+
+def make_settings(tmp_path: Path, **flags: Any) -> Settings:
+    return Settings.load({"cache_dir": str(tmp_path / "cache"), **flags},
+                         env={"XDG_CONFIG_HOME": str(tmp_path / "config")})
+
+
+async def wait_for(pilot: Any, condition: Callable[[], Any], what: str,
+                   timeout: float = DEADLINE_S) -> Any:
+    """Let the app run until ``condition()`` is true; fails after ``timeout``."""
+    end = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < end, f"no {what} within {timeout} s"
+        await pilot.pause(0.02)
+
+
+async def send(pilot: Any, text: str) -> None:
+    """Type ``text`` into the chat prompt, press Enter, and wait for the whole reply."""
+    app = pilot.app
+    before = app.metrics.replies
+    app.chat.prompt.focus()
+    app.chat.prompt.load_text(text)
+    await pilot.press("enter")
+    await wait_for(pilot, lambda: app.metrics.replies > before and app.chat.pending is None, "reply")
