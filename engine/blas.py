@@ -96,6 +96,30 @@ def preload(setting: str | None = None) -> dict[str, Any]:
     return blas_info()
 
 
+def set_threads(n: int) -> bool:
+    """Set the loaded OpenBLAS's thread count now (``openblas_set_num_threads``); False
+    when no OpenBLAS is loaded or it lacks the call. The count is in ``blas_info()``."""
+    if _handle is None or n < 1:
+        return False
+    try:
+        _handle.openblas_set_num_threads(ctypes.c_int(int(n)))
+        _handle.openblas_get_num_threads.restype = ctypes.c_int
+        _state["threads"] = int(_handle.openblas_get_num_threads())
+    except AttributeError:
+        return False
+    return True
+
+
+def leave_a_core() -> bool:
+    """An interactive front end shares the CPU with the engine thread: unless the user set
+    ``OPENBLAS_NUM_THREADS``, BLAS gets one core fewer than the machine has, so the UI
+    thread is not starved while a reply decodes (and on two cores decoding is faster too:
+    fewer threads contend with the engine thread)."""
+    if os.environ.get("OPENBLAS_NUM_THREADS"):
+        return False
+    return set_threads(max(1, (os.cpu_count() or 2) - 1))
+
+
 def blas_info() -> dict[str, Any]:
     """Which BLAS mlx's CPU backend uses: {"name", "path", "active", "reason", ...}."""
     info = dict(_state)

@@ -356,3 +356,23 @@ def test_openblas_really_bound():
     assert bind_off and "openblas" not in bind_off[0]
     info = _run_py("import engine.blas as b; print(b.blas_info()['name'])", MLXKV_BLAS="off")
     assert info.stdout.strip().startswith("reference")
+
+
+def test_an_interactive_front_end_leaves_a_core_to_the_ui():
+    """blas.leave_a_core() gives OpenBLAS one thread fewer than the machine's cores, unless
+    the user chose OPENBLAS_NUM_THREADS; in a fresh process, with the real library."""
+    from engine.blas import find_openblas
+
+    if find_openblas() is None:
+        pytest.skip("no system OpenBLAS on this machine")
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    code = ("import os, engine.blas as b\n"
+            "assert b.leave_a_core()\n"
+            "print(b.blas_info()['threads'], os.cpu_count())")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       env={**env, "MLXKV_BLAS": "auto"}, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    threads, cores = map(int, r.stdout.split())
+    assert threads == max(1, cores - 1)
+    chosen = _run_py("import engine.blas as b; print(b.leave_a_core())", OPENBLAS_NUM_THREADS="2")
+    assert chosen.returncode == 0 and chosen.stdout.strip() == "False", chosen.stderr[-2000:]

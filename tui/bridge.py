@@ -223,8 +223,10 @@ class EngineBridge:
         try:
             self._stop_engine(previous)
             self.post(EngineLoading("starting", 0, 3))
+            from engine import blas
             from engine.engine import Engine
 
+            blas.leave_a_core()  # keys and tokens reach the screen while a reply decodes
             settings = self.settings
             if spec != str(settings.model):
                 settings = settings.replace(model=spec)
