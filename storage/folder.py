@@ -96,7 +96,9 @@ def open_folder(root: str) -> None:
     if read_marker(root) is not None:
         check_lock_file(root)
         return
-    foreign = _first_foreign(root, shallow=True)
+    # The whole check before the lock: taking it creates .lock, and a folder that is not
+    # ours must be left exactly as it was.
+    foreign = _first_foreign(root, shallow=False)
     if foreign is not None:
         raise _not_ours(root, foreign)
     with folder_lock(root, shared=False, marked=False):

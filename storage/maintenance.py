@@ -27,7 +27,7 @@ import xxhash
 from storage import diskio as dio
 from storage import format as fmt
 from storage.entries import EMPTY_SPACE, MANIFEST_DIR, Space
-from storage.folder import MAN_RE, folder_lock
+from storage.folder import MAN_RE, SHARD_RE, folder_lock
 from storage.format import FormatError, Manifest
 from storage.keys import (
     ZERO_KEY,
@@ -151,8 +151,9 @@ class MaintenanceMixin:
                 self._c["gc_bytes"] += sum(e.file_size for e in dead)
             self._remove_retired(dead)
             if _is_real_dir(nsd):
-                for sub in dio.scandir(nsd):
-                    if sub.is_dir(follow_symlinks=False):
+                for sub in dio.scandir(nsd):  # only our own (empty) folders
+                    if ((SHARD_RE.match(sub.name) or sub.name == MANIFEST_DIR)
+                            and sub.is_dir(follow_symlinks=False)):
                         dio.quiet(os.rmdir, sub.path)
                 dio.quiet(os.rmdir, nsd)
         return {"removed": len(dead), "bytes": sum(e.file_size for e in dead),

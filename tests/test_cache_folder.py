@@ -96,6 +96,29 @@ def test_a_folder_of_user_files_is_refused_and_left_untouched(tmp_path):
     assert tree(home) == before
 
 
+def test_a_folder_of_only_user_folders_is_refused_without_a_lock_file(tmp_path):
+    """Only sub-folders at the top (a project folder): the deep check refuses it before
+    the lock is taken, so not even a .lock file is left behind."""
+    proj = tmp_path / "code"
+    (proj / "proj" / "src").mkdir(parents=True)
+    (proj / "proj" / "src" / "main.py").write_text("print('mine')")
+    before = tree(proj)
+    with pytest.raises(CacheFolderError, match="not an mlxkv cache"):
+        BlockStore(proj, block_tokens=BT)
+    assert tree(proj) == before
+
+
+def test_clear_removes_only_our_own_folders(tmp_path):
+    store = BlockStore(tmp_path, block_tokens=BT)
+    tokens = list(range(2 * BT + 3))
+    store.put_blocks("m", tokens, F32, segs(F32, make_kv(F32, tokens, len(tokens))))
+    (tmp_path / "m" / "mine").mkdir()  # empty, and not ours
+    rep = store.clear("m")
+    assert rep["removed"] >= 2 and not rep["folder_removed"]
+    assert (tmp_path / "m" / "mine").is_dir()
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["mine"]
+
+
 def test_an_unmarked_folder_of_only_our_files_is_adopted(tmp_path):
     toks, keys = old_cache(tmp_path)
     leftover = tmp_path / "m" / keys[0].hex()[:2] / f".{keys[0].hex()}.123.456.tmp"
