@@ -290,6 +290,9 @@ class MlxkvApp(App):
         """Shut the engine down and load ``spec`` (a folder or a hub id) in the background."""
         if not spec:
             return
+        if not self.bridge.ready.is_set():  # a second load would leave the first one running
+            self.notify("The model is still loading: switch when it is ready.", severity="warning")
+            return
         if self.chat.pending is not None:
             self.chat.pending.stream.cancel()
         self.bridge.start(spec)

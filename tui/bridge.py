@@ -363,32 +363,34 @@ class EngineBridge:
             raise NotReady(self.error or "the engine is not running")
         return engine
 
-    def stats(self) -> dict[str, Any]:
-        return self.running().stats()
+    # The caller's timeout reaches the engine (verifying everything may take minutes; a
+    # listing should give up in seconds).
+    def stats(self, timeout: float | None = 30.0) -> dict[str, Any]:
+        return self.running().stats(timeout=timeout)
 
-    def cache_entries(self, ns: str | None = None) -> list:
-        return self.running().cache_entries(ns)
+    def cache_entries(self, ns: str | None = None, timeout: float | None = 30.0) -> list:
+        return self.running().cache_entries(ns, timeout=timeout)
 
-    def cache_entry(self, entry_id: str) -> Any:
-        return self.running().cache_entry(entry_id)
+    def cache_entry(self, entry_id: str, timeout: float | None = 30.0) -> Any:
+        return self.running().cache_entry(entry_id, timeout=timeout)
 
-    def cache_pin(self, entry_id: str, pinned: bool = True) -> bool:
-        return self.running().cache_pin(entry_id, pinned)
+    def cache_pin(self, entry_id: str, pinned: bool = True, timeout: float | None = 30.0) -> bool:
+        return self.running().cache_pin(entry_id, pinned, timeout=timeout)
 
-    def cache_evict(self, entry_id: str) -> bool:
-        return self.running().cache_evict(entry_id)
+    def cache_evict(self, entry_id: str, timeout: float | None = 30.0) -> bool:
+        return self.running().cache_evict(entry_id, timeout=timeout)
 
-    def cache_delete(self, entry_id: str) -> bool:
-        return self.running().cache_delete(entry_id)
+    def cache_delete(self, entry_id: str, timeout: float | None = 30.0) -> bool:
+        return self.running().cache_delete(entry_id, timeout=timeout)
 
-    def cache_verify(self, entry_id: str | None = None) -> dict:
-        return self.running().cache_verify(entry_id)
+    def cache_verify(self, entry_id: str | None = None, timeout: float | None = 30.0) -> dict:
+        return self.running().cache_verify(entry_id, timeout=timeout)
 
     def cache_flush(self, timeout: float | None = None) -> dict:
         return self.running().cache_flush(timeout)
 
-    def decode(self, tokens: list[int]) -> str:
-        return self.running().decode(tokens)
+    def decode(self, tokens: list[int], timeout: float | None = 30.0) -> str:
+        return self.running().decode(tokens, timeout=timeout)
 
     def open_session(self, session: str) -> None:
         self.running().open_session(session)
@@ -412,7 +414,7 @@ class EngineBridge:
 
     def __getattr__(self, name: str) -> Any:
         # Engine methods added later (cache_gc, ...) reach the inspector without a change here.
-        if name.startswith(("cache_", "prefetch")):
+        if name.startswith("cache_"):
             return getattr(self.running(), name)
         raise AttributeError(name)
 

@@ -108,9 +108,13 @@ class ConversationActions:
 
             def write() -> None:
                 target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_text(text, encoding="utf-8")
+                with open(target, "x", encoding="utf-8") as f:  # never over a file that exists
+                    f.write(text)
             try:
                 await self.app.db(write)
+            except FileExistsError:
+                self.notify(f"{target} exists already: choose another path.", severity="warning")
+                return
             except OSError as e:
                 self.notify(f"Could not write {target}: {e.strerror or e}. Choose another path.",
                             title="Export failed", severity="error", timeout=10)
@@ -181,6 +185,9 @@ class ConversationActions:
     async def branch_from(self, view: MessageView) -> None:
         """Edit ``view``'s text into a new conversation holding the messages before it; a
         message of the user's is then answered."""
+        if self.pending is not None:  # its reply would be lost, and two would run at once
+            self.notify("A reply is still being written: Esc stops it", severity="warning")
+            return
         if view.message_id is None or self.conversation is None:
             self.notify("This message is not saved yet", severity="warning")
             return
@@ -190,7 +197,8 @@ class ConversationActions:
             if text is None:
                 return
             if self.pending is not None:
-                self.pending.stream.cancel()
+                self.notify("A reply is still being written: Esc stops it", severity="warning")
+                return
             branch = await self.app.db(self.store.branch, conversation.id, mid, text)
             await self.open_conversation(branch.id)
             if role == "user":
