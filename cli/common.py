@@ -54,11 +54,15 @@ def after_startup() -> None:
 
 
 def wait_result(handle: Any) -> Any:
-    """Wait for a request's result; Ctrl-C cancels it (the engine then finishes it)."""
+    """Wait for a request's result; Ctrl-C cancels it (the engine then finishes it), and
+    a second Ctrl-C leaves at once (a request queued while the model loads is not looked
+    at before the load ends)."""
     while True:
         try:
             return handle.result()
         except KeyboardInterrupt:
+            if handle.cancelled:
+                raise
             handle.cancel()
 
 

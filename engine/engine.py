@@ -28,6 +28,7 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from engine.generate import Generation
@@ -210,7 +211,7 @@ class Engine:
     def _wait(self, future: Future, timeout: float | None, what: str) -> Any:
         try:
             return future.result(timeout)
-        except TimeoutError:
+        except FutureTimeout:  # the builtin TimeoutError only from Python 3.11 on
             future.cancel()
             raise EngineError(f"the engine did not answer ({what}) within {timeout} s") from None
 
@@ -228,13 +229,18 @@ class Engine:
             self._queue.put(_WAKE)
         return self._wait(cmd.future, timeout, what)
 
+    def _queued_requests(self) -> int:
+        # Requests only: the queue also holds wake-up markers of calls served between tokens.
+        with self._queue.mutex:
+            return sum(isinstance(c, RequestHandle) for c in self._queue.queue)
+
     # what front ends need
     def stats(self, timeout: float | None = 30.0) -> dict[str, Any]:
         """The model, its load time, request counts, what is queued and the cache's stats
         (``loading`` and no cache stats, without waiting, while the model loads)."""
         def collect(loading: bool = False) -> dict[str, Any]:
             return {"model": dict(self.info), "load_s": self.load_s, **self._counts,
-                    "loading": loading, "queued": self._queue.qsize(),
+                    "loading": loading, "queued": self._queued_requests(),
                     "busy": self._serving is not None, "namespace": self.namespace,
                     "cache": None if loading else self.prefix_cache.stats()}
         if self._thread.is_alive() and not self._ready.is_set():

@@ -78,6 +78,7 @@ def test_stats_answer_between_tokens_of_a_running_generation(eng):
         assert first.wait(T)
         s = eng.stats(timeout=T)
         assert s["busy"] is True
+        assert s["queued"] == 0  # the call's own wake-up marker is not a queued request
         assert eng.encode("abc", timeout=T)
     finally:
         h.cancel()

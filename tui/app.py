@@ -334,7 +334,10 @@ class MlxkvApp(App):
         path = _config_dir() / "keys.toml"
         if not path.exists():
             return
-        import tomllib
+        try:
+            import tomllib
+        except ModuleNotFoundError:  # Python 3.10
+            import tomli as tomllib
 
         try:
             with open(path, "rb") as fh:
