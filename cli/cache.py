@@ -95,14 +95,6 @@ def _manifest_files(store: Any, ns: str) -> list[str]:
         return []
 
 
-def damaged_manifests(store: Any, ns: str) -> dict[str, str]:
-    """Manifest files of ``ns`` that cannot be read or fail their hash check, with the
-    reason (the store's listing skips them; verify must name them)."""
-    problems: dict[str, str] = {}
-    store.manifests(ns, problems)
-    return problems
-
-
 def _verify(store: Any, ns: str) -> dict[str, Any]:
     """Restore every saved conversation of ``ns`` into scratch buffers (every block and
     checkpoint is checked against its content hash; a corrupt one is removed)."""
@@ -129,7 +121,7 @@ def _verify(store: Any, ns: str) -> dict[str, Any]:
         out["tokens"] += max([r.n_tokens for r in got if r is not None] or [0])
         if not corrupt:
             out["missing" if any(r is None or r.missing for r in got) else "ok"] += 1
-    bad = damaged_manifests(store, ns)
+    bad = store.damaged_manifests(ns)
     out["manifests_damaged"] = len(bad)
     out["damaged_manifests"] = bad  # path -> reason
     return out
@@ -143,24 +135,11 @@ def _scratch(layout: Any, rows: int) -> list:
 
 
 def _clear(store: Any, ns: str) -> bool:
-    """Delete everything of ``ns``: its manifests, then (under the folder's exclusive
-    lock, through gc) every block, tail and checkpoint; then its folders if they are empty
-    (a file another process wrote meanwhile is left alone). True if the folder is gone."""
-    for man in store.manifests(ns):
-        store.delete_manifest(ns, man.name)
-    for path in damaged_manifests(store, ns):  # unreadable, but ours by name and place
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-    store.gc(ns, min_age_s=0.0)
-    top = os.path.join(store.root, ns)
-    for dirpath, _, _ in sorted(os.walk(top), key=lambda w: -len(w[0])):
-        try:
-            os.rmdir(dirpath)
-        except OSError:
-            pass
-    return not os.path.exists(top)
+    """Delete everything of ``ns`` (manifests, damaged ones too, blocks, tails,
+    checkpoints, then our empty folders) under the folder's exclusive lock; a file another
+    process wrote meanwhile, or one that is not ours, is left alone. True if the folder is
+    gone."""
+    return bool(store.clear(ns)["folder_removed"])
 
 
 def run_cache_command(args: argparse.Namespace, settings: Any) -> int:

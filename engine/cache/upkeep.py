@@ -9,7 +9,6 @@ checkpoint it names that are still on disk. Engine thread.
 from __future__ import annotations
 
 import logging
-import os
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,24 +71,7 @@ def _add_blocks(s: Saved, m: Any, bt: int, bpt: int) -> None:
 
 def damaged_manifests(disk: Any, sns: str) -> int:
     """Manifest files of ``sns`` that cannot be read back (damaged, truncated)."""
-    fn = getattr(disk, "damaged_manifests", None)
-    if fn is not None:
-        return len(fn(sns))
-    from storage.format import FormatError, decode_manifest
-
-    bad = 0
-    d = os.path.join(disk.root, sns, "manifests")
-    try:
-        names = [e for e in os.scandir(d) if e.name.endswith(".man")]
-    except OSError:
-        return 0
-    for e in names:
-        try:
-            with open(e.path, "rb") as f:
-                decode_manifest(f.read())
-        except (OSError, FormatError):
-            bad += 1
-    return bad
+    return len(disk.damaged_manifests(sns))
 
 
 def _scratch(layout: Any, rows: int) -> list:
@@ -139,19 +121,7 @@ def remove(disk: Any, sns: str, keys: set[bytes], manifests: list[str]) -> int:
     n = sum(bool(disk.delete_manifest(sns, name)) for name in manifests)
     if not keys:
         return n
-    if hasattr(disk, "remove"):
-        return n + int(disk.remove(sns, keys).get("removed", 0))
-    # a store without remove(): unlink by the documented file names; the store treats a
-    # vanished file as a miss and drops it from its index when it next reaches it
-    for k in keys:
-        h = k.hex()
-        for ext in (".blk", ".tail", ".ckpt"):
-            try:
-                os.unlink(os.path.join(disk.root, sns, h[:2], h + ext))
-                n += 1
-            except FileNotFoundError:
-                continue
-    return n
+    return n + int(disk.remove(sns, keys).get("removed", 0))
 
 
 __all__ = ["Saved", "damaged_manifests", "manifest_name", "remove", "saved_states", "verify"]
