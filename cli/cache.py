@@ -19,15 +19,10 @@ import sys
 import time
 from typing import Any
 
+from cli.common import fail, human_bytes
+from storage import CacheFolderError
+
 MANIFEST_DIR = "manifests"
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def _open_store(root: str) -> Any:
@@ -147,25 +142,14 @@ def run_cache_command(args: argparse.Namespace, settings: Any) -> int:
     try:
         return _run(args, os.path.expanduser(settings.cache_dir))
     except KeyError as exc:  # a namespace that is not there
-        return _error(exc.args[0] if exc.args else str(exc))
-    except (FileNotFoundError, ValueError, _folder_error()) as exc:
-        return _error(str(exc))
+        return fail(exc.args[0] if exc.args else str(exc))
+    except (FileNotFoundError, ValueError, CacheFolderError) as exc:
+        return fail(str(exc))
     except OSError as exc:  # the last resort: what failed, where
         where = f" ({exc.filename})" if exc.filename else ""
-        return _error(f"cache folder {settings.cache_dir}: {exc.strerror or exc}{where}")
+        return fail(f"cache folder {settings.cache_dir}: {exc.strerror or exc}{where}")
 
 
-def _error(message: str) -> int:
-    print(f"mlxkv: error: {message}", file=sys.stderr)
-    return 1
-
-
-def _folder_error() -> type[Exception]:
-    try:
-        from storage import CacheFolderError
-    except (ImportError, AttributeError):  # a storage package without it: OSError covers it
-        return OSError
-    return CacheFolderError
 
 
 def _run(args: argparse.Namespace, root: str) -> int:
@@ -178,10 +162,10 @@ def _run(args: argparse.Namespace, root: str) -> int:
         res = {k: st[k] for k in ("root", "bytes", "blocks", "tails", "namespaces",
                                   "kernel", "skipped_unknown_version")}
         if not as_json:
-            print(f"{st['root']}: {_human(st['bytes'])} in {st['blocks']} blocks and "
+            print(f"{st['root']}: {human_bytes(st['bytes'])} in {st['blocks']} blocks and "
                   f"{st['tails']} tails ({st['kernel']} kernel)")
             for ns, v in sorted(st["namespaces"].items()):
-                print(f"  {ns}: {_human(v['bytes'])}, {v['blocks']} blocks, "
+                print(f"  {ns}: {human_bytes(v['bytes'])}, {v['blocks']} blocks, "
                       f"{v['tails']} tails")
             for path, why in st["skipped_unknown_version"].items():
                 print(f"  skipped {path}: {why}")
@@ -223,7 +207,7 @@ def _run(args: argparse.Namespace, root: str) -> int:
             res["bytes"] += r["bytes"]
             res["unreadable_manifests"].update(r.get("unreadable_manifests", {}))
         if not as_json:
-            print(f"removed {res['removed']} unreferenced blocks ({_human(res['bytes'])})")
+            print(f"removed {res['removed']} unreferenced blocks ({human_bytes(res['bytes'])})")
         for path, why in res["unreadable_manifests"].items():
             print(f"mlxkv: warning: kept everything of the namespace of {path}: this manifest "
                   f"cannot be read ({why}); see `mlxkv cache verify`", file=sys.stderr)

@@ -10,6 +10,7 @@ from typing import Any
 from cli.common import (
     Progress,
     fail,
+    human_bytes,
     printer,
     reject_draft_model,
     sampling_params,
@@ -27,17 +28,6 @@ HELP = """chat commands:
   //text         send a message that starts with /"""
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-def engine_stats(engine: Any) -> dict[str, Any]:
-    """``engine.stats()``: the model, request counts and the cache's stats (``["cache"]``)."""
-    return engine.stats()
 
 
 def format_stats(stats: dict[str, Any]) -> list[str]:
@@ -96,7 +86,7 @@ class Chat:
             self.new_conversation()
             print("conversation cleared")
         elif word == "/stats":
-            for text in format_stats(engine_stats(self.engine)):
+            for text in format_stats(self.engine.stats()):
                 print(text)
         else:
             print(f"unknown command {word}, /help lists them")

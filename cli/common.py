@@ -11,6 +11,14 @@ from typing import Any, TextIO
 from cli.parser import PROG
 
 
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
 def fail(message: str, code: int = 1) -> int:
     """Print one ``mlxkv: error:`` line; returns ``code`` for the caller to exit with."""
     sys.stderr.write(f"{PROG}: error: {message}\n")
@@ -121,7 +129,6 @@ def printer(out: TextIO, progress: Progress | None = None) -> Callable[[Any], No
     thread, so a token reaches the terminal without a hop to the main thread."""
     from engine import engine as eng
 
-    progress_event = getattr(eng, "ProgressEvent", None)  # reported by newer engines
 
     def on_event(event: Any) -> None:
         if isinstance(event, eng.TokenEvent):
@@ -130,7 +137,7 @@ def printer(out: TextIO, progress: Progress | None = None) -> Callable[[Any], No
             if event.text:
                 out.write(event.text)
                 out.flush()
-        elif progress_event is not None and isinstance(event, progress_event):
+        elif isinstance(event, eng.ProgressEvent):
             if progress is not None:
                 progress.update(event.done, event.total)
         elif progress is not None and isinstance(event, (eng.FinishedEvent, eng.ErrorEvent)):

@@ -36,8 +36,6 @@ def build_request(args: argparse.Namespace, settings: Any, prompt: str) -> Any:
 
     extra: dict[str, Any] = {}
     if args.truncate:
-        if "truncate" not in {f.name for f in dataclasses.fields(Request)}:
-            raise UsageError("--truncate is not supported by this engine")
         extra["truncate"] = True
     params = sampling_params(settings, args.stop)
     if args.raw:

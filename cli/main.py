@@ -93,8 +93,9 @@ def _describe(e: BaseException) -> str:
     from engine.engine import EngineError
     from engine.models import ModelNotFoundError
     from engine.settings import SettingsError
+    from storage import CacheFolderError
 
-    if isinstance(e, (SettingsError, ModelNotFoundError, EngineError, ValueError, _folder_error())):
+    if isinstance(e, (SettingsError, ModelNotFoundError, EngineError, ValueError, CacheFolderError)):
         return str(e)
     if isinstance(e, OSError):
         where = f": {e.filename}" if e.filename else ""
@@ -102,12 +103,6 @@ def _describe(e: BaseException) -> str:
     return f"unexpected {type(e).__name__}: {e} (MLXKV_DEBUG=1 shows where)"
 
 
-def _folder_error() -> type[BaseException]:
-    try:
-        from storage import CacheFolderError
-    except (ImportError, AttributeError):  # a storage package without it: nothing extra
-        return OSError
-    return CacheFolderError
 
 
 def _dispatch(args: argparse.Namespace) -> int:

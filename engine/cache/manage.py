@@ -19,9 +19,9 @@ from engine.cache.tokens import entry_id as eid_of
 
 def folder_errors() -> tuple[type[BaseException], ...]:
     """What opening or using an unusable cache folder raises."""
-    import storage
+    from storage import CacheFolderError
 
-    return (getattr(storage, "CacheFolderError", OSError), OSError)
+    return (CacheFolderError, OSError)
 
 
 class ManageMixin:
