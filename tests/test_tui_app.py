@@ -6,17 +6,15 @@ the cache inspector."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from textual.binding import Binding
-from tui_pilot import SIZE, make_settings, send, wait_for
+from tui_pilot import drive, make_settings, send, wait_for
 
 from engine.settings import DEMO_MODEL
 from tui.app import MlxkvApp
@@ -28,16 +26,6 @@ from tui.widgets.prompt import PromptArea
 from tui.widgets.sidebar import ConversationList
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def drive(app: MlxkvApp, scenario: Callable[[Any], Any]) -> None:
-    async def main() -> None:
-        async with app.run_test(size=SIZE) as pilot:
-            await scenario(pilot)
-    try:
-        asyncio.run(main())
-    finally:
-        app.close_engine()
 
 
 def notices(app: MlxkvApp, severity: str | None = None) -> list[str]:

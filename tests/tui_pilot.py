@@ -3,6 +3,7 @@ Textual's Pilot until a condition holds (bounded: a failing test fails, it never
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,3 +40,15 @@ async def send(pilot: Any, text: str) -> None:
     app.chat.prompt.load_text(text)
     await pilot.press("enter")
     await wait_for(pilot, lambda: app.metrics.replies > before and app.chat.pending is None, "reply")
+
+
+def drive(app: Any, scenario: Callable[[Any], Any]) -> None:
+    """Run the real app headless at SIZE, play ``scenario(pilot)``, then stop its engine
+    (which flushes its cache), whatever happened."""
+    async def main() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await scenario(pilot)
+    try:
+        asyncio.run(main())
+    finally:
+        app.close_engine()
