@@ -474,7 +474,7 @@ class Engine:
         elif req.messages is not None:
             if all(_blank(m.get("content")) for m in req.messages):
                 raise RequestRefused("the prompt is empty")
-            tokens = chat_prompt_tokens(self.loaded.tokenizer, req.messages)
+            tokens = chat_prompt_tokens(self.loaded.tokenizer, req.messages, tools=req.tools)
         else:
             if not (req.prompt or "").strip():
                 raise RequestRefused("the prompt is empty")

@@ -236,14 +236,16 @@ def load_model(spec: str | os.PathLike, dtype: str = "auto", full_hash: bool = F
 
 
 def chat_prompt_tokens(tokenizer: Any, messages: list[dict[str, str]],
-                       add_generation_prompt: bool = True) -> list[int]:
+                       add_generation_prompt: bool = True,
+                       tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Token ids for ``messages`` through the model's chat template (plain text join when
-    the tokenizer has none)."""
+    the tokenizer has none); ``tools`` (OpenAI function-tool JSON) go to the template."""
     if getattr(tokenizer, "has_chat_template", False):
         # Same path as the mlx_lm.generate CLI: render text, then encode without adding
         # special tokens again (the template already holds them).
+        extra = {"tools": tools} if tools else {}
         text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
         return list(tokenizer.encode(text, add_special_tokens=False))
     text = "\n".join(m["content"] for m in messages)
     return list(tokenizer.encode(text))

@@ -28,6 +28,10 @@ log = logging.getLogger("mlxkv.engine")
 class TokenEvent:
     token: int | None  # None: a final flush of held-back text
     text: str
+    # With Request.logprobs set: the token's log-probability under the target model, and
+    # the ``logprobs`` most likely (token, log-probability) pairs at that position.
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,11 @@ class StatsEvent:
     retried: bool = False  # a cached prefix failed; the answer was computed without it
     cached_ram_tokens: int = 0  # of cached_tokens, those the RAM tier held
     cached_ssd_tokens: int = 0  # of cached_tokens, those restored from the SSD tier
+    # Speculative decoding figures of this request (None when it did not speculate):
+    # source, drafted, accepted, acceptance by position, tokens per target forward, and
+    # the time split draft / verify / other.
+    spec: dict | None = None
+    batched: bool = False  # decoded in a batch with other requests
 
 
 @dataclass(frozen=True)
@@ -122,6 +131,16 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     session: str | None = None
     truncate: bool = False
+    # Tool definitions (OpenAI function-tool JSON) handed to the chat template.
+    tools: list[dict[str, Any]] | None = None
+    # Report log-probabilities with each token: 0 = the token's own, N = also the N most
+    # likely alternatives (at most 20). None = none.
+    logprobs: int | None = None
+    # Speculation for this request: None = the engine's setting; "off", "auto", "draft",
+    # "ngram", "mtp" override it.
+    spec: str | None = None
+    # Request constraints: the output must be exactly one of these strings.
+    guided_choice: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         given = [x is not None for x in (self.messages, self.prompt, self.prompt_tokens)]
@@ -134,6 +153,15 @@ class Request:
                              else "the prompt is empty (no messages)")
         if self.prompt_tokens is not None and len(self.prompt_tokens) == 0:
             raise ValueError("the prompt is empty (no tokens)")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        if self.spec is not None and self.spec not in ("off", "auto", "draft", "ngram", "mtp"):
+            raise ValueError(f"spec must be one of off, auto, draft, ngram, mtp; got {self.spec!r}")
+        if self.guided_choice is not None:
+            choices = tuple(self.guided_choice)
+            if not choices or any(not isinstance(c, str) or not c for c in choices):
+                raise ValueError("guided_choice needs one or more non-empty strings")
+            self.guided_choice = choices
 
 
 @dataclass
