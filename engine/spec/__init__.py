@@ -1,0 +1,15 @@
+"""Speculative decoding: sources of proposed tokens behind one seam (``engine.spec.base``)
+and the verifier that decides every token."""
+
+from engine.spec.base import (
+    KINDS,
+    DraftProvider,
+    DraftRowConstraints,
+    DraftRowGroup,
+    DraftSource,
+    Proposal,
+    TargetView,
+)
+
+__all__ = ["KINDS", "DraftProvider", "DraftRowConstraints", "DraftRowGroup", "DraftSource", "Proposal",
+           "TargetView"]
