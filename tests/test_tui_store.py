@@ -342,3 +342,24 @@ def test_search_ignores_case_beyond_ascii(store):
     assert [c.id for c in store.list("STRASSE")] == [b.id]  # casefold: ß is ss
     assert [c.id for c in store.list("σοφια")] == [b.id]
     assert [c.id for c in store.list("école")] == [b.id]
+
+
+def _open_together(path, barrier, errors) -> None:
+    barrier.wait(timeout=30)
+    try:
+        ConversationStore(path).close()
+    except StoreError as e:
+        errors.append(str(e))
+
+
+def test_processes_opening_a_fresh_file_at_once_never_call_it_foreign(tmp_path):
+    # Several front ends starting together on a new machine: one creates the schema while
+    # the others check what the file is. The check must read one snapshot, or a file whose
+    # schema was committed between two of its reads looks like another program's (and the
+    # TUI would move the user's conversations aside); the switch to WAL must wait too.
+    for round_ in range(20):
+        path, barrier, errors = tmp_path / f"c{round_}.sqlite3", threading.Barrier(6), []
+        with ThreadPoolExecutor(6) as pool:
+            for f in [pool.submit(_open_together, path, barrier, errors) for _ in range(6)]:
+                f.result(timeout=60)
+        assert errors == [], f"round {round_}: {errors[0]}"

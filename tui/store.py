@@ -212,6 +212,7 @@ class ConversationStore:
                  clock: Callable[[], float] = time.time, busy_timeout_s: float = 10.0):
         self.path = Path(path) if path is not None else default_path()
         self.clock = clock
+        self._busy_timeout_s = busy_timeout_s
         self._lock = threading.RLock()
         _private_folder(self.path.parent)
         _private_file(self.path)
@@ -249,10 +250,18 @@ class ConversationStore:
         db = self._db
         assert db is not None
         db.execute("PRAGMA foreign_keys = ON")
-        version = db.execute("PRAGMA user_version").fetchone()[0]
-        app_id = db.execute("PRAGMA application_id").fetchone()[0]
-        if app_id not in (0, APPLICATION_ID) or (
-                version == 0 and db.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]):
+        # One read transaction: another process may be creating the schema right now, and
+        # reading the version before and the tables after its commit would call our own
+        # fresh file foreign (and the TUI would move it aside).
+        db.execute("BEGIN")
+        try:
+            # The SELECT takes the read snapshot; the pragmas then read the same one.
+            tables = db.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            app_id = db.execute("PRAGMA application_id").fetchone()[0]
+        finally:
+            _rollback(db)
+        if app_id not in (0, APPLICATION_ID) or (version == 0 and tables):
             raise StoreError(f"{self.path} is an SQLite file of another program, not mlxkv's "
                              "conversations; set MLXKV_DATA_DIR to another folder or move it away",
                              self.path, unreadable=True)
@@ -260,7 +269,7 @@ class ConversationStore:
             raise StoreError(f"{self.path} was written by a newer mlxkv (schema version {version}, "
                              f"this one knows up to {SCHEMA_VERSION}); upgrade mlxkv, or set "
                              "MLXKV_DATA_DIR to another folder", self.path)
-        mode = db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        mode = self._journal_wal(db)
         if mode.lower() != "wal":  # e.g. a file system without shared memory: still correct
             db.execute("PRAGMA journal_mode = DELETE")
         db.execute("PRAGMA synchronous = FULL")
@@ -278,6 +287,21 @@ class ConversationStore:
             except BaseException:
                 _rollback(db)
                 raise
+
+    def _journal_wal(self, db: sqlite3.Connection) -> str:
+        # SQLite answers a journal-mode change with "database is locked" at once, without
+        # its busy handler, while another connection is switching the same file: wait for
+        # it here (bounded by the busy timeout) as the busy handler would.
+        deadline = time.monotonic() + self._busy_timeout_s
+        delay = 0.001
+        while True:
+            try:
+                return db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            except sqlite3.OperationalError as e:
+                if "locked" not in str(e) or time.monotonic() >= deadline:
+                    raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
 
     # --- plumbing -------------------------------------------------------------------------
     @contextmanager
