@@ -187,3 +187,112 @@ def tiny_model(arch: str, **overrides) -> Path:
     suffix = "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
     name = f"{arch}-tiny" + (f"-{suffix}" if suffix else "")
     return build_random_model(TEST_MODELS / name, arch=arch, **overrides)
+
+
+# A Qwen3.5-style text config (hybrid: Gated DeltaNet layers with a full-attention layer
+# every ``full_attention_interval``; 1 = every layer full attention) whose checkpoint
+# carries one multi-token-prediction (MTP) layer under ``mtp.*``.
+MTP_TEXT_CONFIG: dict = {
+    "model_type": "qwen3_5_text",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 32768,
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "full_attention_interval": 2,
+    "tie_word_embeddings": False,
+    "mtp_num_hidden_layers": 1,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                        "mrope_section": [2, 1, 1]},
+}
+# Norms Qwen3-Next / Qwen3.5 checkpoints store zero-centred (the layer computes x̂·(1 + w));
+# mlx-lm adds the 1 when it loads the trunk.
+_ZERO_CENTRED_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight",
+                       ".k_norm.weight", "model.norm.weight")
+
+
+def mtp_weights(text_args, seed: int = 0, scale: float = 0.02) -> dict:
+    """Random MTP weights in the checkpoint layout (``mtp.fc`` [H, 2H], the two pre-fc
+    norms, one full-attention decoder layer ``mtp.layers.0.*``, ``mtp.norm``), norms
+    zero-centred around small random offsets so that a forward that forgets the ``1 +``
+    (or swaps the two norms) gives different numbers."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.qwen3_5 import DecoderLayer
+
+    mx.random.seed(seed + 1)
+    hidden = text_args.hidden_size
+    layer = DecoderLayer(text_args, text_args.full_attention_interval - 1)
+    out = {"mtp.fc.weight": mx.random.normal((hidden, 2 * hidden)) * scale}
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        out[f"mtp.{name}.weight"] = mx.random.normal((hidden,)) * 0.1
+    for name, p in tree_flatten(layer.parameters()):
+        key = f"mtp.layers.0.{name}"
+        out[key] = mx.random.normal(p.shape) * (0.1 if "norm" in name and p.ndim == 1 else scale)
+    return out
+
+
+def build_mtp_checkpoint(out_dir: str | os.PathLike, vocab_size: int = 512, seed: int = 0,
+                         tokenizer_texts: Iterable[str] | None = None, sidecar: bool = False,
+                         **overrides) -> Path:
+    """A Qwen3.5-style model folder in the Hugging Face checkpoint layout (what mlx-lm loads
+    straight from a hub download): ``model.language_model.*`` trunk with zero-centred
+    norms and PyTorch-shaped conv1d weights, ``lm_head``, and the MTP weights under
+    ``mtp.*``, which mlx-lm's ``sanitize`` drops. ``sidecar`` puts the MTP weights in their
+    own ``mtp.safetensors`` (how a converted checkpoint keeps them) instead of
+    ``model.safetensors``. ``overrides`` change ``MTP_TEXT_CONFIG``. Idempotent."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import qwen3_5
+
+    out = Path(out_dir)
+    if (out / "config.json").exists() and list(out.glob("*.safetensors")):
+        return out
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    texts = tokenizer_texts if tokenizer_texts is not None else stdlib_corpus(1_000_000)
+    real_vocab = build_tokenizer(tmp, texts, vocab_size=vocab_size)
+    text_config = {**MTP_TEXT_CONFIG, "vocab_size": real_vocab, **overrides}
+    config = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+              "tie_word_embeddings": text_config["tie_word_embeddings"], "text_config": text_config}
+    model = init_model({"model_type": "qwen3_5", "text_config": text_config}, seed=seed)
+    weights = {}
+    for name, p in tree_flatten(model.parameters()):
+        if name.startswith("language_model.model."):
+            name = "model.language_model." + name[len("language_model.model."):]
+        elif name.startswith("language_model."):
+            name = name[len("language_model."):]
+        if name.endswith("conv1d.weight"):
+            p = p.moveaxis(2, 1)  # MLX [C, K, 1] -> PyTorch [C, 1, K]
+        if p.ndim == 1 and name.endswith(_ZERO_CENTRED_NORMS):
+            p = p - 1.0
+        weights[name] = p
+    mtp = mtp_weights(qwen3_5.TextModelArgs.from_dict(text_config), seed=seed)
+    if sidecar:
+        mx.save_safetensors(str(tmp / "mtp.safetensors"), mtp, metadata={"format": "pt"})
+    else:
+        weights.update(mtp)
+    mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    if out.exists():  # a concurrent builder won the race
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        return out
+    os.replace(tmp, out)
+    return out
+
+
+def mtp_model(**overrides) -> Path:
+    """A tiny random-weight Qwen3.5-style model with MTP weights (see
+    :func:`build_mtp_checkpoint`), built once into the tests' model folder."""
+    suffix = "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
+    name = "qwen3_5-mtp-tiny" + (f"-{suffix}" if suffix else "")
+    return build_mtp_checkpoint(TEST_MODELS / name, **overrides)
