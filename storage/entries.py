@@ -38,7 +38,7 @@ class Entry:
     t0: int
     t1: int
     layout: Layout
-    tokens: np.ndarray | None  # kept for tails and checkpoints only
+    tokens: np.ndarray | None  # its token ids (a prompt that ends inside it uses a prefix)
     mtime: float
     last_used: float = 0.0
 
@@ -48,6 +48,9 @@ class Space:
     """The entries of one namespace."""
 
     blocks: dict[bytes, Entry] = field(default_factory=dict)
+    # parent -> the full blocks under it: a prompt that ends inside a stored block is
+    # matched against their tokens (its own chain key for that block cannot be computed)
+    kids: dict[bytes, dict[bytes, Entry]] = field(default_factory=dict)
     tails: dict[bytes, dict[bytes, Entry]] = field(default_factory=dict)  # parent -> tails
     ckpts: dict[bytes, dict[bytes, Entry]] = field(default_factory=dict)  # parent -> ckpts
 
@@ -106,7 +109,7 @@ def read_entry(path: str, ns: str, nsid: bytes, kind: int) -> Entry:
         raise FormatError(f"truncated: {size} of {hdr.file_size} bytes")
     return Entry(kind, hdr.key, hdr.parent, ns, path, hdr.file_size, hdr.payload_offset,
                  hdr.payload_len, hdr.content_hash, hdr.t0, hdr.t1, hdr.layout,
-                 hdr.tokens.copy() if kind != KIND_BLOCK else None, mtime)
+                 hdr.tokens.copy(), mtime)
 
 
 def read_entries(todo: list) -> Iterator[tuple[str, Any]]:

@@ -117,9 +117,14 @@ class IndexMixin:
         rest = toks[n:limit]
         best, best_m = None, 0
         with self._lock:
-            for e in self._spaces.get(ns, EMPTY_SPACE).tails.get(parent, {}).values():
+            space = self._spaces.get(ns, EMPTY_SPACE)
+            # A tail, or a full block the prompt ends inside (a state stored past this
+            # prompt: its first rows serve the prompt up to its last token).
+            for e in (*space.tails.get(parent, {}).values(),
+                      *(space.kids.get(parent, {}).values() if rest.size else ())):
                 m = common(e.tokens, rest)
-                if m > best_m:
+                if m > best_m or (m == best_m and best is not None and m and
+                                  e.kind == KIND_TAIL and best.kind != KIND_TAIL):
                     best, best_m = e, m
         if len(keys) == nfull and 0 < rest.size and best_m < rest.size:
             # Another process's tail is found by its exact tokens only (its name hashes
@@ -214,6 +219,7 @@ class IndexMixin:
         old = sp.get(e.kind, e.key, e.parent)
         if e.kind == KIND_BLOCK:
             sp.blocks[e.key] = e
+            sp.kids.setdefault(e.parent, {})[e.key] = e
         else:
             sp.side(e.kind).setdefault(e.parent, {})[e.key] = e
         self._bytes += e.file_size - (old.file_size if old else 0)
@@ -225,6 +231,11 @@ class IndexMixin:
         self._bytes -= e.file_size
         if e.kind == KIND_BLOCK:
             del sp.blocks[e.key]
+            kids = sp.kids.get(e.parent)
+            if kids is not None:
+                kids.pop(e.key, None)
+                if not kids:
+                    del sp.kids[e.parent]
             return
         side = sp.side(e.kind)
         del side[e.parent][e.key]
@@ -255,8 +266,8 @@ class IndexMixin:
             return
         now = max(time.time(), self._clock)
         step = 1e-5  # well above float resolution at epoch scale (~4e-7 s)
-        if child_key is not None:  # a tail's or a checkpoint's key
-            e = sp.find_child(child_key)
+        if child_key is not None:  # a tail's or a checkpoint's key (or a block used in part)
+            e = sp.find_child(child_key) or sp.blocks.get(child_key)
             if e is not None:
                 e.last_used = now
         for i, k in enumerate(reversed(keys)):
@@ -266,13 +277,17 @@ class IndexMixin:
         self._clock = now + (len(keys) + 1) * step
 
     def _entries(self, ns: str, m: Match) -> list[Entry | None]:
-        """The index entries of a match (None where one was dropped since the lookup)."""
+        """The index entries of a match (None where one was dropped since the lookup); the
+        last one is its tail, or the full block the match ends inside."""
         with self._lock:
             space = self._spaces.get(ns, EMPTY_SPACE)
             out: list[Entry | None] = [space.blocks.get(k) for k in m.block_keys]
             if m.tail_key is not None and m.tail_tokens:
                 parent = m.block_keys[-1] if m.block_keys else ZERO_KEY
-                out.append(space.tails.get(parent, {}).get(m.tail_key))
+                e = space.tails.get(parent, {}).get(m.tail_key)
+                if e is None:
+                    e = space.kids.get(parent, {}).get(m.tail_key)
+                out.append(e)
         return out
 
     # ------------------------------------------------------------------ scan

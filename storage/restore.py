@@ -22,7 +22,7 @@ from storage import diskio as dio
 from storage import format as fmt
 from storage.diskio import CHUNK, K
 from storage.entries import Entry
-from storage.format import KIND_CHECKPOINT, KIND_TAIL, FormatError, Layout, make_layout
+from storage.format import KIND_CHECKPOINT, FormatError, Layout, make_layout
 from storage.keys import Match, Restore, Segment, check_segments
 
 log = logging.getLogger("mlxkv.storage")
@@ -59,11 +59,14 @@ class ReadMixin:
         done = nread = nblk = corrupt = missing = 0
         jobs: list[tuple[Entry, int, int]] = []  # entry, first destination row, rows
         row, dropped = 0, False
-        for e in self._entries(ns, m):
+        ents = self._entries(ns, m)
+        for i, e in enumerate(ents):
             if e is None:  # dropped from the index since the lookup
                 dropped = True
                 break
-            ntok = m.tail_tokens if e.kind == KIND_TAIL else bt
+            # the last entry of a match with a tail part: a tail, or a block used in part
+            last = m.tail_key is not None and m.tail_tokens and i == len(ents) - 1
+            ntok = m.tail_tokens if last else bt
             jobs.append((e, row, ntok))
             row += ntok
         plans: dict[int, list] = {}
@@ -251,7 +254,8 @@ class ReadMixin:
 
     def _read_tail_prefix(self, e: Entry, fd: int, layout: Layout, segs: list, t0: int,
                           ntok: int) -> str | None:
-        """Verify a whole (small) tail, then scatter only its first ntok rows."""
+        """Verify a whole tail (or a block a prompt ends inside), then scatter only its
+        first ntok rows: the content hash covers the whole payload."""
         buf = self._scratch("t", e.file_size)
         with memoryview(buf) as mv:
             got = dio.pread_full(fd, mv[: e.file_size], 0)

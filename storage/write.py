@@ -183,7 +183,7 @@ class WriteMixin:
                     inflight.result()  # the other buffer is free again (or the write failed)
                 fd = self._open_write(tmp)
                 entry = Entry(kind, key, parent, ns, final, size, hdr_size, plen, chash,
-                              t0, t1, layout, toks[t0:t1].copy() if kind != KIND_BLOCK else None,
+                              t0, t1, layout, toks[t0:t1].copy(),
                               0.0)
                 pending.append((fd, tmp, final, entry))
                 dirs.add(d)

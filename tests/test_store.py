@@ -131,9 +131,10 @@ def test_chain_keys_prefix_lookup_and_namespaces(tmp_path):
     src = make_kv(F32, toks, 5 * BT)
     store.put_blocks("m", toks[: 3 * BT], F32, segs(F32, src))
     assert store.longest_prefix("m", toks) == 3 * BT
-    assert store.longest_prefix("m", changed) == BT
+    assert store.longest_prefix("m", changed) == BT + 2  # block 1 serves its first 2 rows
     assert store.longest_prefix("other", toks) == 0
-    assert store.longest_prefix("m", toks, max_tokens=3 * BT - 1) == 2 * BT
+    # a limit inside the last stored block: that block serves the rows up to the limit
+    assert store.longest_prefix("m", toks, max_tokens=3 * BT - 1) == 3 * BT - 1
     assert store.lookup("m", toks).nbytes == 3 * BT * fmt.bytes_per_token(F32)
     assert store.lookup("m", toks).layout == F32 and store.lookup("other", toks).layout is None
 
