@@ -117,6 +117,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from cli.generate import cmd_generate
 
         return cmd_generate(args, settings)
+    if args.command == "serve":
+        from cli.serve import cmd_serve
+
+        return cmd_serve(args, settings)
     if args.command is None:
         from cli.common import reject_draft_model
 
@@ -133,7 +137,7 @@ def cmd_config(args: argparse.Namespace, settings: Any) -> int:
     from engine.blas import blas_info, describe
     from engine.models import model_label
 
-    rows = settings.describe()
+    rows = [(n, "(set)" if n == "api_key" and v else v, s) for n, v, s in settings.describe()]
     # the model as users know it (a one-file binary unpacks the demo model to a temporary
     # folder: its raw path means nothing to them)
     labels = {n: model_label(v) for n, v, _ in rows if n == "model" and v}

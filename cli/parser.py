@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="keep the end of a prompt longer than the model's context instead of "
                           "refusing it")
     sub.add_parser("config", parents=[common], help="print the effective settings")
+    sub.add_parser("serve", parents=[common],
+                   help="OpenAI- and Anthropic-compatible HTTP server (--host, --port, --api-key)")
     _add_cache_parser(sub, common)
     return parser
 

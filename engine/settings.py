@@ -175,6 +175,23 @@ FIELDS: tuple[Field, ...] = (
     Field("system_prompt", None, _optional(str), "system message for chat", metavar="TEXT"),
     Field("blas", "auto", str, "CPU BLAS on Linux: auto, off, or a library path",
           metavar="auto|off|PATH"),
+    # `mlxkv serve`
+    Field("host", "127.0.0.1", str, "serve: address to listen on (0.0.0.0: every interface)",
+          metavar="ADDR"),
+    Field("port", 8000, _positive_int, "serve: TCP port", arg_type=int, metavar="N"),
+    Field("api_key", None, _optional(str),
+          "serve: require this key (Authorization: Bearer KEY, or x-api-key: KEY)", metavar="KEY"),
+    Field("cors_origins", None, _optional(str),
+          "serve: comma-separated origins allowed by CORS, or * (default: CORS off)",
+          metavar="ORIGINS"),
+    Field("max_body_bytes", 8 * 1024**2, parse_bytes, "serve: largest request body, e.g. 8MiB",
+          metavar=SIZE),
+    Field("max_requests", 64, _positive_int,
+          "serve: requests in flight at once (queued or decoding); more are answered 429",
+          arg_type=int, metavar="N"),
+    Field("max_tokens_limit", None, _optional(_positive_int),
+          "serve: largest max_tokens a request may ask for (default: the model's context)",
+          arg_type=int, metavar="N"),
 )
 FIELD_BY_NAME = {f.name: f for f in FIELDS}
 # Sampling values a model folder may recommend in Hugging Face's generation_config.json.

@@ -1,0 +1,162 @@
+"""The engine thread's events, carried to the event loop, and the server's bound on requests
+in flight.
+
+The engine calls a handle's callback on its own thread; the callback only schedules a
+``put_nowait`` on the loop (never blocks, never waits on the loop), so a slow or gone client
+can never stall decoding. A client that goes away cancels its request: the engine stops it
+before its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from engine.requests import EngineError, ErrorEvent, FinishedEvent, Request, RequestRefused
+from server.errors import ApiError
+
+try:  # the engine's own bound on waiting requests (when it has one)
+    from engine.requests import QueueFull
+except ImportError:  # pragma: no cover - engines without a bounded queue
+    QueueFull = None  # type: ignore[assignment,misc]
+
+
+class Gate:
+    """Counts requests in flight (submitted and not yet finished on the engine thread):
+    beyond ``limit`` a request is answered 429 at once instead of waiting unboundedly."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._lock = threading.Lock()
+        self.in_flight = 0
+        self.rejected = 0
+        self.served = 0
+
+    def enter(self) -> None:
+        with self._lock:
+            if self.in_flight >= self.limit:
+                self.rejected += 1
+                raise ApiError(429, f"the server is busy ({self.in_flight} requests in flight, "
+                                    f"the limit is {self.limit}); retry later")
+            self.in_flight += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self.in_flight -= 1
+            self.served += 1
+
+
+class EventStream:
+    """One submitted request: its events, in order, on the event loop."""
+
+    def __init__(self, engine: Any, request: Request, gate: Gate,
+                 loop: asyncio.AbstractEventLoop):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self._loop = loop
+        self._gate = gate
+        self._left = False
+        self.first_progress: Any = None  # prompt tokens and cached tokens, before the prefill
+        gate.enter()
+        try:
+            self.handle = engine.submit(request, callback=self._on_event)
+        except Exception as e:
+            self._leave()
+            if QueueFull is not None and isinstance(e, QueueFull):
+                gate.rejected += 1
+                raise ApiError(429, f"the engine's queue is full ({e}); retry later") from None
+            if isinstance(e, EngineError):
+                raise ApiError(503, f"the engine is not serving: {e}") from None
+            raise
+
+    def _leave(self) -> None:
+        if not self._left:
+            self._left = True
+            self._gate.leave()
+
+    def _on_event(self, event: Any) -> None:  # engine thread
+        if isinstance(event, (FinishedEvent, ErrorEvent)):
+            self._leave()
+        try:
+            self._loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def cancel(self) -> None:
+        self.handle.cancel()
+
+    async def next(self) -> Any:
+        return await self.queue.get()
+
+    async def events(self) -> AsyncIterator[Any]:
+        """Events up to and including the final FinishedEvent or ErrorEvent; a consumer that
+        stops early (client gone, task cancelled) cancels the request."""
+        try:
+            while True:
+                event = await self.queue.get()
+                yield event
+                if isinstance(event, (FinishedEvent, ErrorEvent)):
+                    return
+        finally:
+            self.cancel()  # no-op once finished
+
+
+async def wait_disconnect(receive: Any) -> None:
+    """Returns when the client has gone (the request body has been read already)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def first_event(stream: EventStream, receive: Any) -> Any:
+    """The request's first event that is not progress, or None when the client went away
+    first (the request is then cancelled)."""
+    from engine.requests import ProgressEvent
+
+    gone = asyncio.ensure_future(wait_disconnect(receive))
+    try:
+        while True:
+            get = asyncio.ensure_future(stream.next())
+            done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if get not in done:
+                get.cancel()
+                stream.cancel()
+                return None
+            event = get.result()
+            if not isinstance(event, ProgressEvent):
+                return event
+            if stream.first_progress is None:
+                stream.first_progress = event
+    finally:
+        gone.cancel()
+
+
+def error_status(event: ErrorEvent) -> ApiError:
+    """A request that failed before its first token: 400 when the engine refused the input
+    (prompt longer than the context, empty), 500 otherwise."""
+    if isinstance(event.exception, (RequestRefused, ValueError)):
+        return ApiError(400, event.message)
+    return ApiError(500, f"the request failed: {event.message}")
+
+
+async def collect(stream: EventStream, receive: Any) -> list[Any] | None:
+    """Every event of a request that is not streamed, or None when the client went away
+    before the end (the request is then cancelled)."""
+    gone = asyncio.ensure_future(wait_disconnect(receive))
+    events: list[Any] = []
+    try:
+        while True:
+            get = asyncio.ensure_future(stream.next())
+            done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if get not in done:
+                get.cancel()
+                stream.cancel()
+                return None
+            event = get.result()
+            events.append(event)
+            if isinstance(event, (FinishedEvent, ErrorEvent)):
+                return events
+    finally:
+        gone.cancel()

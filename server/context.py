@@ -1,0 +1,132 @@
+"""What every route shares: the engine, the server's settings and bounds, and the helpers
+that read a request body and turn engine events into reply pieces."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+import uuid
+from typing import Any
+
+from engine.generate import SamplingParams
+from engine.requests import StatsEvent, TokenEvent
+from server.bridge import Gate
+from server.errors import ApiError
+from server.fields import Limits, parse_body
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """The server's own settings (``mlxkv serve`` fills them from engine.settings)."""
+
+    api_key: str | None = None
+    cors_origins: tuple[str, ...] = ()
+    max_body_bytes: int = 8 * 1024**2
+    max_requests: int = 64
+    max_tokens_limit: int | None = None
+    defaults: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    model_id: str | None = None  # what /v1/models lists (default: the engine's model label)
+
+
+class Context:
+    def __init__(self, engine: Any, config: ServerConfig):
+        self.engine = engine
+        self.config = config
+        self.gate = Gate(config.max_requests)
+        info = getattr(engine, "info", {}) or {}
+        self.model_id = config.model_id or str(info.get("model") or engine.model_spec)
+        self.limits = Limits(config.max_tokens_limit, info.get("context_tokens"))
+        self.created = int(time.time())
+        self._tokenizer: Any = None
+        self._tok_lock = threading.Lock()
+        self._token_texts: dict[int, str] = {}
+
+    # token strings for log-probabilities (a tokenizer of our own: the engine's lives on the
+    # engine thread; loading one costs a second, once, and only if logprobs are asked for)
+    def load_tokenizer(self) -> None:
+        with self._tok_lock:
+            if self._tokenizer is None:
+                from transformers import AutoTokenizer
+
+                path = (getattr(self.engine, "info", {}) or {}).get("path") or self.engine.model_spec
+                self._tokenizer = AutoTokenizer.from_pretrained(str(path))
+
+    def token_text(self, token: int) -> str:
+        text = self._token_texts.get(token)
+        if text is None:
+            if self._tokenizer is None:
+                self.load_tokenizer()
+            text = self._tokenizer.decode([token])
+            if len(self._token_texts) < 1 << 20:
+                self._token_texts[token] = text
+        return text
+
+
+async def read_json(request: Any, limit: int) -> dict[str, Any]:
+    """The body as a JSON object, read no further than ``limit`` bytes (413 beyond)."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            if int(declared) > limit:
+                raise ApiError(413, f"the request body is {int(declared)} bytes; the limit is {limit}")
+        except ValueError:
+            raise ApiError(400, "content-length is not a number") from None
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"the request body is over the limit of {limit} bytes")
+        chunks.append(chunk)
+    return parse_body(b"".join(chunks))
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:24]}"
+
+
+def session_of(request: Any, body: dict) -> str | None:
+    """The conversation a request belongs to, if the client says (header or field): the
+    prefix cache keeps a session's states together. It caches by prefix either way."""
+    value = request.headers.get("x-session-id") or body.get("session_id")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or len(value) > 256:
+        raise ApiError(400, "session_id must be a string of 1 to 256 characters", "session_id")
+    return value
+
+
+def text_of(content: Any, where: str) -> str:
+    """Message content as text: a string, or a list of text parts (other parts: 400)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for part in content:
+            if isinstance(part, str):
+                out.append(part)
+            elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                out.append(part["text"])
+            elif isinstance(part, dict):
+                raise ApiError(400, f"{where}: content parts of type {part.get('type')!r} are not "
+                                    "supported (text only)", where)
+            else:
+                raise ApiError(400, f"{where}: content parts must be objects", where)
+        return "".join(out)
+    raise ApiError(400, f"{where}: content must be a string or an array of parts", where)
+
+
+def usage_counts(events: list[Any]) -> tuple[int, int, int]:
+    """(prompt, cached, generated) tokens of a finished request."""
+    stats = next((e for e in reversed(events) if isinstance(e, StatsEvent)), None)
+    generated = sum(1 for e in events if isinstance(e, TokenEvent) and e.token is not None)
+    if stats is None:
+        return 0, 0, generated
+    return stats.prompt_tokens, stats.cached_tokens, stats.generated_tokens
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), default=str)

@@ -1,0 +1,367 @@
+"""OpenAI routes: ``POST /v1/chat/completions`` and ``POST /v1/completions``, JSON or
+server-sent events (``data: {...}`` lines, ``data: [DONE]`` at the end)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from engine.requests import ErrorEvent, FinishedEvent, Request, TokenEvent
+from server.bridge import EventStream, collect, error_status, first_event
+from server.context import Context, dumps, new_id, read_json, session_of, text_of, usage_counts
+from server.errors import ApiError, openai_body
+from server.fields import get_bool, get_int, get_list, get_object, get_str, sampling
+from server.tools import ToolCall, ToolCallParser
+
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+# ------------------------------------------------------------------------- the request
+def chat_messages(raw: list) -> list[dict[str, Any]]:
+    """OpenAI messages as the chat template wants them: text content, ``developer`` as
+    ``system``, an assistant's tool calls with their arguments as objects."""
+    if not raw:
+        raise ApiError(400, "messages must not be empty", "messages")
+    out = []
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ApiError(400, f"{where} must be an object", where)
+        role = m.get("role")
+        if role not in _ROLES:
+            raise ApiError(400, f"{where}.role must be one of {', '.join(_ROLES)}; got {role!r}",
+                           f"{where}.role")
+        msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                               "content": text_of(m.get("content"), f"{where}.content")}
+        if role == "assistant" and m.get("tool_calls") is not None:
+            msg["tool_calls"] = _tool_calls_in(m["tool_calls"], f"{where}.tool_calls")
+        if role == "tool":
+            if m.get("tool_call_id") is not None:
+                msg["tool_call_id"] = str(m["tool_call_id"])
+            if isinstance(m.get("name"), str):
+                msg["name"] = m["name"]
+        out.append(msg)
+    return out
+
+
+def _tool_calls_in(calls: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise ApiError(400, f"{where} must be an array", where)
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ApiError(400, f"{where}[{j}] needs function.name", f"{where}[{j}]")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise ApiError(400, f"{where}[{j}].function.arguments is not JSON",
+                               f"{where}[{j}]") from None
+        out.append({"id": c.get("id"), "type": "function",
+                    "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def chat_tools(body: dict) -> list[dict[str, Any]] | None:
+    tools = get_list(body, "tools")
+    if not tools:
+        return None
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type", "function") != "function" \
+                or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ApiError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": "
+                                "{\"name\": ...}}", f"tools[{i}]")
+    choice = body.get("tool_choice")
+    if choice == "none":
+        return None
+    if choice is not None and not (choice in ("auto", "required") or isinstance(choice, dict)):
+        raise ApiError(400, "tool_choice must be none, auto, required or an object", "tool_choice")
+    return tools
+
+
+def _common(body: dict, ctx: Context) -> tuple[int, bool]:
+    n = get_int(body, "n", 1)
+    if n != 1:
+        raise ApiError(400, f"n must be 1 (this server returns one choice), got {n}", "n")
+    stream = get_bool(body, "stream")
+    options = get_object(body, "stream_options") or {}
+    include_usage = get_bool(options, "include_usage")
+    get_str(body, "model")  # any model name is accepted: the server serves one
+    return include_usage, stream
+
+
+def _engine_request(**kw: Any) -> Request:
+    try:
+        return Request(**kw)
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+
+
+# ------------------------------------------------------------------------- the answer
+def usage(events: list[Any]) -> dict[str, Any]:
+    prompt, cached, generated = usage_counts(events)
+    return {"prompt_tokens": prompt, "completion_tokens": generated,
+            "total_tokens": prompt + generated,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def finish_reason(finished: FinishedEvent, calls: bool = False) -> str:
+    if calls:
+        return "tool_calls"
+    return "length" if finished.reason == "length" else "stop"
+
+
+def _chat_logprob(ctx: Context, e: TokenEvent) -> dict[str, Any] | None:
+    if e.token is None or e.logprob is None:
+        return None
+    text = ctx.token_text(e.token)
+    top = [{"token": (t := ctx.token_text(tok)), "logprob": lp, "bytes": list(t.encode())}
+           for tok, lp in (e.top_logprobs or ())]
+    return {"token": text, "logprob": e.logprob, "bytes": list(text.encode()), "top_logprobs": top}
+
+
+def _completion_logprobs(ctx: Context, tokens: list[TokenEvent], offset: int = 0) -> dict[str, Any]:
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for e in tokens:
+        if e.token is None or e.logprob is None:
+            continue
+        text = ctx.token_text(e.token)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(e.logprob)
+        out["top_logprobs"].append({ctx.token_text(t): lp for t, lp in (e.top_logprobs or ())})
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def _call_json(call: ToolCall, index: int) -> dict[str, Any]:
+    return {"index": index, "id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments_json}}
+
+
+class _Run:
+    """Submit a request and wait for its first event: refusals (a prompt longer than the
+    context) become 4xx answers before any byte of a stream is sent."""
+
+    def __init__(self, ctx: Context, http: HttpRequest, req: Request, logprobs: bool):
+        self.ctx, self.http, self.req, self.logprobs = ctx, http, req, logprobs
+
+    async def start(self) -> tuple[EventStream, Any] | Response:
+        if self.logprobs:
+            await run_in_threadpool(self.ctx.load_tokenizer)
+        stream = EventStream(self.ctx.engine, self.req, self.ctx.gate, asyncio.get_running_loop())
+        first = await first_event(stream, self.http.receive)
+        if first is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        if isinstance(first, ErrorEvent):
+            raise error_status(first)
+        return stream, first
+
+
+async def _rest(stream: EventStream, first: Any, http: HttpRequest) -> list[Any] | None:
+    if isinstance(first, (FinishedEvent, ErrorEvent)):
+        return [first]
+    rest = await collect(stream, http.receive)
+    return None if rest is None else [first, *rest]
+
+
+def _failed(events: list[Any]) -> None:
+    last = events[-1]
+    if isinstance(last, ErrorEvent):
+        raise error_status(last) if not any(isinstance(e, TokenEvent) for e in events) \
+            else ApiError(500, f"the request failed: {last.message}")
+
+
+# ------------------------------------------------------------------- chat completions
+async def chat_completions(http: HttpRequest, ctx: Context) -> Response:
+    body = await read_json(http, ctx.config.max_body_bytes)
+    include_usage, stream = _common(body, ctx)
+    messages = chat_messages(get_list(body, "messages", required=True))
+    tools = chat_tools(body)
+    want_logprobs = get_bool(body, "logprobs")
+    top = get_int(body, "top_logprobs", None, lo=0, hi=20)
+    if top is not None and not want_logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    params = sampling(body, ctx.config.defaults, ctx.limits, ("max_completion_tokens", "max_tokens"))
+    req = _engine_request(messages=messages, params=params, session=session_of(http, body),
+                          tools=tools, logprobs=(top or 0) if want_logprobs else None)
+    started = await _Run(ctx, http, req, want_logprobs).start()
+    if isinstance(started, Response):
+        return started
+    es, first = started
+    rid, created = new_id("chatcmpl-"), int(time.time())
+    if stream:
+        return StreamingResponse(_chat_stream(ctx, es, first, rid, created, bool(tools),
+                                              want_logprobs, include_usage),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+    events = await _rest(es, first, http)
+    if events is None:
+        return Response(status_code=499)
+    _failed(events)
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    text = "".join(e.text for e in tokens)
+    calls: list[ToolCall] = []
+    if tools:
+        parser = ToolCallParser()
+        pieces = parser.feed(text) + parser.finish()
+        text, calls = "".join(p for k, p in pieces if k == "text"), parser.calls
+    message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
+    if calls:
+        message["tool_calls"] = [{k: v for k, v in _call_json(c, i).items() if k != "index"}
+                                 for i, c in enumerate(calls)]
+    logprobs = None
+    if want_logprobs:
+        logprobs = {"content": [x for e in tokens if (x := _chat_logprob(ctx, e)) is not None]}
+    return JSONResponse({
+        "id": rid, "object": "chat.completion", "created": created, "model": ctx.model_id,
+        "choices": [{"index": 0, "message": message, "logprobs": logprobs,
+                     "finish_reason": finish_reason(events[-1], bool(calls))}],
+        "usage": usage(events)})
+
+
+def sse(obj: Any) -> str:
+    return f"data: {dumps(obj)}\n\n"
+
+
+async def _chat_stream(ctx: Context, es: EventStream, first: Any, rid: str, created: int,
+                       tools: bool, want_logprobs: bool, include_usage: bool) -> AsyncIterator[str]:
+    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_id}
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> str:
+        obj = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+                                    "finish_reason": finish}]}
+        if include_usage:
+            obj["usage"] = None
+        return sse(obj)
+
+    parser = ToolCallParser() if tools else None
+    events: list[Any] = []
+    n_calls = 0
+    yield chunk({"role": "assistant", "content": ""})
+    pending = [first]
+    async for event in _chain(pending, es):
+        events.append(event)
+        if isinstance(event, TokenEvent):
+            lp = None
+            if want_logprobs:
+                entry = _chat_logprob(ctx, event)
+                lp = {"content": [entry] if entry else []}
+            pieces = parser.feed(event.text) if parser else [("text", event.text)]
+            for kind, piece in pieces:
+                if kind == "text" and piece:
+                    yield chunk({"content": piece}, logprobs=lp)
+                    lp = None
+                elif kind == "call":
+                    yield chunk({"tool_calls": [_call_json(piece, n_calls)]})
+                    n_calls += 1
+            if lp is not None and lp["content"]:
+                yield chunk({}, logprobs=lp)
+        elif isinstance(event, ErrorEvent):
+            yield sse(openai_body(ApiError(500, f"the request failed: {event.message}")))
+            return
+        elif isinstance(event, FinishedEvent):
+            for _kind, piece in parser.finish() if parser else []:
+                if piece:
+                    yield chunk({"content": piece})
+            yield chunk({}, finish_reason(event, n_calls > 0))
+    if include_usage:
+        yield sse({**base, "choices": [], "usage": usage(events)})
+    yield "data: [DONE]\n\n"
+
+
+async def _chain(first: list[Any], es: EventStream) -> AsyncIterator[Any]:
+    """The first event (already taken), then the rest of the stream; stats stay in order."""
+    for event in first:
+        yield event
+        if isinstance(event, (FinishedEvent, ErrorEvent)):
+            return
+    async for event in es.events():
+        yield event
+
+
+# ------------------------------------------------------------------------ completions
+def completion_prompt(body: dict) -> dict[str, Any]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                   for t in prompt):
+        return {"prompt_tokens": list(prompt)}
+    if prompt is None:
+        raise ApiError(400, "prompt is required", "prompt")
+    raise ApiError(400, "prompt must be a string, one string in an array, or an array of token ids "
+                        "(one prompt per request)", "prompt")
+
+
+async def completions(http: HttpRequest, ctx: Context) -> Response:
+    body = await read_json(http, ctx.config.max_body_bytes)
+    include_usage, stream = _common(body, ctx)
+    if get_bool(body, "echo"):
+        raise ApiError(400, "echo is not supported", "echo")
+    if get_str(body, "suffix"):
+        raise ApiError(400, "suffix is not supported", "suffix")
+    logprobs = get_int(body, "logprobs", None, lo=0, hi=20)
+    params = sampling(body, ctx.config.defaults, ctx.limits, ("max_tokens",))
+    req = _engine_request(**completion_prompt(body), params=params, session=session_of(http, body),
+                          logprobs=logprobs)
+    started = await _Run(ctx, http, req, logprobs is not None).start()
+    if isinstance(started, Response):
+        return started
+    es, first = started
+    rid, created = new_id("cmpl-"), int(time.time())
+    base = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_id}
+    if stream:
+        return StreamingResponse(_completion_stream(ctx, es, first, base, logprobs is not None,
+                                                    include_usage),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+    events = await _rest(es, first, http)
+    if events is None:
+        return Response(status_code=499)
+    _failed(events)
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    return JSONResponse({**base, "choices": [{
+        "index": 0, "text": "".join(e.text for e in tokens),
+        "logprobs": _completion_logprobs(ctx, tokens) if logprobs is not None else None,
+        "finish_reason": finish_reason(events[-1])}], "usage": usage(events)})
+
+
+async def _completion_stream(ctx: Context, es: EventStream, first: Any, base: dict,
+                             want_logprobs: bool, include_usage: bool) -> AsyncIterator[str]:
+    def chunk(text: str, finish: str | None = None, logprobs: Any = None) -> str:
+        obj = {**base, "choices": [{"index": 0, "text": text, "logprobs": logprobs,
+                                    "finish_reason": finish}]}
+        if include_usage:
+            obj["usage"] = None
+        return sse(obj)
+
+    events: list[Any] = []
+    offset = 0
+    async for event in _chain([first], es):
+        events.append(event)
+        if isinstance(event, TokenEvent):
+            lp = _completion_logprobs(ctx, [event], offset) if want_logprobs else None
+            offset += len(event.text)
+            if event.text or lp:
+                yield chunk(event.text, logprobs=lp)
+        elif isinstance(event, ErrorEvent):
+            yield sse(openai_body(ApiError(500, f"the request failed: {event.message}")))
+            return
+        elif isinstance(event, FinishedEvent):
+            yield chunk("", finish_reason(event))
+    if include_usage:
+        yield sse({**base, "choices": [], "usage": usage(events)})
+    yield "data: [DONE]\n\n"
+

@@ -1,0 +1,81 @@
+"""Run the app on uvicorn in front of a started engine, and stop gracefully: on SIGINT or
+SIGTERM uvicorn stops accepting, lets the replies in flight finish (up to
+``drain_timeout_s``; after that they are cancelled), then the prefix cache is flushed to
+the SSD tier and the engine shut down."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from server.context import ServerConfig
+
+log = logging.getLogger("mlxkv.server")
+
+
+def config_from_settings(settings: Any, defaults: Any) -> ServerConfig:
+    origins = tuple(o.strip() for o in (settings.cors_origins or "").split(",") if o.strip())
+    return ServerConfig(api_key=settings.api_key or None, cors_origins=origins,
+                        max_body_bytes=settings.max_body_bytes, max_requests=settings.max_requests,
+                        max_tokens_limit=settings.max_tokens_limit, defaults=defaults)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def warn_if_open(host: str, api_key: str | None) -> None:
+    if not is_loopback(host) and not api_key:
+        log.warning("serving on %s without --api-key: anyone who can reach this address can use "
+                    "the model and read its cached conversations' replies", host)
+
+
+def build_server(engine: Any, config: ServerConfig, host: str, port: int,
+                 drain_timeout_s: float = 60.0) -> Any:
+    import uvicorn
+
+    from server.app import create_app
+
+    app = create_app(engine, config)
+    uv = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                        lifespan="off", timeout_graceful_shutdown=drain_timeout_s,
+                        server_header=False, date_header=True)
+    return uvicorn.Server(uv)
+
+
+def serve(engine: Any, config: ServerConfig, host: str, port: int,
+          on_ready: Callable[[str], None] | None = None, flush_timeout_s: float = 60.0) -> dict:
+    """Serve until SIGINT/SIGTERM (or ``server.should_exit``); then drain, flush the cache
+    and return the flush report. The engine is shut down on the way out."""
+    server = build_server(engine, config, host, port)
+    sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                reuse_port=False)
+    where = sock.getsockname()
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{where[1]}"
+    report: dict = {}
+    try:
+        if on_ready is not None:
+            on_ready(url)
+        try:
+            server.run(sockets=[sock])
+        except BaseException:
+            # uvicorn raises the signal that stopped it again once it has drained; that
+            # stop was asked for and has been done
+            if not server.should_exit:
+                raise
+    finally:
+        try:
+            report = engine.cache_flush(timeout=flush_timeout_s)
+        except Exception as e:  # the engine may already be down: say so, lose nothing else
+            log.warning("the prefix cache could not be flushed on shutdown: %s", e)
+        engine.shutdown()
+        sock.close()
+    return report
