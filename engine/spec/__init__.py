@@ -7,9 +7,10 @@ from engine.spec.base import (
     DraftRowConstraints,
     DraftRowGroup,
     DraftSource,
+    KVState,
     Proposal,
     TargetView,
 )
 
-__all__ = ["KINDS", "DraftProvider", "DraftRowConstraints", "DraftRowGroup", "DraftSource", "Proposal",
+__all__ = ["KINDS", "DraftProvider", "DraftRowConstraints", "DraftRowGroup", "DraftSource", "KVState", "Proposal",
            "TargetView"]

@@ -78,6 +78,17 @@ class Proposal:
     probs: mx.array | None = None
 
 
+@dataclass
+class KVState:
+    """A capture that is a KV cache: ``cache`` holds exactly ``tokens`` (offset ==
+    len(tokens)). It is stored in the prefix cache under the provider's draft namespace
+    (``f"{ns}+draft-{provider.checkpoint_namespace()}"``), so RAM, SSD, verification and
+    restarts work for it as for the target's own entries."""
+
+    tokens: list[int]
+    cache: list
+
+
 class DraftSource:
     """One request's source of proposals. The verifier calls ``prefill`` once, then per round
     ``propose(pending, n)`` and ``commit(accepted)``."""
@@ -97,11 +108,13 @@ class DraftSource:
         drafts. ``hidden``: the target hidden rows of exactly those positions."""
 
     def capture(self) -> Any:
-        """State to store beside the target's cache entry (None: nothing to store)."""
+        """State to store beside the target's cache entry (None: nothing to store; a
+        :class:`KVState` goes to the prefix cache under the draft namespace)."""
         return None
 
     def restore(self, state: Any) -> None:
-        """Take back what :meth:`capture` returned (before ``prefill``)."""
+        """Take back what :meth:`capture` returned (before ``prefill``); for a
+        :class:`KVState` the prefix cache may return a shorter prefix of what was stored."""
 
     def close(self) -> None:
         """Release what the source holds (its KV)."""
@@ -114,6 +127,7 @@ class DraftProvider:
     weights_bytes: int = 0
     supports_external_tokens: bool = False
     needs_hidden: bool = False
+    model: Any = None  # a provider that stores KVState: the model that KV belongs to (bind_model)
 
     def checkpoint_namespace(self) -> str:
         """The identity of the draft state this provider stores (folded into the prefix
