@@ -10,9 +10,17 @@ the storage writer thread without ever blocking the engine thread:
 * **bounded in flight**: at most ``max_inflight`` writes are queued at the writer; the rest
   wait here (the storage queue's back-pressure never reaches the engine thread);
 * **retry**: a failed write is retried ``retries`` times, then reported failed;
+* **yield to decoding**: while the engine is busy (``busy(True)``: a request is being
+  prefilled or decoded) a due write waits, so persistence never taxes generation; it goes
+  anyway once it has waited ``max_delay_s``, once the states waiting pin more than
+  ``pressure_bytes``, or when the RAM tier no longer holds it (the snapshot is the only
+  copy left). ``busy(False)`` submits what waited at once;
 * **flush(timeout)**: submits everything now and waits; it reports
   ``{durable, flushed, pending, failed, missing}`` and never counts as durable a state whose
   write has not returned from ``put_blocks`` with fsync.
+
+``durable_after_turn_s`` (in ``report()``'s companion ``timings()``) is the median time
+from a state's store (the end of its turn) to its write being durable.
 
 Memory: a job holds its tokens and snapshot only until it settles; a settled job is a small
 record keyed by a 128-bit hash of its tokens (what ``state()`` and the report need), and at
@@ -24,9 +32,10 @@ Future callbacks run on the writer thread, so all state is guarded by one condit
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -63,6 +72,7 @@ class Job:
     nbytes: int = 0  # bytes the snapshot pins until it settles
     evicted: bool = False  # the RAM tier no longer holds this state
     coalesce: bool = True  # False: an exact-position checkpoint, never covered by another
+    yielded: bool = False  # waited for the engine to go idle
     marked: float = field(default_factory=time.monotonic)
 
     def settle(self, state: str) -> None:
@@ -84,8 +94,14 @@ class Durability:
     def __init__(self, submit: Callable[[Any], Future], debounce_s: float = 0.0,
                  max_inflight: int = 2, retries: int = 2, keep_settled: int = 4096,
                  on_settled: Callable[[Job], None] | None = None,
-                 warn: Callable[..., Any] | None = None) -> None:
+                 warn: Callable[..., Any] | None = None, max_delay_s: float = 5.0,
+                 pressure_bytes: int | None = None) -> None:
         self._submit = submit
+        self.max_delay_s = max(0.0, float(max_delay_s))
+        self.pressure_bytes = pressure_bytes  # None: no bound from memory
+        self._busy = False
+        self._durable_s: deque[float] = deque(maxlen=256)  # store -> durable, recent writes
+        self.yielded = 0  # writes that waited for the engine to go idle
         self._on_settled = on_settled  # called on the writer thread, lock not held
         self._warn = warn or (lambda cond, msg, *a, logged=False: log.log(
             logging.DEBUG if logged else logging.WARNING, msg, *a))
@@ -150,6 +166,8 @@ class Durability:
             if j.state == FAILED:
                 j.settle(MISSING)
                 self.counts["missing"] += 1
+            elif j.state == PENDING:  # the snapshot is its only copy now: no more waiting
+                self._pump(force=False)
 
     def hurry(self, ns: str, tokens: np.ndarray) -> None:
         """Write this state next (it is leaving RAM): skip its debounce."""
@@ -184,6 +202,25 @@ class Durability:
             j.settle(MISSING)
             return True
 
+    def busy(self, active: bool) -> None:
+        """The engine started (True) or stopped (False) serving: while busy, due writes
+        wait (see the module docstring); going idle submits them."""
+        with self._cond:
+            if self._busy == bool(active):
+                return
+            self._busy = bool(active)
+            if not self._busy:
+                self._pump(force=False)
+
+    def _must_go(self, job: Job, now: float) -> bool:
+        """Whether a due write goes although the engine is busy (lock held)."""
+        if job.evicted or job.due <= 0.0 or now - job.marked >= self.max_delay_s:
+            return True
+        if self.pressure_bytes is not None:
+            waiting = sum(j.nbytes for j in self._queue)
+            return waiting > self.pressure_bytes
+        return False
+
     # ------------------------------------------------------------------ pumping
     def _pump(self, force: bool) -> None:
         """Submit due jobs while there is room (called with the lock held)."""
@@ -193,6 +230,13 @@ class Durability:
             job = self._queue[0]
             if not force and job.due > now:
                 next_due = job.due
+                break
+            if not force and self._busy and not self._must_go(job, now):
+                # yield to decoding; look again when its maximum delay runs out
+                next_due = job.marked + self.max_delay_s
+                if not job.yielded:
+                    job.yielded = True
+                    self.yielded += 1
                 break
             self._queue.pop(0)
             job.state = WRITING
@@ -225,6 +269,7 @@ class Durability:
             told = isinstance(exc, StoreWriteError)  # the store warned the user about it
             if exc is None:
                 job.bytes_written = int(getattr(fut.result(), "bytes_written", 0))
+                self._durable_s.append(time.monotonic() - job.marked)
                 job.settle(DURABLE)
                 self.counts["written"] += 1
                 self.counts["bytes_written"] += job.bytes_written
@@ -312,6 +357,30 @@ class Durability:
     def report(self) -> dict[str, int]:
         with self._cond:
             return self._report(0)
+
+    def timings(self) -> dict[str, float | int | None]:
+        """``durable_after_turn_s``: median seconds from a state's store to its write being
+        durable (recent writes; None before the first); ``yielded``: writes that waited
+        for the engine to go idle."""
+        with self._cond:
+            d = list(self._durable_s)
+            return {"durable_after_turn_s": statistics.median(d) if d else None,
+                    "yielded": self.yielded}
+
+    def wait(self, ns: str, tokens: np.ndarray, timeout: float | None = None) -> str | None:
+        """Wait (up to ``timeout``) until this state's write settles; its state then."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        key = job_key(ns, tokens)
+        with self._cond:
+            while True:
+                j = self._jobs.get(key)
+                st = None if j is None else j.final().state
+                if st not in (PENDING, WRITING):
+                    return st
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return st
+                self._cond.wait(left)
 
     def queue_depth(self) -> dict[str, int]:
         with self._cond:

@@ -81,6 +81,9 @@ class NullPrefixCache:
     def prefetch(self, tokens: Any, ns: str, session: str | None = None) -> int:
         return 0
 
+    def busy(self, active: bool) -> None:
+        return None
+
     def gc(self, ns: str | None = None, min_age_s: float = 0.0) -> dict[str, Any]:
         return {**_EMPTY_GC, "unreadable_manifests": {}}
 
@@ -162,7 +165,7 @@ class PrefixCache(ManageMixin):
             try:
                 self.ssd = SsdTier(root, self.block_tokens, ssd_bytes, durable, debounce_s,
                                    retries, restore_timeout_s, self._events, self.counters,
-                                   self.templates)
+                                   self.templates, pressure_bytes=self.ram.max_bytes // 2)
             except folder_errors() as exc:
                 self.ssd_disabled_reason = str(exc)
                 self._events.warn("ssd-unusable", "prefix cache: running without the SSD "
@@ -387,6 +390,14 @@ class PrefixCache(ManageMixin):
         self.ram.evict()
 
     # ------------------------------------------------------------------ durability
+    def busy(self, active: bool) -> None:
+        """The engine started serving (True: a prefill or decode is running) or has
+        nothing in flight (False). While busy, persistence yields to generation: the
+        writer waits, bounded by a maximum delay and by memory (see
+        ``engine.cache.durability``); going idle lets it write at once."""
+        if self.ssd is not None:
+            self.ssd.durability.busy(active)
+
     def flush(self, timeout: float | None = None) -> dict[str, int]:
         """Persist every dirty state now (up to ``timeout`` s):
         ``{durable, flushed, pending, failed, missing}``."""

@@ -67,7 +67,8 @@ class SsdTier:
 
     def __init__(self, root: str, block_tokens: int, max_bytes: int | None, durable: bool,
                  debounce_s: float, retries: int, restore_timeout_s: float | None,
-                 events: Events, counters: Counters, templates: Templates) -> None:
+                 events: Events, counters: Counters, templates: Templates,
+                 pressure_bytes: int | None = None) -> None:
         from storage.io import StorageIO
         from storage.store import BlockStore
 
@@ -79,7 +80,8 @@ class SsdTier:
         self.disk.scan()
         self.io = StorageIO(self.disk)
         self.durability = Durability(self._submit, debounce_s=debounce_s, retries=retries,
-                                     on_settled=self._settled, warn=events.warn)
+                                     on_settled=self._settled, warn=events.warn,
+                                     pressure_bytes=pressure_bytes)
         self._stuck: list[Future] = []  # reads that outlived the timeout, until they end
 
     # ------------------------------------------------------------------ restore
@@ -308,7 +310,7 @@ class SsdTier:
                 "ssd_blocks": st["blocks"],
                 "ssd_tails": st["tails"], "ssd_checkpoints": st.get("checkpoints", 0),
                 "ssd_root": st["root"], "kernel": st["kernel"],
-                "durability": self.durability.report(),
+                "durability": self.durability.report(), **self.durability.timings(),
                 "write_counts": dict(self.durability.counts),
                 "queues": {**self.durability.queue_depth(),
                            "storage_pending_writes": self.io.pending_writes,
