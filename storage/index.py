@@ -169,6 +169,17 @@ class IndexMixin:
             return Match(ns, 0, ())
         return Match(ns, best.t1, (), None, 0, best.payload_len, best.layout, best.key)
 
+    def latest_tokens(self, ns: str) -> int:
+        """The end position of the state used (or written) last in ``ns``: the deepest
+        of its most recently used entries (0 when the namespace is empty). What a reader
+        sizes its destinations for before the first lookup."""
+        with self._lock:
+            sp = self._spaces.get(ns)
+            if sp is None:
+                return 0
+            best = max(sp.entries(), key=lambda e: (e.last_used, e.t1), default=None)
+            return 0 if best is None else int(best.t1)
+
     def _probe(self, ns: str, nsid: bytes, key: bytes, kind: int, parent: bytes) -> Entry | None:
         """Index the file ``key`` maps to if it exists and its header verifies (one open;
         a missing file costs one failed open). A damaged file is removed, as scan() would;

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from engine.cache import kvblocks as kb
+from engine.cache.arena import Arena
 from engine.cache.events import Events
 from engine.cache.info import CacheEntryDetail, CacheEntryInfo
 from engine.cache.lending import Lending
@@ -141,7 +142,8 @@ class PrefixCache(ManageMixin):
                  block_tokens: int = 256, ssd: bool = True, ssd_bytes: int | None = None,
                  durable: bool = True, debounce_s: float = 0.0, retries: int = 2,
                  min_ssd_gain: int | None = None, on_event: Callable[[dict], None] | None = None,
-                 restore_timeout_s: float | None = DEFAULT_RESTORE_TIMEOUT_S) -> None:
+                 restore_timeout_s: float | None = DEFAULT_RESTORE_TIMEOUT_S,
+                 arena_bytes: int | None = None) -> None:
         if block_tokens <= 0:
             raise ValueError(f"block_tokens must be > 0, got {block_tokens}")
         self.block_tokens = int(block_tokens)
@@ -160,12 +162,15 @@ class PrefixCache(ManageMixin):
         self._verified: dict[bytes, bool] = {}  # block key -> last verify result
         self.ssd: SsdTier | None = None
         self.ssd_disabled_reason: str | None = None  # None: on, or off on purpose
+        # restore destinations prepared ahead (by default a quarter of the RAM budget)
+        self.arena = Arena(self.ram.max_bytes // 4 if arena_bytes is None else arena_bytes)
         if ssd and cache_dir is not None and ssd_bytes != 0:
             root = os.path.expanduser(os.fspath(cache_dir))
             try:
                 self.ssd = SsdTier(root, self.block_tokens, ssd_bytes, durable, debounce_s,
                                    retries, restore_timeout_s, self._events, self.counters,
-                                   self.templates, pressure_bytes=self.ram.max_bytes // 2)
+                                   self.templates, pressure_bytes=self.ram.max_bytes // 2,
+                                   arena=self.arena)
             except folder_errors() as exc:
                 self.ssd_disabled_reason = str(exc)
                 self._events.warn("ssd-unusable", "prefix cache: running without the SSD "
@@ -207,13 +212,21 @@ class PrefixCache(ManageMixin):
 
     def bind_model(self, ns: str, model: Any) -> None:
         """Restored states of ``ns`` must fit ``model``'s caches (one token through it, at
-        load). A model that cannot be probed is learned from its first stored cache."""
+        load), and the KV arena prepares restore destinations for them (sized for the state
+        the SSD tier used last in ``ns``; see ``engine.cache.arena``). A model that cannot
+        be probed is learned from its first stored cache."""
         try:
             cache = probe_model(model)
         except Exception as exc:  # noqa: BLE001  (an unusual model: fall back, never fail a load)
             log.debug("cannot probe the model's cache layout: %s", exc)
             return
-        self.templates.learn(store_namespace(ns), cache, replace=True)
+        sns = store_namespace(ns)
+        self.templates.learn(sns, cache, replace=True)
+        if self.ssd is not None:
+            try:
+                self.arena.prepare(sns, cache, self.ssd.latest_tokens(sns))
+            except Exception as exc:  # noqa: BLE001  (no arena: restores allocate as before)
+                log.debug("cannot prepare the KV arena: %s", exc)
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, tokens: Any, ns: str, session: str | None = None) -> tuple[int, list | None]:
@@ -397,6 +410,8 @@ class PrefixCache(ManageMixin):
         ``engine.cache.durability``); going idle lets it write at once."""
         if self.ssd is not None:
             self.ssd.durability.busy(active)
+            if not active:  # nothing waits on the engine: refill the arena's slots
+                self.arena.replenish()
 
     def flush(self, timeout: float | None = None) -> dict[str, int]:
         """Persist every dirty state now (up to ``timeout`` s):
@@ -406,6 +421,7 @@ class PrefixCache(ManageMixin):
     def close(self, timeout: float | None = 10.0) -> dict[str, int]:
         """Flush (bounded by ``timeout``), stop the storage threads, free RAM."""
         rep = dict(_EMPTY_FLUSH) if self.ssd is None else self.ssd.close(timeout)
+        self.arena.clear()
         self.lending.clear()
         self.ram.clear()
         return rep
@@ -428,4 +444,5 @@ class PrefixCache(ManageMixin):
             "ssd_disabled_reason": self.ssd_disabled_reason,
         })
         s.update(self.ssd.stats() if self.ssd is not None else {"ssd": False})
+        s.update(self.arena.stats())
         return s

@@ -68,12 +68,13 @@ class SsdTier:
     def __init__(self, root: str, block_tokens: int, max_bytes: int | None, durable: bool,
                  debounce_s: float, retries: int, restore_timeout_s: float | None,
                  events: Events, counters: Counters, templates: Templates,
-                 pressure_bytes: int | None = None) -> None:
+                 pressure_bytes: int | None = None, arena: Any = None) -> None:
         from storage.io import StorageIO
         from storage.store import BlockStore
 
         self.events, self.counters, self.templates = events, counters, templates
         self.restore_timeout_s = restore_timeout_s
+        self.arena = arena  # engine.cache.arena.Arena: ready restore destinations
         # BlockStore creates the folder, or raises CacheFolderError saying what to do.
         self.disk = BlockStore(root, block_tokens=block_tokens, max_bytes=max_bytes,
                                durable=durable)
@@ -118,6 +119,15 @@ class SsdTier:
             return 0, None, restore_ms
         return restored[0], restored[1], restore_ms
 
+    def _taker(self, sns: str) -> Any:
+        if self.arena is None:
+            return None
+        return lambda flat, cap: self.arena.take(sns, flat, cap)
+
+    def latest_tokens(self, sns: str) -> int:
+        """Tokens of the state the store used last in ``sns`` (0: none)."""
+        return self.disk.latest_tokens(sns)
+
     def _unusable(self, sns: str, exc: Exception) -> None:
         self.counters.add(layout_mismatches=1)
         self.events.warn(f"layout:{sns}", "prefix cache: a state stored in %s does not fit "
@@ -149,7 +159,8 @@ class SsdTier:
         from storage.io import ReadRequest
 
         try:
-            layers, segs, arrays = dl.block_buffers(match.layout, kb.round_up(len(toks)))
+            layers, segs, arrays = dl.block_buffers(match.layout, kb.round_up(len(toks)),
+                                                    self._taker(sns))
         except dl.LayoutError as exc:
             self._unusable(sns, exc)
             return None
@@ -180,7 +191,8 @@ class SsdTier:
                 bm = self.disk.lookup(sns, toks, max_tokens=n, keys=keys)
                 if bm.n_tokens != n or not dl.is_partial(bm.layout):
                     return None  # its KV layers are not all on disk: nothing to restore
-                blocks, bsegs, barrays = dl.block_buffers(bm.layout, kb.round_up(len(toks)))
+                blocks, bsegs, barrays = dl.block_buffers(bm.layout, kb.round_up(len(toks)),
+                                                          self._taker(sns))
         except dl.LayoutError as exc:
             self._unusable(sns, exc)
             return None
