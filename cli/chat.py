@@ -12,7 +12,6 @@ from cli.common import (
     fail,
     human_bytes,
     printer,
-    reject_draft_model,
     sampling_params,
     start_engine,
     stats_line,
@@ -124,7 +123,6 @@ class Chat:
 def cmd_chat(settings: Any) -> int:
     from engine.engine import EngineError
 
-    reject_draft_model(settings)
     engine = start_engine(settings)
     try:
         info = engine.info

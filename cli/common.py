@@ -25,14 +25,6 @@ def fail(message: str, code: int = 1) -> int:
     return code
 
 
-def reject_draft_model(settings: Any) -> None:
-    """Speculative decoding is not built yet: a draft model must not be silently ignored."""
-    if settings.draft_model is not None:
-        source = settings.sources.get("draft_model", "")
-        where = "" if source.startswith("flag") else f" (draft_model from {source})"
-        raise UsageError(f"speculative decoding is not built yet; --draft-model is not accepted{where}")
-
-
 class UsageError(ValueError):
     """The command line asks for something that cannot be done (exit status 2)."""
 
@@ -81,9 +73,14 @@ def stats_line(stats: Any, reason: str | None) -> str:
         return f"[{reason}]"
     load_s = getattr(stats, "load_s", 0.0) or 0.0
     load = f"model load {load_s:.2f} s, " if load_s > 0 else ""
+    spec = getattr(stats, "spec", None)
+    speculated = ""
+    if spec:
+        speculated = (f"{spec['source']} {spec['accepted']}/{spec['drafted']} drafts accepted, "
+                      f"{spec['tokens_per_forward']:.2f} tok/forward, ")
     return (f"[prompt {stats.prompt_tokens} tok, cached {stats.cached_tokens}, {load}"
             f"TTFT {stats.ttft_s:.2f} s, prefill {stats.prefill_tps:.0f} tok/s, "
-            f"{stats.generated_tokens} tok at {stats.decode_tps:.1f} tok/s, {reason}]")
+            f"{stats.generated_tokens} tok at {stats.decode_tps:.1f} tok/s, {speculated}{reason}]")
 
 
 class Progress:

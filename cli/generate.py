@@ -14,7 +14,6 @@ from cli.common import (
     UsageError,
     after_startup,
     printer,
-    reject_draft_model,
     sampling_params,
     start_engine,
     stats_line,
@@ -47,7 +46,6 @@ def build_request(args: argparse.Namespace, settings: Any, prompt: str) -> Any:
 
 
 def cmd_generate(args: argparse.Namespace, settings: Any) -> int:
-    reject_draft_model(settings)
     request = build_request(args, settings, read_prompt(args))
     # Queue the request while the model loads: it runs the moment the model is ready.
     engine = start_engine(settings, wait=False)
@@ -70,6 +68,7 @@ def cmd_generate(args: argparse.Namespace, settings: Any) -> int:
             print(json.dumps({"text": result.text, "tokens": result.tokens,
                               "finish_reason": result.finish_reason,
                               "finish_detail": result.finish_detail, "stats": stats,
+                              "spec": stats.get("spec") if stats else None,
                               "model": engine.info}))
         else:
             sys.stdout.write("\n")

@@ -122,9 +122,6 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return cmd_serve(args, settings)
     if args.command is None:
-        from cli.common import reject_draft_model
-
-        reject_draft_model(settings)
         code = _run_tui(settings)
         if code is not None:
             return code

@@ -6,13 +6,12 @@ import argparse
 import sys
 from typing import Any
 
-from cli.common import reject_draft_model, sampling_params, start_engine
+from cli.common import sampling_params, start_engine
 
 
 def cmd_serve(args: argparse.Namespace, settings: Any) -> int:
     from server.run import config_from_settings, serve, warn_if_open
 
-    reject_draft_model(settings)
     warn_if_open(settings.host, settings.api_key)
     config = config_from_settings(settings, sampling_params(settings))
     engine = start_engine(settings)

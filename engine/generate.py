@@ -1,9 +1,12 @@
 """The generation loop: mlx-lm's ``generate_step`` (chunked prefill, samplers, logits
 processors) plus what a chat engine needs around it: a reused prompt cache, EOS, stop
-strings matched on text, streaming detokenization, max tokens and cancellation.
+strings matched on text, streaming detokenization, max tokens, cancellation and per-token
+log-probabilities.
 
 Token for token this is ``mlx_lm.stream_generate``: same ``generate_step`` call, same
 EOS and max-token rules, so greedy output is identical (tests/test_engine.py checks it).
+With ``speculation`` the tokens come from the speculative verifier (``engine.spec``)
+instead; everything after the token (EOS, stop strings, text) is this same loop.
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ class Step:
 
     token: int | None
     text: str
+    logprob: float | None = None  # with Generation(logprobs=...): the token's log-probability
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
 
 
 @dataclass
@@ -76,6 +81,7 @@ class Outcome:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     tokens_in_cache: list[int] = field(default_factory=list)
+    spec: dict | None = None  # speculation figures (None: plain decoding)
 
     @property
     def prefill_tps(self) -> float:
@@ -153,12 +159,16 @@ class Generation:
     is updated in place. ``should_stop`` is polled between tokens and prefill chunks.
     ``on_progress(done, total)`` is called when the prefill starts, after each prefill chunk
     and when the first token is ready, with prompt tokens processed so far (cached ones
-    included) out of the whole prompt; it only observes, so outputs do not change."""
+    included) out of the whole prompt; it only observes, so outputs do not change.
+    ``logprobs``: None, or how many alternatives each step reports beside its own
+    log-probability (0..20). ``speculation``: an ``engine.spec.Speculation`` (or None).
+    ``constraint``: an ``engine.spec.constraints`` mask the output must satisfy."""
 
     def __init__(self, model: Any, tokenizer: Any, prompt_tokens: Sequence[int],
                  params: SamplingParams, cache: list | None = None, n_cached: int = 0,
                  should_stop: Callable[[], bool] | None = None,
-                 on_progress: Callable[[int, int], None] | None = None):
+                 on_progress: Callable[[int, int], None] | None = None,
+                 logprobs: int | None = None, speculation: Any = None, constraint: Any = None):
         if not prompt_tokens:
             raise ValueError("empty prompt")
         if not 0 <= n_cached < len(prompt_tokens):
@@ -173,6 +183,11 @@ class Generation:
         self.on_progress = on_progress
         self.outcome: Outcome | None = None
         self.first_token_time: float | None = None
+        if logprobs is not None and not 0 <= logprobs <= 20:
+            raise ValueError(f"logprobs must be between 0 and 20, got {logprobs}")
+        self.logprobs = logprobs
+        self.speculation = speculation
+        self.constraint = constraint
 
     def __iter__(self) -> Iterator[Step]:
         import mlx.core as mx
@@ -212,13 +227,21 @@ class Generation:
         text_parts: list[str] = []
         t0 = time.perf_counter()
         t_first = t_last = None
-        steps = generate_step(
-            mx.array(self.prompt_tokens[self.n_cached:]), self.model,
-            max_tokens=p.max_tokens, sampler=sampler, logits_processors=processors or None,
-            prompt_cache=self.cache, prefill_step_size=p.prefill_step_size,
-            prompt_progress_callback=progress)
+        stream = None
+        if self.speculation is not None:
+            stream = self.speculation.stream(self, progress)
+            steps = iter(stream)
+        else:
+            if self.constraint is not None:
+                processors = (processors or []) + [
+                    self.constraint.processor(len(self.prompt_tokens) - self.n_cached)]
+            steps = generate_step(
+                mx.array(self.prompt_tokens[self.n_cached:]), self.model,
+                max_tokens=p.max_tokens, sampler=sampler, logits_processors=processors or None,
+                prompt_cache=self.cache, prefill_step_size=p.prefill_step_size,
+                prompt_progress_callback=progress)
         try:
-            for n, (token, _) in enumerate(steps):
+            for n, (token, token_logprobs) in enumerate(steps):
                 t_last = time.perf_counter()
                 if t_first is None:
                     t_first = self.first_token_time = t_last
@@ -230,7 +253,10 @@ class Generation:
                 out.tokens.append(token)
                 text = stopper.feed(detok.last_segment)
                 text_parts.append(text)
-                yield Step(token, text)
+                if self.logprobs is None:
+                    yield Step(token, text)
+                else:
+                    yield Step(token, text, *_logprob_of(token_logprobs, token, self.logprobs))
                 if stopper.matched is not None:
                     out.finish_reason, out.stop_detail = "stop", stopper.matched
                     break
@@ -243,7 +269,7 @@ class Generation:
         except Cancelled:
             out.finish_reason = "cancelled"
         finally:
-            steps.close()
+            (stream if stream is not None else steps).close()
         if stopper.matched is None:
             detok.finalize()
             tail = stopper.feed(detok.last_segment)
@@ -257,6 +283,17 @@ class Generation:
         if t_first is not None:
             out.prefill_s = t_first - t0
             out.decode_s = (t_last or t_first) - t_first
-        length = cache_length(self.cache)
-        out.tokens_in_cache = fed[:length] if length is not None else fed
+        if stream is not None:
+            out.tokens_in_cache = list(stream.kv_tokens)
+            out.spec = self.speculation.finish(stream, out.tokens_in_cache)
+        else:
+            length = cache_length(self.cache)
+            out.tokens_in_cache = fed[:length] if length is not None else fed
         self.outcome = out
+
+
+def _logprob_of(logprobs: Any, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...] | None]:
+    """(the token's log-probability, its ``top`` most likely alternatives or None for 0)."""
+    from engine.spec.sampling import top_logprobs
+
+    return float(logprobs[token].item()), (top_logprobs(logprobs, top) if top else None)

@@ -145,8 +145,9 @@ SIZE = "SIZE"  # metavar of byte sizes: 2GiB, 512MB, a byte count
 FIELDS: tuple[Field, ...] = (
     Field("model", str(DEMO_MODEL), str, "model folder or Hugging Face hub id (default: the demo model)",
           metavar="PATH|ID"),
-    Field("draft_model", None, _optional(str), "draft model for speculative decoding (not built yet)",
-          metavar="PATH|ID"),
+    Field("draft_model", None, _optional(str),
+          "draft model for speculative decoding (shares the model's tokenizer; the demo model "
+          "pairs with the demo draft model by default)", metavar="PATH|ID"),
     Field("cache_dir", os.path.expanduser(os.path.join("~", ".cache", "mlxkv")), _path,
           "prefix cache folder (SSD tier; default ~/.cache/mlxkv)", metavar="DIR"),
     Field("prefix_cache", True, _bool, "keep and reuse the KV state of prompts"),
@@ -175,6 +176,16 @@ FIELDS: tuple[Field, ...] = (
     Field("system_prompt", None, _optional(str), "system message for chat", metavar="TEXT"),
     Field("blas", "auto", str, "CPU BLAS on Linux: auto, off, or a library path",
           metavar="auto|off|PATH"),
+    # speculative decoding
+    Field("spec", "auto", _choice("off", "auto", "draft", "ngram", "mtp"),
+          "speculative decoding: off, auto (the best source available, off when slower), "
+          "draft, ngram (prompt lookup) or mtp", choices=("off", "auto", "draft", "ngram", "mtp")),
+    Field("spec_tokens", 12, _positive_int, "most tokens a speculation round proposes", arg_type=int,
+          metavar="N"),
+    Field("spec_ngram_min", 2, _positive_int, "prompt lookup: shortest n-gram matched", arg_type=int,
+          metavar="N"),
+    Field("spec_ngram_max", 4, _positive_int, "prompt lookup: longest n-gram matched", arg_type=int,
+          metavar="N"),
     # `mlxkv serve`
     Field("host", "127.0.0.1", str, "serve: address to listen on (0.0.0.0: every interface)",
           metavar="ADDR"),

@@ -1,0 +1,85 @@
+"""How long a proposal to ask for, and whether to speculate at all.
+
+Per request and source, :class:`LengthController` keeps running estimates of the
+acceptance rate a (per drafted token), the time of a plain step t1 and the marginal cost m
+of each drafted token (drafting plus the wider verify). A round of k drafts yields
+E(k) = (1 - a^(k+1)) / (1 - a) tokens in t1 + m*k, so it asks for the k in 0..max that
+maximises E(k) / (t1 + m*k). k = 0 is a plain step: when speculation would be slower it
+stops, then probes again after a back-off that doubles each time the probe loses, so a
+lone request never pays for speculation for long.
+"""
+
+from __future__ import annotations
+
+
+class LengthController:
+    """``fixed``: always ask for ``initial`` (the policy of a source the user chose)."""
+
+    def __init__(self, initial: int = 4, maximum: int = 16, *, adaptive: bool = True, may_stop: bool = True):
+        self.initial = max(0, int(initial))
+        self.maximum = max(self.initial, int(maximum))
+        self.adaptive = adaptive
+        self.may_stop = may_stop
+        self.acceptance = 0.7  # prior; replaced by measurement within a few rounds
+        self.plain_s: float | None = None
+        self.per_draft_s: float | None = None
+        self._k = self.initial
+        self._rounds = 0
+        self._off_left = 0  # plain steps before the next probe
+        self._backoff = 8
+
+    def current(self) -> int:
+        return self._k
+
+    def next_length(self) -> int:
+        if self._off_left > 0:
+            self._off_left -= 1
+            return 0
+        if not self.adaptive:
+            return self.initial
+        if self.plain_s is None:
+            # One plain step first when the cost of a drafted token is known before the plain
+            # step: measure both.
+            return self._k if self._rounds == 0 or self.per_draft_s is None else 0
+        return self._k
+
+    def _best(self) -> int:
+        a = min(max(self.acceptance, 0.0), 0.995)
+        t1 = self.plain_s or 1e-3
+        m = self.per_draft_s if self.per_draft_s is not None else t1 / 4
+        best_k, best_rate = 0, 1.0 / t1
+        gain = 1.0
+        expected = 1.0
+        for k in range(1, self.maximum + 1):
+            gain *= a
+            expected += gain
+            rate = expected / (t1 + m * k)
+            if rate > best_rate * 1.0001:
+                best_k, best_rate = k, rate
+        return best_k
+
+    def record(self, drafted: int, accepted: int, seconds: float) -> None:
+        """A round of ``drafted`` proposals, ``accepted`` of them kept, took ``seconds``."""
+        self._rounds += 1
+        if drafted == 0:
+            self.plain_s = seconds if self.plain_s is None else 0.8 * self.plain_s + 0.2 * seconds
+            return
+        rate = accepted / drafted
+        self.acceptance = 0.7 * self.acceptance + 0.3 * rate
+        if self.plain_s is not None:
+            m = max(seconds - self.plain_s, 0.0) / drafted
+            self.per_draft_s = m if self.per_draft_s is None else 0.7 * self.per_draft_s + 0.3 * m
+        else:
+            m = seconds / (drafted + 1)
+            self.per_draft_s = m if self.per_draft_s is None else 0.7 * self.per_draft_s + 0.3 * m
+        if not self.adaptive or self.plain_s is None:
+            return
+        best = self._best()
+        if best == 0 and self.may_stop:
+            self._off_left = self._backoff
+            self._backoff = min(self._backoff * 2, 256)
+            self._k = max(1, min(self.initial, 2))
+        else:
+            if best > 0 and self._backoff > 8:
+                self._backoff = max(8, self._backoff // 2)
+            self._k = max(best, 1)

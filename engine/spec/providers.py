@@ -1,0 +1,204 @@
+"""Which sources a loaded target gets, which one a request uses, and the per-request
+:class:`Speculation` that ``engine.generate.Generation`` runs through the verifier.
+
+``load_providers`` runs on the engine thread at load: prompt lookup always, the draft
+model when one is set (the demo model pairs with the demo draft model by default), MTP
+when the checkpoint carries MTP weights. A request's source: ``guided_choice`` ->
+constraints; else its ``spec`` (or the engine's): ``auto`` prefers MTP, then a draft
+model, then prompt lookup, and adapts (stopping when slower); a named source is used
+with the same adaptive length. Draft state that is a KV cache is stored in the prefix
+cache under the namespace ``f"{ns}+draft-{provider.checkpoint_namespace()}"``.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from engine.spec.base import DraftProvider, KVState, TargetView
+from engine.spec.policy import LengthController
+from engine.spec.verify import SpecStream
+
+log = logging.getLogger("mlxkv.spec")
+_warned: set[str] = set()
+SPEC_CHOICES = ("off", "auto", "draft", "ngram", "mtp")
+
+
+def _warn_once(key: str, message: str, *args: Any) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message, *args)
+
+
+def _setting(settings: Any, name: str, default: Any) -> Any:
+    return getattr(settings, name, default) if settings is not None else default
+
+
+def _is_demo(loaded: Any) -> bool:
+    from engine.demo import DEMO_MODEL_DIR
+
+    try:
+        return Path(loaded.path).resolve() == Path(DEMO_MODEL_DIR).resolve()
+    except OSError:
+        return False
+
+
+def load_providers(loaded: Any, settings: Any = None) -> dict[str, DraftProvider]:
+    """The providers of the loaded target (kind -> provider). A ``--draft-model`` that
+    cannot pair with the target raises (the user asked for it); the demo draft that pairs
+    by default, or MTP weights that do not load, are skipped with a warning."""
+    from engine.spec.constraints import ConstraintProvider
+    from engine.spec.ngram import NgramProvider
+
+    mode = _setting(settings, "spec", "auto")
+    providers: dict[str, DraftProvider] = {
+        "ngram": NgramProvider(_setting(settings, "spec_ngram_min", 2), _setting(settings, "spec_ngram_max", 4)),
+        "constraint": ConstraintProvider(),
+    }
+    draft_spec = _setting(settings, "draft_model", None)
+    if draft_spec:
+        from engine.spec.draft import load_draft_provider
+
+        providers["draft"] = load_draft_provider(draft_spec, loaded, _setting(settings, "dtype", "auto"))
+    elif mode in ("auto", "draft") and _is_demo(loaded):
+        from engine.demo import DRAFT_MODEL_DIR
+        from engine.spec.draft import load_draft_provider
+
+        if (Path(DRAFT_MODEL_DIR) / "config.json").is_file():
+            try:
+                providers["draft"] = load_draft_provider(str(DRAFT_MODEL_DIR), loaded,
+                                                         _setting(settings, "dtype", "auto"))
+            except Exception as e:
+                _warn_once("demo-draft", "the demo draft model could not be used (%s)", e)
+    if mode in ("auto", "mtp"):
+        try:
+            from engine.spec import mtp  # noqa: F401
+        except ImportError:
+            mtp = None
+        if mtp is not None:
+            try:
+                provider = mtp.load_mtp_provider(loaded)
+            except Exception as e:
+                if mode == "mtp":
+                    raise
+                provider = None
+                _warn_once("mtp-load", "the model's MTP weights could not be used (%s)", e)
+            if provider is not None:
+                providers["mtp"] = provider
+    return providers
+
+
+def bind_providers(prefix_cache: Any, namespace: str, providers: dict[str, DraftProvider]) -> None:
+    """Let the prefix cache check restored draft states against the draft's own model."""
+    bind = getattr(prefix_cache, "bind_model", None)
+    for p in providers.values():
+        if p.model is not None and bind is not None:
+            bind(draft_namespace(namespace, p), p.model)
+
+
+def draft_namespace(namespace: str, provider: DraftProvider) -> str:
+    return f"{namespace}+draft-{provider.checkpoint_namespace()}"
+
+
+def choose(providers: dict[str, DraftProvider], mode: str, guided: bool) -> DraftProvider | None:
+    """The provider a request uses (None: plain decoding)."""
+    if guided and "constraint" in providers:
+        return providers["constraint"]
+    if mode == "off":
+        return None
+    if mode == "auto":
+        for kind in ("mtp", "draft", "ngram"):
+            if kind in providers:
+                return providers[kind]
+        return None
+    if mode not in providers:
+        _warn_once(f"missing:{mode}", "speculation %r is not available for this model; decoding without it",
+                   mode)
+        return None
+    return providers[mode]
+
+
+class Speculation:
+    """One request's speculation: its source, its length controller, and the draft state it
+    restores from and stores to the prefix cache."""
+
+    def __init__(self, provider: DraftProvider, target: TargetView, params: Any, *, mode: str = "auto",
+                 constraint: Any = None, max_tokens: int = 12, prefix_cache: Any = None,
+                 namespace: str = "", session: str | None = None, timed: bool = True):
+        self.provider = provider
+        self.target = target
+        self.constraint = constraint
+        self.source = provider.open(target, params, constraint)
+        # Constraints propose only what the output must be: always ask for all of it. A seeded
+        # sampled request keeps a fixed length, so its draws do not depend on timings.
+        exact = provider.kind == "constraint"
+        self.controller = LengthController(initial=max_tokens if exact else min(4, max_tokens),
+                                           maximum=max_tokens, adaptive=timed and not exact,
+                                           may_stop=mode == "auto" and not exact)
+        self.prefix_cache = prefix_cache
+        self.ns = draft_namespace(namespace, provider) if provider.model is not None and namespace else None
+        self.session = session
+        self.restored_tokens = 0
+
+    def _restore(self, prompt: list[int]) -> None:
+        if self.prefix_cache is None or self.ns is None:
+            return
+        try:
+            n, cache = self.prefix_cache.lookup(prompt, self.ns, session=self.session)
+        except Exception:
+            log.exception("draft state lookup failed; the draft starts from the prompt")
+            return
+        if cache is not None and n > 0:
+            self.source.restore(KVState(list(prompt[:n]), cache))
+            self.restored_tokens = n
+
+    def stream(self, gen: Any, progress: Any) -> SpecStream:
+        self._restore(gen.prompt_tokens)
+        return SpecStream(gen.model, gen.prompt_tokens, gen.n_cached, gen.cache, gen.params, self.source,
+                          self.controller, kind=self.provider.kind, target_view=self.target,
+                          needs_hidden=self.provider.needs_hidden, on_progress=progress,
+                          constraint=self.constraint)
+
+    def finish(self, stream: SpecStream, tokens_in_cache: list[int]) -> dict:
+        summary = stream.summary()
+        summary["restored_draft_tokens"] = self.restored_tokens
+        try:
+            state = self.source.capture()
+            if isinstance(state, KVState) and state.tokens and self.prefix_cache is not None and self.ns:
+                import mlx.core as mx
+
+                mx.eval([c.state for c in state.cache])
+                self.prefix_cache.store(state.tokens, state.cache, self.ns, session=self.session)
+        except Exception:
+            log.exception("storing the draft state failed")
+        finally:
+            self.source.close()
+        return summary
+
+
+def open_speculation(providers: dict[str, DraftProvider] | None, loaded: Any, params: Any, *,
+                     mode: str | None, settings_mode: str = "auto", guided_choice: Any = None,
+                     max_tokens: int = 12, prefix_cache: Any = None, namespace: str = "",
+                     session: str | None = None) -> tuple[Speculation | None, Any]:
+    """(the request's Speculation or None, its constraint or None)."""
+    constraint = None
+    if guided_choice:
+        from engine.spec.constraints import GuidedChoice
+
+        constraint = GuidedChoice(loaded.tokenizer, guided_choice)
+    if not providers:
+        return None, constraint
+    mode = mode or settings_mode
+    seeded = params.seed is not None and params.temperature > 0
+    if seeded and mode == "auto" and constraint is None:
+        # A seeded sampled request reproduces plain decoding draw for draw: auto leaves it alone.
+        return None, constraint
+    provider = choose(providers, mode, constraint is not None)
+    if provider is None:
+        return None, constraint
+    view = TargetView(loaded.model, loaded.tokenizer)
+    spec = Speculation(provider, view, params, mode=mode, constraint=constraint, max_tokens=max_tokens,
+                       prefix_cache=prefix_cache, namespace=namespace, session=session,
+                       timed=not seeded)
+    return spec, constraint

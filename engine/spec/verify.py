@@ -1,0 +1,298 @@
+"""The verifier: speculative decoding of one request, token for token what plain decoding
+of the same request produces (greedy), or the same distribution (sampling).
+
+Each round feeds the target ``[pending] + drafts`` in one forward pass, samples the target
+at every position through the request's processors and sampler, and walks the window:
+greedy and exact-match sources (n-gram, constraints) keep drafts while they equal the
+target's token; sources that give their distribution go through rejection sampling. The
+first disagreement yields the target's own token (the correction); a fully accepted window
+yields one more (the bonus). Rejected positions leave the target's cache: trimmable layers
+are trimmed, recurrent layers (SSM, linear attention) are restored from a snapshot taken
+before the round and the kept tokens fed again, and a sliding window that could wrap
+during a round turns that round into a plain step. So no layer ever holds a rejected token.
+
+The stream yields ``(token, logprobs)`` pairs like ``mlx_lm.generate_step``;
+``engine.generate.Generation`` turns them into steps (EOS, stop strings, detokenization).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from engine.spec.base import DraftSource, Proposal
+from engine.spec.policy import LengthController
+from engine.spec.sampling import TargetSampler, rejection_walk
+
+
+def _trace_enabled() -> bool:
+    return os.environ.get("MLXKV_SPEC_TRACE", "").lower() in ("1", "true", "yes", "on")
+
+
+class _CacheRollback:
+    """How each layer of the target's cache gives back rejected positions."""
+
+    def __init__(self, cache: list):
+        self.cache = cache
+        self.trim: list[Any] = []
+        self.snap: list[Any] = []  # recurrent layers: restored from a snapshot
+        self.windows: list[Any] = []  # sliding windows: trimmable until they wrap
+        self.blocked = False  # a layer that can neither trim nor be restored
+        for c in cache:
+            name = type(c).__name__
+            if name == "RotatingKVCache":
+                self.windows.append(c)
+            elif hasattr(c, "cache") and isinstance(c.cache, list) and not c.is_trimmable():
+                self.snap.append(c)
+            elif hasattr(c, "trim") and c.is_trimmable():
+                self.trim.append(c)
+            else:
+                self.blocked = True
+
+    def room(self) -> int | None:
+        """Most tokens a round may feed without a window wrapping (None: no limit); 1 means
+        plain steps only."""
+        if self.blocked:
+            return 1
+        room = None
+        for c in self.windows:
+            left = c.max_size - c.offset
+            room = left if room is None else min(room, left)
+        if room is not None:
+            room = max(room, 1)
+        return room
+
+    def snapshot(self) -> list[list]:
+        return [list(c.cache) for c in self.snap]
+
+    def rollback(self, fed: int, keep: int, snapshot: list[list], replay: Callable[[int], None]) -> None:
+        """``fed`` tokens went in; only the first ``keep`` stay."""
+        drop = fed - keep
+        if drop <= 0:
+            return
+        if not self.snap:
+            for c in self.trim + self.windows:
+                c.trim(drop)
+            return
+        for c, saved in zip(self.snap, snapshot):
+            c.cache = list(saved)
+        for c in self.trim + self.windows:
+            c.trim(fed)  # everything of the round goes; the kept tokens are fed again
+        replay(keep)
+
+
+class SpecStats:
+    """Per-request figures: what was drafted and kept, by position, and where time went."""
+
+    def __init__(self, source: str):
+        self.source = source
+        self.rounds = 0
+        self.forwards = 0  # target forward passes after the prefill (verify + replay)
+        self.drafted = 0
+        self.accepted = 0
+        self.by_position_drafted: list[int] = []
+        self.by_position_accepted: list[int] = []
+        self.draft_s = self.verify_s = self.other_s = 0.0
+        self.tokens = 0
+        self.plain_steps = 0
+        self.proposal_length = 0
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        if drafted == 0:
+            self.plain_steps += 1
+        while len(self.by_position_drafted) < drafted:
+            self.by_position_drafted.append(0)
+            self.by_position_accepted.append(0)
+        for i in range(drafted):
+            self.by_position_drafted[i] += 1
+            if i < accepted:
+                self.by_position_accepted[i] += 1
+
+    def as_dict(self) -> dict:
+        acc = [round(a / d, 4) if d else 0.0
+               for a, d in zip(self.by_position_accepted, self.by_position_drafted)]
+        return {
+            "source": self.source, "rounds": self.rounds, "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance": round(self.accepted / self.drafted, 4) if self.drafted else 0.0,
+            "acceptance_by_position": acc, "plain_steps": self.plain_steps,
+            "target_forwards": self.forwards,
+            "tokens_per_forward": round(self.tokens / self.forwards, 4) if self.forwards else 0.0,
+            "draft_s": round(self.draft_s, 6), "verify_s": round(self.verify_s, 6),
+            "other_s": round(self.other_s, 6), "proposal_length": self.proposal_length,
+        }
+
+
+class SpecStream:
+    """The (token, logprobs) stream of one speculative generation. ``kv_tokens`` is always
+    exactly what the target's cache holds; ``on_progress(done, total)`` observes the
+    prefill of the uncached suffix as ``generate_step``'s callback does (it may raise to
+    cancel between chunks)."""
+
+    def __init__(self, model: Any, prompt_tokens: Sequence[int], n_cached: int, cache: list,
+                 params: Any, source: DraftSource, controller: LengthController, *,
+                 kind: str, target_view: Any = None, needs_hidden: bool = False,
+                 on_progress: Callable[[int, int], None] | None = None, constraint: Any = None):
+        self.model = model
+        self.prompt = list(prompt_tokens)
+        self.n_cached = n_cached
+        self.cache = cache
+        self.params = params
+        self.source = source
+        self.controller = controller
+        self.view = target_view
+        self.needs_hidden = needs_hidden
+        self.constraint = constraint
+        self.on_progress = on_progress or (lambda done, total: None)
+        self.kv_tokens: list[int] = list(self.prompt[:n_cached])
+        self.stats = SpecStats(kind)
+        self.trace = _trace_enabled()
+        self._gen: Iterator | None = None
+        self._pending: int | None = None  # the last token yielded, when it is not in the cache
+
+    # forward passes ------------------------------------------------------------------
+    def _forward(self, tokens: Sequence[int]) -> tuple[mx.array, mx.array | None]:
+        x = mx.array([list(tokens)])
+        if self.needs_hidden:
+            logits, hidden = self.view.forward(x, self.cache)
+            return logits[0], hidden[0]
+        return self.model(x, cache=self.cache)[0], None
+
+    def _replay(self, tokens: Sequence[int]) -> None:
+        self.stats.forwards += 1
+        self._forward(tokens)
+        mx.eval([c.state for c in self.cache])
+
+    def _prefill(self) -> tuple[mx.array, mx.array | None]:
+        """Feed the uncached prompt in ``prefill_step_size`` chunks, the last token alone (as
+        generate_step does); returns the last position's logits and the hidden rows."""
+        rest = self.prompt[self.n_cached:]
+        total, done = len(rest), 0
+        hidden_rows = []
+        self.on_progress(0, total)
+        step = self.params.prefill_step_size
+        while total - done > 1:
+            n = min(step, total - done - 1)
+            chunk = rest[done: done + n]
+            _, hidden = self._forward(chunk)
+            mx.eval([c.state for c in self.cache] + ([hidden] if hidden is not None else []))
+            if hidden is not None:
+                hidden_rows.append(hidden)
+            self.kv_tokens.extend(chunk)
+            done += n
+            self.on_progress(done, total)
+            mx.clear_cache()
+        logits, hidden = self._forward(rest[done:])
+        self.kv_tokens.extend(rest[done:])
+        if hidden is not None:
+            hidden_rows.append(hidden)
+        return logits[-1:], (mx.concatenate(hidden_rows, axis=0) if hidden_rows else None)
+
+    # the stream -----------------------------------------------------------------------
+    def __iter__(self) -> Iterator[tuple[int, mx.array]]:
+        self._gen = self._run()
+        return self._gen
+
+    def close(self) -> None:
+        if self._gen is not None:
+            self._gen.close()
+
+    def _run(self) -> Iterator[tuple[int, mx.array]]:
+        try:
+            yield from self._rounds()
+        except GeneratorExit:
+            # The consumer stopped right after the pending token: feed it, as plain decoding
+            # has fed every token it yielded, so the cache holds prompt + output.
+            if self._pending is not None:
+                self._replay([self._pending])
+                self.kv_tokens.append(self._pending)
+            raise
+
+    def _rounds(self) -> Iterator[tuple[int, mx.array]]:
+        p = self.params
+        sampler = TargetSampler(p, self.prompt, self.constraint)
+        logits, hidden = self._prefill()
+        lp = sampler.logprobs(logits, [])
+        first = sampler.sample(lp)
+        mx.eval(first, lp)
+        pending = int(first.item())
+        self.on_progress(len(self.prompt) - self.n_cached, len(self.prompt) - self.n_cached)
+        t = time.perf_counter()
+        self.source.prefill(self.prompt, self.n_cached, hidden)
+        self.stats.draft_s += time.perf_counter() - t
+        rollback = _CacheRollback(self.cache)
+        emitted = 1
+        self.stats.tokens = 0
+        self._pending = pending
+        yield pending, lp[0]
+        while True:
+            t_round = time.perf_counter()
+            left = p.max_tokens - emitted  # tokens still wanted after the pending one
+            if left <= 0:
+                return
+            k = min(self.controller.next_length(), left - 1 if left > 1 else 0)
+            room = rollback.room()
+            if room is not None:
+                k = min(k, room - 1)
+            proposal = self.source.propose(pending, k) if k > 0 else Proposal([])
+            drafts = [int(x) for x in proposal.tokens[:max(k, 0)]]
+            t_drafted = time.perf_counter()
+            window = [pending] + drafts
+            snapshot = rollback.snapshot() if drafts and rollback.snap else []
+            logits, hidden = self._forward(window)
+            lp = sampler.logprobs(logits, window)
+            accepted, nxt = self._walk(sampler, lp, proposal, drafts)
+            t_verified = time.perf_counter()
+            self.stats.forwards += 1
+            keep = 1 + accepted
+            if keep < len(window):
+                rollback.rollback(len(window), keep, snapshot, lambda n, w=window: self._replay(w[:n]))
+            kept = window[:keep]
+            self.kv_tokens.extend(kept)
+            sampler.advance(kept)
+            t_c = time.perf_counter()
+            self.source.commit(kept, hidden[:keep] if hidden is not None else None)
+            t_done = time.perf_counter()
+            self.stats.record(len(drafts), accepted)
+            self.stats.tokens += keep
+            self.stats.draft_s += (t_drafted - t_round) + (t_done - t_c)
+            self.stats.verify_s += t_verified - t_drafted
+            self.stats.other_s += t_c - t_verified
+            self.controller.record(len(drafts), accepted, t_done - t_round)
+            if self.trace:
+                print(f"mlxkv spec: fed={window} drafts={drafts} accepted={accepted} next={nxt}",
+                      file=sys.stderr, flush=True)
+            self._pending = None  # the consumer may stop among tokens already in the cache
+            for j in range(accepted):
+                yield drafts[j], lp[j]
+            emitted += accepted + 1
+            pending = self._pending = nxt
+            yield pending, lp[accepted]
+
+    def _walk(self, sampler: TargetSampler, lp: mx.array, proposal: Proposal,
+              drafts: list[int]) -> tuple[int, int]:
+        """(accepted drafts, the token that follows them)."""
+        if sampler.greedy or proposal.probs is None or not drafts:
+            targets = sampler.sample(lp)
+            mx.eval(targets)
+            got = targets.tolist()
+            for j, d in enumerate(drafts):
+                if got[j] != d:
+                    return j, got[j]
+            return len(drafts), got[len(drafts)]
+        p = sampler.probs(lp)
+        bonus = sampler.sample(lp[len(drafts):])
+        return rejection_walk(p, proposal.probs.astype(mx.float32), drafts, bonus)
+
+    def summary(self) -> dict:
+        d = self.stats.as_dict()
+        d["proposal_length"] = self.controller.current()
+        return d
