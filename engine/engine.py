@@ -14,6 +14,12 @@ on the engine thread, *between tokens* of a running generation or between reques
 waits with a timeout (:class:`EngineError` when it passes). The prefix cache (see
 ``engine/cache/prefix_cache.py``) is looked up before the prefill and stored after; a
 generation that fails after starting from a cached prefix is answered again without it.
+
+A lone request decodes single-stream (``engine.generate.Generation``). When another
+request is waiting while one runs, the running one moves, with its KV state, into a
+:class:`engine.batch.Batch`, and the waiting ones join it between steps (up to
+``max_batch`` rows); each row sends exactly the events it would have sent alone. More
+than ``max_queue`` waiting requests make ``submit`` raise :class:`QueueFull`.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from engine.requests import (  # noqa: F401  (re-exported: the engine's public n
     FinishedEvent,
     LoadEvent,
     ProgressEvent,
+    QueueFull,
     Request,
     RequestHandle,
     RequestRefused,
@@ -77,6 +84,32 @@ class _Retry(Exception):
     """A generation from a cached prefix failed: compute the request again without it."""
 
 
+class _Join(BaseException):
+    """Raised on the engine thread out of a single-stream generation (between tokens or
+    prefill chunks) so that it moves into a batch. A BaseException, so that no
+    ``except Exception`` on its way (the generation loop's, a speculation source's)
+    mistakes it for a failure."""
+
+    def __init__(self, gen: Generation, sent: list[int], started: float):
+        super().__init__("join a batch")
+        self.gen, self.sent, self.started = gen, sent, started
+
+
+@dataclasses.dataclass
+class _Job:
+    """A request ready to generate: its prompt, its parameters (max_tokens cut to the
+    context) and what the prefix cache supplied."""
+
+    handle: RequestHandle
+    start: float
+    tokens: list[int]
+    params: Any
+    n_cached: int
+    cache: Any
+    ram_tokens: int
+    ssd_tokens: int
+
+
 _STOP = object()
 _WAKE = object()  # a quick call is waiting in Engine._quick
 _LOAD_STAGES = ("model", "prefix cache", "ready")
@@ -107,8 +140,15 @@ class Engine:
     loaded; None = no caching."""
 
     def __init__(self, model: str, *, dtype: str = "auto", full_hash: bool = False,
-                 prefix_cache: Any = None, name: str = "mlxkv-engine"):
+                 prefix_cache: Any = None, name: str = "mlxkv-engine", settings: Any = None,
+                 max_batch: int = 8, max_queue: int = 64):
+        if int(max_batch) < 1 or int(max_queue) < 1:
+            raise ValueError(f"max_batch and max_queue must be at least 1, got {max_batch} "
+                             f"and {max_queue}")
+        self.max_batch, self.max_queue = int(max_batch), int(max_queue)
         self.model_spec = str(model)
+        self.settings = settings  # speculation reads spec, draft_model, spec_* (None: defaults)
+        self.spec_providers: dict[str, Any] = {}
         self.dtype = dtype
         self.full_hash = full_hash
         self._prefix_arg = prefix_cache
@@ -131,7 +171,13 @@ class Engine:
         self._load_t0 = self._load_t1 = 0.0
         self._serving: RequestHandle | None = None
         self._counts = {"requests": 0, "errors": 0, "refused": 0, "cancelled": 0,
-                        "retries": 0}
+                        "retries": 0, "batched": 0}
+        self._waiting = 0  # requests submitted and not yet served (under _submit_lock)
+        # Commands the engine thread took from _queue and has not handled yet (it looks
+        # ahead for requests that may join a batch). Engine thread only.
+        self._backlog: collections.deque = collections.deque()
+        self._batch: Any = None  # the engine.batch.Batch decoding now
+        self._batchable = False  # the model's caches can be batched (set at load)
 
     @classmethod
     def from_settings(cls, settings: Any, prefix_cache: Any = None) -> Engine:
@@ -143,7 +189,9 @@ class Engine:
 
                 return PrefixCache.from_settings(settings)
         return cls(settings.model, dtype=settings.dtype, prefix_cache=prefix_cache,
-                   full_hash=getattr(settings, "full_hash", False))
+                   full_hash=getattr(settings, "full_hash", False), settings=settings,
+                   max_batch=getattr(settings, "max_batch", 8),
+                   max_queue=getattr(settings, "max_queue", 64))
 
     # lifecycle
     def start(self, timeout: float | None = None, wait: bool = True) -> Engine:
@@ -183,13 +231,18 @@ class Engine:
     # requests
     def submit(self, request: Request, callback: Callable[[Event], None] | None = None
                ) -> RequestHandle:
-        """Queue a request; ``callback`` (optional) sees each event on the engine thread."""
+        """Queue a request; ``callback`` (optional) sees each event on the engine thread.
+        Raises :class:`QueueFull` at once when ``max_queue`` requests already wait."""
         handle = RequestHandle(request, callback)
         with self._submit_lock:
             if self._load_error is not None:
                 raise self._load_error
             if self._stopping.is_set() or not self._thread.is_alive():
                 raise EngineError("engine is not running")
+            if self._waiting >= self.max_queue:
+                raise QueueFull(f"{self._waiting} requests are already waiting (the engine's "
+                                f"max_queue is {self.max_queue}); try again later")
+            self._waiting += 1
             self._queue.put(handle)
         return handle
 
@@ -231,17 +284,21 @@ class Engine:
 
     def _queued_requests(self) -> int:
         # Requests only: the queue also holds wake-up markers of calls served between tokens.
-        with self._queue.mutex:
-            return sum(isinstance(c, RequestHandle) for c in self._queue.queue)
+        return self._waiting
 
     # what front ends need
     def stats(self, timeout: float | None = 30.0) -> dict[str, Any]:
-        """The model, its load time, request counts, what is queued and the cache's stats
-        (``loading`` and no cache stats, without waiting, while the model loads)."""
+        """The model, its load time, request counts, what is queued, the requests decoding
+        now (``active``) and the cache's stats (``loading`` and no cache stats, without
+        waiting, while the model loads)."""
         def collect(loading: bool = False) -> dict[str, Any]:
+            batch = self._batch
+            active = len(batch) if batch is not None else int(self._serving is not None)
             return {"model": dict(self.info), "load_s": self.load_s, **self._counts,
                     "loading": loading, "queued": self._queued_requests(),
-                    "busy": self._serving is not None, "namespace": self.namespace,
+                    "busy": active > 0, "active": active, "max_batch": self.max_batch,
+                    "batching": self._batchable and self.max_batch > 1,
+                    "namespace": self.namespace,
                     "cache": None if loading else self.prefix_cache.stats()}
         if self._thread.is_alive() and not self._ready.is_set():
             return collect(loading=True)
@@ -365,6 +422,9 @@ class Engine:
         self._publish(LoadEvent(_LOAD_STAGES[0], 0, total))
         self.loaded = load_model(self.model_spec, self.dtype, self.full_hash)
         self.namespace = kv_namespace(self.loaded.fingerprint, self.loaded.compute_dtype)
+        from engine.spec.providers import bind_providers, load_providers
+
+        self.spec_providers = load_providers(self.loaded, self.settings)
         self._publish(LoadEvent(_LOAD_STAGES[1], 1, total))
         arg = self._prefix_arg
         if arg is None:
@@ -377,6 +437,7 @@ class Engine:
         bind_model = getattr(self.prefix_cache, "bind_model", None)
         if bind_model is not None:  # restored states are checked against this model's caches
             bind_model(self.namespace, self.loaded.model)
+        bind_providers(self.prefix_cache, self.namespace, self.spec_providers)
         if hasattr(self.prefix_cache, "on_event"):
             previous = self.prefix_cache.on_event
 
@@ -393,7 +454,13 @@ class Engine:
             "compute_dtype": self.loaded.compute_dtype, "blas": describe(),
             "model_type": self.loaded.config.get("model_type"),
             "context_tokens": self.loaded.context_tokens, "load_s": self.load_s,
+            "speculation": sorted(self.spec_providers),
         }
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from engine.batch import batchable_cache
+
+        self._batchable = batchable_cache(make_prompt_cache(self.loaded.model))
         self._publish(LoadEvent(_LOAD_STAGES[2], total, total))
 
     def _run(self) -> None:
@@ -413,7 +480,7 @@ class Engine:
         self._ready.set()
         try:
             while True:
-                cmd = self._queue.get()
+                cmd = self._backlog.popleft() if self._backlog else self._queue.get()
                 if cmd is _STOP:
                     break
                 if cmd is _WAKE:
@@ -441,8 +508,9 @@ class Engine:
     def _drain(self, error: BaseException | None = None) -> None:
         """Answer everything still queued: cancelled (shutdown), or the load ``error``."""
         with self._submit_lock:  # nothing is enqueued any more: _stopping is set
-            pending = list(self._quick)
+            pending = list(self._quick) + list(self._backlog)
             self._quick.clear()
+            self._backlog.clear()
             while True:
                 try:
                     pending.append(self._queue.get_nowait())
@@ -450,6 +518,7 @@ class Engine:
                     break
         for cmd in pending:
             if isinstance(cmd, RequestHandle):
+                self._take(cmd)
                 cmd._emit(ErrorEvent(str(error), error) if error is not None
                           else FinishedEvent("cancelled", "shutdown"))
             elif isinstance(cmd, _Call):
@@ -547,7 +616,21 @@ class Engine:
                    "a cached prompt prefix could not be used (%s: %s); it was dropped and the "
                    "prompt computed again without it", type(exc).__name__, first)
 
+    def _take(self, handle: RequestHandle) -> None:
+        """``handle`` stops waiting: it is served now (or answered)."""
+        with self._submit_lock:
+            self._waiting -= 1
+
+    def _busy(self, active: bool) -> None:
+        busy = getattr(self.prefix_cache, "busy", None)
+        if busy is not None:
+            try:
+                busy(active)
+            except Exception:
+                log.exception("prefix cache busy() failed")
+
     def _serve(self, handle: RequestHandle) -> None:
+        self._take(handle)
         if handle.cancelled or self._stopping.is_set():
             self._counts["cancelled"] += 1
             handle._emit(FinishedEvent("cancelled", "shutdown" if self._stopping.is_set()
@@ -556,12 +639,17 @@ class Engine:
         start = time.perf_counter()
         self._counts["requests"] += 1
         self._serving = handle
+        self._busy(True)
         try:
             self._serve_request(handle, start)
         finally:
             self._serving = None
+            if self._waiting <= 0:
+                self._busy(False)
 
-    def _serve_request(self, handle: RequestHandle, start: float) -> None:
+    def _prepare(self, handle: RequestHandle, start: float) -> _Job | None:
+        """Tokenize, fit the context and look up the prefix cache; None when the request
+        was refused (its ErrorEvent is sent)."""
         req = handle.request
         try:
             tokens, max_tokens = self._fit_context(self._prompt_tokens(req), req)
@@ -569,12 +657,27 @@ class Engine:
             self._counts["refused" if isinstance(e, RequestRefused) else "errors"] += 1
             handle._emit(ErrorEvent(str(e) if isinstance(e, RequestRefused)
                                     else f"{type(e).__name__}: {e}", e))
-            return
+            return None
         params = req.params
         if max_tokens != params.max_tokens:
             params = dataclasses.replace(params, max_tokens=max_tokens)
         n_cached, cache = self._lookup(tokens, req.session)
         ram_tokens, ssd_tokens = self._tier_split(n_cached)
+        return _Job(handle, start, tokens, params, n_cached, cache, ram_tokens, ssd_tokens)
+
+    def _load_wait(self, submitted: float) -> float:
+        """The part of a request's wait that the model load took."""
+        if submitted >= self._load_t1:
+            return 0.0
+        return max(0.0, self._load_t1 - max(submitted, self._load_t0))
+
+    def _serve_request(self, handle: RequestHandle, start: float) -> None:
+        job = self._prepare(handle, start)
+        if job is None:
+            return
+        req = handle.request
+        tokens, params, n_cached, cache = job.tokens, job.params, job.n_cached, job.cache
+        ram_tokens, ssd_tokens, max_tokens = job.ram_tokens, job.ssd_tokens, params.max_tokens
         sent: list[int] = []  # tokens of the TokenEvents already sent
         retried = False
         try:
@@ -586,6 +689,9 @@ class Engine:
                 self._drop_cached(tokens, cache, n_cached, failed.__cause__)
                 cache = None
                 gen = self._generate(handle, tokens, params, None, 0, [], sent)
+        except _Join as join:  # another request waits: go on decoding together
+            self._run_batch(job, join)
+            return
         except Exception as e:
             log.debug("request %d failed", handle.id, exc_info=True)
             if not retried:
@@ -593,18 +699,26 @@ class Engine:
             self._counts["errors"] += 1
             handle._emit(ErrorEvent(f"{type(e).__name__}: {e}", e))
             return
+        self._answered(handle, req, gen, start, max_tokens, n_cached, ram_tokens, ssd_tokens,
+                       retried)
+
+    def _answered(self, handle: RequestHandle, req: Request, gen: Generation, start: float,
+                  max_tokens: int, n_cached: int, ram_tokens: int, ssd_tokens: int,
+                  retried: bool) -> None:
+        """A single-stream generation ended: its StatsEvent and FinishedEvent, then the
+        store of its state."""
         out = gen.outcome
         ttft = (gen.first_token_time - start) if gen.first_token_time else 0.0
         submitted = handle.submitted
-        load_s = (max(0.0, self._load_t1 - max(submitted, self._load_t0))
-                  if submitted < self._load_t1 else 0.0)
+        load_s = self._load_wait(submitted)
         handle._emit(StatsEvent(
             prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
             generated_tokens=len(out.tokens), ttft_s=ttft, prefill_tps=out.prefill_tps,
             decode_tps=out.decode_tps, queue_s=start - submitted, load_s=load_s,
             retried=retried,
             cached_ram_tokens=ram_tokens if out.cached_tokens == n_cached and not retried else 0,
-            cached_ssd_tokens=ssd_tokens if out.cached_tokens == n_cached and not retried else 0))
+            cached_ssd_tokens=ssd_tokens if out.cached_tokens == n_cached and not retried else 0,
+            spec=out.spec))
         detail = out.stop_detail
         if out.finish_reason == "cancelled":
             self._counts["cancelled"] += 1
@@ -624,6 +738,169 @@ class Engine:
             except Exception:
                 log.exception("prefix cache store failed")
 
+    # continuous batching (engine thread)
+    @staticmethod
+    def _row_batchable(req: Request) -> bool:
+        # A seeded sampled request keeps its own random stream and a guided one its
+        # constraint: both are served alone.
+        p = req.params
+        return req.guided_choice is None and not (p.seed is not None and p.temperature > 0)
+
+    def _peek(self) -> Any:
+        """The next command still to handle (None: nothing queued), left in the backlog;
+        quick-call markers met on the way are served."""
+        while True:
+            if not self._backlog:
+                try:
+                    self._backlog.append(self._queue.get_nowait())
+                except queue.Empty:
+                    return None
+            head = self._backlog[0]
+            if head is not _WAKE:
+                return head
+            self._backlog.popleft()
+            self._run_quick()
+
+    def _join_wanted(self, handle: RequestHandle) -> bool:
+        """Should the single-stream request ``handle`` move into a batch now: another
+        request that may decode with it is next in line."""
+        if (self._waiting <= 0 or self.max_batch < 2 or not self._batchable
+                or handle.cancelled or self._stopping.is_set()
+                or not self._row_batchable(handle.request)):
+            return False
+        head = self._peek()
+        return (isinstance(head, RequestHandle) and not head.cancelled
+                and self._row_batchable(head.request))
+
+    def _row(self, job: _Job) -> Any:
+        from engine.batch import Row
+
+        handle = job.handle
+        return Row(handle, job.tokens, job.params, job.n_cached, started=job.start,
+                   queue_s=job.start - handle.submitted, load_s=self._load_wait(handle.submitted),
+                   context_cut=job.params.max_tokens < handle.request.params.max_tokens,
+                   cached_ram_tokens=job.ram_tokens, cached_ssd_tokens=job.ssd_tokens,
+                   lent=job.cache)
+
+    def _run_batch(self, job: _Job, join: _Join) -> None:
+        """Decode the request that was running alone (its state moved over from ``join``)
+        together with the requests that wait, admitting more between steps, until every
+        row has ended."""
+        from engine.batch import Batch
+        from engine.generate import cache_length
+
+        row = self._row(job)
+        row.emitted, row.gen_start = list(join.sent), join.started
+        row.first_time = join.gen.first_token_time
+        row.last_time = time.perf_counter() if join.sent else None
+        # The KV state must hold all but the last known token, which is fed next.
+        history = job.tokens + list(join.sent)
+        cache = join.gen.cache
+        held = cache_length(cache) or 0
+        keep = min(held, len(history) - 1)
+        if held > keep:
+            for c in cache:
+                c.trim(held - keep)
+        batch = Batch(self.loaded.model, self.loaded.tokenizer, self.max_batch,
+                      should_stop=lambda r: r.handle.cancelled or self._stopping.is_set(),
+                      stopping=self._stopping.is_set, on_end=self._row_ended,
+                      release=self._release)
+        self._batch = batch
+        self._serving = None
+        self._counts["batched"] += 1
+        try:
+            try:
+                batch.add(row, cache, history[:keep], history[keep:])
+            except Exception as e:
+                log.debug("request %d could not move into a batch", row.handle.id, exc_info=True)
+                self._release(job.cache)
+                self._counts["errors"] += 1
+                row.handle._emit(ErrorEvent(f"{type(e).__name__}: {e}", e))
+            while True:
+                self._admit(batch)
+                if not len(batch):
+                    break
+                try:
+                    batch.step()
+                except Exception as e:
+                    self._batch_failed(batch, e)
+                    break
+                self._run_quick()
+        finally:
+            self._batch = None
+
+    def _admit(self, batch: Any) -> None:
+        """Let the requests next in line join ``batch`` while it has room. A call, a
+        shutdown or a request that must be served alone stops this: it waits until the
+        batch has ended, as it would behind a single request."""
+        while batch.room > 0 and not self._stopping.is_set():
+            head = self._peek()
+            if not isinstance(head, RequestHandle):
+                return
+            if head.cancelled:  # answered at once, as _serve does
+                self._backlog.popleft()
+                self._serve(head)
+                continue
+            if not self._row_batchable(head.request):
+                return
+            self._backlog.popleft()
+            self._take(head)
+            self._counts["requests"] += 1
+            self._counts["batched"] += 1
+            job = self._prepare(head, time.perf_counter())
+            if job is None:
+                continue
+            try:
+                batch.add(self._row(job), job.cache, job.tokens[:job.n_cached],
+                          job.tokens[job.n_cached:])
+            except Exception as e:
+                log.debug("request %d could not join the batch", head.id, exc_info=True)
+                self._release(job.cache)
+                self._counts["errors"] += 1
+                head._emit(ErrorEvent(f"{type(e).__name__}: {e}", e))
+
+    def _row_ended(self, row: Any, ending: Any) -> None:
+        """A batched row sent its last event: count it and store its state."""
+        if ending.reason == "cancelled":
+            self._counts["cancelled"] += 1
+        if not (self._caching and ending.tokens_in_cache and ending.cache):
+            self._release(ending.cache)
+            return
+        try:
+            import mlx.core as mx
+
+            mx.eval([c.state for c in ending.cache])
+            self.prefix_cache.store(ending.tokens_in_cache, ending.cache, self.namespace,
+                                    session=row.request.session)
+        except Exception:
+            log.exception("prefix cache store failed")
+
+    def _batch_failed(self, batch: Any, exc: BaseException) -> None:
+        """A batch step failed (a cached state that does not fit, say): every row is
+        answered again alone, from scratch; what it already sent is checked, not sent
+        again. Cached states that seeded a row are dropped."""
+        log.debug("a batch step failed", exc_info=True)
+        _warn_once(f"batch:{type(exc).__name__}", "decoding %d requests together failed "
+                   "(%s: %s); each is answered again on its own", len(batch),
+                   type(exc).__name__, (str(exc).splitlines() or [""])[0][:200])
+        for row in batch.abort():
+            self._counts["retries"] += 1
+            if row.n_cached > 0:
+                self._drop_cached(row.prompt, row.lent, row.n_cached, exc)
+            handle, sent = row.handle, list(row.emitted)
+            self._serving = handle
+            try:
+                gen = self._generate(handle, row.prompt, row.params, None, 0, [], sent)
+            except Exception as e:
+                log.debug("request %d failed", handle.id, exc_info=True)
+                self._counts["errors"] += 1
+                handle._emit(ErrorEvent(f"{type(e).__name__}: {e}", e))
+                continue
+            finally:
+                self._serving = None
+            self._answered(handle, row.request, gen, row.started, row.params.max_tokens, 0,
+                           0, 0, True)
+
     def _generate(self, handle: RequestHandle, tokens: list[int], params: Any, cache: Any,
                   n_cached: int, sent: list[int], replay: list[int] | None) -> Generation:
         """Run one generation, sending its events to ``handle``; ``sent`` collects the
@@ -633,13 +910,27 @@ class Engine:
         def progress(done: int, total: int) -> None:
             handle._emit(ProgressEvent(done, total))
             self._run_quick()
+            if done < total and replay is None and self._join_wanted(handle):
+                raise _Join(gen, sent, started)
 
+        from engine.spec.providers import open_speculation
+
+        req = handle.request
+        speculation, constraint = open_speculation(
+            self.spec_providers, self.loaded, params, mode=req.spec,
+            settings_mode=getattr(self.settings, "spec", "auto"), guided_choice=req.guided_choice,
+            max_tokens=getattr(self.settings, "spec_tokens", 12),
+            prefix_cache=self.prefix_cache if self._caching else None, namespace=self.namespace,
+            session=req.session)
+        started = time.perf_counter()
         gen = Generation(self.loaded.model, self.loaded.tokenizer, tokens, params,
                          cache=cache, n_cached=n_cached, on_progress=progress,
-                         should_stop=lambda: handle.cancelled or self._stopping.is_set())
+                         should_stop=lambda: handle.cancelled or self._stopping.is_set(),
+                         logprobs=req.logprobs, speculation=speculation, constraint=constraint)
         skip = 0
+        steps = iter(gen)
         try:
-            for step in gen:
+            for step in steps:
                 if replay is not None and skip < len(replay) and step.token is not None:
                     if step.token != replay[skip]:
                         raise EngineError(
@@ -647,10 +938,13 @@ class Engine:
                             f"{len(replay)} tokens already sent; it cannot be continued")
                     skip += 1
                     continue
-                handle._emit(TokenEvent(step.token, step.text))
+                handle._emit(TokenEvent(step.token, step.text, step.logprob, step.top_logprobs))
                 if step.token is not None:
                     sent.append(step.token)
                 self._run_quick()
+                if step.token is not None and replay is None and self._join_wanted(handle):
+                    steps.close()  # ends its generate_step (and speculation) before the move
+                    raise _Join(gen, sent, started)
         except Exception as e:
             if n_cached > 0 and not isinstance(e, EngineError):
                 raise _Retry() from e

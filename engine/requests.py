@@ -108,6 +108,11 @@ class RequestRefused(EngineError, ValueError):
     context, token ids out of range); the message says what was wrong."""
 
 
+class QueueFull(EngineError):
+    """Too many requests are already waiting to be served (the engine's ``max_queue``);
+    nothing was queued. Try again once some have finished."""
+
+
 class WaitTimeout(TimeoutError, queue.Empty):
     """A wait on a request's events passed its timeout (the request goes on)."""
 

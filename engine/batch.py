@@ -1,0 +1,286 @@
+"""Continuous batching: requests that are in flight together decode together.
+
+mlx-lm's ``BatchGenerator`` does the model work: a left-padded ``BatchKVCache``, the
+prefill of joining rows in chunks between decode steps, per-row samplers and logits
+processors, and the extraction of a finished row's cache. :class:`Batch` adds, per row,
+what the single-stream :class:`engine.generate.Generation` does around ``generate_step``:
+EOS, stop strings matched on text, streaming detokenization, max tokens, cancellation,
+log-probabilities, and the request's events. A batched row therefore sends exactly the
+events it would have sent alone, and greedy rows produce the same tokens.
+
+A row joins with the KV state of the tokens it already has (a cached prefix, or the state
+of a request that was decoding alone until now) and the tokens still to feed; it leaves
+with its extracted cache, which the engine stores in the prefix cache. Engine thread only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.generate import SamplingParams, StopMatcher
+from engine.requests import FinishedEvent, ProgressEvent, RequestHandle, StatsEvent, TokenEvent
+
+
+def batchable_cache(cache: Sequence[Any]) -> bool:
+    """Whether rows with this kind of prompt cache can decode in one batch and move into
+    it mid-generation: every layer a plain ``KVCache`` (trimmable, mergeable). Rotating
+    windows, SSM state and quantized KV are served one request at a time."""
+    from mlx_lm.models.cache import KVCache
+
+    return bool(cache) and all(type(c) is KVCache for c in cache)
+
+
+def token_logprobs(logprobs: Any, token: int, top: int | None
+                   ) -> tuple[float | None, tuple[tuple[int, float], ...] | None]:
+    """As a single-stream step reports them: the log-probability of ``token`` in the
+    normalized vector ``logprobs`` ([V]) and its ``top`` most likely (token,
+    log-probability) pairs, best first (None when ``top`` is 0); (None, None) when ``top``
+    is None (none asked)."""
+    if top is None:
+        return None, None
+    import mlx.core as mx
+
+    own = float(logprobs[token].item())
+    if top <= 0:
+        return own, None
+    k = min(top, logprobs.shape[-1])
+    idx = mx.argpartition(-logprobs, kth=k - 1)[:k]
+    vals = logprobs[idx]
+    order = mx.argsort(-vals)
+    idx, vals = idx[order].tolist(), vals[order].tolist()
+    return own, tuple((int(i), float(v)) for i, v in zip(idx, vals))
+
+
+@dataclass
+class Row:
+    """One request in the batch. ``prompt`` is what the model answers; ``emitted`` holds the
+    tokens already sent (a request that decoded alone before it joined has some)."""
+
+    handle: RequestHandle
+    prompt: list[int]
+    params: SamplingParams  # max_tokens already cut to the model's context
+    n_cached: int  # prompt tokens a prefix-cache lookup supplied
+    started: float  # start of serving: ttft counts from here
+    queue_s: float
+    load_s: float
+    context_cut: bool = False  # max_tokens was cut so the reply fits the context
+    cached_ram_tokens: int = 0
+    cached_ssd_tokens: int = 0
+    lent: Any = None  # the cache the lookup returned, given back once merged
+    emitted: list[int] = field(default_factory=list)
+    gen_start: float = 0.0  # when its prefill started
+    first_time: float | None = None
+    last_time: float | None = None
+    uid: int = -1
+    base: int = 0  # tokens already in the KV state it joined with
+    progress: tuple[int, int] | None = None
+    detok: Any = None
+    stopper: StopMatcher | None = None
+    merged: bool = False
+
+    @property
+    def request(self) -> Any:
+        return self.handle.request
+
+    @property
+    def prompt_tokens_new(self) -> int:
+        return len(self.prompt) - self.n_cached
+
+
+@dataclass
+class Ending:
+    """How a row ended, and the state to store: ``cache`` holds ``tokens_in_cache``."""
+
+    reason: str
+    detail: str | None
+    tokens_in_cache: list[int]
+    cache: list | None
+
+
+class Batch:
+    """The rows decoding together. ``should_stop(row)`` is polled before each step (cancel);
+    ``stopping()`` says a cancel is the engine's shutdown; ``on_end(row, ending)`` runs
+    after the row's StatsEvent and FinishedEvent (the engine stores the state there);
+    ``release(cache)`` gives back a cache a lookup lent, once the batch holds a copy."""
+
+    def __init__(self, model: Any, tokenizer: Any, max_rows: int,
+                 should_stop: Callable[[Row], bool], stopping: Callable[[], bool],
+                 on_end: Callable[[Row, Ending], None], release: Callable[[Any], None]):
+        from mlx_lm.generate import BatchGenerator
+
+        self.model, self.tokenizer = model, tokenizer
+        self.max_rows = max_rows
+        self.should_stop, self.stopping, self.on_end = should_stop, stopping, on_end
+        self.release = release
+        eos = sorted(int(t) for t in tokenizer.eos_token_ids)
+        # EOS ends a row inside BatchGenerator, which then hands over the row's cache.
+        self.gen = BatchGenerator(model, stop_tokens=[[t] for t in eos] or None,
+                                  completion_batch_size=max_rows, prefill_batch_size=max_rows)
+        self.rows: dict[int, Row] = {}
+        self._samplers: dict[tuple, Any] = {}
+        self.steps = 0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def room(self) -> int:
+        return self.max_rows - len(self.rows)
+
+    def _sampler(self, p: SamplingParams) -> Any:
+        # One object per distinct setting: rows that share it are sampled in one call.
+        from mlx_lm.sample_utils import make_sampler
+
+        key = (p.temperature, p.top_p, p.min_p, p.top_k)
+        if key not in self._samplers:
+            self._samplers[key] = make_sampler(p.temperature, p.top_p, p.min_p, top_k=p.top_k)
+        return self._samplers[key]
+
+    def add(self, row: Row, cache: list | None, in_cache: list[int], rest: list[int]) -> None:
+        """Let ``row`` join: ``cache`` holds ``in_cache`` (None when empty), ``rest`` are the
+        tokens still to feed (at least one: the last is the input of its next token).
+        Rows that already sent tokens bring them in ``row.emitted``; their detokenizer and
+        stop matcher are rebuilt by replaying those tokens, as they were fed the first time."""
+        from mlx_lm.sample_utils import make_logits_processors
+
+        if not rest:
+            raise ValueError("a joining row needs at least one token to feed")
+        p = row.params
+        row.detok = self.tokenizer.detokenizer
+        row.stopper = StopMatcher(p.stop)
+        for t in row.emitted:
+            row.detok.add_token(t)
+            row.stopper.feed(row.detok.last_segment)
+        if not row.gen_start:
+            row.gen_start = time.perf_counter()
+        left = p.max_tokens - len(row.emitted)
+        if row.stopper.matched is not None or left <= 0:
+            # Its last token (sent alone) already ended it.
+            row.lent = None
+            reason = "stop" if row.stopper.matched is not None else "length"
+            self._finish(row, reason, row.stopper.matched,
+                         Ending(reason, None, list(in_cache) if cache else [], cache))
+            return
+        processors = make_logits_processors(
+            repetition_penalty=p.repetition_penalty if p.repetition_penalty != 1.0 else None,
+            repetition_context_size=p.repetition_context_size)
+        (row.uid,) = self.gen.insert_segments(
+            [[list(rest)]], max_tokens=[left], caches=[cache], all_tokens=[list(in_cache)],
+            samplers=[self._sampler(p)], logits_processors=[processors])
+        row.base = len(in_cache)
+        self.rows[row.uid] = row
+        if row.first_time is None:
+            self._progress(row, row.base, len(in_cache) + len(rest))
+
+    def _progress(self, row: Row, done: int, total: int) -> None:
+        if row.progress != (done, total):
+            row.progress = (done, total)
+            row.handle._emit(ProgressEvent(done, total))
+
+    def step(self) -> None:
+        """Cancel what was cancelled, then one decode step of the decoding rows plus one
+        prefill chunk of the joining ones; send each row's events."""
+        gone = [r for r in self.rows.values() if self.should_stop(r)]
+        if gone:
+            self._remove(gone, "cancelled", "shutdown" if self.stopping() else None)
+        if not self.rows:
+            return
+        prefilling = [r.params.prefill_step_size for r in self.rows.values()
+                      if r.first_time is None]
+        if prefilling:
+            self.gen.prefill_step_size = min(prefilling)
+        prompt_out, gen_out = self.gen.next()
+        self.steps += 1
+        for pr in prompt_out:
+            row = self.rows.get(pr.uid)
+            if row is None:
+                continue
+            if not row.merged:  # the batch copied its cache: give a lent cached state back
+                row.merged = True
+                if row.lent is not None:
+                    lent, row.lent = row.lent, None
+                    self.release(lent)
+            if row.first_time is None:
+                done, total = pr.progress
+                self._progress(row, row.base + done, row.base + total)
+        stopped: list[Row] = []
+        for r in gen_out:
+            row = self.rows.get(r.uid)
+            if row is None:
+                continue
+            now = time.perf_counter()
+            if row.first_time is None:
+                row.first_time = now
+            row.last_time = now
+            if r.finish_reason == "stop":  # EOS: never sent, as alone
+                self._end(row, "stop", "eos", r)
+                continue
+            self._token(row, r.token, r.logprobs)
+            if row.stopper.matched is not None:
+                if r.finish_reason is not None:  # it left the batch anyway
+                    self._end(row, "stop", row.stopper.matched, r)
+                else:
+                    stopped.append(row)
+            elif r.finish_reason == "length":
+                self._end(row, "length", None, r)
+        if stopped:
+            self._remove(stopped, "stop", None)
+
+    def _token(self, row: Row, token: int, logprobs: Any) -> None:
+        row.detok.add_token(token)
+        row.emitted.append(token)
+        text = row.stopper.feed(row.detok.last_segment)
+        lp, top = token_logprobs(logprobs, token, row.request.logprobs)
+        row.handle._emit(TokenEvent(token, text, lp, top))
+
+    def _remove(self, rows: list[Row], reason: str, detail: str | None) -> None:
+        caches = self.gen.remove([r.uid for r in rows], return_prompt_caches=True)
+        for row in rows:
+            cache, tokens = caches.get(row.uid, (None, []))
+            self.rows.pop(row.uid, None)
+            why = row.stopper.matched if reason == "stop" else detail
+            self._finish(row, reason, why, Ending(reason, why, list(tokens or []), cache))
+
+    def _end(self, row: Row, reason: str, detail: str | None, r: Any) -> None:
+        self.rows.pop(row.uid, None)
+        self._finish(row, reason, detail,
+                     Ending(reason, detail, list(r.all_tokens or []), r.prompt_cache))
+
+    def _finish(self, row: Row, reason: str, detail: str | None, ending: Ending) -> None:
+        if row.stopper.matched is None:
+            row.detok.finalize()
+            tail = row.stopper.feed(row.detok.last_segment)
+            tail += row.stopper.flush() if row.stopper.matched is None else ""
+            if row.stopper.matched is not None:
+                reason, detail = "stop", row.stopper.matched
+            if tail:
+                row.handle._emit(TokenEvent(None, tail))
+        if reason == "length" and row.context_cut:
+            detail = "context"
+        ending.reason, ending.detail = reason, detail
+        first, last = row.first_time, row.last_time
+        n_new = row.prompt_tokens_new
+        prefill_s = (first - row.gen_start) if first is not None else 0.0
+        decode_s = (last - first) if first is not None and last is not None else 0.0
+        n = len(row.emitted)
+        row.handle._emit(StatsEvent(
+            prompt_tokens=len(row.prompt), cached_tokens=row.n_cached, generated_tokens=n,
+            ttft_s=(first - row.started) if first is not None else 0.0,
+            prefill_tps=n_new / prefill_s if prefill_s > 0 else 0.0,
+            decode_tps=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
+            queue_s=row.queue_s, load_s=row.load_s,
+            cached_ram_tokens=row.cached_ram_tokens, cached_ssd_tokens=row.cached_ssd_tokens,
+            batched=True))
+        row.handle._emit(FinishedEvent(reason, detail))
+        row.lent = None  # unmerged, the lent cache is what ``ending`` holds: stored back
+        self.on_end(row, ending)
+
+    def abort(self) -> list[Row]:
+        """The rows, taken out after a failed step (nothing more is sent to them here)."""
+        rows = list(self.rows.values())
+        self.rows.clear()
+        self.gen = None
+        return rows
