@@ -219,11 +219,19 @@ _ZERO_CENTRED_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.wei
                        ".k_norm.weight", "model.norm.weight")
 
 
-def mtp_weights(text_args, seed: int = 0, scale: float = 0.02) -> dict:
-    """Random MTP weights in the checkpoint layout (``mtp.fc`` [H, 2H], the two pre-fc
-    norms, one full-attention decoder layer ``mtp.layers.0.*``, ``mtp.norm``), norms
-    zero-centred around small random offsets so that a forward that forgets the ``1 +``
-    (or swaps the two norms) gives different numbers."""
+def mtp_weights(text_args, seed: int = 0, scale: float = 0.02, init: str = "random") -> dict:
+    """MTP weights in the checkpoint layout (``mtp.fc`` [H, 2H], the two pre-fc norms, one
+    full-attention decoder layer ``mtp.layers.0.*``, ``mtp.norm``).
+
+    ``init="random"``: random, norms zero-centred around small random offsets so that a
+    forward that forgets the ``1 +`` (or swaps the two norms) gives different numbers.
+    ``init="copy"``: constructed, not trained: fc passes the embedding half through, the
+    layer's attention and MLP outputs are zero and the norms are plain, so with tied
+    embeddings the MTP predicts that the token it is given comes again. A random tiny
+    target with tied embeddings mostly repeats its last token, so this MTP is often right:
+    what the tests need to exercise accepted drafts."""
+    if init not in ("random", "copy"):
+        raise ValueError(f"unknown MTP init {init!r} (random or copy)")
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models.qwen3_5 import DecoderLayer
@@ -237,18 +245,25 @@ def mtp_weights(text_args, seed: int = 0, scale: float = 0.02) -> dict:
     for name, p in tree_flatten(layer.parameters()):
         key = f"mtp.layers.0.{name}"
         out[key] = mx.random.normal(p.shape) * (0.1 if "norm" in name and p.ndim == 1 else scale)
+    if init == "copy":
+        out["mtp.fc.weight"] = mx.concatenate([mx.eye(hidden), mx.zeros((hidden, hidden))], axis=1)
+        for key in list(out):
+            if key.endswith(("norm.weight", "o_proj.weight", "down_proj.weight")):
+                out[key] = mx.zeros_like(out[key])
     return out
 
 
 def build_mtp_checkpoint(out_dir: str | os.PathLike, vocab_size: int = 512, seed: int = 0,
                          tokenizer_texts: Iterable[str] | None = None, sidecar: bool = False,
-                         **overrides) -> Path:
+                         mtp_init: str = "random", scale: float = 0.02, **overrides) -> Path:
     """A Qwen3.5-style model folder in the Hugging Face checkpoint layout (what mlx-lm loads
     straight from a hub download): ``model.language_model.*`` trunk with zero-centred
     norms and PyTorch-shaped conv1d weights, ``lm_head``, and the MTP weights under
     ``mtp.*``, which mlx-lm's ``sanitize`` drops. ``sidecar`` puts the MTP weights in their
     own ``mtp.safetensors`` (how a converted checkpoint keeps them) instead of
-    ``model.safetensors``. ``overrides`` change ``MTP_TEXT_CONFIG``. Idempotent."""
+    ``model.safetensors``; ``mtp_init`` is :func:`mtp_weights`' ``init``; ``scale`` the
+    trunk's weight scale (larger: the trunk strays more from its input). ``overrides``
+    change ``MTP_TEXT_CONFIG``. Idempotent."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models import qwen3_5
@@ -262,7 +277,7 @@ def build_mtp_checkpoint(out_dir: str | os.PathLike, vocab_size: int = 512, seed
     text_config = {**MTP_TEXT_CONFIG, "vocab_size": real_vocab, **overrides}
     config = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
               "tie_word_embeddings": text_config["tie_word_embeddings"], "text_config": text_config}
-    model = init_model({"model_type": "qwen3_5", "text_config": text_config}, seed=seed)
+    model = init_model({"model_type": "qwen3_5", "text_config": text_config}, seed=seed, scale=scale)
     weights = {}
     for name, p in tree_flatten(model.parameters()):
         if name.startswith("language_model.model."):
@@ -274,7 +289,7 @@ def build_mtp_checkpoint(out_dir: str | os.PathLike, vocab_size: int = 512, seed
         if p.ndim == 1 and name.endswith(_ZERO_CENTRED_NORMS):
             p = p - 1.0
         weights[name] = p
-    mtp = mtp_weights(qwen3_5.TextModelArgs.from_dict(text_config), seed=seed)
+    mtp = mtp_weights(qwen3_5.TextModelArgs.from_dict(text_config), seed=seed, init=mtp_init)
     if sidecar:
         mx.save_safetensors(str(tmp / "mtp.safetensors"), mtp, metadata={"format": "pt"})
     else:
