@@ -1,0 +1,368 @@
+"""Continuous batching on real tiny models: every row of a batch gets exactly the events it
+would have got alone (tokens, text, log-probabilities, stop strings, max tokens, progress),
+whenever it joins and whatever the prefix cache supplied; cancelling one row leaves the
+others alone; a full queue refuses at once; a model whose caches cannot be batched is
+served one request at a time; batched rows store their state for later requests."""
+
+import random
+import threading
+
+import pytest
+
+import engine  # noqa: F401  (loads the BLAS before mlx)
+import engine.engine as engine_module
+from bench.modelgen import TEST_MODELS, build_random_model
+from engine.engine import (
+    Engine,
+    FinishedEvent,
+    ProgressEvent,
+    QueueFull,
+    Request,
+    StatsEvent,
+    TokenEvent,
+)
+from engine.generate import SamplingParams
+
+T = 120  # seconds any wait in these tests may take before it fails
+
+
+def greedy(**kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
+                          repetition_penalty=1.0, **kwargs)
+
+
+def ram_cache():
+    from engine.cache.prefix_cache import PrefixCache
+
+    return PrefixCache(ram_bytes=64 << 20, cache_dir=None, block_tokens=16)
+
+
+def token_prompts(n: int, seed: int, longest: int = 90) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(rng.randint(1, longest))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def alone_engine(tiny_qwen3):
+    """The reference: one request at a time, nothing cached."""
+    with Engine(str(tiny_qwen3), max_batch=1).start(timeout=T) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def eng(tiny_qwen3):
+    with Engine(str(tiny_qwen3), prefix_cache=ram_cache(), max_batch=8).start(timeout=T) as e:
+        yield e
+
+
+class Recorder:
+    """Submits requests and records every event each one gets (on the engine thread)."""
+
+    def __init__(self, e: Engine):
+        self.e = e
+        self.events: dict[int, list] = {}
+        self.handles: list = []
+
+    def submit(self, req: Request, on_event=None):
+        log: list = []
+
+        def callback(ev):
+            log.append(ev)
+            if on_event is not None:
+                on_event(ev, log)
+        h = self.e.submit(req, callback=callback)
+        self.events[h.id] = log
+        self.handles.append(h)
+        return h
+
+
+def held(e: Engine):
+    """A context that keeps the engine thread busy until it exits, so that everything
+    submitted inside is waiting together when it is served."""
+    class Gate:
+        def __enter__(self):
+            self.gate = threading.Event()
+            self.busy = e.call(self.gate.wait, T)
+            return self
+
+        def __exit__(self, *exc):
+            self.gate.set()
+            self.busy.result(timeout=T)
+    return Gate()
+
+
+def tokens_of(events) -> list[tuple]:
+    return [(ev.token, ev.text) for ev in events if isinstance(ev, TokenEvent)]
+
+
+def check_shape(events, batched: bool) -> None:
+    """ProgressEvents (ending at total/total), TokenEvents, one StatsEvent, FinishedEvent."""
+    kinds = [type(ev) for ev in events]
+    assert kinds[-1] is FinishedEvent and kinds[-2] is StatsEvent
+    assert kinds.count(StatsEvent) == 1 and kinds.count(FinishedEvent) == 1
+    progress = [ev for ev in events if isinstance(ev, ProgressEvent)]
+    assert progress and progress[-1].done == progress[-1].total
+    assert [(p.done, p.total) for p in progress] == sorted((p.done, p.total) for p in progress)
+    first_token = next((i for i, k in enumerate(kinds) if k is TokenEvent), len(kinds) - 2)
+    assert all(k is ProgressEvent for k in kinds[:first_token])
+    assert all(k is TokenEvent for k in kinds[first_token:-2])
+    assert events[-2].batched is batched
+
+
+def same_as_alone(alone_engine, req: Request, events) -> None:
+    ref = []
+    alone_engine.submit(req, callback=ref.append).result(timeout=T)
+    assert tokens_of(events) == tokens_of(ref)
+    assert (events[-1].reason, events[-1].detail) == (ref[-1].reason, ref[-1].detail)
+    assert events[-2].generated_tokens == ref[-2].generated_tokens
+    assert events[-2].prompt_tokens == ref[-2].prompt_tokens
+
+
+def test_rows_decoded_together_equal_each_request_alone(eng, alone_engine):
+    prompts = token_prompts(6, seed=3)
+    # Two of them continue prompts the cache has seen: they join with a cached prefix.
+    for p in prompts[:2]:
+        eng.submit(Request(prompt_tokens=p, params=greedy(max_tokens=5))).result(timeout=T)
+    reqs = [Request(prompt_tokens=p + ([7, 8, 9] if i < 2 else []),
+                    params=greedy(max_tokens=8 + 5 * i)) for i, p in enumerate(prompts)]
+    rec = Recorder(eng)
+    with held(eng):
+        for r in reqs:
+            rec.submit(r)
+    results = [h.result(timeout=T) for h in rec.handles]
+    for i, (req, h) in enumerate(zip(reqs, rec.handles)):
+        events = rec.events[h.id]
+        check_shape(events, batched=True)
+        same_as_alone(alone_engine, req, events)
+        if i < 2:
+            assert results[i].stats.cached_tokens > 0
+    assert eng.stats(timeout=T)["active"] == 0
+
+
+@pytest.mark.parametrize("spec", ["off", "ngram"])
+def test_rows_join_at_different_steps(eng, alone_engine, spec):
+    """A request decoding alone (speculating or not) moves into a batch when the second
+    arrives (after its third token); a third joins the running batch later; all equal
+    their alone output."""
+    a, b, c = token_prompts(3, seed=11, longest=40)
+    a = a + a  # something for prompt lookup to propose
+    rec = Recorder(eng)
+    req_a = Request(prompt_tokens=a, params=greedy(max_tokens=30), spec=spec)
+    req_b = Request(prompt_tokens=b, params=greedy(max_tokens=20))
+    req_c = Request(prompt_tokens=c, params=greedy(max_tokens=12))
+    active = []
+
+    def after_a(ev, log):
+        if isinstance(ev, TokenEvent) and sum(isinstance(x, TokenEvent) for x in log) == 3:
+            rec.submit(req_b, on_event=after_b)
+
+    def after_b(ev, log):
+        if isinstance(ev, TokenEvent) and sum(isinstance(x, TokenEvent) for x in log) == 4:
+            rec.submit(req_c)
+            active.append(eng.stats(timeout=T)["active"])  # a quick call, between steps
+
+    rec.submit(req_a, on_event=after_a)
+    for h in rec.handles[:1]:
+        h.result(timeout=T)
+    for h in list(rec.handles):
+        h.result(timeout=T)
+    assert len(rec.handles) == 3
+    assert active == [2]
+    for req, h in zip((req_a, req_b, req_c), rec.handles):
+        events = rec.events[h.id]
+        check_shape(events, batched=True)
+        same_as_alone(alone_engine, req, events)
+
+
+def test_a_lone_request_stays_single_stream(eng):
+    r = eng.submit(Request(prompt_tokens=token_prompts(1, seed=5)[0],
+                           params=greedy(max_tokens=6))).result(timeout=T)
+    assert not r.stats.batched and len(r.tokens) == 6
+
+
+def test_stop_strings_max_tokens_and_logprobs_per_row(eng, alone_engine):
+    prompts = token_prompts(4, seed=21, longest=30)
+    # a stop string each row's own greedy text really contains, a few tokens in
+    texts = [alone_engine.submit(Request(prompt_tokens=p, params=greedy(max_tokens=24))
+                                 ).result(timeout=T).text for p in prompts]
+    stops = [t[len(t) // 2: len(t) // 2 + 3] for t in texts]
+    reqs = [Request(prompt_tokens=prompts[0], params=greedy(max_tokens=24, stop=(stops[0],))),
+            Request(prompt_tokens=prompts[1], params=greedy(max_tokens=3)),
+            Request(prompt_tokens=prompts[2], params=greedy(max_tokens=24, stop=(stops[2],)),
+                    logprobs=3),
+            Request(prompt_tokens=prompts[3], params=greedy(max_tokens=17), logprobs=0)]
+    rec = Recorder(eng)
+    with held(eng):
+        for r in reqs:
+            rec.submit(r)
+    got = [h.result(timeout=T) for h in rec.handles]
+    assert got[0].finish_reason == "stop" and got[0].finish_detail == stops[0]
+    assert stops[0] not in got[0].text
+    assert got[1].finish_reason == "length" and len(got[1].tokens) == 3
+    assert got[2].finish_detail == stops[2]
+    assert got[3].finish_reason == "length" and len(got[3].tokens) == 17
+    for req, h in zip(reqs, rec.handles):
+        same_as_alone(alone_engine, req, rec.events[h.id])
+    for i in (2, 3):
+        batched = [ev for ev in rec.events[rec.handles[i].id] if isinstance(ev, TokenEvent)
+                   and ev.token is not None]
+        ref = []
+        alone_engine.submit(reqs[i], callback=ref.append).result(timeout=T)
+        ref = [ev for ev in ref if isinstance(ev, TokenEvent) and ev.token is not None]
+        for x, y in zip(batched, ref):
+            assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+            if reqs[i].logprobs:
+                assert [t for t, _ in x.top_logprobs] == [t for t, _ in y.top_logprobs]
+                assert x.top_logprobs[0][0] == x.token  # greedy: the most likely one
+            else:
+                assert x.top_logprobs is None and y.top_logprobs is None
+
+
+def test_cancel_one_row_mid_batch(eng, alone_engine):
+    prompts = token_prompts(3, seed=31, longest=30)
+    reqs = [Request(prompt_tokens=p, params=greedy(max_tokens=25)) for p in prompts]
+    rec = Recorder(eng)
+
+    def cancel_after_three(ev, log):
+        if isinstance(ev, TokenEvent) and sum(isinstance(x, TokenEvent) for x in log) == 3:
+            rec.handles[1].cancel()
+
+    with held(eng):
+        rec.submit(reqs[0])
+        rec.submit(reqs[1], on_event=cancel_after_three)
+        rec.submit(reqs[2])
+    got = [h.result(timeout=T) for h in rec.handles]
+    # cancelled right after its third token: the next step no longer decodes it
+    assert got[1].finish_reason == "cancelled" and len(got[1].tokens) == 3
+    ref = alone_engine.submit(reqs[1]).result(timeout=T)
+    assert got[1].tokens == ref.tokens[:3]
+    for i in (0, 2):
+        assert got[i].finish_reason == "length" and got[i].stats.batched
+        same_as_alone(alone_engine, reqs[i], rec.events[rec.handles[i].id])
+    assert eng.stats(timeout=T)["cancelled"] >= 1
+
+
+def test_cancel_from_another_thread_ends_the_row(eng):
+    prompts = token_prompts(2, seed=41, longest=20)
+    started = threading.Event()
+    with held(eng):
+        hs = [eng.submit(Request(prompt_tokens=p, params=greedy(max_tokens=2000)),
+                         callback=lambda ev: started.set() if isinstance(ev, TokenEvent) else None)
+              for p in prompts]
+    assert started.wait(T)
+    hs[0].cancel()
+    assert hs[0].result(timeout=T).finish_reason == "cancelled"
+    hs[1].cancel()
+    assert hs[1].result(timeout=T).finish_reason == "cancelled"
+
+
+def test_a_full_queue_refuses_at_once(tiny_qwen3):
+    with Engine(str(tiny_qwen3), max_queue=2).start(timeout=T) as e:
+        with held(e):
+            hs = [e.submit(Request(prompt="hello there", params=greedy(max_tokens=3)))
+                  for _ in range(2)]
+            with pytest.raises(QueueFull, match="max_queue is 2"):
+                e.submit(Request(prompt="one too many", params=greedy(max_tokens=3)))
+        assert all(h.result(timeout=T).finish_reason == "length" for h in hs)
+        assert e.submit(Request(prompt="room again", params=greedy(max_tokens=3))
+                        ).result(timeout=T).tokens
+        assert e.stats(timeout=T)["queued"] == 0
+    with pytest.raises(ValueError, match="at least 1"):
+        Engine(str(tiny_qwen3), max_queue=0)
+
+
+@pytest.fixture(scope="module")
+def sliding_model():
+    # A sliding-window layer: a rotating cache, which cannot move into a batch.
+    return build_random_model(TEST_MODELS / "llama-tiny-sliding16", arch="llama",
+                              sliding_window=16,
+                              layer_types=["sliding_attention", "full_attention"])
+
+
+def test_a_model_whose_caches_cannot_be_batched_is_served_one_at_a_time(sliding_model):
+    prompts = token_prompts(4, seed=51, longest=50)
+    reqs = [Request(prompt_tokens=p, params=greedy(max_tokens=20)) for p in prompts]
+    with Engine(str(sliding_model), max_batch=1).start(timeout=T) as ref:
+        alone = [ref.submit(r).result(timeout=T) for r in reqs]
+    with Engine(str(sliding_model), prefix_cache=ram_cache()).start(timeout=T) as e:
+        assert e.stats(timeout=T)["batching"] is False
+        with held(e):
+            hs = [e.submit(r) for r in reqs]
+        got = [h.result(timeout=T) for h in hs]
+    for a, b in zip(alone, got):
+        assert (b.tokens, b.text, b.finish_reason) == (a.tokens, a.text, a.finish_reason)
+        assert not b.stats.batched
+
+
+def test_batched_rows_are_stored_and_hit_later(tiny_qwen3, alone_engine):
+    prompts = token_prompts(3, seed=61, longest=60)
+    prompts = [p + [5] * 20 for p in prompts]  # long enough for a whole cache block
+    with Engine(str(tiny_qwen3), prefix_cache=ram_cache()).start(timeout=T) as e:
+        with held(e):
+            hs = [e.submit(Request(prompt_tokens=p, params=greedy(max_tokens=10)))
+                  for p in prompts]
+        first = [h.result(timeout=T) for h in hs]
+        assert all(r.stats.batched and r.stats.cached_tokens == 0 for r in first)
+        for p, r in zip(prompts, first):
+            # the next turn: the prompt, the reply, and more
+            follow = p + r.tokens + [9, 10, 11]
+            again = e.submit(Request(prompt_tokens=follow, params=greedy(max_tokens=6))
+                             ).result(timeout=T)
+            assert again.stats.cached_tokens >= len(p)
+            ref = alone_engine.submit(Request(prompt_tokens=follow, params=greedy(max_tokens=6))
+                                      ).result(timeout=T)
+            assert again.tokens == ref.tokens
+        assert e.stats(timeout=T)["cache"]["ram_entries"] >= 3
+
+
+def test_requests_that_must_run_alone_wait_for_the_batch(eng, alone_engine):
+    """A seeded sampled request keeps its own random stream: it is served alone, after the
+    batch ahead of it, and answers as it does on an idle engine."""
+    prompts = token_prompts(3, seed=71, longest=20)
+    seeded = Request(prompt_tokens=prompts[2],
+                     params=SamplingParams(temperature=0.9, top_p=1.0, top_k=0, min_p=0.0,
+                                           repetition_penalty=1.0, seed=123, max_tokens=12))
+    with held(eng):
+        hs = [eng.submit(Request(prompt_tokens=p, params=greedy(max_tokens=10)))
+              for p in prompts[:2]]
+        hs.append(eng.submit(seeded))
+    got = [h.result(timeout=T) for h in hs]
+    assert got[0].stats.batched and got[1].stats.batched and not got[2].stats.batched
+    assert got[2].tokens == alone_engine.submit(seeded).result(timeout=T).tokens
+
+
+def test_a_batch_step_that_fails_is_answered_again_row_by_row(tiny_qwen3, alone_engine,
+                                                                monkeypatch):
+    """A cached state of the wrong shape breaks the batch it joins: every row is answered
+    again on its own, from scratch, with the same output, and the bad state is dropped."""
+    monkeypatch.setattr(engine_module, "_warned", set())  # warnings of this test only
+    pc = ram_cache()
+    prompts = token_prompts(3, seed=81, longest=40)
+    prompts[0] = [4] * 40 + prompts[0]
+    reqs = [Request(prompt_tokens=p, params=greedy(max_tokens=8)) for p in prompts]
+    with Engine(str(tiny_qwen3), prefix_cache=pc).start(timeout=T) as e:
+        heads = e.loaded.config["num_key_value_heads"]
+
+        def plant():
+            import mlx.core as mx
+            from mlx_lm.models.cache import KVCache
+
+            layers = []
+            for _ in range(e.loaded.config["num_hidden_layers"]):
+                c = KVCache()
+                bad = mx.ones((1, heads, 32, 3))  # head_dim is 16
+                c.update_and_fetch(bad, bad)
+                layers.append(c)
+            pc.store(prompts[0][:32], layers, e.namespace)
+
+        e.call(plant).result(timeout=T)
+        with held(e):
+            hs = [e.submit(r) for r in reqs]
+        got = [h.result(timeout=T) for h in hs]
+        assert e.stats(timeout=T)["retries"] >= 1
+        again = e.submit(reqs[0]).result(timeout=T)
+        assert not again.stats.retried
+    for r, req in zip(got, reqs):
+        ref = alone_engine.submit(req).result(timeout=T)
+        assert (r.tokens, r.text) == (ref.tokens, ref.text)
+    assert all(r.stats.retried for r in got)  # the whole batch was answered again
