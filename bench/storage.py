@@ -10,7 +10,12 @@ so the plain-file limits are measured on the same filesystem. Throughput ratios 
 divided by the other; "warm" means the files are in the page cache, "cold" means their
 pages were dropped with posix_fadvise(DONTNEED) (fsync first) where the OS honours it.
 
-restore_vs_mlx_lm counts the allocation of the destination mx arrays (mlx-lm's load
+ssd_restore_vs_mlx_lm is the engine's whole SSD hit, in a new process: a model of the same
+KV shape (random weights, bf16) is built and bound to a PrefixCache on the stored state
+(the KV arena is prepared then, as during a model load), and the time from ``lookup`` to
+the restored KV cache ready is compared with mlx-lm's ``load_prompt_cache`` + eval of the
+same state in its own new process, both with the files in the page cache; the two kinds of
+process alternate. restore_vs_mlx_lm counts the allocation of the destination mx arrays (mlx-lm's load
 allocates its own) the way the engine allocates them, without a zero fill
 (engine.cache.buffers); restore_zeroed_vs_mlx_lm is the same with zero-filled destinations
 (the engine's fallback); restore_prealloc_vs_mlx_lm is the restore into arrays the engine
@@ -90,6 +95,57 @@ def mlx_lm_cache() -> tuple[Any, str]:
         from mlx_lm.models import cache
 
         return cache, " (mlx_lm loaded without its package __init__)"
+
+
+# ----------------------------------------------------------------------------- SSD hit
+NS = "bench-storage-bf16"
+
+
+def bench_kv_model() -> Any:
+    """A model whose KV cache has the benchmark's shape (32 layers x 8 KV heads x 128 dim,
+    bf16): small random weights, since only its cache layout matters here."""
+    import mlx.core as mx
+
+    from bench.modelgen import init_model, model_config
+
+    model = init_model(model_config("llama", 512, num_hidden_layers=LAYERS, hidden_size=256,
+                                    intermediate_size=256, num_attention_heads=HEADS,
+                                    num_key_value_heads=HEADS, head_dim=DIM), seed=0)
+    model.set_dtype(mx.bfloat16)
+    return model
+
+
+def child_restore(args: argparse.Namespace) -> int:
+    """One new process: the engine's SSD hit (``ours``) or mlx-lm's load (``mlx``)."""
+    import mlx.core as mx
+
+    out: dict[str, Any] = {}
+    if args.child_restore == "mlx":
+        C, _ = mlx_lm_cache()
+        t = time.perf_counter()
+        cache = C.load_prompt_cache(args.mlx_file)
+        mx.eval([c.state for c in cache])
+        out["s"] = time.perf_counter() - t
+        out["n"] = int(cache[0].offset)
+    else:
+        from engine.cache import PrefixCache
+
+        model = bench_kv_model()  # "loading the model"
+        pc = PrefixCache(ram_bytes=1 << 34, cache_dir=args.store_dir, block_tokens=256)
+        pc.bind_model(NS, model)  # as the engine does during a load: the arena is prepared
+        prompt = list(range(args.tokens)) + [7]
+        t = time.perf_counter()
+        n, cache = pc.lookup(prompt, NS)
+        if cache is not None:
+            mx.eval([c.state for c in cache])
+        out["s"] = time.perf_counter() - t
+        out["n"] = n
+        st = pc.stats()
+        out["arena_hits"] = st["arena_hits"]
+        out["tier"] = st["last"]["tier"]
+        pc.close(10)
+    print(json.dumps(out))
+    return 0
 
 
 class Bench:
@@ -353,6 +409,60 @@ class Bench:
         self.res["restore_cold_vs_limit"] = tp / to
         self.res["cold_pages_dropped"] = bool(honoured)
 
+    def ssd_restore(self) -> None:
+        """The engine's SSD hit in a new process vs mlx-lm's load of the same state."""
+        import subprocess
+
+        from engine.cache import PrefixCache
+
+        mx, T, R = self.mx, self.T, self.R
+        C, note = mlx_lm_cache()
+        model = bench_kv_model()
+        cache = [C.KVCache() for _ in range(LAYERS)]
+        for li, c in enumerate(cache):
+            c.update_and_fetch(self.src[2 * li], self.src[2 * li + 1])
+        mx.eval([c.state for c in cache])
+        root = os.path.join(self.dir, "engine-store")
+        pc = PrefixCache(ram_bytes=1 << 34, cache_dir=root, block_tokens=256)
+        pc.bind_model(NS, model)  # checks the stored state against this model's caches
+        pc.store(list(range(T)), cache, NS)
+        rep = pc.close(120)
+        if rep["durable"] != 1:
+            raise RuntimeError(f"the state was not persisted: {rep}")
+        mlx_file = os.path.join(self.dir, "mlx_lm_engine.safetensors")
+        C.save_prompt_cache(mlx_file, cache)
+        del cache, pc
+        files = [os.path.join(dp, f) for dp, _, fs in os.walk(root) for f in fs] + [mlx_file]
+
+        def warm() -> None:  # the same page-cache state for both: every file cached
+            for p in files:
+                with open(p, "rb") as f:
+                    while f.read(16 << 20):
+                        pass
+
+        def child(kind: str) -> dict:
+            cmd = [sys.executable, "-m", "bench.storage", "--child-restore", kind,
+                   "--store-dir", root, "--mlx-file", mlx_file, "--tokens", str(T)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False,
+                                  cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            if proc.returncode != 0:
+                raise RuntimeError(f"restore child failed:\n{proc.stderr[-3000:]}")
+            return json.loads(proc.stdout.strip().splitlines()[-1])
+
+        ours, theirs, hits = [], [], 0
+        for r in range(R):
+            for kind in (("ours", "mlx") if r % 2 == 0 else ("mlx", "ours")):
+                warm()
+                res = child(kind)
+                if res["n"] != T:
+                    raise RuntimeError(f"{kind}: restored {res['n']} of {T} tokens ({res})")
+                (ours if kind == "ours" else theirs).append(res["s"])
+                hits += res.get("arena_hits", 0)
+        to, tm = statistics.median(ours), statistics.median(theirs)
+        self.add(f"SSD hit, new process: lookup to KV ready (arena hits {hits}/{R})", to, self.nbytes)
+        self.add(f"  mlx-lm load_prompt_cache + eval, new process{note}", tm, self.nbytes)
+        self.res["ssd_restore_vs_mlx_lm"] = tm / to
+
     def kernels(self) -> None:
         K, R = self.K, max(self.R, 5)
         buf = self.blob[: 256 << 20]
@@ -545,6 +655,8 @@ class Bench:
             self.make_source()
             self.persist()
             self.restore()
+            if self.mx is not None:
+                self.ssd_restore()
             self.kernels()
             self.gil()
             self.dedup()
@@ -567,8 +679,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="threads verifying blocks of one restore (default: store's)")
     p.add_argument("--no-mlx", action="store_true",
                    help="skip the mlx / mlx-lm parts (numpy sources and destinations)")
+    p.add_argument("--child-restore", choices=("ours", "mlx"), help=argparse.SUPPRESS)
+    p.add_argument("--store-dir", help=argparse.SUPPRESS)
+    p.add_argument("--mlx-file", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.tokens = args.tokens or (8192 if args.full else 2048)
+    if args.child_restore:
+        return child_restore(args)
     if args.tokens % 256:
         p.error("--tokens must be a multiple of 256 (the block size)")
     args.repeats = max(3, args.repeats)
@@ -585,7 +702,7 @@ def main(argv: list[str] | None = None) -> int:
     for what, a, c in b.rows:
         print(f"  {what:<{w}}  {a:>16}  {c}")
     print("ratios (ours / other, throughput):")
-    for k in ("persist_vs_limit", "persist_vs_mlx_lm", "restore_vs_mlx_lm",
+    for k in ("persist_vs_limit", "persist_vs_mlx_lm", "ssd_restore_vs_mlx_lm", "restore_vs_mlx_lm",
               "restore_zeroed_vs_mlx_lm", "restore_prealloc_vs_mlx_lm", "restore_vs_memcpy", "restore_cold_vs_limit",
               "hash_vs_xxhash", "packhash_vs_pack", "gil_ratio", "gil_max_stall_ms",
               "gil_control_ratio", "dedup_ratio", "scan_10k_s", "scan_10k_cold_s"):

@@ -113,7 +113,7 @@ class Arena:
                 if self.nbytes + need > self.budget_bytes:
                     break  # over budget: restores of this size allocate as before
                 shapes = [(1, o, sp.capacity, *shape) for o, shape, _ in sp.sig]
-                sp.free.append(kb.writable_arrays(shapes, sp.dtypes))
+                sp.free.append(kb.writable_arrays(shapes, sp.dtypes, huge=True))
                 self.allocated += 1
                 done += need
         return done

@@ -204,7 +204,8 @@ def lend_checkpoint(cp: Checkpoint) -> list:
 
 
 # ----------------------------------------------------------------------------- buffers
-def writable_arrays(shapes: list[tuple[int, ...]], dtypes: list[mx.Dtype]) -> list[mx.array]:
+def writable_arrays(shapes: list[tuple[int, ...]], dtypes: list[mx.Dtype],
+                    huge: bool = False) -> list[mx.array]:
     """Evaluated arrays, each backed by its own writable, C-contiguous buffer.
 
     Restores write into them through the buffer protocol (on the reader thread) with no
@@ -212,12 +213,13 @@ def writable_arrays(shapes: list[tuple[int, ...]], dtypes: list[mx.Dtype]) -> li
     their bytes are unspecified until the restore writes them, and only restored rows are
     ever inside a cache's ``offset``. Where that allocation fails, zero-filled arrays are
     used instead. A broadcast of one element, a shared or read-only buffer are checked for,
-    never assumed away.
+    never assumed away. ``huge``: ask for transparent huge pages (see
+    ``buffers.prefault``).
     """
     arrays = None
     if mxb.unfilled_usable():
         try:
-            arrays = mxb.unfilled_arrays(shapes, dtypes)
+            arrays = mxb.unfilled_arrays(shapes, dtypes, huge=huge)
         except Exception as exc:  # noqa: BLE001  (an MLX without the .npy stream path)
             mxb.give_up_unfilled(f"cannot allocate unfilled restore buffers ({exc})")
     if arrays is None:
