@@ -92,9 +92,11 @@ def claude_tools(body: dict) -> list[dict[str, Any]] | None:
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or not isinstance(t.get("name"), str):
             raise ApiError(400, f"tools[{i}] needs a name", f"tools[{i}]")
-        fn: dict[str, Any] = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object"}}
+        # the order OpenAI clients send (templates render the tool JSON as given)
+        fn: dict[str, Any] = {"name": t["name"]}
         if isinstance(t.get("description"), str):
             fn["description"] = t["description"]
+        fn["parameters"] = t.get("input_schema") or {"type": "object"}
         out.append({"type": "function", "function": fn})
     return out
 

@@ -95,7 +95,7 @@ async def stats(http: HttpRequest, ctx: Context) -> Response:
         "engine": {k: v for k, v in figures.items() if k not in ("cache", "spec")},
         "cache": figures.get("cache"), "spec": figures.get("spec"),
         "server": {"in_flight": gate.in_flight, "limit": gate.limit, "served": gate.served,
-                   "rejected": gate.rejected}}), media_type="application/json")
+                   "rejected": gate.rejected, "cancelled": gate.cancelled}}), media_type="application/json")
 
 
 async def flush(http: HttpRequest, ctx: Context) -> Response:

@@ -10,11 +10,12 @@ before its next step.
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
-from engine.requests import EngineError, ErrorEvent, FinishedEvent, Request, RequestRefused
+from engine.requests import EngineError, ErrorEvent, FinishedEvent, Request, RequestRefused, TokenEvent
 from server.errors import ApiError
 
 try:  # the engine's own bound on waiting requests (when it has one)
@@ -29,10 +30,13 @@ class Gate:
 
     def __init__(self, limit: int):
         self.limit = limit
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self.in_flight = 0
         self.rejected = 0
         self.served = 0
+        self.cancelled = 0
+        # (finish reason, tokens generated) of the last requests that ended
+        self.recent: collections.deque[tuple[str, int]] = collections.deque(maxlen=64)
 
     def enter(self) -> None:
         with self._lock:
@@ -42,10 +46,18 @@ class Gate:
                                     f"the limit is {self.limit}); retry later")
             self.in_flight += 1
 
-    def leave(self) -> None:
+    def leave(self, reason: str = "error", generated: int = 0) -> None:
         with self._lock:
             self.in_flight -= 1
             self.served += 1
+            self.cancelled += reason == "cancelled"
+            self.recent.append((reason, generated))
+            self._lock.notify_all()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no request is in flight (False if ``timeout`` passed first)."""
+        with self._lock:
+            return self._lock.wait_for(lambda: self.in_flight == 0, timeout)
 
 
 class EventStream:
@@ -57,6 +69,7 @@ class EventStream:
         self._loop = loop
         self._gate = gate
         self._left = False
+        self._generated = 0
         self.first_progress: Any = None  # prompt tokens and cached tokens, before the prefill
         gate.enter()
         try:
@@ -70,14 +83,16 @@ class EventStream:
                 raise ApiError(503, f"the engine is not serving: {e}") from None
             raise
 
-    def _leave(self) -> None:
+    def _leave(self, reason: str = "error") -> None:
         if not self._left:
             self._left = True
-            self._gate.leave()
+            self._gate.leave(reason, self._generated)
 
     def _on_event(self, event: Any) -> None:  # engine thread
-        if isinstance(event, (FinishedEvent, ErrorEvent)):
-            self._leave()
+        if isinstance(event, TokenEvent) and event.token is not None:
+            self._generated += 1
+        elif isinstance(event, (FinishedEvent, ErrorEvent)):
+            self._leave(event.reason if isinstance(event, FinishedEvent) else "error")
         try:
             self._loop.call_soon_threadsafe(self.queue.put_nowait, event)
         except RuntimeError:  # the loop is closed: nobody is listening any more

@@ -1,0 +1,349 @@
+"""`mlxkv serve` against `mlx_lm.server` on the bench model, both over HTTP on loopback,
+in one run (ratios inside the run; the figures of one machine mean nothing on another).
+
+1. Aggregate decode tok/s at 1, 2, 4 and 8 concurrent streams (greedy chat, distinct
+   prompts): generated tokens of all streams / (last token - first token of the run).
+2. A multi-user, multi-round trace: users share a 1,000-token system prompt, each has its
+   own conversation; mean time to first token of the later rounds.
+3. Restart: a long (>= 4,000-token) prompt is sent once, both servers are restarted, and
+   the same prompt is sent again: its time to first token.
+4. Load (ours): 200 requests from 16 concurrent clients, twice; errors and the server's
+   RSS after each run.
+
+    python -m bench.server [--json] [--quick]
+
+The last line with --json is one JSON object: agg_vs_mlx_lm_{1,2,4,8} (>= 1.0 wanted),
+agg4_vs_single (>= 2.0), later_round_ttft_vs_mlx_lm (<= 0.5), restart_ttft_vs_mlx_lm
+(<= 0.1), and the load figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+# One BLAS thread per server, as bench.engine: on 2 shared cores a descheduled BLAS worker
+# makes every matmul wait. Both servers get the same environment.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+ROOT = Path(__file__).resolve().parent.parent
+WORDS = ("cache block token prefix model server request stream decode batch layer key value "
+         "python engine thread storage arena write read flush restore query answer").split()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------- servers
+class Served:
+    """One server process on a loopback port: ours (``mlxkv serve``) or mlx-lm's."""
+
+    def __init__(self, kind: str, model: Path, cache_dir: Path, max_batch: int = 8,
+                 extra: tuple[str, ...] = ()):
+        self.kind, self.model, self.cache_dir, self.extra = kind, model, cache_dir, extra
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.returncode: int | None = None
+        self.max_batch = max_batch
+
+    def command(self) -> list[str]:
+        if self.kind == "mlxkv":
+            return [sys.executable, str(ROOT / "mlxkv.py"), "serve", "--model", str(self.model),
+                    "--port", str(self.port), "--cache-dir", str(self.cache_dir / "kv"),
+                    "--max-requests", "256", *self.extra]
+        return [sys.executable, "-m", "mlx_lm", "server", "--model", str(self.model), "--port",
+                str(self.port), "--log-level", "WARNING", "--decode-concurrency", str(self.max_batch)]
+
+    def start(self, timeout: float = 300.0) -> Served:
+        import httpx2 as httpx
+
+        env = {**os.environ, "XDG_CONFIG_HOME": str(self.cache_dir / "config"), "HF_HUB_OFFLINE": "1"}
+        self.log = open(self.cache_dir / f"{self.kind}.log", "ab")
+        self.proc = subprocess.Popen(self.command(), cwd=ROOT, env=env, stdout=self.log, stderr=self.log)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.kind} server exited ({self.proc.returncode}); see "
+                                   f"{self.cache_dir / (self.kind + '.log')}")
+            try:
+                probe = "/health" if self.kind == "mlxkv" else "/v1/models"
+                if httpx.get(self.url + probe, timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.kind} server did not answer within {timeout} s")
+
+    def stop(self, timeout: float = 120.0) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc is not None:
+            self.returncode = self.proc.returncode
+        self.proc = None
+        self.log.close()
+
+    def rss_bytes(self) -> int:
+        with open(f"/proc/{self.proc.pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+
+# ------------------------------------------------------------------------- clients
+def stream_chat(url: str, messages: list[dict], max_tokens: int, timeout: float = 600.0) -> dict[str, Any]:
+    """One streamed greedy chat request: text, token count (from usage when given) and
+    the times of the request, the first and the last content chunk."""
+    import httpx2 as httpx
+
+    body = {"model": "bench", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first = last = None
+    chunks, text, usage = 0, [], None
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=timeout) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:200]!r}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            if "error" in obj:
+                raise RuntimeError(str(obj["error"])[:200])
+            if obj.get("usage"):
+                usage = obj["usage"]
+            for choice in obj.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    now = time.perf_counter()
+                    first = first or now
+                    last = now
+                    chunks += 1
+                    text.append(piece)
+    tokens = usage["completion_tokens"] if usage else chunks
+    return {"t0": t0, "first": first or time.perf_counter(), "last": last or time.perf_counter(),
+            "tokens": tokens, "text": "".join(text),
+            "cached": ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")}
+
+
+def aggregate_tps(url: str, streams: int, max_tokens: int, salt: str) -> float:
+    """Generated tokens of ``streams`` concurrent requests per second of their decoding."""
+    prompts = [f"{salt} stream {i}: " + " ".join(random.Random(i).choices(WORDS, k=20))
+               for i in range(streams)]
+    with ThreadPoolExecutor(streams) as pool:
+        runs = list(pool.map(lambda p: stream_chat(url, [{"role": "user", "content": p}], max_tokens), prompts))
+    start = min(r["first"] for r in runs)
+    end = max(r["last"] for r in runs)
+    decoded = sum(max(r["tokens"] - 1, 0) for r in runs)  # tokens after each stream's first
+    return decoded / max(end - start, 1e-9)
+
+
+def text_of_tokens(model: Path, n: int, seed: int) -> str:
+    """Text that the bench model's tokenizer reads as about ``n`` tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    rng = random.Random(seed)
+    words: list[str] = []
+    while True:
+        words += rng.choices(WORDS, k=200)
+        text = " ".join(words)
+        if len(tok.encode(text)) >= n:
+            return text
+
+
+def trace_ttft(url: str, system: str, users: int, rounds: int, max_tokens: int) -> list[list[float]]:
+    """TTFT per round per user: users take turns, each continuing its own conversation
+    after the shared system prompt."""
+    convs = [[{"role": "system", "content": system}] for _ in range(users)]
+    out: list[list[float]] = []
+    for r in range(rounds):
+        row = []
+        for u in range(users):
+            convs[u].append({"role": "user", "content": f"user {u} round {r}: " +
+                             " ".join(random.Random(u * 100 + r).choices(WORDS, k=30))})
+            res = stream_chat(url, convs[u], max_tokens)
+            row.append(res["first"] - res["t0"])
+            convs[u].append({"role": "assistant", "content": res["text"]})
+        out.append(row)
+    return out
+
+
+def load_run(url: str, requests: int = 200, clients: int = 16, max_tokens: int = 8,
+             headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """``requests`` non-streamed and streamed chat requests from ``clients`` concurrent
+    clients (each with its own connection); counts errors."""
+    import httpx2 as httpx
+
+    errors: list[str] = []
+    lock = threading.Lock()
+    counter = iter(range(requests))
+
+    def client(c: int) -> int:
+        done = 0
+        with httpx.Client(base_url=url, timeout=300, headers=headers or {}) as http:
+            while True:
+                with lock:
+                    i = next(counter, None)
+                if i is None:
+                    return done
+                body = {"model": "m", "max_tokens": max_tokens, "temperature": 0.0, "stream": i % 2 == 1,
+                        "messages": [{"role": "user", "content": f"load {i % 37}: " + WORDS[i % len(WORDS)]}]}
+                try:
+                    r = http.post("/v1/chat/completions", json=body)
+                    if r.status_code != 200 or (i % 2 == 1 and "[DONE]" not in r.text):
+                        raise RuntimeError(f"HTTP {r.status_code}: {r.text[:120]}")
+                    if i % 2 == 0 and r.json()["usage"]["completion_tokens"] < 1:
+                        raise RuntimeError("no tokens")
+                except Exception as e:
+                    with lock:
+                        errors.append(f"{type(e).__name__}: {e}")
+                done += 1
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        done = sum(pool.map(client, range(clients)))
+    return {"requests": done, "errors": len(errors), "first_errors": errors[:3],
+            "seconds": time.perf_counter() - t0}
+
+
+# --------------------------------------------------------------------------- the run
+def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
+    from bench.models import bench_model_path
+
+    model = bench_model_path()
+    work = Path(tempfile.mkdtemp(prefix="mlxkv-bench-server-"))
+    ours = Served("mlxkv", model, work)
+    theirs = Served("mlx_lm", model, work)
+    out: dict[str, Any] = {"model": str(model), "quick": args.quick,
+                           "load_avg_start": os.getloadavg()[0]}
+    try:
+        log("starting both servers")
+        ours.start()
+        theirs.start()
+        # warm each (first request compiles and allocates)
+        for s in (ours, theirs):
+            stream_chat(s.url, [{"role": "user", "content": "warm up"}], 4)
+
+        # 1. aggregate decode at 1..8 streams
+        tps: dict[str, dict[int, float]] = {"mlxkv": {}, "mlx_lm": {}}
+        for n in args.streams:
+            for s in (ours, theirs):
+                tps[s.kind][n] = statistics.median(
+                    aggregate_tps(s.url, n, args.decode_tokens, f"{s.kind}{n}r{k}") for k in range(args.reps))
+            out[f"agg_vs_mlx_lm_{n}"] = tps["mlxkv"][n] / tps["mlx_lm"][n]
+            log(f"{n} streams: ours {tps['mlxkv'][n]:.1f} tok/s, mlx-lm {tps['mlx_lm'][n]:.1f} tok/s")
+        out["agg_tps"] = tps
+        if 4 in tps["mlxkv"] and 1 in tps["mlxkv"]:
+            out["agg4_vs_single"] = tps["mlxkv"][4] / tps["mlxkv"][1]
+
+        # 2. multi-user multi-round trace with a shared system prompt
+        system = text_of_tokens(model, args.system_tokens, seed=7)
+        ttft: dict[str, list[list[float]]] = {}
+        for s in (ours, theirs):
+            ttft[s.kind] = trace_ttft(s.url, system, args.users, args.rounds, 8)
+        later = {k: statistics.mean(t for row in v[1:] for t in row) for k, v in ttft.items()}
+        out["later_round_ttft_s"] = later
+        out["first_round_ttft_s"] = {k: statistics.mean(v[0]) for k, v in ttft.items()}
+        out["later_round_ttft_vs_mlx_lm"] = later["mlxkv"] / later["mlx_lm"]
+        log(f"later-round TTFT: ours {later['mlxkv']:.3f} s, mlx-lm {later['mlx_lm']:.3f} s")
+
+        # 4. load (before the restart: the server has run everything above)
+        runs = []
+        for k in range(2):
+            res = load_run(ours.url, args.load_requests, 16)
+            res["rss_bytes"] = ours.rss_bytes()
+            runs.append(res)
+            log(f"load run {k + 1}: {res['requests']} requests, {res['errors']} errors, "
+                f"{res['seconds']:.1f} s, RSS {res['rss_bytes'] / 2**20:.0f} MiB")
+        out["load"] = runs
+        out["load_errors"] = runs[0]["errors"] + runs[1]["errors"]
+        out["load_rss_ratio"] = runs[1]["rss_bytes"] / runs[0]["rss_bytes"]
+
+        # 3. restart with a long prompt
+        long_text = text_of_tokens(model, args.long_tokens, seed=11)
+        messages = [{"role": "user", "content": long_text}]
+        for s in (ours, theirs):
+            stream_chat(s.url, messages, 4)
+        log("restarting both servers")
+        for s in (ours, theirs):
+            s.stop()  # ours drains and flushes its cache to the SSD tier on SIGTERM
+        restart: dict[str, float] = {}
+        cached: dict[str, Any] = {}
+        for s in (ours, theirs):
+            s.start()
+            res = stream_chat(s.url, messages, 4)
+            restart[s.kind] = res["first"] - res["t0"]
+            cached[s.kind] = res["cached"]
+        out["restart_ttft_s"] = restart
+        out["restart_cached_tokens"] = cached
+        out["restart_ttft_vs_mlx_lm"] = restart["mlxkv"] / restart["mlx_lm"]
+        log(f"TTFT after restart ({args.long_tokens} tokens): ours {restart['mlxkv']:.3f} s, "
+            f"mlx-lm {restart['mlx_lm']:.3f} s")
+    finally:
+        for s in (ours, theirs):
+            if s.proc is not None:
+                s.stop()
+        out["load_avg_end"] = os.getloadavg()[0]
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.server", description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true", help="one JSON object on the last line")
+    ap.add_argument("--quick", action="store_true", help="a short smoke run (smaller everything)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.streams, args.decode_tokens, args.reps = [1, 4], 16, 1
+        args.system_tokens, args.users, args.rounds, args.long_tokens = 300, 2, 2, 1000
+        args.load_requests = 40
+    else:
+        args.streams, args.decode_tokens, args.reps = [1, 2, 4, 8], 64, 1
+        args.system_tokens, args.users, args.rounds, args.long_tokens = 1000, 4, 3, 4096
+        args.load_requests = 200
+
+    def log(msg: str) -> None:
+        print(f"bench.server: {msg}", file=sys.stderr, flush=True)
+
+    out = measure(args, log)
+    targets = {"agg_vs_mlx_lm_1": (">=", 1.0), "agg_vs_mlx_lm_2": (">=", 1.0),
+               "agg_vs_mlx_lm_4": (">=", 1.0), "agg_vs_mlx_lm_8": (">=", 1.0),
+               "agg4_vs_single": (">=", 2.0), "later_round_ttft_vs_mlx_lm": ("<=", 0.5),
+               "restart_ttft_vs_mlx_lm": ("<=", 0.1), "load_errors": ("<=", 0),
+               "load_rss_ratio": ("<=", 1.1)}
+    if not args.json:
+        for key, (op, want) in targets.items():
+            if key in out:
+                ok = out[key] >= want if op == ">=" else out[key] <= want
+                print(f"{key:<28} {out[key]:8.3f}   target {op} {want}   {'ok' if ok else 'MISSED'}")
+    print(json.dumps(out, default=str) if args.json else "")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
