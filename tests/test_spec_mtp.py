@@ -141,7 +141,7 @@ def test_source_keeps_one_entry_per_target_position(target):
     _, hidden = view.forward(mx.array([prompt]), cache)
     src = provider.open(view, GREEDY)
     src.prefill(prompt, 0, hidden[0])
-    assert src.kv_entries == len(prompt) == src.tokens
+    assert src.tokens == len(prompt) and src.kv_entries == 0  # they run with the first proposal
     # Depth d + 1 feeds back the MTP's own output hidden with draft d.
     mtp, head, manual = provider.module, _lm_head(view), src.capture().cache
     g = mtp(view.embed(mx.array([[7]])), hidden[:, -1:], manual)
@@ -149,6 +149,7 @@ def test_source_keeps_one_entry_per_target_position(target):
     for _ in range(3):
         want.append(int(mx.argmax(head(g)[0, -1]).item()))
         g = mtp(view.embed(mx.array([[want[-1]]])), g, manual)
+    assert src.kv_entries == len(prompt)  # capture ran them
     proposal = src.propose(7, 3)
     assert proposal.tokens == want
     assert len(proposal.tokens) == 3 and proposal.probs is None
@@ -211,7 +212,7 @@ def test_capture_restore_round_trip_and_shorter_prefix(target):
     turn = _prompt(loaded, "\nprint(mtp(2))\n")
     _, rows = view.forward(mx.array([tokens + turn]), loaded.model.make_cache())
     again.prefill(tokens + turn, len(tokens), rows[0, len(tokens):])
-    assert again.tokens == again.kv_entries == len(tokens) + len(turn)
+    assert again.capture().tokens == tokens + turn and again.kv_entries == len(tokens) + len(turn)
     first = again.propose(pending, 4).tokens
     assert len(first) == 4
     # The prefix cache may hand back a shorter prefix of a stored state (tail reuse).
@@ -220,7 +221,7 @@ def test_capture_restore_round_trip_and_shorter_prefix(target):
     other = provider.open(view, GREEDY)
     other.restore(short)
     other.prefill(tokens + turn, len(tokens), rows[0, len(tokens):])  # positions k.. have no hidden
-    assert other.tokens == other.kv_entries == len(tokens) + len(turn)
+    assert other.capture().tokens == tokens + turn and other.kv_entries == len(tokens) + len(turn)
     # ... and a restored state longer than (or different from) the prompt is cut back.
     third = provider.open(view, GREEDY)
     third.restore(state)
@@ -244,3 +245,17 @@ def test_sampled_drafts_return_their_distribution(target):
     assert proposal.probs.shape == (3, vocab)
     assert mx.allclose(proposal.probs.sum(axis=-1), mx.ones((3,)), atol=1e-4).item()
     assert all(proposal.probs[i, t].item() > 0 for i, t in enumerate(proposal.tokens))
+
+
+def test_queued_entries_are_bounded(target, monkeypatch):
+    import engine.spec.mtp as mtp
+
+    loaded, provider, view = target
+    prompt = _prompt(loaded)
+    _, hidden = view.forward(mx.array([prompt]), loaded.model.make_cache())
+    monkeypatch.setattr(mtp, "QUEUE_MAX", 4)
+    src = provider.open(view, GREEDY)
+    src.prefill(prompt[:3], 0, hidden[0, :3])
+    assert src.kv_entries == 0
+    src.commit(prompt[3:5], hidden[0, 3:5])  # five queued: past the bound, they run
+    assert src.kv_entries == 5 == src.tokens

@@ -42,6 +42,8 @@ log = logging.getLogger("mlxkv.spec")
 # Pairs run through the MTP layer per forward when a long prompt (or a long run of plain
 # steps) is taken in at once: bounds the attention scores' memory like prefill_step_size.
 CHUNK = 512
+# Queued entries (target hidden rows held until the next proposal) before they run anyway.
+QUEUE_MAX = 4 * CHUNK
 
 __all__ = ["MTPCacheModel", "MTPProvider", "MTPSource", "MTPWeightsError", "load_mtp_provider"]
 
@@ -167,6 +169,12 @@ class MTPSource(DraftSource):
             mx.eval(out, self._cache[0].keys, self._cache[0].values)
             self._real += len(tokens)
 
+    def _bound_queue(self) -> None:
+        # Plain steps between proposals queue one entry each; a long prompt queues many.
+        # Past QUEUE_MAX they run now, so the hidden rows held stay bounded.
+        if len(self._queue_t) >= QUEUE_MAX:
+            self._flush()
+
     def _rewind(self, keep: int) -> None:
         """Keep the entries of the first ``keep`` positions only (their hidden rows are gone)."""
         self._flush()
@@ -190,7 +198,9 @@ class MTPSource(DraftSource):
         self._take(prompt[len(self._history):processed], None)
         tokens = prompt[processed:]
         self._take(tokens, self._rows(hidden, len(tokens)))
-        self._flush()
+        # The prompt's entries run with the first proposal (after the first token is out,
+        # and never when the policy does not speculate), unless they are many.
+        self._bound_queue()
 
     def propose(self, pending: int, n: int) -> Proposal:
         self._trim_to(self._real)
@@ -231,6 +241,7 @@ class MTPSource(DraftSource):
         self._trim_to(self._real)
         self._proposed_for = None
         self._take(accepted, rows, first_done=first_done)
+        self._bound_queue()
 
     def capture(self) -> KVState:
         self._flush()
