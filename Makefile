@@ -1,4 +1,5 @@
-# mlxkv: `make run` opens the TUI on the embedded demo model, `make test` runs the tests.
+# mlxkv: `make run` opens the TUI on the embedded demo model, `make serve` serves it over HTTP
+# (OpenAI and Anthropic APIs on 127.0.0.1:8000), `make test` runs the tests.
 # Both set everything up on a fresh machine (Python 3.10+, a C compiler, make).
 PYTHON ?= python3
 comma  := ,
@@ -10,7 +11,7 @@ EXTRAS := test$(if $(filter Linux,$(UNAME)),$(comma)cpu,)
 
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test bench binary ext clean demo-model
+.PHONY: run serve test bench binary ext clean demo-model
 
 $(STAMP): pyproject.toml setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +27,9 @@ ext: $(STAMP)
 run: ext
 	$(PY) mlxkv.py
 
+serve: ext
+	$(PY) mlxkv.py serve
+
 test: ext
 	$(PY) -m pytest -q
 
@@ -34,6 +38,7 @@ bench: ext
 	$(PY) -m bench.engine
 	$(PY) -m bench.prefix
 	$(PY) -m bench.tui
+	$(PY) -m bench.server
 
 # `make binary ONEDIR=1`: a one-folder build (no unpacking on each start).
 binary: ext

@@ -46,6 +46,15 @@ WORDS = ("cache block token prefix model server request stream decode batch laye
          "python engine thread storage arena write read flush restore query answer").split()
 
 
+def http_client() -> Any:
+    """The HTTP client module the openai and anthropic clients install (httpx2, or httpx)."""
+    try:
+        import httpx2
+    except ImportError:
+        import httpx as httpx2
+    return httpx2
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -74,7 +83,7 @@ class Served:
                 str(self.port), "--log-level", "WARNING", "--decode-concurrency", str(self.max_batch)]
 
     def start(self, timeout: float = 300.0) -> Served:
-        import httpx2 as httpx
+        httpx = http_client()
 
         env = {**os.environ, "XDG_CONFIG_HOME": str(self.cache_dir / "config"), "HF_HUB_OFFLINE": "1"}
         self.log = open(self.cache_dir / f"{self.kind}.log", "ab")
@@ -118,7 +127,7 @@ class Served:
 def stream_chat(url: str, messages: list[dict], max_tokens: int, timeout: float = 600.0) -> dict[str, Any]:
     """One streamed greedy chat request: text, token count (from usage when given) and
     the times of the request, the first and the last content chunk."""
-    import httpx2 as httpx
+    httpx = http_client()
 
     body = {"model": "bench", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
             "stream": True, "stream_options": {"include_usage": True}}
@@ -197,7 +206,7 @@ def load_run(url: str, requests: int = 200, clients: int = 16, max_tokens: int =
              headers: dict[str, str] | None = None) -> dict[str, Any]:
     """``requests`` non-streamed and streamed chat requests from ``clients`` concurrent
     clients (each with its own connection); counts errors."""
-    import httpx2 as httpx
+    httpx = http_client()
 
     errors: list[str] = []
     lock = threading.Lock()

@@ -7,15 +7,16 @@ import json
 import threading
 
 import anthropic
-import httpx2 as httpx
 import openai
 import pytest
 from server_support import LoopbackServer
 
+from bench.server import http_client
 from engine.engine import Engine
 from engine.generate import SamplingParams
 from server.context import ServerConfig
 
+httpx = http_client()
 T = 60  # seconds any one wait may take before the test fails
 KEY = "test-key-123"
 BODY_LIMIT = 256 * 1024

@@ -7,11 +7,10 @@ from __future__ import annotations
 import json
 import logging
 
-import httpx2 as httpx
-
-from bench.server import Served, load_run
+from bench.server import Served, http_client, load_run
 from server.run import is_loopback, warn_if_open
 
+httpx = http_client()
 T = 60
 KEY = "cli-key"
 
