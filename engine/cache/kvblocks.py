@@ -205,7 +205,7 @@ def lend_checkpoint(cp: Checkpoint) -> list:
 
 # ----------------------------------------------------------------------------- buffers
 def writable_arrays(shapes: list[tuple[int, ...]], dtypes: list[mx.Dtype],
-                    huge: bool = False) -> list[mx.array]:
+                    huge: bool = False, populate: bool = True) -> list[mx.array]:
     """Evaluated arrays, each backed by its own writable, C-contiguous buffer.
 
     Restores write into them through the buffer protocol (on the reader thread) with no
@@ -213,13 +213,13 @@ def writable_arrays(shapes: list[tuple[int, ...]], dtypes: list[mx.Dtype],
     their bytes are unspecified until the restore writes them, and only restored rows are
     ever inside a cache's ``offset``. Where that allocation fails, zero-filled arrays are
     used instead. A broadcast of one element, a shared or read-only buffer are checked for,
-    never assumed away. ``huge``: ask for transparent huge pages (see
-    ``buffers.prefault``).
+    never assumed away. ``huge``: ask for transparent huge pages, ``populate``: pre-fault
+    the pages here (see ``buffers.prefault``).
     """
     arrays = None
     if mxb.unfilled_usable():
         try:
-            arrays = mxb.unfilled_arrays(shapes, dtypes, huge=huge)
+            arrays = mxb.unfilled_arrays(shapes, dtypes, populate=populate, huge=huge)
         except Exception as exc:  # noqa: BLE001  (an MLX without the .npy stream path)
             mxb.give_up_unfilled(f"cannot allocate unfilled restore buffers ({exc})")
     if arrays is None:

@@ -196,18 +196,20 @@ def parse_block_layout(layout: Any) -> list[tuple[int, kb.LayerSpec, list]]:
     return layers
 
 
-def block_buffers(layout: Any, cap: int, take: Any = None) -> tuple[list, list, list]:
+def block_buffers(layout: Any, cap: int, take: Any = None, populate: bool = True
+                  ) -> tuple[list, list, list]:
     """(per layer (index, LayerSpec, arrays), segments, all arrays) to restore blocks of
     the stored ``layout`` into, with room for ``cap`` tokens. ``take(flat_specs, cap)``
     may supply ready arrays (the KV arena: same segments, room for at least ``cap``);
     otherwise they are allocated. LayoutError when the layout is not one this code
-    writes."""
+    writes. ``populate=False``: allocated arrays are not pre-faulted (their first writer
+    takes the faults)."""
     by_layer = parse_block_layout(layout)
     flat = [s for _, _, seg_specs in by_layer for s in seg_specs]
     arrays = None if take is None else take(flat, cap)
     if arrays is None:
         arrays = kb.writable_arrays([(1, s.outer, cap, *s.shape) for s in flat],
-                                    [DTYPES[s.dtype] for s in flat])
+                                    [DTYPES[s.dtype] for s in flat], populate=populate)
     segs = [(kb.byte_view(a), s.outer, int(a.shape[2]), s.row_bytes)
             for a, s in zip(arrays, flat)]
     layers, i = [], 0

@@ -34,21 +34,23 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from engine.cache import kvblocks as kb
+from engine.cache import layout as dl
 from engine.cache.arena import Arena
 from engine.cache.events import Events
 from engine.cache.info import CacheEntryDetail, CacheEntryInfo
 from engine.cache.lending import Lending
 from engine.cache.manage import ManageMixin, folder_errors
 from engine.cache.ram_tier import Entry, RamTier
-from engine.cache.ssd import SsdTier
+from engine.cache.ssd import Restoring, SsdTier
 from engine.cache.stats import Counters, Usage
 from engine.cache.template import Templates, probe_model
-from engine.cache.tokens import as_tokens, chain_keys, store_namespace
+from engine.cache.tokens import as_tokens, chain_keys, common_prefix, store_namespace
 from engine.cache.tokens import entry_id as eid_of
 
 __all__ = ["NullPrefixCache", "PrefixCache", "default_ram_bytes", "store_namespace"]
@@ -69,6 +71,15 @@ def default_ram_bytes(fraction: float = 0.25) -> int:
         return 2 << 30
 
 
+@dataclass(eq=False)
+class _Prefetch:
+    """A prefetch whose blocks are being read (``SsdTier.begin_blocks``)."""
+
+    p: Restoring
+    keys: list[bytes]
+    session: str | None
+
+
 class NullPrefixCache:
     """Caching off: every lookup misses, stores are dropped, listings are empty."""
 
@@ -84,6 +95,71 @@ class NullPrefixCache:
 
     def busy(self, active: bool) -> None:
         return None
+
+    def _prefetch_behind(self, sns: str, toks: np.ndarray, keys: list[bytes], limit: int,
+                         n: int, ns: str, session: str | None) -> int:
+        """Start a prefetch's block read on the reader thread; the tokens it will warm."""
+        assert self.ssd is not None
+        self.counters.add(prefetches=1)
+        sm = self.ssd.disk.lookup(sns, toks, max_tokens=limit, keys=keys)
+        if sm.layout is None or dl.is_partial(sm.layout) or not self._worth(sm.n_tokens, n):
+            return n  # (exact checkpoints are warmed when the engine is idle)
+        # headroom for the turn that follows, so the request can take the buffers over
+        cap = kb.round_up(len(toks) + kb.KV_STEP)
+        pending = self.ssd.begin_blocks(sns, toks, sm, cap, populate=False)
+        if pending is None:
+            return n
+        self._prefetching.append(_Prefetch(pending, keys, session))
+        self.counters.add(prefetches_background=1)
+        self._events.emit("prefetch", ns=ns, tokens=sm.n_tokens, restored=0,
+                          background=True)
+        return sm.n_tokens
+
+    def prefetch_wait(self, timeout: float | None = None) -> int:
+        """Wait (up to ``timeout`` s in all) for the prefetch reads under way and move them
+        into RAM; returns how many are still under way."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for pf in list(self._prefetching):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                pf.p.future.exception(timeout=left)
+            except Exception:  # noqa: BLE001  (a timeout or a cancelled read: left for later)
+                break
+        self._adopt()
+        return len(self._prefetching)
+
+    def _adopt(self, toks: np.ndarray | None = None, sns: str | None = None) -> None:
+        """Move finished prefetches into RAM. With a prompt (a lookup): wait for the one
+        that serves it, cancel the queued ones that do not (the lookup's own read would
+        queue behind them)."""
+        if not self._prefetching or self.ssd is None:
+            return
+        keep: list[_Prefetch] = []
+        for pf in self._prefetching:
+            p = pf.p
+            serves = toks is not None and p.sns == sns and common_prefix(p.toks, toks) > 0
+            if not (p.future.done() or serves):
+                if toks is not None and p.future.cancel():
+                    self.counters.add(prefetches_cancelled=1)
+                else:
+                    keep.append(pf)
+                continue
+            got = self.ssd.finish_blocks(p)
+            if got is None:
+                continue
+            n, cache = got
+            size = kb.arrays_nbytes([kb.layer_arrays(c) for c in cache])
+            pinned = eid_of(p.sns, p.toks[:n]) in self._pins
+            if self.ram.nbytes + size > self.ram.max_bytes and not pinned and \
+                    not (pf.session is not None and pf.session in self._sessions):
+                self.counters.add(prefetches_cancelled=1)  # RAM is needed for more
+                continue
+            entry = self.ram.store(p.sns, p.toks[:n], cache, pf.session,
+                                   keys=pf.keys[: n // self.block_tokens], pinned=pinned)
+            if entry is not None:
+                self.counters.add(prefetched_tokens=n)
+                self._events.emit("prefetched", ns=p.sns, tokens=n)
+        self._prefetching = keep
 
     def gc(self, ns: str | None = None, min_age_s: float = 0.0) -> dict[str, Any]:
         return {**_EMPTY_GC, "unreadable_manifests": {}}
@@ -160,6 +236,8 @@ class PrefixCache(ManageMixin):
         self._sessions: set[str] = set()
         self._pins: set[str] = set()  # entry ids pinned (kept pinned when they come back)
         self._verified: dict[bytes, bool] = {}  # block key -> last verify result
+        self._busy = False  # the engine is serving (see busy)
+        self._prefetching: list[_Prefetch] = []  # background prefetch reads
         self.ssd: SsdTier | None = None
         self.ssd_disabled_reason: str | None = None  # None: on, or off on purpose
         # restore destinations prepared ahead (by default a quarter of the RAM budget)
@@ -236,6 +314,7 @@ class PrefixCache(ManageMixin):
         toks = as_tokens(tokens)
         sns = store_namespace(ns)
         self.lending.sweep()
+        self._adopt(toks, sns)  # a prefetch of this prompt enters RAM (waited for) first
         # hashed once, here: the RAM tier and the store both walk these keys
         keys = chain_keys(sns, toks, self.block_tokens)
         match = self.ram.lookup(sns, toks, session, keys=keys)
@@ -277,15 +356,31 @@ class PrefixCache(ManageMixin):
     def prefetch(self, tokens: Any, ns: str, session: str | None = None) -> int:
         """Warm the longest cached prefix of ``tokens`` into RAM, restoring it from SSD
         when RAM holds less of it (as a lookup would), so the request that sends
-        ``tokens`` starts from RAM. Returns the tokens a lookup now finds in RAM."""
+        ``tokens`` starts from RAM. Returns the tokens a lookup will find in RAM.
+
+        While the engine is busy (``busy(True)``) nothing here waits: the blocks are read
+        on the storage reader thread (into an arena slot, or into arrays whose pages the
+        reader faults in) and the state enters RAM at the next call on the engine thread
+        that finds the read done, or at the lookup that needs it (which waits for it, as
+        it would for its own restore). A prefetch that another lookup would queue behind
+        is cancelled, and one that RAM cannot hold without evicting is dropped. Idle,
+        the restore runs here and now."""
         toks, sns = as_tokens(tokens), store_namespace(ns)
         limit = len(toks) - 1  # as lookup: at least one token is left to compute
         if limit <= 0:
             return 0
         self.lending.sweep()
+        self._adopt()
         keys = chain_keys(sns, toks, self.block_tokens)
         n = self.ram.lookup(sns, toks, session, keys=keys).n  # (touches it: kept warm)
+        for pf in self._prefetching:  # already on its way
+            if pf.p.sns == sns and pf.p.n_tokens > n and \
+                    common_prefix(pf.p.toks, toks) >= pf.p.n_tokens:
+                return pf.p.n_tokens
         restored = 0
+        if self._busy and self.ssd is not None and self._worth(limit, n) and \
+                self.ssd.available():
+            return self._prefetch_behind(sns, toks, keys, limit, n, ns, session)
         if self.ssd is not None and self._worth(limit, n) and self.ssd.available():
             n2, cache, restore_ms = self.ssd.lookup(sns, toks, keys, limit, n, self._worth)
             if cache is not None and n2 > n:
@@ -298,6 +393,71 @@ class PrefixCache(ManageMixin):
         self.counters.add(prefetches=1, prefetched_tokens=restored)
         self._events.emit("prefetch", ns=ns, tokens=n, restored=restored)
         return n
+
+    def _prefetch_behind(self, sns: str, toks: np.ndarray, keys: list[bytes], limit: int,
+                         n: int, ns: str, session: str | None) -> int:
+        """Start a prefetch's block read on the reader thread; the tokens it will warm."""
+        assert self.ssd is not None
+        self.counters.add(prefetches=1)
+        sm = self.ssd.disk.lookup(sns, toks, max_tokens=limit, keys=keys)
+        if sm.layout is None or dl.is_partial(sm.layout) or not self._worth(sm.n_tokens, n):
+            return n  # (exact checkpoints are warmed when the engine is idle)
+        # headroom for the turn that follows, so the request can take the buffers over
+        cap = kb.round_up(len(toks) + kb.KV_STEP)
+        pending = self.ssd.begin_blocks(sns, toks, sm, cap, populate=False)
+        if pending is None:
+            return n
+        self._prefetching.append(_Prefetch(pending, keys, session))
+        self.counters.add(prefetches_background=1)
+        self._events.emit("prefetch", ns=ns, tokens=sm.n_tokens, restored=0,
+                          background=True)
+        return sm.n_tokens
+
+    def prefetch_wait(self, timeout: float | None = None) -> int:
+        """Wait (up to ``timeout`` s in all) for the prefetch reads under way and move them
+        into RAM; returns how many are still under way."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for pf in list(self._prefetching):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                pf.p.future.exception(timeout=left)
+            except Exception:  # noqa: BLE001  (a timeout or a cancelled read: left for later)
+                break
+        self._adopt()
+        return len(self._prefetching)
+
+    def _adopt(self, toks: np.ndarray | None = None, sns: str | None = None) -> None:
+        """Move finished prefetches into RAM. With a prompt (a lookup): wait for the one
+        that serves it, cancel the queued ones that do not (the lookup's own read would
+        queue behind them)."""
+        if not self._prefetching or self.ssd is None:
+            return
+        keep: list[_Prefetch] = []
+        for pf in self._prefetching:
+            p = pf.p
+            serves = toks is not None and p.sns == sns and common_prefix(p.toks, toks) > 0
+            if not (p.future.done() or serves):
+                if toks is not None and p.future.cancel():
+                    self.counters.add(prefetches_cancelled=1)
+                else:
+                    keep.append(pf)
+                continue
+            got = self.ssd.finish_blocks(p)
+            if got is None:
+                continue
+            n, cache = got
+            size = kb.arrays_nbytes([kb.layer_arrays(c) for c in cache])
+            pinned = eid_of(p.sns, p.toks[:n]) in self._pins
+            if self.ram.nbytes + size > self.ram.max_bytes and not pinned and \
+                    not (pf.session is not None and pf.session in self._sessions):
+                self.counters.add(prefetches_cancelled=1)  # RAM is needed for more
+                continue
+            entry = self.ram.store(p.sns, p.toks[:n], cache, pf.session,
+                                   keys=pf.keys[: n // self.block_tokens], pinned=pinned)
+            if entry is not None:
+                self.counters.add(prefetched_tokens=n)
+                self._events.emit("prefetched", ns=p.sns, tokens=n)
+        self._prefetching = keep
 
     def gc(self, ns: str | None = None, min_age_s: float = 0.0) -> dict[str, Any]:
         """Remove the SSD tier's blocks that no saved state names (of ``ns``, or all),
@@ -325,6 +485,7 @@ class PrefixCache(ManageMixin):
         """Keep the state of ``cache`` (which holds ``tokens``) in RAM and persist it in the
         background. Raises ValueError when the cache and the tokens disagree (a handed-over
         entry is then given back, as by ``release``)."""
+        self._adopt()
         try:
             self._store(tokens, cache, ns, session)
         except BaseException:
@@ -408,9 +569,11 @@ class PrefixCache(ManageMixin):
         nothing in flight (False). While busy, persistence yields to generation: the
         writer waits, bounded by a maximum delay and by memory (see
         ``engine.cache.durability``); going idle lets it write at once."""
+        self._busy = bool(active)
         if self.ssd is not None:
             self.ssd.durability.busy(active)
-            if not active:  # nothing waits on the engine: refill the arena's slots
+            if not active:  # nothing waits on the engine: finished prefetches, arena slots
+                self._adopt()
                 self.arena.replenish()
 
     def flush(self, timeout: float | None = None) -> dict[str, int]:
@@ -420,6 +583,9 @@ class PrefixCache(ManageMixin):
 
     def close(self, timeout: float | None = 10.0) -> dict[str, int]:
         """Flush (bounded by ``timeout``), stop the storage threads, free RAM."""
+        for pf in self._prefetching:
+            pf.p.future.cancel()
+        self._prefetching = []
         rep = dict(_EMPTY_FLUSH) if self.ssd is None else self.ssd.close(timeout)
         self.arena.clear()
         self.lending.clear()

@@ -53,6 +53,17 @@ def _background_priority() -> None:
         pass
 
 
+@dataclass(eq=False)
+class Restoring:
+    """A block read under way (``SsdTier.begin_blocks``): its destinations stay with it."""
+
+    sns: str
+    toks: np.ndarray
+    n_tokens: int  # what the read will restore if every block verifies
+    layers: list  # per layer (index, LayerSpec, arrays)
+    future: Future
+
+
 @dataclass(frozen=True)
 class _Written:
     """Several writes of one state, settled together."""
@@ -154,26 +165,39 @@ class SsdTier:
 
     def _restore_blocks(self, sns: str, toks: np.ndarray, match: Any
                         ) -> tuple[int, list] | None:
-        """Restore block ``match`` into fresh mx arrays with headroom up to the prompt's
-        length (its prefill then writes in place)."""
+        """Restore block ``match`` into arena slots or fresh mx arrays with headroom up to
+        the prompt's length (its prefill then writes in place)."""
+        pending = self.begin_blocks(sns, toks, match, kb.round_up(len(toks)))
+        return None if pending is None else self.finish_blocks(pending)
+
+    def begin_blocks(self, sns: str, toks: np.ndarray, match: Any, cap: int,
+                     populate: bool = True) -> Restoring | None:
+        """Start reading block ``match`` on the reader thread into destinations with room
+        for ``cap`` tokens (an arena slot, or arrays allocated now; ``populate=False``
+        leaves their page faults to the reader thread). None when the layout is unusable."""
         from storage.io import ReadRequest
 
         try:
-            layers, segs, arrays = dl.block_buffers(match.layout, kb.round_up(len(toks)),
-                                                    self._taker(sns))
+            layers, segs, arrays = dl.block_buffers(match.layout, cap, self._taker(sns),
+                                                    populate=populate)
         except dl.LayoutError as exc:
             self._unusable(sns, exc)
             return None
-        res = self._wait(self.io.submit_read(ReadRequest(sns, toks, match.layout, segs,
-                                                         n_tokens=match, keep=arrays)))
-        del segs
+        fut = self.io.submit_read(ReadRequest(sns, toks, match.layout, segs, n_tokens=match,
+                                              keep=arrays))
+        return Restoring(sns, toks, match.n_tokens, layers, fut)
+
+    def finish_blocks(self, p: Restoring) -> tuple[int, list] | None:
+        """Wait for a read begun by ``begin_blocks`` (bounded by the restore timeout) and
+        build its checked cache; None when it failed, timed out or does not fit."""
+        res = self._wait(p.future)
         if res is None or res.n_tokens <= 0:
             return None
-        cache = [kb.make_layer(spec, arrs, res.n_tokens) for _, spec, arrs in layers]
+        cache = [kb.make_layer(spec, arrs, res.n_tokens) for _, spec, arrs in p.layers]
         try:
-            self.templates.check(sns, cache)
+            self.templates.check(p.sns, cache)
         except dl.LayoutError as exc:
-            self._unusable(sns, exc)
+            self._unusable(p.sns, exc)
             return None
         return res.n_tokens, cache
 

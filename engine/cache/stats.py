@@ -11,7 +11,8 @@ COUNTERS = ("lookups", "ram_hits", "ssd_hits", "misses", "prompt_tokens", "cache
             "ram_tokens", "ssd_tokens", "restore_ms", "restore_bytes", "ssd_restore_failures",
             "ssd_restore_timeouts", "ssd_skipped_stuck", "layout_mismatches", "ssd_corrupt",
             "stores", "store_ms", "unsupported", "checkpoint_stores", "checkpoints_persisted",
-            "released", "invalidated", "deleted", "evicted", "prefetches", "prefetched_tokens")
+            "released", "invalidated", "deleted", "evicted", "prefetches", "prefetched_tokens",
+            "prefetches_background", "prefetches_cancelled")
 
 _MAX_USAGE = 4096
 
