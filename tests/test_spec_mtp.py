@@ -16,7 +16,7 @@ from bench.modelgen import mtp_model, tiny_model
 from engine.generate import SamplingParams
 from engine.models import load_model
 from engine.spec.base import KVState, TargetView
-from engine.spec.mtp import _copy_cache, _lm_head, load_mtp_provider
+from engine.spec.mtp import _copy_cache, load_mtp_provider
 from engine.spec.mtp_weights import MTPWeights, MTPWeightsError, build_mtp_module, read_mtp_weights
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -143,7 +143,7 @@ def test_source_keeps_one_entry_per_target_position(target):
     src.prefill(prompt, 0, hidden[0])
     assert src.tokens == len(prompt) and src.kv_entries == 0  # they run with the first proposal
     # Depth d + 1 feeds back the MTP's own output hidden with draft d.
-    mtp, head, manual = provider.module, _lm_head(view), src.capture().cache
+    mtp, head, manual = provider.module, view.logits, src.capture().cache
     g = mtp(view.embed(mx.array([[7]])), hidden[:, -1:], manual)
     want = []
     for _ in range(3):
@@ -241,7 +241,7 @@ def test_sampled_drafts_return_their_distribution(target):
     src = provider.open(view, SamplingParams(temperature=0.8, seed=1))
     src.prefill(prompt, 0, hidden[0])
     proposal = src.propose(3, 3)
-    vocab = _lm_head(view)(hidden).shape[-1]
+    vocab = view.logits(hidden).shape[-1]
     assert proposal.probs.shape == (3, vocab)
     assert mx.allclose(proposal.probs.sum(axis=-1), mx.ones((3,)), atol=1e-4).item()
     assert all(proposal.probs[i, t].item() > 0 for i, t in enumerate(proposal.tokens))
@@ -259,3 +259,15 @@ def test_queued_entries_are_bounded(target, monkeypatch):
     assert src.kv_entries == 0
     src.commit(prompt[3:5], hidden[0, 3:5])  # five queued: past the bound, they run
     assert src.kv_entries == 5 == src.tokens
+
+
+def test_target_view_gives_the_models_own_logits_and_post_norm_hidden(target):
+    """The MTP shares the LM head through the view, and reads the hidden after the final
+    norm (what the head consumes); qwen3_5 keeps its untied head on language_model."""
+    loaded, _, view = target
+    tokens = mx.array([_prompt(loaded)])
+    logits, hidden = view.forward(tokens, loaded.model.make_cache())
+    assert mx.allclose(logits, loaded.model(tokens, cache=loaded.model.make_cache()), atol=1e-4).item()
+    assert mx.allclose(hidden, loaded.model.language_model.model(tokens, cache=loaded.model.make_cache()),
+                       atol=1e-5).item()
+    assert not loaded.config["text_config"]["tie_word_embeddings"]

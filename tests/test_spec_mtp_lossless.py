@@ -28,7 +28,7 @@ def _prompts(tokenizer, count: int = 50) -> list[list[int]]:
     out = []
     for i in range(count):
         start = (i * 7919) % (len(corpus) - 400)
-        out.append(list(tokenizer.encode(corpus[start:start + 30 + (i % 5) * 40])))
+        out.append(list(tokenizer.encode(corpus[start:start + 20 + (i % 5) * 30])))
     return out
 
 
@@ -39,8 +39,8 @@ def _run(engine: Engine, tokens: list[int], spec: str, max_tokens: int, session:
 
 
 @pytest.mark.parametrize("variant,max_tokens", [
-    ({}, 8),
-    ({"mtp_init": "copy", "tie_word_embeddings": True, "scale": 0.05}, 14),
+    ({}, 6),
+    ({"mtp_init": "copy", "tie_word_embeddings": True, "scale": 0.05}, 10),
 ], ids=["random-mtp", "copy-mtp"])
 def test_greedy_mtp_equals_plain_decoding_over_50_prompts(variant, max_tokens):
     path = mtp_model(**variant)
@@ -78,3 +78,15 @@ def test_mtp_state_comes_back_with_the_conversation():
         assert second.stats.spec["restored_draft_tokens"] > len(turn1)
         plain = _run(engine, turn2, "off", 12)
         assert second.tokens == plain.tokens
+
+
+def test_sampled_mtp_requests_run_through_rejection_sampling():
+    """With temperature the MTP samples its drafts and hands q to the verifier (the
+    distribution test of rejection sampling itself is the verifier's)."""
+    path = mtp_model(mtp_init="copy", tie_word_embeddings=True, scale=0.05)
+    with Engine(str(path)).start(timeout=TIMEOUT) as engine:
+        tokens = list(engine.loaded.tokenizer.encode("def sample(self):\n"))
+        req = Request(prompt_tokens=tokens, params=SamplingParams(temperature=0.7, max_tokens=24), spec="mtp")
+        result = engine.submit(req).result(timeout=TIMEOUT)
+        assert len(result.tokens) == 24 or result.finish_reason == "stop"
+        assert result.stats.spec["source"] == "mtp" and result.stats.spec["drafted"] > 0

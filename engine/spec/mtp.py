@@ -48,19 +48,6 @@ QUEUE_MAX = 4 * CHUNK
 __all__ = ["MTPCacheModel", "MTPProvider", "MTPSource", "MTPWeightsError", "load_mtp_provider"]
 
 
-def _lm_head(target: TargetView) -> Any:
-    # The LM head of VLM-style wrappers (qwen3_5: model.language_model.lm_head) sits below the
-    # model the view holds; find it where the text model keeps it.
-    owner = getattr(target.model, "language_model", target.model)
-    head = getattr(owner, "lm_head", None)
-    tied = getattr(getattr(owner, "args", None), "tie_word_embeddings", False)
-    if head is not None and not tied:
-        return head
-    inner = getattr(owner, "model", None)
-    embed = getattr(inner, "embed_tokens", None)
-    return embed.as_linear if embed is not None else target.logits
-
-
 def _new_cache() -> list:
     from mlx_lm.models.cache import KVCache
 
@@ -95,7 +82,7 @@ class MTPSource(DraftSource):
     def __init__(self, provider: MTPProvider, target: TargetView, sampling: Any):
         self._mtp: MTPModule = provider.module
         self._embed = target.embed
-        self._head = _lm_head(target)
+        self._head = target.logits
         self._hidden_size = target.hidden_size
         self._cache = _new_cache()
         self._history: list[int] = []  # target tokens taken in (one per real entry, run or queued)
