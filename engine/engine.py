@@ -793,6 +793,8 @@ class Engine:
         row.emitted, row.gen_start = list(join.sent), join.started
         row.first_time = join.gen.first_token_time
         row.last_time = time.perf_counter() if join.sent else None
+        seen = job.handle.progress  # not sent twice when it moves during the prefill
+        row.progress = (seen.done, seen.total) if seen is not None else None
         # The KV state must hold all but the last known token, which is fed next.
         history = job.tokens + list(join.sent)
         cache = join.gen.cache
