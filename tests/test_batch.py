@@ -4,6 +4,7 @@ whenever it joins and whatever the prefix cache supplied; cancelling one row lea
 others alone; a full queue refuses at once; a model whose caches cannot be batched is
 served one request at a time; batched rows store their state for later requests."""
 
+import dataclasses
 import random
 import threading
 
@@ -127,6 +128,8 @@ def test_rows_decoded_together_equal_each_request_alone(eng, alone_engine):
         eng.submit(Request(prompt_tokens=p, params=greedy(max_tokens=5))).result(timeout=T)
     reqs = [Request(prompt_tokens=p + ([7, 8, 9] if i < 2 else []),
                     params=greedy(max_tokens=8 + 5 * i)) for i, p in enumerate(prompts)]
+    # a repetition penalty sees the cached prefix too, as alone
+    reqs[0].params = dataclasses.replace(reqs[0].params, repetition_penalty=1.5)
     rec = Recorder(eng)
     with held(eng):
         for r in reqs:
@@ -368,3 +371,21 @@ def test_a_batch_step_that_fails_is_answered_again_row_by_row(tiny_qwen3, alone_
         ref = alone_engine.submit(req).result(timeout=T)
         assert (r.tokens, r.text) == (ref.tokens, ref.text)
     assert all(r.stats.retried for r in got)  # the whole batch was answered again
+
+
+def test_sampled_rows_with_their_own_settings_decode_together(eng):
+    prompts = token_prompts(3, seed=91, longest=30)
+    settings = [dict(temperature=0.8, top_p=0.9, top_k=0, min_p=0.0),
+                dict(temperature=1.2, top_p=1.0, top_k=20, min_p=0.0),
+                dict(temperature=0.7, top_p=1.0, top_k=0, min_p=0.1)]
+    with held(eng):
+        hs = [eng.submit(Request(prompt_tokens=p, logprobs=2,
+                                 params=SamplingParams(max_tokens=15, repetition_penalty=1.0,
+                                                       **kw)))
+              for p, kw in zip(prompts, settings)]
+    for h in hs:
+        r = h.result(timeout=T)
+        assert r.finish_reason in ("length", "stop") and r.stats.batched
+        assert r.finish_reason == "stop" or len(r.tokens) == 15
+        tokens = [ev for ev in h.events(timeout=T) if isinstance(ev, TokenEvent) and ev.token is not None]
+        assert all(ev.logprob <= 0.0 and len(ev.top_logprobs) == 2 for ev in tokens)
