@@ -389,3 +389,16 @@ def test_sampled_rows_with_their_own_settings_decode_together(eng):
         assert r.finish_reason == "stop" or len(r.tokens) == 15
         tokens = [ev for ev in h.events(timeout=T) if isinstance(ev, TokenEvent) and ev.token is not None]
         assert all(ev.logprob <= 0.0 and len(ev.top_logprobs) == 2 for ev in tokens)
+
+
+def test_a_call_queued_behind_a_batch_runs_after_it(eng):
+    """call() runs between requests: behind a batch it waits until every row queued before
+    it has ended (no request queued after it joins that batch meanwhile)."""
+    prompts = token_prompts(4, seed=101, longest=20)
+    with held(eng):
+        first = [eng.submit(Request(prompt_tokens=p, params=greedy(max_tokens=12)))
+                 for p in prompts[:2]]
+        seen = eng.call(lambda: [h.done.is_set() for h in first])
+        later = eng.submit(Request(prompt_tokens=prompts[2], params=greedy(max_tokens=4)))
+    assert seen.result(timeout=T) == [True, True]
+    assert not later.result(timeout=T).stats.batched  # alone: nothing else was in flight
