@@ -90,3 +90,25 @@ def test_sampled_mtp_requests_run_through_rejection_sampling():
         result = engine.submit(req).result(timeout=TIMEOUT)
         assert len(result.tokens) == 24 or result.finish_reason == "stop"
         assert result.stats.spec["source"] == "mtp" and result.stats.spec["drafted"] > 0
+
+
+def test_mtp_state_comes_back_from_the_ssd_tier_after_a_restart(tmp_path):
+    """The MTP KV is stored like any block state: a new engine over the same cache folder
+    (nothing in RAM) restores it for the conversation's next turn, losslessly."""
+    path = mtp_model(mtp_init="copy", tie_word_embeddings=True, scale=0.05)
+
+    def engine() -> Engine:
+        cache = PrefixCache(ram_bytes=64 << 20, cache_dir=str(tmp_path), block_tokens=16)
+        return Engine(str(path), prefix_cache=cache).start(timeout=TIMEOUT)
+
+    with engine() as first_engine:
+        tok = first_engine.loaded.tokenizer
+        turn1 = list(tok.encode("class Restart:\n    def turn(self):\n        return 1\n"))
+        first = _run(first_engine, turn1, "mtp", 12, session="s")
+        first_engine.cache_flush(timeout=TIMEOUT)
+    turn2 = turn1 + first.tokens + list(tok.encode("\n    def again(self):\n"))
+    with engine() as second_engine:
+        second = _run(second_engine, turn2, "mtp", 12, session="s")
+        assert second.stats.cached_ssd_tokens > 0
+        assert second.stats.spec["restored_draft_tokens"] >= 16
+        assert second.tokens == _run(second_engine, turn2, "off", 12).tokens
