@@ -89,11 +89,14 @@ def mask_row(vocab: int, allowed: Sequence[int]):
 class JsonSkeleton:
     """The literal parts of a JSON document whose values the model writes, e.g.
     ``['{"name": "', '", "age": ', '}']``: the first part is proposed at once, and once
-    the output ends with the start of a later part (the model closed a value) the rest of
-    that part is proposed. Nothing is masked: the model may still write anything."""
+    the output's text ends with the start of a later part (the model closed a value) the
+    rest of that part is proposed. Matching is on text, so it does not depend on how the
+    model's tokens split the characters. Nothing is masked: the model may write anything."""
 
     def __init__(self, tokenizer: Any, parts: Sequence[str]):
-        self.parts = [_encode(tokenizer, p) for p in parts if p]
+        self.tokenizer = tokenizer
+        self.parts = [p for p in parts if p]
+        self._tokens = [_encode(tokenizer, p) for p in self.parts]
 
     def allowed(self, output: Sequence[int]) -> None:
         return None
@@ -102,12 +105,12 @@ class JsonSkeleton:
         if not self.parts:
             return []
         if not output:
-            return list(self.parts[0])
-        out = list(output)
+            return list(self._tokens[0])
+        tail = self.tokenizer.decode(list(output[-16:]))
         for part in self.parts[1:]:
-            for m in range(min(len(part) - 1, len(out)), 0, -1):
-                if out[-m:] == part[:m]:
-                    return part[m:]
+            for m in range(min(len(part) - 1, len(tail)), 0, -1):
+                if tail.endswith(part[:m]):
+                    return _encode(self.tokenizer, part[m:])
         return []
 
 

@@ -106,9 +106,9 @@ class DraftModelSource(DraftSource):
             if self.greedy:
                 y = mx.argmax(logits, axis=-1)
             else:
-                lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-                y = self.sampler.sample(lp)
-                rows.append(self.sampler.probs(lp))
+                q = self.sampler.probs(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+                y = mx.random.categorical(mx.log(q))  # drawn from exactly the q handed to the verifier
+                rows.append(q)
             tokens.append(y)
             if i + 1 < n:
                 x = y[None]

@@ -46,9 +46,12 @@ class NgramIndex:
             e = self._index.get(key)
             if e is not None:
                 out = h[e: e + k]
-                if len(out) < k and e + len(out) == len(h):
-                    out = out + [pending]
-                return out[:k]
+                if len(out) < k:
+                    # The match runs into the end: the text repeats with period
+                    # len(history + [pending]) - e, so the proposal continues that cycle.
+                    ext = h[e:] + [pending]
+                    out = [ext[i % len(ext)] for i in range(k)]
+                return out
         return []
 
 

@@ -103,30 +103,41 @@ def top_logprobs(logprobs: mx.array, n: int) -> tuple[tuple[int, float], ...]:
     return tuple((int(i), float(v)) for i, v in zip(idx, vals))
 
 
-def rejection_walk(p: mx.array, q: mx.array, drafts: Sequence[int], bonus: mx.array) -> tuple[int, int]:
-    """Speculative rejection sampling over a window (Leviathan et al., Alg. 1).
+def _categorical(probs: mx.array) -> mx.array:
+    """One draw per row of ``probs`` [..., V] (rows sum to 1; zeros are never drawn)."""
+    logits = mx.where(probs > 0, mx.log(mx.maximum(probs, 1e-38)), -mx.inf)
+    return mx.random.categorical(logits)
 
-    ``p`` [k+1, V]: the target's sampling distribution at each position; ``q`` [k, V]: the
-    draft's, from which ``drafts`` were drawn; ``bonus`` [1]: a token already sampled from
-    p[k]. Returns (accepted, next token): draft i is kept with probability
-    min(1, p_i(d)/q_i(d)); the first rejected position is resampled from the normalised
-    residual max(0, p - q); when all are kept the bonus token follows."""
-    k = len(drafts)
+
+def rejection_walk_rows(p: mx.array, q: mx.array, drafts: mx.array, lengths: mx.array | None = None
+                        ) -> tuple[mx.array, mx.array]:
+    """Speculative rejection sampling (Leviathan et al., Alg. 1) over B windows at once.
+
+    ``p`` [B, k+1, V]: the target's sampling distribution at each position of
+    ``[pending] + drafts``; ``q`` [B, k, V]: the distributions ``drafts`` [B, k] were drawn
+    from; ``lengths`` [B]: drafts per row (ragged rows are right-padded; None = k). Draft i
+    is kept with probability min(1, p_i(d)/q_i(d)); the first rejected position is
+    resampled from the normalised residual max(0, p - q); a row that keeps all its drafts
+    gets a bonus token from p at its length. Returns (accepted [B], next token [B]); the
+    emitted tokens are then distributed exactly as sampling p one token at a time."""
+    b, k = drafts.shape
+    if lengths is None:
+        lengths = mx.full((b,), k, dtype=mx.int32)
     if k == 0:
-        return 0, int(bonus.item())
-    d = mx.array(list(drafts))
-    rows = mx.arange(k)
-    pd = p[rows, d]
-    qd = q[rows, d]
-    u = mx.random.uniform(shape=(k,))
-    keep = u * qd < pd  # u < p/q without dividing by a zero q
-    residual = mx.maximum(p[:k] - q, 0.0)
+        return mx.zeros((b,), dtype=mx.int32), _categorical(p[:, 0])
+    pd = mx.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]
+    qd = mx.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    u = mx.random.uniform(shape=(b, k))
+    inside = mx.arange(k)[None] < lengths[:, None]
+    keep = (u * qd < pd) & inside  # u < p/q without dividing by a zero q
+    accepted = mx.cumprod(keep.astype(mx.int32), axis=1).sum(axis=1)
+    residual = mx.maximum(p[:, :k] - q, 0.0)
     mass = residual.sum(axis=-1, keepdims=True)
-    residual = mx.where(mass > 0, residual / mx.maximum(mass, 1e-30), p[:k])
-    resampled = mx.random.categorical(mx.log(mx.maximum(residual, 1e-38)) + mx.where(residual > 0, 0.0, -mx.inf))
-    mx.eval(keep, resampled)
-    keep_l = keep.tolist()
-    for i in range(k):
-        if not keep_l[i]:
-            return i, int(resampled[i].item())
-    return k, int(bonus.item())
+    residual = mx.where(mass > 0, residual / mx.maximum(mass, 1e-30), p[:, :k])
+    resampled = _categorical(residual)  # [B, k]
+    bonus = _categorical(p)  # [B, k+1]
+    at = accepted[:, None]
+    from_residual = mx.take_along_axis(resampled, mx.minimum(at, k - 1), axis=1)[:, 0]
+    from_bonus = mx.take_along_axis(bonus, at, axis=1)[:, 0]
+    nxt = mx.where(accepted < lengths, from_residual, from_bonus)
+    return accepted, nxt

@@ -27,7 +27,7 @@ import mlx.core as mx
 
 from engine.spec.base import DraftSource, Proposal
 from engine.spec.policy import LengthController
-from engine.spec.sampling import TargetSampler, rejection_walk
+from engine.spec.sampling import TargetSampler, rejection_walk_rows
 
 
 def _trace_enabled() -> bool:
@@ -288,9 +288,11 @@ class SpecStream:
                 if got[j] != d:
                     return j, got[j]
             return len(drafts), got[len(drafts)]
-        p = sampler.probs(lp)
-        bonus = sampler.sample(lp[len(drafts):])
-        return rejection_walk(p, proposal.probs.astype(mx.float32), drafts, bonus)
+        p = sampler.probs(lp)[None]
+        q = proposal.probs.astype(mx.float32)[None, : len(drafts)]
+        accepted, nxt = rejection_walk_rows(p, q, mx.array([drafts]))
+        mx.eval(accepted, nxt)
+        return int(accepted.item()), int(nxt.item())
 
     def summary(self) -> dict:
         d = self.stats.as_dict()
