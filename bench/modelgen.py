@@ -250,6 +250,21 @@ def mtp_weights(text_args, seed: int = 0, scale: float = 0.02, init: str = "rand
         for key in list(out):
             if key.endswith(("norm.weight", "o_proj.weight", "down_proj.weight")):
                 out[key] = mx.zeros_like(out[key])
+    return _fused_experts(out)
+
+
+def _fused_experts(weights: dict) -> dict:
+    """mlx-lm's stacked MoE experts (``mlp.switch_mlp.{gate,up,down}_proj.weight``) in the
+    Qwen3.5-MoE checkpoint layout (``mlp.experts.gate_up_proj`` [E, 2I, H] and
+    ``mlp.experts.down_proj``), which mlx-lm's ``qwen3_5_moe`` splits again at load."""
+    import mlx.core as mx
+
+    out = dict(weights)
+    for key in [k for k in out if k.endswith(".mlp.switch_mlp.gate_proj.weight")]:
+        prefix = key[: -len("switch_mlp.gate_proj.weight")]
+        gate, up = out.pop(key), out.pop(prefix + "switch_mlp.up_proj.weight")
+        out[prefix + "experts.gate_up_proj"] = mx.concatenate([gate, up], axis=-2)
+        out[prefix + "experts.down_proj"] = out.pop(prefix + "switch_mlp.down_proj.weight")
     return out
 
 
@@ -275,9 +290,12 @@ def build_mtp_checkpoint(out_dir: str | os.PathLike, vocab_size: int = 512, seed
     texts = tokenizer_texts if tokenizer_texts is not None else stdlib_corpus(1_000_000)
     real_vocab = build_tokenizer(tmp, texts, vocab_size=vocab_size)
     text_config = {**MTP_TEXT_CONFIG, "vocab_size": real_vocab, **overrides}
-    config = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+    moe = text_config.get("num_experts", 0) > 0
+    model_type = "qwen3_5_moe" if moe else "qwen3_5"
+    config = {"model_type": model_type,
+              "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
               "tie_word_embeddings": text_config["tie_word_embeddings"], "text_config": text_config}
-    model = init_model({"model_type": "qwen3_5", "text_config": text_config}, seed=seed, scale=scale)
+    model = init_model({"model_type": model_type, "text_config": text_config}, seed=seed, scale=scale)
     weights = {}
     for name, p in tree_flatten(model.parameters()):
         if name.startswith("language_model.model."):
@@ -289,6 +307,7 @@ def build_mtp_checkpoint(out_dir: str | os.PathLike, vocab_size: int = 512, seed
         if p.ndim == 1 and name.endswith(_ZERO_CENTRED_NORMS):
             p = p - 1.0
         weights[name] = p
+    weights = _fused_experts(weights)
     mtp = mtp_weights(qwen3_5.TextModelArgs.from_dict(text_config), seed=seed, init=mtp_init)
     if sidecar:
         mx.save_safetensors(str(tmp / "mtp.safetensors"), mtp, metadata={"format": "pt"})

@@ -271,3 +271,31 @@ def test_target_view_gives_the_models_own_logits_and_post_norm_hidden(target):
     assert mx.allclose(hidden, loaded.model.language_model.model(tokens, cache=loaded.model.make_cache()),
                        atol=1e-5).item()
     assert not loaded.config["text_config"]["tie_word_embeddings"]
+
+
+MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}
+
+
+def test_moe_mtp_layer_from_fused_or_per_expert_weights():
+    """Qwen3.5-MoE ships the MTP layer's experts fused (experts.gate_up_proj, down_proj),
+    Qwen3-Next one tensor per expert: both fill mlx-lm's stacked switch_mlp."""
+    loaded = load_model(mtp_model(**MOE))
+    assert loaded.config["model_type"] == "qwen3_5_moe"
+    provider = load_mtp_provider(loaded)
+    weights = read_mtp_weights(loaded.path)
+    fused = weights.tensors["layers.0.mlp.experts.gate_up_proj"]
+    switch = provider.module.layers[0].mlp.switch_mlp
+    assert mx.array_equal(switch.gate_proj.weight, fused[:, :32, :]).item()
+    assert mx.array_equal(switch.up_proj.weight, fused[:, 32:, :]).item()
+    per_expert = {k: v for k, v in weights.tensors.items() if ".experts." not in k}
+    down = weights.tensors["layers.0.mlp.experts.down_proj"]
+    for e in range(4):
+        per_expert[f"layers.0.mlp.experts.{e}.gate_proj.weight"] = fused[e, :32, :]
+        per_expert[f"layers.0.mlp.experts.{e}.up_proj.weight"] = fused[e, 32:, :]
+        per_expert[f"layers.0.mlp.experts.{e}.down_proj.weight"] = down[e]
+    module = build_mtp_module(loaded.model, "qwen3_5_moe", dataclasses.replace(weights, tensors=per_expert),
+                              mx.float32)
+    assert mx.array_equal(module.layers[0].mlp.switch_mlp.up_proj.weight, switch.up_proj.weight).item()
+    del per_expert["layers.0.mlp.experts.3.down_proj.weight"]
+    with pytest.raises(MTPWeightsError, match="lack mtp.layers.0.mlp.experts.3.down_proj.weight"):
+        build_mtp_module(loaded.model, "qwen3_5_moe", dataclasses.replace(weights, tensors=per_expert), mx.float32)

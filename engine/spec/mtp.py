@@ -10,8 +10,9 @@ not known (position 0, the first position after a restored state, positions the 
 took from its own cache without this source's state) the entry has a zero hidden: the
 cache stays aligned, the draft is only less informed there.
 
-A round: ``propose(pending, n)`` runs the entries the target committed since the last
-round plus (h_last, pending) in one forward, then feeds its own output hidden (after
+``prefill`` only queues the prompt's entries. A round: ``propose(pending, n)`` runs the
+queued entries (the prompt's, or what the target committed since the last round) plus
+(h_last, pending) in one forward, then feeds its own output hidden (after
 ``mtp.norm``) and the drafted token back for depth 2..n (greedy, or sampled at the
 request's temperature with q returned). ``commit(accepted, hidden)`` trims the speculative
 entries and queues the real ones, with the target's real hidden rows; they run in the next
