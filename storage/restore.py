@@ -4,7 +4,9 @@ a corrupt one (read whole, and wrong) is removed.
 
 A restore streams each file in L2-sized pieces with pread (read, hash, scatter),
 ``read_threads`` blocks at a time (blocks land in disjoint rows), asking the OS for the
-next files' pages ahead (posix_fadvise WILLNEED). Files are never mapped: a file
+next files' pages ahead (posix_fadvise WILLNEED). A file that is not in the page cache
+is read with O_DIRECT instead, double-buffered, straight from the device into aligned
+staging buffers (``storage.direct``). Files are never mapped: a file
 truncated or failing under a mapping raises SIGBUS, which would kill the process; under
 pread it is a short read or an error, so a miss.
 """
@@ -20,6 +22,7 @@ from typing import Any
 
 from storage import diskio as dio
 from storage import format as fmt
+from storage.direct import FALLBACK, DirectReader, is_cold
 from storage.diskio import CHUNK, K
 from storage.entries import Entry
 from storage.format import KIND_CHECKPOINT, FormatError, Layout, make_layout
@@ -187,10 +190,22 @@ class ReadMixin:
         except OSError as exc:  # unreadable, or no longer a regular file: a miss
             self._unreadable(e, exc)
             return -1
-        if prefetch and hasattr(os, "posix_fadvise"):
+        if prefetch and hasattr(os, "posix_fadvise") and not self._goes_direct(fd, e):
             # start reading the next block from disk while this one is verified/unpacked
             dio.quiet(os.posix_fadvise, fd, 0, 0, os.POSIX_FADV_WILLNEED)
         return fd
+
+    def _direct_reader(self) -> DirectReader:
+        with self._lock:
+            d = self.__dict__.get("_direct")
+            if d is None:
+                d = self.__dict__["_direct"] = DirectReader(self._scratch)
+            return d
+
+    def _goes_direct(self, fd: int, e: Entry) -> bool:
+        """Whether ``e`` will be read with O_DIRECT: direct reads on, and the file cold."""
+        return getattr(self, "direct_reads", True) and self._direct_reader().usable and \
+            is_cold(fd, e)
 
     def _unreadable(self, e: Entry, exc: OSError) -> None:
         """A file that cannot be read is a miss: dropped from the index until the next
@@ -226,6 +241,7 @@ class ReadMixin:
                      ntok: int, plans: dict[int, list]) -> str | None:
         """Stream L2-sized pieces with pread (read, scatter, hash the scattered bytes while
         they are in cache); a short read is a reason."""
+        direct = self._goes_direct(fd, e)  # (asked before the header read caches pages)
         hbuf = self._scratch("h", e.payload_offset)
         with memoryview(hbuf) as hv:
             got = dio.pread_full(fd, hv[: e.payload_offset], 0)
@@ -235,6 +251,13 @@ class ReadMixin:
             if plan is None:
                 plan = plans[ntok] = dio.plan(segs, ntok)
             h = dio.hasher(fmt.content_seed(e.key))
+            if direct:
+                reason = self._direct_reader().read(e, plan, t0, ntok, h)
+                if reason != FALLBACK:
+                    if reason is None and h.digest() != e.content_hash:
+                        reason = "content hash mismatch"
+                    return reason
+                reason = None
             stage = self._scratch("r", 2 * CHUNK)
             mv = memoryview(stage)
             for off, n, sub in plan:

@@ -136,6 +136,8 @@ class BlockStore(IndexMixin, WriteMixin, ReadMixin, MaintenanceMixin):
         self._local = threading.local()
         self._pool: ThreadPoolExecutor | None = None
         self._rpool: ThreadPoolExecutor | None = None
+        # cold block files are read with O_DIRECT (storage.direct) where the filesystem allows
+        self.direct_reads = direct_io
         # threads that verify+scatter blocks of one restore in parallel (1 = the caller's)
         self.read_threads = max(1, read_threads if read_threads is not None
                                 else min(4, os.cpu_count() or 1))
@@ -164,6 +166,9 @@ class BlockStore(IndexMixin, WriteMixin, ReadMixin, MaintenanceMixin):
         for pool in pools:
             if pool is not None:
                 pool.shutdown(wait=True)
+        direct = self.__dict__.get("_direct")
+        if direct is not None:
+            direct.close()
 
     def _scratch(self, which: str, nbytes: int) -> Any:
         """A page-aligned buffer of this thread, grown on demand and reused."""
