@@ -213,13 +213,22 @@ MTP_TEXT_CONFIG: dict = {
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                         "mrope_section": [2, 1, 1]},
 }
+# The same trunk as Qwen3-Next: always MoE (one tensor per expert in its checkpoint), the
+# MTP layer counted by num_nextn_predict_layers.
+QWEN3_NEXT_CONFIG: dict = {
+    **{k: v for k, v in MTP_TEXT_CONFIG.items() if k not in ("rope_parameters", "mtp_num_hidden_layers")},
+    "model_type": "qwen3_next", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+    "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "norm_topk_prob": True,
+    "num_nextn_predict_layers": 1,
+}
 # Norms Qwen3-Next / Qwen3.5 checkpoints store zero-centred (the layer computes x̂·(1 + w));
 # mlx-lm adds the 1 when it loads the trunk.
 _ZERO_CENTRED_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight",
                        ".k_norm.weight", "model.norm.weight")
 
 
-def mtp_weights(text_args, seed: int = 0, scale: float = 0.02, init: str = "random") -> dict:
+def mtp_weights(text_args, seed: int = 0, scale: float = 0.02, init: str = "random", arch: str = "qwen3_5") -> dict:
     """MTP weights in the checkpoint layout (``mtp.fc`` [H, 2H], the two pre-fc norms, one
     full-attention decoder layer ``mtp.layers.0.*``, ``mtp.norm``).
 
@@ -234,8 +243,11 @@ def mtp_weights(text_args, seed: int = 0, scale: float = 0.02, init: str = "rand
         raise ValueError(f"unknown MTP init {init!r} (random or copy)")
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.models.qwen3_5 import DecoderLayer
 
+    if arch == "qwen3_next":
+        from mlx_lm.models.qwen3_next import Qwen3NextDecoderLayer as DecoderLayer
+    else:
+        from mlx_lm.models.qwen3_5 import DecoderLayer
     mx.random.seed(seed + 1)
     hidden = text_args.hidden_size
     layer = DecoderLayer(text_args, text_args.full_attention_interval - 1)
@@ -250,7 +262,18 @@ def mtp_weights(text_args, seed: int = 0, scale: float = 0.02, init: str = "rand
         for key in list(out):
             if key.endswith(("norm.weight", "o_proj.weight", "down_proj.weight")):
                 out[key] = mx.zeros_like(out[key])
-    return _fused_experts(out)
+    return _per_expert(out) if arch == "qwen3_next" else _fused_experts(out)
+
+
+def _per_expert(weights: dict) -> dict:
+    """Stacked experts as Qwen3-Next ships them: ``mlp.experts.{e}.{proj}.weight``."""
+    out = dict(weights)
+    for key in [k for k in out if ".mlp.switch_mlp." in k]:
+        prefix, proj = key.split(".switch_mlp.")
+        stacked = out.pop(key)
+        for e in range(stacked.shape[0]):
+            out[f"{prefix}.experts.{e}.{proj}"] = stacked[e]
+    return out
 
 
 def _fused_experts(weights: dict) -> dict:
@@ -270,18 +293,23 @@ def _fused_experts(weights: dict) -> dict:
 
 def build_mtp_checkpoint(out_dir: str | os.PathLike, vocab_size: int = 512, seed: int = 0,
                          tokenizer_texts: Iterable[str] | None = None, sidecar: bool = False,
-                         mtp_init: str = "random", scale: float = 0.02, **overrides) -> Path:
-    """A Qwen3.5-style model folder in the Hugging Face checkpoint layout (what mlx-lm loads
-    straight from a hub download): ``model.language_model.*`` trunk with zero-centred
-    norms and PyTorch-shaped conv1d weights, ``lm_head``, and the MTP weights under
-    ``mtp.*``, which mlx-lm's ``sanitize`` drops. ``sidecar`` puts the MTP weights in their
+                         mtp_init: str = "random", scale: float = 0.02, arch: str = "qwen3_5",
+                         **overrides) -> Path:
+    """A Qwen3.5-style (or, with ``arch="qwen3_next"``, Qwen3-Next) model folder in the
+    Hugging Face checkpoint layout (what mlx-lm loads straight from a hub download):
+    ``model.language_model.*`` (Qwen3-Next: ``model.*``) trunk with zero-centred norms,
+    PyTorch-shaped conv1d weights and the experts as the family ships them, ``lm_head``,
+    and the MTP weights under ``mtp.*``, which mlx-lm's ``sanitize`` drops. ``sidecar`` puts the MTP weights in their
     own ``mtp.safetensors`` (how a converted checkpoint keeps them) instead of
     ``model.safetensors``; ``mtp_init`` is :func:`mtp_weights`' ``init``; ``scale`` the
     trunk's weight scale (larger: the trunk strays more from its input). ``overrides``
-    change ``MTP_TEXT_CONFIG``. Idempotent."""
+    change ``MTP_TEXT_CONFIG`` (``QWEN3_NEXT_CONFIG``). Idempotent."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.models import qwen3_5
+    from mlx_lm.models import qwen3_5, qwen3_next
+
+    if arch not in ("qwen3_5", "qwen3_next"):
+        raise ValueError(f"unknown MTP architecture {arch!r} (qwen3_5 or qwen3_next)")
 
     out = Path(out_dir)
     if (out / "config.json").exists() and list(out.glob("*.safetensors")):
@@ -289,13 +317,20 @@ def build_mtp_checkpoint(out_dir: str | os.PathLike, vocab_size: int = 512, seed
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     texts = tokenizer_texts if tokenizer_texts is not None else stdlib_corpus(1_000_000)
     real_vocab = build_tokenizer(tmp, texts, vocab_size=vocab_size)
-    text_config = {**MTP_TEXT_CONFIG, "vocab_size": real_vocab, **overrides}
-    moe = text_config.get("num_experts", 0) > 0
-    model_type = "qwen3_5_moe" if moe else "qwen3_5"
-    config = {"model_type": model_type,
-              "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
-              "tie_word_embeddings": text_config["tie_word_embeddings"], "text_config": text_config}
-    model = init_model({"model_type": model_type, "text_config": text_config}, seed=seed, scale=scale)
+    if arch == "qwen3_next":
+        config = {**QWEN3_NEXT_CONFIG, "vocab_size": real_vocab, **overrides,
+                  "architectures": ["Qwen3NextForCausalLM"]}
+        model = init_model(config, seed=seed, scale=scale)
+        mtp_args = qwen3_next.ModelArgs.from_dict(config)
+    else:
+        text_config = {**MTP_TEXT_CONFIG, "vocab_size": real_vocab, **overrides}
+        moe = text_config.get("num_experts", 0) > 0
+        model_type = "qwen3_5_moe" if moe else "qwen3_5"
+        config = {"model_type": model_type,
+                  "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
+                  "tie_word_embeddings": text_config["tie_word_embeddings"], "text_config": text_config}
+        model = init_model({"model_type": model_type, "text_config": text_config}, seed=seed, scale=scale)
+        mtp_args = qwen3_5.TextModelArgs.from_dict(text_config)
     weights = {}
     for name, p in tree_flatten(model.parameters()):
         if name.startswith("language_model.model."):
@@ -307,8 +342,8 @@ def build_mtp_checkpoint(out_dir: str | os.PathLike, vocab_size: int = 512, seed
         if p.ndim == 1 and name.endswith(_ZERO_CENTRED_NORMS):
             p = p - 1.0
         weights[name] = p
-    weights = _fused_experts(weights)
-    mtp = mtp_weights(qwen3_5.TextModelArgs.from_dict(text_config), seed=seed, init=mtp_init)
+    weights = _per_expert(weights) if arch == "qwen3_next" else _fused_experts(weights)
+    mtp = mtp_weights(mtp_args, seed=seed, init=mtp_init, arch=arch)
     if sidecar:
         mx.save_safetensors(str(tmp / "mtp.safetensors"), mtp, metadata={"format": "pt"})
     else:
@@ -324,9 +359,9 @@ def build_mtp_checkpoint(out_dir: str | os.PathLike, vocab_size: int = 512, seed
     return out
 
 
-def mtp_model(**overrides) -> Path:
-    """A tiny random-weight Qwen3.5-style model with MTP weights (see
+def mtp_model(arch: str = "qwen3_5", **overrides) -> Path:
+    """A tiny random-weight Qwen3.5-style (or Qwen3-Next) model with MTP weights (see
     :func:`build_mtp_checkpoint`), built once into the tests' model folder."""
     suffix = "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
-    name = "qwen3_5-mtp-tiny" + (f"-{suffix}" if suffix else "")
-    return build_mtp_checkpoint(TEST_MODELS / name, **overrides)
+    name = f"{arch}-mtp-tiny" + (f"-{suffix}" if suffix else "")
+    return build_mtp_checkpoint(TEST_MODELS / name, arch=arch, **overrides)

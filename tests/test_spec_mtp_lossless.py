@@ -114,9 +114,13 @@ def test_mtp_state_comes_back_from_the_ssd_tier_after_a_restart(tmp_path):
         assert second.tokens == _run(second_engine, turn2, "off", 12).tokens
 
 
-def test_greedy_mtp_on_a_moe_checkpoint_equals_plain_decoding():
-    path = mtp_model(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                     shared_expert_intermediate_size=32)
-    with Engine(str(path)).start(timeout=TIMEOUT) as engine:
+@pytest.mark.parametrize("variant", [
+    {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32},
+    {"arch": "qwen3_next"},
+], ids=["qwen3_5_moe", "qwen3_next"])
+def test_greedy_mtp_on_moe_checkpoints_equals_plain_decoding(variant):
+    """Qwen3.5-MoE (experts fused) and Qwen3-Next (one tensor per expert) checkpoints."""
+    with Engine(str(mtp_model(**variant))).start(timeout=TIMEOUT) as engine:
+        assert "mtp" in engine.info["speculation"]
         for tokens in _prompts(engine.loaded.tokenizer, 10):
             assert _run(engine, tokens, "mtp", 6).tokens == _run(engine, tokens, "off", 6).tokens
