@@ -141,7 +141,7 @@ def test_source_keeps_one_entry_per_target_position(target):
     _, hidden = view.forward(mx.array([prompt]), cache)
     src = provider.open(view, GREEDY)
     src.prefill(prompt, 0, hidden[0])
-    assert src.tokens == len(prompt) and src.kv_entries == 0  # they run with the first proposal
+    assert src.tokens == len(prompt) == src.kv_entries
     # Depth d + 1 feeds back the MTP's own output hidden with draft d.
     mtp, head, manual = provider.module, view.logits, src.capture().cache
     g = mtp(view.embed(mx.array([[7]])), hidden[:, -1:], manual)
@@ -256,9 +256,11 @@ def test_queued_entries_are_bounded(target, monkeypatch):
     monkeypatch.setattr(mtp, "QUEUE_MAX", 4)
     src = provider.open(view, GREEDY)
     src.prefill(prompt[:3], 0, hidden[0, :3])
-    assert src.kv_entries == 0
-    src.commit(prompt[3:5], hidden[0, 3:5])  # five queued: past the bound, they run
-    assert src.kv_entries == 5 == src.tokens
+    assert src.kv_entries == 3
+    src.commit(prompt[3:5], hidden[0, 3:5])  # plain steps queue their entries ...
+    assert src.kv_entries == 3 and src.tokens == 5
+    src.commit(prompt[5:7], hidden[0, 5:7])  # ... up to the bound, then they run
+    assert src.kv_entries == 7 == src.tokens
 
 
 def test_target_view_gives_the_models_own_logits_and_post_norm_hidden(target):

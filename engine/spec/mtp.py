@@ -10,14 +10,14 @@ not known (position 0, the first position after a restored state, positions the 
 took from its own cache without this source's state) the entry has a zero hidden: the
 cache stays aligned, the draft is only less informed there.
 
-``prefill`` only queues the prompt's entries. A round: ``propose(pending, n)`` runs the
-queued entries (the prompt's, or what the target committed since the last round) plus
-(h_last, pending) in one forward, then feeds its own output hidden (after
-``mtp.norm``) and the drafted token back for depth 2..n (greedy, or sampled at the
-request's temperature with q returned). ``commit(accepted, hidden)`` trims the speculative
-entries and queues the real ones, with the target's real hidden rows; they run in the next
-``propose``. Every draft is checked by the verifier, so the MTP can only make decoding
-faster or slower, never different.
+``prefill`` runs the prompt's entries. A round: ``propose(pending, n)`` runs the entries
+the target committed since the last proposal (plain steps queue theirs: a request whose
+policy stopped speculating pays nothing per token) plus (h_last, pending) in one forward,
+then feeds its own output hidden (after ``mtp.norm``) and the drafted token back for depth
+2..n (greedy, or sampled at the request's temperature with q returned).
+``commit(accepted, hidden)`` trims the speculative entries and queues the real ones, with
+the target's real hidden rows. Every draft is checked by the verifier, so the MTP can only
+make decoding faster or slower, never different.
 """
 
 from __future__ import annotations
@@ -186,9 +186,10 @@ class MTPSource(DraftSource):
         self._take(prompt[len(self._history):processed], None)
         tokens = prompt[processed:]
         self._take(tokens, self._rows(hidden, len(tokens)))
-        # The prompt's entries run with the first proposal (after the first token is out,
-        # and never when the policy does not speculate), unless they are many.
-        self._bound_queue()
+        # The prompt's entries run now, as part of the prefill: run with the first proposal
+        # instead, they would count as that round's drafting cost (and decode time), and the
+        # length policy would take MTP for slower than it is.
+        self._flush()
 
     def propose(self, pending: int, n: int) -> Proposal:
         self._trim_to(self._real)
