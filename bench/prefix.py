@@ -143,6 +143,7 @@ def child_ssd(args: argparse.Namespace) -> int:
     sns = store_namespace(NS)
     for _ in range(args.repeats):
         pc = PrefixCache(ram_bytes=1 << 34, cache_dir=args.child_ssd, block_tokens=256)
+        pc.bind_model(NS, model)  # as the engine does while it loads (the KV arena too)
         t = time.perf_counter()
         n, cache = pc.lookup(prompt, NS)
         if cache is None:

@@ -1,0 +1,159 @@
+"""Prefetch on the prefix cache facade: a conversation's state read from SSD into RAM
+before the request that needs it (engine thread).
+
+Idle, a prefetch restores here and now (nothing waits on the engine). While the engine is
+busy (``PrefixCache.busy(True)``) nothing here waits: the blocks are read on the storage
+reader thread (into a KV arena slot, or into arrays whose page faults the reader takes)
+and the state enters RAM at the next engine-thread call that finds the read done, or at
+the lookup that needs it, which waits for it as it would for its own restore. A queued
+prefetch that a lookup would wait behind is cancelled, and one that RAM cannot hold
+without evicting is dropped: memory goes to what is used.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from engine.cache import kvblocks as kb
+from engine.cache import layout as dl
+from engine.cache.ssd import Restoring
+from engine.cache.tokens import as_tokens, chain_keys, common_prefix, store_namespace
+from engine.cache.tokens import entry_id as eid_of
+
+
+@dataclass(eq=False)
+class _Prefetch:
+    """A prefetch whose blocks are being read (``SsdTier.begin_blocks``)."""
+
+    p: Restoring
+    keys: list[bytes]
+    session: str | None
+
+
+class PrefetchMixin:
+    """Prefetch of :class:`engine.cache.prefix_cache.PrefixCache` (which sets ``ram``,
+    ``ssd``, ``lending``, ``counters``, ``_events``, ``_pins``, ``_sessions``, ``_busy``,
+    ``_prefetching``, ``block_tokens`` and ``_worth``)."""
+
+    ram: Any
+    ssd: Any
+    lending: Any
+    counters: Any
+    block_tokens: int
+    _events: Any
+    _pins: set[str]
+    _sessions: set[str]
+    _busy: bool
+    _prefetching: list[_Prefetch]
+    _worth: Any
+
+    def prefetch(self, tokens: Any, ns: str, session: str | None = None) -> int:
+        """Warm the longest cached prefix of ``tokens`` into RAM, restoring it from SSD
+        when RAM holds less of it (as a lookup would), so the request that sends
+        ``tokens`` starts from RAM. Returns the tokens a lookup will find in RAM.
+
+        While the engine is busy (``busy(True)``) nothing here waits: the blocks are read
+        on the storage reader thread (into an arena slot, or into arrays whose pages the
+        reader faults in) and the state enters RAM at the next call on the engine thread
+        that finds the read done, or at the lookup that needs it (which waits for it, as
+        it would for its own restore). A prefetch that another lookup would queue behind
+        is cancelled, and one that RAM cannot hold without evicting is dropped. Idle,
+        the restore runs here and now."""
+        toks, sns = as_tokens(tokens), store_namespace(ns)
+        limit = len(toks) - 1  # as lookup: at least one token is left to compute
+        if limit <= 0:
+            return 0
+        self.lending.sweep()
+        self._adopt()
+        keys = chain_keys(sns, toks, self.block_tokens)
+        n = self.ram.lookup(sns, toks, session, keys=keys).n  # (touches it: kept warm)
+        for pf in self._prefetching:  # already on its way
+            if pf.p.sns == sns and pf.p.n_tokens > n and \
+                    common_prefix(pf.p.toks, toks) >= pf.p.n_tokens:
+                return pf.p.n_tokens
+        restored = 0
+        if self._busy and self.ssd is not None and self._worth(limit, n) and \
+                self.ssd.available():
+            return self._prefetch_behind(sns, toks, keys, limit, n, ns, session)
+        if self.ssd is not None and self._worth(limit, n) and self.ssd.available():
+            n2, cache, restore_ms = self.ssd.lookup(sns, toks, keys, limit, n, self._worth)
+            if cache is not None and n2 > n:
+                entry = self.ram.store(sns, toks[:n2], cache, session,
+                                       keys=keys[: n2 // self.block_tokens],
+                                       pinned=eid_of(sns, toks[:n2]) in self._pins)
+                if entry is not None:
+                    n = restored = n2
+            self.counters.add(restore_ms=restore_ms)
+        self.counters.add(prefetches=1, prefetched_tokens=restored)
+        self._events.emit("prefetch", ns=ns, tokens=n, restored=restored)
+        return n
+
+    def _prefetch_behind(self, sns: str, toks: np.ndarray, keys: list[bytes], limit: int,
+                         n: int, ns: str, session: str | None) -> int:
+        """Start a prefetch's block read on the reader thread; the tokens it will warm."""
+        assert self.ssd is not None
+        self.counters.add(prefetches=1)
+        sm = self.ssd.disk.lookup(sns, toks, max_tokens=limit, keys=keys)
+        if sm.layout is None or dl.is_partial(sm.layout) or not self._worth(sm.n_tokens, n):
+            return n  # (exact checkpoints are warmed when the engine is idle)
+        # headroom for the turn that follows, so the request can take the buffers over
+        cap = kb.round_up(len(toks) + kb.KV_STEP)
+        pending = self.ssd.begin_blocks(sns, toks, sm, cap, populate=False)
+        if pending is None:
+            return n
+        self._prefetching.append(_Prefetch(pending, keys, session))
+        self.counters.add(prefetches_background=1)
+        self._events.emit("prefetch", ns=ns, tokens=sm.n_tokens, restored=0,
+                          background=True)
+        return sm.n_tokens
+
+    def prefetch_wait(self, timeout: float | None = None) -> int:
+        """Wait (up to ``timeout`` s in all) for the prefetch reads under way and move them
+        into RAM; returns how many are still under way."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for pf in list(self._prefetching):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                pf.p.future.exception(timeout=left)
+            except Exception:  # noqa: BLE001  (a timeout or a cancelled read: left for later)
+                break
+        self._adopt()
+        return len(self._prefetching)
+
+    def _adopt(self, toks: np.ndarray | None = None, sns: str | None = None) -> None:
+        """Move finished prefetches into RAM. With a prompt (a lookup): wait for the one
+        that serves it, cancel the queued ones that do not (the lookup's own read would
+        queue behind them)."""
+        if not self._prefetching or self.ssd is None:
+            return
+        keep: list[_Prefetch] = []
+        for pf in self._prefetching:
+            p = pf.p
+            serves = toks is not None and p.sns == sns and common_prefix(p.toks, toks) > 0
+            if not (p.future.done() or serves):
+                if toks is not None and p.future.cancel():
+                    self.counters.add(prefetches_cancelled=1)
+                else:
+                    keep.append(pf)
+                continue
+            got = self.ssd.finish_blocks(p)
+            if got is None:
+                continue
+            n, cache = got
+            size = kb.arrays_nbytes([kb.layer_arrays(c) for c in cache])
+            pinned = eid_of(p.sns, p.toks[:n]) in self._pins
+            if self.ram.nbytes + size > self.ram.max_bytes and not pinned and \
+                    not (pf.session is not None and pf.session in self._sessions):
+                self.counters.add(prefetches_cancelled=1)  # RAM is needed for more
+                continue
+            entry = self.ram.store(p.sns, p.toks[:n], cache, pf.session,
+                                   keys=pf.keys[: n // self.block_tokens], pinned=pinned)
+            if entry is not None:
+                self.counters.add(prefetched_tokens=n)
+                self._events.emit("prefetched", ns=p.sns, tokens=n)
+        self._prefetching = keep
+
