@@ -54,6 +54,7 @@ class Snapshot:
     keep: Any = None  # kept alive until the future settles (e.g. the mx arrays)
     on_start: Callable[[], None] | None = None  # called on the writer thread first
     checkpoint: bool = False  # whole states at exactly len(tokens): put_checkpoint
+    pace: Callable[[], None] | None = None  # called between the files of a block write
 
 
 @dataclass
@@ -152,7 +153,7 @@ class StorageIO:
             return self.store.put_checkpoint(s.ns, s.tokens, s.layout, s.segments,
                                              manifest=s.manifest, durable=s.durable)
         return self.store.put_blocks(s.ns, s.tokens, s.layout, s.segments, tail=s.tail,
-                                     manifest=s.manifest, durable=s.durable)
+                                     manifest=s.manifest, durable=s.durable, pace=s.pace)
 
     def _read(self, r: ReadRequest) -> Restore:
         if r.checkpoint:

@@ -14,7 +14,7 @@ import errno
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -58,6 +58,7 @@ class WriteMixin:
     def put_blocks(
         self, ns: str, tokens: Any, layout: Any, segments: Sequence[Segment], *,
         tail: bool = True, manifest: str | None = None, durable: bool | None = None,
+        pace: Callable[[], None] | None = None,
     ) -> PutResult:
         """Persist rows [0, len(tokens)) of ``segments``: missing full blocks + exact tail.
 
@@ -85,7 +86,7 @@ class WriteMixin:
                 if tkey not in space.tails.get(parent, {}):
                     jobs.append((KIND_TAIL, tkey, parent, len(keys) * bt, n))
         try:
-            written = self._persist(ns, nsid, layout, segs, toks, jobs, durable)
+            written = self._persist(ns, nsid, layout, segs, toks, jobs, durable, pace)
         finally:
             with self._lock:
                 self._c["dedup_blocks"] += present
@@ -121,14 +122,16 @@ class WriteMixin:
                          sum(e.file_size for e in written), (key,))
 
     def _persist(self, ns: str, nsid: bytes, layout: Layout, segs: list, toks: Any,
-                 jobs: list[Job], durable: bool | None) -> list[Entry]:
+                 jobs: list[Job], durable: bool | None,
+                 pace: Callable[[], None] | None = None) -> list[Entry]:
         """Write ``jobs`` under the shared folder lock; index whatever completed."""
         written: list[Entry] = []
         try:
             if jobs:
                 with self._flock(shared=True):
                     self._write_files(ns, nsid, layout, segs, toks, jobs,
-                                      self.durable if durable is None else durable, written)
+                                      self.durable if durable is None else durable, written,
+                                      pace)
         except CacheFolderError as exc:
             raise self._folder_failed(exc, "block") from exc
         finally:
@@ -148,7 +151,10 @@ class WriteMixin:
                 self._warn_once(f"folder:{exc}", "mlxkv cache: %s", exc)
 
     def _write_files(self, ns: str, nsid: bytes, layout: Layout, segs: list, toks: Any,
-                     jobs: list[Job], durable: bool, written: list[Entry]) -> None:
+                     jobs: list[Job], durable: bool, written: list[Entry],
+                     pace: Callable[[], None] | None = None) -> None:
+        """Write ``jobs`` (``pace``, when given, runs before each file after the first:
+        the caller's chance to let the machine breathe between slices of a big write)."""
         pending: list[tuple[int, str | None, str, Entry]] = []  # fd, tmp, final, entry
         writes: list[Future] = []  # the pwrite of each pending file, in order
         dirs: set[str] = set()
@@ -157,7 +163,9 @@ class WriteMixin:
         publishing = False
         nblk = 0
         try:
-            for kind, key, parent, t0, t1 in jobs:
+            for i, (kind, key, parent, t0, t1) in enumerate(jobs):
+                if pace is not None and i:
+                    pace()
                 # blocks and tails pack token rows [t0, t1); a checkpoint its one state row
                 r0, r1 = (0, 1) if kind == KIND_CHECKPOINT else (t0, t1)
                 hdr_size = fmt.block_header_size(layout, ns, t1 - t0)

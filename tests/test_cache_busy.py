@@ -93,5 +93,22 @@ def test_waiting_is_bounded_by_delay_memory_and_eviction(tmp_path):
     assert pc.close(30)["durable"] == 1
 
 
+def test_a_write_that_goes_while_busy_paces_itself_between_block_files(tmp_path):
+    pc = PrefixCache(ram_bytes=1 << 30, cache_dir=str(tmp_path), block_tokens=BT)
+    d = pc.durability
+    d.max_delay_s = 0.0  # goes at once, although busy
+    pc.busy(True)
+    toks, cache = _state(_model(), 4 * BT + 3, 6)  # four block files and a tail
+    pc.store(toks, cache, NS)
+    assert d.wait(store_namespace(NS), np.array(toks), timeout=30) == "durable"
+    assert d.paced == 4  # a pause before each file after the first, all while busy
+    pc.busy(False)
+    toks2, cache2 = _state(_model(), 4 * BT, 7)
+    pc.store(toks2, cache2, NS)  # idle: no pauses
+    assert d.wait(store_namespace(NS), np.array(toks2), timeout=30) == "durable"
+    assert d.paced == 4 and pc.stats()["paced"] == 4
+    pc.close(30)
+
+
 def test_null_cache_busy_is_a_no_op():
     assert NullPrefixCache().busy(True) is None

@@ -14,7 +14,9 @@ the storage writer thread without ever blocking the engine thread:
   prefilled or decoded) a due write waits, so persistence never taxes generation; it goes
   anyway once it has waited ``max_delay_s``, once the states waiting pin more than
   ``pressure_bytes``, or when the RAM tier no longer holds it (the snapshot is the only
-  copy left). ``busy(False)`` submits what waited at once;
+  copy left). A write under way while the engine is busy paces itself in slices: after
+  each block file it pauses up to ``pace_s`` (cut short when the engine goes idle or
+  memory is short). ``busy(False)`` submits what waited at once;
 * **flush(timeout)**: submits everything now and waits; it reports
   ``{durable, flushed, pending, failed, missing}`` and never counts as durable a state whose
   write has not returned from ``put_blocks`` with fsync.
@@ -100,6 +102,10 @@ class Durability:
         self.max_delay_s = max(0.0, float(max_delay_s))
         self.pressure_bytes = pressure_bytes  # None: no bound from memory
         self._busy = False
+        self._idle = threading.Event()  # set while the engine is idle (wakes a paced write)
+        self._idle.set()
+        self.pace_s = 0.05
+        self.paced = 0  # pauses taken between block files while the engine was busy
         self._durable_s: deque[float] = deque(maxlen=256)  # store -> durable, recent writes
         self.yielded = 0  # writes that waited for the engine to go idle
         self._on_settled = on_settled  # called on the writer thread, lock not held
@@ -209,8 +215,22 @@ class Durability:
             if self._busy == bool(active):
                 return
             self._busy = bool(active)
-            if not self._busy:
+            if self._busy:
+                self._idle.clear()
+            else:
+                self._idle.set()
                 self._pump(force=False)
+
+    def _pace(self) -> None:
+        """Writer thread, between two block files: pause while the engine is busy."""
+        with self._cond:
+            pause = self._busy and not self._flushing and not self._closed and not (
+                self.pressure_bytes is not None
+                and sum(j.nbytes for j in self._queue) > self.pressure_bytes)
+            if pause:
+                self.paced += 1
+        if pause:
+            self._idle.wait(self.pace_s)
 
     def _must_go(self, job: Job, now: float) -> bool:
         """Whether a due write goes although the engine is busy (lock held)."""
@@ -242,6 +262,9 @@ class Durability:
             job.state = WRITING
             job.attempts += 1
             self._inflight += 1
+            for snap in job.snapshot if isinstance(job.snapshot, tuple) else (job.snapshot,):
+                if hasattr(snap, "pace"):
+                    snap.pace = self._pace
             try:
                 fut = self._submit(job.snapshot)
             except Exception as exc:  # noqa: BLE001  (closed storage...: settle as a failure)
@@ -361,11 +384,11 @@ class Durability:
     def timings(self) -> dict[str, float | int | None]:
         """``durable_after_turn_s``: median seconds from a state's store to its write being
         durable (recent writes; None before the first); ``yielded``: writes that waited
-        for the engine to go idle."""
+        for the engine to go idle; ``paced``: pauses between block files while busy."""
         with self._cond:
             d = list(self._durable_s)
             return {"durable_after_turn_s": statistics.median(d) if d else None,
-                    "yielded": self.yielded}
+                    "yielded": self.yielded, "paced": self.paced}
 
     def wait(self, ns: str, tokens: np.ndarray, timeout: float | None = None) -> str | None:
         """Wait (up to ``timeout``) until this state's write settles; its state then."""
