@@ -80,6 +80,7 @@ class Arena:
         self.hits = 0  # restores served from a slot
         self.misses = 0  # restores that allocated (no fitting slot)
         self.allocated = 0  # slots allocated
+        self._free_bytes = 0
 
     # ------------------------------------------------------------------ preparing
     def prepare(self, sns: str, cache: list, tokens_hint: int = 0) -> int:
@@ -89,6 +90,7 @@ class Arena:
         got = kv_signature(cache)
         if got is None:
             self._spaces.pop(sns, None)
+            self._recount()
             return 0
         sig, dtypes = got
         row = sum(o * dt.size * _prod(shape) for (o, shape, _), dt in zip(sig, dtypes))
@@ -98,6 +100,7 @@ class Arena:
             old.capacity = max(old.capacity, cap)
         else:
             self._spaces[sns] = _Space(sig, dtypes, row, cap)
+            self._recount()
         return self.replenish(sns)
 
     def replenish(self, sns: str | None = None) -> int:
@@ -108,12 +111,14 @@ class Arena:
             [self._spaces[sns]] if sns in self._spaces else []
         for sp in spaces:
             sp.free = [s for s in sp.free if s[0].shape[2] >= sp.capacity]  # outgrown
+            self._recount()
             while len(sp.free) < sp.slots:
                 need = sp.row_bytes * sp.capacity
                 if self.nbytes + need > self.budget_bytes:
                     break  # over budget: restores of this size allocate as before
                 shapes = [(1, o, sp.capacity, *shape) for o, shape, _ in sp.sig]
                 sp.free.append(kb.writable_arrays(shapes, sp.dtypes, huge=True))
+                self._recount()
                 self.allocated += 1
                 done += need
         return done
@@ -130,7 +135,9 @@ class Arena:
             have = slot[0].shape[2]
             if cap <= have <= 2 * cap + self.step:
                 self.hits += 1
-                return sp.free.pop(i)
+                slot = sp.free.pop(i)
+                self._recount()
+                return slot
         self.misses += 1
         if cap > sp.capacity:  # grown in steps, for the next one
             sp.capacity = kb.round_up(cap + self.step, kb.KV_STEP)
@@ -139,8 +146,12 @@ class Arena:
     # ------------------------------------------------------------------ inspection
     @property
     def nbytes(self) -> int:
-        """Bytes held in free slots."""
-        return sum(a.nbytes for sp in self._spaces.values() for s in sp.free for a in s)
+        """Bytes held in free slots (kept as a count: ``stats`` may run on any thread)."""
+        return self._free_bytes
+
+    def _recount(self) -> None:
+        self._free_bytes = sum(a.nbytes for sp in list(self._spaces.values())
+                               for s in sp.free for a in s)
 
     def free_arrays(self, sns: str | None = None) -> list[mx.array]:
         """The arrays of the free slots (what the next restores will write into)."""
@@ -154,12 +165,13 @@ class Arena:
     def clear(self) -> None:
         for sp in self._spaces.values():
             sp.free.clear()
+        self._free_bytes = 0
 
     def stats(self) -> dict[str, Any]:
         return {"arena_bytes": self.nbytes, "arena_budget_bytes": self.budget_bytes,
                 "arena_hits": self.hits, "arena_misses": self.misses,
                 "arena_slots_allocated": self.allocated,
-                "arena_capacity": {ns: sp.capacity for ns, sp in self._spaces.items()}}
+                "arena_capacity": {ns: sp.capacity for ns, sp in list(self._spaces.items())}}
 
 
 def _prod(shape: tuple[int, ...]) -> int:
