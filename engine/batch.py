@@ -25,12 +25,24 @@ from engine.requests import FinishedEvent, ProgressEvent, RequestHandle, StatsEv
 
 
 def batchable_cache(cache: Sequence[Any]) -> bool:
-    """Whether rows with this kind of prompt cache can decode in one batch and move into
-    it mid-generation: every layer a plain ``KVCache`` (trimmable, mergeable). Rotating
-    windows, SSM state and quantized KV are served one request at a time."""
-    from mlx_lm.models.cache import KVCache
+    """Whether rows with this kind of prompt cache can decode in one batch: every layer a
+    plain ``KVCache`` or a sliding window (``RotatingKVCache`` keeping no sink tokens),
+    which mlx-lm merges into its batch caches. SSM state (``ArraysCache``), quantized KV
+    and the other kinds are served one request at a time."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-    return bool(cache) and all(type(c) is KVCache for c in cache)
+    return bool(cache) and all(
+        type(c) is KVCache or (type(c) is RotatingKVCache and c.keep == 0) for c in cache)
+
+
+def movable(cache: Sequence[Any], known: int) -> bool:
+    """Whether a single-stream cache can move into a batch now: the batch feeds the last of
+    the ``known`` tokens (prompt and output) again, so the cache must hold at most
+    ``known - 1`` of them or give the rest back (a sliding window that has not wrapped)."""
+    from engine.generate import cache_length
+
+    held = cache_length(cache) or 0
+    return held <= known - 1 or all(c.is_trimmable() for c in cache)
 
 
 def token_logprobs(logprobs: Any, token: int, top: int | None

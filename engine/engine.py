@@ -761,16 +761,20 @@ class Engine:
             self._backlog.popleft()
             self._run_quick()
 
-    def _join_wanted(self, handle: RequestHandle) -> bool:
+    def _join_wanted(self, handle: RequestHandle, gen: Generation, sent: list[int]) -> bool:
         """Should the single-stream request ``handle`` move into a batch now: another
-        request that may decode with it is next in line."""
+        request that may decode with it is next in line, and its state can move."""
         if (self._waiting <= 0 or self.max_batch < 2 or not self._batchable
                 or handle.cancelled or self._stopping.is_set()
                 or not self._row_batchable(handle.request)):
             return False
         head = self._peek()
-        return (isinstance(head, RequestHandle) and not head.cancelled
-                and self._row_batchable(head.request))
+        if not (isinstance(head, RequestHandle) and not head.cancelled
+                and self._row_batchable(head.request)):
+            return False
+        from engine.batch import movable
+
+        return gen.cache is not None and movable(gen.cache, len(gen.prompt_tokens) + len(sent))
 
     def _row(self, job: _Job) -> Any:
         from engine.batch import Row
@@ -912,7 +916,7 @@ class Engine:
         def progress(done: int, total: int) -> None:
             handle._emit(ProgressEvent(done, total))
             self._run_quick()
-            if done < total and replay is None and self._join_wanted(handle):
+            if done < total and replay is None and self._join_wanted(handle, gen, sent):
                 raise _Join(gen, sent, started)
 
         from engine.spec.providers import open_speculation
@@ -944,7 +948,8 @@ class Engine:
                 if step.token is not None:
                     sent.append(step.token)
                 self._run_quick()
-                if step.token is not None and replay is None and self._join_wanted(handle):
+                if (step.token is not None and replay is None
+                        and self._join_wanted(handle, gen, sent)):
                     steps.close()  # ends its generate_step (and speculation) before the move
                     raise _Join(gen, sent, started)
         except Exception as e:

@@ -278,18 +278,54 @@ def test_a_full_queue_refuses_at_once(tiny_qwen3):
 
 @pytest.fixture(scope="module")
 def sliding_model():
-    # A sliding-window layer: a rotating cache, which cannot move into a batch.
+    # A sliding-window layer (a rotating cache) beside a full-attention one.
     return build_random_model(TEST_MODELS / "llama-tiny-sliding16", arch="llama",
                               sliding_window=16,
                               layer_types=["sliding_attention", "full_attention"])
 
 
-def test_a_model_whose_caches_cannot_be_batched_is_served_one_at_a_time(sliding_model):
-    prompts = token_prompts(4, seed=51, longest=50)
-    reqs = [Request(prompt_tokens=p, params=greedy(max_tokens=20)) for p in prompts]
-    with Engine(str(sliding_model), max_batch=1).start(timeout=T) as ref:
+@pytest.mark.parametrize("spec", ["off", "ngram"])
+def test_sliding_window_rows_batch_and_equal_alone(sliding_model, spec):
+    """Rotating caches batch too: prompts longer than the window, a follow-up that starts
+    from a stored state; each row equals its alone output. A request decoding alone moves
+    in mid-decode only while its window can give back the token the batch feeds again:
+    never once it has wrapped (plain decoding), always while speculating (the pending
+    token is not in the cache yet)."""
+    prompts = token_prompts(4, seed=53, longest=50)
+    with Engine(str(sliding_model), max_batch=1).start(timeout=T) as ref, \
+            Engine(str(sliding_model), prefix_cache=ram_cache()).start(timeout=T) as e:
+        assert e.stats(timeout=T)["batching"] is True
+        first = e.submit(Request(prompt_tokens=prompts[0], params=greedy(max_tokens=6))
+                         ).result(timeout=T)
+        follow = prompts[0] + first.tokens + [11, 12, 13]
+        reqs = [Request(prompt_tokens=follow, params=greedy(max_tokens=30), spec=spec)]
+        reqs += [Request(prompt_tokens=p, params=greedy(max_tokens=12 + 4 * i))
+                 for i, p in enumerate(prompts[1:])]
+        rec = Recorder(e)
+
+        def after_two(ev, log):  # the first row runs alone, then the others arrive
+            if isinstance(ev, TokenEvent) and sum(isinstance(x, TokenEvent) for x in log) == 2:
+                for r in reqs[1:]:
+                    rec.submit(r)
+
+        rec.submit(reqs[0], on_event=after_two)
+        rec.handles[0].result(timeout=T)
+        got = [h.result(timeout=T) for h in list(rec.handles)]
+        assert len(got) == 4 and got[0].stats.cached_tokens > 0
+        for i, (req, h) in enumerate(zip(reqs, rec.handles)):
+            check_shape(rec.events[h.id], batched=i > 0 or spec == "ngram")
+            same_as_alone(ref, req, rec.events[h.id])
+
+
+def test_a_model_whose_caches_cannot_be_batched_is_served_one_at_a_time():
+    from bench.modelgen import mtp_model
+
+    hybrid = mtp_model()  # linear-attention layers keep SSM state (ArraysCache)
+    prompts = token_prompts(3, seed=51, longest=50)
+    reqs = [Request(prompt_tokens=p, params=greedy(max_tokens=12)) for p in prompts]
+    with Engine(str(hybrid), max_batch=1).start(timeout=T) as ref:
         alone = [ref.submit(r).result(timeout=T) for r in reqs]
-    with Engine(str(sliding_model), prefix_cache=ram_cache()).start(timeout=T) as e:
+    with Engine(str(hybrid), prefix_cache=ram_cache()).start(timeout=T) as e:
         assert e.stats(timeout=T)["batching"] is False
         with held(e):
             hs = [e.submit(r) for r in reqs]
