@@ -173,3 +173,10 @@ def test_arena_is_grown_in_steps_refilled_when_idle_and_bounded(tmp_path):
     n, c = small.lookup(longer + [9], "ns")
     assert n == len(longer) and small.stats()["last"]["tier"] == "ssd"
     small.close()
+
+
+def test_nothing_is_prepared_for_a_namespace_with_nothing_stored(tmp_path):
+    pc = PrefixCache(ram_bytes=1 << 30, cache_dir=str(tmp_path), block_tokens=BT)
+    pc.bind_model("empty", model_of("dense"))
+    assert pc.stats()["arena_bytes"] == 0
+    pc.close()

@@ -8,7 +8,8 @@ for ``capacity`` tokens, allocated without a zero fill and pre-faulted.
 
 * **Prepared at load**: ``PrefixCache.bind_model`` sizes the first slot for the state the
   SSD tier used last in that namespace (the conversation most likely to be resumed) plus a
-  step of headroom, within the arena's byte budget.
+  step of headroom, within the arena's byte budget (nothing stored yet: no slot until a
+  restore shows one is wanted).
 * **Taken by a restore**: an SSD hit whose stored layout matches the slot's segments and
   whose prompt fits reads straight into the slot's arrays. The arena then forgets them:
   the request's cache is their only owner, so its prefill writes in place (MLX donates a
@@ -99,7 +100,8 @@ class Arena:
         if old is not None and old.sig == sig:
             old.capacity = max(old.capacity, cap)
         else:
-            self._spaces[sns] = _Space(sig, dtypes, row, cap)
+            # nothing stored yet: no slot until a restore shows one is wanted
+            self._spaces[sns] = _Space(sig, dtypes, row, cap, slots=int(tokens_hint > 0))
             self._recount()
         return self.replenish(sns)
 
@@ -139,6 +141,7 @@ class Arena:
                 self._recount()
                 return slot
         self.misses += 1
+        sp.slots = 1
         if cap > sp.capacity:  # grown in steps, for the next one
             sp.capacity = kb.round_up(cap + self.step, kb.KV_STEP)
         return None
