@@ -438,3 +438,19 @@ def test_a_call_queued_behind_a_batch_runs_after_it(eng):
         later = eng.submit(Request(prompt_tokens=prompts[2], params=greedy(max_tokens=4)))
     assert seen.result(timeout=T) == [True, True]
     assert not later.result(timeout=T).stats.batched  # alone: nothing else was in flight
+
+
+def test_shutdown_ends_every_row_and_what_waits(tiny_qwen3):
+    prompts = token_prompts(4, seed=111, longest=20)
+    e = Engine(str(tiny_qwen3), max_batch=2).start(timeout=T)
+    decoding = threading.Event()
+    with held(e):
+        hs = [e.submit(Request(prompt_tokens=p, params=greedy(max_tokens=5000)),
+                       callback=lambda ev: decoding.set() if isinstance(ev, TokenEvent) else None)
+              for p in prompts]
+    assert decoding.wait(T)
+    e.shutdown(timeout=T)
+    got = [h.result(timeout=T) for h in hs]
+    assert [(r.finish_reason, r.finish_detail) for r in got] == [("cancelled", "shutdown")] * 4
+    assert got[0].stats.batched and got[1].stats.batched  # two rows (max_batch), two waited
+    assert not got[2].tokens and not got[3].tokens
