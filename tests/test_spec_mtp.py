@@ -120,6 +120,8 @@ def test_malformed_mtp_weights_are_refused_clearly(hybrid, tmp_path):
         build({**good.tensors, "layers.1.input_layernorm.weight": mx.zeros((64,))})
     with pytest.raises(MTPWeightsError, match="'qwen3'"):
         build(good.tensors, model_type="qwen3")
+    with pytest.raises(MTPWeightsError, match=r"quantized \(mtp.fc.scales\)"):
+        build({**good.tensors, "fc.scales": mx.zeros((64, 2))})
     with pytest.raises(MTPWeightsError, match="unexpected mtp.fc.bias"):
         build({**good.tensors, "fc.bias": mx.zeros((64,))})
     folder = tmp_path / "model"

@@ -231,6 +231,10 @@ def build_mtp_module(model: Any, model_type: str, weights: MTPWeights, dtype: An
         raise MTPWeightsError(f"the checkpoint has {len(layers)} MTP layers (mtp.layers.{layers}); "
                               "only checkpoints with one (mtp.layers.0) are supported")
     module = MTPModule(args.hidden_size, args.rms_norm_eps, [_layer(model_type, args)])
+    quantized = sorted(k for k in weights.tensors if k.endswith((".scales", ".biases")))
+    if quantized:
+        raise MTPWeightsError(f"the checkpoint's MTP weights are quantized (mtp.{quantized[0]}); "
+                              "MTP drafting needs them unquantized (bf16/fp16/fp32)")
     given = _fold_experts(weights.tensors)
     expected = dict(tree_flatten(module.parameters()))
     missing = sorted(set(expected) - set(given))
