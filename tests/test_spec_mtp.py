@@ -130,6 +130,15 @@ def test_malformed_mtp_weights_are_refused_clearly(hybrid, tmp_path):
     with pytest.raises(MTPWeightsError, match="damaged safetensors header"):
         load_mtp_provider(dataclasses.replace(loaded, path=folder))
     assert isinstance(MTPWeightsError("x"), ValueError) and isinstance(good, MTPWeights)
+    # Through the loader the message names the file.
+    sidecar = tmp_path / "sidecar"
+    sidecar.mkdir()
+    (sidecar / "config.json").write_text((loaded.path / "config.json").read_text())
+    bad = {f"mtp.{k}": v for k, v in good.tensors.items()}
+    bad["mtp.fc.weight"] = mx.zeros((64, 64))
+    mx.save_safetensors(str(sidecar / "mtp.safetensors"), bad)
+    with pytest.raises(MTPWeightsError, match=r"mtp.safetensors: mtp.fc.weight has shape \(64, 64\)"):
+        load_mtp_provider(dataclasses.replace(loaded, path=sidecar))
 
 
 def _prompt(loaded, text="def mtp(x):\n    return x + 1\n"):

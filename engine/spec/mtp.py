@@ -328,6 +328,9 @@ def load_mtp_provider(loaded: Any) -> MTPProvider | None:
     compute = getattr(mx, str(loaded.compute_dtype), None)
     dtype = compute if isinstance(compute, mx.Dtype) and mx.issubdtype(compute, mx.floating) else mx.float32
     model_type = str(loaded.config.get("model_type", ""))
-    module = build_mtp_module(loaded.model, model_type, weights, dtype)
+    try:
+        module = build_mtp_module(loaded.model, model_type, weights, dtype)
+    except MTPWeightsError as e:
+        raise MTPWeightsError(f"{loaded.path / weights.files[0]}: {e}") from None
     owner = getattr(loaded.model, "language_model", loaded.model)
     return MTPProvider(module, weights, owner.model.embed_tokens)
