@@ -146,7 +146,7 @@ def read_mtp_weights(folder: str | os.PathLike) -> MTPWeights | None:
 
 
 class MTPModule(nn.Module):
-    """z = fc([norm_e(embed(x_{p+1})), norm_h(h_p)]) -> decoder layer (own KV) -> norm.
+    """z = fc([norm_e(embed(x_p)), norm_h(h_{p-1})]) -> decoder layer (own KV) -> norm: predicts x_{p+1}.
 
     Its output hidden is what the LM head consumes, and what the next depth feeds back as
     ``h``."""
