@@ -86,6 +86,15 @@ class Served:
         httpx = http_client()
 
         env = {**os.environ, "XDG_CONFIG_HOME": str(self.cache_dir / "config"), "HF_HUB_OFFLINE": "1"}
+        if self.kind == "mlx_lm":
+            # the same BLAS as ours: mlxkv preloads it before mlx (engine.blas); mlx-lm gets
+            # it preloaded by the dynamic loader
+            import engine  # noqa: F401
+            from engine.blas import blas_info
+
+            info = blas_info()
+            if info.get("active") and info.get("path"):
+                env["LD_PRELOAD"] = info["path"]
         self.log = open(self.cache_dir / f"{self.kind}.log", "ab")
         self.proc = subprocess.Popen(self.command(), cwd=ROOT, env=env, stdout=self.log, stderr=self.log)
         deadline = time.monotonic() + timeout
@@ -129,7 +138,7 @@ def stream_chat(url: str, messages: list[dict], max_tokens: int, timeout: float 
     the times of the request, the first and the last content chunk."""
     httpx = http_client()
 
-    body = {"model": "bench", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+    body = {"model": "default_model", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
             "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first = last = None

@@ -45,6 +45,7 @@ class Gate:
                 raise ApiError(429, f"the server is busy ({self.in_flight} requests in flight, "
                                     f"the limit is {self.limit}); retry later")
             self.in_flight += 1
+            self._lock.notify_all()
 
     def leave(self, reason: str = "error", generated: int = 0) -> None:
         with self._lock:
@@ -56,8 +57,12 @@ class Gate:
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until no request is in flight (False if ``timeout`` passed first)."""
+        return self.wait_in_flight(0, timeout)
+
+    def wait_in_flight(self, n: int, timeout: float) -> bool:
+        """Wait until exactly ``n`` requests are in flight (False if ``timeout`` passed)."""
         with self._lock:
-            return self._lock.wait_for(lambda: self.in_flight == 0, timeout)
+            return self._lock.wait_for(lambda: self.in_flight == n, timeout)
 
 
 class EventStream:

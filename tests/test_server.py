@@ -260,6 +260,24 @@ def test_a_full_server_answers_429_and_serves_again(tiny_qwen3):
         assert chat(client, "now", max_tokens=2).usage.completion_tokens == 2
 
 
+def test_a_full_engine_queue_answers_429(tiny_qwen3):
+    # the engine decodes one row and lets one request wait: a third is refused at once
+    with Engine(str(tiny_qwen3), max_batch=1, max_queue=1).start(timeout=T) as engine, \
+            LoopbackServer(engine, ServerConfig(max_requests=64)) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=T)
+        decoding = chat(client, "one", max_tokens=20000, stream=True)
+        next(iter(decoding))
+        waiting: list = []
+        thread = threading.Thread(target=lambda: waiting.append(chat(client, "two", max_tokens=2)))
+        thread.start()
+        assert srv.ctx.gate.wait_in_flight(2, T)
+        with pytest.raises(openai.RateLimitError, match="queue is full"):
+            chat(client, "three", max_tokens=2)
+        decoding.close()
+        thread.join(T)
+        assert waiting[0].usage.completion_tokens == 2
+
+
 def test_concurrent_greedy_replies_equal_each_served_alone(oai):
     prompts = [f"def f{i}(x): return x" + " +" * i for i in range(4)]
     alone = [chat(oai, p, max_tokens=10).choices[0].message.content for p in prompts]
