@@ -313,3 +313,18 @@ def test_logprobs_chat_and_completions(oai):
     tokens = [e.token for c in streamed if c.choices and c.choices[0].logprobs
               for e in c.choices[0].logprobs.content]
     assert "".join(tokens) == r.choices[0].message.content
+
+
+def test_cors_is_off_unless_asked_for(served):
+    origin = {"origin": "http://app.example", "authorization": f"Bearer {KEY}"}
+    r = httpx.get(served.url + "/v1/models", headers=origin, timeout=T)
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    config = ServerConfig(cors_origins=("http://app.example",))
+    with LoopbackServer(served.engine, config) as srv:
+        r = httpx.options(srv.url + "/v1/chat/completions", timeout=T, headers={
+            "origin": "http://app.example", "access-control-request-method": "POST",
+            "access-control-request-headers": "authorization, content-type"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example"
+        r = httpx.options(srv.url + "/v1/chat/completions", timeout=T, headers={
+            "origin": "http://evil.example", "access-control-request-method": "POST"})
+        assert "access-control-allow-origin" not in r.headers
