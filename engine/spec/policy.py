@@ -27,6 +27,8 @@ class LengthController:
         self._rounds = 0
         self._off_left = 0  # plain steps before the next probe
         self._backoff = 8
+        self._empty_run = 0  # rounds in a row the source proposed nothing
+        self._empty_backoff = 8
 
     def current(self) -> int:
         return self._k
@@ -58,12 +60,29 @@ class LengthController:
                 best_k, best_rate = k, rate
         return best_k
 
+    def take_off_steps(self) -> int:
+        """Plain steps to run now, back to back (speculation is off for them)."""
+        off, self._off_left = self._off_left, 0
+        return off
+
+    def empty(self) -> None:
+        """The source had nothing to propose: after a few such rounds in a row, stop asking
+        for a while (the plain steps then run pipelined, as without speculation)."""
+        self._empty_run += 1
+        if self._empty_run >= 4:
+            self._empty_run = 0
+            self._off_left = self._empty_backoff
+            self._empty_backoff = min(self._empty_backoff * 2, 64)
+
     def record(self, drafted: int, accepted: int, seconds: float) -> None:
         """A round of ``drafted`` proposals, ``accepted`` of them kept, took ``seconds``."""
         self._rounds += 1
         if drafted == 0:
             self.plain_s = seconds if self.plain_s is None else 0.8 * self.plain_s + 0.2 * seconds
             return
+        self._empty_run = 0
+        if accepted:
+            self._empty_backoff = 8
         rate = accepted / drafted
         self.acceptance = 0.7 * self.acceptance + 0.3 * rate
         if self.plain_s is not None:
@@ -83,3 +102,6 @@ class LengthController:
             if best > 0 and self._backoff > 8:
                 self._backoff = max(8, self._backoff // 2)
             self._k = max(best, 1)
+            if accepted == drafted and drafted >= self._k:
+                # A fully accepted window says little about longer ones: grow geometrically.
+                self._k = min(self.maximum, max(self._k, 2 * drafted))

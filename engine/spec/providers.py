@@ -103,10 +103,10 @@ def draft_namespace(namespace: str, provider: DraftProvider) -> str:
 
 def choose(providers: dict[str, DraftProvider], mode: str, guided: bool) -> DraftProvider | None:
     """The provider a request uses (None: plain decoding)."""
-    if guided and "constraint" in providers:
-        return providers["constraint"]
     if mode == "off":
         return None
+    if guided and "constraint" in providers:
+        return providers["constraint"]
     if mode == "auto":
         for kind in ("mtp", "draft", "ngram"):
             if kind in providers:

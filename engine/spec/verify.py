@@ -233,17 +233,27 @@ class SpecStream:
         self.stats.tokens = 0
         self._pending = pending
         yield pending, lp[0]
+        pipelined = not sampler.processors and self.constraint is None and not self.needs_hidden
         while True:
             t_round = time.perf_counter()
             left = p.max_tokens - emitted  # tokens still wanted after the pending one
             if left <= 0:
                 return
+            off = self.controller.take_off_steps() if pipelined else 0
+            if off > 0:
+                steps = min(off, left)
+                pending = yield from self._plain_block(sampler, pending, steps)
+                emitted += steps
+                self.controller.record(0, 0, (time.perf_counter() - t_round) / steps)
+                continue
             k = min(self.controller.next_length(), left - 1 if left > 1 else 0)
             room = rollback.room()
             if room is not None:
                 k = min(k, room - 1)
             proposal = self.source.propose(pending, k) if k > 0 else Proposal([])
             drafts = [int(x) for x in proposal.tokens[:max(k, 0)]]
+            if k > 0 and not drafts:
+                self.controller.empty()
             t_drafted = time.perf_counter()
             window = [pending] + drafts
             snapshot = rollback.snapshot() if drafts and rollback.snap else []
@@ -276,6 +286,42 @@ class SpecStream:
             emitted += accepted + 1
             pending = self._pending = nxt
             yield pending, lp[accepted]
+
+    def _plain_block(self, sampler: TargetSampler, pending: int, steps: int) -> Iterator[tuple[int, mx.array]]:
+        """``steps`` plain tokens after ``pending``, pipelined as ``generate_step`` does (the
+        next forward is queued before the current token is read). Returns the new pending
+        token (sampled, yielded, not fed)."""
+        def step(y: mx.array) -> tuple[mx.array, mx.array]:
+            logits = self.model(y.reshape(1, 1), cache=self.cache)[0]
+            lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            return sampler.sample(lp), lp
+        self._feed_plain(sampler, pending)
+        t, lp = step(mx.array([pending]))
+        mx.async_eval(t, lp)
+        for i in range(steps):
+            last = i + 1 == steps
+            if not last:
+                nt, nlp = step(t)
+                mx.async_eval(nt, nlp)
+            tok = int(t.item())
+            if last:
+                self._pending = tok
+            else:
+                self._pending = None
+                self._feed_plain(sampler, tok)
+            yield tok, lp[0]
+            if not last:
+                t, lp = nt, nlp
+        return tok
+
+    def _feed_plain(self, sampler: TargetSampler, token: int) -> None:
+        """Bookkeeping of a token fed alone (its forward is queued by the caller)."""
+        self.kv_tokens.append(token)
+        sampler.advance([token])
+        self.source.commit([token])
+        self.stats.record(0, 0)
+        self.stats.forwards += 1
+        self.stats.tokens += 1
 
     def _walk(self, sampler: TargetSampler, lp: mx.array, proposal: Proposal,
               drafts: list[int]) -> tuple[int, int]:
