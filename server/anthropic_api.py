@@ -10,14 +10,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from engine.requests import ErrorEvent, FinishedEvent, Request, TokenEvent
-from server.bridge import EventStream, collect, error_status, first_event
+from server.bridge import EventStream, SseResponse, collect, error_status, first_event
 from server.context import Context, dumps, new_id, read_json, session_of, text_of, usage_counts
 from server.errors import ApiError, anthropic_body
 from server.fields import get_list, get_object, get_str, sampling
-from server.openai_api import SSE_HEADERS
 from server.tools import ToolCall, ToolCallParser
 
 
@@ -148,8 +147,7 @@ async def messages(http: HttpRequest, ctx: Context) -> Response:
         raise error_status(first)
     mid = new_id("msg_")
     if stream:
-        return StreamingResponse(_stream(ctx, es, first, mid, bool(tools)), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
+        return SseResponse(_stream(ctx, es, first, mid, bool(tools)), es)
     events = [first]
     if not isinstance(first, (FinishedEvent, ErrorEvent)):
         rest = await collect(es, http.receive)

@@ -15,6 +15,8 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
+from starlette.responses import StreamingResponse
+
 from engine.requests import EngineError, ErrorEvent, FinishedEvent, Request, RequestRefused, TokenEvent
 from server.errors import ApiError
 
@@ -120,6 +122,23 @@ class EventStream:
                     return
         finally:
             self.cancel()  # no-op once finished
+
+
+class SseResponse(StreamingResponse):
+    """Server-sent events of one request; however the response ends (sent whole, client
+    gone before or during the stream, task cancelled), the request is cancelled with it
+    (a no-op once it has finished)."""
+
+    def __init__(self, content: Any, stream: EventStream):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+        self._stream = stream
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._stream.cancel()
 
 
 async def wait_disconnect(receive: Any) -> None:

@@ -11,17 +11,16 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from engine.requests import ErrorEvent, FinishedEvent, Request, TokenEvent
-from server.bridge import EventStream, collect, error_status, first_event
+from server.bridge import EventStream, SseResponse, collect, error_status, first_event
 from server.context import Context, dumps, new_id, read_json, session_of, text_of, usage_counts
 from server.errors import ApiError, openai_body
 from server.fields import get_bool, get_int, get_list, get_object, get_str, sampling
 from server.tools import ToolCall, ToolCallParser
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
-SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
 # ------------------------------------------------------------------------- the request
@@ -202,9 +201,8 @@ async def chat_completions(http: HttpRequest, ctx: Context) -> Response:
     es, first = started
     rid, created = new_id("chatcmpl-"), int(time.time())
     if stream:
-        return StreamingResponse(_chat_stream(ctx, es, first, rid, created, bool(tools),
-                                              want_logprobs, include_usage),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
+        return SseResponse(_chat_stream(ctx, es, first, rid, created, bool(tools), want_logprobs,
+                                        include_usage), es)
     events = await _rest(es, first, http)
     if events is None:
         return Response(status_code=499)
@@ -324,9 +322,8 @@ async def completions(http: HttpRequest, ctx: Context) -> Response:
     rid, created = new_id("cmpl-"), int(time.time())
     base = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_id}
     if stream:
-        return StreamingResponse(_completion_stream(ctx, es, first, base, logprobs is not None,
-                                                    include_usage),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
+        return SseResponse(_completion_stream(ctx, es, first, base, logprobs is not None, include_usage),
+                           es)
     events = await _rest(es, first, http)
     if events is None:
         return Response(status_code=499)
