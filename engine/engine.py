@@ -178,6 +178,7 @@ class Engine:
         self._backlog: collections.deque = collections.deque()
         self._batch: Any = None  # the engine.batch.Batch decoding now
         self._batchable = False  # the model's caches can be batched (set at load)
+        self._is_busy = False  # what the prefix cache was last told (busy())
 
     @classmethod
     def from_settings(cls, settings: Any, prefix_cache: Any = None) -> Engine:
@@ -489,6 +490,8 @@ class Engine:
                     cmd.run()
                 else:
                     self._serve(cmd)
+                if self._waiting <= 0:
+                    self._busy(False)
         finally:
             with self._submit_lock:
                 self._stopping.set()
@@ -622,6 +625,11 @@ class Engine:
             self._waiting -= 1
 
     def _busy(self, active: bool) -> None:
+        """Tell the prefix cache whether a request is being served (its writer yields to
+        decoding meanwhile); only changes are told."""
+        if active == self._is_busy:
+            return
+        self._is_busy = active
         busy = getattr(self.prefix_cache, "busy", None)
         if busy is not None:
             try:
@@ -644,8 +652,6 @@ class Engine:
             self._serve_request(handle, start)
         finally:
             self._serving = None
-            if self._waiting <= 0:
-                self._busy(False)
 
     def _prepare(self, handle: RequestHandle, start: float) -> _Job | None:
         """Tokenize, fit the context and look up the prefix cache; None when the request

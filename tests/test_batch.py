@@ -454,3 +454,37 @@ def test_shutdown_ends_every_row_and_what_waits(tiny_qwen3):
     assert [(r.finish_reason, r.finish_detail) for r in got] == [("cancelled", "shutdown")] * 4
     assert got[0].stats.batched and got[1].stats.batched  # two rows (max_batch), two waited
     assert not got[2].tokens and not got[3].tokens
+
+
+def test_the_prefix_cache_is_told_busy_while_rows_decode(tiny_qwen3):
+    from engine.cache.prefix_cache import PrefixCache
+
+    class Recording(PrefixCache):
+        def __init__(self):
+            super().__init__(ram_bytes=64 << 20, cache_dir=None, block_tokens=16)
+            self.told: list[bool] = []
+
+        def busy(self, active: bool) -> None:
+            self.told.append(active)
+            super().busy(active)
+
+    pc = Recording()
+    prompts = token_prompts(3, seed=121, longest=20)
+    with Engine(str(tiny_qwen3), prefix_cache=pc).start(timeout=T) as e:
+        seen = []
+        with held(e):
+            hs = [e.submit(Request(prompt_tokens=p, params=greedy(max_tokens=6)),
+                           callback=lambda ev: seen.append(pc.told[-1:]) if isinstance(
+                               ev, TokenEvent) else None)
+                  for p in prompts]
+            # served alone after the batch, then one cancelled before it starts: the
+            # cache is told idle after that one too
+            hs.append(e.submit(Request(prompt="x", params=SamplingParams(
+                temperature=0.5, seed=1, max_tokens=2))))
+            hs.append(e.submit(Request(prompt="y", params=greedy(max_tokens=2))))
+            hs[-1].cancel()
+        for h in hs:
+            h.wait(T)
+        e.sync(timeout=T)
+        assert all(s == [True] for s in seen)
+        assert pc.told == [True, False]
