@@ -376,7 +376,10 @@ def test_a_batch_step_that_fails_is_answered_again_row_by_row(tiny_qwen3, alone_
                                                                 monkeypatch):
     """A cached state of the wrong shape breaks the batch it joins: every row is answered
     again on its own, from scratch, with the same output, and the bad state is dropped."""
-    monkeypatch.setattr(engine_module, "_warned", set())  # warnings of this test only
+    import engine.batching
+
+    for module in (engine_module, engine.batching):  # warnings of this test only
+        monkeypatch.setattr(module, "_warned", set())
     pc = ram_cache()
     prompts = token_prompts(3, seed=81, longest=40)
     prompts[0] = [4] * 40 + prompts[0]

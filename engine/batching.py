@@ -1,0 +1,217 @@
+"""The engine thread's side of continuous batching, mixed into :class:`engine.engine.Engine`:
+when a request decoding alone moves into a batch, which waiting requests join it between
+steps, what a row leaves behind (its state, stored in the prefix cache), and what happens
+when a batch step fails. The rows themselves are :mod:`engine.batch`.
+
+Policy: a lone request decodes single-stream (with speculation). While it runs, the
+engine looks, between tokens and prefill chunks, at the next command in line; when that is
+a request that may be batched, the running one raises :class:`Join` out of its
+generation, its KV state moves into a batch (trimmed so the last known token is fed
+again) and the waiting requests join, each after its own prefix-cache lookup, up to
+``max_batch`` rows. A call, a shutdown or a request that must be served alone (seeded
+sampling, guided choice) is not overtaken: the batch stops admitting and runs out first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+from engine.generate import Generation
+from engine.requests import ErrorEvent, Request, RequestHandle
+
+log = logging.getLogger("mlxkv.engine")
+_warned: set[str] = set()  # user-facing warnings already given in this process
+
+
+def warn_once(key: str, message: str, *args: Any) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message, *args)
+
+
+class Join(BaseException):
+    """Raised on the engine thread out of a single-stream generation (between tokens or
+    prefill chunks) so that it moves into a batch. A BaseException, so that no
+    ``except Exception`` on its way (the generation loop's, a speculation source's)
+    mistakes it for a failure."""
+
+    def __init__(self, gen: Generation, sent: list[int], started: float):
+        super().__init__("join a batch")
+        self.gen, self.sent, self.started = gen, sent, started
+
+
+@dataclasses.dataclass
+class Job:
+    """A request ready to generate: its prompt, its parameters (max_tokens cut to the
+    context) and what the prefix cache supplied."""
+
+    handle: RequestHandle
+    start: float
+    tokens: list[int]
+    params: Any
+    n_cached: int
+    cache: Any
+    ram_tokens: int
+    ssd_tokens: int
+
+
+class Batching:
+    """Continuous batching for :class:`engine.engine.Engine` (engine thread only). Uses the
+    engine's queue look-ahead (``_peek``, ``_backlog``), its request steps (``_prepare``,
+    ``_generate``, ``_answered``, ``_serve``) and its prefix-cache helpers."""
+
+    @staticmethod
+    def _row_batchable(req: Request) -> bool:
+        # A seeded sampled request keeps its own random stream and a guided one its
+        # constraint: both are served alone.
+        p = req.params
+        return req.guided_choice is None and not (p.seed is not None and p.temperature > 0)
+
+    def _join_wanted(self, handle: RequestHandle, gen: Generation, sent: list[int]) -> bool:
+        """Should the single-stream request ``handle`` move into a batch now: another
+        request that may decode with it is next in line, and its state can move."""
+        if (self._waiting <= 0 or self.max_batch < 2 or not self._batchable
+                or handle.cancelled or self._stopping.is_set()
+                or not self._row_batchable(handle.request)):
+            return False
+        head = self._peek()
+        if not (isinstance(head, RequestHandle) and not head.cancelled
+                and self._row_batchable(head.request)):
+            return False
+        from engine.batch import movable
+
+        return gen.cache is not None and movable(gen.cache, len(gen.prompt_tokens) + len(sent))
+
+    def _row(self, job: Job) -> Any:
+        from engine.batch import Row
+
+        handle = job.handle
+        return Row(handle, job.tokens, job.params, job.n_cached, started=job.start,
+                   queue_s=job.start - handle.submitted, load_s=self._load_wait(handle.submitted),
+                   context_cut=job.params.max_tokens < handle.request.params.max_tokens,
+                   cached_ram_tokens=job.ram_tokens, cached_ssd_tokens=job.ssd_tokens,
+                   lent=job.cache)
+
+    def _run_batch(self, job: Job, join: Join) -> None:
+        """Decode the request that was running alone (its state moved over from ``join``)
+        together with the requests that wait, admitting more between steps, until every
+        row has ended."""
+        from engine.batch import Batch
+        from engine.generate import cache_length
+
+        row = self._row(job)
+        row.emitted, row.gen_start = list(join.sent), join.started
+        row.first_time = join.gen.first_token_time
+        row.last_time = time.perf_counter() if join.sent else None
+        seen = job.handle.progress  # not sent twice when it moves during the prefill
+        row.progress = (seen.done, seen.total) if seen is not None else None
+        # The KV state must hold all but the last known token, which is fed next.
+        history = job.tokens + list(join.sent)
+        cache = join.gen.cache
+        held = cache_length(cache) or 0
+        keep = min(held, len(history) - 1)
+        if held > keep:
+            for c in cache:
+                c.trim(held - keep)
+        batch = Batch(self.loaded.model, self.loaded.tokenizer, self.max_batch,
+                      should_stop=lambda r: r.handle.cancelled or self._stopping.is_set(),
+                      stopping=self._stopping.is_set, on_end=self._row_ended,
+                      release=self._release)
+        self._batch = batch
+        self._serving = None
+        self._counts["batched"] += 1
+        try:
+            try:
+                batch.add(row, cache, history[:keep], history[keep:])
+            except Exception as e:
+                log.debug("request %d could not move into a batch", row.handle.id, exc_info=True)
+                self._release(job.cache)
+                self._counts["errors"] += 1
+                row.handle._emit(ErrorEvent(f"{type(e).__name__}: {e}", e))
+            while True:
+                self._admit(batch)
+                if not len(batch):
+                    break
+                try:
+                    batch.step()
+                except Exception as e:
+                    self._batch_failed(batch, e)
+                    break
+                self._run_quick()
+        finally:
+            self._batch = None
+
+    def _admit(self, batch: Any) -> None:
+        """Let the requests next in line join ``batch`` while it has room. A call, a
+        shutdown or a request that must be served alone stops this: it waits until the
+        batch has ended, as it would behind a single request."""
+        while batch.room > 0 and not self._stopping.is_set():
+            head = self._peek()
+            if not isinstance(head, RequestHandle):
+                return
+            if head.cancelled:  # answered at once, as _serve does
+                self._backlog.popleft()
+                self._serve(head)
+                continue
+            if not self._row_batchable(head.request):
+                return
+            self._backlog.popleft()
+            self._take(head)
+            self._counts["requests"] += 1
+            self._counts["batched"] += 1
+            job = self._prepare(head, time.perf_counter())
+            if job is None:
+                continue
+            try:
+                batch.add(self._row(job), job.cache, job.tokens[:job.n_cached],
+                          job.tokens[job.n_cached:])
+            except Exception as e:
+                log.debug("request %d could not join the batch", head.id, exc_info=True)
+                self._release(job.cache)
+                self._counts["errors"] += 1
+                head._emit(ErrorEvent(f"{type(e).__name__}: {e}", e))
+
+    def _row_ended(self, row: Any, ending: Any) -> None:
+        """A batched row sent its last event: count it and store its state."""
+        if ending.reason == "cancelled":
+            self._counts["cancelled"] += 1
+        if not (self._caching and ending.tokens_in_cache and ending.cache):
+            self._release(ending.cache)
+            return
+        try:
+            import mlx.core as mx
+
+            mx.eval([c.state for c in ending.cache])
+            self.prefix_cache.store(ending.tokens_in_cache, ending.cache, self.namespace,
+                                    session=row.request.session)
+        except Exception:
+            log.exception("prefix cache store failed")
+
+    def _batch_failed(self, batch: Any, exc: BaseException) -> None:
+        """A batch step failed (a cached state that does not fit, say): every row is
+        answered again alone, from scratch; what it already sent is checked, not sent
+        again. Cached states that seeded a row are dropped."""
+        log.debug("a batch step failed", exc_info=True)
+        warn_once(f"batch:{type(exc).__name__}", "decoding %d requests together failed "
+                   "(%s: %s); each is answered again on its own", len(batch),
+                   type(exc).__name__, (str(exc).splitlines() or [""])[0][:200])
+        for row in batch.abort():
+            self._counts["retries"] += 1
+            if row.n_cached > 0:
+                self._drop_cached(row.prompt, row.lent, row.n_cached, exc)
+            handle, sent = row.handle, list(row.emitted)
+            self._serving = handle
+            try:
+                gen = self._generate(handle, row.prompt, row.params, None, 0, [], sent)
+            except Exception as e:
+                log.debug("request %d failed", handle.id, exc_info=True)
+                self._counts["errors"] += 1
+                handle._emit(ErrorEvent(f"{type(e).__name__}: {e}", e))
+                continue
+            finally:
+                self._serving = None
+            self._answered(handle, row.request, gen, row.started, row.params.max_tokens, 0,
+                           0, 0, True)
