@@ -294,5 +294,12 @@ class Batch:
         """The rows, taken out after a failed step (nothing more is sent to them here)."""
         rows = list(self.rows.values())
         self.rows.clear()
-        self.gen = None
+        self.close()
         return rows
+
+    def close(self) -> None:
+        """Give back what the generator holds (on Apple silicon: the wired-memory limit it
+        raised); on the engine thread, once no row is left."""
+        gen, self.gen = self.gen, None
+        if gen is not None:
+            gen.close()

@@ -143,6 +143,7 @@ class Batching:
                 self._run_quick()
         finally:
             self._batch = None
+            batch.close()
 
     def _admit(self, batch: Any) -> None:
         """Let the requests next in line join ``batch`` while it has room. A call, a
