@@ -312,3 +312,29 @@ def test_moe_mtp_layer_from_fused_or_per_expert_weights():
     del per_expert["layers.0.mlp.experts.3.down_proj.weight"]
     with pytest.raises(MTPWeightsError, match="lack mtp.layers.0.mlp.experts.3.down_proj.weight"):
         build_mtp_module(loaded.model, "qwen3_5_moe", dataclasses.replace(weights, tensors=per_expert), mx.float32)
+
+
+def test_restored_entries_past_the_targets_cached_prefix_are_kept(target):
+    """A hybrid target restores only at exact positions, so it may recompute a prompt
+    whose MTP state came back longer: the restored entries stay (not run again) and the
+    next entry reads the hidden row the target just computed."""
+    from mlx_lm.models.cache import KVCache
+
+    loaded, provider, view = target
+    prompt = _prompt(loaded)
+    _, hidden = view.forward(mx.array([prompt]), loaded.model.make_cache())
+    full = provider.open(view, GREEDY)
+    full.prefill(prompt, 0, hidden[0])
+    state = full.capture()
+    k = len(prompt) - 4
+    marked = KVCache()
+    marked.keys = mx.zeros_like(state.cache[0].keys[..., :k, :])
+    marked.values = mx.zeros_like(state.cache[0].values[..., :k, :])
+    marked.offset = k
+    src = provider.open(view, GREEDY)
+    src.restore(KVState(tokens=prompt[:k], cache=[marked]))
+    src.prefill(prompt, 0, hidden[0])
+    keys = src.capture().cache[0].keys
+    assert keys.shape[2] == len(prompt)
+    assert not mx.any(keys[..., :k, :]).item()  # kept as restored
+    assert mx.allclose(keys[..., k:, :], state.cache[0].keys[..., k:, :], atol=1e-5).item()

@@ -174,18 +174,26 @@ class MTPSource(DraftSource):
     # -- the seam ----------------------------------------------------------------------
     def prefill(self, prompt_tokens: list[int], processed: int = 0, hidden: mx.array | None = None) -> None:
         prompt = [int(t) for t in prompt_tokens]
+        rows = self._rows(hidden, len(prompt) - processed)
         same = 0
-        for a, b in zip(self._history, prompt[:processed]):
+        for a, b in zip(self._history, prompt):
             if a != b:
                 break
             same += 1
         if same < len(self._history):
             self._rewind(same)  # a restored state longer than (or not a prefix of) this prompt
-        # Positions the target had from its own cache but this source has no entries for:
-        # their tokens are known, their hidden rows are not.
-        self._take(prompt[len(self._history):processed], None)
-        tokens = prompt[processed:]
-        self._take(tokens, self._rows(hidden, len(tokens)))
+        start = len(self._history)
+        if start < processed:
+            # Positions the target had from its own cache but this source has no entries
+            # for: their tokens are known, their hidden rows are not.
+            self._take(prompt[start:processed], None)
+        elif start > processed and rows is not None:
+            # Restored entries reach past what the target had cached (its recurrent layers
+            # restore only at exact positions): keep them, and go on from the hidden row
+            # the target just computed for the last of them.
+            self._last = rows[start - 1 - processed:start - processed]
+        first = max(start, processed)
+        self._take(prompt[first:], None if rows is None else rows[first - processed:])
         # The prompt's entries run now, as part of the prefill: run with the first proposal
         # instead, they would count as that round's drafting cost (and decode time), and the
         # length policy would take MTP for slower than it is.
