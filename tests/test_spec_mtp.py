@@ -338,3 +338,22 @@ def test_restored_entries_past_the_targets_cached_prefix_are_kept(target):
     assert keys.shape[2] == len(prompt)
     assert not mx.any(keys[..., :k, :]).item()  # kept as restored
     assert mx.allclose(keys[..., k:, :], state.cache[0].keys[..., k:, :], atol=1e-5).item()
+
+
+def test_commit_without_hidden_keeps_the_cache_aligned(target):
+    """A step the verifier ran without hidden rows (a plain step of a source-blind fast path)
+    leaves zero-hidden entries: the cache still holds one entry per position and drafting
+    goes on."""
+    loaded, provider, view = target
+    prompt = _prompt(loaded)
+    cache = loaded.model.make_cache()
+    _, hidden = view.forward(mx.array([prompt]), cache)
+    src = provider.open(view, GREEDY)
+    src.prefill(prompt, 0, hidden[0])
+    src.commit([5])
+    src.commit([6, 7])
+    assert len(src.propose(8, 2).tokens) == 2
+    _, rows = view.forward(mx.array([[5, 6, 7, 8]]), cache)
+    src.commit([8], rows[0, 3:])
+    state = src.capture()
+    assert state.tokens == prompt + [5, 6, 7, 8] and state.cache[0].offset == len(prompt) + 4
