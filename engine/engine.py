@@ -273,11 +273,13 @@ class Engine(Batching):
         def collect(loading: bool = False) -> dict[str, Any]:
             batch = self._batch
             active = len(batch) if batch is not None else int(self._serving is not None)
+            from engine.spec.providers import spec_stats
+
             return {"model": dict(self.info), "load_s": self.load_s, **self._counts,
                     "loading": loading, "queued": self._queued_requests(),
                     "busy": active > 0, "active": active, "max_batch": self.max_batch,
                     "batching": self._batchable and self.max_batch > 1,
-                    "namespace": self.namespace,
+                    "namespace": self.namespace, "spec": spec_stats(self.spec_providers),
                     "cache": None if loading else self.prefix_cache.stats()}
         if self._thread.is_alive() and not self._ready.is_set():
             return collect(loading=True)

@@ -238,3 +238,38 @@ def test_json_skeleton_proposes_literal_parts(dense):
     rest = sk.forced(out)
     assert rest and tok.decode(out + rest).endswith('", "age": ')
     assert sk.allowed(out) is None
+
+
+def test_draft_row_group_matches_single_rows(dense, self_draft):
+    # Rows of a group propose what each source alone proposes; a row consumes a new turn
+    # it did not propose and proposes from it without a prefill; constraints force rows.
+    from engine.spec.constraints import RowConstraints
+    from engine.spec.rows import SourceRowGroup
+
+    tok = dense.tokenizer
+    ps = prompts(2, dense.model.args.vocab_size, seed=8)
+    rows = []
+    for p in ps:
+        row = self_draft.open(TargetView(dense.model, tok), GREEDY)
+        row.prefill(p)
+        rows.append(row)
+    alone = []
+    for p in ps:
+        src = self_draft.open(TargetView(dense.model, tok), GREEDY)
+        src.prefill(p)
+        alone.append(src.propose(p[-1], 3).tokens)
+    group = SourceRowGroup()
+    group.append(rows)
+    assert group.propose([p[-1] for p in ps], 3) == alone
+    group.commit([[ps[0][-1]], [ps[1][-1]]])
+    group.consume([[5, 6, 7], []], [3, 0])
+    fresh = self_draft.open(TargetView(dense.model, tok), GREEDY)
+    fresh.prefill(ps[0] + [ps[0][-1], 5, 6, 7])
+    assert group.propose([9, 9], 2)[0] == fresh.propose(9, 2).tokens
+    forced = RowConstraints([GuidedChoice(tok, ["alpha beta"]), GuidedChoice(tok, ["gamma", "delta"])])
+    group = SourceRowGroup(forced)
+    group.append([NgramProvider(1, 2).open(None, GREEDY) for _ in range(2)])
+    want = tok.encode("alpha beta", add_special_tokens=False)
+    assert group.propose([1, 1], 8)[0] == want + sorted(tok.eos_token_ids)[:1]
+    group.commit([want[:1], []])
+    assert forced.allowed(0, []) == [want[1]] and not forced.done(0)

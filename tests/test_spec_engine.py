@@ -59,6 +59,8 @@ def test_stats_logprobs_and_guided_choice(tmp_path):
                                                guided_choice=choices, spec="off"))
         assert guided.text in choices and guided.text == unguided_spec.text
         assert guided.stats.spec["source"] == "constraint"
+        figures = engine.stats()["spec"]
+        assert figures["ngram"]["requests"] == 1 and figures["constraint"]["requests"] == 1
         if guided.text == choices[0]:
             assert guided.stats.spec["target_forwards"] < len(guided.tokens)
 

@@ -131,6 +131,10 @@ class DraftModelSource(DraftSource):
         self.target.extend(accepted)
         self._sync()
 
+    def consume(self, tokens: list[int]) -> None:
+        """Target inputs this draft did not propose: fed with the next proposal."""
+        self.target.extend(tokens)
+
     def capture(self) -> Any:
         self._sync()
         return KVState(list(self.fed), self.cache) if self.fed else None
@@ -157,6 +161,11 @@ class DraftModelProvider(DraftProvider):
 
     def open(self, target: Any, sampling: Any, constraints: Any = None) -> DraftModelSource:
         return DraftModelSource(self, sampling, int(target.vocab_size))
+
+    def group(self) -> Any:
+        from engine.spec.rows import SourceRowGroup
+
+        return SourceRowGroup()
 
 
 def load_draft_provider(spec: str, target_loaded: Any, dtype: str = "auto") -> DraftModelProvider:

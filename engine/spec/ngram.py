@@ -88,34 +88,11 @@ class NgramProvider(DraftProvider):
     def open(self, target: Any, sampling: Any, constraints: Any = None) -> NgramSource:
         return NgramSource(self.min_n, self.max_n)
 
-    def group(self) -> NgramRowGroup:
+    def group(self) -> DraftRowGroup:
         return NgramRowGroup()
 
 
-class NgramRowGroup(DraftRowGroup):
-    """Rows of a batch, each with its own index; proposals are ragged."""
+def NgramRowGroup() -> DraftRowGroup:  # noqa: N802  (the group type of this provider)
+    from engine.spec.rows import SourceRowGroup
 
-    def __init__(self) -> None:
-        self.rows: list[DraftSource] = []
-
-    def append(self, rows: Sequence[DraftSource]) -> None:
-        self.rows.extend(rows)
-
-    def filter_rows(self, keep: Sequence[int]) -> None:
-        self.rows = [self.rows[i] for i in keep]
-
-    def propose(self, pending: Sequence[int], depth: int) -> list[list[int]]:
-        if len(pending) != len(self.rows):
-            raise ValueError(f"{len(pending)} pending tokens for {len(self.rows)} rows")
-        return [row.propose(int(p), depth).tokens for row, p in zip(self.rows, pending)]
-
-    def commit(self, accepted: Sequence[Sequence[int]]) -> None:
-        for row, toks in zip(self.rows, accepted):
-            row.commit(list(toks))
-
-    def capture(self, row: int) -> Any:
-        return self.rows[row].capture()
-
-    def consume(self, tokens: Sequence[Sequence[int]], lengths: Sequence[int]) -> None:
-        for row, toks, n in zip(self.rows, tokens, lengths):
-            row.consume(list(toks)[:n])
+    return SourceRowGroup()

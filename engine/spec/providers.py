@@ -97,6 +97,17 @@ def bind_providers(prefix_cache: Any, namespace: str, providers: dict[str, Draft
             bind(draft_namespace(namespace, p), p.model)
 
 
+def spec_stats(providers: dict[str, DraftProvider]) -> dict:
+    """Engine-wide figures per source: requests, rounds, drafted, accepted, target forwards."""
+    out = {}
+    for kind, p in providers.items():
+        totals = dict(p.__dict__.get("totals", {}))
+        if totals.get("drafted"):
+            totals["acceptance"] = round(totals["accepted"] / totals["drafted"], 4)
+        out[kind] = totals
+    return out
+
+
 def draft_namespace(namespace: str, provider: DraftProvider) -> str:
     return f"{namespace}+draft-{provider.checkpoint_namespace()}"
 
@@ -163,6 +174,10 @@ class Speculation:
     def finish(self, stream: SpecStream, tokens_in_cache: list[int]) -> dict:
         summary = stream.summary()
         summary["restored_draft_tokens"] = self.restored_tokens
+        totals = self.provider.__dict__.setdefault("totals", {})
+        for key in ("rounds", "drafted", "accepted", "target_forwards"):
+            totals[key] = totals.get(key, 0) + summary[key]
+        totals["requests"] = totals.get("requests", 0) + 1
         try:
             state = self.source.capture()
             if isinstance(state, KVState) and state.tokens and self.prefix_cache is not None and self.ns:

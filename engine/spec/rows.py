@@ -1,0 +1,60 @@
+"""Grouped rows: the :class:`DraftRowGroup` of a batch, one :class:`DraftSource` per row.
+
+Each row keeps its own source (an n-gram index, a draft model's KV), so rows join and
+leave between rounds without touching the others; proposals are ragged (the verifier
+right-pads them to the widest). ``consume`` hands a row target inputs it did not propose
+(constraint-forced tokens, a new user turn of a kept conversation): the sources here take
+them in without a re-prefill (prompt lookup indexes them, a draft model feeds them with
+its next proposal).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from engine.spec.base import DraftRowConstraints, DraftRowGroup, DraftSource
+
+
+class SourceRowGroup(DraftRowGroup):
+    def __init__(self, constraints: DraftRowConstraints | None = None) -> None:
+        self.rows: list[DraftSource] = []
+        self.constraints = constraints
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def append(self, rows: Sequence[DraftSource]) -> None:
+        self.rows.extend(rows)
+
+    def filter_rows(self, keep: Sequence[int]) -> None:
+        self.rows = [self.rows[i] for i in keep]
+
+    def propose(self, pending: Sequence[int], depth: int) -> list[list[int]]:
+        if len(pending) != len(self.rows):
+            raise ValueError(f"{len(pending)} pending tokens for {len(self.rows)} rows")
+        out = []
+        for i, (row, p) in enumerate(zip(self.rows, pending)):
+            forced = self.constraints.propose(i, depth) if self.constraints is not None else []
+            out.append(list(forced) if forced else list(row.propose(int(p), depth).tokens[:depth]))
+        return out
+
+    def commit(self, accepted: Sequence[Sequence[int]]) -> None:
+        for i, (row, toks) in enumerate(zip(self.rows, accepted)):
+            row.commit(list(toks))
+            if self.constraints is not None:
+                self.constraints.commit(i, list(toks))
+
+    def capture(self, row: int) -> Any:
+        return self.rows[row].capture()
+
+    def consume(self, tokens: Sequence[Sequence[int]], lengths: Sequence[int]) -> None:
+        for row, toks, n in zip(self.rows, tokens, lengths):
+            taken = list(toks)[:n]
+            if not taken:
+                continue
+            consume = getattr(row, "consume", None)
+            if consume is None:
+                raise TypeError(f"{type(row).__name__} cannot take in tokens it did not propose; "
+                                "prefill it again")
+            consume(taken)
