@@ -1,6 +1,7 @@
 """Cold block files are read with O_DIRECT (double-buffered windows straight into aligned
-staging, scattered and hashed there), warm ones through the page cache; both restore the
-same verified bytes, and a damaged cold block is still caught and removed."""
+staging, scattered and hashed there), warm ones through the page cache (preadv straight
+into the destination rows when they run long enough); all restore the same verified
+bytes, and a damaged block is caught and removed either way."""
 
 from __future__ import annotations
 
@@ -93,6 +94,28 @@ def test_a_damaged_cold_block_is_caught_and_removed(tmp_path):
     r, k2, _, _ = _restore(tmp_path, toks, read_threads=1)
     assert r.n_tokens == BT and r.corrupt == 1 and not os.path.exists(path)
     np.testing.assert_array_equal(k2[:, :BT], k[:, :BT])
+
+
+def test_a_damaged_warm_block_is_caught_when_the_kernel_scatters_it(tmp_path):
+    """Warm blocks with long rows are read by preadv straight into the destination rows
+    and hashed there: a flipped byte still fails the block."""
+    toks, k, _ = _put(tmp_path, 3 * BT)
+    store = BlockStore(tmp_path, block_tokens=BT)
+    store.scan()
+    third = store.lookup("ns", toks).block_keys[2].hex()
+    path = next(p for p in _files(tmp_path) if third in p)
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 70_000)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x01]))
+    for p in _files(tmp_path):  # warm: in the page cache
+        with open(p, "rb") as f:
+            f.read()
+    r, k2, _, direct = _restore(tmp_path, toks, read_threads=1)
+    assert direct == 0 and r.n_tokens == 2 * BT and r.corrupt == 1
+    assert not os.path.exists(path)
+    np.testing.assert_array_equal(k2[:, : 2 * BT], k[:, : 2 * BT])
 
 
 def test_windows_are_page_aligned_and_cover_every_piece():
