@@ -146,7 +146,7 @@ class Batch:
         # One object per distinct setting: rows that share it are sampled in one call.
         from mlx_lm.sample_utils import make_sampler
 
-        key = (p.temperature, p.top_p, p.min_p, p.top_k)
+        key = (p.temperature, p.top_p, p.min_p, p.top_k) if p.temperature > 0 else ("greedy",)
         if key not in self._samplers:
             self._samplers[key] = make_sampler(p.temperature, p.top_p, p.min_p, top_k=p.top_k)
         return self._samplers[key]
