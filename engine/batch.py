@@ -179,6 +179,11 @@ class Batch:
         processors = make_logits_processors(
             repetition_penalty=p.repetition_penalty if p.repetition_penalty != 1.0 else None,
             repetition_context_size=p.repetition_context_size)
+        choices = row.request.guided_choice
+        if choices:  # the mask alone decoding applies; a row's history is its whole prompt
+            from engine.spec.constraints import GuidedChoice
+
+            processors.append(GuidedChoice(self.tokenizer, choices).processor(len(row.prompt)))
         (row.uid,) = self.gen.insert_segments(
             [[list(rest)]], max_tokens=[left], caches=[cache], all_tokens=[list(in_cache)],
             samplers=[self._sampler(p)], logits_processors=[processors])

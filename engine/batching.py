@@ -9,7 +9,7 @@ a request that may be batched, the running one raises :class:`Join` out of its
 generation, its KV state moves into a batch (trimmed so the last known token is fed
 again) and the waiting requests join, each after its own prefix-cache lookup, up to
 ``max_batch`` rows. A call, a shutdown or a request that must be served alone (seeded
-sampling, guided choice) is not overtaken: the batch stops admitting and runs out first.
+sampling) is not overtaken: the batch stops admitting and runs out first.
 """
 
 from __future__ import annotations
@@ -65,10 +65,9 @@ class Batching:
 
     @staticmethod
     def _row_batchable(req: Request) -> bool:
-        # A seeded sampled request keeps its own random stream and a guided one its
-        # constraint: both are served alone.
+        # A seeded sampled request keeps its own random stream: it is served alone.
         p = req.params
-        return req.guided_choice is None and not (p.seed is not None and p.temperature > 0)
+        return not (p.seed is not None and p.temperature > 0)
 
     def _join_wanted(self, handle: RequestHandle, gen: Generation, sent: list[int]) -> bool:
         """Should the single-stream request ``handle`` move into a batch now: another

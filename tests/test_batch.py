@@ -491,3 +491,22 @@ def test_the_prefix_cache_is_told_busy_while_rows_decode(tiny_qwen3):
         e.sync(timeout=T)
         assert all(s == [True] for s in seen)
         assert pc.told == [True, False]
+
+
+def test_guided_choice_rows_batch_and_answer_as_alone(eng, alone_engine):
+    prompts = token_prompts(3, seed=131, longest=25)
+    choices = ("yes", "no", "maybe later")
+    reqs = [Request(prompt_tokens=prompts[0], params=greedy(max_tokens=10),
+                    guided_choice=choices),
+            Request(prompt_tokens=prompts[1], params=greedy(max_tokens=10)),
+            Request(prompt_tokens=prompts[2], params=greedy(max_tokens=10),
+                    guided_choice=("maybe", "maybe later"))]
+    rec = Recorder(eng)
+    with held(eng):
+        for r in reqs:
+            rec.submit(r)
+    got = [h.result(timeout=T) for h in rec.handles]
+    assert all(r.stats.batched for r in got)
+    assert got[0].text in choices and got[2].text in ("maybe", "maybe later")
+    for req, h in zip(reqs, rec.handles):
+        same_as_alone(alone_engine, req, rec.events[h.id])
