@@ -357,3 +357,26 @@ def test_commit_without_hidden_keeps_the_cache_aligned(target):
     src.commit([8], rows[0, 3:])
     state = src.capture()
     assert state.tokens == prompt + [5, 6, 7, 8] and state.cache[0].offset == len(prompt) + 4
+
+
+def test_grouped_rows_hand_mtp_rows_tokens_they_did_not_propose(target):
+    from engine.spec.rows import SourceRowGroup
+
+    loaded, provider, view = target
+    prompt = _prompt(loaded)
+    _, hidden = view.forward(mx.array([prompt]), loaded.model.make_cache())
+    rows = []
+    for _ in range(2):
+        src = provider.open(view, GREEDY)
+        src.prefill(prompt, 0, hidden[0])
+        rows.append(src)
+    group = SourceRowGroup()
+    group.append(rows)
+    proposals = group.propose([3, 4], 2)
+    assert [len(p) for p in proposals] == [2, 2]
+    group.commit([[3, proposals[0][0]], [4]])
+    group.consume([[9, 10, 11], [12]], [3, 1])
+    assert provider.supports_external_tokens
+    assert rows[0].capture().tokens == prompt + [3, proposals[0][0], 9, 10, 11]
+    assert rows[1].capture().tokens == prompt + [4, 12]
+    assert group.capture(1).cache[0].offset == len(prompt) + 2

@@ -240,6 +240,12 @@ class MTPSource(DraftSource):
         self._take(accepted, rows, first_done=first_done)
         self._bound_queue()
 
+    def consume(self, tokens: list[int], hidden: mx.array | None = None) -> None:
+        """Target inputs this source did not propose (constraint-forced tokens, a new user
+        turn of a kept conversation), at a committed round boundary: their entries use the
+        target's hidden rows when given, else a zero hidden (no re-prefill needed)."""
+        self.commit(tokens, hidden)
+
     def capture(self) -> KVState:
         self._flush()
         return KVState(tokens=list(self._history), cache=_copy_cache(self._cache, self._real))
@@ -292,7 +298,7 @@ class MTPProvider(DraftProvider):
     """The MTP layer of one loaded target."""
 
     kind = "mtp"
-    supports_external_tokens = False
+    supports_external_tokens = True  # MTPSource.consume
     needs_hidden = True
 
     def __init__(self, module: MTPModule, weights: MTPWeights, embed_tokens: Any):
