@@ -152,7 +152,7 @@ def test_rows_join_at_different_steps(eng, alone_engine, spec):
     a, b, c = token_prompts(3, seed=11, longest=40)
     a = a + a  # something for prompt lookup to propose
     rec = Recorder(eng)
-    req_a = Request(prompt_tokens=a, params=greedy(max_tokens=30), spec=spec)
+    req_a = Request(prompt_tokens=a, params=greedy(max_tokens=30), spec=spec, logprobs=2)
     req_b = Request(prompt_tokens=b, params=greedy(max_tokens=20))
     req_c = Request(prompt_tokens=c, params=greedy(max_tokens=12))
     active = []
@@ -177,6 +177,16 @@ def test_rows_join_at_different_steps(eng, alone_engine, spec):
         events = rec.events[h.id]
         check_shape(events, batched=True)
         same_as_alone(alone_engine, req, events)
+    # log-probabilities go on across the move, as alone
+    ref = []
+    alone_engine.submit(req_a, callback=ref.append).result(timeout=T)
+    def sent(events):
+        return [ev for ev in events if isinstance(ev, TokenEvent) and ev.token is not None]
+    pairs = list(zip(sent(rec.events[rec.handles[0].id]), sent(ref)))
+    assert len(pairs) == 30
+    for x, y in pairs:
+        assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+        assert [t for t, _ in x.top_logprobs] == [t for t, _ in y.top_logprobs]
 
 
 def test_a_lone_request_stays_single_stream(eng):
