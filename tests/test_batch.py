@@ -520,3 +520,26 @@ def test_guided_choice_rows_batch_and_answer_as_alone(eng, alone_engine):
     assert got[0].text in choices and got[2].text in ("maybe", "maybe later")
     for req, h in zip(reqs, rec.handles):
         same_as_alone(alone_engine, req, rec.events[h.id])
+
+
+def test_a_full_batch_takes_waiting_requests_as_rows_leave(tiny_qwen3, alone_engine):
+    prompts = token_prompts(5, seed=141, longest=40)
+    reqs = [Request(prompt_tokens=p, params=greedy(max_tokens=4 + 7 * (i % 3)))
+            for i, p in enumerate(prompts)]
+    most = []
+    with Engine(str(tiny_qwen3), max_batch=2).start(timeout=T) as e:
+        rec = Recorder(e)
+
+        def watch(ev, log):  # on the engine thread: how many rows decode now
+            if isinstance(ev, TokenEvent):
+                most.append(e.stats(timeout=T)["active"])
+
+        with held(e):
+            for r in reqs:
+                rec.submit(r, on_event=watch)
+        for h in rec.handles:
+            h.result(timeout=T)
+        for req, h in zip(reqs, rec.handles):
+            check_shape(rec.events[h.id], batched=True)
+            same_as_alone(alone_engine, req, rec.events[h.id])
+    assert max(most) == 2
