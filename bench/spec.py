@@ -3,29 +3,32 @@ engine, the same prompts, requests interleaved off/on; median of --repeats).
 
     python -m bench.spec [--tokens 48] [--repeats 2] [--json]
 
-Model: the bench model (``bench.models.bench_model_path()``, random weights). Its draft is
-built here from the bench model itself: its first ``--draft-layers`` decoder layers with
-the same embeddings, final norm, LM head and tokenizer, saved as a second model folder
-(a layer-skip draft; with small random weights most of each token's logits come from the
-embeddings, so the truncated model agrees with the full one most of the time).
+Models, all built offline here (random weights unless said):
+- the bench model (``bench.models.bench_model_path()``), and its layer-skip draft: its
+  first ``--draft-layers`` layers with the same embeddings, norm, head and tokenizer;
+- the bench pair: a bench-shaped target whose layers from ``--draft-layers`` on write
+  updates scaled by ``--upper-scale`` (o_proj and down_proj), with its own layer-skip
+  draft. With random weights the upper layers of the plain bench model decide most
+  tokens, so its truncation rarely agrees with it; the pair agrees most of the time, as a
+  trained model and a good draft do, at the bench model's size and cost;
+- the demo model and demo draft model (trained, ``engine/demo``).
 
-- ``ngram_speedup``: prompt lookup on input-grounded work. A random-weight model cannot
-  be asked to quote, so the prompt is built to hold what it will write: a 600-token source
-  file with a small edit, the model's own continuation of it, then the file again with
-  another edit; the model continues with a passage that is in the prompt.
-  ``ngram_speedup_code_edit`` is the plain case (the file with an edit, then the model's
-  free continuation), where a random model quotes nothing.
-- ``draft_speedup`` / ``draft_acceptance``: the layer-skip draft, greedy, free-form prompt.
-- ``constraint_speedup``: ``guided_choice`` with long choices; plain decoding is masked
-  the same way, one token per forward.
+Figures (speed-ups = decode throughput with speculation / without):
+- ``ngram_*``: prompt lookup on the bench model, a 600-token source file with a small edit
+  and the request to repeat it (a random-weight model does not copy, so this measures
+  what its own repetition gives); ``demo_quote_ngram_*``: the demo model answering with
+  quotes from a document in its system prompt (input-grounded on a trained model);
+- ``draft_*``: the bench pair, greedy free-form; ``draft_layer_skip_*``: the bench model
+  with its truncation; ``demo_draft_*``: the demo pair;
+- ``constraint_speedup``: ``guided_choice`` with long choices on the bench model (plain
+  decoding is masked the same way, one token per forward);
 - ``auto_freeform_ratio``: ``--spec auto`` against ``off`` on sampled free-form text
-  (temperature 1, no seed: drafts are rarely accepted), prompt lookup only.
-- ``restored_acceptance_ratio``: a two-turn conversation with the draft; turn 2 runs in a
-  new process from the SSD tier (``restored``) and, after it, in the first process
-  (``uninterrupted``); the ratio of their acceptance, and both outputs equal a cold run.
+  (temperature 1, no seed: drafts are rarely accepted), prompt lookup only;
+- ``restored_acceptance_ratio``: a two-turn conversation on the bench pair with its draft;
+  turn 2 runs in a new process from the SSD tier, then in the first process; the ratio
+  of their acceptance, and ``restored_same_as_cold`` that both equal a cold run.
 
-Speed-ups are decode throughput with speculation / without. The last line of ``--json``
-is one JSON object with every figure.
+The last line of ``--json`` is one JSON object with every figure.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +93,56 @@ def build_layer_draft(target: Path, layers: int) -> Path:
     return out
 
 
+def build_bench_pair(target: Path, draft_layers: int, upper_scale: float) -> tuple[Path, Path]:
+    """A bench-shaped target whose decoder layers from ``draft_layers`` on write updates
+    scaled by ``upper_scale`` (their o_proj and down_proj), and its first ``draft_layers``
+    layers as the draft: a pair that agrees most of the time, as a trained model and its
+    layer-skip draft do, at the bench model's size and cost."""
+    out = target.with_name(f"{target.name}-pair{draft_layers}-s{upper_scale:g}")
+    if not ((out / "config.json").is_file() and list(out.glob("*.safetensors"))):
+        import mlx.core as mx
+
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(target, tmp, ignore=shutil.ignore_patterns("*.safetensors"))
+        weights: dict[str, Any] = {}
+        for f in sorted(target.glob("*.safetensors")):
+            for k, v in mx.load(str(f)).items():
+                if k.startswith("model.layers.") and int(k.split(".")[2]) >= draft_layers and (
+                        k.endswith("o_proj.weight") or k.endswith("down_proj.weight")):
+                    v = v * upper_scale
+                weights[k] = v
+        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+        if out.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    return out, build_layer_draft(out, draft_layers)
+
+
+def build_scaled_model(target: Path, name: str, scale: Any) -> Path:
+    """A copy of ``target`` whose weight ``k`` is multiplied by ``scale(k)`` (built once)."""
+    out = target.with_name(f"{target.name}-{name}")
+    if (out / "config.json").is_file() and list(out.glob("*.safetensors")):
+        return out
+    import mlx.core as mx
+
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(target, tmp, ignore=shutil.ignore_patterns("*.safetensors"))
+    weights = {}
+    for f in sorted(target.glob("*.safetensors")):
+        for k, v in mx.load(str(f)).items():
+            factor = scale(k)
+            weights[k] = v * factor if factor != 1 else v
+    mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+    if out.exists():
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
+    return out
+
+
 def _settings(model: Path, cache_dir: Path, **values: Any) -> Any:
     from engine.settings import Settings
 
@@ -104,19 +158,26 @@ def _side_by_side(eng: Any, make: Any, repeats: int, modes: tuple[str, str], che
     """Interleaved runs of ``make(mode)`` in both modes: median decode throughput of each,
     their ratio, and the speculation figures of the last speculative run."""
     tps: dict[str, list[float]] = {m: [] for m in modes}
+    cpu: dict[str, list[float]] = {m: [] for m in modes}
     tokens: dict[str, list] = {}
     spec = None
-    _run(eng, make(modes[0]))  # warm-up (prefill into the prefix cache, kernels)
+    for mode in modes:  # warm-up (prefill into the prefix cache, kernels, the draft's KV)
+        _run(eng, make(mode))
     for _ in range(repeats):
         for mode in modes:
+            c0 = time.process_time()
             r = _run(eng, make(mode))
+            cpu[mode].append(len(r.tokens) / max(time.process_time() - c0, 1e-9))
             tps[mode].append(r.stats.decode_tps)
             tokens.setdefault(mode, r.tokens)
             if r.stats.spec is not None:
                 spec = r.stats.spec
     base, fast = (statistics.median(tps[m]) for m in modes)
+    cbase, cfast = (statistics.median(cpu[m]) for m in modes)
+    # Tokens per CPU-second of the whole process (prefill included): less sensitive to other
+    # processes sharing the machine than wall-clock throughput.
     out = {"plain_tps": round(base, 3), "spec_tps": round(fast, 3), "speedup": round(fast / base, 3) if base else 0.0,
-           "spec": spec}
+           "cpu_speedup": round(cfast / cbase, 3) if cbase else 0.0, "spec": spec}
     if check_same:
         out["same_output"] = tokens[modes[0]] == tokens[modes[1]]
     return out
@@ -145,11 +206,20 @@ def _restored_child(args: argparse.Namespace) -> int:
     return 0
 
 
+def _figures(prefix: str, run: dict) -> dict:
+    spec = run.get("spec") or {}
+    return {f"{prefix}speedup": run["speedup"], f"{prefix}cpu_speedup": run["cpu_speedup"],
+            f"{prefix}acceptance": spec.get("acceptance"),
+            f"{prefix}tokens_per_forward": spec.get("tokens_per_forward")}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=48, help="tokens generated per request")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--draft-layers", type=int, default=2)
+    ap.add_argument("--upper-scale", type=float, default=0.02,
+                    help="the bench pair's target: scale of the updates its upper layers write")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--restored-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -157,43 +227,49 @@ def main(argv: list[str] | None = None) -> int:
         return _restored_child(args)
 
     from bench.models import bench_model_path
+    from engine.demo.facts import FACTS
     from engine.engine import Engine, Request
     from engine.generate import SamplingParams
+    from engine.settings import DEMO_MODEL
 
-    target = Path(bench_model_path())
-    draft = build_layer_draft(target, args.draft_layers)
-    n = args.tokens
+    bench = Path(bench_model_path())
+    skip_draft = build_layer_draft(bench, args.draft_layers)
+    pair_target, pair_draft = build_bench_pair(bench, args.draft_layers, args.upper_scale)
+    n, reps = args.tokens, args.repeats
     greedy = SamplingParams(max_tokens=n)
-    results: dict[str, Any] = {"model": target.name, "draft": draft.name, "tokens": n, "repeats": args.repeats}
+    story = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
+    results: dict[str, Any] = {"model": bench.name, "tokens": n, "repeats": reps}
+    detail: dict[str, Any] = {}
     work = Path(tempfile.mkdtemp(prefix="mlxkv-bench-spec-"))
     try:
-        s = _settings(target, work / "cache", draft_model=str(draft), spec="auto")
-        with Engine.from_settings(s).start(timeout=600) as eng:
-            tok = eng.loaded.tokenizer
-            first, again = _file_prompt(tok)
-            # prompt lookup: the code-edit prompt as is, then the quoting prompt
-            code = _side_by_side(eng, lambda m: Request(prompt_tokens=first, params=greedy, spec=m), args.repeats,
-                                 ("off", "ngram"), True)
-            answer = _run(eng, Request(prompt_tokens=first, params=SamplingParams(max_tokens=2 * n), spec="off"))
-            quoting = first + answer.tokens + again
-            quote = _side_by_side(eng, lambda m: Request(prompt_tokens=quoting, params=greedy, spec=m), args.repeats,
-                                  ("off", "ngram"), True)
-            # draft model, greedy free-form
-            story = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
-            drafted = _side_by_side(eng, lambda m: Request(messages=story, params=greedy, spec=m), args.repeats,
-                                    ("off", "draft"), True)
-            # guided_choice, long choices
-            guided = _side_by_side(
+        # 1. the bench model: prompt lookup on a code edit, its layer-skip draft, guided_choice
+        with Engine.from_settings(_settings(bench, work / "c1", draft_model=str(skip_draft))).start(timeout=600) as eng:
+            first, _ = _file_prompt(eng.loaded.tokenizer)
+            detail["ngram"] = _side_by_side(eng, lambda m: Request(prompt_tokens=first, params=greedy, spec=m),
+                                            reps, ("off", "ngram"), True)
+            detail["draft_layer_skip"] = _side_by_side(eng, lambda m: Request(messages=story, params=greedy, spec=m),
+                                                       reps, ("off", "draft"), True)
+            detail["constraint"] = _side_by_side(
                 eng, lambda m: Request(prompt="Which sentence describes the prefix cache?\n",
                                        params=SamplingParams(max_tokens=128), spec=m, guided_choice=CHOICES),
-                args.repeats, ("off", "auto"), True)
-            # restored conversation: turn 1 here, turn 2 in a new process, then here
-            turn1 = eng.encode_chat(story)
+                reps, ("off", "auto"), True)
+        # 2. auto against off on sampled free-form text (prompt lookup only, no cache)
+        with Engine.from_settings(_settings(bench, work / "c2", prefix_cache=False)).start(timeout=600) as eng:
+            sampled = SamplingParams(max_tokens=n, temperature=1.0)
+            detail["auto_freeform"] = _side_by_side(eng, lambda m: Request(messages=story, params=sampled, spec=m),
+                                                    reps + 1, ("off", "auto"), False)
+        # 3. the bench pair: draft speed-up, then a conversation restored in a new process
+        with Engine.from_settings(_settings(pair_target, work / "c3", draft_model=str(pair_draft))).start(
+                timeout=600) as eng:
+            detail["draft"] = _side_by_side(eng, lambda m: Request(messages=story, params=greedy, spec=m),
+                                            reps, ("off", "draft"), True)
+            tok = eng.loaded.tokenizer
+            turn1 = tok.encode("The lighthouse keeper kept a log of every ship.\n" * 8)
             r1 = _run(eng, Request(prompt_tokens=turn1, params=greedy, spec="draft", session="bench-spec"))
             eng.cache_flush(timeout=600)
             turn2 = turn1 + r1.tokens + tok.encode("\nGo on, and tell me more about the storm.\n")
-            job = {"model": str(target), "cache_dir": str(work / "cache"), "draft": str(draft), "tokens": turn2,
-                   "max_tokens": n}
+            job = {"model": str(pair_target), "cache_dir": str(work / "c3"), "draft": str(pair_draft),
+                   "tokens": turn2, "max_tokens": n}
             child = subprocess.run([sys.executable, "-m", "bench.spec", "--restored-child", json.dumps(job)],
                                    cwd=ROOT, capture_output=True, text=True, timeout=3600)
             if child.returncode != 0:
@@ -201,40 +277,45 @@ def main(argv: list[str] | None = None) -> int:
             restored = json.loads(child.stdout.strip().splitlines()[-1])
             uninterrupted = _run(eng, Request(prompt_tokens=turn2, params=greedy, spec="draft", session="bench-spec"))
             cold = _run(eng, Request(prompt_tokens=turn2, params=greedy, spec="off"))
-        # auto on sampled free-form text: an engine with prompt lookup only
-        s2 = _settings(target, work / "cache2", spec="auto", prefix_cache=False)
-        with Engine.from_settings(s2).start(timeout=600) as eng2:
-            sampled = SamplingParams(max_tokens=n, temperature=1.0)
-            free = _side_by_side(eng2, lambda m: Request(messages=story, params=sampled, spec=m), args.repeats + 1,
-                                 ("off", "auto"), False)
+        # 4. the demo pair (trained): quoting a document with prompt lookup, and its draft model
+        with Engine.from_settings(_settings(DEMO_MODEL, work / "c4")).start(timeout=600) as eng:
+            doc = "\n".join(f["a"][0] for f in FACTS)
+            quote = [{"role": "system", "content": "Answer with quotes from this document:\n" + doc},
+                     {"role": "user", "content": FACTS[3]["q"][0]}]
+            long = SamplingParams(max_tokens=96)
+            detail["demo_quote_ngram"] = _side_by_side(eng, lambda m: Request(messages=quote, params=long, spec=m),
+                                                       reps + 2, ("off", "ngram"), True)
+            ask = [{"role": "user", "content": FACTS[0]["q"][0]}]
+            detail["demo_draft"] = _side_by_side(eng, lambda m: Request(messages=ask, params=long, spec=m),
+                                                 reps + 2, ("off", "draft"), True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
     ua = uninterrupted.stats.spec["acceptance"]
     ra = restored["spec"]["acceptance"]
+    results.update(_figures("ngram_", detail["ngram"]))
+    results.update(_figures("draft_", detail["draft"]))
+    results.update(_figures("draft_layer_skip_", detail["draft_layer_skip"]))
+    results.update(_figures("demo_quote_ngram_", detail["demo_quote_ngram"]))
+    results.update(_figures("demo_draft_", detail["demo_draft"]))
     results.update({
-        "ngram_speedup": quote["speedup"], "ngram_acceptance": (quote["spec"] or {}).get("acceptance"),
-        "ngram_tokens_per_forward": (quote["spec"] or {}).get("tokens_per_forward"),
-        "ngram_speedup_code_edit": code["speedup"],
-        "ngram_acceptance_code_edit": (code["spec"] or {}).get("acceptance"),
-        "draft_speedup": drafted["speedup"], "draft_acceptance": (drafted["spec"] or {}).get("acceptance"),
-        "draft_tokens_per_forward": (drafted["spec"] or {}).get("tokens_per_forward"),
-        "constraint_speedup": guided["speedup"],
-        "auto_freeform_ratio": free["speedup"],
-        "auto_freeform_acceptance": (free["spec"] or {}).get("acceptance"),
+        "constraint_speedup": detail["constraint"]["speedup"],
+        "constraint_cpu_speedup": detail["constraint"]["cpu_speedup"],
+        "auto_freeform_ratio": detail["auto_freeform"]["speedup"],
+        "auto_freeform_cpu_ratio": detail["auto_freeform"]["cpu_speedup"],
         "restored_acceptance_ratio": round(ra / ua, 4) if ua else (1.0 if ra == ua else 0.0),
         "restored_acceptance": ra, "uninterrupted_acceptance": ua,
         "restored_draft_tokens": restored["spec"].get("restored_draft_tokens"),
         "restored_cached_ssd_tokens": restored["cached_ssd_tokens"],
         "restored_same_as_cold": restored["tokens"] == cold.tokens == uninterrupted.tokens,
-        "lossless": all(x["same_output"] for x in (code, quote, drafted, guided)),
-        "detail": {"ngram": quote, "ngram_code_edit": code, "draft": drafted, "constraint": guided,
-                   "auto_freeform": free},
+        "lossless": all(d.get("same_output", True) for d in detail.values()),
+        "pair": f"{pair_target.name} + {pair_draft.name}",
+        "detail": detail,
     })
     if not args.json:
         for key, value in results.items():
             if key != "detail":
-                print(f"{key:28s} {value}")
+                print(f"{key:34s} {value}")
     print(json.dumps(results))
     return 0
 
