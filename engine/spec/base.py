@@ -36,7 +36,7 @@ class TargetView:
         self.tokenizer = tokenizer
         inner = _inner_model(model)
         self._inner = inner
-        args = getattr(model, "args", None)
+        args = getattr(getattr(model, "language_model", model), "args", None)  # VLM-style: the text model's
         embed = getattr(inner, "embed_tokens", None)
         self.vocab_size: int = int(getattr(args, "vocab_size", 0) or embed.weight.shape[0])
         self.hidden_size: int = int(getattr(args, "hidden_size", 0) or embed.weight.shape[-1])
@@ -47,7 +47,7 @@ class TargetView:
 
     def logits(self, hidden: mx.array) -> mx.array:
         """The target's LM head (tied or not) on normed ``hidden`` ([..., D] -> [..., V])."""
-        model = self.model
+        model = getattr(self.model, "language_model", self.model)  # qwen3_5: language_model.lm_head
         head = getattr(model, "lm_head", None)
         if head is not None and not getattr(getattr(model, "args", None), "tie_word_embeddings", False):
             return head(hidden)
