@@ -72,6 +72,8 @@ class Batching:
     def _join_wanted(self, handle: RequestHandle, gen: Generation, sent: list[int]) -> bool:
         """Should the single-stream request ``handle`` move into a batch now: another
         request that may decode with it is next in line, and its state can move."""
+        if self._waiting > 0:
+            self._sweep_cancelled()
         if (self._waiting <= 0 or self.max_batch < 2 or not self._batchable
                 or handle.cancelled or self._stopping.is_set()
                 or not self._row_batchable(handle.request)):
@@ -148,6 +150,8 @@ class Batching:
         """Let the requests next in line join ``batch`` while it has room. A call, a
         shutdown or a request that must be served alone stops this: it waits until the
         batch has ended, as it would behind a single request."""
+        if self._waiting > 0:
+            self._sweep_cancelled()
         while batch.room > 0 and not self._stopping.is_set():
             head = self._peek()
             if not isinstance(head, RequestHandle):

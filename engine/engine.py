@@ -488,6 +488,23 @@ class Engine(Batching):
         while self._quick:
             self._quick.popleft().run()
 
+    def _sweep_cancelled(self) -> None:
+        """Answer the waiting requests cancelled before they started, wherever they are in
+        line: they stop counting against ``max_queue`` at once (a client that went away)."""
+        while True:
+            try:
+                self._backlog.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        if any(isinstance(c, RequestHandle) and c.cancelled for c in self._backlog):
+            line = list(self._backlog)
+            self._backlog.clear()
+            for cmd in line:
+                if isinstance(cmd, RequestHandle) and cmd.cancelled:
+                    self._serve(cmd)  # answered "cancelled" at once
+                else:
+                    self._backlog.append(cmd)
+
     def _peek(self) -> Any:
         """The next command still to handle (None: nothing queued), left in the backlog;
         quick-call markers met on the way are served."""

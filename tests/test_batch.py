@@ -543,3 +543,28 @@ def test_a_full_batch_takes_waiting_requests_as_rows_leave(tiny_qwen3, alone_eng
             check_shape(rec.events[h.id], batched=True)
             same_as_alone(alone_engine, req, rec.events[h.id])
     assert max(most) == 2
+
+
+@pytest.mark.parametrize("max_batch", [1, 8])
+def test_a_waiting_request_cancelled_frees_its_place_at_once(tiny_qwen3, max_batch):
+    """A client that goes away while its request waits (behind a request served alone, or
+    a full batch) gets its answer within a step, and its place in the queue is free."""
+    with Engine(str(tiny_qwen3), max_batch=max_batch, max_queue=2).start(timeout=T) as e:
+        decoding = threading.Event()
+        seeded = SamplingParams(temperature=0.7, seed=3, max_tokens=100000)  # served alone
+        running = e.submit(Request(prompt="a long answer", params=seeded),
+                           callback=lambda ev: decoding.set() if isinstance(ev, TokenEvent)
+                           else None)
+        assert decoding.wait(T)
+        waiting = [e.submit(Request(prompt=f"wait {i}", params=greedy(max_tokens=3)))
+                   for i in range(2)]
+        with pytest.raises(QueueFull):
+            e.submit(Request(prompt="no room", params=greedy(max_tokens=3)))
+        waiting[0].cancel()
+        assert waiting[0].result(timeout=T).finish_reason == "cancelled"
+        assert not running.done.is_set()  # answered while the other still decodes
+        late = e.submit(Request(prompt="room again", params=greedy(max_tokens=3)))
+        running.cancel()
+        assert running.result(timeout=T).finish_reason == "cancelled"
+        assert waiting[1].result(timeout=T).finish_reason == "length"
+        assert late.result(timeout=T).finish_reason == "length"
