@@ -438,9 +438,11 @@ class Bench:
         decode(model, cache, self.first, 2)
         trim_prompt_cache(cache, 2)
         sns = store_namespace(NS)
-        for r in range(a.repeats):
+        def idle_turn() -> None:
             idle.append(decode(model, cache, self.first, n))
             trim_prompt_cache(cache, n)
+
+        def stored_turn(r: int) -> None:
             # (a) as the engine runs it: the previous turn is stored (write-behind) while
             # the engine is busy, and the next turn decodes at once; the writer yields
             toks = [100_000 + 1000 * r + i for i in range(8)] + self.prompt[8 : a.context]
@@ -457,6 +459,14 @@ class Bench:
             durable.append(t_durable - t_mark)
             after_idle.append(t_durable - t_idle)
             trim_prompt_cache(cache, n)
+
+        for r in range(a.repeats):
+            if r % 2:  # alternate which goes first: no order bias under a changing load
+                stored_turn(r)
+                idle_turn()
+            else:
+                idle_turn()
+                stored_turn(r)
             # (b) a raw write of such a state overlapping the whole turn (no yielding)
             fut = persist()
             one.append(decode(model, cache, self.first, n))
