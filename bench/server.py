@@ -3,8 +3,10 @@ in one run (ratios inside the run; the figures of one machine mean nothing on an
 
 1. Aggregate decode tok/s at 1, 2, 4 and 8 concurrent streams (greedy chat, distinct
    prompts): generated tokens of all streams / (last token - first token of the run).
-2. A multi-user, multi-round trace: users share a 1,000-token system prompt, each has its
-   own conversation; mean time to first token of the later rounds.
+2. A multi-user, multi-round trace: 16 users share a 1,000-token system prompt, each has
+   its own conversation, and they take turns; mean time to first token of the later rounds.
+   (16: more conversations than mlx-lm's prompt cache keeps by default, 10 entries; ours
+   is bounded by bytes, and shares the system prompt's blocks between conversations.)
 3. Restart: a long (>= 4,000-token) prompt is sent once, both servers are restarted, and
    the same prompt is sent again: its time to first token.
 4. Load (ours): 200 requests from 16 concurrent clients, twice; errors and the server's
@@ -142,7 +144,7 @@ def stream_chat(url: str, messages: list[dict], max_tokens: int, timeout: float 
             "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first = last = None
-    chunks, text, usage = 0, [], None
+    chunks, text, usage, timings = 0, [], None, None
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=timeout) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:200]!r}")
@@ -154,6 +156,7 @@ def stream_chat(url: str, messages: list[dict], max_tokens: int, timeout: float 
                 raise RuntimeError(str(obj["error"])[:200])
             if obj.get("usage"):
                 usage = obj["usage"]
+                timings = obj.get("timings")
             for choice in obj.get("choices") or []:
                 piece = (choice.get("delta") or {}).get("content")
                 if piece:
@@ -164,7 +167,7 @@ def stream_chat(url: str, messages: list[dict], max_tokens: int, timeout: float 
                     text.append(piece)
     tokens = usage["completion_tokens"] if usage else chunks
     return {"t0": t0, "first": first or time.perf_counter(), "last": last or time.perf_counter(),
-            "tokens": tokens, "text": "".join(text),
+            "tokens": tokens, "text": "".join(text), "timings": timings,
             "cached": ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")}
 
 
@@ -257,7 +260,11 @@ def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, A
     work = Path(tempfile.mkdtemp(prefix="mlxkv-bench-server-"))
     ours = Served("mlxkv", model, work)
     theirs = Served("mlx_lm", model, work)
-    out: dict[str, Any] = {"model": str(model), "quick": args.quick,
+    import engine  # noqa: F401
+    from engine.blas import describe
+
+    out: dict[str, Any] = {"model": str(model), "quick": args.quick, "blas": describe(),
+                           "openblas_threads": os.environ.get("OPENBLAS_NUM_THREADS"), "users": args.users,
                            "load_avg_start": os.getloadavg()[0]}
     try:
         log("starting both servers")
@@ -270,9 +277,12 @@ def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, A
         # 1. aggregate decode at 1..8 streams
         tps: dict[str, dict[int, float]] = {"mlxkv": {}, "mlx_lm": {}}
         for n in args.streams:
-            for s in (ours, theirs):
-                tps[s.kind][n] = statistics.median(
-                    aggregate_tps(s.url, n, args.decode_tokens, f"{s.kind}{n}r{k}") for k in range(args.reps))
+            runs: dict[str, list[float]] = {"mlxkv": [], "mlx_lm": []}
+            for k in range(args.reps):  # interleaved: a burst of load elsewhere hits both
+                for s in (ours, theirs) if k % 2 == 0 else (theirs, ours):
+                    runs[s.kind].append(aggregate_tps(s.url, n, args.decode_tokens, f"{n}r{k}"))
+            for kind, values in runs.items():
+                tps[kind][n] = statistics.median(values)
             out[f"agg_vs_mlx_lm_{n}"] = tps["mlxkv"][n] / tps["mlx_lm"][n]
             log(f"{n} streams: ours {tps['mlxkv'][n]:.1f} tok/s, mlx-lm {tps['mlx_lm'][n]:.1f} tok/s")
         out["agg_tps"] = tps
@@ -335,15 +345,21 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.server", description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="one JSON object on the last line")
     ap.add_argument("--quick", action="store_true", help="a short smoke run (smaller everything)")
+    ap.add_argument("--users", type=int, help="users of the multi-round trace (default 16; 2 with --quick)")
     args = ap.parse_args(argv)
     if args.quick:
         args.streams, args.decode_tokens, args.reps = [1, 4], 16, 1
-        args.system_tokens, args.users, args.rounds, args.long_tokens = 300, 2, 2, 1000
+        args.system_tokens, args.rounds, args.long_tokens = 300, 2, 1000
         args.load_requests = 40
     else:
-        args.streams, args.decode_tokens, args.reps = [1, 2, 4, 8], 64, 1
-        args.system_tokens, args.users, args.rounds, args.long_tokens = 1000, 4, 3, 4096
+        args.streams, args.decode_tokens, args.reps = [1, 2, 4, 8], 64, 2
+        args.system_tokens, args.rounds, args.long_tokens = 1000, 3, 4096
         args.load_requests = 200
+
+    if args.users:
+        args.users = max(1, args.users)
+    else:
+        args.users = 2 if args.quick else 16
 
     def log(msg: str) -> None:
         print(f"bench.server: {msg}", file=sys.stderr, flush=True)

@@ -128,5 +128,20 @@ def usage_counts(events: list[Any]) -> tuple[int, int, int]:
     return stats.prompt_tokens, stats.cached_tokens, stats.generated_tokens
 
 
+def timings(events: list[Any]) -> dict[str, Any] | None:
+    """The engine's own figures for a request (an extension field clients ignore): where its
+    time went, and which cache tier its cached tokens came from."""
+    stats = next((e for e in reversed(events) if isinstance(e, StatsEvent)), None)
+    if stats is None:
+        return None
+    out = {"queue_s": round(stats.queue_s, 6), "ttft_s": round(stats.ttft_s, 6),
+           "prefill_tps": round(stats.prefill_tps, 3), "decode_tps": round(stats.decode_tps, 3),
+           "cached_ram_tokens": stats.cached_ram_tokens, "cached_ssd_tokens": stats.cached_ssd_tokens,
+           "batched": stats.batched}
+    if stats.spec:
+        out["spec"] = stats.spec
+    return out
+
+
 def dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), default=str)

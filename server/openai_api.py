@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 
 from engine.requests import ErrorEvent, FinishedEvent, Request, TokenEvent
 from server.bridge import EventStream, SseResponse, collect, error_status, first_event
-from server.context import Context, dumps, new_id, read_json, session_of, text_of, usage_counts
+from server.context import Context, dumps, new_id, read_json, session_of, text_of, timings, usage_counts
 from server.errors import ApiError, openai_body
 from server.fields import get_bool, get_int, get_list, get_object, get_str, sampling
 from server.tools import ToolCall, ToolCallParser
@@ -225,7 +225,7 @@ async def chat_completions(http: HttpRequest, ctx: Context) -> Response:
         "id": rid, "object": "chat.completion", "created": created, "model": ctx.model_id,
         "choices": [{"index": 0, "message": message, "logprobs": logprobs,
                      "finish_reason": finish_reason(events[-1], bool(calls))}],
-        "usage": usage(events)})
+        "usage": usage(events), "timings": timings(events)})
 
 
 def sse(obj: Any) -> str:
@@ -274,7 +274,7 @@ async def _chat_stream(ctx: Context, es: EventStream, first: Any, rid: str, crea
                     yield chunk({"content": piece})
             yield chunk({}, finish_reason(event, n_calls > 0))
     if include_usage:
-        yield sse({**base, "choices": [], "usage": usage(events)})
+        yield sse({**base, "choices": [], "usage": usage(events), "timings": timings(events)})
     yield "data: [DONE]\n\n"
 
 
@@ -332,7 +332,7 @@ async def completions(http: HttpRequest, ctx: Context) -> Response:
     return JSONResponse({**base, "choices": [{
         "index": 0, "text": "".join(e.text for e in tokens),
         "logprobs": _completion_logprobs(ctx, tokens) if logprobs is not None else None,
-        "finish_reason": finish_reason(events[-1])}], "usage": usage(events)})
+        "finish_reason": finish_reason(events[-1])}], "usage": usage(events), "timings": timings(events)})
 
 
 async def _completion_stream(ctx: Context, es: EventStream, first: Any, base: dict,
@@ -359,6 +359,6 @@ async def _completion_stream(ctx: Context, es: EventStream, first: Any, base: di
         elif isinstance(event, FinishedEvent):
             yield chunk("", finish_reason(event))
     if include_usage:
-        yield sse({**base, "choices": [], "usage": usage(events)})
+        yield sse({**base, "choices": [], "usage": usage(events), "timings": timings(events)})
     yield "data: [DONE]\n\n"
 

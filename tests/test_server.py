@@ -64,6 +64,7 @@ def test_chat_stream_and_not_give_the_same_greedy_reply_with_usage(oai):
     assert choice.message.role == "assistant" and choice.finish_reason == "length"
     assert r.usage.completion_tokens == 12 and r.usage.prompt_tokens > 0
     assert r.usage.prompt_tokens_details.cached_tokens is not None
+    assert r.model_extra["timings"]["ttft_s"] > 0  # the engine's own figures, an extension
     chunks = list(chat(oai, "def main(): return", max_tokens=12, stream=True,
                        stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
