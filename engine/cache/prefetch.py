@@ -119,8 +119,8 @@ class PrefetchMixin:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
                 pf.p.future.exception(timeout=left)
-            except Exception:  # noqa: BLE001  (a timeout or a cancelled read: left for later)
-                break
+            except Exception:  # noqa: BLE001, S112  (timed out or cancelled: the next one)
+                continue
         self._adopt()
         return len(self._prefetching)
 
