@@ -51,15 +51,19 @@ def build_server(engine: Any, config: ServerConfig, host: str, port: int,
     return uvicorn.Server(uv)
 
 
-def serve(engine: Any, config: ServerConfig, host: str, port: int,
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads: a port in use fails at once."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family)
+
+
+def serve(engine: Any, config: ServerConfig, sock: socket.socket,
           on_ready: Callable[[str], None] | None = None, flush_timeout_s: float = 60.0) -> dict:
-    """Serve until SIGINT/SIGTERM (or ``server.should_exit``); then drain, flush the cache
-    and return the flush report. The engine is shut down on the way out."""
+    """Serve on ``sock`` until SIGINT/SIGTERM (or ``server.should_exit``); then drain, flush
+    the cache and return the flush report. The engine is shut down on the way out."""
+    host, port = sock.getsockname()[:2]
     server = build_server(engine, config, host, port)
-    sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
-                                reuse_port=False)
-    where = sock.getsockname()
-    url = f"http://{'[' + host + ']' if ':' in host else host}:{where[1]}"
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     report: dict = {}
     try:
         if on_ready is not None:

@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
+import subprocess
+import sys
 
-from bench.server import Served, http_client, load_run
+from bench.server import ROOT, Served, http_client, load_run
 from server.run import is_loopback, warn_if_open
 
 httpx = http_client()
@@ -46,6 +50,16 @@ def test_serve_under_load_then_drains_and_flushes_on_sigterm(tiny_qwen3, tmp_pat
     assert "prefix cache flushed" in log and "Traceback" not in log
     assert "without the SSD tier" not in log
     assert sum(1 for p in (tmp_path / "kv").rglob("*") if p.is_file()) > 2  # states on disk
+
+
+def test_a_port_in_use_fails_before_the_model_loads(tmp_path):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, str(ROOT / "mlxkv.py"), "serve", "--port", str(port),
+                            "--model", str(tmp_path / "no-such-model")], capture_output=True, text=True,
+                           timeout=T, env={**os.environ, "XDG_CONFIG_HOME": str(tmp_path)})
+    assert r.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_an_open_address_without_a_key_warns(caplog):
