@@ -76,6 +76,10 @@ class Proposal:
 
     tokens: list[int]
     probs: mx.array | None = None
+    # Optional: the tokens as a not yet evaluated array (``tokens`` left empty). The verifier
+    # evaluates them in one graph with its own forward pass (one wait per round instead of
+    # two) and then fills ``tokens`` before ``commit``.
+    lazy: mx.array | None = None
 
 
 @dataclass

@@ -54,6 +54,7 @@ class DraftModelSource(DraftSource):
         self.model = provider.model
         self.cache = make_prompt_cache(self.model)
         self.fed: list[int] = []  # tokens in the draft's KV
+        self._proposed: tuple[list[int], mx.array] | None = None  # fed by the last proposal
         self.target: list[int] = []  # tokens in the target's KV
         self.vocab = vocab
         self.step = max(1, int(getattr(sampling, "prefill_step_size", 2048)))
@@ -73,6 +74,7 @@ class DraftModelSource(DraftSource):
 
     def _sync(self) -> None:
         """Trim the draft's KV to the longest common prefix with the target's tokens."""
+        self._resolve()
         n = 0
         for a, b in zip(self.fed, self.target):
             if a != b:
@@ -112,7 +114,7 @@ class DraftModelSource(DraftSource):
             tokens.append(y)
             if i + 1 < n:
                 x = y[None]
-        out = mx.concatenate(tokens)
+        out = mx.concatenate(tokens).astype(mx.int32)
         probs = None
         if rows:
             probs = mx.concatenate(rows, axis=0)
@@ -120,12 +122,16 @@ class DraftModelSource(DraftSource):
                 width = probs.shape[-1]
                 probs = (probs[:, : self.vocab] if width > self.vocab
                          else mx.pad(probs, [(0, 0), (0, self.vocab - width)]))
-            mx.eval(out, probs)
-        else:
-            mx.eval(out)
-        drafts = out.tolist()
-        self.fed.extend(missing + drafts[:-1])
-        return Proposal(drafts, probs)
+        # Left unevaluated: the verifier runs these steps in one graph with its forward pass.
+        self._proposed = (missing, out)
+        return Proposal([], probs, lazy=out)
+
+    def _resolve(self) -> None:
+        """Record what the last proposal fed the draft (its tokens are evaluated by now)."""
+        if self._proposed is not None:
+            missing, out = self._proposed
+            self._proposed = None
+            self.fed.extend(missing + out.tolist()[:-1])
 
     def commit(self, accepted: list[int], hidden: Any = None) -> None:
         self.target.extend(accepted)

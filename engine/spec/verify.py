@@ -251,15 +251,21 @@ class SpecStream:
             if room is not None:
                 k = min(k, room - 1)
             proposal = self.source.propose(pending, k) if k > 0 else Proposal([])
-            drafts = [int(x) for x in proposal.tokens[:max(k, 0)]]
-            if k > 0 and not drafts:
-                self.controller.empty()
             t_drafted = time.perf_counter()
-            window = [pending] + drafts
-            snapshot = rollback.snapshot() if drafts and rollback.snap else []
-            logits, hidden = self._forward(window)
-            lp = sampler.logprobs(logits, window)
-            accepted, nxt = self._walk(sampler, lp, proposal, drafts)
+            if proposal.lazy is not None and proposal.lazy.shape[0] > 0 and k > 0 and pipelined:
+                accepted, nxt, drafts, window, lp, hidden, snapshot = self._lazy_round(
+                    sampler, proposal, pending, k, rollback)
+            else:
+                if proposal.lazy is not None:
+                    proposal.tokens = proposal.lazy.tolist()
+                drafts = [int(x) for x in proposal.tokens[:max(k, 0)]]
+                if k > 0 and not drafts:
+                    self.controller.empty()
+                window = [pending] + drafts
+                snapshot = rollback.snapshot() if drafts and rollback.snap else []
+                logits, hidden = self._forward(window)
+                lp = sampler.logprobs(logits, window)
+                accepted, nxt = self._walk(sampler, lp, proposal, drafts)
             t_verified = time.perf_counter()
             self.stats.forwards += 1
             keep = 1 + accepted
@@ -322,6 +328,35 @@ class SpecStream:
         self.stats.record(0, 0)
         self.stats.forwards += 1
         self.stats.tokens += 1
+
+    def _lazy_round(self, sampler: TargetSampler, proposal: Proposal, pending: int, k: int,
+                    rollback: _CacheRollback) -> tuple:
+        """The draft's steps, the target's forward over [pending] + drafts and the walk as one
+        graph, evaluated once (no processors or constraint need the draft tokens' values)."""
+        lazy = proposal.lazy[:k].astype(mx.int32)
+        n = lazy.shape[0]
+        snapshot = rollback.snapshot() if rollback.snap else []
+        x = mx.concatenate([mx.array([pending], dtype=mx.int32), lazy])[None]
+        if self.needs_hidden:
+            logits, hidden = self.view.forward(x, self.cache)
+            logits, hidden = logits[0], hidden[0]
+        else:
+            logits, hidden = self.model(x, cache=self.cache)[0], None
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if sampler.greedy or proposal.probs is None:
+            targets = sampler.sample(lp)
+            mx.eval(targets, lazy, lp)
+            drafts, got = lazy.tolist(), targets.tolist()
+            accepted = next((j for j, d in enumerate(drafts) if got[j] != d), n)
+            nxt = got[accepted]
+        else:
+            p = sampler.probs(lp)[None]
+            q = proposal.probs.astype(mx.float32)[None, :n]
+            acc, nx = rejection_walk_rows(p, q, lazy[None])
+            mx.eval(acc, nx, lazy, lp)
+            drafts, accepted, nxt = lazy.tolist(), int(acc.item()), int(nx.item())
+        proposal.tokens = drafts
+        return accepted, nxt, drafts, [pending] + drafts, lp, hidden, snapshot
 
     def _walk(self, sampler: TargetSampler, lp: mx.array, proposal: Proposal,
               drafts: list[int]) -> tuple[int, int]:
