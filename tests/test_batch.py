@@ -568,3 +568,53 @@ def test_a_waiting_request_cancelled_frees_its_place_at_once(tiny_qwen3, max_bat
         assert running.result(timeout=T).finish_reason == "cancelled"
         assert waiting[1].result(timeout=T).finish_reason == "length"
         assert late.result(timeout=T).finish_reason == "length"
+
+
+def test_mixed_traffic_from_several_clients(tiny_qwen3, alone_engine):
+    """Clients on their own threads send requests of every kind (cached prefixes, short
+    prefill chunks, penalties, log-probabilities, speculation asked for, cancels after a
+    few tokens), some waiting for each answer: every reply equals the same request alone
+    (a cancelled one, the start of it)."""
+    rng = random.Random(7)
+    base = token_prompts(4, seed=151, longest=100)
+    reqs, cancel_at = [], {}
+    for i in range(24):
+        prompt = rng.choice(base)[:rng.randint(1, 100)] + [rng.randrange(3, 500)
+                                                            for _ in range(rng.randint(0, 20))]
+        params = dataclasses.replace(greedy(max_tokens=rng.randint(1, 40)),
+                                     prefill_step_size=rng.choice([7, 2048]),
+                                     repetition_penalty=rng.choice([1.0, 1.3]))
+        reqs.append(Request(prompt_tokens=prompt, params=params,
+                            logprobs=rng.choice([None, 2]), spec=rng.choice([None, "off"])))
+        if rng.random() < 0.2:
+            cancel_at[i] = rng.randint(1, 8)
+    handles: dict[int, object] = {}
+    with Engine(str(tiny_qwen3), prefix_cache=ram_cache(), max_batch=4).start(timeout=T) as e:
+        def client(ids):
+            for i in ids:
+                count = [0]
+
+                def cut(ev, i=i, count=count):
+                    if isinstance(ev, TokenEvent) and ev.token is not None:
+                        count[0] += 1
+                        if count[0] == cancel_at.get(i):
+                            handles[i].cancel()
+                handles[i] = e.submit(reqs[i], callback=cut)
+                if i % 2:
+                    handles[i].wait(T)
+        threads = [threading.Thread(target=client, args=(list(range(k, 24, 3)),))
+                   for k in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(T)
+        got = {i: h.result(timeout=T) for i, h in handles.items()}
+        assert e.stats(timeout=T)["errors"] == 0
+    assert len(got) == 24
+    for i, req in enumerate(reqs):
+        ref = alone_engine.submit(req).result(timeout=T)
+        if got[i].finish_reason == "cancelled":
+            assert got[i].tokens == ref.tokens[:len(got[i].tokens)]
+        else:
+            assert (got[i].tokens, got[i].text, got[i].finish_detail) == (
+                ref.tokens, ref.text, ref.finish_detail)
