@@ -80,7 +80,7 @@ def test_prefault_keeps_contents():
 def test_writable_arrays_falls_back_to_zeros_for_good(monkeypatch, caplog):
     calls = []
 
-    def broken(shapes, dtypes):
+    def broken(shapes, dtypes, **options):
         calls.append(1)
         raise RuntimeError("no .npy streams in this MLX")
 
