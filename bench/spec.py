@@ -18,8 +18,9 @@ Figures (speed-ups = decode throughput with speculation / without):
   and the request to repeat it (a random-weight model does not copy, so this measures
   what its own repetition gives); ``demo_quote_ngram_*``: the demo model answering with
   quotes from a document in its system prompt (input-grounded on a trained model);
-- ``draft_*``: the bench pair, greedy free-form; ``draft_layer_skip_*``: the bench model
-  with its truncation; ``demo_draft_*``: the demo pair;
+- ``draft_*``: the demo pair (trained; the demo model answering one of its questions);
+  ``bench_pair_draft_*``: the bench pair, greedy free-form; ``draft_layer_skip_*``: the
+  bench model with its own truncation;
 - ``constraint_speedup``: ``guided_choice`` with long choices on the bench model (plain
   decoding is masked the same way, one token per forward);
 - ``auto_freeform_ratio``: ``--spec auto`` against ``off`` on sampled free-form text
@@ -294,10 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     ua = uninterrupted.stats.spec["acceptance"]
     ra = restored["spec"]["acceptance"]
     results.update(_figures("ngram_", detail["ngram"]))
-    results.update(_figures("draft_", detail["draft"]))
+    results.update(_figures("draft_", detail["demo_draft"]))  # the demo pair (trained)
+    results.update(_figures("bench_pair_draft_", detail["draft"]))
     results.update(_figures("draft_layer_skip_", detail["draft_layer_skip"]))
     results.update(_figures("demo_quote_ngram_", detail["demo_quote_ngram"]))
-    results.update(_figures("demo_draft_", detail["demo_draft"]))
     results.update({
         "constraint_speedup": detail["constraint"]["speedup"],
         "constraint_cpu_speedup": detail["constraint"]["cpu_speedup"],
@@ -309,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         "restored_cached_ssd_tokens": restored["cached_ssd_tokens"],
         "restored_same_as_cold": restored["tokens"] == cold.tokens == uninterrupted.tokens,
         "lossless": all(d.get("same_output", True) for d in detail.values()),
-        "pair": f"{pair_target.name} + {pair_draft.name}",
+        "bench_pair": f"{pair_target.name} + {pair_draft.name}",
         "detail": detail,
     })
     if not args.json:
