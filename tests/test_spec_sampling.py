@@ -128,3 +128,17 @@ def test_speculative_stream_samples_as_plain_decoding(pair):
                                                       sampler=make_sampler(1.0))]
     counts = _chain_counts(plain)
     assert chi2_pvalue(counts, counts.sum(1, keepdims=True) * p_t) > 0.01
+
+
+def test_ragged_rows_stop_at_their_own_length():
+    # Right-padded rows: a row keeps at most its own drafts, then gets the bonus token
+    # from p at its length (the padding is never accepted, whatever it holds).
+    k = 3
+    drafts = mx.array([[1, 2, 3], [4, 5, 6], [7, 0, 0]])
+    one_hot = mx.eye(V)
+    p = mx.stack([one_hot[mx.array([1, 2, 3, 5])], one_hot[mx.array([4, 5, 6, 2])],
+                  one_hot[mx.array([7, 6, 0, 0])]])  # row 2: p puts 6 after its one draft
+    q = p[:, :k]
+    accepted, nxt = rejection_walk_rows(p, q, drafts, mx.array([3, 1, 1]))
+    assert accepted.tolist() == [3, 1, 1]
+    assert nxt.tolist() == [5, 5, 6]
