@@ -17,13 +17,16 @@ from typing import Any
 
 from starlette.responses import StreamingResponse
 
-from engine.requests import EngineError, ErrorEvent, FinishedEvent, Request, RequestRefused, TokenEvent
+from engine.requests import (
+    EngineError,
+    ErrorEvent,
+    FinishedEvent,
+    QueueFull,
+    Request,
+    RequestRefused,
+    TokenEvent,
+)
 from server.errors import ApiError
-
-try:  # the engine's own bound on waiting requests (when it has one)
-    from engine.requests import QueueFull
-except ImportError:  # pragma: no cover - engines without a bounded queue
-    QueueFull = None  # type: ignore[assignment,misc]
 
 
 class Gate:
@@ -48,6 +51,10 @@ class Gate:
                                     f"the limit is {self.limit}); retry later")
             self.in_flight += 1
             self._lock.notify_all()
+
+    def refused(self) -> None:
+        with self._lock:
+            self.rejected += 1
 
     def leave(self, reason: str = "error", generated: int = 0) -> None:
         with self._lock:
@@ -83,8 +90,8 @@ class EventStream:
             self.handle = engine.submit(request, callback=self._on_event)
         except Exception as e:
             self._leave()
-            if QueueFull is not None and isinstance(e, QueueFull):
-                gate.rejected += 1
+            if isinstance(e, QueueFull):  # the engine's own bound on waiting requests
+                gate.refused()
                 raise ApiError(429, f"the engine's queue is full ({e}); retry later") from None
             if isinstance(e, EngineError):
                 raise ApiError(503, f"the engine is not serving: {e}") from None
