@@ -14,6 +14,13 @@ readahead; a probing read would itself pull the page in). Warm files (just resto
 read by someone else) keep the buffered path, which copies from memory.
 Where the filesystem refuses ``O_DIRECT`` (tmpfs, some network filesystems) or an
 aligned read fails with EINVAL, the store falls back to buffered reads for good.
+
+Opt-in (``BlockStore(direct_reads=True)``): on the virtual disk measured (Linux 6.18,
+virtio, 2 cores), a 256 MiB sequential read ran at 1.5-1.6 GB/s through the page cache
+with readahead and at 1.1-1.3 GB/s with O_DIRECT whatever the window size and depth, so
+the default cold path is buffered: readahead asked ahead of the blocks being verified,
+and ``preadv`` straight into the destination rows. The destinations themselves (MLX
+buffers) are not page-aligned, so O_DIRECT can never land in them without staging.
 """
 
 from __future__ import annotations

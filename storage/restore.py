@@ -36,6 +36,7 @@ from storage.keys import Match, Restore, Segment, check_segments
 log = logging.getLogger("mlxkv.storage")
 
 _READ_AHEAD = 8  # blocks whose pages are requested ahead of the one being verified
+_AHEAD_BYTES = 96 << 20  # payload asked of the OS ahead of the blocks being verified
 
 
 class ReadMixin:
@@ -81,8 +82,16 @@ class ReadMixin:
         if self.read_threads > 1 and len(jobs) > 1:
             # Blocks scatter into disjoint rows, so several are verified at once: a restore
             # is what the engine waits on, and one core cannot reach the memory bandwidth.
+            # The disk is kept busy ahead of them: starting job i asks the OS for the pages
+            # of job i + ahead (the first ones are asked for here), ~_AHEAD_BYTES in flight.
+            ahead = max(self.read_threads, min(len(jobs), _AHEAD_BYTES // max(
+                1, max(e.payload_len for e, _, _ in jobs))))
+            for e, _, _ in jobs[:ahead]:
+                self._advise(e)
             results = list(self._read_pool().map(
-                lambda j: self._read_job(j, layout, segs, plans), jobs))
+                lambda ij: self._read_job(ij[1], layout, segs, plans,
+                                          jobs[ij[0] + ahead][0] if ij[0] + ahead < len(jobs)
+                                          else None), enumerate(jobs)))
         else:
             results = self._read_sequential(jobs, layout, segs, plans)
         for (e, _, ntok), res in zip(jobs, results):
@@ -133,10 +142,13 @@ class ReadMixin:
 
     # ------------------------------------------------------------------ one block
     def _read_job(self, job: tuple[Entry, int, int], layout: Layout, segs: list,
-                  plans: dict[int, list]) -> bool | None:
-        """True (verified and scattered), False (corrupt: removed) or None (vanished)."""
+                  plans: dict[int, list], advise: Entry | None = None) -> bool | None:
+        """True (verified and scattered), False (corrupt: removed) or None (vanished).
+        ``advise``: a later block whose pages the OS is asked for now."""
         e, t0, ntok = job
-        fd = self._open(e, prefetch=True)
+        if advise is not None:
+            self._advise(advise)
+        fd = self._open(e, prefetch=advise is None)
         if fd == -1:
             return None
         try:
@@ -200,6 +212,20 @@ class ReadMixin:
             dio.quiet(os.posix_fadvise, fd, 0, 0, os.POSIX_FADV_WILLNEED)
         return fd
 
+    def _advise(self, e: Entry) -> None:
+        """Ask the OS to start reading ``e``'s pages (unless it will be read direct)."""
+        if not hasattr(os, "posix_fadvise"):
+            return
+        try:
+            fd = dio.open_ro(e.path)
+        except OSError:
+            return  # the read itself reports it
+        try:
+            if not self._goes_direct(fd, e):
+                dio.quiet(os.posix_fadvise, fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
+
     def _direct_reader(self) -> DirectReader:
         with self._lock:
             d = self.__dict__.get("_direct")
@@ -209,7 +235,7 @@ class ReadMixin:
 
     def _goes_direct(self, fd: int, e: Entry) -> bool:
         """Whether ``e`` will be read with O_DIRECT: direct reads on, and the file cold."""
-        return getattr(self, "direct_reads", True) and self._direct_reader().usable and \
+        return getattr(self, "direct_reads", False) and self._direct_reader().usable and \
             is_cold(fd, e)
 
     def _unreadable(self, e: Entry, exc: OSError) -> None:

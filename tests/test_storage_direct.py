@@ -47,8 +47,8 @@ def _drop(paths) -> bool:
     return ok
 
 
-def _restore(root, toks, read_threads=2):
-    store = BlockStore(root, block_tokens=BT, read_threads=read_threads)
+def _restore(root, toks, read_threads=2, direct_reads=True):
+    store = BlockStore(root, block_tokens=BT, read_threads=read_threads, direct_reads=direct_reads)
     store.scan()
     n = toks.size
     k = np.zeros((4, n, ROW), np.uint8)
@@ -116,6 +116,16 @@ def test_a_damaged_warm_block_is_caught_when_the_kernel_scatters_it(tmp_path):
     assert direct == 0 and r.n_tokens == 2 * BT and r.corrupt == 1
     assert not os.path.exists(path)
     np.testing.assert_array_equal(k2[:, : 2 * BT], k[:, : 2 * BT])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cold_restores_are_buffered_unless_asked(tmp_path, threads):
+    toks, k, v = _put(tmp_path, 3 * BT + 40)
+    _drop(_files(tmp_path))
+    r, k2, v2, direct = _restore(tmp_path, toks, threads, direct_reads=False)
+    assert r.n_tokens == toks.size and direct == 0
+    np.testing.assert_array_equal(k2, k)
+    np.testing.assert_array_equal(v2, v)
 
 
 def test_windows_are_page_aligned_and_cover_every_piece():
