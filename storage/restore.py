@@ -7,9 +7,10 @@ destination rows where rows run long enough (the kernel's copy out of the page c
 the only copy; each piece is hashed right after it landed), else with pread into an
 L2-sized staging buffer (read, scatter, hash),
 ``read_threads`` blocks at a time (blocks land in disjoint rows), asking the OS for the
-next files' pages ahead (posix_fadvise WILLNEED). A file that is not in the page cache
-is read with O_DIRECT instead, double-buffered, straight from the device into aligned
-staging buffers (``storage.direct``). Files are never mapped: a file
+next files' pages ahead (posix_fadvise WILLNEED, ~96 MiB ahead of the blocks being
+verified). With ``BlockStore(direct_reads=True)`` a file that is not in the page cache is
+read with O_DIRECT instead, double-buffered, into aligned staging buffers
+(``storage.direct``, which says why that is not the default). Files are never mapped: a file
 truncated or failing under a mapping raises SIGBUS, which would kill the process; under
 pread it is a short read or an error, so a miss.
 """
