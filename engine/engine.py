@@ -774,7 +774,7 @@ class Engine(Batching):
         speculation, constraint = open_speculation(
             self.spec_providers, self.loaded, params, mode=req.spec,
             settings_mode=getattr(self.settings, "spec", "auto"), guided_choice=req.guided_choice,
-            max_tokens=getattr(self.settings, "spec_tokens", 12),
+            json_skeleton=req.json_skeleton, max_tokens=getattr(self.settings, "spec_tokens", 12),
             prefix_cache=self.prefix_cache if self._caching else None, namespace=self.namespace,
             session=req.session)
         started = time.perf_counter()

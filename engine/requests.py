@@ -146,6 +146,10 @@ class Request:
     spec: str | None = None
     # Request constraints: the output must be exactly one of these strings.
     guided_choice: tuple[str, ...] | None = None
+    # The literal parts of a JSON document whose values the model writes, e.g.
+    # ('{"name": "', '", "age": ', '}'): speculation proposes them as they come due; they
+    # never force a token (the model decides every one).
+    json_skeleton: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         given = [x is not None for x in (self.messages, self.prompt, self.prompt_tokens)]
@@ -167,6 +171,13 @@ class Request:
             if not choices or any(not isinstance(c, str) or not c for c in choices):
                 raise ValueError("guided_choice needs one or more non-empty strings")
             self.guided_choice = choices
+        if self.json_skeleton is not None:
+            parts = tuple(self.json_skeleton)
+            if not parts or any(not isinstance(p, str) for p in parts) or not any(parts):
+                raise ValueError("json_skeleton needs one or more strings, not all empty")
+            if self.guided_choice is not None:
+                raise ValueError("a request takes guided_choice or json_skeleton, not both")
+            self.json_skeleton = parts
 
 
 @dataclass

@@ -100,6 +100,25 @@ def _common(body: dict, ctx: Context) -> tuple[int, bool]:
     return include_usage, stream
 
 
+def _decoding(body: dict) -> dict[str, Any]:
+    """The extension fields a request may carry: ``guided_choice`` (the reply is exactly one
+    of these strings, as vLLM spells it) and ``spec`` (this request's speculation)."""
+    out: dict[str, Any] = {}
+    choices = get_list(body, "guided_choice")
+    if choices is not None:
+        if not choices or len(choices) > 256 or not all(isinstance(c, str) and c for c in choices):
+            raise ApiError(400, "guided_choice must be an array of 1 to 256 non-empty strings",
+                           "guided_choice")
+        out["guided_choice"] = tuple(choices)
+    spec = get_str(body, "spec")
+    if spec is not None:
+        if spec not in ("off", "auto", "draft", "ngram", "mtp"):
+            raise ApiError(400, f"spec must be one of off, auto, draft, ngram, mtp; got {spec!r}",
+                           "spec")
+        out["spec"] = spec
+    return out
+
+
 def _engine_request(**kw: Any) -> Request:
     try:
         return Request(**kw)
@@ -194,7 +213,8 @@ async def chat_completions(http: HttpRequest, ctx: Context) -> Response:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     params = sampling(body, ctx.config.defaults, ctx.limits, ("max_completion_tokens", "max_tokens"))
     req = _engine_request(messages=messages, params=params, session=session_of(http, body),
-                          tools=tools, logprobs=(top or 0) if want_logprobs else None)
+                          tools=tools, logprobs=(top or 0) if want_logprobs else None,
+                          **_decoding(body))
     started = await _Run(ctx, http, req, want_logprobs).start()
     if isinstance(started, Response):
         return started
@@ -314,7 +334,7 @@ async def completions(http: HttpRequest, ctx: Context) -> Response:
     logprobs = get_int(body, "logprobs", None, lo=0, hi=20)
     params = sampling(body, ctx.config.defaults, ctx.limits, ("max_tokens",))
     req = _engine_request(**completion_prompt(body), params=params, session=session_of(http, body),
-                          logprobs=logprobs)
+                          logprobs=logprobs, **_decoding(body))
     started = await _Run(ctx, http, req, logprobs is not None).start()
     if isinstance(started, Response):
         return started

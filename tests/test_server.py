@@ -329,3 +329,17 @@ def test_cors_is_off_unless_asked_for(served):
         r = httpx.options(srv.url + "/v1/chat/completions", timeout=T, headers={
             "origin": "http://evil.example", "access-control-request-method": "POST"})
         assert "access-control-allow-origin" not in r.headers
+
+
+def test_guided_choice_and_spec_fields(oai):
+    choices = ["the quick brown fox jumps over the lazy dog", "no"]
+    reply = chat(oai, "Pick one.", max_tokens=40, extra_body={"guided_choice": choices})
+    assert reply.choices[0].message.content in choices
+    done = oai.completions.create(model="any", prompt="Answer:", max_tokens=40, temperature=0,
+                                  extra_body={"guided_choice": choices, "spec": "off"})
+    assert done.choices[0].text in choices
+    for bad in ({"guided_choice": []}, {"guided_choice": "no"}, {"guided_choice": [""]},
+                {"spec": "fast"}):
+        with pytest.raises(openai.BadRequestError) as e:
+            chat(oai, "Pick one.", max_tokens=4, extra_body=bad)
+        assert e.value.status_code == 400 and next(iter(bad)) in str(e.value)

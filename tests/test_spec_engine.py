@@ -103,3 +103,20 @@ def test_bad_spec_values_are_refused(tmp_path):
         Request(prompt="x", spec="sometimes")
     with pytest.raises(ValueError, match="spec"):
         settings(tmp_path, spec="always")
+
+
+def test_a_json_skeleton_drafts_through_the_engine_and_never_changes_the_output(tmp_path):
+    with Engine.from_settings(settings(tmp_path, prefix_cache=False)).start(timeout=T) as engine:
+        params = SamplingParams(max_tokens=32)
+        plain, _ = run(engine, Request(prompt="Person:", params=params, spec="off"))
+        # A random model does not write JSON: open the skeleton with the text it writes
+        # first, so the rest of the opening part is drafted after its first token.
+        first = engine.decode(plain.tokens[:1])
+        skeleton = (first + '"name": "', '", "age": ', "}")
+        drafted, _ = run(engine, Request(prompt="Person:", params=params, json_skeleton=skeleton))
+        assert drafted.tokens == plain.tokens
+        assert drafted.stats.spec["source"] == "constraint" and drafted.stats.spec["drafted"] > 0
+    with pytest.raises(ValueError, match="json_skeleton"):
+        Request(prompt="x", json_skeleton=("",))
+    with pytest.raises(ValueError, match="not both"):
+        Request(prompt="x", json_skeleton=("{",), guided_choice=("a",))

@@ -106,6 +106,11 @@ class JsonSkeleton:
             return []
         if not output:
             return list(self._tokens[0])
+        head = self.parts[0]
+        if len(output) <= len(self._tokens[0]) + 1:  # still writing the opening part?
+            text = self.tokenizer.decode(list(output))
+            if len(text) < len(head) and head.startswith(text):
+                return _encode(self.tokenizer, head[len(text):])
         tail = self.tokenizer.decode(list(output[-16:]))
         for part in self.parts[1:]:
             for m in range(min(len(part) - 1, len(tail)), 0, -1):

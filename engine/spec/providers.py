@@ -194,26 +194,32 @@ class Speculation:
 
 def open_speculation(providers: dict[str, DraftProvider] | None, loaded: Any, params: Any, *,
                      mode: str | None, settings_mode: str = "auto", guided_choice: Any = None,
-                     max_tokens: int = 12, prefix_cache: Any = None, namespace: str = "",
-                     session: str | None = None) -> tuple[Speculation | None, Any]:
-    """(the request's Speculation or None, its constraint or None)."""
-    constraint = None
+                     json_skeleton: Any = None, max_tokens: int = 12, prefix_cache: Any = None,
+                     namespace: str = "", session: str | None = None
+                     ) -> tuple[Speculation | None, Any]:
+    """(the request's Speculation or None, its constraint or None). The constraint returned
+    is the mask the output must satisfy (``guided_choice``); a JSON skeleton only drafts."""
+    constraint = drafting = None
     if guided_choice:
         from engine.spec.constraints import GuidedChoice
 
-        constraint = GuidedChoice(loaded.tokenizer, guided_choice)
+        constraint = drafting = GuidedChoice(loaded.tokenizer, guided_choice)
+    elif json_skeleton:
+        from engine.spec.constraints import JsonSkeleton
+
+        drafting = JsonSkeleton(loaded.tokenizer, json_skeleton)
     if not providers:
         return None, constraint
     mode = mode or settings_mode
     seeded = params.seed is not None and params.temperature > 0
-    if seeded and mode == "auto" and constraint is None:
+    if seeded and mode == "auto" and drafting is None:
         # A seeded sampled request reproduces plain decoding draw for draw: auto leaves it alone.
         return None, constraint
-    provider = choose(providers, mode, constraint is not None)
+    provider = choose(providers, mode, drafting is not None)
     if provider is None:
         return None, constraint
     view = TargetView(loaded.model, loaded.tokenizer)
-    spec = Speculation(provider, view, params, mode=mode, constraint=constraint, max_tokens=max_tokens,
+    spec = Speculation(provider, view, params, mode=mode, constraint=drafting, max_tokens=max_tokens,
                        prefix_cache=prefix_cache, namespace=namespace, session=session,
                        timed=not seeded)
     return spec, constraint
