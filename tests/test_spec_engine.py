@@ -73,6 +73,9 @@ def test_draft_state_comes_back_from_ssd_in_a_new_engine(tmp_path):
         first, _ = run(engine, Request(messages=CONVERSATION, params=params, session="c1"))
         assert first.stats.spec["source"] == "draft" and first.stats.spec["restored_draft_tokens"] == 0
         engine.cache_flush(timeout=T)
+        # The draft's state is listed as such beside its conversation (the inspector shows it).
+        kinds = sorted(e.kind for e in engine.cache_entries())
+        assert kinds == ["conversation", "draft"]
     turn2 = CONVERSATION + [{"role": "assistant", "content": first.text},
                             {"role": "user", "content": "and the perimeter?"}]
     with Engine.from_settings(s).start(timeout=T) as engine:  # nothing in RAM: SSD only

@@ -4,7 +4,9 @@ An entry is one state ``store()`` kept (the end of a turn), identified by
 :func:`engine.cache.tokens.entry_id` of its namespace and tokens, in RAM, on SSD (a
 manifest names it there) or both. ``kind`` is ``"checkpoint"`` for exact-position states
 of non-trimmable caches, ``"prefix"`` for a state another entry of the namespace extends
-(its blocks are all shared), ``"conversation"`` otherwise. ``tokens`` and ``blocks`` are
+(its blocks are all shared), ``"draft"`` for speculation's draft state (a draft model's
+or MTP head's KV, kept beside its conversation under ``{ns}+draft-...``),
+``"conversation"`` otherwise. ``tokens`` and ``blocks`` are
 what a restore gives back now: an SSD-only state whose block went missing (damaged,
 removed by verify) counts the tokens before that block.
 
@@ -16,8 +18,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Kind = Literal["conversation", "prefix", "checkpoint"]
+Kind = Literal["conversation", "prefix", "checkpoint", "draft"]
 Tier = Literal["ram", "ssd", "both"]
+
+
+def draft_base(ns: str) -> str | None:
+    """The target namespace a draft namespace belongs to (None: not a draft's). Speculation
+    keeps its draft state under f"{ns}+draft-{identity}", which the block store spells
+    with "_" for "+"."""
+    for mark in ("+draft-", "_draft-"):
+        if mark in ns:
+            return ns.split(mark, 1)[0]
+    return None
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.cache.info import BlockInfo, CacheEntryDetail, CacheEntryInfo
+from engine.cache.info import BlockInfo, CacheEntryDetail, CacheEntryInfo, draft_base
 from engine.cache.ram_tier import Entry, RamTier
 from engine.cache.stats import Usage
 from engine.cache.tokens import ckpt_key_of
@@ -64,6 +64,8 @@ def gather(ram: RamTier, saved: list, sns: str | None) -> dict[str, Facts]:
 
 
 def _kind(f: Facts, by_ns: dict[str, list[Facts]]) -> str:
+    if draft_base(f.ns) is not None:  # speculation's draft state, beside its conversation
+        return "draft"
     if f.checkpoint:
         return "checkpoint"
     n = len(f.tokens)

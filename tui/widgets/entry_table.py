@@ -26,7 +26,7 @@ from textual.message import Message
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from engine.cache.info import BlockInfo, CacheEntryInfo
+from engine.cache.info import BlockInfo, CacheEntryInfo, draft_base
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
@@ -376,7 +376,10 @@ class EntryTable(VirtualTable):
 
     def cell(self, column: Column, row: CacheEntryInfo) -> str:
         if column.key == "ns":
-            return self.model_names.get(row.ns, row.ns)
+            name = self.model_names.get(row.ns)
+            if name is None and (base := draft_base(row.ns)) is not None:
+                name = f"{self.model_names.get(base, base)} (draft)"
+            return row.ns if name is None else name
         return column.text(row)
 
     def row_key(self, row: CacheEntryInfo) -> str:
