@@ -32,6 +32,8 @@ cdef extern from "fileio.h" nogil:
     long long mk_pwrite_full(int fd, const char *p, size_t length, long long off, int *err)
     long long mk_pread_full(int fd, char *p, size_t length, long long off, int *err)
     long long mk_pwritev_full(int fd, iovec *iov, int cnt, long long off, int *err)
+    long long mk_preadv_full(int fd, iovec *iov, int cnt, long long off, int *err)
+    int IOV_MAX
     int mk_fsync(int fd)
     int mk_fdatasync(int fd)
     int mk_fsync_dir(const char *path, int *err)

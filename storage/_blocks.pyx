@@ -11,7 +11,8 @@ request for contiguous memory (MLX hands out sliced and broadcast arrays that wa
 
 Besides ``pack``/``unpack``/``xxh3_64``/``AlignedBuffer`` and the I/O calls:
 ``unpack_hash`` (scatter, then hash what landed, for verified restores; ``hasher=`` for a
-block restored in pieces), ``pack(..., hash=False)``, ``Xxh3Hasher`` (streaming, shareable
+block restored in pieces), ``preadv_hash`` (a block read from a file straight into its rows
+and hashed there, piece by piece, in one call), ``pack(..., hash=False)``, ``Xxh3Hasher`` (streaming, shareable
 by threads), ``set_direct`` (toggle O_DIRECT / F_NOCACHE on an open fd, e.g. for an
 unaligned tail), ``hash_isa``/``hash_isas``/``set_hash_isa``/``hash_self_check`` (which
 SIMD stripe loop runs; env ``MLXKV_XXH3_ISA``), and a ``path=`` keyword on the I/O calls
@@ -653,6 +654,102 @@ def unpack_hash(src, Py_ssize_t src_offset, segments, Py_ssize_t dst_t0, Py_ssiz
         return (n, mk_xxh3_digest(&hasher.st))
     finally:
         hasher._unlock()
+
+
+cdef long long _read_piece(int fd, long long off, iovec *iov, iovec *work, int cnt,
+                           long long want, mk_xxh3_state *st, int *err) noexcept nogil:
+    """preadv one piece into its rows, then hash what landed (still in cache); the bytes read
+    (short only at end of file: then only those are hashed) or -1."""
+    cdef int k
+    cdef long long got, left
+    cdef size_t m
+    memcpy(work, iov, <size_t>cnt * sizeof(iovec))  # mk_preadv_full consumes its vectors
+    got = mk_preadv_full(fd, work, cnt, off, err)
+    if got < 0:
+        return -1
+    left = got
+    for k in range(cnt):
+        if left <= 0:
+            break
+        m = iov[k].iov_len if <long long>iov[k].iov_len <= left else <size_t>left
+        mk_xxh3_update(st, <const uint8_t *>iov[k].iov_base, m)
+        left -= <long long>m
+    return got
+
+
+cdef long long _preadv_rows(int fd, long long off, seg_t *segs, Py_ssize_t n, Py_ssize_t t0,
+                            Py_ssize_t ntok, Py_ssize_t piece, iovec *iov, iovec *work,
+                            int max_iov, mk_xxh3_state *st, int *err) noexcept nogil:
+    """Read a packed block (payload order: segment by segment, outer slice by outer slice)
+    straight into rows [t0, t0+ntok), piece by piece; the bytes read or -1."""
+    cdef Py_ssize_t i, o, chunk, stride
+    cdef char *dst
+    cdef int cnt = 0
+    cdef long long want = 0, done = 0, got
+    for i in range(n):
+        chunk = ntok * segs[i].row_bytes
+        if chunk == 0:
+            continue
+        stride = segs[i].t_cap * segs[i].row_bytes
+        dst = segs[i].ptr + t0 * segs[i].row_bytes
+        for o in range(segs[i].outer):
+            iov[cnt].iov_base = dst
+            iov[cnt].iov_len = <size_t>chunk
+            cnt += 1
+            want += chunk
+            dst += stride
+            if cnt == max_iov or want >= piece:
+                got = _read_piece(fd, off + done, iov, work, cnt, want, st, err)
+                if got < 0:
+                    return -1
+                done += got
+                if got < want:
+                    return done
+                cnt, want = 0, 0
+    if cnt:
+        got = _read_piece(fd, off + done, iov, work, cnt, want, st, err)
+        if got < 0:
+            return -1
+        done += got
+    return done
+
+
+def preadv_hash(int fd, long long offset, segments, Py_ssize_t dst_t0, Py_ssize_t ntokens,
+                uint64_t seed=0, Py_ssize_t piece=512 * 1024, *, path=None) -> tuple:
+    """Read a packed block at ``offset`` of ``fd`` straight into rows [dst_t0, dst_t0+ntokens)
+    of each segment with preadv (the kernel's copy out of the page cache is the only copy),
+    in pieces of about ``piece`` bytes, each hashed from the destination right after it
+    landed (still in cache), all with the GIL released.
+
+    Returns ``(nbytes_read, xxh3_64(seed) of those bytes as they landed)``: ``unpack_hash``
+    of the bytes at ``offset``; fewer bytes than the packed size only at end of file.
+    Segment buffers must be writable and disjoint; ``path`` only names the file in an OSError.
+    """
+    if offset < 0:
+        raise ValueError(f"offset must be >= 0, got {offset}")
+    if ntokens < 0:
+        raise ValueError(f"ntokens must be >= 0, got {ntokens}")
+    if piece <= 0:
+        raise ValueError(f"piece must be > 0, got {piece}")
+    cdef _Segments segs = _Segments(segments, True)
+    segs.check_range(dst_t0, dst_t0 + ntokens)
+    cdef int max_iov = IOV_MAX if IOV_MAX < 512 else 512
+    cdef iovec *iov = <iovec *>calloc(2 * <size_t>max_iov, sizeof(iovec))
+    cdef mk_xxh3_state st
+    cdef long long got
+    cdef int err = 0
+    if iov == NULL:
+        raise MemoryError()
+    try:
+        with nogil:
+            mk_xxh3_init(&st, seed)
+            got = _preadv_rows(fd, offset, segs.segs, segs.n, dst_t0, ntokens, piece, iov,
+                               iov + max_iov, max_iov, &st, &err)
+    finally:
+        free(iov)
+    if got < 0:
+        raise _oserror(err, path)
+    return (got, mk_xxh3_digest(&st))
 
 
 def xxh3_64(buf, uint64_t seed=0) -> int:

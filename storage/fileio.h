@@ -110,6 +110,49 @@ static long long mk_pwritev_full(int fd, struct iovec *iov, int cnt, long long o
     return done;
 }
 
+/* Read into every iovec in order starting at off; iov is consumed (modified). Returns the bytes
+ * read (fewer than the vectors hold only at end of file) or -1 with *err = errno. */
+static long long mk_preadv_full(int fd, struct iovec *iov, int cnt, long long off, int *err) {
+    long long done = 0;
+#if defined(__linux__)
+    while (cnt > 0) {
+        if (iov->iov_len == 0) {
+            iov++;
+            cnt--;
+            continue;
+        }
+        int batch = cnt < IOV_MAX ? cnt : IOV_MAX;
+        ssize_t r = preadv(fd, iov, batch, (off_t)(off + done));
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            *err = errno;
+            return -1;
+        }
+        if (r == 0) break; /* EOF */
+        done += r;
+        size_t left = (size_t)r;
+        while (cnt > 0 && left >= iov->iov_len) { /* drop fully read vectors */
+            left -= iov->iov_len;
+            iov++;
+            cnt--;
+        }
+        if (left) { /* partial vector: advance into it */
+            iov->iov_base = (char *)iov->iov_base + left;
+            iov->iov_len -= left;
+        }
+    }
+#else
+    /* preadv is missing from older macOS SDKs: one full pread per vector. */
+    for (int i = 0; i < cnt; i++) {
+        long long r = mk_pread_full(fd, (char *)iov[i].iov_base, iov[i].iov_len, off + done, err);
+        if (r < 0) return -1;
+        done += r;
+        if ((size_t)r < iov[i].iov_len) break; /* EOF */
+    }
+#endif
+    return done;
+}
+
 static int mk_fsync(int fd) {
     int r;
     do r = fsync(fd); while (r < 0 && errno == EINTR);

@@ -4,7 +4,8 @@ a corrupt one (read whole, and wrong) is removed.
 
 A restore streams each file in L2-sized pieces: with preadv straight into the
 destination rows where rows run long enough (the kernel's copy out of the page cache is
-the only copy; each piece is hashed right after it landed), else with pread into an
+the only copy; each piece is hashed right after it landed; one kernel call per block,
+``_blocks.preadv_hash``, does every read and hash with the GIL released), else with pread into an
 L2-sized staging buffer (read, scatter, hash),
 ``read_threads`` blocks at a time (blocks land in disjoint rows), asking the OS for the
 next files' pages ahead (posix_fadvise WILLNEED, ~96 MiB ahead of the blocks being
@@ -79,7 +80,7 @@ class ReadMixin:
             ntok = m.tail_tokens if last else bt
             jobs.append((e, row, ntok))
             row += ntok
-        plans: dict[int, list] = {}
+        plans: dict[Any, Any] = {}
         if self.read_threads > 1 and len(jobs) > 1:
             # Blocks scatter into disjoint rows, so several are verified at once: a restore
             # is what the engine waits on, and one core cannot reach the memory bandwidth.
@@ -143,7 +144,7 @@ class ReadMixin:
 
     # ------------------------------------------------------------------ one block
     def _read_job(self, job: tuple[Entry, int, int], layout: Layout, segs: list,
-                  plans: dict[int, list], advise: Entry | None = None) -> bool | None:
+                  plans: dict[Any, Any], advise: Entry | None = None) -> bool | None:
         """True (verified and scattered), False (corrupt: removed) or None (vanished).
         ``advise``: a later block whose pages the OS is asked for now."""
         e, t0, ntok = job
@@ -161,7 +162,7 @@ class ReadMixin:
             os.close(fd)
 
     def _read_sequential(self, jobs: list, layout: Layout, segs: list,
-                         plans: dict[int, list]) -> list[bool | None]:
+                         plans: dict[Any, Any]) -> list[bool | None]:
         """One block after another, asking the OS for the next ones' pages meanwhile."""
         out: list[bool | None] = []
         fds: list[int | None] = [None] * len(jobs)  # -1: the file had vanished
@@ -250,7 +251,7 @@ class ReadMixin:
             self._c["read_errors"] += 1
 
     def _read_verified(self, e: Entry, fd: int, layout: Layout, segs: list, t0: int,
-                       ntok: int, plans: dict[int, list]) -> bool:
+                       ntok: int, plans: dict[Any, Any]) -> bool:
         """Read, verify and scatter one block/tail into rows [t0, t0+ntok) of segs
         (OSError if the file cannot be read).
 
@@ -270,7 +271,7 @@ class ReadMixin:
         return True
 
     def _read_pieces(self, e: Entry, fd: int, layout: Layout, segs: list, t0: int,
-                     ntok: int, plans: dict[int, list]) -> str | None:
+                     ntok: int, plans: dict[Any, Any]) -> str | None:
         """Stream L2-sized pieces with pread (read, scatter, hash the scattered bytes while
         they are in cache); a short read is a reason."""
         direct = self._goes_direct(fd, e)  # (asked before the header read caches pages)
@@ -282,15 +283,26 @@ class ReadMixin:
             plan = plans.get(ntok)
             if plan is None:
                 plan = plans[ntok] = dio.plan(segs, ntok)
-            h = dio.hasher(fmt.content_seed(e.key))
             if direct:
+                h = dio.hasher(fmt.content_seed(e.key))
                 reason = self._direct_reader().read(e, plan, t0, ntok, h)
                 if reason != FALLBACK:
                     if reason is None and h.digest() != e.content_hash:
                         reason = "content hash mismatch"
                     return reason
                 reason = None
-            if _scatterable(segs, ntok):
+            scatter = plans.get(("scatter", ntok))  # the segments are the restore's own
+            if scatter is None:
+                scatter = plans[("scatter", ntok)] = _scatterable(segs, ntok)
+            if scatter and hasattr(K, "preadv_hash"):
+                # one call reads and hashes every piece of the block with the GIL released
+                got, digest = K.preadv_hash(fd, e.payload_offset, segs, t0, ntok,
+                                            fmt.content_seed(e.key), CHUNK, path=e.path)
+                if got < e.payload_len:
+                    return f"truncated payload ({e.payload_offset + got} bytes)"
+                return None if digest == e.content_hash else "content hash mismatch"
+            h = dio.hasher(fmt.content_seed(e.key))
+            if scatter:
                 reason = _read_scattered(fd, e, plan, t0, ntok, h)
                 if reason is None and h.digest() != e.content_hash:
                     reason = "content hash mismatch"
@@ -385,7 +397,8 @@ def _scatterable(segs: list, ntok: int) -> bool:
 def _read_scattered(fd: int, e: Entry, plan: list, t0: int, ntok: int, h: Any) -> str | None:
     """Read a warm block with preadv straight into its destination rows (the kernel's copy
     out of the page cache is the only one), hashing each piece's rows right after they
-    landed (still in cache), in payload order."""
+    landed (still in cache), in payload order: ``_blocks.preadv_hash`` in Python, for the
+    numpy reference kernel, which lacks it."""
     for off, _, sub in plan:
         runs: list[memoryview] = []
         for buf, outer, t_cap, rb in sub:
