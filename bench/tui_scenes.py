@@ -73,7 +73,9 @@ def make_app(folder: Path) -> Any:
     from engine.settings import Settings
     from tui.app import MlxkvApp
 
-    settings = Settings.load({"cache_dir": str(folder / "cache")}, env={})
+    # Speculation off: its adaptive policy times each round, so how far the draft model's
+    # state reaches (and so the draft entries the inspector lists) varies from run to run.
+    settings = Settings.load({"cache_dir": str(folder / "cache"), "spec": "off"}, env={})
     app = MlxkvApp(settings, store_path=folder / "data" / "conversations.db")
     app.store.clock = lambda: FIXED_TIME
     return app
