@@ -657,7 +657,7 @@ def unpack_hash(src, Py_ssize_t src_offset, segments, Py_ssize_t dst_t0, Py_ssiz
 
 
 cdef long long _read_piece(int fd, long long off, iovec *iov, iovec *work, int cnt,
-                           long long want, mk_xxh3_state *st, int *err) noexcept nogil:
+                           mk_xxh3_state *st, int *err) noexcept nogil:
     """preadv one piece into its rows, then hash what landed (still in cache); the bytes read
     (short only at end of file: then only those are hashed) or -1."""
     cdef int k
@@ -699,7 +699,7 @@ cdef long long _preadv_rows(int fd, long long off, seg_t *segs, Py_ssize_t n, Py
             want += chunk
             dst += stride
             if cnt == max_iov or want >= piece:
-                got = _read_piece(fd, off + done, iov, work, cnt, want, st, err)
+                got = _read_piece(fd, off + done, iov, work, cnt, st, err)
                 if got < 0:
                     return -1
                 done += got
@@ -707,7 +707,7 @@ cdef long long _preadv_rows(int fd, long long off, seg_t *segs, Py_ssize_t n, Py
                     return done
                 cnt, want = 0, 0
     if cnt:
-        got = _read_piece(fd, off + done, iov, work, cnt, want, st, err)
+        got = _read_piece(fd, off + done, iov, work, cnt, st, err)
         if got < 0:
             return -1
         done += got
