@@ -109,17 +109,11 @@ class Batching:
         row.last_time = time.perf_counter() if join.sent else None
         seen = job.handle.progress  # not sent twice when it moves during the prefill
         row.progress = (seen.done, seen.total) if seen is not None else None
-        # The KV state must hold all but the last known token, which is fed next. When it
-        # can give one more back, the last two are fed: the row then takes the prefill
-        # pass of the requests joining with it and its first batched step with theirs,
-        # instead of one pass of its own (the batch runs a row whose prompt is a single
-        # token through a step alone).
+        # The KV state must hold all but the last known token, which is fed next.
         history = job.tokens + list(join.sent)
         cache = join.gen.cache
         held = cache_length(cache) or 0
         keep = min(held, len(history) - 1)
-        if keep >= 2 and keep == len(history) - 1 and all(c.is_trimmable() for c in cache):
-            keep -= 1
         if held > keep:
             for c in cache:
                 c.trim(held - keep)
