@@ -115,7 +115,8 @@ class Ending:
 class Batch:
     """The rows decoding together. ``should_stop(row)`` is polled before each step (cancel);
     ``stopping()`` says a cancel is the engine's shutdown; ``on_end(row, ending)`` runs
-    after the row's StatsEvent and FinishedEvent (the engine stores the state there);
+    after the row's StatsEvent and FinishedEvent and the events of the other rows in the
+    same step (the engine stores the state there);
     ``release(cache)`` gives back a cache a lookup lent, once the batch holds a copy."""
 
     def __init__(self, model: Any, tokenizer: Any, max_rows: int,
@@ -133,6 +134,7 @@ class Batch:
                                   completion_batch_size=max_rows, prefill_batch_size=max_rows)
         self.rows: dict[int, Row] = {}
         self._samplers: dict[tuple, Any] = {}
+        self._ended: list[tuple[Row, Ending]] = []  # rows whose on_end is still due
         self.steps = 0
 
     def __len__(self) -> int:
@@ -175,6 +177,7 @@ class Batch:
             reason = "stop" if row.stopper.matched is not None else "length"
             self._finish(row, reason, row.stopper.matched,
                          Ending(reason, None, list(in_cache) if cache else [], cache))
+            self._settle()
             return
         processors = make_logits_processors(
             repetition_penalty=p.repetition_penalty if p.repetition_penalty != 1.0 else None,
@@ -199,7 +202,20 @@ class Batch:
 
     def step(self) -> None:
         """Cancel what was cancelled, then one decode step of the decoding rows plus one
-        prefill chunk of the joining ones; send each row's events."""
+        prefill chunk of the joining ones; send each row's events. The rows that ended are
+        handed to ``on_end`` (which stores their state) once every row's events of the step
+        are sent: a store never holds back the other rows' tokens."""
+        try:
+            self._step()
+        finally:
+            self._settle()
+
+    def _settle(self) -> None:
+        while self._ended:
+            row, ending = self._ended.pop(0)
+            self.on_end(row, ending)
+
+    def _step(self) -> None:
         gone = [r for r in self.rows.values() if self.should_stop(r)]
         if gone:
             self._remove(gone, "cancelled", "shutdown" if self.stopping() else None)
@@ -293,7 +309,7 @@ class Batch:
             batched=True))
         row.handle._emit(FinishedEvent(reason, detail))
         row.lent = None  # unmerged, the lent cache is what ``ending`` holds: stored back
-        self.on_end(row, ending)
+        self._ended.append((row, ending))
 
     def abort(self) -> list[Row]:
         """The rows, taken out after a failed step (nothing more is sent to them here)."""
