@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -253,3 +254,35 @@ def test_bare_mlxkv_without_a_terminal_answers_as_the_line_chat(tmp_path: Path) 
                          env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "local LLM engine" in out.stdout and "\x1b[" not in out.stdout
+
+
+def test_the_app_leaves_when_its_terminal_goes_away(tmp_path: Path) -> None:
+    # The pty is not the child's controlling terminal, so closing it sends no SIGHUP, as
+    # when a wrapper that survives the hangup (`make run`) holds the session. The app must
+    # notice the dead terminal and exit instead of spinning on it forever.
+    import pty
+    import select
+
+    root = ROOT
+    master, slave = pty.openpty()
+    env = {**os.environ, "MLXKV_DATA_DIR": str(tmp_path / "data"), "MLXKV_CACHE_DIR": str(tmp_path / "cache"),
+           "XDG_CONFIG_HOME": str(tmp_path / "cfg"), "HF_HUB_OFFLINE": "1", "TERM": "xterm-256color"}
+    proc = subprocess.Popen([sys.executable, str(root / "mlxkv.py")], stdin=slave, stdout=slave, stderr=slave,
+                            cwd=root, env=env, start_new_session=True)
+    os.close(slave)
+    try:
+        seen = b""
+        deadline = time.monotonic() + 60
+        while b"demo model" not in seen and time.monotonic() < deadline:  # the screen is drawn
+            if select.select([master], [], [], 1.0)[0]:
+                seen += os.read(master, 65536)
+        assert b"demo model" in seen, seen[-500:]
+        os.close(master)
+        master = -1
+        assert proc.wait(timeout=60) in (129, 0)
+    finally:
+        if master >= 0:
+            os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)

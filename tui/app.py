@@ -380,6 +380,38 @@ def _isatty(stream: Any) -> bool:
         return False
 
 
+HANGUP_POLL_S = 1.0
+HANGUP_GRACE_S = 15.0
+
+
+def _watch_terminal(app: MlxkvApp, fd: int, done: threading.Event) -> None:
+    """Leave when the terminal goes away. A closed terminal window sends SIGHUP only to
+    its session leader: under a wrapper that survives it (``make run``) or with SIGHUP
+    ignored, nothing tells the app, and Textual's input thread spins on the dead tty (and
+    the app no longer answers SIGTERM). ``tcgetattr`` fails with EIO once the terminal is
+    hung up: then exit as on quit (the engine flushes its cache), and if the app cannot
+    get there in time, stop the engine from here and leave with 129 (128 + SIGHUP)."""
+    import termios
+
+    while not done.wait(HANGUP_POLL_S):
+        try:
+            termios.tcgetattr(fd)
+        except (termios.error, OSError):
+            break
+    else:
+        return
+    log.warning("the terminal went away; closing")
+    try:
+        app.call_from_thread(app.exit, 129)
+    except Exception:  # the app already stopped, or its loop is gone
+        pass
+    if not done.wait(HANGUP_GRACE_S):
+        try:
+            app.close_engine()
+        finally:
+            os._exit(129)
+
+
 def run(settings: Any) -> int:
     """Open the TUI on ``settings`` (bare ``mlxkv``); returns the exit status. Without a
     terminal on both ends (``mlxkv < questions.txt``, output to a pipe) there is nothing
@@ -389,8 +421,12 @@ def run(settings: Any) -> int:
 
         return cmd_chat(settings)
     app = MlxkvApp(settings)
+    done = threading.Event()
+    threading.Thread(target=_watch_terminal, args=(app, sys.stdin.fileno(), done),
+                     name="mlxkv-hangup", daemon=True).start()
     try:
         app.run()
     finally:
+        done.set()
         app.close_engine()
     return int(app.return_code or 0)
