@@ -20,16 +20,10 @@ import time
 from typing import Any
 
 from engine.generate import Generation
+from engine.logs import warn_once
 from engine.requests import ErrorEvent, Request, RequestHandle
 
 log = logging.getLogger("mlxkv.engine")
-_warned: set[str] = set()  # user-facing warnings already given in this process
-
-
-def warn_once(key: str, message: str, *args: Any) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        log.warning(message, *args)
 
 
 class Join(BaseException):
@@ -199,7 +193,7 @@ class Batching:
         answered again alone, from scratch; what it already sent is checked, not sent
         again. Cached states that seeded a row are dropped."""
         log.debug("a batch step failed", exc_info=True)
-        warn_once(f"batch:{type(exc).__name__}", "decoding %d requests together failed "
+        warn_once(log, f"batch:{type(exc).__name__}", "decoding %d requests together failed "
                    "(%s: %s); each is answered again on its own", len(batch),
                    type(exc).__name__, (str(exc).splitlines() or [""])[0][:200])
         for row in batch.abort():

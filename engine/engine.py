@@ -42,6 +42,7 @@ from engine.batching import Batching
 from engine.batching import Job as _Job
 from engine.batching import Join as _Join
 from engine.generate import Generation
+from engine.logs import warn_once
 from engine.requests import (  # noqa: F401  (re-exported: the engine's public names)
     CacheEvent,
     EngineError,
@@ -63,13 +64,6 @@ from engine.requests import (  # noqa: F401  (re-exported: the engine's public n
 )
 
 log = logging.getLogger("mlxkv.engine")
-_warned: set[str] = set()  # user-facing warnings already given in this process
-
-
-def _warn_once(key: str, message: str, *args: Any) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        log.warning(message, *args)
 
 
 class _Call:
@@ -627,7 +621,7 @@ class Engine(Batching):
         except Exception:
             log.exception("prefix cache invalidate failed")
         first = (str(exc).splitlines() or [""])[0][:200]
-        _warn_once(f"retry:{type(exc).__name__}",
+        warn_once(log, f"retry:{type(exc).__name__}",
                    "a cached prompt prefix could not be used (%s: %s); it was dropped and the "
                    "prompt computed again without it", type(exc).__name__, first)
 

@@ -156,6 +156,21 @@ async def wait_disconnect(receive: Any) -> None:
             return
 
 
+_GONE = object()
+
+
+async def _next_unless_gone(stream: EventStream, gone: asyncio.Future) -> Any:
+    """The stream's next event, or ``_GONE`` (the request cancelled) when ``gone`` (the
+    client's disconnect) comes first."""
+    get = asyncio.ensure_future(stream.next())
+    done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if get not in done:
+        get.cancel()
+        stream.cancel()
+        return _GONE
+    return get.result()
+
+
 async def first_event(stream: EventStream, receive: Any) -> Any:
     """The request's first event that is not progress, or None when the client went away
     first (the request is then cancelled)."""
@@ -164,13 +179,9 @@ async def first_event(stream: EventStream, receive: Any) -> Any:
     gone = asyncio.ensure_future(wait_disconnect(receive))
     try:
         while True:
-            get = asyncio.ensure_future(stream.next())
-            done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if get not in done:
-                get.cancel()
-                stream.cancel()
+            event = await _next_unless_gone(stream, gone)
+            if event is _GONE:
                 return None
-            event = get.result()
             if not isinstance(event, ProgressEvent):
                 return event
             if stream.first_progress is None:
@@ -194,13 +205,9 @@ async def collect(stream: EventStream, receive: Any) -> list[Any] | None:
     events: list[Any] = []
     try:
         while True:
-            get = asyncio.ensure_future(stream.next())
-            done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if get not in done:
-                get.cancel()
-                stream.cancel()
+            event = await _next_unless_gone(stream, gone)
+            if event is _GONE:
                 return None
-            event = get.result()
             events.append(event)
             if isinstance(event, (FinishedEvent, ErrorEvent)):
                 return events

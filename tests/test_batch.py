@@ -11,7 +11,6 @@ import threading
 import pytest
 
 import engine  # noqa: F401  (loads the BLAS before mlx)
-import engine.engine as engine_module
 from bench.modelgen import TEST_MODELS, build_random_model
 from engine.engine import (
     Engine,
@@ -386,10 +385,9 @@ def test_a_batch_step_that_fails_is_answered_again_row_by_row(tiny_qwen3, alone_
                                                                 monkeypatch):
     """A cached state of the wrong shape breaks the batch it joins: every row is answered
     again on its own, from scratch, with the same output, and the bad state is dropped."""
-    import engine.batching
+    import engine.logs
 
-    for module in (engine_module, engine.batching):  # warnings of this test only
-        monkeypatch.setattr(module, "_warned", set())
+    monkeypatch.setattr(engine.logs, "_warned", set())  # warnings of this test only
     pc = ram_cache()
     prompts = token_prompts(3, seed=81, longest=40)
     prompts[0] = [4] * 40 + prompts[0]

@@ -16,19 +16,13 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from engine.logs import warn_once
 from engine.spec.base import DraftProvider, KVState, TargetView
 from engine.spec.policy import LengthController
 from engine.spec.verify import SpecStream
 
 log = logging.getLogger("mlxkv.spec")
-_warned: set[str] = set()
 SPEC_CHOICES = ("off", "auto", "draft", "ngram", "mtp")
-
-
-def _warn_once(key: str, message: str, *args: Any) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        log.warning(message, *args)
 
 
 def _setting(settings: Any, name: str, default: Any) -> Any:
@@ -70,7 +64,7 @@ def load_providers(loaded: Any, settings: Any = None) -> dict[str, DraftProvider
                 providers["draft"] = load_draft_provider(str(DRAFT_MODEL_DIR), loaded,
                                                          _setting(settings, "dtype", "auto"))
             except Exception as e:
-                _warn_once("demo-draft", "the demo draft model could not be used (%s)", e)
+                warn_once(log, "demo-draft", "the demo draft model could not be used (%s)", e)
     if mode in ("auto", "mtp"):
         try:
             from engine.spec import mtp  # noqa: F401
@@ -83,7 +77,7 @@ def load_providers(loaded: Any, settings: Any = None) -> dict[str, DraftProvider
                 if mode == "mtp":
                     raise
                 provider = None
-                _warn_once("mtp-load", "the model's MTP weights could not be used (%s)", e)
+                warn_once(log, "mtp-load", "the model's MTP weights could not be used (%s)", e)
             if provider is not None:
                 providers["mtp"] = provider
     return providers
@@ -124,7 +118,7 @@ def choose(providers: dict[str, DraftProvider], mode: str, guided: bool) -> Draf
                 return providers[kind]
         return None
     if mode not in providers:
-        _warn_once(f"missing:{mode}", "speculation %r is not available for this model; decoding without it",
+        warn_once(log, f"missing:{mode}", "speculation %r is not available for this model; decoding without it",
                    mode)
         return None
     return providers[mode]
