@@ -66,16 +66,27 @@ static long long mk_pread_full(int fd, char *p, size_t len, long long off, int *
     return (long long)done;
 }
 
+#if defined(__linux__)
+/* Drop the first n bytes of the vectors, and the empty vectors that follow them: *iov and *cnt
+ * move past what is done, and a partly done vector is advanced into. */
+static void mk_iov_consume(struct iovec **iov, int *cnt, size_t n) {
+    while (*cnt > 0 && n >= (*iov)->iov_len) {
+        n -= (*iov)->iov_len;
+        (*iov)++;
+        (*cnt)--;
+    }
+    if (n) {
+        (*iov)->iov_base = (char *)(*iov)->iov_base + n;
+        (*iov)->iov_len -= n;
+    }
+}
+#endif
+
 /* Write every iovec in order starting at off; iov is consumed (modified). */
 static long long mk_pwritev_full(int fd, struct iovec *iov, int cnt, long long off, int *err) {
     long long done = 0;
 #if defined(__linux__)
-    while (cnt > 0) {
-        if (iov->iov_len == 0) {
-            iov++;
-            cnt--;
-            continue;
-        }
+    for (mk_iov_consume(&iov, &cnt, 0); cnt > 0;) {
         int batch = cnt < IOV_MAX ? cnt : IOV_MAX;
         ssize_t w = pwritev(fd, iov, batch, (off_t)(off + done));
         if (w < 0) {
@@ -88,16 +99,7 @@ static long long mk_pwritev_full(int fd, struct iovec *iov, int cnt, long long o
             return -1;
         }
         done += w;
-        size_t left = (size_t)w;
-        while (cnt > 0 && left >= iov->iov_len) { /* drop fully written vectors */
-            left -= iov->iov_len;
-            iov++;
-            cnt--;
-        }
-        if (left) { /* partial vector: advance into it */
-            iov->iov_base = (char *)iov->iov_base + left;
-            iov->iov_len -= left;
-        }
+        mk_iov_consume(&iov, &cnt, (size_t)w);
     }
 #else
     /* pwritev is missing from older macOS SDKs: one full pwrite per vector. */
@@ -115,12 +117,7 @@ static long long mk_pwritev_full(int fd, struct iovec *iov, int cnt, long long o
 static long long mk_preadv_full(int fd, struct iovec *iov, int cnt, long long off, int *err) {
     long long done = 0;
 #if defined(__linux__)
-    while (cnt > 0) {
-        if (iov->iov_len == 0) {
-            iov++;
-            cnt--;
-            continue;
-        }
+    for (mk_iov_consume(&iov, &cnt, 0); cnt > 0;) {
         int batch = cnt < IOV_MAX ? cnt : IOV_MAX;
         ssize_t r = preadv(fd, iov, batch, (off_t)(off + done));
         if (r < 0) {
@@ -130,16 +127,7 @@ static long long mk_preadv_full(int fd, struct iovec *iov, int cnt, long long of
         }
         if (r == 0) break; /* EOF */
         done += r;
-        size_t left = (size_t)r;
-        while (cnt > 0 && left >= iov->iov_len) { /* drop fully read vectors */
-            left -= iov->iov_len;
-            iov++;
-            cnt--;
-        }
-        if (left) { /* partial vector: advance into it */
-            iov->iov_base = (char *)iov->iov_base + left;
-            iov->iov_len -= left;
-        }
+        mk_iov_consume(&iov, &cnt, (size_t)r);
     }
 #else
     /* preadv is missing from older macOS SDKs: one full pread per vector. */
