@@ -11,6 +11,12 @@ events it would have sent alone, and greedy rows produce the same tokens.
 A row joins with the KV state of the tokens it already has (a cached prefix, or the state
 of a request that was decoding alone until now) and the tokens still to feed; it leaves
 with its extracted cache, which the engine stores in the prefix cache. Engine thread only.
+
+Rows whose request speculates (``speculation(row)`` opens it, as for a lone request) draft
+through ``engine.spec.batch_verify``: between plain steps a round verifies every row's
+drafts in one forward and each row emits its old pending token plus the drafts it kept,
+one TokenEvent at a time through the same checks as a plain step (EOS, stop strings, max
+tokens). Without speculating rows a step is exactly ``BatchGenerator.next``.
 """
 
 from __future__ import annotations
@@ -92,6 +98,7 @@ class Row:
     detok: Any = None
     stopper: StopMatcher | None = None
     merged: bool = False
+    spec: Any = None  # engine.spec.batch_verify.RowSpec of a speculating row
 
     @property
     def request(self) -> Any:
@@ -117,11 +124,14 @@ class Batch:
     ``stopping()`` says a cancel is the engine's shutdown; ``on_end(row, ending)`` runs
     after the row's StatsEvent and FinishedEvent and the events of the other rows in the
     same step (the engine stores the state there);
-    ``release(cache)`` gives back a cache a lookup lent, once the batch holds a copy."""
+    ``release(cache)`` gives back a cache a lookup lent, once the batch holds a copy;
+    ``speculation(row)`` opens a row's ``engine.spec.providers.Speculation`` (None: the row
+    decodes plainly)."""
 
     def __init__(self, model: Any, tokenizer: Any, max_rows: int,
                  should_stop: Callable[[Row], bool], stopping: Callable[[], bool],
-                 on_end: Callable[[Row, Ending], None], release: Callable[[Any], None]):
+                 on_end: Callable[[Row, Ending], None], release: Callable[[Any], None],
+                 speculation: Callable[[Row], Any] | None = None):
         from mlx_lm.generate import BatchGenerator
 
         self.model, self.tokenizer = model, tokenizer
@@ -136,6 +146,8 @@ class Batch:
         self._samplers: dict[tuple, Any] = {}
         self._ended: list[tuple[Row, Ending]] = []  # rows whose on_end is still due
         self.steps = 0
+        self.speculation = speculation
+        self.verifier: Any = None  # engine.spec.batch_verify.BatchVerifier, once a row speculates
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -192,8 +204,24 @@ class Batch:
             samplers=[self._sampler(p)], logits_processors=[processors])
         row.base = len(in_cache)
         self.rows[row.uid] = row
+        self._open_spec(row)
         if row.first_time is None:
             self._progress(row, row.base, len(in_cache) + len(rest))
+
+    def _open_spec(self, row: Row) -> None:
+        if self.speculation is None:
+            return
+        spec = self.speculation(row)
+        if spec is None:
+            return
+        if spec.provider.needs_hidden:  # MTP drafts from the target's hidden state: alone only
+            spec.source.close()
+            return
+        if self.verifier is None:
+            from engine.spec.batch_verify import BatchVerifier
+
+            self.verifier = BatchVerifier(self.model)
+        row.spec = self.verifier.add(row.uid, spec, row.prompt, row.params)
 
     def _progress(self, row: Row, done: int, total: int) -> None:
         if row.progress != (done, total):
@@ -213,6 +241,10 @@ class Batch:
     def _settle(self) -> None:
         while self._ended:
             row, ending = self._ended.pop(0)
+            if row.spec is not None:
+                spec, row.spec = row.spec, None
+                self.verifier.drop(row.uid)
+                self.verifier.finish(spec, ending.tokens_in_cache)
             self.on_end(row, ending)
 
     def _step(self) -> None:
@@ -221,11 +253,21 @@ class Batch:
             self._remove(gone, "cancelled", "shutdown" if self.stopping() else None)
         if not self.rows:
             return
+        verifier = self.verifier
+        if verifier is not None and verifier.specs:
+            k = verifier.length(self.gen)
+            if k > 0 and self._spec_round(k):
+                return
         prefilling = [r.params.prefill_step_size for r in self.rows.values()
                       if r.first_time is None]
         if prefilling:
             self.gen.prefill_step_size = min(prefilling)
-        prompt_out, gen_out = self.gen.next()
+        if verifier is not None and verifier.specs:
+            t = time.perf_counter()
+            prompt_out, gen_out = self.gen.next()
+            verifier.plain_step(time.perf_counter() - t)
+        else:
+            prompt_out, gen_out = self.gen.next()
         self.steps += 1
         for pr in prompt_out:
             row = self.rows.get(pr.uid)
@@ -261,6 +303,56 @@ class Batch:
                 self._end(row, "length", None, r)
         if stopped:
             self._remove(stopped, "stop", None)
+
+    def _spec_round(self, k: int) -> bool:
+        """One speculative round (False: no row had drafts, nothing was fed). Each row's
+        tokens go through the checks of a plain step, one at a time; a row that ends inside
+        its tokens leaves with its cache cut back to the token that ended it."""
+        out = self.verifier.round(self.gen, k)
+        if out is None:
+            return False
+        self.steps += 1
+        gb = self.gen._generation_batch
+        ended: list[tuple[Row, str, str | None, int]] = []
+        for i, (uid, got) in enumerate(zip(list(gb.uids), out)):
+            row = self.rows.get(uid)
+            if row is None:
+                continue
+            for n, (token, logprobs) in enumerate(got.emitted):
+                now = time.perf_counter()
+                if row.first_time is None:
+                    row.first_time = now
+                row.last_time = now
+                gb._num_tokens[i] += 1
+                reason = "length" if gb._num_tokens[i] >= gb.max_tokens[i] else None
+                if gb._matchers[i].advance(token):
+                    reason = "stop"
+                if reason == "stop":  # EOS: never sent, as alone
+                    ended.append((row, "stop", "eos", len(got.emitted) - n - 1))
+                    break
+                self._token(row, token, logprobs)
+                if row.stopper.matched is not None:
+                    ended.append((row, "stop", row.stopper.matched, len(got.emitted) - n - 1))
+                    break
+                if reason == "length":
+                    ended.append((row, "length", None, len(got.emitted) - n - 1))
+                    break
+                if n + 1 < len(got.emitted) and self.should_stop(row):  # as alone: after each token
+                    ended.append((row, "cancelled", "shutdown" if self.stopping() else None,
+                                  len(got.emitted) - n - 1))
+                    break
+        if ended:
+            caches = self.gen.remove([row.uid for row, *_ in ended], return_prompt_caches=True)
+            for row, reason, detail, extra in ended:
+                cache, tokens = caches.get(row.uid, (None, []))
+                tokens = list(tokens or [])
+                if extra and cache is not None:
+                    for c in cache:
+                        c.trim(extra)
+                    tokens = tokens[:len(tokens) - extra]
+                self.rows.pop(row.uid, None)
+                self._finish(row, reason, detail, Ending(reason, detail, tokens, cache))
+        return True
 
     def _token(self, row: Row, token: int, logprobs: Any) -> None:
         row.detok.add_token(token)
@@ -306,7 +398,7 @@ class Batch:
             decode_tps=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
             queue_s=row.queue_s, load_s=row.load_s,
             cached_ram_tokens=row.cached_ram_tokens, cached_ssd_tokens=row.cached_ssd_tokens,
-            batched=True))
+            batched=True, spec=self.verifier.summary(row.spec) if row.spec is not None else None))
         row.handle._emit(FinishedEvent(reason, detail))
         row.lent = None  # unmerged, the lent cache is what ``ending`` holds: stored back
         self._ended.append((row, ending))
@@ -315,6 +407,10 @@ class Batch:
         """The rows, taken out after a failed step (nothing more is sent to them here)."""
         rows = list(self.rows.values())
         self.rows.clear()
+        for row in rows:
+            if row.spec is not None:
+                row.spec.source.close()
+                row.spec = None
         self.close()
         return rows
 

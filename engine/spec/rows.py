@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from engine.spec.base import DraftRowConstraints, DraftRowGroup, DraftSource
+from engine.spec.base import DraftRowConstraints, DraftRowGroup, DraftSource, Proposal
 
 
 class SourceRowGroup(DraftRowGroup):
@@ -31,12 +31,34 @@ class SourceRowGroup(DraftRowGroup):
         self.rows = [self.rows[i] for i in keep]
 
     def propose(self, pending: Sequence[int], depth: int) -> list[list[int]]:
+        return [p.tokens for p in self.proposals(pending, depth)]
+
+    def proposals(self, pending: Sequence[int], depth: int,
+                  limits: Sequence[int] | None = None) -> list[Proposal]:
+        """Each row's :class:`Proposal` (tokens filled in, with the draft distribution of
+        sources that sample), at most ``limits[i]`` (else ``depth``) tokens. Drafts a source
+        left unevaluated (a draft model's steps) are evaluated together, in one graph."""
         if len(pending) != len(self.rows):
             raise ValueError(f"{len(pending)} pending tokens for {len(self.rows)} rows")
-        out = []
+        out: list[Proposal] = []
         for i, (row, p) in enumerate(zip(self.rows, pending)):
-            forced = self.constraints.propose(i, depth) if self.constraints is not None else []
-            out.append(list(forced) if forced else list(row.propose(int(p), depth).tokens[:depth]))
+            n = depth if limits is None else min(depth, int(limits[i]))
+            forced = self.constraints.propose(i, n) if self.constraints is not None and n > 0 else []
+            if forced:
+                out.append(Proposal(list(forced)[:n]))
+            else:
+                out.append(row.propose(int(p), n) if n > 0 else Proposal([]))
+        lazy = [p.lazy for p in out if p.lazy is not None]
+        if lazy:
+            import mlx.core as mx
+
+            mx.eval(lazy)
+            for p in out:
+                if p.lazy is not None:
+                    p.tokens, p.lazy = [int(t) for t in p.lazy.tolist()], None
+        for p in out:
+            if len(p.tokens) > depth:
+                p.tokens = list(p.tokens[:depth])
         return out
 
     def commit(self, accepted: Sequence[Sequence[int]]) -> None:

@@ -1,0 +1,371 @@
+"""Speculation for rows decoded together: one target forward verifies every row's drafts.
+
+``engine.batch.Batch`` decodes its rows with mlx-lm's ``BatchGenerator``. Between its steps
+the generation batch is always in one state: each row's KV holds every token it was fed,
+its next token (``_next_tokens``, "pending") is sampled and not fed yet, with its
+log-probabilities. A round here starts and ends in that same state, so plain steps
+(``BatchGenerator.next``, pipelined and untouched) and speculative rounds mix freely:
+
+1. The rows' sources (a :class:`SourceRowGroup`, kept in the batch's row order) propose
+   drafts after each row's pending token; rows without a source, or with nothing to
+   propose, draft nothing.
+2. One forward over ``[pending] + drafts``, right-padded to the widest row (``W``). The
+   rows' own logits processors see, at each position, the history that position would
+   have had (``guided_choice`` masks included); their own samplers sample every position.
+3. Each row walks its window alone: exact match (greedy, prompt lookup, constraints), or
+   rejection sampling for sources that hand over their distribution. A row keeps
+   ``1 + accepted`` positions.
+4. The left-padded ``BatchKVCache`` shares one write index, so the cache is trimmed to the
+   round's common length ``K`` and a row that kept fewer positions is rolled right by the
+   difference: its rejected tail becomes left padding (masked, as any padding), its offset
+   (the RoPE position) stays its own token count. ``K`` is the longest row's count; when
+   that would let padding outgrow the rows themselves, it is the shortest's instead, and a
+   row that accepted more keeps only ``K`` (still lossless: every kept token was verified
+   and the next pending token is the verified one at that position).
+
+The round's length comes from one :class:`LengthController` for the batch: acceptance is
+the mean accepted per row over the window, cost the round's time against a plain batched
+step, so a batch whose drafts do not pay goes back to plain steps, probing again after a
+back-off, as a lone request does.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from engine.spec.policy import LengthController
+from engine.spec.rows import SourceRowGroup
+from engine.spec.sampling import TargetSampler, rejection_walk_rows
+from engine.spec.verify import SpecStats
+
+
+def spec_round_cache(cache: list) -> bool:
+    """Whether a round may run on this batch cache: every layer a plain ``BatchKVCache``
+    (sliding windows and the other kinds take plain steps only)."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    return bool(cache) and all(type(c) is BatchKVCache for c in cache)
+
+
+@dataclass
+class RowSpec:
+    """One batched row's speculation: its ``engine.spec.providers.Speculation`` (source,
+    draft state stored with the conversation), figures, and how far its source has followed
+    the row's tokens."""
+
+    speculation: Any
+    prompt: list[int]
+    stats: SpecStats
+    sampler: TargetSampler | None = None  # the target's p for rejection sampling (temperature > 0)
+    fed: int = -1  # tokens of the row the source knows (-1: not prefilled yet)
+    done: bool = field(default=False)
+
+    @property
+    def source(self) -> Any:
+        return self.speculation.source
+
+    def summary(self, proposal_length: int) -> dict:
+        d = self.stats.as_dict()
+        d["proposal_length"] = proposal_length
+        d["restored_draft_tokens"] = self.speculation.restored_tokens
+        return d
+
+
+class _Summary:
+    """What ``Speculation.finish`` reads of a stream."""
+
+    def __init__(self, summary: dict):
+        self._summary = summary
+
+    def summary(self) -> dict:
+        return self._summary
+
+
+@dataclass
+class RoundRow:
+    """What one row got from a round: the tokens it emits now (its old pending token and
+    the drafts it kept, each with its log-probabilities)."""
+
+    emitted: list[tuple[int, Any]]
+
+
+class BatchVerifier:
+    """The speculative rounds of one batch (engine thread only)."""
+
+    def __init__(self, model: Any, maximum: int = 12):
+        self.model = model
+        self.group = SourceRowGroup()
+        self.uids: list[int] = []  # the group's rows, in the batch's order
+        self.controller = LengthController(initial=min(4, maximum), maximum=maximum)
+        self.specs: dict[int, RowSpec] = {}
+        self._off = 0  # plain steps left in a back-off
+        self._plain_timed = False  # the last step was plain: the next plain one can be timed
+        self.rounds = 0
+
+    # rows ---------------------------------------------------------------------------
+    def add(self, uid: int, speculation: Any, prompt: list[int], params: Any) -> RowSpec:
+        sampler = TargetSampler(params, []) if params.temperature > 0 else None
+        spec = RowSpec(speculation, list(prompt), SpecStats(speculation.provider.kind), sampler)
+        self.specs[uid] = spec
+        self.controller.maximum = max(self.controller.maximum, speculation.controller.maximum)
+        return spec
+
+    def drop(self, uid: int) -> RowSpec | None:
+        return self.specs.pop(uid, None)
+
+    def finish(self, spec: RowSpec, tokens_in_cache: list[int]) -> None:
+        """Count the row's figures with its provider and store its draft state."""
+        spec.speculation.finish(_Summary(spec.summary(self.controller.current())), tokens_in_cache)
+
+    def summary(self, spec: RowSpec) -> dict:
+        return spec.summary(self.controller.current())
+
+    def _sync(self, gb: Any) -> None:
+        """Keep the group's rows in the batch's order, prefill the sources of rows that
+        entered the generation batch, and tell every source the tokens fed by plain steps."""
+        order = [u for u in gb.uids if u in self.specs]
+        if order != self.uids:
+            at = {u: i for i, u in enumerate(self.uids)}
+            kept = [u for u in order if u in at]
+            self.group.filter_rows([at[u] for u in kept])
+            new = [u for u in order if u not in at]
+            tail = kept + new
+            if tail != order:  # a row came back in another place: rebuild in order
+                self.group.filter_rows([])
+                new = order
+            self.group.append([self.specs[u].source for u in new])
+            self.uids = list(order)
+        pos = {u: i for i, u in enumerate(gb.uids)}
+        commits = []
+        for u in self.uids:
+            spec, tokens = self.specs[u], gb.tokens[pos[u]]
+            if spec.fed < 0:
+                t = time.perf_counter()
+                spec.source.prefill(spec.prompt, 0)
+                spec.stats.draft_s += time.perf_counter() - t
+                spec.fed = len(spec.prompt)
+                commits.append(list(tokens[spec.fed:]))
+                spec.fed = len(tokens)
+                continue
+            new_tokens = list(tokens[spec.fed:])
+            for _ in new_tokens:  # plain batched steps
+                spec.stats.record(0, 0)
+                spec.stats.forwards += 1
+                spec.stats.tokens += 1
+            spec.fed = len(tokens)
+            commits.append(new_tokens)
+        if any(commits):
+            t = time.perf_counter()
+            self.group.commit(commits)
+            dt = time.perf_counter() - t
+            for u in self.uids:
+                self.specs[u].stats.draft_s += dt
+
+    # policy -------------------------------------------------------------------------
+    def length(self, gen: Any) -> int:
+        """Drafts to ask for this step (0: a plain step)."""
+        if not self.specs:
+            return 0
+        gb = gen._generation_batch
+        if (len(gen._prompt_batch) or gen._unprocessed_sequences or not len(gb)
+                or not any(u in self.specs for u in gb.uids) or not spec_round_cache(gb.prompt_cache)):
+            return 0
+        if self._off > 0:
+            self._off -= 1
+            return 0
+        off = self.controller.take_off_steps()
+        if off > 0:
+            self._off = off - 1
+            return 0
+        return self.controller.next_length()
+
+    def plain_step(self, seconds: float) -> None:
+        """A plain batched step took ``seconds`` (timed only after another plain step: the
+        one after a round finds its forward already waited for)."""
+        if self._plain_timed and self.specs:
+            self.controller.record(0, 0, seconds)
+        self._plain_timed = True
+
+    # the round ----------------------------------------------------------------------
+    def round(self, gen: Any, k: int) -> list[RoundRow] | None:
+        """One speculative round over the generation batch of ``gen`` (a BatchGenerator):
+        per row of that batch (in its order) what it emits; None when no row had anything
+        to propose (nothing was fed: take a plain step)."""
+        gb = gen._generation_batch
+        with mx.stream(gen._stream):
+            mx.eval(gb._next_tokens, gb._next_logprobs)
+            t0 = time.perf_counter()
+            self._sync(gb)
+            pending = [int(t) for t in gb._next_tokens.tolist()]
+            n = len(gb.uids)
+            pos = {u: i for i, u in enumerate(gb.uids)}
+            limits = [max(0, min(k, gb.max_tokens[pos[u]] - gb._num_tokens[pos[u]] - 1)) for u in self.uids]
+            proposals = self.group.proposals([pending[pos[u]] for u in self.uids], k, limits)
+            drafts: list[list[int]] = [[] for _ in range(n)]
+            probs: list[Any] = [None] * n
+            for u, p, lim in zip(self.uids, proposals, limits):
+                drafts[pos[u]] = [int(x) for x in p.tokens[:lim]]
+                probs[pos[u]] = p.probs
+            width = 1 + max(len(d) for d in drafts)
+            if width == 1:
+                self.controller.empty()
+                self._plain_timed = False
+                return None
+            t_drafted = time.perf_counter()
+            windows = [[pending[i]] + drafts[i] + [pending[i]] * (width - 1 - len(drafts[i])) for i in range(n)]
+            logits = self.model(mx.array(windows), cache=gb.prompt_cache)
+            lp = self._logprobs(gb, logits, windows)
+            targets = self._sample(gb, lp)
+            rej = [i for i in range(n) if probs[i] is not None and drafts[i]
+                   and self._spec_at(gb, i) is not None and self._spec_at(gb, i).sampler is not None]
+            if rej:
+                acc, nxt = self._rejection(gb, lp, rej, drafts, probs, width)
+                mx.eval(targets, acc, nxt)
+                walked = dict(zip(rej, zip(acc.tolist(), nxt.tolist())))
+            else:
+                mx.eval(targets)
+                walked = {}
+            got = targets.tolist()
+            keep, follow = [], []
+            for i in range(n):
+                d = drafts[i]
+                if i in walked:
+                    a, nx = walked[i]
+                else:
+                    a = 0
+                    while a < len(d) and got[i][a] == d[a]:
+                        a += 1
+                    nx = got[i][a]
+                keep.append(a + 1)
+                follow.append(int(nx))
+            t_verified = time.perf_counter()
+            common = self._common_length(gb.prompt_cache, keep)
+            kept = [min(c, common) for c in keep]
+            nxt_tokens = [follow[i] if keep[i] <= common else drafts[i][common - 1] for i in range(n)]
+            self._settle_cache(gb.prompt_cache, width, common, kept)
+            old_lp = list(gb._next_logprobs)
+            out = []
+            for i in range(n):
+                fed = windows[i][:kept[i]]
+                gb.tokens[i].extend(fed)
+                if gb.logits_processors[i]:
+                    gb._token_context[i].update_and_fetch(mx.array(fed, dtype=mx.int32))
+                out.append(RoundRow([(pending[i], old_lp[i])]
+                                    + [(drafts[i][j], lp[i, j]) for j in range(kept[i] - 1)]))
+            gb._next_tokens = mx.array(nxt_tokens, dtype=gb._next_tokens.dtype)
+            gb._next_logprobs = [lp[i, kept[i] - 1] for i in range(n)]
+            for u in self.uids:  # the sources take what their row kept
+                spec = self.specs[u]
+                spec.fed = len(gb.tokens[pos[u]])
+            t_c = time.perf_counter()
+            self.group.commit([windows[pos[u]][:kept[pos[u]]] for u in self.uids])
+            t_done = time.perf_counter()
+            for u in self.uids:
+                i = pos[u]
+                s = self.specs[u].stats
+                s.record(len(drafts[i]), kept[i] - 1)
+                s.forwards += 1
+                s.tokens += kept[i]
+                s.draft_s += (t_drafted - t0) + (t_done - t_c)
+                s.verify_s += t_verified - t_drafted
+                s.other_s += t_c - t_verified
+            mean_accepted = sum(c - 1 for c in kept) / n
+            self.controller.record(width - 1, mean_accepted, t_done - t0)
+            self._plain_timed = False
+            self.rounds += 1
+            return out
+
+    def _spec_at(self, gb: Any, i: int) -> RowSpec | None:
+        return self.specs.get(gb.uids[i])
+
+    @staticmethod
+    def _logprobs(gb: Any, logits: mx.array, windows: list[list[int]]) -> mx.array:
+        """logits [B, W, V] -> each row's processed, normalised log-probabilities, position j
+        seeing the row's history plus its window up to j (as a plain step would)."""
+        if any(gb.logits_processors):
+            rows = []
+            for i, procs in enumerate(gb.logits_processors):
+                if not procs:
+                    rows.append(logits[i])
+                    continue
+                history = gb._token_context[i].tokens
+                window = mx.array(windows[i], dtype=mx.int32)
+                out = []
+                for j in range(logits.shape[1]):
+                    seen = mx.concatenate([history, window[: j + 1]])
+                    row = logits[i, j: j + 1]
+                    for proc in procs:
+                        row = proc(seen, row)
+                    out.append(row)
+                rows.append(mx.concatenate(out, axis=0))
+            logits = mx.stack(rows)
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    @staticmethod
+    def _sample(gb: Any, lp: mx.array) -> mx.array:
+        """Each row's own sampler at every position: [B, W]."""
+        b, w, v = lp.shape
+        samplers = [s if s is not None else gb.fallback_sampler for s in (gb.samplers or [None] * b)]
+        if all(s is samplers[0] for s in samplers):
+            return samplers[0](lp.reshape(b * w, v)).reshape(b, w)
+        return mx.stack([s(lp[i]) for i, s in enumerate(samplers)])
+
+    def _rejection(self, gb: Any, lp: mx.array, rows: list[int], drafts: list[list[int]],
+                   probs: list[Any], width: int) -> tuple[mx.array, mx.array]:
+        k = width - 1
+        p = mx.stack([self._spec_at(gb, i).sampler.probs(lp[i]) for i in rows])
+        qs, ds = [], []
+        for i in rows:
+            q = probs[i][: len(drafts[i])].astype(mx.float32)
+            if q.shape[-1] != p.shape[-1]:
+                q = q[:, : p.shape[-1]] if q.shape[-1] > p.shape[-1] else mx.pad(
+                    q, [(0, 0), (0, p.shape[-1] - q.shape[-1])])
+            if q.shape[0] < k:
+                q = mx.pad(q, [(0, k - q.shape[0]), (0, 0)])
+            qs.append(q)
+            ds.append(drafts[i] + [0] * (k - len(drafts[i])))
+        lengths = mx.array([len(drafts[i]) for i in rows], dtype=mx.int32)
+        return rejection_walk_rows(p, mx.stack(qs), mx.array(ds, dtype=mx.int32), lengths)
+
+    @staticmethod
+    def _common_length(cache: list, keep: list[int]) -> int:
+        """The positions every row holds after the round: the longest row's count, unless the
+        padding that leaves the others would outgrow the longest row (then the shortest's)."""
+        hi, lo = max(keep), min(keep)
+        if hi == lo:
+            return hi
+        c = cache[0]
+        pad = c.left_padding.tolist()
+        size = c.offset.tolist()
+        worst = max(p + hi - kp for p, kp in zip(pad, keep))
+        return hi if worst <= max(256, max(size)) else lo
+
+    @staticmethod
+    def _settle_cache(cache: list, width: int, common: int, kept: list[int]) -> None:
+        """Drop the rejected positions: trim every row to ``common``; a row that kept fewer
+        is rolled right so its rejected tail becomes left padding."""
+        from mlx_lm.models.cache import dynamic_roll
+
+        shifts = [common - k for k in kept]
+        roll = any(shifts)
+        shift = mx.array(shifts, dtype=mx.int32) if roll else None
+        for c in cache:
+            c.trim(width - common)
+            if roll:
+                end = c._idx
+                c.keys[..., :end, :] = dynamic_roll(c.keys[..., :end, :], shift[:, None], axis=2)
+                c.values[..., :end, :] = dynamic_roll(c.values[..., :end, :], shift[:, None], axis=2)
+                c.left_padding = c.left_padding + shift
+                c.offset = c.offset - shift
+        if roll:
+            low = min(cache[0].left_padding.tolist())
+            if low >= 64:  # every row padded: drop the columns no row uses
+                for c in cache:
+                    c.keys = c.keys[..., low:, :]
+                    c.values = c.values[..., low:, :]
+                    c._idx -= low
+                    c.left_padding = c.left_padding - low
