@@ -114,7 +114,9 @@ class Batching:
         batch = Batch(self.loaded.model, self.loaded.tokenizer, self.max_batch,
                       should_stop=lambda r: r.handle.cancelled or self._stopping.is_set(),
                       stopping=self._stopping.is_set, on_end=self._row_ended,
-                      release=self._release)
+                      release=self._release, speculation=self._row_speculation)
+        if join.gen.speculation is not None:  # the row opens its own in the batch
+            join.gen.speculation.source.close()
         self._batch = batch
         self._serving = None
         self._counts["batched"] += 1
@@ -139,6 +141,21 @@ class Batching:
         finally:
             self._batch = None
             batch.close()
+
+    def _row_speculation(self, row: Any) -> Any:
+        """A batched row's speculation, opened as for the request alone (None: plain)."""
+        from engine.spec.providers import open_speculation
+
+        req = row.request
+        spec, _ = open_speculation(
+            self.spec_providers, self.loaded, row.params, mode=req.spec,
+            settings_mode=getattr(self.settings, "spec", "auto"), guided_choice=req.guided_choice,
+            json_skeleton=req.json_skeleton, max_tokens=getattr(self.settings, "spec_tokens", 12),
+            prefix_cache=self.prefix_cache if self._caching else None, namespace=self.namespace,
+            session=req.session)
+        if spec is not None:
+            spec._restore(row.prompt)
+        return spec
 
     def _admit(self, batch: Any) -> None:
         """Let the requests next in line join ``batch`` while it has room. A call, a
