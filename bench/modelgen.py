@@ -189,6 +189,20 @@ def tiny_model(arch: str, **overrides) -> Path:
     return build_random_model(TEST_MODELS / name, arch=arch, **overrides)
 
 
+def tiny_model_of_type(model_type: str, **overrides) -> Path:
+    """A tiny random-weight model of an mlx-lm architecture whose model arguments are the
+    qwen3 base config's (``qwen2``: mlx-lm splits it by pipeline as well as by tensor),
+    built once like :func:`tiny_model`. The folder has ``model.safetensors.index.json``,
+    the weight map that mlx-lm's pipeline loading reads."""
+    suffix = "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
+    name = f"{model_type}-tiny" + (f"-{suffix}" if suffix else "")
+    out = build_random_model(TEST_MODELS / name, arch="qwen3", model_type=model_type, **overrides)
+    if not (out / "model.safetensors.index.json").is_file():
+        raise RuntimeError(f"{out} has no model.safetensors.index.json (mlx-lm's save_model "
+                           "writes one; a folder from elsewhere lacks it)")
+    return out
+
+
 # A Qwen3.5-style text config (hybrid: Gated DeltaNet layers with a full-attention layer
 # every ``full_attention_interval``; 1 = every layer full attention) whose checkpoint
 # carries one multi-token-prediction (MTP) layer under ``mtp.*``.

@@ -69,7 +69,10 @@ def cmd_generate(args: argparse.Namespace, settings: Any) -> int:
                               "finish_reason": result.finish_reason,
                               "finish_detail": result.finish_detail, "stats": stats,
                               "spec": stats.get("spec") if stats else None,
-                              "model": engine.info}))
+                              "model": engine.info,
+                              # under mlx.launch: the ranks and each rank's cached prefix
+                              **({"distributed": engine.distributed_info()}
+                                 if hasattr(engine, "distributed_info") else {})}))
         else:
             sys.stdout.write("\n")
             sys.stderr.write(stats_line(result.stats, result.finish_reason) + "\n")

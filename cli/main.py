@@ -113,6 +113,12 @@ def _dispatch(args: argparse.Namespace) -> int:
         from cli.cache import run_cache_command
 
         return run_cache_command(args, settings)
+    if args.command in (None, "chat", "generate", "serve"):
+        from engine.distributed import run_rank
+
+        code = run_rank(args.command, settings)  # under mlx.launch: every rank but 0 follows
+        if code is not None:
+            return code
     if args.command == "generate":
         from cli.generate import cmd_generate
 

@@ -155,7 +155,15 @@ class Engine(Batching):
     @classmethod
     def from_settings(cls, settings: Any, prefix_cache: Any = None) -> Engine:
         """An engine for ``settings``; unless ``prefix_cache`` is given, the prefix cache is
-        built from the settings on the engine thread (``PrefixCache.from_settings``)."""
+        built from the settings on the engine thread (``PrefixCache.from_settings``). Under a
+        distributed launch (mlx.launch) this rank's ``engine.distributed`` engine."""
+        from engine.distributed import join, launched
+
+        world = join(getattr(settings, "dist_timeout_s", 60.0)) if launched() else None
+        if world is not None:
+            from engine.distributed.engine import ShardedEngine
+
+            return ShardedEngine.for_world(settings, world, prefix_cache)
         if prefix_cache is None and settings.prefix_cache:
             def prefix_cache(loaded: Any, namespace: str) -> Any:
                 from engine.cache.prefix_cache import PrefixCache
@@ -389,14 +397,11 @@ class Engine(Batching):
     # engine thread
     def _load(self) -> None:
         from engine.blas import describe
-        from engine.cache.layout import kv_namespace
         from engine.cache.prefix_cache import NullPrefixCache
-        from engine.models import load_model
 
         total = len(_LOAD_STAGES) - 1
         self._publish(LoadEvent(_LOAD_STAGES[0], 0, total))
-        self.loaded = load_model(self.model_spec, self.dtype, self.full_hash)
-        self.namespace = kv_namespace(self.loaded.fingerprint, self.loaded.compute_dtype)
+        self.loaded, self.namespace = self._load_model()
         from engine.spec.providers import bind_providers, load_providers
 
         self.spec_providers = load_providers(self.loaded, self.settings)
@@ -438,6 +443,25 @@ class Engine(Batching):
         self._batchable = batchable_cache(make_prompt_cache(self.loaded.model))
         self._publish(LoadEvent(_LOAD_STAGES[2], total, total))
 
+    def _load_model(self) -> tuple[Any, str]:
+        """The model and its prefix-cache namespace (a sharded engine loads its shard)."""
+        from engine.cache.layout import kv_namespace
+        from engine.models import load_model
+
+        loaded = load_model(self.model_spec, self.dtype, self.full_hash)
+        return loaded, kv_namespace(loaded.fingerprint, loaded.compute_dtype)
+
+    def _next_command(self) -> Any:
+        """Wait for the next command (a sharded engine keeps its peers informed meanwhile)."""
+        return self._queue.get()
+
+    def _stopped(self) -> None:
+        """The command loop ended; a sharded engine tells its peers."""
+
+    def _decoding(self, handle: RequestHandle, speculation: Any) -> Any:
+        """The token source a generation uses (a sharded engine decodes in lock-step)."""
+        return speculation
+
     def _run(self) -> None:
         self._load_t0 = time.perf_counter()
         try:
@@ -455,7 +479,7 @@ class Engine(Batching):
         self._ready.set()
         try:
             while True:
-                cmd = self._backlog.popleft() if self._backlog else self._queue.get()
+                cmd = self._backlog.popleft() if self._backlog else self._next_command()
                 if cmd is _STOP:
                     break
                 if cmd is _WAKE:
@@ -469,6 +493,7 @@ class Engine(Batching):
         finally:
             with self._submit_lock:
                 self._stopping.set()
+            self._stopped()
             self._drain()
             close = getattr(self.prefix_cache, "close", None)
             if close is not None:
@@ -771,6 +796,7 @@ class Engine(Batching):
             json_skeleton=req.json_skeleton, max_tokens=getattr(self.settings, "spec_tokens", 12),
             prefix_cache=self.prefix_cache if self._caching else None, namespace=self.namespace,
             session=req.session)
+        speculation = self._decoding(handle, speculation)
         started = time.perf_counter()
         gen = Generation(self.loaded.model, self.loaded.tokenizer, tokens, params,
                          cache=cache, n_cached=n_cached, on_progress=progress,

@@ -192,6 +192,15 @@ FIELDS: tuple[Field, ...] = (
           metavar="N"),
     Field("spec_ngram_max", 4, _positive_int, "prompt lookup: longest n-gram matched", arg_type=int,
           metavar="N"),
+    # under a distributed launch (mlx.launch)
+    Field("shard", "auto", _choice("auto", "tensor", "pipeline"),
+          "under mlx.launch: how the model is split across the ranks: tensor (every layer "
+          "split), pipeline (the layers divided) or auto (tensor when the model supports it)",
+          choices=("auto", "tensor", "pipeline")),
+    Field("dist_timeout_s", 60.0, _positive_float,
+          "under mlx.launch: seconds a rank waits for the others before it stops with an error "
+          "(a rank died, hung or was stopped); longer than the slowest prefill chunk",
+          arg_type=float, metavar="S"),
     # `mlxkv serve`
     Field("host", "127.0.0.1", str, "serve: address to listen on (0.0.0.0: every interface)",
           metavar="ADDR"),
