@@ -23,8 +23,8 @@ log-probabilities. A round here starts and ends in that same state, so plain ste
    row that accepted more keeps only ``K`` (still lossless: every kept token was verified
    and the next pending token is the verified one at that position).
 
-The round's length comes from one :class:`LengthController` for the batch: acceptance is
-the mean accepted per row over the window, cost the round's time against a plain batched
+The round's length comes from one :class:`BatchLength` for the batch: the acceptance per
+drafted token, the share of rows that draft, and a round's time against a plain batched
 step, so a batch whose drafts do not pay goes back to plain steps, probing again after a
 back-off, as a lone request does.
 """
@@ -37,7 +37,6 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.spec.policy import LengthController
 from engine.spec.rows import SourceRowGroup
 from engine.spec.sampling import TargetSampler, rejection_walk_rows
 from engine.spec.verify import SpecStats
@@ -93,6 +92,102 @@ class RoundRow:
     emitted: list[tuple[int, Any]]
 
 
+class BatchLength:
+    """How many drafts a batch round asks for (0: a plain step), from running estimates of
+    the acceptance a per drafted token, the share f of rows that draft, the time t1 of a
+    plain batched step and the cost m of each window position past the first. A round of
+    width 1 + k yields per row f * (1 - a^(k+1)) / (1 - a) + (1 - f) tokens in t1 + m*k,
+    a plain step 1 in t1; it asks for the k that gives the most tokens per second. When that
+    is 0 and it ``may_stop``, it takes plain steps for a back-off (8, doubling to 256 while
+    probes lose), as :class:`engine.spec.policy.LengthController` does for a lone request.
+    ``adaptive`` False: always ``initial`` (constraint rows: the whole forced span)."""
+
+    def __init__(self, initial: int = 4, maximum: int = 12):
+        self.initial = max(1, int(initial))
+        self.maximum = max(self.initial, int(maximum))
+        self.adaptive = True
+        self.may_stop = True
+        self.acceptance = 0.7
+        self.share = 1.0
+        self.plain_s: float | None = None
+        self.per_position_s: float | None = None
+        self._k = self.initial
+        self._rounds = 0
+        self._off_left = 0
+        self._backoff = 8
+        self._empty_run = 0
+        self._empty_backoff = 8
+
+    def current(self) -> int:
+        return self._k
+
+    def take_off_steps(self) -> int:
+        off, self._off_left = self._off_left, 0
+        return off
+
+    def next_length(self) -> int:
+        if not self.adaptive:
+            return self.initial
+        if self.plain_s is None and self._rounds > 0 and self.per_position_s is not None:
+            return 0  # one plain step to measure against
+        return self._k
+
+    def empty(self) -> None:
+        """No row had anything to propose: after 4 such rounds in a row, plain steps (they run
+        pipelined) for a back-off that doubles up to 64."""
+        self._empty_run += 1
+        if self._empty_run >= 4:
+            self._empty_run = 0
+            self._off_left = self._empty_backoff
+            self._empty_backoff = min(self._empty_backoff * 2, 64)
+
+    def record_plain(self, seconds: float) -> None:
+        self.plain_s = seconds if self.plain_s is None else 0.8 * self.plain_s + 0.2 * seconds
+
+    def record_round(self, width: int, drafted: int, accepted: int, share: float, seconds: float) -> None:
+        """A round of ``width`` positions; the rows that drafted drafted ``drafted`` tokens in
+        all and kept ``accepted``; ``share`` of the rows drafted; it took ``seconds``."""
+        self._rounds += 1
+        self._empty_run = 0
+        if accepted:
+            self._empty_backoff = 8
+        if drafted:
+            self.acceptance = 0.7 * self.acceptance + 0.3 * (accepted / drafted)
+        self.share = 0.7 * self.share + 0.3 * share
+        k = max(width - 1, 1)
+        m = max(seconds - self.plain_s, 0.0) / k if self.plain_s is not None else seconds / (k + 1)
+        self.per_position_s = m if self.per_position_s is None else 0.7 * self.per_position_s + 0.3 * m
+        if not self.adaptive or self.plain_s is None:
+            return
+        best = self._best()
+        if best == 0 and self.may_stop:
+            self._off_left = self._backoff
+            self._backoff = min(self._backoff * 2, 256)
+            self._k = max(1, min(self.initial, 2))
+            return
+        if best > 0 and self._backoff > 8:
+            self._backoff = max(8, self._backoff // 2)
+        self._k = max(best, 1)
+        if accepted == drafted and drafted and width - 1 >= self._k:
+            # A fully accepted window says little about longer ones: grow geometrically.
+            self._k = min(self.maximum, max(self._k, 2 * (width - 1)))
+
+    def _best(self) -> int:
+        a = min(max(self.acceptance, 0.0), 0.995)
+        f = min(max(self.share, 0.0), 1.0)
+        t1 = self.plain_s or 1e-3
+        m = self.per_position_s if self.per_position_s is not None else t1 / 4
+        best_k, best_rate = 0, 1.0 / t1
+        gain = expected = 1.0
+        for k in range(1, self.maximum + 1):
+            gain *= a
+            expected += gain
+            rate = (f * expected + 1.0 - f) / (t1 + m * k)
+            if rate > best_rate * 1.0001:
+                best_k, best_rate = k, rate
+        return best_k
+
+
 class BatchVerifier:
     """The speculative rounds of one batch (engine thread only)."""
 
@@ -100,7 +195,7 @@ class BatchVerifier:
         self.model = model
         self.group = SourceRowGroup()
         self.uids: list[int] = []  # the group's rows, in the batch's order
-        self.controller = LengthController(initial=min(4, maximum), maximum=maximum)
+        self.controller = BatchLength(initial=min(4, maximum), maximum=maximum)
         self.specs: dict[int, RowSpec] = {}
         self._off = 0  # plain steps left in a back-off
         self._plain_timed = False  # the last step was plain: the next plain one can be timed
@@ -174,6 +269,14 @@ class BatchVerifier:
         if (len(gen._prompt_batch) or gen._unprocessed_sequences or not len(gb)
                 or not any(u in self.specs for u in gb.uids) or not spec_round_cache(gb.prompt_cache)):
             return 0
+        # As alone: only ``auto`` stops speculating when it is slower; a source the request
+        # named keeps drafting (one such row keeps the rounds going for the batch).
+        rows = [s.speculation.controller for s in self.specs.values()]
+        self.controller.may_stop = all(c.may_stop for c in rows)
+        # Rows that all ask for a fixed length (constraints: the whole forced span) get it.
+        self.controller.adaptive = any(c.adaptive for c in rows)
+        if not self.controller.adaptive:
+            self.controller.initial = max(c.initial for c in rows)
         if self._off > 0:
             self._off -= 1
             return 0
@@ -187,7 +290,7 @@ class BatchVerifier:
         """A plain batched step took ``seconds`` (timed only after another plain step: the
         one after a round finds its forward already waited for)."""
         if self._plain_timed and self.specs:
-            self.controller.record(0, 0, seconds)
+            self.controller.record_plain(seconds)
         self._plain_timed = True
 
     # the round ----------------------------------------------------------------------
@@ -273,8 +376,9 @@ class BatchVerifier:
                 s.draft_s += (t_drafted - t0) + (t_done - t_c)
                 s.verify_s += t_verified - t_drafted
                 s.other_s += t_c - t_verified
-            mean_accepted = sum(c - 1 for c in kept) / n
-            self.controller.record(width - 1, mean_accepted, t_done - t0)
+            drafting = [i for i in range(n) if drafts[i]]
+            self.controller.record_round(width, sum(len(drafts[i]) for i in drafting),
+                                         sum(kept[i] - 1 for i in drafting), len(drafting) / n, t_done - t0)
             self._plain_timed = False
             self.rounds += 1
             return out
