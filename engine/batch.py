@@ -263,9 +263,10 @@ class Batch:
         if prefilling:
             self.gen.prefill_step_size = min(prefilling)
         if verifier is not None and verifier.specs:
+            decoding_only = not (len(self.gen._prompt_batch) or self.gen._unprocessed_sequences)
             t = time.perf_counter()
             prompt_out, gen_out = self.gen.next()
-            verifier.plain_step(time.perf_counter() - t)
+            verifier.plain_step(self.gen, t, decoding_only)
         else:
             prompt_out, gen_out = self.gen.next()
         self.steps += 1

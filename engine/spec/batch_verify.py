@@ -286,12 +286,20 @@ class BatchVerifier:
             return 0
         return self.controller.next_length()
 
-    def plain_step(self, seconds: float) -> None:
-        """A plain batched step took ``seconds`` (timed only after another plain step: the
-        one after a round finds its forward already waited for)."""
-        if self._plain_timed and self.specs:
-            self.controller.record_plain(seconds)
-        self._plain_timed = True
+    def plain_step(self, gen: Any, started: float, decoding_only: bool) -> None:
+        """A plain batched step (``BatchGenerator.next``) began at ``started``. Steps run
+        pipelined: each waits for the previous one's forward and only queues its own, so a
+        step after another plain step is timed as it returns; the first after a round waits
+        for its own forward here (once) to be timed whole. Steps that also prefilled
+        joining rows are not timed."""
+        if not self.specs:
+            return
+        if decoding_only:
+            gb = gen._generation_batch
+            if not self._plain_timed and len(gb):
+                mx.eval(gb._next_tokens)
+            self.controller.record_plain(time.perf_counter() - started)
+        self._plain_timed = decoding_only
 
     # the round ----------------------------------------------------------------------
     def round(self, gen: Any, k: int) -> list[RoundRow] | None:

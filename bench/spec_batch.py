@@ -1,0 +1,152 @@
+"""Speculation in a batch: aggregate decode throughput of ``--rows`` requests decoded
+together, with speculation and without, side by side in one engine (runs interleaved,
+median of ``--repeats``).
+
+    python -m bench.spec_batch [--rows 4] [--tokens 96] [--repeats 3]
+
+Tasks (all greedy unless said; every row's output is checked equal across modes):
+- ``demo_quote``: the demo model (trained) answering with quotes from a document in its
+  system prompt, one question per row, ``spec=ngram`` vs ``off`` (input-grounded work);
+- ``tiny_repeat``: the tiny random llama (``bench.modelgen.tiny_model``) continuing prompts
+  that repeat themselves (it falls into cycles prompt lookup predicts), ``ngram`` vs ``off``;
+- ``demo_draft``: the demo pair, one of the demo model's questions per row, ``draft`` vs ``off``;
+- ``demo_freeform_auto``: sampled free-form text (temperature 1) on the demo model, ``auto``
+  vs ``off``: what the batch pays for speculation that rarely pays;
+- ``bench_freeform_auto``: the same on the bench model (``bench.models.bench_model_path``,
+  random weights, the server benchmark's model): ``auto`` (prompt lookup, which finds
+  little there) against ``off``, so the plain batched path is not made slower.
+
+Aggregate throughput: the tokens of all rows over the time from the first row's first token
+to the last row's last token (prefill excluded). One JSON line with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import threading
+import time
+from typing import Any
+
+import engine  # noqa: F401  (loads the BLAS before mlx)
+
+T = 600
+
+
+def _batch(eng: Any, reqs: list) -> tuple[float, list]:
+    """Serve ``reqs`` together; (aggregate decode tok/s, results)."""
+    from engine.engine import TokenEvent
+
+    times: list[float] = []
+    lock = threading.Lock()
+
+    def on_event(ev: Any) -> None:
+        if isinstance(ev, TokenEvent) and ev.token is not None:
+            with lock:
+                times.append(time.perf_counter())
+    gate = threading.Event()
+    busy = eng.call(gate.wait, T)  # everything submitted now is served as one batch
+    handles = [eng.submit(r, callback=on_event) for r in reqs]
+    gate.set()
+    busy.result(timeout=T)
+    results = [h.result(timeout=T) for h in handles]
+    tokens = sum(len(r.tokens) for r in results)
+    span = max(times) - min(times) if len(times) > 1 else 0.0
+    return (tokens - 1) / span if span > 0 else 0.0, results
+
+
+def _side_by_side(eng: Any, make: Any, modes: tuple[str, str], repeats: int, same: bool) -> dict:
+    tps: dict[str, list[float]] = {m: [] for m in modes}
+    outputs: dict[str, list] = {}
+    spec: dict = {}
+    for m in modes:  # warm-up
+        _batch(eng, make(m))
+    for _ in range(repeats):
+        for m in modes:
+            rate, results = _batch(eng, make(m))
+            tps[m].append(rate)
+            outputs.setdefault(m, [r.tokens for r in results])
+            if m != "off":
+                drafted = sum((r.stats.spec or {}).get("drafted", 0) for r in results)
+                accepted = sum((r.stats.spec or {}).get("accepted", 0) for r in results)
+                spec = {"drafted": drafted, "accepted": accepted,
+                        "acceptance": round(accepted / drafted, 4) if drafted else 0.0,
+                        "batched": all(r.stats.batched for r in results)}
+    base, fast = (statistics.median(tps[m]) for m in modes)
+    out = {"off_tps": round(base, 2), f"{modes[1]}_tps": round(fast, 2),
+           "ratio": round(fast / base, 3) if base else 0.0, **spec}
+    if same:
+        out["same_output"] = outputs[modes[0]] == outputs[modes[1]]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+
+    from bench.modelgen import tiny_model
+    from engine.demo.facts import FACTS
+    from engine.engine import Engine, Request
+    from engine.generate import SamplingParams
+    from engine.settings import DEMO_MODEL
+
+    n, rows, reps = args.tokens, args.rows, args.repeats
+    greedy = SamplingParams(max_tokens=n, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0)
+    results: dict[str, Any] = {"rows": rows, "tokens": n, "repeats": reps}
+    with Engine(str(DEMO_MODEL), max_batch=rows, prefix_cache=None).start(timeout=T) as eng:
+        doc = "\n".join(f["a"][0] for f in FACTS)
+
+        def quote(mode: str) -> list:
+            return [Request(messages=[{"role": "system", "content": "Answer with quotes from this document:\n" + doc},
+                                      {"role": "user", "content": FACTS[3 + i]["q"][0]}], params=greedy, spec=mode)
+                    for i in range(rows)]
+
+        def ask(mode: str) -> list:
+            return [Request(messages=[{"role": "user", "content": FACTS[i]["q"][0]}], params=greedy, spec=mode)
+                    for i in range(rows)]
+
+        story = SamplingParams(max_tokens=n, temperature=1.0)
+
+        def freeform(mode: str) -> list:
+            return [Request(messages=[{"role": "user", "content": f"Tell me a long story about mlxkv, part {i}."}],
+                            params=story, spec=mode) for i in range(rows)]
+
+        results["demo_quote"] = _side_by_side(eng, quote, ("off", "ngram"), reps, True)
+        results["demo_draft"] = _side_by_side(eng, ask, ("off", "draft"), reps, True)
+        results["demo_freeform_auto"] = _side_by_side(eng, freeform, ("off", "auto"), reps, False)
+    with Engine(str(tiny_model("llama")), max_batch=rows, prefix_cache=None).start(timeout=T) as eng:
+        rng = random.Random(5)
+        prompts = []
+        for _ in range(rows):
+            base = [rng.randrange(3, 500) for _ in range(rng.randint(8, 20))]
+            prompts.append(base * 3)
+
+        def repeat(mode: str) -> list:
+            return [Request(prompt_tokens=p, params=greedy, spec=mode) for p in prompts]
+
+        results["tiny_repeat"] = _side_by_side(eng, repeat, ("off", "ngram"), reps, True)
+    from bench.models import bench_model_path
+
+    with Engine(str(bench_model_path()), max_batch=rows, prefix_cache=None).start(timeout=T) as eng:
+        sampled = SamplingParams(max_tokens=n, temperature=1.0)
+
+        def bench_freeform(mode: str) -> list:
+            return [Request(messages=[{"role": "user", "content": f"Write about the sea, part {i}."}],
+                            params=sampled, spec=mode) for i in range(rows)]
+
+        results["bench_freeform_auto"] = _side_by_side(eng, bench_freeform, ("off", "auto"), reps, False)
+    results["ngram_batch_speedup"] = results["demo_quote"]["ratio"]
+    results["draft_batch_speedup"] = results["demo_draft"]["ratio"]
+    results["auto_freeform_batch_ratio"] = results["demo_freeform_auto"]["ratio"]
+    results["bench_auto_freeform_batch_ratio"] = results["bench_freeform_auto"]["ratio"]
+    print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
