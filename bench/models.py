@@ -76,28 +76,30 @@ def parameter_count(path: Path) -> int:
 # (16 signs; the codes of two tokens agree in at most 8 places).
 #
 # Residual stream: dim 0 a constant every embedding carries; slot T0 the current token's
-# code; T1..T6 the codes of the 6 previous tokens, written by layer 0; OUT the code of the
-# token to predict, written by layer 1 and read by the LM head.
+# code; T1..T10 the codes of the 10 previous tokens, written by layer 0; OUT the code of
+# the token to predict, written by layer 1 and read by the LM head.
 # - rope_theta = 1e30: rotary pairs 0..4 turn (1, 0.12, 0.013, 0.0015, 0.00018 rad per
 #   position); pairs 6..31 turn less than 0.01 rad over the whole context, so they carry
 #   content, untouched by position.
-# - Layer 0, heads 0..5 (previous-token heads): query and key read only the constant, so
+# - Layer 0, heads 0..9 (previous-token heads): query and key read only the constant, so
 #   after q_norm/k_norm they are fixed vectors in the turning pairs, the query's phase
-#   shifted by delta = 1..6: the score peaks at exactly delta positions back (checked for
+#   shifted by delta = 1..10: the score peaks at exactly delta positions back (checked for
 #   every distance in the context when the weights are built). Value T0, output to T_delta.
-# - Layer 1, head 0 (the induction head): query (T0, ..., T5), key (T1, ..., T6), in the
-#   content pairs: it attends where the 6 tokens before were the current 6 and copies that
-#   position's T0 into OUT. The current token's slot uses its whole code, farther tokens 8
-#   or 6 of its 16 signs, weighted 0.7^distance, so the longest matching suffix wins. A
-#   slowly turning pair prefers the earliest of equal matches (the source over the model's
-#   own copy of it), by less than any mismatch costs.
+# - Layer 1, head 0 (the induction head): query (T0, ..., T9), key (T1, ..., T10), in the
+#   content pairs: it attends where the 10 tokens before were the current 10 and copies
+#   that position's T0 into OUT. The current token counts with its whole code, each
+#   earlier one with 4 of its 16 signs, weighted 0.85^distance: the position that agrees
+#   best, nearest tokens first, wins; a novel token (an edit) still finds its place from
+#   the tokens around it. A slowly turning pair prefers the earliest of equal matches (the
+#   source over the model's own copy of it), by less than any differing sign costs.
 # - q_norm/k_norm weights scale the scores so each softmax picks one position.
 # - Every other head, the MLPs and layers 2.. keep the random model's weights, with o_proj
 #   and down_proj scaled by ``noise``: the same compute per token as the bench model.
 COPY_ROPE_THETA = 1e30
 COPY_CONTEXT = 4096
 CODE_BITS = 16
-MATCH_BITS = (16, 8, 8, 8, 6, 6)  # signs of each matched token's code the induction head compares
+MATCH_BITS = (16,) + (4,) * 9  # signs of each matched token's code the induction head compares
+MATCH_DECAY = 0.85  # weight of a matched token, per position back
 _POSITION_PAIRS = (0, 1, 2, 3, 4)
 _POSITION_AMPLITUDES = (0.33484269, 0.60428935, 0.35564868, 0.51399909, 0.36336442)
 _ORDER_PAIR = 4  # 1.8e-4 rad per position: monotone over the whole context
@@ -194,7 +196,7 @@ def copy_weights(config: dict, seed: int = 1, noise: float = 1e-3, order_per_tok
     # Layer 1: the induction head (query head 0 on KV head 0), scored in units of one agreeing sign.
     a, r = "model.layers.1.self_attn.", rms(n + 1)
     q, k, v, o = (w[a + f"{p}_proj.weight"] for p in "qkvo")
-    weight = [0.7 ** s for s in range(n)]
+    weight = [MATCH_DECAY ** s for s in range(n)]
     cheapest = 2 * min(weight)  # the least a differing sign costs
     f_order = freqs[_ORDER_PAIR]
     order_range = order_per_token * np.sin(f_order * COPY_CONTEXT) / f_order
@@ -269,7 +271,7 @@ def build_copy_model(out_dir: str | Path, shape: dict, *, tokenizer_from: str | 
     return out
 
 
-COPY_MODEL_VERSION = 1  # bump when the construction changes: the folder name carries it
+COPY_MODEL_VERSION = 2  # bump when the construction changes: the folder name carries it
 
 
 def copy_model_path(blas_active: bool | None = None) -> Path:

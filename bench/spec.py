@@ -4,6 +4,10 @@ engine, the same prompts, requests interleaved off/on; median of --repeats).
     python -m bench.spec [--tokens 48] [--repeats 2] [--json]
 
 Models, all built offline here (random weights unless said):
+- the copy model (``bench.models.copy_model_path()``): the bench model's shape, tokenizer
+  and cost per token, with constructed weights that continue their input where it went
+  before (previous-token heads and an induction head): a target that does input-grounded
+  work, which a random-weight model never does;
 - the bench model (``bench.models.bench_model_path()``), and its layer-skip draft: its
   first ``--draft-layers`` layers with the same embeddings, norm, head and tokenizer;
 - the bench pair: a bench-shaped target whose layers from ``--draft-layers`` on write
@@ -14,10 +18,17 @@ Models, all built offline here (random weights unless said):
 - the demo model and demo draft model (trained, ``engine/demo``).
 
 Figures (speed-ups = decode throughput with speculation / without):
-- ``ngram_*``: prompt lookup on the bench model, a 600-token source file with a small edit
-  and the request to repeat it (a random-weight model does not copy, so this measures
-  what its own repetition gives); ``demo_quote_ngram_*``: the demo model answering with
-  quotes from a document in its system prompt (input-grounded on a trained model);
+- ``ngram_*``: prompt lookup (``--spec ngram``) on the copy model, ``--copy-tokens`` per
+  request, two tasks: ``ngram_file_edit_*`` repeats a 600-token source file with a small
+  edit (the prompt holds the file, the request, and the answer so far up to and including
+  the edit: the model writes the rest, prompt lookup re-synchronises after the edit);
+  ``ngram_quote_*`` answers a question with a quote from a document in the system prompt
+  (the answer so far opens the quote with its first words). ``ngram_speedup`` and the
+  other ``ngram_*`` figures are those of the slower task; ``ngram_auto_*``: ``--spec auto``
+  on the same tasks (it picks prompt lookup and adapts). ``ngram_random_target_*``: the
+  file edit on the random bench model, which never copies (what prompt lookup cannot do);
+  ``demo_quote_ngram_*``: the demo model answering with quotes from a document in its
+  system prompt (input-grounded on a trained model);
 - ``draft_*``: the demo pair (trained; the demo model answering one of its questions);
   ``bench_pair_draft_*``: the bench pair, greedy free-form; ``draft_layer_skip_*``: the
   bench model with its own truncation;
@@ -155,13 +166,14 @@ def _run(eng: Any, request: Any) -> Any:
     return eng.submit(request).result(timeout=3600)
 
 
-def _side_by_side(eng: Any, make: Any, repeats: int, modes: tuple[str, str], check_same: bool) -> dict:
-    """Interleaved runs of ``make(mode)`` in both modes: median decode throughput of each,
-    their ratio, and the speculation figures of the last speculative run."""
+def _side_by_side(eng: Any, make: Any, repeats: int, modes: tuple[str, ...], check_same: bool) -> dict:
+    """Interleaved runs of ``make(mode)`` in every mode: median decode throughput of each,
+    the ratio of the second mode's to the first's (and, with more modes, of each), and the
+    speculation figures of the second mode's last run (of each mode's, under ``by_mode``)."""
     tps: dict[str, list[float]] = {m: [] for m in modes}
     cpu: dict[str, list[float]] = {m: [] for m in modes}
     tokens: dict[str, list] = {}
-    spec = None
+    specs: dict[str, Any] = {}
     for mode in modes:  # warm-up (prefill into the prefix cache, kernels, the draft's KV)
         _run(eng, make(mode))
     for _ in range(repeats):
@@ -172,24 +184,47 @@ def _side_by_side(eng: Any, make: Any, repeats: int, modes: tuple[str, str], che
             tps[mode].append(r.stats.decode_tps)
             tokens.setdefault(mode, r.tokens)
             if r.stats.spec is not None:
-                spec = r.stats.spec
-    base, fast = (statistics.median(tps[m]) for m in modes)
-    cbase, cfast = (statistics.median(cpu[m]) for m in modes)
+                specs[mode] = r.stats.spec
+    med = {m: statistics.median(tps[m]) for m in modes}
+    cmed = {m: statistics.median(cpu[m]) for m in modes}
+    base, fast = modes[0], modes[1]
     # Tokens per CPU-second of the whole process (prefill included): less sensitive to other
     # processes sharing the machine than wall-clock throughput.
-    out = {"plain_tps": round(base, 3), "spec_tps": round(fast, 3), "speedup": round(fast / base, 3) if base else 0.0,
-           "cpu_speedup": round(cfast / cbase, 3) if cbase else 0.0, "spec": spec}
+    out = {"plain_tps": round(med[base], 3), "spec_tps": round(med[fast], 3),
+           "speedup": round(med[fast] / med[base], 3) if med[base] else 0.0,
+           "cpu_speedup": round(cmed[fast] / cmed[base], 3) if cmed[base] else 0.0, "spec": specs.get(fast)}
+    if len(modes) > 2:
+        out["by_mode"] = {m: {"tps": round(med[m], 3), "speedup": round(med[m] / med[base], 3) if med[base] else 0.0,
+                              "cpu_speedup": round(cmed[m] / cmed[base], 3) if cmed[base] else 0.0,
+                              "spec": specs.get(m)} for m in modes[1:]}
     if check_same:
-        out["same_output"] = tokens[modes[0]] == tokens[modes[1]]
+        out["same_output"] = all(tokens[m] == tokens[base] for m in modes)
     return out
 
 
-def _file_prompt(tok: Any) -> tuple[list[int], list[int]]:
-    ids = tok.encode(SOURCE_FILE.read_text())[:600]
-    text = tok.decode(ids)
-    edited = text.replace("lookup", "find", 1)
-    again = text.replace("store", "keep", 1)
-    return tok.encode("Repeat this file, with one change:\n" + edited + "\n"), tok.encode(again + "\n")
+def _file_edit_prompt(tok: Any) -> list[int]:
+    """A 600-token source file in a fence, the request to repeat it with one change, and the
+    answer so far: the fence again and the file up to just past the change (the copy model
+    copies, it cannot decide to edit; with the change and the word after it written, it
+    finds its place again from the tokens around it, as prompt lookup does)."""
+    text = tok.decode(tok.encode(SOURCE_FILE.read_text())[:600])
+    at = text.index("lookup")
+    after = text[at + len("lookup"):]
+    return tok.encode("Here is a file:\n```python\n" + text + "\n```\nRepeat this file, with one change: "
+                      "rename the lookup method to find.\n```python\n" + text[:at] + "find" + after[:7])
+
+
+def _quote_prompt(tok: Any) -> list[int]:
+    """A question about a document in the system prompt, and the answer so far: the opening
+    words of the quote that answers it."""
+    from engine.demo.facts import FACTS
+
+    doc = "\n".join(f["a"][0] for f in FACTS[:8])
+    messages = [{"role": "system", "content": "Answer with quotes from this document:\n" + doc},
+                {"role": "user", "content": FACTS[3]["q"][0]}]
+    head = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    opening = " ".join(FACTS[3]["a"][0].split()[:3])
+    return tok.encode(head + 'The document says: "' + opening)
 
 
 def _restored_child(args: argparse.Namespace) -> int:
@@ -218,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=48, help="tokens generated per request")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--copy-tokens", type=int, default=128,
+                    help="tokens generated per request on the copy model (prompt lookup's tasks)")
     ap.add_argument("--draft-layers", type=int, default=2)
     ap.add_argument("--upper-scale", type=float, default=0.02,
                     help="the bench pair's target: scale of the updates its upper layers write")
@@ -227,27 +264,37 @@ def main(argv: list[str] | None = None) -> int:
     if args.restored_child:
         return _restored_child(args)
 
-    from bench.models import bench_model_path
+    from bench.models import bench_model_path, copy_model_path
     from engine.demo.facts import FACTS
     from engine.engine import Engine, Request
     from engine.generate import SamplingParams
     from engine.settings import DEMO_MODEL
 
     bench = Path(bench_model_path())
+    copier = Path(copy_model_path())
     skip_draft = build_layer_draft(bench, args.draft_layers)
     pair_target, pair_draft = build_bench_pair(bench, args.draft_layers, args.upper_scale)
     n, reps = args.tokens, args.repeats
     greedy = SamplingParams(max_tokens=n)
     story = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
-    results: dict[str, Any] = {"model": bench.name, "tokens": n, "repeats": reps}
+    results: dict[str, Any] = {"model": bench.name, "copy_model": copier.name, "tokens": n,
+                               "copy_tokens": args.copy_tokens, "repeats": reps}
     detail: dict[str, Any] = {}
     work = Path(tempfile.mkdtemp(prefix="mlxkv-bench-spec-"))
     try:
+        # 0. the copy model: prompt lookup on input-grounded work (off, ngram, auto)
+        with Engine.from_settings(_settings(copier, work / "c0")).start(timeout=600) as eng:
+            copy_params = SamplingParams(max_tokens=args.copy_tokens)
+            for task, prompt in (("file_edit", _file_edit_prompt(eng.loaded.tokenizer)),
+                                 ("quote", _quote_prompt(eng.loaded.tokenizer))):
+                detail[f"ngram_{task}"] = _side_by_side(
+                    eng, lambda m, p=prompt: Request(prompt_tokens=p, params=copy_params, spec=m),
+                    reps, ("off", "ngram", "auto"), True)
         # 1. the bench model: prompt lookup on a code edit, its layer-skip draft, guided_choice
         with Engine.from_settings(_settings(bench, work / "c1", draft_model=str(skip_draft))).start(timeout=600) as eng:
-            first, _ = _file_prompt(eng.loaded.tokenizer)
-            detail["ngram"] = _side_by_side(eng, lambda m: Request(prompt_tokens=first, params=greedy, spec=m),
-                                            reps, ("off", "ngram"), True)
+            first = _file_edit_prompt(eng.loaded.tokenizer)
+            detail["ngram_random_target"] = _side_by_side(
+                eng, lambda m: Request(prompt_tokens=first, params=greedy, spec=m), reps, ("off", "ngram"), True)
             detail["draft_layer_skip"] = _side_by_side(eng, lambda m: Request(messages=story, params=greedy, spec=m),
                                                        reps, ("off", "draft"), True)
             detail["constraint"] = _side_by_side(
@@ -294,7 +341,17 @@ def main(argv: list[str] | None = None) -> int:
 
     ua = uninterrupted.stats.spec["acceptance"]
     ra = restored["spec"]["acceptance"]
-    results.update(_figures("ngram_", detail["ngram"]))
+    copy_tasks = {task: detail[f"ngram_{task}"] for task in ("file_edit", "quote")}
+    slower = min(copy_tasks, key=lambda t: copy_tasks[t]["speedup"])
+    results.update(_figures("ngram_", copy_tasks[slower]))
+    results["ngram_slower_task"] = slower
+    for task, run in copy_tasks.items():
+        results.update(_figures(f"ngram_{task}_", run))
+        auto = run["by_mode"]["auto"]
+        results[f"ngram_auto_{task}_speedup"] = auto["speedup"]
+        results[f"ngram_auto_{task}_acceptance"] = (auto["spec"] or {}).get("acceptance")
+    results["ngram_auto_speedup"] = min(run["by_mode"]["auto"]["speedup"] for run in copy_tasks.values())
+    results.update(_figures("ngram_random_target_", detail["ngram_random_target"]))
     results.update(_figures("draft_", detail["demo_draft"]))  # the demo pair (trained)
     results.update(_figures("bench_pair_draft_", detail["draft"]))
     results.update(_figures("draft_layer_skip_", detail["draft_layer_skip"]))
