@@ -50,3 +50,12 @@ demo-model: ext
 
 clean:
 	rm -rf build/temp build/lib* build/pyinstaller build/dist storage/_blocks.c storage/*.so *.egg-info
+
+# Two ranks of this machine over MLX's ring backend (mlx.launch), the model split by tensor:
+# `make serve-2` serves like `make serve`; `make bench-distributed` measures it.
+.PHONY: serve-2 bench-distributed
+serve-2: ext
+	$(VENV)/bin/mlx.launch --backend ring -n 2 --python $(PY) -- mlxkv.py serve
+
+bench-distributed: ext
+	OPENBLAS_NUM_THREADS=1 $(PY) -m bench.distributed

@@ -21,7 +21,10 @@ import dataclasses
 import logging
 import os
 import queue
+import signal
 import sys
+import threading
+import time
 from typing import Any
 
 from engine.distributed import DistributedError, World
@@ -266,14 +269,27 @@ class ShardedEngine(Engine):
 
 
 def follow(settings: Any, world: World) -> int:
-    """Run this rank (not rank 0) until rank 0 stops: the exit status."""
+    """Run this rank (not rank 0) until rank 0 stops: the exit status.
+
+    Rank 0 decides when the group stops. Ctrl-C reaches every rank of a launch from a
+    terminal: here it is ignored, and rank 0 drains, has every rank flush its cache and
+    stops them. SIGTERM (a service stopping, or mlx.launch stopping the ranks because one
+    failed) gives rank 0 up to ``--dist-timeout-s`` to say stop, then this rank leaves; the
+    engine thread may be inside a collective that never returns, so it leaves at once."""
+    deadline: list[float] = []
+
+    def on_term(signum: int, frame: Any) -> None:
+        if not deadline:
+            deadline.append(time.monotonic() + world.timeout_s)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, on_term)
     engine = ShardedEngine.for_world(settings, world)
     engine.start()
-    try:
-        while engine._thread.is_alive():
-            engine._thread.join(0.5)
-    except BaseException as e:  # Ctrl-C or SIGTERM (the launcher stops the ranks)
-        # The engine thread may be inside a collective that never returns: leave now.
-        sys.stderr.flush()
-        os._exit(130 if isinstance(e, KeyboardInterrupt) else 143)
+    while engine._thread.is_alive():
+        engine._thread.join(0.2)
+        if deadline and time.monotonic() > deadline[0]:
+            sys.stderr.flush()
+            os._exit(143)
     return 0
