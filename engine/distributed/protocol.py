@@ -172,6 +172,12 @@ def agree_prefix(channel: Channel, n_local: int, trimmable: bool, ram: int, ssd:
     length, or 0 when a rank that holds more cannot cut its cache to it."""
     rows = channel.all_gather(np.array([n_local, int(trimmable), ram, ssd], dtype=np.int32),
                               "agreeing on the cached prefix")
+    return decide(rows.tolist())
+
+
+def decide(rows: list[list[int]]) -> Agreement:
+    """The agreement from every rank's ``[cached, trimmable, ram, ssd]`` (one row per rank,
+    the same rows on every rank, so every rank decides the same)."""
     lengths = [int(r[0]) for r in rows]
     used = min(lengths)
     if any(n != used and not r[1] for n, r in zip(lengths, rows)):
