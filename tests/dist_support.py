@@ -142,6 +142,16 @@ def http(port: int, path: str, body: dict | None = None, timeout: float = 60.0) 
         return json.loads(resp.read())
 
 
+def leave_stream(port: int, body: dict, lines: int = 3) -> None:
+    """Start a streamed completion, read ``lines`` lines of it, and go away."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
+                                 data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        for _ in range(lines):
+            resp.readline()
+
+
 def wait_http(port: int, proc: subprocess.Popen, timeout: float = 90.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

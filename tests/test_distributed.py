@@ -70,6 +70,16 @@ def test_tensor_sharding_serves_caches_per_rank_and_restores_from_ssd(model, ref
         stats = ds.http(port, "/stats")["engine"]["distributed"]
         sampled = ds.http(port, "/v1/completions", {"prompt": LONGER, "max_tokens": MAX_TOKENS,
                                                     "temperature": 1.0, "seed": 7})
+        # a stop string ends every rank's generation at the same token (each rank matches it)
+        ref = reference["sampled"].text
+        stop = ref[len(ref) // 2: len(ref) // 2 + 2]
+        stopped = ds.http(port, "/v1/completions", {"prompt": LONGER, "max_tokens": MAX_TOKENS,
+                                                    "temperature": 1.0, "seed": 7, "stop": [stop]})
+        # a client that leaves a streamed reply: rank 0 cancels, every rank stops with it
+        ds.leave_stream(port, {"prompt": LONGER, "max_tokens": 5000, "temperature": 0})
+        after = ds.http(port, "/v1/completions", {"prompt": LONGER, "max_tokens": MAX_TOKENS,
+                                                  "temperature": 0})
+        counts = ds.http(port, "/stats")["engine"]
         pids = ds.rank_pids(launcher)
         os.kill(pids[0], signal.SIGTERM)  # rank 0 drains, flushes every rank's cache, stops all
         status, out, err = ds.wait_exit(launcher, 60)
@@ -88,6 +98,9 @@ def test_tensor_sharding_serves_caches_per_rank_and_restores_from_ssd(model, ref
     assert (stats["world"], stats["shard"]) == (2, "tensor")
     assert last["used"] == cached and all(n >= cached for n in last["cached_by_rank"]), last
     assert sampled["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert stopped["choices"][0]["text"] == ref[:ref.find(stop)], (stop, ref)
+    assert counts["cancelled"] >= 1  # the long stream did not run to its end
+    assert after["choices"][0]["text"] == reference["longer"].text  # still in step
 
     # new processes: the SSD tier serves both ranks (their RAM is empty), same tokens
     got, _ = _generate(model, cache, "--shard", "tensor")
