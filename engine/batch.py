@@ -148,13 +148,17 @@ class Batch:
         self.steps = 0
         self.speculation = speculation
         self.verifier: Any = None  # engine.spec.batch_verify.BatchVerifier, once a row speculates
+        # Rows with nothing to prefill (a request moving in, a prompt cached but for its last
+        # token), held back while the rows joining with them run their last prefill pass, so
+        # that all enter decoding in one pass instead of each in a pass of its own.
+        self._held: list[tuple[Row, dict, list[int], list | None]] = []
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.rows) + len(self._held)
 
     @property
     def room(self) -> int:
-        return self.max_rows - len(self.rows)
+        return self.max_rows - len(self)
 
     def _sampler(self, p: SamplingParams) -> Any:
         # One object per distinct setting: rows that share it are sampled in one call.
@@ -199,14 +203,35 @@ class Batch:
             from engine.spec.constraints import GuidedChoice
 
             processors.append(GuidedChoice(self.tokenizer, choices).processor(len(row.prompt)))
-        (row.uid,) = self.gen.insert_segments(
-            [[list(rest)]], max_tokens=[left], caches=[cache], all_tokens=[list(in_cache)],
-            samplers=[self._sampler(p)], logits_processors=[processors])
+        args = dict(segments=[[list(rest)]], max_tokens=[left], caches=[cache],
+                    all_tokens=[list(in_cache)], samplers=[self._sampler(p)],
+                    logits_processors=[processors])
         row.base = len(in_cache)
-        self.rows[row.uid] = row
-        self._open_spec(row)
+        if len(rest) == 1:
+            self._held.append((row, args, list(in_cache), cache))
+        else:
+            self._insert(row, args)
         if row.first_time is None:
             self._progress(row, row.base, len(in_cache) + len(rest))
+
+    def _insert(self, row: Row, args: dict) -> None:
+        (row.uid,) = self.gen.insert_segments(**args)
+        self.rows[row.uid] = row
+        self._open_spec(row)
+
+    def _release_held(self) -> None:
+        """Insert the held rows unless rows still prefilling finish in this step's pass (then
+        they split off together in the next); a longer prefill is not waited for."""
+        if not self._held:
+            return
+        prefilling = [r for r in self.rows.values() if r.first_time is None
+                      and r.progress is not None and r.progress[1] - r.progress[0] > 1]
+        if prefilling and all(r.progress[1] - r.progress[0] - 1 <= r.params.prefill_step_size
+                              for r in prefilling):
+            return
+        held, self._held = self._held, []
+        for row, args, _, _ in held:
+            self._insert(row, args)
 
     def _open_spec(self, row: Row) -> None:
         if self.speculation is None:
@@ -248,9 +273,17 @@ class Batch:
             self.on_end(row, ending)
 
     def _step(self) -> None:
+        detail = "shutdown" if self.stopping() else None
+        for held in [h for h in self._held if self.should_stop(h[0])]:
+            self._held.remove(held)
+            row, _, in_cache, cache = held
+            row.lent = None
+            self._finish(row, "cancelled", detail,
+                         Ending("cancelled", detail, in_cache if cache else [], cache))
         gone = [r for r in self.rows.values() if self.should_stop(r)]
         if gone:
-            self._remove(gone, "cancelled", "shutdown" if self.stopping() else None)
+            self._remove(gone, "cancelled", detail)
+        self._release_held()
         if not self.rows:
             return
         verifier = self.verifier
@@ -406,8 +439,9 @@ class Batch:
 
     def abort(self) -> list[Row]:
         """The rows, taken out after a failed step (nothing more is sent to them here)."""
-        rows = list(self.rows.values())
+        rows = list(self.rows.values()) + [h[0] for h in self._held]
         self.rows.clear()
+        self._held.clear()
         for row in rows:
             if row.spec is not None:
                 row.spec.source.close()

@@ -1,0 +1,89 @@
+"""How rows enter a batch, measured in model passes on a real tiny model: a row with
+nothing left to prefill (a request that moves in from decoding alone) waits for the last
+prefill pass of the rows joining with it, and all of them then decode from one pass on,
+instead of each running passes of its own; every row's output stays the one it has alone."""
+
+import random
+
+import engine  # noqa: F401  (loads the BLAS before mlx)
+from engine.engine import Engine, ProgressEvent, Request, TokenEvent
+from engine.generate import SamplingParams
+
+T = 120  # seconds any wait in these tests may take before it fails
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
+                          repetition_penalty=1.0, max_tokens=max_tokens)
+
+
+def passes_of(model, monkeypatch) -> list[tuple[int, int]]:
+    """Records the (rows, tokens) shape of every forward pass of ``model``'s class."""
+    shapes: list[tuple[int, int]] = []
+    cls = type(model)
+    forward = cls.__call__
+
+    def recorded(self, inputs, *args, **kwargs):
+        shapes.append((int(inputs.shape[0]), int(inputs.shape[1])))
+        return forward(self, inputs, *args, **kwargs)
+    monkeypatch.setattr(cls, "__call__", recorded)
+    return shapes
+
+
+def prompts(seed: int, *lengths: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(n)] for n in lengths]
+
+
+def test_a_moved_row_and_its_joiners_decode_from_one_pass(tiny_qwen3, monkeypatch):
+    a, b, c = prompts(7, 30, 20, 25)
+    reqs = [Request(prompt_tokens=a, params=greedy(12), spec="off"),
+            Request(prompt_tokens=b, params=greedy(8), spec="off"),
+            Request(prompt_tokens=c, params=greedy(9), spec="off")]
+    with Engine(str(tiny_qwen3), max_batch=1).start(timeout=T) as alone:
+        ref = [alone.submit(r).result(timeout=T).tokens for r in reqs]
+    with Engine(str(tiny_qwen3), max_batch=8).start(timeout=T) as e:
+        shapes = passes_of(e.loaded.model, monkeypatch)
+        handles = []
+
+        def after_a(ev):  # on the engine thread: B and C wait when A's next token is due
+            if isinstance(ev, TokenEvent) and len(handles[0].tokens) == 2 and len(handles) == 1:
+                handles.extend(e.submit(r) for r in reqs[1:])
+        handles.append(e.submit(reqs[0], callback=after_a))
+        handles[0].result(timeout=T)
+        assert len(handles) == 3
+        results = [h.result(timeout=T) for h in handles]
+    assert [r.tokens for r in results] == ref
+    assert all(r.stats.batched for r in results)
+    prefills = [s for s in shapes if s[1] > 1]
+    # A's own prefill alone, then B's and C's together (padded to the longer)
+    assert prefills == [(1, len(a) - 1), (2, len(c) - 1)]
+    after = shapes[shapes.index(prefills[1]) + 1:]
+    # A enters decoding with them: no pass runs a row alone until the shortest has ended
+    assert after[:8] == [(3, 1)] * 8
+
+
+def test_a_cancelled_row_waiting_to_enter_ends_and_the_others_go_on(tiny_qwen3):
+    a, b = prompts(9, 30, 20)
+    reqs = [Request(prompt_tokens=a, params=greedy(40), spec="off"),
+            Request(prompt_tokens=b, params=greedy(8), spec="off")]
+    with Engine(str(tiny_qwen3), max_batch=1).start(timeout=T) as alone:
+        ref_a, ref_b = (alone.submit(r).result(timeout=T).tokens for r in reqs)
+    with Engine(str(tiny_qwen3), max_batch=8).start(timeout=T) as e:
+        handles = []
+
+        def after_b(ev):  # B joins; A, moved in and held while B prefills, is cancelled
+            if isinstance(ev, ProgressEvent):
+                handles[0].cancel()
+
+        def after_a(ev):
+            if isinstance(ev, TokenEvent) and len(handles[0].tokens) == 2 and len(handles) == 1:
+                handles.append(e.submit(reqs[1], callback=after_b))
+        handles.append(e.submit(reqs[0], callback=after_a))
+        ra = handles[0].result(timeout=T)
+        assert len(handles) == 2
+        rb = handles[1].result(timeout=T)
+        assert ra.tokens == ref_a[:len(ra.tokens)] and len(ra.tokens) < 6  # none after the move
+        assert ra.finish_reason == "cancelled"
+        assert rb.tokens == ref_b and rb.stats.batched
+        assert e.stats(timeout=T)["active"] == 0
