@@ -128,7 +128,10 @@ class ShardedEngine(Engine):
     # ------------------------------------------------------------------ the command loop
     def _next_command(self) -> Any:
         if not self.leader:
-            self._follow()
+            try:
+                self._follow()
+            except Exception as e:  # a bug here would leave rank 0 waiting: say it and stop
+                self._fail(f"{type(e).__name__}: {e}")
             return _STOP
         while True:
             try:
@@ -171,10 +174,14 @@ class ShardedEngine(Engine):
         job = super()._prepare(handle, start)  # tokenised, fitted, looked up here
         if job is None:  # refused: the other ranks never hear of it
             return None
-        self.channel.send(REQUEST, job.tokens, {"params": _params_body(job.params),
-                                                "session": handle.request.session})
-        n, cache, ram, ssd = self._agree(job.tokens, job.n_cached, job.cache, job.ram_tokens,
-                                         job.ssd_tokens)
+        try:
+            self.channel.send(REQUEST, job.tokens, {"params": _params_body(job.params),
+                                                    "session": handle.request.session})
+            n, cache, ram, ssd = self._agree(job.tokens, job.n_cached, job.cache, job.ram_tokens,
+                                             job.ssd_tokens)
+        except Exception as e:  # the other ranks are inside this request's collectives
+            self._fail(f"{type(e).__name__}: {e}")
+            raise
         return dataclasses.replace(job, n_cached=n, cache=cache, ram_tokens=ram, ssd_tokens=ssd)
 
     def _decoding(self, handle: RequestHandle, speculation: Any) -> Any:
