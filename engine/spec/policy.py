@@ -7,15 +7,54 @@ E(k) = (1 - a^(k+1)) / (1 - a) tokens in t1 + m*k, so it asks for the k in 0..ma
 maximises E(k) / (t1 + m*k). k = 0 is a plain step: when speculation would be slower it
 stops, then probes again after a back-off that doubles each time the probe loses, so a
 lone request never pays for speculation for long.
+
+A :class:`SourceMemory` (one per loaded source and sampling regime, kept by the provider)
+carries what requests learned to the next one: acceptance, the cost of a plain step and
+of a drafted token, the proposal length, and the back-off. A new request starts from
+them: at the length that paid, without measuring a plain step first; or, for a source
+that lost, off, probing again after at most ``NEW_REQUEST_PROBE_AFTER`` plain steps (a
+new prompt may be one it pays on), then backing off from where the last request left.
 """
 
 from __future__ import annotations
+
+from typing import Any
+
+# A request that starts where the source last lost speculation probes within this many
+# plain steps (what it carried over may be much longer: a new prompt is new evidence).
+NEW_REQUEST_PROBE_AFTER = 16
+FIRST_BACKOFF = 8
+MAX_BACKOFF = 256
+
+
+class SourceMemory:
+    """What one source showed across requests. Written by :meth:`LengthController.remember`
+    at the end of each request (on the engine thread), read when the next one starts."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.acceptance: float | None = None
+        self.plain_s: float | None = None
+        self.per_draft_s: float | None = None
+        self.length: int | None = None
+        self.due = 0  # plain tokens still due before the next probe, when stopped
+        self.backoff = FIRST_BACKOFF  # the next back-off after a losing probe
+        self.stopped = False  # the last decision was to stop speculating
+
+    def as_dict(self) -> dict[str, Any]:
+        def r(x: float | None, n: int) -> float | None:
+            return None if x is None else round(x, n)
+
+        return {"requests": self.requests, "acceptance": r(self.acceptance, 4), "plain_s": r(self.plain_s, 6),
+                "per_draft_s": r(self.per_draft_s, 6), "length": self.length, "stopped": self.stopped,
+                "due": self.due, "backoff": self.backoff}
 
 
 class LengthController:
     """``fixed``: always ask for ``initial`` (the policy of a source the user chose)."""
 
-    def __init__(self, initial: int = 4, maximum: int = 16, *, adaptive: bool = True, may_stop: bool = True):
+    def __init__(self, initial: int = 4, maximum: int = 16, *, adaptive: bool = True, may_stop: bool = True,
+                 memory: SourceMemory | None = None):
         self.initial = max(0, int(initial))
         self.maximum = max(self.initial, int(maximum))
         self.adaptive = adaptive
@@ -26,9 +65,53 @@ class LengthController:
         self._k = self.initial
         self._rounds = 0
         self._off_left = 0  # plain steps before the next probe
-        self._backoff = 8
+        self._backoff = FIRST_BACKOFF
+        self._stopped = False
+        # Decoded tokens, counted as rounds are recorded (a block of plain steps when it is
+        # handed out), and the count and back-off length at the last decision to stop.
+        self._tokens = 0
+        self._in_block = False
+        self._stop_at = 0
+        self._stop_len = 0
         self._empty_run = 0  # rounds in a row the source proposed nothing
         self._empty_backoff = 8
+        self.memory = memory if adaptive else None
+        if self.memory is not None and self.memory.requests:
+            self._recall(self.memory)
+
+    def _recall(self, m: SourceMemory) -> None:
+        """Start from what earlier requests learned about this source."""
+        if m.acceptance is not None:
+            self.acceptance = m.acceptance
+        self.plain_s, self.per_draft_s = m.plain_s, m.per_draft_s
+        if m.length is not None:
+            self._k = min(max(m.length, 1), self.maximum) if self.initial else 0
+        if self.may_stop:
+            self._backoff = m.backoff
+            self._stopped = m.stopped
+            if m.stopped:
+                self._stop_len = m.due
+                self._off_left = min(m.due, NEW_REQUEST_PROBE_AFTER)
+
+    def remember(self, decoded: int | None = None) -> None:
+        """Leave what this request learned to the next one (the request is over, after
+        ``decoded`` tokens from its rounds: the controller's own count when None)."""
+        m = self.memory
+        if m is None:
+            return
+        m.requests += 1
+        if self.may_stop:
+            tokens = self._tokens if decoded is None else decoded
+            m.stopped, m.backoff = self._stopped, self._backoff
+            m.due = max(0, self._stop_len - (tokens - self._stop_at)) if self._stopped else 0
+        if self._rounds == 0:
+            return
+        m.acceptance = self.acceptance
+        if self.plain_s is not None:
+            m.plain_s = self.plain_s
+        if self.per_draft_s is not None:
+            m.per_draft_s = self.per_draft_s
+        m.length = self._k
 
     def current(self) -> int:
         return self._k
@@ -63,6 +146,8 @@ class LengthController:
     def take_off_steps(self) -> int:
         """Plain steps to run now, back to back (speculation is off for them)."""
         off, self._off_left = self._off_left, 0
+        self._tokens += off
+        self._in_block = off > 0
         return off
 
     def empty(self) -> None:
@@ -77,6 +162,12 @@ class LengthController:
     def record(self, drafted: int, accepted: int, seconds: float) -> None:
         """A round of ``drafted`` proposals, ``accepted`` of them kept, took ``seconds``."""
         self._rounds += 1
+        if drafted:
+            self._tokens += accepted + 1
+        elif self._in_block:
+            self._in_block = False  # the block's steps were counted when handed out
+        else:
+            self._tokens += 1
         if drafted == 0:
             self.plain_s = seconds if self.plain_s is None else 0.8 * self.plain_s + 0.2 * seconds
             return
@@ -96,11 +187,14 @@ class LengthController:
         best = self._best()
         if best == 0 and self.may_stop:
             self._off_left = self._backoff
-            self._backoff = min(self._backoff * 2, 256)
+            self._backoff = min(self._backoff * 2, MAX_BACKOFF)
             self._k = max(1, min(self.initial, 2))
+            self._stopped = True
+            self._stop_at, self._stop_len = self._tokens, self._off_left
         else:
-            if best > 0 and self._backoff > 8:
-                self._backoff = max(8, self._backoff // 2)
+            self._stopped = False
+            if best > 0 and self._backoff > FIRST_BACKOFF:
+                self._backoff = max(FIRST_BACKOFF, self._backoff // 2)
             self._k = max(best, 1)
             if accepted == drafted and drafted >= self._k:
                 # A fully accepted window says little about longer ones: grow geometrically.

@@ -6,8 +6,10 @@ model when one is set (the demo model pairs with the demo draft model by default
 when the checkpoint carries MTP weights. A request's source: ``guided_choice`` ->
 constraints; else its ``spec`` (or the engine's): ``auto`` prefers MTP, then a draft
 model, then prompt lookup, and adapts (stopping when slower); a named source is used
-with the same adaptive length. Draft state that is a KV cache is stored in the prefix
-cache under the namespace ``f"{ns}+draft-{provider.checkpoint_namespace()}"``.
+with the same adaptive length. Each provider keeps a ``policy.SourceMemory`` per sampling
+regime (greedy, sampled: exact-match sources accept less when sampling), so a request
+starts from what the requests before it learned. Draft state that is a KV cache is stored
+in the prefix cache under the namespace ``f"{ns}+draft-{provider.checkpoint_namespace()}"``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 from engine.logs import warn_once
 from engine.spec.base import DraftProvider, KVState, TargetView
-from engine.spec.policy import LengthController
+from engine.spec.policy import LengthController, SourceMemory
 from engine.spec.verify import SpecStream
 
 log = logging.getLogger("mlxkv.spec")
@@ -92,14 +94,25 @@ def bind_providers(prefix_cache: Any, namespace: str, providers: dict[str, Draft
 
 
 def spec_stats(providers: dict[str, DraftProvider]) -> dict:
-    """Engine-wide figures per source: requests, rounds, drafted, accepted, target forwards."""
+    """Engine-wide figures per source: requests, rounds, drafted, accepted, target forwards,
+    and what its policy learned (``learned``, per sampling regime)."""
     out = {}
     for kind, p in providers.items():
         totals = dict(p.__dict__.get("totals", {}))
         if totals.get("drafted"):
             totals["acceptance"] = round(totals["accepted"] / totals["drafted"], 4)
+        memories = p.__dict__.get("policy_memory")
+        if memories:
+            totals["learned"] = {regime: m.as_dict() for regime, m in memories.items()}
         out[kind] = totals
     return out
+
+
+def source_memory(provider: DraftProvider, sampled: bool) -> SourceMemory:
+    """The provider's memory for greedy or sampled requests (created on first use; lives as
+    long as the loaded provider)."""
+    memories = provider.__dict__.setdefault("policy_memory", {})
+    return memories.setdefault("sampled" if sampled else "greedy", SourceMemory())
 
 
 def draft_namespace(namespace: str, provider: DraftProvider) -> str:
@@ -138,9 +151,11 @@ class Speculation:
         # Constraints propose only what the output must be: always ask for all of it. A seeded
         # sampled request keeps a fixed length, so its draws do not depend on timings.
         exact = provider.kind == "constraint"
+        adaptive = timed and not exact
+        memory = source_memory(provider, getattr(params, "temperature", 0) > 0) if adaptive else None
         self.controller = LengthController(initial=max_tokens if exact else min(4, max_tokens),
-                                           maximum=max_tokens, adaptive=timed and not exact,
-                                           may_stop=mode == "auto" and not exact)
+                                           maximum=max_tokens, adaptive=adaptive,
+                                           may_stop=mode == "auto" and not exact, memory=memory)
         self.prefix_cache = prefix_cache
         self.ns = draft_namespace(namespace, provider) if provider.model is not None and namespace else None
         self.session = session
@@ -172,6 +187,7 @@ class Speculation:
         for key in ("rounds", "drafted", "accepted", "target_forwards"):
             totals[key] = totals.get(key, 0) + summary[key]
         totals["requests"] = totals.get("requests", 0) + 1
+        self.controller.remember(summary.get("rounds", 0) + summary.get("accepted", 0))
         try:
             state = self.source.capture()
             if isinstance(state, KVState) and state.tokens and self.prefix_cache is not None and self.ns:
