@@ -140,7 +140,7 @@ async def messages(http: HttpRequest, ctx: Context) -> Response:
     except ValueError as e:
         raise ApiError(400, str(e)) from None
     es = EventStream(ctx.engine, req, ctx.gate, asyncio.get_running_loop())
-    first = await first_event(es, http.receive)
+    first = await first_event(es, http.receive, accepted=stream)
     if first is None:
         return Response(status_code=499)
     if isinstance(first, ErrorEvent):

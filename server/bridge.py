@@ -171,9 +171,11 @@ async def _next_unless_gone(stream: EventStream, gone: asyncio.Future) -> Any:
     return get.result()
 
 
-async def first_event(stream: EventStream, receive: Any) -> Any:
+async def first_event(stream: EventStream, receive: Any, accepted: bool = False) -> Any:
     """The request's first event that is not progress, or None when the client went away
-    first (the request is then cancelled)."""
+    first (the request is then cancelled). With ``accepted``, its first progress event
+    (the engine has taken the prompt: a refusal comes before any progress), so that a
+    stream's reply starts while the prompt is prefilled and its first token goes out alone."""
     from engine.requests import ProgressEvent
 
     gone = asyncio.ensure_future(wait_disconnect(receive))
@@ -186,6 +188,8 @@ async def first_event(stream: EventStream, receive: Any) -> Any:
                 return event
             if stream.first_progress is None:
                 stream.first_progress = event
+            if accepted:
+                return event
     finally:
         gone.cancel()
 

@@ -170,16 +170,19 @@ def _call_json(call: ToolCall, index: int) -> dict[str, Any]:
 
 class _Run:
     """Submit a request and wait for its first event: refusals (a prompt longer than the
-    context) become 4xx answers before any byte of a stream is sent."""
+    context) become 4xx answers before any byte of a stream is sent. A stream starts once
+    the engine has taken the prompt (its first progress), not after the first token."""
 
-    def __init__(self, ctx: Context, http: HttpRequest, req: Request, logprobs: bool):
+    def __init__(self, ctx: Context, http: HttpRequest, req: Request, logprobs: bool,
+                 stream: bool = False):
         self.ctx, self.http, self.req, self.logprobs = ctx, http, req, logprobs
+        self.stream = stream
 
     async def start(self) -> tuple[EventStream, Any] | Response:
         if self.logprobs:
             await run_in_threadpool(self.ctx.load_tokenizer)
         stream = EventStream(self.ctx.engine, self.req, self.ctx.gate, asyncio.get_running_loop())
-        first = await first_event(stream, self.http.receive)
+        first = await first_event(stream, self.http.receive, accepted=self.stream)
         if first is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         if isinstance(first, ErrorEvent):
@@ -215,7 +218,7 @@ async def chat_completions(http: HttpRequest, ctx: Context) -> Response:
     req = _engine_request(messages=messages, params=params, session=session_of(http, body),
                           tools=tools, logprobs=(top or 0) if want_logprobs else None,
                           **_decoding(body))
-    started = await _Run(ctx, http, req, want_logprobs).start()
+    started = await _Run(ctx, http, req, want_logprobs, stream).start()
     if isinstance(started, Response):
         return started
     es, first = started
@@ -335,7 +338,7 @@ async def completions(http: HttpRequest, ctx: Context) -> Response:
     params = sampling(body, ctx.config.defaults, ctx.limits, ("max_tokens",))
     req = _engine_request(**completion_prompt(body), params=params, session=session_of(http, body),
                           logprobs=logprobs, **_decoding(body))
-    started = await _Run(ctx, http, req, logprobs is not None).start()
+    started = await _Run(ctx, http, req, logprobs is not None, stream).start()
     if isinstance(started, Response):
         return started
     es, first = started
