@@ -1,8 +1,9 @@
-"""Speculation in a batch: aggregate decode throughput of ``--rows`` requests decoded
-together, with speculation and without, side by side in one engine (runs interleaved,
-median of ``--repeats``).
+"""Speculation in a batch: aggregate decode throughput of ``--rows`` x ``--waves`` requests
+submitted at once to an engine that decodes ``--rows`` together (a row that ends is replaced
+by the next request, as under a server's load), with speculation and without, side by side
+in one engine (runs interleaved, median of ``--repeats``).
 
-    python -m bench.spec_batch [--rows 4] [--tokens 96] [--repeats 3]
+    python -m bench.spec_batch [--rows 4] [--waves 3] [--tokens 96] [--repeats 3]
 
 Tasks (all greedy unless said; every row's output is checked equal across modes):
 - ``demo_quote``: the demo model (trained) answering with quotes from a document in its
@@ -14,10 +15,11 @@ Tasks (all greedy unless said; every row's output is checked equal across modes)
   vs ``off``: what the batch pays for speculation that rarely pays;
 - ``bench_freeform_auto``: the same on the bench model (``bench.models.bench_model_path``,
   random weights, the server benchmark's model): ``auto`` (prompt lookup, which finds
-  little there) against ``off``, so the plain batched path is not made slower.
+  little there) against ``off``, so the plain batched path is not made slower (at most 32
+  tokens a request: the bench model is slow on a CPU).
 
-Aggregate throughput: the tokens of all rows over the time from the first row's first token
-to the last row's last token (prefill excluded). One JSON line with every figure.
+Aggregate throughput: the tokens of all requests over the time from the first token to the
+last. One JSON line with every figure.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ def _side_by_side(eng: Any, make: Any, modes: tuple[str, str], repeats: int, sam
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=4)
+    ap.add_argument("--waves", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
@@ -96,25 +99,26 @@ def main(argv: list[str] | None = None) -> int:
     from engine.settings import DEMO_MODEL
 
     n, rows, reps = args.tokens, args.rows, args.repeats
+    count = rows * args.waves
     greedy = SamplingParams(max_tokens=n, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0)
-    results: dict[str, Any] = {"rows": rows, "tokens": n, "repeats": reps}
+    results: dict[str, Any] = {"rows": rows, "requests": count, "tokens": n, "repeats": reps}
     with Engine(str(DEMO_MODEL), max_batch=rows, prefix_cache=None).start(timeout=T) as eng:
         doc = "\n".join(f["a"][0] for f in FACTS)
 
         def quote(mode: str) -> list:
             return [Request(messages=[{"role": "system", "content": "Answer with quotes from this document:\n" + doc},
                                       {"role": "user", "content": FACTS[3 + i]["q"][0]}], params=greedy, spec=mode)
-                    for i in range(rows)]
+                    for i in range(count)]
 
         def ask(mode: str) -> list:
             return [Request(messages=[{"role": "user", "content": FACTS[i]["q"][0]}], params=greedy, spec=mode)
-                    for i in range(rows)]
+                    for i in range(count)]
 
         story = SamplingParams(max_tokens=n, temperature=1.0)
 
         def freeform(mode: str) -> list:
             return [Request(messages=[{"role": "user", "content": f"Tell me a long story about mlxkv, part {i}."}],
-                            params=story, spec=mode) for i in range(rows)]
+                            params=story, spec=mode) for i in range(count)]
 
         results["demo_quote"] = _side_by_side(eng, quote, ("off", "ngram"), reps, True)
         results["demo_draft"] = _side_by_side(eng, ask, ("off", "draft"), reps, True)
@@ -122,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     with Engine(str(tiny_model("llama")), max_batch=rows, prefix_cache=None).start(timeout=T) as eng:
         rng = random.Random(5)
         prompts = []
-        for _ in range(rows):
+        for _ in range(count):
             base = [rng.randrange(3, 500) for _ in range(rng.randint(8, 20))]
             prompts.append(base * 3)
 
@@ -133,11 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     from bench.models import bench_model_path
 
     with Engine(str(bench_model_path()), max_batch=rows, prefix_cache=None).start(timeout=T) as eng:
-        sampled = SamplingParams(max_tokens=n, temperature=1.0)
+        sampled = SamplingParams(max_tokens=min(n, 32), temperature=1.0)  # ~0.2 s a step on 2 cores
 
         def bench_freeform(mode: str) -> list:
             return [Request(messages=[{"role": "user", "content": f"Write about the sea, part {i}."}],
-                            params=sampled, spec=mode) for i in range(rows)]
+                            params=sampled, spec=mode) for i in range(count)]
 
         results["bench_freeform_auto"] = _side_by_side(eng, bench_freeform, ("off", "auto"), reps, False)
     results["ngram_batch_speedup"] = results["demo_quote"]["ratio"]
