@@ -31,6 +31,7 @@ back-off, as a lone request does.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +40,7 @@ import mlx.core as mx
 
 from engine.spec.rows import SourceRowGroup
 from engine.spec.sampling import TargetSampler, rejection_walk_rows
-from engine.spec.verify import SpecStats
+from engine.spec.verify import SpecStats, _trace_enabled
 
 
 def spec_round_cache(cache: list) -> bool:
@@ -199,6 +200,7 @@ class BatchVerifier:
         self.specs: dict[int, RowSpec] = {}
         self._off = 0  # plain steps left in a back-off
         self._plain_timed = False  # the last step was plain: the next plain one can be timed
+        self.trace = _trace_enabled()
         self.rounds = 0
 
     # rows ---------------------------------------------------------------------------
@@ -387,6 +389,10 @@ class BatchVerifier:
             drafting = [i for i in range(n) if drafts[i]]
             self.controller.record_round(width, sum(len(drafts[i]) for i in drafting),
                                          sum(kept[i] - 1 for i in drafting), len(drafting) / n, t_done - t0)
+            if self.trace:
+                for i, uid in enumerate(gb.uids):
+                    print(f"mlxkv spec batch: row={uid} fed={windows[i][:1 + len(drafts[i])]} drafts={drafts[i]} "
+                          f"accepted={keep[i] - 1} kept={kept[i]} next={nxt_tokens[i]}", file=sys.stderr, flush=True)
             self._plain_timed = False
             self.rounds += 1
             return out
