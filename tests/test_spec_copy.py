@@ -38,8 +38,10 @@ def _greedy(loaded, prompt: list[int], n: int, spec: Speculation | None = None) 
 
 
 def _ngram(loaded) -> Speculation:
+    """Prompt lookup proposing 4 tokens a round (fixed: what is accepted does not depend on
+    how long rounds take)."""
     return Speculation(NgramProvider(2, 4), TargetView(loaded.model, loaded.tokenizer), SamplingParams(),
-                       mode="ngram", max_tokens=8)
+                       mode="ngram", max_tokens=4, timed=False)
 
 
 def _random_document(vocab: int, n: int, seed: int) -> list[int]:
@@ -83,7 +85,7 @@ def test_ngram_on_the_copy_model_is_lossless_and_accepts_most_drafts(copier):
         stats = spec.outcome.spec
         assert stats["drafted"] > 40
         assert stats["accepted"] >= 0.8 * stats["drafted"], stats
-        assert stats["tokens_per_forward"] > 3, stats
+        assert stats["tokens_per_forward"] > 3.5, stats
 
 
 def test_previous_token_heads_write_the_codes_of_the_tokens_before(copier):
