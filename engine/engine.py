@@ -357,12 +357,13 @@ class Engine(Batching):
         """Token ids of raw ``text``, as ``Request(prompt=text)`` would see them."""
         return self._ask("encode", self._encode_text, text, timeout=timeout)
 
-    def encode_chat(self, messages: list[dict[str, str]], timeout: float | None = 30.0
-                    ) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, str]], timeout: float | None = 30.0,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of the prompt ``Request(messages=..., tools=...)`` sends the model."""
         from engine.models import chat_prompt_tokens
 
-        return self._ask("encode_chat", lambda: chat_prompt_tokens(self.loaded.tokenizer,
-                                                                   messages), timeout=timeout)
+        return self._ask("encode_chat", lambda: chat_prompt_tokens(
+            self.loaded.tokenizer, messages, tools=tools), timeout=timeout)
 
     def decode(self, tokens: list[int], timeout: float | None = 30.0) -> str:
         return self._ask("decode", lambda: self.loaded.tokenizer.decode(list(tokens)),

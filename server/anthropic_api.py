@@ -9,10 +9,11 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 
-from engine.requests import ErrorEvent, FinishedEvent, Request, TokenEvent
+from engine.requests import EngineError, ErrorEvent, FinishedEvent, Request, TokenEvent
 from server.bridge import EventStream, SseResponse, collect, error_status, first_event
 from server.context import Context, dumps, new_id, read_json, session_of, text_of, usage_counts
 from server.errors import ApiError, anthropic_body
@@ -123,6 +124,20 @@ def _stop(finished: FinishedEvent, calls: bool) -> tuple[str, str | None]:
 def _tool_block(call: ToolCall) -> dict[str, Any]:
     return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name,
             "input": call.arguments}
+
+
+async def count_tokens(http: HttpRequest, ctx: Context) -> Response:
+    """``POST /v1/messages/count_tokens``: the input tokens a Messages request with this body
+    would send the model (system, messages and tools through the chat template)."""
+    body = await read_json(http, ctx.config.max_body_bytes)
+    get_str(body, "model")
+    msgs = claude_messages(get_list(body, "messages", required=True), body.get("system"))
+    tools = claude_tools(body)
+    try:
+        tokens = await run_in_threadpool(ctx.engine.encode_chat, msgs, 30.0, tools)
+    except EngineError as e:
+        raise ApiError(503, f"the engine is not serving: {e}") from None
+    return JSONResponse({"input_tokens": len(tokens)})
 
 
 async def messages(http: HttpRequest, ctx: Context) -> Response:

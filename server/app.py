@@ -5,6 +5,7 @@
     POST /v1/chat/completions    OpenAI chat (JSON or SSE)
     POST /v1/completions         OpenAI text completion (JSON or SSE)
     POST /v1/messages            Anthropic Messages (JSON or SSE)
+    POST /v1/messages/count_tokens  the input tokens of a Messages body
     GET  /stats                  engine, cache and speculation figures, and the server's own
     POST /admin/cache/flush      persist the prefix cache now: 200 with the report, 503 when
                                  the cache is not durable (no SSD tier, or writes left)
@@ -119,6 +120,7 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> Starlette:
         Route("/v1/chat/completions", _route(ctx, openai_api.chat_completions), methods=["POST"]),
         Route("/v1/completions", _route(ctx, openai_api.completions), methods=["POST"]),
         Route("/v1/messages", _route(ctx, anthropic_api.messages), methods=["POST"]),
+        Route("/v1/messages/count_tokens", _route(ctx, anthropic_api.count_tokens), methods=["POST"]),
         Route("/stats", _route(ctx, stats), methods=["GET"]),
         Route("/admin/cache/flush", _route(ctx, flush), methods=["POST"]),
     ]

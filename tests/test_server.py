@@ -103,6 +103,18 @@ def test_messages_stream_and_not(claude):
             == m.usage.input_tokens + m.usage.cache_read_input_tokens)
 
 
+def test_count_tokens_is_the_prompt_a_messages_request_sends(claude, served):
+    body = dict(model="any", system="Be brief.",
+                messages=[{"role": "user", "content": "count these tokens, please"}])
+    counted = claude.messages.count_tokens(**body).input_tokens
+    m = claude.messages.create(max_tokens=2, **body)
+    assert counted == m.usage.input_tokens + m.usage.cache_read_input_tokens > 0
+    r = httpx.post(served.url + "/v1/messages/count_tokens", headers={"x-api-key": KEY},
+                   json={"model": "any", "messages": []}, timeout=T)
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    assert "messages" in r.json()["error"]["message"]
+
+
 def test_cached_tokens_grow_across_turns(oai):
     messages = [{"role": "system", "content": "You answer questions about Python code. " * 8}]
     cached = []

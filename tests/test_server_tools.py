@@ -87,6 +87,10 @@ def test_anthropic_tool_use_round_trip(served):
     messages = [{"role": "user", "content": QUESTION}]
     m = claude.messages.create(model="m", max_tokens=60, tools=tools, messages=messages)
     assert m.stop_reason == "tool_use"
+    # counted as sent: the tools are in the prompt the template renders
+    counted = claude.messages.count_tokens(model="m", tools=tools, messages=messages).input_tokens
+    assert counted == m.usage.input_tokens + m.usage.cache_read_input_tokens
+    assert claude.messages.count_tokens(model="m", messages=messages).input_tokens < counted
     (use,) = [b for b in m.content if b.type == "tool_use"]
     assert (use.name, use.input) == ("get_weather", CALL_ARGS) and use.id.startswith("toolu_")
     messages += [{"role": "assistant", "content": [b.model_dump() for b in m.content]},
