@@ -23,12 +23,13 @@ PER_DRAFT_S = 0.002  # each drafted token's share of a round
 
 
 def _request(memory: SourceMemory | None, tokens: int, accepted: Callable[[int], int], *,
-             may_stop: bool = True) -> dict:
+             may_stop: bool = True, proposes: bool = True) -> dict:
     """One request of ``tokens`` tokens, its rounds run as the verifier runs them; returns
-    what happened: the speculative rounds (``probes``), the plain tokens decoded before the
-    first of them, and the tokens per target forward."""
+    what happened: the speculative rounds (``probes``), the rounds that asked a source with
+    nothing to propose (``empty``: each a plain step that is not pipelined), the plain
+    tokens decoded before the first probe, and the tokens per target forward."""
     c = LengthController(4, 12, may_stop=may_stop, memory=memory)
-    emitted, forwards, probes, plain_before = 1, 0, 0, 0
+    emitted, forwards, probes, plain_before, empty = 1, 0, 0, 0, 0
     while emitted < tokens:
         left = tokens - emitted
         off = c.take_off_steps()
@@ -41,7 +42,12 @@ def _request(memory: SourceMemory | None, tokens: int, accepted: Callable[[int],
             continue
         k = min(c.next_length(), left - 1)
         forwards += 1
-        if k > 0:
+        if k > 0 and not proposes:
+            empty += 1
+            c.empty()
+            c.record(0, 0, PLAIN_S)
+            emitted += 1
+        elif k > 0:
             probes += 1
             a = accepted(k)
             c.record(k, a, PLAIN_S + PER_DRAFT_S * k)
@@ -51,8 +57,8 @@ def _request(memory: SourceMemory | None, tokens: int, accepted: Callable[[int],
             c.record(0, 0, PLAIN_S)
             emitted += 1
     c.remember(emitted - 1)
-    return {"probes": probes, "plain_before": plain_before, "per_forward": (emitted - 1) / max(forwards, 1),
-            "controller": c}
+    return {"probes": probes, "empty": empty, "plain_before": plain_before,
+            "per_forward": (emitted - 1) / max(forwards, 1), "controller": c}
 
 
 def never(k: int) -> int:
@@ -188,3 +194,19 @@ def test_the_length_follows_measured_round_times_not_a_line():
     c.remember(100)
     assert memory.round_s == c.round_s
     assert LengthController(4, 12, memory=memory).round_cost(4) == pytest.approx(c.round_s[4])
+
+
+def test_a_source_with_nothing_to_propose_is_asked_less_in_the_next_requests():
+    """Prompt lookup on text that never repeats: each round that asks it runs a plain step
+    that is not pipelined. A fresh request asks 4 times before backing off, each time; the
+    next requests start backed off and give up again after one empty round."""
+    memory = SourceMemory()
+    first = _request(memory, 48, never, proposes=False)
+    assert first["empty"] >= 8 and memory.empty
+    later = [_request(memory, 48, never, proposes=False)["empty"] for _ in range(10)]
+    assert max(later) <= 1, later
+    alone = [_request(None, 48, never, proposes=False)["empty"] for _ in range(10)]
+    assert min(alone) >= 8
+    # A prompt that does repeat is still found: it is asked again within the probe distance.
+    run = _request(memory, 200, always)
+    assert run["plain_before"] <= NEW_REQUEST_PROBE_AFTER and run["per_forward"] > 4 and not memory.empty

@@ -16,8 +16,9 @@ A :class:`SourceMemory` (one per loaded source and sampling regime, kept by the 
 carries what requests learned to the next one: acceptance, the cost of a plain step and
 of a drafted token, the proposal length, and the back-off. A new request starts from
 them: at the length that paid, without measuring a plain step first; or, for a source
-that lost, off, probing again after at most ``NEW_REQUEST_PROBE_AFTER`` plain steps (a
-new prompt may be one it pays on), then backing off from where the last request left.
+that lost (or had nothing to propose), off, probing again after at most
+``NEW_REQUEST_PROBE_AFTER`` plain steps (a new prompt may be one it pays on), then backing
+off from where the last request left.
 """
 
 from __future__ import annotations
@@ -42,9 +43,11 @@ class SourceMemory:
         self.per_draft_s: float | None = None
         self.length: int | None = None
         self.round_s: dict[int, float] = {}
-        self.due = 0  # plain tokens still due before the next probe, when stopped
+        self.due = 0  # plain tokens still due before the next probe, when backing off
         self.backoff = FIRST_BACKOFF  # the next back-off after a losing probe
         self.stopped = False  # the last decision was to stop speculating
+        self.empty = False  # the source last had nothing to propose, round after round
+        self.empty_backoff = FIRST_BACKOFF
 
     def as_dict(self) -> dict[str, Any]:
         def r(x: float | None, n: int) -> float | None:
@@ -53,7 +56,7 @@ class SourceMemory:
         return {"requests": self.requests, "acceptance": r(self.acceptance, 4), "plain_s": r(self.plain_s, 6),
                 "per_draft_s": r(self.per_draft_s, 6), "length": self.length, "stopped": self.stopped,
                 "round_s": {k: round(v, 6) for k, v in sorted(self.round_s.items())},
-                "due": self.due, "backoff": self.backoff}
+                "due": self.due, "backoff": self.backoff, "empty": self.empty}
 
 
 class LengthController:
@@ -78,10 +81,11 @@ class LengthController:
         # handed out), and the count and back-off length at the last decision to stop.
         self._tokens = 0
         self._in_block = False
-        self._stop_at = 0
-        self._stop_len = 0
+        self._off_at = 0
+        self._off_len = 0
+        self._empty = False  # backing off because the source had nothing to propose
         self._empty_run = 0  # rounds in a row the source proposed nothing
-        self._empty_backoff = 8
+        self._empty_backoff = FIRST_BACKOFF
         self._full_windows = 0
         self.memory = memory if adaptive else None
         if self.memory is not None and self.memory.requests:
@@ -95,12 +99,14 @@ class LengthController:
         self.round_s = dict(m.round_s)
         if m.length is not None:
             self._k = min(max(m.length, 1), self.maximum) if self.initial else 0
+        if m.empty:  # one more empty round is enough to back off again
+            self._empty, self._empty_backoff, self._empty_run = True, m.empty_backoff, 3
         if self.may_stop:
             self._backoff = m.backoff
             self._stopped = m.stopped
-            if m.stopped:
-                self._stop_len = m.due
-                self._off_left = min(m.due, NEW_REQUEST_PROBE_AFTER)
+        if self._stopped or self._empty:
+            self._off_len = m.due
+            self._off_left = min(m.due, NEW_REQUEST_PROBE_AFTER)
 
     def remember(self, decoded: int | None = None) -> None:
         """Leave what this request learned to the next one (the request is over, after
@@ -109,10 +115,13 @@ class LengthController:
         if m is None:
             return
         m.requests += 1
+        tokens = self._tokens if decoded is None else decoded
+        due = max(0, self._off_len - (tokens - self._off_at)) if self._stopped or self._empty else 0
         if self.may_stop:
-            tokens = self._tokens if decoded is None else decoded
-            m.stopped, m.backoff = self._stopped, self._backoff
-            m.due = max(0, self._stop_len - (tokens - self._stop_at)) if self._stopped else 0
+            m.stopped, m.backoff, m.due = self._stopped, self._backoff, due
+        elif self._empty:
+            m.due = due
+        m.empty, m.empty_backoff = self._empty, self._empty_backoff
         if self._rounds == 0:
             return
         m.acceptance = self.acceptance
@@ -181,6 +190,8 @@ class LengthController:
             self._empty_run = 0
             self._off_left = self._empty_backoff
             self._empty_backoff = min(self._empty_backoff * 2, 64)
+            self._empty = True
+            self._off_at, self._off_len = self._tokens, self._off_left
 
     def record(self, drafted: int, accepted: int, seconds: float) -> None:
         """A round of ``drafted`` proposals, ``accepted`` of them kept, took ``seconds``."""
@@ -195,6 +206,7 @@ class LengthController:
             self.plain_s = seconds if self.plain_s is None else 0.8 * self.plain_s + 0.2 * seconds
             return
         self._empty_run = 0
+        self._empty = False
         if accepted:
             self._empty_backoff = 8
         rate = accepted / drafted
@@ -215,7 +227,7 @@ class LengthController:
             self._backoff = min(self._backoff * 2, MAX_BACKOFF)
             self._k = max(1, min(self.initial, 2))
             self._stopped = True
-            self._stop_at, self._stop_len = self._tokens, self._off_left
+            self._off_at, self._off_len = self._tokens, self._off_left
         else:
             self._stopped = False
             if best > 0 and self._backoff > FIRST_BACKOFF:
