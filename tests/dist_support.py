@@ -75,12 +75,12 @@ def run_launch(args: list[str], timeout: float = 120.0, **env: str) -> tuple[str
         kill(proc)
 
 
-def start_ranks(args: list[str], n: int = 2, **env: str) -> list[subprocess.Popen]:
+def start_ranks(args: list[str], folder: Path, n: int = 2, **env: str) -> list[subprocess.Popen]:
     """Each rank started here with what mlx.launch would give it (MLX_RANK, a ring host
-    file), without the launcher that stops every rank when one fails."""
+    file written into ``folder``), without the launcher that stops every rank when one
+    fails."""
     first = free_ports(n)
-    hostfile = ROOT / ".cache" / f"dist-hosts-{os.getpid()}-{first}.json"
-    hostfile.parent.mkdir(parents=True, exist_ok=True)
+    hostfile = folder / f"hosts-{first}.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{first + r}"] for r in range(n)]))
     procs = []
     for rank in range(n):

@@ -145,7 +145,8 @@ def test_a_model_type_without_the_asked_sharding_is_refused_clearly(tmp_path):
 def _serve_ranks(model: str, tmp_path) -> tuple[list[subprocess.Popen], int]:
     port = ds.free_ports(1)
     procs = ds.start_ranks(["serve", "--model", model, "--cache-dir", str(tmp_path / "cache"),
-                            "--port", str(port), "--shard", "pipeline", "--dist-timeout-s", "3"])
+                            "--port", str(port), "--shard", "pipeline", "--dist-timeout-s", "3"],
+                           tmp_path)
     ds.wait_http(port, procs[0])
     return procs, port
 
