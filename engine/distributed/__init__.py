@@ -146,6 +146,13 @@ def run_rank(command: str | None, settings: Any) -> int | None:
     front end) and without a launch; on every other rank, the exit status once it has
     followed rank 0 to the end. Commands other than generate and serve are refused."""
     if not launched():
+        if str(getattr(settings, "sources", {}).get("shard", "")).startswith("flag"):
+            import logging
+
+            from engine.logs import warn_once
+
+            warn_once(logging.getLogger("mlxkv.distributed"), "shard-alone",
+                      "--shard applies under mlx.launch only; this process runs the whole model")
         return None
     world = join(getattr(settings, "dist_timeout_s", 60.0))
     if world is None:
