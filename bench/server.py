@@ -2,7 +2,10 @@
 in one run (ratios inside the run; the figures of one machine mean nothing on another).
 
 1. Aggregate decode tok/s at 1, 2, 4 and 8 concurrent streams (greedy chat, distinct
-   prompts): generated tokens of all streams / (last token - first token of the run).
+   prompts, sent together once every client is ready): generated tokens of all streams /
+   (last token - first token of the run); the median of 3 runs, ours and mlx-lm's
+   interleaved (ABA, BAB, ABA). Also, not a target, the same tokens over the whole run
+   from the requests' sending (prefill included).
 2. A multi-user, multi-round trace: 16 users share a 1,000-token system prompt, each has
    its own conversation, and they take turns; mean time to first token of the later rounds.
    (16: more conversations than mlx-lm's prompt cache keeps by default, 10 entries; ours
@@ -135,17 +138,27 @@ class Served:
 
 
 # ------------------------------------------------------------------------- clients
-def stream_chat(url: str, messages: list[dict], max_tokens: int, timeout: float = 600.0) -> dict[str, Any]:
+def stream_chat(url: str, messages: list[dict], max_tokens: int, timeout: float = 600.0,
+                ready: threading.Barrier | None = None) -> dict[str, Any]:
     """One streamed greedy chat request: text, token count (from usage when given) and
-    the times of the request, the first and the last content chunk."""
+    the times of the request, the first and the last content chunk. With ``ready``, the
+    request is sent once every party's client is built (they leave the barrier together)."""
     httpx = http_client()
 
     body = {"model": "default_model", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
             "stream": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
+    t0 = time.perf_counter()  # the client's own set-up counts, as it always has here
+    with httpx.Client(timeout=timeout) as client:
+        if ready is not None:
+            ready.wait(timeout)
+            t0 = time.perf_counter()
+        return _stream_chat(client, url, body, t0)
+
+
+def _stream_chat(client: Any, url: str, body: dict[str, Any], t0: float) -> dict[str, Any]:
     first = last = None
     chunks, text, usage, timings = 0, [], None, None
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=timeout) as r:
+    with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:200]!r}")
         for line in r.iter_lines():
@@ -168,19 +181,24 @@ def stream_chat(url: str, messages: list[dict], max_tokens: int, timeout: float 
     tokens = usage["completion_tokens"] if usage else chunks
     return {"t0": t0, "first": first or time.perf_counter(), "last": last or time.perf_counter(),
             "tokens": tokens, "text": "".join(text), "timings": timings,
-            "cached": ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")}
+            "cached": ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens"),
+            "prompt": (usage or {}).get("prompt_tokens")}
 
 
-def aggregate_tps(url: str, streams: int, max_tokens: int, salt: str) -> float:
-    """Generated tokens of ``streams`` concurrent requests per second of their decoding."""
+def aggregate_tps(url: str, streams: int, max_tokens: int, salt: str) -> tuple[float, float]:
+    """Generated tokens of ``streams`` concurrent requests (sent together) per second of
+    their decoding; and all their tokens per second from the sending to the last token."""
     prompts = [f"{salt} stream {i}: " + " ".join(random.Random(i).choices(WORDS, k=20))
                for i in range(streams)]
+    ready = threading.Barrier(streams)
     with ThreadPoolExecutor(streams) as pool:
-        runs = list(pool.map(lambda p: stream_chat(url, [{"role": "user", "content": p}], max_tokens), prompts))
+        runs = list(pool.map(lambda p: stream_chat(url, [{"role": "user", "content": p}], max_tokens,
+                                                   ready=ready), prompts))
     start = min(r["first"] for r in runs)
     end = max(r["last"] for r in runs)
     decoded = sum(max(r["tokens"] - 1, 0) for r in runs)  # tokens after each stream's first
-    return decoded / max(end - start, 1e-9)
+    whole = sum(r["tokens"] for r in runs) / max(end - min(r["t0"] for r in runs), 1e-9)
+    return decoded / max(end - start, 1e-9), whole
 
 
 def text_of_tokens(model: Path, n: int, seed: int) -> str:
@@ -197,9 +215,11 @@ def text_of_tokens(model: Path, n: int, seed: int) -> str:
             return text
 
 
-def trace_ttft(url: str, system: str, users: int, rounds: int, max_tokens: int) -> list[list[float]]:
+def trace_ttft(url: str, system: str, users: int, rounds: int, max_tokens: int,
+               uncached: list[int] | None = None) -> list[list[float]]:
     """TTFT per round per user: users take turns, each continuing its own conversation
-    after the shared system prompt."""
+    after the shared system prompt. ``uncached`` collects, per later-round request, the
+    prompt tokens the server's cache did not supply (when it says)."""
     convs = [[{"role": "system", "content": system}] for _ in range(users)]
     out: list[list[float]] = []
     for r in range(rounds):
@@ -209,6 +229,8 @@ def trace_ttft(url: str, system: str, users: int, rounds: int, max_tokens: int) 
                              " ".join(random.Random(u * 100 + r).choices(WORDS, k=30))})
             res = stream_chat(url, convs[u], max_tokens)
             row.append(res["first"] - res["t0"])
+            if r and uncached is not None and res["prompt"] is not None and res["cached"] is not None:
+                uncached.append(res["prompt"] - res["cached"])
             convs[u].append({"role": "assistant", "content": res["text"]})
         out.append(row)
     return out
@@ -276,24 +298,34 @@ def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, A
 
         # 1. aggregate decode at 1..8 streams
         tps: dict[str, dict[int, float]] = {"mlxkv": {}, "mlx_lm": {}}
+        whole: dict[str, dict[int, float]] = {"mlxkv": {}, "mlx_lm": {}}
         for n in args.streams:
-            runs: dict[str, list[float]] = {"mlxkv": [], "mlx_lm": []}
+            runs: dict[str, list[tuple[float, float]]] = {"mlxkv": [], "mlx_lm": []}
             for k in range(args.reps):  # interleaved: a burst of load elsewhere hits both
                 for s in (ours, theirs) if k % 2 == 0 else (theirs, ours):
                     runs[s.kind].append(aggregate_tps(s.url, n, args.decode_tokens, f"{n}r{k}"))
             for kind, values in runs.items():
-                tps[kind][n] = statistics.median(values)
+                tps[kind][n] = statistics.median(v[0] for v in values)
+                whole[kind][n] = statistics.median(v[1] for v in values)
             out[f"agg_vs_mlx_lm_{n}"] = tps["mlxkv"][n] / tps["mlx_lm"][n]
-            log(f"{n} streams: ours {tps['mlxkv'][n]:.1f} tok/s, mlx-lm {tps['mlx_lm'][n]:.1f} tok/s")
+            out[f"agg_whole_vs_mlx_lm_{n}"] = whole["mlxkv"][n] / whole["mlx_lm"][n]
+            out[f"agg_runs_{n}"] = {k: [round(v[0], 2) for v in values] for k, values in runs.items()}
+            log(f"{n} streams: ours {tps['mlxkv'][n]:.1f} tok/s, mlx-lm {tps['mlx_lm'][n]:.1f} tok/s "
+                f"(from the sending: ours {whole['mlxkv'][n]:.1f}, mlx-lm {whole['mlx_lm'][n]:.1f})")
         out["agg_tps"] = tps
+        out["agg_whole_tps"] = whole
         if 4 in tps["mlxkv"] and 1 in tps["mlxkv"]:
             out["agg4_vs_single"] = tps["mlxkv"][4] / tps["mlxkv"][1]
 
         # 2. multi-user multi-round trace with a shared system prompt
         system = text_of_tokens(model, args.system_tokens, seed=7)
         ttft: dict[str, list[list[float]]] = {}
+        uncached: dict[str, list[int]] = {}
         for s in (ours, theirs):
-            ttft[s.kind] = trace_ttft(s.url, system, args.users, args.rounds, 8)
+            uncached[s.kind] = []
+            ttft[s.kind] = trace_ttft(s.url, system, args.users, args.rounds, 8, uncached[s.kind])
+        out["later_round_uncached_tokens"] = {k: statistics.mean(v) if v else None
+                                              for k, v in uncached.items()}
         later = {k: statistics.mean(t for row in v[1:] for t in row) for k, v in ttft.items()}
         out["later_round_ttft_s"] = later
         out["first_round_ttft_s"] = {k: statistics.mean(v[0]) for k, v in ttft.items()}
@@ -352,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         args.system_tokens, args.rounds, args.long_tokens = 300, 2, 1000
         args.load_requests = 40
     else:
-        args.streams, args.decode_tokens, args.reps = [1, 2, 4, 8], 64, 2
+        args.streams, args.decode_tokens, args.reps = [1, 2, 4, 8], 64, 3
         args.system_tokens, args.rounds, args.long_tokens = 1000, 3, 4096
         args.load_requests = 200
 
