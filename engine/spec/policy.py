@@ -16,9 +16,11 @@ A :class:`SourceMemory` (one per loaded source and sampling regime, kept by the 
 carries what requests learned to the next one: acceptance, the cost of a plain step and
 of a drafted token, the proposal length, and the back-off. A new request starts from
 them: at the length that paid, without measuring a plain step first; or, for a source
-that lost (or had nothing to propose), off, probing again after at most
-``NEW_REQUEST_PROBE_AFTER`` plain steps (a new prompt may be one it pays on), then backing
-off from where the last request left.
+that lost, off, probing again after at most ``NEW_REQUEST_PROBE_AFTER`` plain steps (a
+new prompt may be one it pays on), then backing off from where the last request left. A
+source that had nothing to propose is asked at once (that depends on the prompt), but
+backs off after one empty round instead of four. A source the request named (``--spec
+ngram``) starts from the costs, acceptance and length learned, never from a back-off.
 """
 
 from __future__ import annotations
@@ -99,14 +101,16 @@ class LengthController:
         self.round_s = dict(m.round_s)
         if m.length is not None:
             self._k = min(max(m.length, 1), self.maximum) if self.initial else 0
-        if m.empty:  # one more empty round is enough to back off again
-            self._empty, self._empty_backoff, self._empty_run = True, m.empty_backoff, 3
+        if m.empty and self.may_stop:
+            # Whether prompt lookup finds anything depends on the prompt: ask this one at
+            # once, but one empty round is enough to back off again, for longer.
+            self._empty_backoff, self._empty_run = m.empty_backoff, 3
         if self.may_stop:
             self._backoff = m.backoff
             self._stopped = m.stopped
-        if self._stopped or self._empty:
-            self._off_len = m.due
-            self._off_left = min(m.due, NEW_REQUEST_PROBE_AFTER)
+            if m.stopped:
+                self._off_len = m.due
+                self._off_left = min(m.due, NEW_REQUEST_PROBE_AFTER)
 
     def remember(self, decoded: int | None = None) -> None:
         """Leave what this request learned to the next one (the request is over, after
@@ -116,12 +120,10 @@ class LengthController:
             return
         m.requests += 1
         tokens = self._tokens if decoded is None else decoded
-        due = max(0, self._off_len - (tokens - self._off_at)) if self._stopped or self._empty else 0
         if self.may_stop:
-            m.stopped, m.backoff, m.due = self._stopped, self._backoff, due
-        elif self._empty:
-            m.due = due
-        m.empty, m.empty_backoff = self._empty, self._empty_backoff
+            m.stopped, m.backoff = self._stopped, self._backoff
+            m.due = max(0, self._off_len - (tokens - self._off_at)) if self._stopped else 0
+            m.empty, m.empty_backoff = self._empty, self._empty_backoff
         if self._rounds == 0:
             return
         m.acceptance = self.acceptance
