@@ -286,5 +286,5 @@ def copy_model_path(blas_active: bool | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    p = bench_model_path()
-    print(p, f"{parameter_count(p) / 1e6:.1f}M parameters")
+    for p in (bench_model_path(), copy_model_path()):
+        print(p, f"{parameter_count(p) / 1e6:.1f}M parameters")
