@@ -18,8 +18,11 @@ Tasks (all greedy unless said; every row's output is checked equal across modes)
   little there) against ``off``, so the plain batched path is not made slower (at most 32
   tokens a request: the bench model is slow on a CPU).
 
-Aggregate throughput: the tokens of all requests over the time from the first token to the
-last. One JSON line with every figure.
+Per task, three throughputs with and without speculation and their ratio: ``rows`` (the
+headline ``ratio``): ``--rows`` x a request's mean decode throughput, what a full batch
+decodes a second; ``agg``: all tokens over the time from the first token to the last
+(prefill of later requests and a lone last row included); ``cpu``: tokens per CPU-second
+of the process. One JSON line with every figure.
 """
 
 from __future__ import annotations
@@ -37,8 +40,11 @@ import engine  # noqa: F401  (loads the BLAS before mlx)
 T = 600
 
 
-def _batch(eng: Any, reqs: list) -> tuple[float, list]:
-    """Serve ``reqs`` together; (aggregate decode tok/s, results)."""
+def _batch(eng: Any, reqs: list) -> tuple[dict, list]:
+    """Serve ``reqs`` together; ({"agg": tokens over the span from the first token to the
+    last, "rows": rows x the mean decode throughput of a request (what a full batch
+    decodes a second, prefill of later rows and a lone last row left out), "cpu": tokens
+    per CPU-second of this process (less sensitive to other load)}, results)."""
     from engine.engine import TokenEvent
 
     times: list[float] = []
@@ -49,18 +55,22 @@ def _batch(eng: Any, reqs: list) -> tuple[float, list]:
             with lock:
                 times.append(time.perf_counter())
     gate = threading.Event()
+    c0 = time.process_time()
     busy = eng.call(gate.wait, T)  # everything submitted now is served as one batch
     handles = [eng.submit(r, callback=on_event) for r in reqs]
     gate.set()
     busy.result(timeout=T)
     results = [h.result(timeout=T) for h in handles]
+    cpu = time.process_time() - c0
     tokens = sum(len(r.tokens) for r in results)
     span = max(times) - min(times) if len(times) > 1 else 0.0
-    return (tokens - 1) / span if span > 0 else 0.0, results
+    rows = min(len(reqs), eng.max_batch) * statistics.mean(r.stats.decode_tps for r in results)
+    return {"agg": (tokens - 1) / span if span > 0 else 0.0, "rows": rows,
+            "cpu": tokens / cpu if cpu > 0 else 0.0}, results
 
 
 def _side_by_side(eng: Any, make: Any, modes: tuple[str, str], repeats: int, same: bool) -> dict:
-    tps: dict[str, list[float]] = {m: [] for m in modes}
+    tps: dict[str, list[dict]] = {m: [] for m in modes}
     outputs: dict[str, list] = {}
     spec: dict = {}
     for m in modes:  # warm-up
@@ -76,9 +86,13 @@ def _side_by_side(eng: Any, make: Any, modes: tuple[str, str], repeats: int, sam
                 spec = {"drafted": drafted, "accepted": accepted,
                         "acceptance": round(accepted / drafted, 4) if drafted else 0.0,
                         "batched": all(r.stats.batched for r in results)}
-    base, fast = (statistics.median(tps[m]) for m in modes)
-    out = {"off_tps": round(base, 2), f"{modes[1]}_tps": round(fast, 2),
-           "ratio": round(fast / base, 3) if base else 0.0, **spec}
+    out: dict[str, Any] = {}
+    for key in ("rows", "agg", "cpu"):
+        base, fast = (statistics.median(r[key] for r in tps[m]) for m in modes)
+        out[f"{key}_off_tps"], out[f"{key}_{modes[1]}_tps"] = round(base, 2), round(fast, 2)
+        out[f"{key}_ratio"] = round(fast / base, 3) if base else 0.0
+    out["ratio"] = out["rows_ratio"]
+    out.update(spec)
     if same:
         out["same_output"] = outputs[modes[0]] == outputs[modes[1]]
     return out

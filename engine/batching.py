@@ -143,12 +143,18 @@ class Batching:
             batch.close()
 
     def _row_speculation(self, row: Any) -> Any:
-        """A batched row's speculation, opened as for the request alone (None: plain)."""
+        """A batched row's speculation, opened as for the request alone (None: plain). Under
+        ``auto`` a batch drafts only with prompt lookup and constraints: a draft model still
+        drafts row by row there (k small forwards per row and round), which a plain batched
+        step beats."""
         from engine.spec.providers import open_speculation
 
         req = row.request
+        providers = self.spec_providers
+        if (req.spec or getattr(self.settings, "spec", "auto")) == "auto":
+            providers = {k: v for k, v in providers.items() if k not in ("draft", "mtp")}
         spec, _ = open_speculation(
-            self.spec_providers, self.loaded, row.params, mode=req.spec,
+            providers, self.loaded, row.params, mode=req.spec,
             settings_mode=getattr(self.settings, "spec", "auto"), guided_choice=req.guided_choice,
             json_skeleton=req.json_skeleton, max_tokens=getattr(self.settings, "spec_tokens", 12),
             prefix_cache=self.prefix_cache if self._caching else None, namespace=self.namespace,

@@ -134,10 +134,11 @@ class BatchLength:
         return self._k
 
     def empty(self) -> None:
-        """No row had anything to propose: after 4 such rounds in a row, plain steps (they run
-        pipelined) for a back-off that doubles up to 64."""
+        """No row had anything to propose: after 4 such rounds in a row (1 once it has backed
+        off: a probe that finds nothing), plain steps (they run pipelined) for a back-off that
+        doubles up to 64."""
         self._empty_run += 1
-        if self._empty_run >= 4:
+        if self._empty_run >= (4 if self._empty_backoff == 8 else 1):
             self._empty_run = 0
             self._off_left = self._empty_backoff
             self._empty_backoff = min(self._empty_backoff * 2, 64)
