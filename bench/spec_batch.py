@@ -11,6 +11,8 @@ Tasks (all greedy unless said; every row's output is checked equal across modes)
 - ``tiny_repeat``: the tiny random llama (``bench.modelgen.tiny_model``) continuing prompts
   that repeat themselves (it falls into cycles prompt lookup predicts), ``ngram`` vs ``off``;
 - ``demo_draft``: the demo pair, one of the demo model's questions per row, ``draft`` vs ``off``;
+- ``demo_guided``: ``guided_choice`` among long answers (three of the demo model's own
+  answers), ``auto`` (the choice's rest drafted) vs ``off`` (masked, one token a step);
 - ``demo_freeform_auto``: sampled free-form text (temperature 1) on the demo model, ``auto``
   vs ``off``: what the batch pays for speculation that rarely pays;
 - ``bench_freeform_auto``: the same on the bench model (``bench.models.bench_model_path``,
@@ -134,7 +136,12 @@ def main(argv: list[str] | None = None) -> int:
             return [Request(messages=[{"role": "user", "content": f"Tell me a long story about mlxkv, part {i}."}],
                             params=story, spec=mode) for i in range(count)]
 
+        def guided(mode: str) -> list:
+            return [Request(messages=[{"role": "user", "content": FACTS[i]["q"][1]}], params=greedy, spec=mode,
+                            guided_choice=tuple(FACTS[i]["a"])) for i in range(count)]
+
         results["demo_quote"] = _side_by_side(eng, quote, ("off", "ngram"), reps, True)
+        results["demo_guided"] = _side_by_side(eng, guided, ("off", "auto"), reps, True)
         results["demo_draft"] = _side_by_side(eng, ask, ("off", "draft"), reps, True)
         results["demo_freeform_auto"] = _side_by_side(eng, freeform, ("off", "auto"), reps, False)
     with Engine(str(tiny_model("llama")), max_batch=rows, prefix_cache=None).start(timeout=T) as eng:
@@ -160,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         results["bench_freeform_auto"] = _side_by_side(eng, bench_freeform, ("off", "auto"), reps, False)
     results["ngram_batch_speedup"] = results["demo_quote"]["ratio"]
     results["draft_batch_speedup"] = results["demo_draft"]["ratio"]
+    results["constraint_batch_speedup"] = results["demo_guided"]["ratio"]
     results["auto_freeform_batch_ratio"] = results["demo_freeform_auto"]["ratio"]
     results["bench_auto_freeform_batch_ratio"] = results["bench_freeform_auto"]["ratio"]
     print(json.dumps(results))
