@@ -167,35 +167,6 @@ def test_speculation_keeps_one_memory_per_provider_and_sampling_regime():
     assert learned["greedy"]["requests"] == 1
 
 
-def test_the_length_follows_measured_round_times_not_a_line():
-    """Verify time that is not linear in the drafts (on a CPU, a few tokens cost little more
-    than one; a dozen cost several): the length with the best measured tokens per second
-    wins, and the round times carry over to the next request."""
-    round_s = {0: 0.074, 2: 0.083, 4: 0.100, 8: 0.208, 12: 0.275}  # one token per forward: 74 ms
-
-    def cost(k: int) -> float:
-        known = sorted(round_s)
-        lo = max(j for j in known if j <= k)
-        hi = min((j for j in known if j >= k), default=lo)
-        return round_s[lo] if hi == lo else round_s[lo] + (round_s[hi] - round_s[lo]) * (k - lo) / (hi - lo)
-
-    memory = SourceMemory()
-    c = LengthController(4, 12, memory=memory)
-    c.record(0, 0, round_s[0])
-    lengths = []
-    for i in range(60):  # 9 of 10 drafts accepted, in a fixed pattern
-        k = c.next_length()
-        lengths.append(k)
-        c.record(k, k - 1 if i % 3 == 0 else k, cost(k))
-    assert c.round_s[12] == pytest.approx(0.275) or 12 not in c.round_s
-    # Mostly 4 (48 tokens/s here), not 12 (42/s), which a line through 0 and 4 drafts implies;
-    # a longer length is tried again now and then.
-    assert sum(3 <= k <= 6 for k in lengths[-24:]) >= 18, lengths
-    c.remember(100)
-    assert memory.round_s == c.round_s
-    assert LengthController(4, 12, memory=memory).round_cost(4) == pytest.approx(c.round_s[4])
-
-
 def test_a_source_with_nothing_to_propose_is_asked_less_in_the_next_requests():
     """Prompt lookup on text that never repeats: each round that asks it runs a plain step
     that is not pipelined. A fresh request asks 4 times before backing off, each time; the

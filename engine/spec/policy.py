@@ -1,14 +1,10 @@
 """How long a proposal to ask for, and whether to speculate at all.
 
 Per request and source, :class:`LengthController` keeps running estimates of the
-acceptance rate a (per drafted token), the time of a plain step t1, the time of a round of
-each length k it has run, and the average marginal cost m of a drafted token (drafting
-plus the wider verify). A round of k drafts yields E(k) = (1 - a^(k+1)) / (1 - a) tokens
-in T(k): the measured time where k has run, else the line through the nearest measured
-lengths (past the longest: its time + m per extra draft). It asks for the k in 0..max that
-maximises E(k) / T(k). The cost of a verify is not linear in k on every machine (a CPU
-BLAS runs one token as a matrix-vector product, a few as a small matrix product), so the
-measured lengths decide, not the line. k = 0 is a plain step: when speculation would be slower it
+acceptance rate a (per drafted token), the time of a plain step t1 and the marginal cost m
+of each drafted token (drafting plus the wider verify). A round of k drafts yields
+E(k) = (1 - a^(k+1)) / (1 - a) tokens in t1 + m*k, so it asks for the k in 0..max that
+maximises E(k) / (t1 + m*k). k = 0 is a plain step: when speculation would be slower it
 stops, then probes again after a back-off that doubles each time the probe loses, so a
 lone request never pays for speculation for long.
 
@@ -44,8 +40,7 @@ class SourceMemory:
         self.plain_s: float | None = None
         self.per_draft_s: float | None = None
         self.length: int | None = None
-        self.round_s: dict[int, float] = {}
-        self.due = 0  # plain tokens still due before the next probe, when backing off
+        self.due = 0  # plain tokens still due before the next probe, when stopped
         self.backoff = FIRST_BACKOFF  # the next back-off after a losing probe
         self.stopped = False  # the last decision was to stop speculating
         self.empty = False  # the source last had nothing to propose, round after round
@@ -57,7 +52,6 @@ class SourceMemory:
 
         return {"requests": self.requests, "acceptance": r(self.acceptance, 4), "plain_s": r(self.plain_s, 6),
                 "per_draft_s": r(self.per_draft_s, 6), "length": self.length, "stopped": self.stopped,
-                "round_s": {k: round(v, 6) for k, v in sorted(self.round_s.items())},
                 "due": self.due, "backoff": self.backoff, "empty": self.empty}
 
 
@@ -73,7 +67,6 @@ class LengthController:
         self.acceptance = 0.7  # prior; replaced by measurement within a few rounds
         self.plain_s: float | None = None
         self.per_draft_s: float | None = None
-        self.round_s: dict[int, float] = {}  # drafts in a round -> its time
         self._k = self.initial
         self._rounds = 0
         self._off_left = 0  # plain steps before the next probe
@@ -88,7 +81,6 @@ class LengthController:
         self._empty = False  # backing off because the source had nothing to propose
         self._empty_run = 0  # rounds in a row the source proposed nothing
         self._empty_backoff = FIRST_BACKOFF
-        self._full_windows = 0
         self.memory = memory if adaptive else None
         if self.memory is not None and self.memory.requests:
             self._recall(self.memory)
@@ -98,7 +90,6 @@ class LengthController:
         if m.acceptance is not None:
             self.acceptance = m.acceptance
         self.plain_s, self.per_draft_s = m.plain_s, m.per_draft_s
-        self.round_s = dict(m.round_s)
         if m.length is not None:
             self._k = min(max(m.length, 1), self.maximum) if self.initial else 0
         if m.empty and self.may_stop:
@@ -131,7 +122,6 @@ class LengthController:
             m.plain_s = self.plain_s
         if self.per_draft_s is not None:
             m.per_draft_s = self.per_draft_s
-        m.round_s = dict(self.round_s)
         m.length = self._k
 
     def current(self) -> int:
@@ -149,30 +139,17 @@ class LengthController:
             return self._k if self._rounds == 0 or self.per_draft_s is None else 0
         return self._k
 
-    def round_cost(self, k: int) -> float:
-        """Expected seconds of a round of ``k`` drafts (0: a plain step)."""
-        t1 = self.plain_s or 1e-3
-        m = self.per_draft_s if self.per_draft_s is not None else t1 / 4
-        if k == 0:
-            return t1
-        if k in self.round_s:
-            return self.round_s[k]
-        below = max((j for j in self.round_s if j < k), default=0)
-        above = min((j for j in self.round_s if j > k), default=None)
-        t_below = self.round_s.get(below, t1)
-        if above is None:
-            return t_below + m * (k - below)
-        return t_below + (self.round_s[above] - t_below) * (k - below) / (above - below)
-
     def _best(self) -> int:
         a = min(max(self.acceptance, 0.0), 0.995)
-        best_k, best_rate = 0, 1.0 / self.round_cost(0)
+        t1 = self.plain_s or 1e-3
+        m = self.per_draft_s if self.per_draft_s is not None else t1 / 4
+        best_k, best_rate = 0, 1.0 / t1
         gain = 1.0
         expected = 1.0
         for k in range(1, self.maximum + 1):
             gain *= a
             expected += gain
-            rate = expected / self.round_cost(k)
+            rate = expected / (t1 + m * k)
             if rate > best_rate * 1.0001:
                 best_k, best_rate = k, rate
         return best_k
@@ -213,8 +190,6 @@ class LengthController:
             self._empty_backoff = 8
         rate = accepted / drafted
         self.acceptance = 0.7 * self.acceptance + 0.3 * rate
-        last = self.round_s.get(drafted)
-        self.round_s[drafted] = seconds if last is None else 0.7 * last + 0.3 * seconds
         if self.plain_s is not None:
             m = max(seconds - self.plain_s, 0.0) / drafted
             self.per_draft_s = m if self.per_draft_s is None else 0.7 * self.per_draft_s + 0.3 * m
@@ -236,10 +211,5 @@ class LengthController:
                 self._backoff = max(FIRST_BACKOFF, self._backoff // 2)
             self._k = max(best, 1)
             if accepted == drafted and drafted >= self._k:
-                # A fully accepted window says little about longer ones: try one twice as
-                # long where its time is unknown, and now and then where it is known (a
-                # time measured once may have been unlucky; the machine's load changes).
-                self._full_windows += 1
-                grow = min(self.maximum, 2 * drafted)
-                if grow not in self.round_s or self._full_windows % 8 == 0:
-                    self._k = max(self._k, grow)
+                # A fully accepted window says little about longer ones: grow geometrically.
+                self._k = min(self.maximum, max(self._k, 2 * drafted))
