@@ -1,7 +1,7 @@
 """Speculative decoding benchmark, side by side with plain decoding in one run (the same
 engine, the same prompts, requests interleaved off/on; median of --repeats).
 
-    python -m bench.spec [--tokens 48] [--repeats 2] [--json]
+    python -m bench.spec [--tokens 48] [--copy-tokens 128] [--repeats 2] [--json]
 
 Models, all built offline here (random weights unless said):
 - the copy model (``bench.models.copy_model_path()``): the bench model's shape, tokenizer
