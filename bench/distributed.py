@@ -35,22 +35,31 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _free_port(n: int = 1) -> int:
+def free_ports(n: int = 1) -> int:
+    """The first of ``n`` consecutive free TCP ports on 127.0.0.1."""
     for _ in range(200):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             first = s.getsockname()[1]
+        if first + n > 65535:
+            continue
+        socks = []
         try:
             for port in range(first, first + n):
-                with socket.socket() as t:
-                    t.bind(("127.0.0.1", port))
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
             return first
         except OSError:
             continue
-    raise RuntimeError("no free ports")
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError("no run of free ports found")
 
 
-def _http(port: int, path: str, body: dict | None = None, timeout: float = 600.0) -> dict:
+def http_json(port: int, path: str, body: dict | None = None, timeout: float = 600.0) -> dict:
+    """GET (or POST ``body`` as JSON) ``path`` on 127.0.0.1:``port``; the reply's JSON."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
                                  headers={"content-type": "application/json"})
@@ -62,14 +71,14 @@ class Server:
     """``mlxkv serve`` on ``ranks`` ranks (1: a plain process), stopped like a user would."""
 
     def __init__(self, model: Path, cache: Path, ranks: int):
-        self.port = _free_port()
+        self.port = free_ports()
         env = {**os.environ, "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS", "1"),
                "HF_HUB_OFFLINE": "1"}
         args = [str(ROOT / "mlxkv.py"), "serve", "--model", str(model), "--cache-dir", str(cache),
                 "--port", str(self.port), "--dist-timeout-s", "600"]
         if ranks > 1:
             args = [str(Path(sys.executable).with_name("mlx.launch")), "--backend", "ring", "-n",
-                    str(ranks), "--starting-port", str(_free_port(ranks)), "--python",
+                    str(ranks), "--starting-port", str(free_ports(ranks)), "--python",
                     sys.executable, "--", *args, "--shard", "tensor"]
         else:
             args = [sys.executable, *args]
@@ -81,7 +90,7 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited: {self.proc.communicate()[1][-2000:]}")
             try:
-                _http(self.port, "/health", timeout=2)
+                http_json(self.port, "/health", timeout=2)
                 return
             except OSError:
                 time.sleep(0.3)
@@ -89,7 +98,7 @@ class Server:
         raise TimeoutError("the server did not start")
 
     def complete(self, tokens: list[int], max_tokens: int) -> dict[str, Any]:
-        reply = _http(self.port, "/v1/completions", {"prompt": tokens, "max_tokens": max_tokens,
+        reply = http_json(self.port, "/v1/completions", {"prompt": tokens, "max_tokens": max_tokens,
                                                      "temperature": 0})
         return {**reply["timings"], "cached": reply["usage"]["prompt_tokens_details"]["cached_tokens"]}
 
@@ -97,7 +106,7 @@ class Server:
         """SIGTERM to rank 0 (the process itself without a launcher): drain, flush, stop."""
         pid = self.proc.pid
         if Path(sys.executable).with_name("mlx.launch").name in " ".join(self.proc.args):
-            pid = _rank0_pid(self.proc.pid)
+            pid = rank_pids(self.proc.pid)[0]
         os.kill(pid, signal.SIGTERM)
         try:
             self.proc.communicate(timeout=300)
@@ -112,18 +121,27 @@ class Server:
                 pass
 
 
-def _rank0_pid(launcher: int) -> int:
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) != launcher:
+def rank_pids(launcher: int, n: int = 2, timeout: float = 60.0) -> dict[int, int]:
+    """rank -> pid of the rank processes the mlx.launch process ``launcher`` started."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
                 continue
-            if b"MLX_RANK=0" in (entry / "environ").read_bytes().split(b"\0"):
-                return int(entry.name)
-        except (OSError, IndexError, ValueError):
-            continue
-    raise RuntimeError("rank 0 of the launch not found")
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) != launcher:
+                    continue
+                environ = (entry / "environ").read_bytes().split(b"\0")
+            except (OSError, IndexError, ValueError):
+                continue
+            for item in environ:
+                if item.startswith(b"MLX_RANK="):
+                    found[int(item[9:])] = int(entry.name)
+        if len(found) == n:
+            return found
+        time.sleep(0.1)
+    raise TimeoutError(f"the ranks of mlx.launch {launcher} did not start in {timeout} s")
 
 
 def measure(args: argparse.Namespace, log: Any) -> dict[str, Any]:

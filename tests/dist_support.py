@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,32 +19,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from bench.distributed import free_ports, http_json
+from bench.distributed import rank_pids as _rank_pids
+
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 LAUNCH = str(Path(PYTHON).with_name("mlx.launch"))
-
-
-def free_ports(n: int) -> int:
-    """The first of ``n`` consecutive free TCP ports on 127.0.0.1."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            first = s.getsockname()[1]
-        if first + n > 65535:
-            continue
-        socks = []
-        try:
-            for port in range(first, first + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return first
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no run of free ports found")
 
 
 def base_env(**extra: str) -> dict[str, str]:
@@ -107,25 +86,7 @@ def kill(proc: subprocess.Popen) -> None:
 
 def rank_pids(launcher: subprocess.Popen, n: int = 2, timeout: float = 60.0) -> dict[int, int]:
     """rank -> pid of the rank processes mlx.launch started."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = {}
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) != launcher.pid:
-                    continue
-                environ = (entry / "environ").read_bytes().split(b"\0")
-            except (OSError, IndexError, ValueError):
-                continue
-            for item in environ:
-                if item.startswith(b"MLX_RANK="):
-                    found[int(item[9:])] = int(entry.name)
-        if len(found) == n:
-            return found
-        time.sleep(0.1)
-    raise TimeoutError(f"the ranks of mlx.launch {launcher.pid} did not start in {timeout} s")
+    return _rank_pids(launcher.pid, n, timeout)
 
 
 def last_json(stdout: str) -> dict[str, Any]:
@@ -135,11 +96,7 @@ def last_json(stdout: str) -> dict[str, Any]:
 
 
 def http(port: int, path: str, body: dict | None = None, timeout: float = 60.0) -> dict:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
-                                 headers={"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
+    return http_json(port, path, body, timeout)
 
 
 def leave_stream(port: int, body: dict, lines: int = 3) -> None:
