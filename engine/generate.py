@@ -144,9 +144,31 @@ def cache_length(cache: Sequence[Any]) -> int | None:
     return None
 
 
+def request_sampler(p: SamplingParams) -> Callable:
+    """mlx-lm's sampler for ``p``'s temperature, top-p, min-p and top-k."""
+    from mlx_lm.sample_utils import make_sampler
+
+    return make_sampler(p.temperature, p.top_p, p.min_p, top_k=p.top_k)
+
+
+def request_processors(p: SamplingParams, history: Sequence[int] = ()) -> list[Callable]:
+    """The logits processors of plain decoding for ``p`` (its repetition penalty; empty when
+    it has none). ``generate_step`` shows them only the tokens it is given, so ``history``
+    (the cached prefix before those) is put in front: penalties see the same context with
+    or without a cache hit."""
+    import mlx.core as mx
+    from mlx_lm.sample_utils import make_logits_processors
+
+    processors = make_logits_processors(
+        repetition_penalty=p.repetition_penalty if p.repetition_penalty != 1.0 else None,
+        repetition_context_size=p.repetition_context_size)
+    if processors and len(history):
+        before = mx.array(list(history))
+        processors = [_with_history(proc, before) for proc in processors]
+    return processors
+
+
 def _with_history(processor: Callable, history: Any) -> Callable:
-    # generate_step only sees the uncached suffix; prepend the cached prefix so penalties
-    # see the same context with or without a cache hit.
     import mlx.core as mx
 
     return lambda tokens, logits: processor(mx.concatenate([history, tokens]), logits)
@@ -193,20 +215,14 @@ class Generation:
         import mlx.core as mx
         from mlx_lm.generate import generate_step
         from mlx_lm.models.cache import make_prompt_cache
-        from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
         p = self.params
         if self.cache is None:
             self.cache = make_prompt_cache(self.model)
         if p.seed is not None:
             mx.random.seed(p.seed)
-        sampler = make_sampler(p.temperature, p.top_p, p.min_p, top_k=p.top_k)
-        processors = make_logits_processors(
-            repetition_penalty=p.repetition_penalty if p.repetition_penalty != 1.0 else None,
-            repetition_context_size=p.repetition_context_size)
-        if processors and self.n_cached:
-            history = mx.array(self.prompt_tokens[: self.n_cached])
-            processors = [_with_history(proc, history) for proc in processors]
+        sampler = request_sampler(p)
+        processors = request_processors(p, self.prompt_tokens[: self.n_cached])
 
         reported = [-1]
 

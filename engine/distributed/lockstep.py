@@ -87,20 +87,14 @@ class LockstepStream:
     def _build(self) -> Iterator[tuple[int, Any]]:
         import mlx.core as mx
         from mlx_lm.generate import generate_step
-        from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-        from engine.generate import _with_history  # penalties see the cached prefix too
+        from engine.generate import request_processors, request_sampler
 
         gen, p = self.gen, self.gen.params
         processors: list = []
         if self.leader:
-            self._sampler = make_sampler(p.temperature, p.top_p, p.min_p, top_k=p.top_k)
-            processors = make_logits_processors(
-                repetition_penalty=p.repetition_penalty if p.repetition_penalty != 1.0 else None,
-                repetition_context_size=p.repetition_context_size)
-            if processors and gen.n_cached:
-                history = mx.array(gen.prompt_tokens[: gen.n_cached])
-                processors = [_with_history(proc, history) for proc in processors]
+            self._sampler = request_sampler(p)
+            processors = request_processors(p, gen.prompt_tokens[: gen.n_cached])
             if gen.constraint is not None:
                 processors.append(gen.constraint.processor(len(gen.prompt_tokens) - gen.n_cached))
         return generate_step(

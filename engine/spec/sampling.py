@@ -9,13 +9,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.sample_utils import (
-    apply_min_p,
-    apply_top_k,
-    apply_top_p,
-    make_logits_processors,
-    make_sampler,
-)
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+from engine.generate import request_processors, request_sampler
 
 
 class TargetSampler:
@@ -26,10 +22,8 @@ class TargetSampler:
     def __init__(self, params: Any, history: Sequence[int], constraint: Any = None):
         self.temperature = float(params.temperature)
         self.greedy = self.temperature == 0
-        self.sampler = make_sampler(params.temperature, params.top_p, params.min_p, top_k=params.top_k)
-        self.processors = make_logits_processors(
-            repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1.0 else None,
-            repetition_context_size=params.repetition_context_size)
+        self.sampler = request_sampler(params)
+        self.processors = request_processors(params)
         # Processors read at most this many trailing tokens.
         self._context = max(int(params.repetition_context_size), 1)
         self.history: list[int] = list(history)
