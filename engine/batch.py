@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.generate import SamplingParams, StopMatcher
+from engine.generate import SamplingParams, StopMatcher, request_processors, request_sampler
 from engine.requests import FinishedEvent, ProgressEvent, RequestHandle, StatsEvent, TokenEvent
 
 
@@ -162,11 +162,9 @@ class Batch:
 
     def _sampler(self, p: SamplingParams) -> Any:
         # One object per distinct setting: rows that share it are sampled in one call.
-        from mlx_lm.sample_utils import make_sampler
-
         key = (p.temperature, p.top_p, p.min_p, p.top_k) if p.temperature > 0 else ("greedy",)
         if key not in self._samplers:
-            self._samplers[key] = make_sampler(p.temperature, p.top_p, p.min_p, top_k=p.top_k)
+            self._samplers[key] = request_sampler(p)
         return self._samplers[key]
 
     def add(self, row: Row, cache: list | None, in_cache: list[int], rest: list[int]) -> None:
@@ -174,8 +172,6 @@ class Batch:
         tokens still to feed (at least one: the last is the input of its next token).
         Rows that already sent tokens bring them in ``row.emitted``; their detokenizer and
         stop matcher are rebuilt by replaying those tokens, as they were fed the first time."""
-        from mlx_lm.sample_utils import make_logits_processors
-
         if not rest:
             raise ValueError("a joining row needs at least one token to feed")
         p = row.params
@@ -195,9 +191,7 @@ class Batch:
                          Ending(reason, None, list(in_cache) if cache else [], cache))
             self._settle()
             return
-        processors = make_logits_processors(
-            repetition_penalty=p.repetition_penalty if p.repetition_penalty != 1.0 else None,
-            repetition_context_size=p.repetition_context_size)
+        processors = request_processors(p)  # BatchGenerator gives them every token it knows
         choices = row.request.guided_choice
         if choices:  # the mask alone decoding applies; a row's history is its whole prompt
             from engine.spec.constraints import GuidedChoice
