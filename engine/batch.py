@@ -126,12 +126,13 @@ class Batch:
     same step (the engine stores the state there);
     ``release(cache)`` gives back a cache a lookup lent, once the batch holds a copy;
     ``speculation(row)`` opens a row's ``engine.spec.providers.Speculation`` (None: the row
-    decodes plainly)."""
+    decodes plainly); ``spec_policy`` is the round-length controller the batch's rounds use
+    (the engine keeps one per loaded model, so it carries from batch to batch)."""
 
     def __init__(self, model: Any, tokenizer: Any, max_rows: int,
                  should_stop: Callable[[Row], bool], stopping: Callable[[], bool],
                  on_end: Callable[[Row, Ending], None], release: Callable[[Any], None],
-                 speculation: Callable[[Row], Any] | None = None):
+                 speculation: Callable[[Row], Any] | None = None, spec_policy: Any = None):
         from mlx_lm.generate import BatchGenerator
 
         self.model, self.tokenizer = model, tokenizer
@@ -148,6 +149,7 @@ class Batch:
         self.steps = 0
         self.speculation = speculation
         self.verifier: Any = None  # engine.spec.batch_verify.BatchVerifier, once a row speculates
+        self.spec_policy = spec_policy  # a BatchLength carried from batch to batch (None: fresh)
         # Rows with nothing to prefill (a request moving in, a prompt cached but for its last
         # token), held back while the rows joining with them run their last prefill pass, so
         # that all enter decoding in one pass instead of each in a pass of its own.
@@ -239,7 +241,7 @@ class Batch:
         if self.verifier is None:
             from engine.spec.batch_verify import BatchVerifier
 
-            self.verifier = BatchVerifier(self.model)
+            self.verifier = BatchVerifier(self.model, controller=self.spec_policy)
         row.spec = self.verifier.add(row.uid, spec, row.prompt, row.params)
 
     def _progress(self, row: Row, done: int, total: int) -> None:
@@ -446,6 +448,8 @@ class Batch:
     def close(self) -> None:
         """Give back what the generator holds (on Apple silicon: the wired-memory limit it
         raised); on the engine thread, once no row is left."""
+        if self.verifier is not None:
+            self.verifier.close()
         gen, self.gen = self.gen, None
         if gen is not None:
             gen.close()

@@ -114,7 +114,8 @@ class Batching:
         batch = Batch(self.loaded.model, self.loaded.tokenizer, self.max_batch,
                       should_stop=lambda r: r.handle.cancelled or self._stopping.is_set(),
                       stopping=self._stopping.is_set, on_end=self._row_ended,
-                      release=self._release, speculation=self._row_speculation)
+                      release=self._release, speculation=self._row_speculation,
+                      spec_policy=self._batch_spec_policy())
         if join.gen.speculation is not None:  # the row opens its own in the batch
             join.gen.speculation.source.close()
         self._batch = batch
@@ -141,6 +142,16 @@ class Batching:
         finally:
             self._batch = None
             batch.close()
+
+    def _batch_spec_policy(self) -> Any:
+        """The batches' round-length controller for the loaded model: one, kept from batch
+        to batch (a new model gets a new one)."""
+        from engine.spec.batch_verify import BatchLength
+
+        kept = getattr(self, "_spec_policy", None)
+        if kept is None or kept[0] is not self.loaded:
+            kept = self._spec_policy = (self.loaded, BatchLength())
+        return kept[1]
 
     def _row_speculation(self, row: Any) -> Any:
         """A batched row's speculation, opened as for the request alone (None: plain). Under

@@ -126,6 +126,9 @@ class BatchLength:
         off, self._off_left = self._off_left, 0
         return off
 
+    def give_back_off_steps(self, steps: int) -> None:
+        self._off_left += max(int(steps), 0)
+
     def next_length(self) -> int:
         if not self.adaptive:
             return self.initial
@@ -193,11 +196,14 @@ class BatchLength:
 class BatchVerifier:
     """The speculative rounds of one batch (engine thread only)."""
 
-    def __init__(self, model: Any, maximum: int = 12):
+    def __init__(self, model: Any, maximum: int = 12, controller: BatchLength | None = None):
         self.model = model
         self.group = SourceRowGroup()
         self.uids: list[int] = []  # the group's rows, in the batch's order
-        self.controller = BatchLength(initial=min(4, maximum), maximum=maximum)
+        # The engine hands every batch of a loaded model the same controller, so what one
+        # batch learned (acceptance, costs, a back-off) holds in the next instead of each
+        # batch probing from an optimistic start.
+        self.controller = controller or BatchLength(initial=min(4, maximum), maximum=maximum)
         self.specs: dict[int, RowSpec] = {}
         self._off = 0  # plain steps left in a back-off
         self._plain_timed = False  # the last step was plain: the next plain one can be timed
@@ -214,6 +220,12 @@ class BatchVerifier:
 
     def drop(self, uid: int) -> RowSpec | None:
         return self.specs.pop(uid, None)
+
+    def close(self) -> None:
+        """The batch ended: plain steps still due in a back-off go back to the controller, so
+        the next batch serves them."""
+        self.controller.give_back_off_steps(self._off)
+        self._off = 0
 
     def finish(self, spec: RowSpec, tokens_in_cache: list[int]) -> None:
         """Count the row's figures with its provider and store its draft state."""
