@@ -7,7 +7,6 @@ were accepted in the batch, so the speculative path really ran."""
 
 import dataclasses
 import random
-import threading
 
 import pytest
 
@@ -15,19 +14,8 @@ import engine  # noqa: F401  (loads the BLAS before mlx)
 from bench.modelgen import tiny_model
 from engine.engine import Engine, Request, StatsEvent, TokenEvent
 from engine.generate import SamplingParams
-
-T = 120  # seconds any wait in these tests may take before it fails
-
-
-def greedy(**kwargs) -> SamplingParams:
-    return SamplingParams(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
-                          repetition_penalty=1.0, **kwargs)
-
-
-def ram_cache():
-    from engine.cache.prefix_cache import PrefixCache
-
-    return PrefixCache(ram_bytes=64 << 20, cache_dir=None, block_tokens=16)
+from tests.test_batch import T, greedy, held, ram_cache
+from tests.test_batch import tokens_of as texts
 
 
 def repetitive(n: int, seed: int) -> list[list[int]]:
@@ -38,21 +26,6 @@ def repetitive(n: int, seed: int) -> list[list[int]]:
         base = [rng.randrange(3, 500) for _ in range(rng.randint(8, 20))]
         out.append(base * 3)
     return out
-
-
-def held(e: Engine):
-    """Keeps the engine thread busy until it exits, so everything submitted inside waits
-    together and is served as one batch."""
-    class Gate:
-        def __enter__(self):
-            self.gate = threading.Event()
-            self.busy = e.call(self.gate.wait, T)
-            return self
-
-        def __exit__(self, *exc):
-            self.gate.set()
-            self.busy.result(timeout=T)
-    return Gate()
 
 
 def submit_all(e: Engine, reqs, callbacks=None, handles=None):
@@ -77,10 +50,6 @@ def alone(e: Engine, req: Request):
     events = []
     r = e.submit(plain, callback=events.append).result(timeout=T)
     return r, events
-
-
-def texts(events) -> list[tuple]:
-    return [(ev.token, ev.text) for ev in events if isinstance(ev, TokenEvent)]
 
 
 @pytest.fixture(scope="module")
