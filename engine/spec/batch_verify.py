@@ -39,7 +39,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.spec.rows import SourceRowGroup
-from engine.spec.sampling import TargetSampler, rejection_walk_rows
+from engine.spec.sampling import TargetSampler, process_window, rejection_walk_rows
 from engine.spec.verify import SpecStats, _trace_enabled
 
 
@@ -418,22 +418,9 @@ class BatchVerifier:
         """logits [B, W, V] -> each row's processed, normalised log-probabilities, position j
         seeing the row's history plus its window up to j (as a plain step would)."""
         if any(gb.logits_processors):
-            rows = []
-            for i, procs in enumerate(gb.logits_processors):
-                if not procs:
-                    rows.append(logits[i])
-                    continue
-                history = gb._token_context[i].tokens
-                window = mx.array(windows[i], dtype=mx.int32)
-                out = []
-                for j in range(logits.shape[1]):
-                    seen = mx.concatenate([history, window[: j + 1]])
-                    row = logits[i, j: j + 1]
-                    for proc in procs:
-                        row = proc(seen, row)
-                    out.append(row)
-                rows.append(mx.concatenate(out, axis=0))
-            logits = mx.stack(rows)
+            logits = mx.stack([
+                process_window(procs, gb._token_context[i].tokens, windows[i], logits[i]) if procs else logits[i]
+                for i, procs in enumerate(gb.logits_processors)])
         return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
     @staticmethod

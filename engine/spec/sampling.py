@@ -44,15 +44,7 @@ class TargetSampler:
         """logits [T, V] of the window's positions -> processed log-probabilities [T, V]."""
         logits = logits.astype(mx.float32) if logits.dtype != mx.float32 else logits
         if self.processors:
-            rows = []
-            tail = self.history[-self._context:]
-            for j in range(logits.shape[0]):
-                seen = mx.array((tail + list(window[: j + 1]))[-self._context:])
-                row = logits[j: j + 1]
-                for processor in self.processors:
-                    row = processor(seen, row)
-                rows.append(row)
-            logits = mx.concatenate(rows, axis=0)
+            logits = process_window(self.processors, mx.array(self.history[-self._context:]), window, logits)
         if self.constraint is not None:
             from engine.spec.constraints import mask_row
 
@@ -83,6 +75,22 @@ class TargetSampler:
             self.output.extend(tokens)
         if len(self.history) > 4 * self._context + 64:
             del self.history[: len(self.history) - self._context]
+
+
+def process_window(processors: Sequence[Any], history: mx.array, window: Sequence[int],
+                   logits: mx.array) -> mx.array:
+    """logits [T, V] of a verify window's positions through ``processors``, position j seeing
+    ``history`` (the tokens fed before the window) and the window up to j: what a plain step
+    at that position would have seen."""
+    tokens = mx.concatenate([history.astype(mx.int32), mx.array(list(window), dtype=mx.int32)])
+    rows = []
+    for j in range(logits.shape[0]):
+        seen = tokens[: history.shape[0] + j + 1]
+        row = logits[j: j + 1]
+        for processor in processors:
+            row = processor(seen, row)
+        rows.append(row)
+    return mx.concatenate(rows, axis=0)
 
 
 def top_logprobs(logprobs: mx.array, n: int) -> tuple[tuple[int, float], ...]:
