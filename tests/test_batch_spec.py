@@ -219,16 +219,21 @@ def test_guided_choice_rows_draft_their_choice_and_eos(eng_llama, ref_llama):
         assert (r.finish_reason, r.finish_detail) == (ref.finish_reason, ref.finish_detail)
 
 
+def check_sampled(e: Engine, got, logs) -> None:
+    """Sampled batched rows: valid token ids, ended as a row ends, and sent as they came."""
+    vocab = e.loaded.tokenizer.vocab_size
+    for r, log in zip(got, logs):
+        assert r.stats.batched and r.finish_reason in ("length", "stop")
+        assert all(0 <= t < vocab for t in r.tokens)
+        assert [ev.token for ev in log if isinstance(ev, TokenEvent) and ev.token is not None] == r.tokens
+
+
 def test_sampled_rows_speculate_and_give_valid_tokens(eng_llama):
     prompts = repetitive(4, seed=5)
     reqs = [Request(prompt_tokens=p, params=SamplingParams(max_tokens=30, temperature=0.05, top_p=0.9),
                     spec="ngram") for p in prompts]
     got, logs, _ = submit_all(eng_llama, reqs)
-    vocab = eng_llama.loaded.tokenizer.vocab_size
-    for r, log in zip(got, logs):
-        assert r.stats.batched and r.finish_reason in ("length", "stop")
-        assert all(0 <= t < vocab for t in r.tokens)
-        assert [ev.token for ev in log if isinstance(ev, TokenEvent) and ev.token is not None] == r.tokens
+    check_sampled(eng_llama, got, logs)
 
 
 @pytest.fixture(scope="module")
@@ -267,11 +272,7 @@ def test_sampled_rows_of_the_demo_pair_draft_and_decode(demo):
             for i in range(2)]
     reqs += [Request(messages=quote, params=sampled, spec="ngram") for _ in range(2)]
     got, logs, _ = submit_all(demo, reqs)
-    vocab = demo.loaded.tokenizer.vocab_size
-    for r, log in zip(got, logs):
-        assert r.stats.batched and r.finish_reason in ("length", "stop")
-        assert all(0 <= t < vocab for t in r.tokens)
-        assert [ev.token for ev in log if isinstance(ev, TokenEvent) and ev.token is not None] == r.tokens
+    check_sampled(demo, got, logs)
     assert sum(r.stats.spec["accepted"] for r in got[:2]) > 0
     assert sum(r.stats.spec["drafted"] for r in got[2:]) > 0
 
