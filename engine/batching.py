@@ -213,14 +213,7 @@ class Batching:
         if not (self._caching and ending.tokens_in_cache and ending.cache):
             self._release(ending.cache)
             return
-        try:
-            import mlx.core as mx
-
-            mx.eval([c.state for c in ending.cache])
-            self.prefix_cache.store(ending.tokens_in_cache, ending.cache, self.namespace,
-                                    session=row.request.session)
-        except Exception:
-            log.exception("prefix cache store failed")
+        self._store_state(ending.tokens_in_cache, ending.cache, row.request.session)
 
     def _batch_failed(self, batch: Any, exc: BaseException) -> None:
         """A batch step failed (a cached state that does not fit, say): every row is

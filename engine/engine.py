@@ -767,14 +767,18 @@ class Engine(Batching):
         handle._emit(FinishedEvent(out.finish_reason, detail))
         # After the caller has its answer: hand the KV state to the prefix cache.
         if self._caching and out.tokens_in_cache:
-            try:
-                import mlx.core as mx
+            self._store_state(out.tokens_in_cache, gen.cache, req.session)
 
-                mx.eval([c.state for c in gen.cache])
-                self.prefix_cache.store(out.tokens_in_cache, gen.cache, self.namespace,
-                                        session=req.session)
-            except Exception:
-                log.exception("prefix cache store failed")
+    def _store_state(self, tokens: list[int], cache: Any, session: str | None) -> None:
+        """Hand the KV state of ``tokens`` to the prefix cache, once the request is answered;
+        a failure is logged, never raised into the request."""
+        try:
+            import mlx.core as mx
+
+            mx.eval([c.state for c in cache])
+            self.prefix_cache.store(tokens, cache, self.namespace, session=session)
+        except Exception:
+            log.exception("prefix cache store failed")
 
     def _generate(self, handle: RequestHandle, tokens: list[int], params: Any, cache: Any,
                   n_cached: int, sent: list[int], replay: list[int] | None) -> Generation:

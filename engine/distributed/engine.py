@@ -221,7 +221,6 @@ class ShardedEngine(Engine):
                 self._follow_request(msg.tokens, msg.body)
 
     def _follow_request(self, tokens: list[int], body: dict[str, Any]) -> None:
-        import mlx.core as mx
 
         from engine.generate import Generation, SamplingParams
 
@@ -242,12 +241,7 @@ class ShardedEngine(Engine):
                        "stay in step")
         out = gen.outcome
         if self._caching and out is not None and out.tokens_in_cache:
-            try:
-                mx.eval([c.state for c in gen.cache])
-                self.prefix_cache.store(out.tokens_in_cache, gen.cache, self.namespace,
-                                        session=session)
-            except Exception:
-                log.exception("prefix cache store failed")
+            self._store_state(out.tokens_in_cache, gen.cache, session)
         self._busy(False)
 
     # ------------------------------------------------------------------ front ends
