@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.generate import SamplingParams, StopMatcher, request_processors, request_sampler
+from engine.generate import SamplingParams, StopMatcher, request_processors, request_sampler, stream_detokenizer
 from engine.requests import FinishedEvent, ProgressEvent, RequestHandle, StatsEvent, TokenEvent
 
 
@@ -177,7 +177,7 @@ class Batch:
         if not rest:
             raise ValueError("a joining row needs at least one token to feed")
         p = row.params
-        row.detok = self.tokenizer.detokenizer
+        row.detok = stream_detokenizer(self.tokenizer)
         row.stopper = StopMatcher(p.stop)
         for t in row.emitted:
             row.detok.add_token(t)

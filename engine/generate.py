@@ -11,6 +11,7 @@ instead; everything after the token (EOS, stop strings, text) is this same loop.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -174,6 +175,117 @@ def _with_history(processor: Callable, history: Any) -> Callable:
     return lambda tokens, logits: processor(mx.concatenate([history, tokens]), logits)
 
 
+def stream_detokenizer(tokenizer: Any) -> Any:
+    """A fresh streaming detokenizer of ``tokenizer`` (mlx-lm's). A byte-level BPE one
+    releases bytes that can no longer become valid UTF-8 (a stray continuation byte, a
+    broken sequence) at once, as the U+FFFD they decode to, and holds back only a sequence
+    that a later token may still complete; mlx-lm's holds any text that ends in U+FFFD
+    until a later token ends it. The text, joined, is the same; a stream only shows it no
+    later than it is decided."""
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
+
+    detok = tokenizer.detokenizer
+    if type(detok) is BPEStreamingDetokenizer:
+        detok.__class__ = _eager_class()
+    return detok
+
+
+@functools.cache
+def _eager_class() -> type:
+    import codecs
+
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, _byte_decoder
+
+    class EagerBPEDetokenizer(BPEStreamingDetokenizer):
+        def add_token(self, token: int) -> None:
+            super().add_token(token)
+            if not self._unflushed:
+                return
+            table = _byte_decoder()
+            if any(c not in table for c in self._unflushed):  # added tokens: mlx-lm's way
+                return
+            decoder = codecs.getincrementaldecoder("utf-8")("replace")
+            text = decoder.decode(bytes(table[c] for c in self._unflushed), final=False)
+            held = len(decoder.getstate()[0])
+            if not text or (held == 0 and not text.endswith("\ufffd")):
+                return  # nothing decided yet, or a lone space mlx-lm holds on purpose
+            self.text += self._maybe_trim_space(text)
+            self._unflushed = self._unflushed[len(self._unflushed) - held:] if held else ""
+
+    return EagerBPEDetokenizer
+
+
+def head_view(model: Any) -> Any:
+    """The model as its decoder stack and LM head (an ``engine.spec.base.TargetView``), when
+    ``model(x)`` is exactly the head applied to the stack's last hidden state; else None
+    (e.g. a model that caps or scales its logits after the head). Probed once per model with
+    one token through two fresh caches, bit for bit."""
+    known = getattr(model, "_mlxkv_head_view", False)
+    if known is not False:
+        return known
+    view = None
+    try:
+        import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from engine.spec.base import TargetView
+
+        candidate = TargetView(model, None)
+        x = mx.array([[0]])
+        whole = model(x, cache=make_prompt_cache(model))
+        split = candidate.forward(x, make_prompt_cache(model))[0]
+        if whole.shape == split.shape and bool(mx.array_equal(whole, split)):
+            view = candidate
+    except Exception:  # no decoder with embed_tokens, an odd head: the model as a whole
+        view = None
+    object.__setattr__(model, "_mlxkv_head_view", view)
+    return view
+
+
+def prefill(model: Any, tokens: Sequence[int], cache: list, step: int,
+            on_chunk: Callable[[int], None], view: Any = None) -> tuple[Any, Any]:
+    """Feed ``tokens`` (non-empty) into ``cache`` in chunks of at most ``step``; returns the
+    last position's logits ([1, V], not evaluated) and, with ``view`` (a TargetView whose
+    source reads them), the hidden states of every position ([T, D]), else None.
+    ``on_chunk(done)`` follows each chunk but the last (it may raise to cancel).
+
+    The last chunk gives the first token's logits too, the LM head applied to its last
+    position only: no pass of its own for the prompt's last token (a pass costs a fixed
+    part, the weights read once, besides its per-token part). A model whose logits are not
+    its head on the last hidden state (:func:`head_view`) feeds that token alone, as mlx-lm's
+    generate_step does. Plain decoding and the speculative verifier both prefill here, so
+    their caches and first tokens are bit for bit the same."""
+    import mlx.core as mx
+
+    split = head_view(model)
+    fused = split is not None
+    total, done = len(tokens), 0
+    rows = []
+
+    def forward(x: Any) -> tuple[Any, Any]:  # (logits or None, hidden [T, D] or None)
+        if view is not None:
+            logits, h = view.forward(x, cache)
+            return logits, h[0]
+        if fused:
+            return None, split.forward(x, cache)[1][0]
+        return model(x, cache=cache), None
+
+    while total - done > (step if fused else 1):
+        n = min(step, total - done - (0 if fused else 1))
+        _, h = forward(mx.array([list(tokens[done: done + n])]))
+        keep = [h] if view is not None else []
+        mx.eval([c.state for c in cache] + keep)
+        rows += keep
+        done += n
+        on_chunk(done)
+        mx.clear_cache()
+    logits, h = forward(mx.array([list(tokens[done:])]))
+    if view is not None:
+        rows.append(h)
+    logits = split.logits(h[-1:]) if fused else logits[0, -1:]
+    return logits, (mx.concatenate(rows, axis=0) if view is not None else None)
+
+
 class Generation:
     """One generation. Iterate for :class:`Step` s; ``outcome`` is set when it ends.
 
@@ -213,7 +325,6 @@ class Generation:
 
     def __iter__(self) -> Iterator[Step]:
         import mlx.core as mx
-        from mlx_lm.generate import generate_step
         from mlx_lm.models.cache import make_prompt_cache
 
         p = self.params
@@ -237,7 +348,7 @@ class Generation:
         out = Outcome(prompt_tokens=len(self.prompt_tokens), cached_tokens=self.n_cached)
         self.outcome = None
         fed = list(self.prompt_tokens)  # every token whose KV may be in the cache
-        detok = self.tokenizer.detokenizer
+        detok = stream_detokenizer(self.tokenizer)
         eos = self.tokenizer.eos_token_ids
         stopper = StopMatcher(p.stop)
         text_parts: list[str] = []
@@ -251,11 +362,8 @@ class Generation:
             if self.constraint is not None:
                 processors = (processors or []) + [
                     self.constraint.processor(len(self.prompt_tokens) - self.n_cached)]
-            steps = generate_step(
-                mx.array(self.prompt_tokens[self.n_cached:]), self.model,
-                max_tokens=p.max_tokens, sampler=sampler, logits_processors=processors or None,
-                prompt_cache=self.cache, prefill_step_size=p.prefill_step_size,
-                prompt_progress_callback=progress)
+            steps = _plain_steps(self.model, self.prompt_tokens[self.n_cached:], self.cache, p,
+                                 sampler, processors, progress)
         try:
             for n, (token, token_logprobs) in enumerate(steps):
                 t_last = time.perf_counter()
@@ -306,6 +414,38 @@ class Generation:
             length = cache_length(self.cache)
             out.tokens_in_cache = fed[:length] if length is not None else fed
         self.outcome = out
+
+
+def _plain_steps(model: Any, tokens: Sequence[int], cache: list, p: SamplingParams, sampler: Callable,
+                 processors: list[Callable], progress: Callable[[int, int], None]) -> Iterator[tuple[int, Any]]:
+    """Plain decoding of the uncached prompt suffix ``tokens``: :func:`prefill`, the first
+    token sampled from its logits as mlx-lm's generate_step samples (processors, then
+    log-probabilities, then the sampler), then generate_step itself from that token on. The
+    processors see the same context as before: ``tokens``, then the generated ones."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step, generation_stream
+
+    total = len(tokens)
+    with mx.stream(generation_stream):
+        progress(0, total)
+        logits, _ = prefill(model, tokens, cache, p.prefill_step_size, lambda done: progress(done, total))
+        context = mx.array(list(tokens))
+        for processor in processors:
+            logits = processor(context, logits)
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        first = sampler(logprobs)
+        mx.eval(first, logprobs)
+    progress(total, total)
+    yield first.item(), logprobs.squeeze(0)
+    if p.max_tokens <= 1:
+        return
+    rest = generate_step(first, model, max_tokens=p.max_tokens - 1, sampler=sampler,
+                         logits_processors=[_with_history(proc, context) for proc in processors] or None,
+                         prompt_cache=cache, prefill_step_size=p.prefill_step_size)
+    try:
+        yield from rest
+    finally:
+        rest.close()
 
 
 def _logprob_of(logprobs: Any, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...] | None]:

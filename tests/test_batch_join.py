@@ -18,9 +18,10 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 
 def passes_of(model, monkeypatch) -> list[tuple[int, int]]:
-    """Records the (rows, tokens) shape of every forward pass of ``model``'s class."""
+    """Records the (rows, tokens) shape of every forward pass through ``model``'s decoder
+    stack (a single stream's prefill runs the stack and the LM head apart)."""
     shapes: list[tuple[int, int]] = []
-    cls = type(model)
+    cls = type(model.model)
     forward = cls.__call__
 
     def recorded(self, inputs, *args, **kwargs):
@@ -56,8 +57,9 @@ def test_a_moved_row_and_its_joiners_decode_from_one_pass(tiny_qwen3, monkeypatc
     assert [r.tokens for r in results] == ref
     assert all(r.stats.batched for r in results)
     prefills = [s for s in shapes if s[1] > 1]
-    # A's own prefill alone, then B's and C's together (padded to the longer)
-    assert prefills == [(1, len(a) - 1), (2, len(c) - 1)]
+    # A's own prefill alone (its last token in the same pass), then B's and C's together
+    # (padded to the longer)
+    assert prefills == [(1, len(a)), (2, len(c) - 1)]
     after = shapes[shapes.index(prefills[1]) + 1:]
     # A enters decoding with them: no pass runs a row alone until the shortest has ended
     assert after[:8] == [(3, 1)] * 8

@@ -125,9 +125,9 @@ def test_progress_events_per_prefill_chunk(eng):
                    callback=seen.append)
     r = h.result(timeout=T)
     progress = [(e.done, e.total) for e in seen if isinstance(e, ProgressEvent)]
-    # generate_step prefills all but the last prompt token in chunks, then the last one
-    # with the first generated token.
-    chunks = list(range(0, n - 1, 7))[1:] + [n - 1]
+    # The prompt goes in chunks of 7; the last chunk (1 to 7 tokens, the prompt's last token
+    # among them) gives the first token, which comes with the final (n, n).
+    chunks = list(range(7, n, 7))
     assert progress == [(0, n)] + [(d, n) for d in chunks] + [(n, n)]
     first_token = next(i for i, e in enumerate(seen) if isinstance(e, TokenEvent))
     assert all(isinstance(e, ProgressEvent) for e in seen[:first_token])

@@ -172,29 +172,22 @@ class SpecStream:
         mx.eval([c.state for c in self.cache])
 
     def _prefill(self) -> tuple[mx.array, mx.array | None]:
-        """Feed the uncached prompt in ``prefill_step_size`` chunks, the last token alone (as
-        generate_step does); returns the last position's logits and the hidden rows."""
+        """Feed the uncached prompt as plain decoding does (``engine.generate.prefill``: the
+        same chunks, the first token's logits from the last one); returns the last
+        position's logits and the hidden rows."""
+        from engine.generate import prefill
+
         rest = self.prompt[self.n_cached:]
-        total, done = len(rest), 0
-        hidden_rows = []
-        self.on_progress(0, total)
-        step = self.params.prefill_step_size
-        while total - done > 1:
-            n = min(step, total - done - 1)
-            chunk = rest[done: done + n]
-            _, hidden = self._forward(chunk)
-            mx.eval([c.state for c in self.cache] + ([hidden] if hidden is not None else []))
-            if hidden is not None:
-                hidden_rows.append(hidden)
-            self.kv_tokens.extend(chunk)
-            done += n
-            self.on_progress(done, total)
-            mx.clear_cache()
-        logits, hidden = self._forward(rest[done:])
-        self.kv_tokens.extend(rest[done:])
-        if hidden is not None:
-            hidden_rows.append(hidden)
-        return logits[-1:], (mx.concatenate(hidden_rows, axis=0) if hidden_rows else None)
+        self.on_progress(0, len(rest))
+
+        def fed(done: int) -> None:
+            self.kv_tokens.extend(rest[len(self.kv_tokens) - self.n_cached: done])
+            self.on_progress(done, len(rest))
+
+        logits, hidden = prefill(self.model, rest, self.cache, self.params.prefill_step_size, fed,
+                                 view=self.view if self.needs_hidden else None)
+        self.kv_tokens.extend(rest[len(self.kv_tokens) - self.n_cached:])
+        return logits, hidden
 
     # the stream -----------------------------------------------------------------------
     def __iter__(self) -> Iterator[tuple[int, mx.array]]:
