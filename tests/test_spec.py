@@ -275,3 +275,29 @@ def test_draft_row_group_matches_single_rows(dense, self_draft):
     assert group.propose([1, 1], 8)[0] == want + sorted(tok.eos_token_ids)[:1]
     group.commit([want[:1], []])
     assert forced.allowed(0, []) == [want[1]] and not forced.done(0)
+
+
+def test_drafts_after_an_end_of_sequence_token_are_not_counted(dense, self_draft):
+    # The target as its own draft drafts past the reply's end; those drafts could never be
+    # emitted, so they are not counted as drafted or accepted (nor seen by the policy): a
+    # reply's last round does not read as a run of drafts.
+    tok = dense.tokenizer
+    prompt = prompts(3, dense.model.args.vocab_size, seed=11)[2]
+    params = SamplingParams(max_tokens=24)
+    free = plain(dense.model, tok, prompt, params).outcome.tokens
+    # An end token that lands inside a window of 4 drafts (window positions 1-4, 6-9, ...).
+    at = next(p for p in (2, 3, 7, 8, 12, 13) if free.index(free[p]) == p)
+    saved = set(tok.eos_token_ids)
+    tok.eos_token_ids = saved | {free[at]}
+    try:
+        want = plain(dense.model, tok, prompt, params).outcome
+        spec = Speculation(self_draft, TargetView(dense.model, tok), params, mode="draft", max_tokens=4,
+                           timed=False)
+        got = Generation(dense.model, tok, prompt, params, speculation=spec)
+        list(got)
+    finally:
+        tok.eos_token_ids = saved
+    assert got.outcome.tokens == want.tokens == free[:at] and got.outcome.stop_detail == "eos"
+    stats = got.outcome.spec
+    assert stats["accepted"] == stats["drafted"] <= at  # every counted draft is a token of the reply
+    assert sum(stats["acceptance_by_position"]) == len(stats["acceptance_by_position"])

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -140,7 +140,8 @@ class SpecStream:
     def __init__(self, model: Any, prompt_tokens: Sequence[int], n_cached: int, cache: list,
                  params: Any, source: DraftSource, controller: LengthController, *,
                  kind: str, target_view: Any = None, needs_hidden: bool = False,
-                 on_progress: Callable[[int, int], None] | None = None, constraint: Any = None):
+                 on_progress: Callable[[int, int], None] | None = None, constraint: Any = None,
+                 eos: Collection[int] = ()):
         self.model = model
         self.prompt = list(prompt_tokens)
         self.n_cached = n_cached
@@ -151,6 +152,7 @@ class SpecStream:
         self.view = target_view
         self.needs_hidden = needs_hidden
         self.constraint = constraint
+        self.eos = frozenset(eos)
         self.on_progress = on_progress or (lambda done, total: None)
         self.kv_tokens: list[int] = list(self.prompt[:n_cached])
         self.stats = SpecStats(kind)
@@ -270,12 +272,15 @@ class SpecStream:
             t_c = time.perf_counter()
             self.source.commit(kept, hidden[:keep] if hidden is not None else None)
             t_done = time.perf_counter()
-            self.stats.record(len(drafts), accepted)
+            # Drafts after an end-of-sequence token could never be emitted: not counted as
+            # drafted, so a reply's last round does not read as a run of rejections.
+            counted = next((j + 1 for j, d in enumerate(drafts) if d in self.eos), len(drafts))
+            self.stats.record(counted, min(accepted, counted))
             self.stats.tokens += keep
             self.stats.draft_s += (t_drafted - t_round) + (t_done - t_c)
             self.stats.verify_s += t_verified - t_drafted
             self.stats.other_s += t_c - t_verified
-            self.controller.record(len(drafts), accepted, t_done - t_round)
+            self.controller.record(counted, min(accepted, counted), t_done - t_round)
             if self.trace:
                 print(f"mlxkv spec: fed={window} drafts={drafts} accepted={accepted} next={nxt}",
                       file=sys.stderr, flush=True)
