@@ -20,6 +20,7 @@ from engine.generate import SamplingParams
 from engine.spec.base import DraftProvider
 from engine.spec.batch_verify import BatchVerifier
 from engine.spec.draft import DraftModelSource
+from engine.spec.draft_step import CompiledStep
 from engine.spec.providers import Speculation
 
 
@@ -28,12 +29,13 @@ class MarkovDraft(DraftProvider):
 
     def __init__(self, model):
         self.draft = model
+        self.step = CompiledStep(model)
 
     def checkpoint_namespace(self) -> str:
         return "markov-test"
 
     def open(self, target, sampling, constraints=None):
-        return DraftModelSource(types.SimpleNamespace(model=self.draft), sampling, V)
+        return DraftModelSource(types.SimpleNamespace(model=self.draft, step=self.step), sampling, V)
 
 
 @pytest.mark.parametrize("cut", [False, True], ids=["own-counts", "cut-to-shortest"])

@@ -19,6 +19,7 @@ from mlx_lm.sample_utils import make_sampler
 from bench.modelgen import BASE_CONFIGS, init_model
 from engine.generate import SamplingParams
 from engine.spec.draft import DraftModelSource
+from engine.spec.draft_step import CompiledStep
 from engine.spec.policy import LengthController
 from engine.spec.sampling import TargetSampler, rejection_walk_rows
 from engine.spec.verify import SpecStream
@@ -111,9 +112,10 @@ def test_speculative_stream_samples_as_plain_decoding(pair):
     params = SamplingParams(temperature=1.0, max_tokens=1500)
     p_t = transition_probs(target, params)
     spec_tokens, stats = [], None
+    provider = types.SimpleNamespace(model=draft, step=CompiledStep(draft))  # q from the compiled step
     for seed in range(2):
         mx.random.seed(seed)
-        source = DraftModelSource(types.SimpleNamespace(model=draft), params, V)
+        source = DraftModelSource(provider, params, V)
         stream = SpecStream(target, [1, 2, 3], 0, make_prompt_cache(target), params, source,
                             LengthController(6, 6, adaptive=False), kind="draft")
         spec_tokens.append([3] + [t for t, _ in stream])

@@ -17,6 +17,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.spec.base import DraftProvider, DraftSource, KVState, Proposal
+from engine.spec.draft_step import CompiledStep
 
 SCHEMA = "draft-kv-v1"
 
@@ -52,6 +53,7 @@ class DraftModelSource(DraftSource):
         from engine.spec.sampling import TargetSampler
 
         self.model = provider.model
+        self.step_fn = provider.step
         self.cache = make_prompt_cache(self.model)
         self.fed: list[int] = []  # tokens in the draft's KV
         self._proposed: tuple[list[int], mx.array] | None = None  # fed by the last proposal
@@ -104,7 +106,7 @@ class DraftModelSource(DraftSource):
         x = mx.array([missing])
         tokens, rows = [], []
         for i in range(n):
-            logits = self.model(x, cache=self.cache)[0, -1:]
+            logits = self.step_fn(x, self.cache)
             if self.greedy:
                 y = mx.argmax(logits, axis=-1)
             else:
@@ -161,6 +163,7 @@ class DraftModelProvider(DraftProvider):
         check_pair(target_loaded.tokenizer, loaded.tokenizer, loaded.model, loaded.label)
         self.weights_bytes = sum(p.stat().st_size for p in Path(loaded.path).glob("*.safetensors"))
         self.fingerprint = loaded.fingerprint
+        self.step = CompiledStep(loaded.model)  # the draft's decode step, shared by its sources
 
     def checkpoint_namespace(self) -> str:
         return f"{SCHEMA}-{self.fingerprint}-{self.loaded.compute_dtype}"
