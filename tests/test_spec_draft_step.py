@@ -8,7 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from bench.modelgen import init_model, tiny_model
 from engine.models import load_model
@@ -67,6 +67,17 @@ def test_compiled_step_is_the_forward_pass(arch):
     x = mx.array([[9, 10]])
     a, b = logprobs(step(x, got_cache)), logprobs(model(x, cache=want_cache)[0, -1:])
     assert mx.abs(a - b).max().item() < 1e-4
+    # a cache holding exactly its tokens (as the prefix cache restores one) gets room to a
+    # multiple of 256 slots: one trace per capacity, not one per restored length
+    restored = []
+    for c in got_cache:
+        r = KVCache()
+        r.state = (c.keys[..., : c.offset, :], c.values[..., : c.offset, :], c.offset)
+        restored.append(r)
+    x = mx.array([[11]])
+    a, b = logprobs(step(x, restored)), logprobs(model(x, cache=want_cache)[0, -1:])
+    assert mx.abs(a - b).max().item() < 1e-4
+    assert all(r.keys.shape[2] % 256 == 0 and r.offset == want_cache[0].offset for r in restored)
 
 
 def test_a_sliding_window_cache_takes_the_forward_pass():

@@ -16,8 +16,8 @@ array input (RoPE takes it as one), the new keys and values go in with a dynamic
 update, and the attention mask hides every slot at or after the offset. The function
 returns the last position's logits and the updated buffers, which go back into the
 ``KVCache`` objects, so everything else (trim, capture, the prefix cache) sees the usual
-caches. A new trace is needed only when the buffers grow (every 256 tokens) or the width
-changes (1..``MAX_WIDTH`` tokens).
+caches. A trace serves one buffer capacity (a multiple of 256, grown here as needed) and
+one input width (1..``MAX_WIDTH`` tokens); tracing again costs a few milliseconds.
 
 Nothing here decides a token: drafts only propose, and the verifier keeps exactly what
 the target would have produced. Still, the first compiled step of each model is compared
@@ -36,6 +36,7 @@ import mlx.core as mx
 log = logging.getLogger("mlxkv.spec")
 
 MAX_WIDTH = 4  # the widest input the compiled step takes (a round's missing tokens + pending)
+STEP = 256  # buffer capacities are kept at multiples of this (KVCache.step): one trace each
 TOLERANCE = 1e-3  # most a compiled log-probability may differ from the forward pass's
 
 
@@ -79,6 +80,9 @@ class CompiledStep:
         return out
 
     def _fits(self, cache: list, width: int) -> bool:
+        """Plain KVCache layers at one offset, with room for ``width`` more (grown here to a
+        multiple of STEP when needed: a cache restored from the prefix cache holds exactly
+        its tokens, and a trace per odd capacity would pile up)."""
         from mlx_lm.models.cache import KVCache
 
         if not cache or not 0 < width <= MAX_WIDTH:
@@ -87,8 +91,14 @@ class CompiledStep:
         for c in cache:
             if type(c) is not KVCache or c.keys is None or c.offset != first.offset:
                 return False
-            if c.keys.shape[2] != first.keys.shape[2] or c.offset + width > c.keys.shape[2]:
-                return False  # no room: the forward pass grows the buffers
+        need = first.offset + width
+        for c in cache:
+            size = c.keys.shape[2]
+            if size < need or size % STEP:
+                grow = -(-need // STEP) * STEP - c.offset
+                k, v = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
+                c.keys = mx.concatenate([k, mx.zeros((*k.shape[:2], grow, k.shape[3]), k.dtype)], axis=2)
+                c.values = mx.concatenate([v, mx.zeros((*v.shape[:2], grow, v.shape[3]), v.dtype)], axis=2)
         return True
 
     def _compiled(self, tokens: mx.array, cache: list) -> mx.array:
