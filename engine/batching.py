@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
 import time
 from typing import Any
 
@@ -24,6 +25,10 @@ from engine.logs import warn_once
 from engine.requests import ErrorEvent, Request, RequestHandle
 
 log = logging.getLogger("mlxkv.engine")
+
+
+# How long a request that starts alone waits for others sent with it (see Batching._gather).
+GATHER_S = 0.01
 
 
 class Join(BaseException):
@@ -62,6 +67,20 @@ class Batching:
         # A seeded sampled request keeps its own random stream: it is served alone.
         p = req.params
         return not (p.seed is not None and p.temperature > 0)
+
+    def _gather(self, handle: RequestHandle) -> None:
+        """A batchable request that starts while nothing else waits gives the requests sent
+        with it (clients that send at once) up to ``GATHER_S`` to arrive before its prefill:
+        they then prefill together in one batch, as mlx_lm.server's do, instead of this one
+        alone and the others after its first token (its prefill is one pass: nothing to join
+        between). A lone request waits that long once, on the queue, not in a sleep."""
+        if (self._waiting > 0 or self._backlog or self.max_batch < 2 or not self._batchable
+                or handle.cancelled or not self._row_batchable(handle.request)):
+            return
+        try:
+            self._backlog.append(self._queue.get(timeout=GATHER_S))
+        except queue.Empty:
+            pass
 
     def _join_wanted(self, handle: RequestHandle, gen: Generation, sent: list[int]) -> bool:
         """Should the single-stream request ``handle`` move into a batch now: another

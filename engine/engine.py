@@ -786,9 +786,14 @@ class Engine(Batching):
         tokens sent. A failure with a cached prefix raises :class:`_Retry`. ``replay``: the
         tokens an earlier, failed attempt already sent, which are checked, not sent again."""
 
+        gather = [replay is None]  # before its prefill, once: see Batching._gather
+
         def progress(done: int, total: int) -> None:
             handle._emit(ProgressEvent(done, total))
             self._run_quick()
+            if gather[0]:
+                gather[0] = False
+                self._gather(handle)
             if done < total and replay is None and self._join_wanted(handle, gen, sent):
                 raise _Join(gen, sent, started)
 
