@@ -27,8 +27,10 @@ from engine.requests import ErrorEvent, Request, RequestHandle
 log = logging.getLogger("mlxkv.engine")
 
 
-# How long a request that starts alone waits for others sent with it (see Batching._gather).
+# How long a request that starts alone waits for others sent with it (see Batching._gather),
+# and for how long after requests last decoded together the engine expects such bursts.
 GATHER_S = 0.01
+GATHER_RECENT_S = 60.0
 
 
 class Join(BaseException):
@@ -73,14 +75,22 @@ class Batching:
         with it (clients that send at once) up to ``GATHER_S`` to arrive before its prefill:
         they then prefill together in one batch, as mlx_lm.server's do, instead of this one
         alone and the others after its first token (its prefill is one pass: nothing to join
-        between). A lone request waits that long once, on the queue, not in a sleep."""
+        between). It waits that long once, on the queue, not in a sleep, and only while
+        requests have decoded together within ``GATHER_RECENT_S``: a lone user (the chat, one
+        agent) never waits; a server that sees concurrent clients does."""
         if (self._waiting > 0 or self._backlog or self.max_batch < 2 or not self._batchable
-                or handle.cancelled or not self._row_batchable(handle.request)):
+                or not self._recently_batched() or handle.cancelled
+                or not self._row_batchable(handle.request)):
             return
         try:
             self._backlog.append(self._queue.get(timeout=GATHER_S))
         except queue.Empty:
             pass
+
+    def _recently_batched(self) -> bool:
+        """Whether requests decoded together within the last ``GATHER_RECENT_S``."""
+        last = self._batched_at
+        return self._batch is not None or (last is not None and time.monotonic() - last < GATHER_RECENT_S)
 
     def _join_wanted(self, handle: RequestHandle, gen: Generation, sent: list[int]) -> bool:
         """Should the single-stream request ``handle`` move into a batch now: another
@@ -160,6 +170,7 @@ class Batching:
                 self._run_quick()
         finally:
             self._batch = None
+            self._batched_at = time.monotonic()
             batch.close()
 
     def _batch_spec_policy(self) -> Any:

@@ -149,6 +149,7 @@ class Engine(Batching):
         # ahead for requests that may join a batch). Engine thread only.
         self._backlog: collections.deque = collections.deque()
         self._batch: Any = None  # the engine.batch.Batch decoding now
+        self._batched_at: float | None = None  # when a batch last ended (time.monotonic())
         self._batchable = False  # the model's caches can be batched (set at load)
         self._is_busy = False  # what the prefix cache was last told (busy())
 

@@ -616,3 +616,19 @@ def test_mixed_traffic_from_several_clients(tiny_qwen3, alone_engine):
         else:
             assert (got[i].tokens, got[i].text, got[i].finish_detail) == (
                 ref.tokens, ref.text, ref.finish_detail)
+
+
+def test_only_an_engine_that_batched_recently_waits_for_company(tiny_qwen3):
+    # A request that starts alone waits briefly for others sent with it (so a burst
+    # prefills together) only once requests have decoded together: a lone user never waits.
+    with Engine(str(tiny_qwen3), prefix_cache=ram_cache(), max_batch=8).start(timeout=T) as e:
+        e.submit(Request(prompt_tokens=[5, 6, 7], params=greedy(max_tokens=3))).result(timeout=T)
+        assert e.call(e._recently_batched).result(timeout=T) is False
+        rec = Recorder(e)
+        with held(e):
+            hs = [rec.submit(Request(prompt_tokens=p, params=greedy(max_tokens=6)))
+                  for p in token_prompts(2, seed=3)]
+        for h in hs:
+            h.result(timeout=T)
+        assert all(rec.events[h.id][-2].batched for h in hs)
+        assert e.call(e._recently_batched).result(timeout=T) is True
