@@ -443,6 +443,9 @@ class Engine(Batching):
         from engine.batch import batchable_cache
 
         self._batchable = batchable_cache(make_prompt_cache(self.loaded.model))
+        from engine.generate import head_view
+
+        head_view(self.loaded.model)  # probed while loading, not inside the first request's TTFT
         self._publish(LoadEvent(_LOAD_STAGES[2], total, total))
 
     def _load_model(self) -> tuple[Any, str]:

@@ -158,3 +158,14 @@ def test_eager_detokenizer_text_is_mlx_lms(qwen3):
         assert "".join(ours) == "".join(theirs)
         for k in range(len(ours)):
             assert len("".join(ours[: k + 1])) >= len("".join(theirs[: k + 1]))
+
+
+def test_the_head_is_probed_while_loading_not_in_the_first_request(tmp_path: Path, monkeypatch):
+    # head_view's probe (two one-token passes) runs as the engine loads, so the first
+    # request after a start (the restart TTFT) pays only its own prefill.
+    values = {"model": str(tiny_model("qwen3")), "cache_dir": str(tmp_path / "cache"), "spec": "off",
+              "prefix_cache": False}
+    with Engine.from_settings(Settings.load(values, env={})).start(timeout=T) as engine:
+        seen = passes(monkeypatch, engine.loaded.model)
+        engine.submit(Request(prompt_tokens=PROMPT, params=greedy(1))).result(timeout=T)
+    assert seen == [4, 4, 2]  # before: 1, 1 (the probe), then 4, 4, 2
