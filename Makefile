@@ -10,6 +10,7 @@ UNAME  := $(shell uname -s)
 EXTRAS := test$(if $(filter Linux,$(UNAME)),$(comma)cpu,)
 
 STAMP  := $(VENV)/.installed
+PYINSTALLER := pyinstaller==6.22.3
 
 .PHONY: run serve test bench binary ext clean demo-model
 
@@ -25,10 +26,10 @@ ext: $(STAMP)
 	$(PY) setup.py -q build_ext --inplace --build-temp build/temp
 
 run: ext
-	$(PY) mlxkv.py
+	$(PY) -m mlxkv
 
 serve: ext
-	$(PY) mlxkv.py serve
+	$(PY) -m mlxkv serve
 
 test: ext
 	$(PY) -m pytest -q
@@ -42,11 +43,11 @@ bench: ext
 
 # `make binary ONEDIR=1`: a one-folder build (no unpacking on each start).
 binary: ext
-	$(PY) -m pip install -q "pyinstaller>=6.10"
+	$(PY) -m pip install -q "$(PYINSTALLER)"
 	$(PY) -m PyInstaller --noconfirm --distpath build/dist --workpath build/pyinstaller build/mlxkv.spec$(if $(ONEDIR), -- --onedir)
 
 demo-model: ext
-	$(PY) -m engine.demo.train
+	$(PY) -m support.demo.train
 
 clean:
 	rm -rf build/temp build/lib* build/pyinstaller build/dist storage/_blocks.c storage/*.so *.egg-info
@@ -55,7 +56,7 @@ clean:
 # `make serve-2` serves like `make serve`; `make bench-distributed` measures it.
 .PHONY: serve-2 bench-distributed
 serve-2: ext
-	$(VENV)/bin/mlx.launch --backend ring -n 2 --python $(PY) -- mlxkv.py serve
+	$(VENV)/bin/mlx.launch --backend ring -n 2 --python $(PY) -- -m mlxkv serve
 
 bench-distributed: ext
 	OPENBLAS_NUM_THREADS=1 $(PY) -m bench.distributed

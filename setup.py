@@ -11,21 +11,19 @@ if sys.platform != "win32":
 if os.environ.get("MLXKV_NATIVE") == "1":
     extra_compile_args.append("-march=native")
 
-extensions = [
-    Extension(
-        "storage._blocks",
-        ["storage/_blocks.pyx"],
-        include_dirs=["storage"],
-        # Rebuild when the C headers change, not only the .pyx.
-        depends=["storage/_blocks.pxd", "storage/xxh3.h", "storage/fileio.h"],
-        extra_compile_args=extra_compile_args,
-    )
-]
+# Cython names the module after the folder it sits in (``storage._blocks``), which is how
+# it finds ``_blocks.pxd`` beside the .pyx; the compiled extension is installed as
+# ``mlxkv.storage._blocks`` (the ``package-dir`` mapping maps ``storage/`` to ``mlxkv.storage``).
+[cython_ext] = cythonize(
+    [Extension("storage._blocks", ["storage/_blocks.pyx"],
+               # Rebuild when the C headers change, not only the .pyx.
+               depends=["storage/_blocks.pxd", "storage/xxh3.h", "storage/fileio.h"])],
+    language_level=3,
+    compiler_directives={"boundscheck": False, "wraparound": False, "cdivision": True},
+)
 
 setup(
-    ext_modules=cythonize(
-        extensions,
-        language_level=3,
-        compiler_directives={"boundscheck": False, "wraparound": False, "cdivision": True},
-    ),
+    ext_modules=[Extension(
+        "mlxkv.storage._blocks", cython_ext.sources, include_dirs=["storage"],
+        depends=cython_ext.depends, extra_compile_args=extra_compile_args)],
 )

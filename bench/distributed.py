@@ -32,6 +32,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from mlxkv.engine.blas import preload
+
+preload()  # the system OpenBLAS before mlx.core
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -74,7 +78,7 @@ class Server:
         self.port = free_ports()
         env = {**os.environ, "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS", "1"),
                "HF_HUB_OFFLINE": "1"}
-        args = [str(ROOT / "mlxkv.py"), "serve", "--model", str(model), "--cache-dir", str(cache),
+        args = ["-m", "mlxkv", "serve", "--model", str(model), "--cache-dir", str(cache),
                 "--port", str(self.port), "--dist-timeout-s", "600"]
         if ranks > 1:
             args = [str(Path(sys.executable).with_name("mlx.launch")), "--backend", "ring", "-n",

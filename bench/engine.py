@@ -24,9 +24,9 @@ from pathlib import Path
 # One BLAS thread unless told otherwise: on 2 shared cores a descheduled BLAS worker
 # thread makes every matmul wait, which swamps the differences measured here.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+from mlxkv.engine.blas import blas_info, describe, preload  # noqa: E402
 
-import engine  # noqa: E402,F401  (loads the BLAS before mlx)
-from engine.blas import blas_info, describe  # noqa: E402
+preload()  # the system OpenBLAS before mlx.core
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "What is mlxkv and how does its prefix cache work?"
@@ -39,8 +39,8 @@ def _now() -> tuple[float, float]:
 
 
 def _ours(eng, tokens: list[int], n: int) -> tuple[float, ...]:
-    from engine.engine import Request, TokenEvent
-    from engine.generate import SamplingParams
+    from mlxkv.engine.engine import Request, TokenEvent
+    from mlxkv.engine.generate import SamplingParams
 
     t0 = _now()
     greedy = SamplingParams(max_tokens=n, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
@@ -78,7 +78,7 @@ def throughput(reps: int, prompt_tokens: int, decode_tokens: int) -> dict:
     import random
 
     from bench.models import bench_model_path, parameter_count
-    from engine.engine import Engine
+    from mlxkv.engine.engine import Engine
 
     path = bench_model_path()
     with Engine(str(path), dtype="float32").start() as eng:
@@ -138,8 +138,7 @@ def _byte_compile() -> None:
     don't."""
     import compileall
 
-    compileall.compile_file(str(ROOT / "mlxkv.py"), quiet=2)
-    for pkg in ("cli", "engine", "storage"):
+    for pkg in ("mlxkv", "cli", "engine", "storage"):
         compileall.compile_dir(str(ROOT / pkg), quiet=2)
 
 
@@ -151,7 +150,7 @@ def first_token(reps: int, model_override: str | None = None) -> dict:
     elif (demo / "config.json").exists():
         model, which = demo, "demo model"
     else:
-        from bench.modelgen import tiny_model
+        from support.modelgen import tiny_model
 
         model, which = tiny_model("qwen3"), "tiny qwen3 test model (demo model not built)"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -168,7 +167,7 @@ def first_token(reps: int, model_override: str | None = None) -> dict:
     ours_t, peer_t = [], []
     for rep in range(reps + 1):  # the first pair warms the page cache and is dropped
         cache_dir = tempfile.mkdtemp(prefix="mlxkv-bench-")  # cold prefix cache each run
-        ours_cmd = [sys.executable, str(ROOT / "mlxkv.py"), "generate", *common,
+        ours_cmd = [sys.executable, "-m", "mlxkv", "generate", *common,
                     "--cache-dir", cache_dir]
         runs = [(lambda cmd=ours_cmd: _first_output(cmd, env), ours_t),
                 (lambda: _first_output(peer + common, env_peer, b"==========\n"), peer_t)]

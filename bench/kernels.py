@@ -22,7 +22,7 @@ from collections.abc import Callable
 import numpy as np
 import xxhash
 
-from storage import _blocks
+from mlxkv.storage import _blocks
 
 LAYERS, HEADS, DIM, ITEMSIZE = 32, 8, 128, 2  # bf16
 TOKEN_BYTES = LAYERS * 2 * HEADS * DIM * ITEMSIZE  # K and V: 128 KiB per token

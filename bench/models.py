@@ -27,8 +27,9 @@ REFERENCE_SHAPE = {"hidden_size": 768, "num_hidden_layers": 6, "intermediate_siz
 
 def bench_shape(blas_active: bool | None = None) -> dict:
     if blas_active is None:
-        import engine  # noqa: F401  (loads the BLAS before mlx)
-        from engine.blas import blas_info
+        from mlxkv.engine.blas import blas_info, preload
+
+        preload()
 
         blas_active = blas_info()["name"] != "reference (bundled with mlx)"
     return dict(OPENBLAS_SHAPE if blas_active else REFERENCE_SHAPE)
@@ -36,8 +37,10 @@ def bench_shape(blas_active: bool | None = None) -> dict:
 
 def bench_model_path(blas_active: bool | None = None) -> Path:
     """Folder of the bench model for the BLAS in use (built once, then reused)."""
-    import engine  # noqa: F401
-    from bench.modelgen import TEST_MODELS, build_random_model
+    from mlxkv.engine.blas import preload
+
+    preload()
+    from support.modelgen import TEST_MODELS, build_random_model
 
     shape = bench_shape(blas_active)
     name = "bench-qwen3-h{hidden_size}-l{num_hidden_layers}-kv{num_key_value_heads}".format(
@@ -142,7 +145,7 @@ def copy_weights(config: dict, seed: int = 1, noise: float = 1e-3, order_per_tok
     import numpy as np
     from mlx.utils import tree_flatten
 
-    from bench.modelgen import init_model
+    from support.modelgen import init_model
 
     H, D = config["hidden_size"], config["head_dim"]
     n_heads, n_kv, vocab = config["num_attention_heads"], config["num_key_value_heads"], config["vocab_size"]
@@ -228,7 +231,7 @@ def copy_weights(config: dict, seed: int = 1, noise: float = 1e-3, order_per_tok
 
 
 def copy_config(shape: dict, vocab_size: int) -> dict:
-    from bench.modelgen import model_config
+    from support.modelgen import model_config
 
     return model_config("qwen3", vocab_size, rope_theta=COPY_ROPE_THETA, max_position_embeddings=COPY_CONTEXT,
                         tie_word_embeddings=False, **shape)
@@ -245,7 +248,7 @@ def build_copy_model(out_dir: str | Path, shape: dict, *, tokenizer_from: str | 
     import mlx.core as mx
     from mlx_lm.utils import save_config
 
-    from bench.modelgen import build_tokenizer, stdlib_corpus
+    from support.modelgen import build_tokenizer, stdlib_corpus
 
     out = Path(out_dir)
     if (out / "config.json").exists() and list(out.glob("*.safetensors")):
@@ -277,7 +280,7 @@ COPY_MODEL_VERSION = 2  # bump when the construction changes: the folder name ca
 def copy_model_path(blas_active: bool | None = None) -> Path:
     """Folder of the copy model for the BLAS in use: the bench model's shape, tokenizer and
     cost per token, with the induction circuit above (built once, in seconds)."""
-    from bench.modelgen import TEST_MODELS
+    from support.modelgen import TEST_MODELS
 
     shape = bench_shape(blas_active)
     name = "bench-copy{v}-qwen3-h{hidden_size}-l{num_hidden_layers}-kv{num_key_value_heads}".format(

@@ -27,9 +27,11 @@ from pathlib import Path
 from typing import Any
 
 # isort: off
-import engine  # noqa: F401  (loads OpenBLAS before mlx.core: keep it first)
-import mlx.core as mx
-import numpy as np
+from mlxkv.engine.blas import preload
+
+preload()  # the system OpenBLAS before mlx.core
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
 # isort: on
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,7 +46,7 @@ def bench_model() -> Path:
 
         return Path(bench_model_path())
     except ImportError:
-        from bench.modelgen import build_random_model
+        from support.modelgen import build_random_model
 
         return build_random_model(
             ROOT / ".cache" / "models" / "bench-qwen3-prefix", arch="qwen3", vocab_size=512,
@@ -112,7 +114,7 @@ def blas_threads(n: int | None) -> int | None:
     """Set OpenBLAS's thread count (returns the previous one; None if not OpenBLAS)."""
     import ctypes
 
-    from engine.blas import blas_info
+    from mlxkv.engine.blas import blas_info
 
     path = blas_info().get("path")
     if n is None or not path or not blas_info().get("active"):
@@ -132,9 +134,9 @@ def med(xs: list[float]) -> float:
 # ----------------------------------------------------------------------------- child
 def child_ssd(args: argparse.Namespace) -> int:
     """A new process with empty RAM: SSD hit TTFT + restore throughput."""
-    from engine.cache import PrefixCache
-    from engine.cache.tokens import store_namespace
-    from storage.io import ReadRequest
+    from mlxkv.engine.cache import PrefixCache
+    from mlxkv.engine.cache.tokens import store_namespace
+    from mlxkv.storage.io import ReadRequest
 
     model = load(Path(args.model))
     prompt = tokens(args.context + args.new, 1)
@@ -184,7 +186,7 @@ def child_ssd(args: argparse.Namespace) -> int:
 def child_tail_reuse(args: argparse.Namespace, model: Any, prompt: list[int]) -> dict[str, Any]:
     """A new process repeats prompts the stored state runs past: one whose length is a
     multiple of the block size (the conversation itself) and one that is not."""
-    from engine.cache import PrefixCache
+    from mlxkv.engine.cache import PrefixCache
 
     out: dict[str, Any] = {"tail_reuse": {}}
     for length in (args.context, args.context - 96):
@@ -202,7 +204,7 @@ def child_prefetched(args: argparse.Namespace, model: Any, prompt: list[int]) ->
     hit of the same turn, paired per round."""
     from mlx_lm.models.cache import trim_prompt_cache
 
-    from engine.cache import PrefixCache
+    from mlxkv.engine.cache import PrefixCache
 
     out: dict[str, Any] = {"prefetched_ttft": [], "ram_ttft": [], "prefetched_first": []}
     for _ in range(args.repeats):
@@ -241,7 +243,7 @@ class Bench:
         print(f"  {what:<58} {value:>14}  {note}", flush=True)
 
     def run(self) -> dict[str, Any]:
-        from engine.blas import describe
+        from mlxkv.engine.blas import describe
 
         try:
             self.model_path = bench_model()
@@ -280,7 +282,7 @@ class Bench:
     def ram_hit(self) -> None:
         from mlx_lm.models.cache import LRUPromptCache, trim_prompt_cache
 
-        from engine.cache import PrefixCache
+        from mlxkv.engine.cache import PrefixCache
 
         a, model, prompt = self.args, self.model, self.prompt
         self.pc = pc = PrefixCache(ram_bytes=1 << 34, cache_dir=self.dir / "cache",
@@ -414,7 +416,7 @@ class Bench:
 
         from mlx_lm.models.cache import trim_prompt_cache
 
-        from engine.cache.tokens import store_namespace
+        from mlxkv.engine.cache.tokens import store_namespace
 
         a, pc, model = self.args, self.pc, self.model
         cache = real_copy(self.conv)
@@ -508,7 +510,7 @@ class Bench:
     def shared_ram(self) -> None:
         from mlx_lm.models.cache import LRUPromptCache
 
-        from engine.cache import PrefixCache
+        from mlxkv.engine.cache import PrefixCache
 
         a, model = self.args, self.model
         system = self.prompt[: a.context]
@@ -543,8 +545,8 @@ class Bench:
     def trace(self) -> None:
         from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
-        from bench.modelgen import init_model, model_config
-        from engine.cache import PrefixCache
+        from mlxkv.engine.cache import PrefixCache
+        from support.modelgen import init_model, model_config
 
         model = init_model(model_config("qwen3", 512), seed=0)
         sys_p = tokens(1000, 7)

@@ -81,7 +81,7 @@ class Served:
 
     def command(self) -> list[str]:
         if self.kind == "mlxkv":
-            return [sys.executable, str(ROOT / "mlxkv.py"), "serve", "--model", str(self.model),
+            return [sys.executable, "-m", "mlxkv", "serve", "--model", str(self.model),
                     "--port", str(self.port), "--cache-dir", str(self.cache_dir / "kv"),
                     "--max-requests", "256", *self.extra]
         return [sys.executable, "-m", "mlx_lm", "server", "--model", str(self.model), "--port",
@@ -94,8 +94,9 @@ class Served:
         if self.kind == "mlx_lm":
             # the same BLAS as ours: mlxkv preloads it before mlx (engine.blas); mlx-lm gets
             # it preloaded by the dynamic loader
-            import engine  # noqa: F401
-            from engine.blas import blas_info
+            from mlxkv.engine.blas import blas_info, preload
+
+            preload()
 
             info = blas_info()
             if info.get("active") and info.get("path"):
@@ -282,8 +283,9 @@ def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, A
     work = Path(tempfile.mkdtemp(prefix="mlxkv-bench-server-"))
     ours = Served("mlxkv", model, work)
     theirs = Served("mlx_lm", model, work)
-    import engine  # noqa: F401
-    from engine.blas import describe
+    from mlxkv.engine.blas import describe, preload
+
+    preload()
 
     out: dict[str, Any] = {"model": str(model), "quick": args.quick, "blas": describe(),
                            "openblas_threads": os.environ.get("OPENBLAS_NUM_THREADS"), "users": args.users,

@@ -65,7 +65,9 @@ from pathlib import Path
 from typing import Any
 
 # isort: off
-import engine  # noqa: F401  (loads OpenBLAS before mlx.core: keep it first)
+from mlxkv.engine.blas import preload
+
+preload()  # the system OpenBLAS before mlx.core
 # isort: on
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -140,31 +142,8 @@ def build_bench_pair(target: Path, draft_layers: int, upper_scale: float) -> tup
     return out, build_layer_draft(out, draft_layers)
 
 
-def build_scaled_model(target: Path, name: str, scale: Any) -> Path:
-    """A copy of ``target`` whose weight ``k`` is multiplied by ``scale(k)`` (built once)."""
-    out = target.with_name(f"{target.name}-{name}")
-    if (out / "config.json").is_file() and list(out.glob("*.safetensors")):
-        return out
-    import mlx.core as mx
-
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(target, tmp, ignore=shutil.ignore_patterns("*.safetensors"))
-    weights = {}
-    for f in sorted(target.glob("*.safetensors")):
-        for k, v in mx.load(str(f)).items():
-            factor = scale(k)
-            weights[k] = v * factor if factor != 1 else v
-    mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
-    if out.exists():
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        os.replace(tmp, out)
-    return out
-
-
 def _settings(model: Path, cache_dir: Path, **values: Any) -> Any:
-    from engine.settings import Settings
+    from mlxkv.engine.settings import Settings
 
     base = {"model": str(model), "cache_dir": str(cache_dir), "block_tokens": 64, "ram_cache_bytes": 4 << 30}
     return Settings.load({**base, **values}, env={})
@@ -225,7 +204,7 @@ def _file_edit_prompt(tok: Any) -> list[int]:
 def _quote_prompt(tok: Any) -> list[int]:
     """A question about a document in the system prompt, and the answer so far: the opening
     words of the quote that answers it."""
-    from engine.demo.facts import FACTS
+    from support.demo.facts import FACTS
 
     doc = "\n".join(f["a"][0] for f in FACTS[:8])
     messages = [{"role": "system", "content": "Answer with quotes from this document:\n" + doc},
@@ -237,8 +216,8 @@ def _quote_prompt(tok: Any) -> list[int]:
 
 def _restored_child(args: argparse.Namespace) -> int:
     """Turn 2 of the conversation in a fresh process (prefix cache from the SSD tier only)."""
-    from engine.engine import Engine, Request
-    from engine.generate import SamplingParams
+    from mlxkv.engine.engine import Engine, Request
+    from mlxkv.engine.generate import SamplingParams
 
     job = json.loads(args.restored_child)
     s = _settings(Path(job["model"]), Path(job["cache_dir"]), draft_model=job["draft"], spec="draft")
@@ -304,10 +283,10 @@ def main(argv: list[str] | None = None) -> int:
         return _restored_child(args)
 
     from bench.models import bench_model_path, copy_model_path
-    from engine.demo.facts import FACTS
-    from engine.engine import Engine, Request
-    from engine.generate import SamplingParams
-    from engine.settings import DEMO_MODEL
+    from mlxkv.engine.engine import Engine, Request
+    from mlxkv.engine.generate import SamplingParams
+    from mlxkv.engine.settings import DEMO_MODEL
+    from support.demo.facts import FACTS
 
     bench = Path(bench_model_path())
     copier = Path(copy_model_path())

@@ -8,7 +8,7 @@ in one engine (runs interleaved, median of ``--repeats``).
 Tasks (all greedy unless said; every row's output is checked equal across modes):
 - ``demo_quote``: the demo model (trained) answering with quotes from a document in its
   system prompt, one question per row, ``spec=ngram`` vs ``off`` (input-grounded work);
-- ``tiny_repeat``: the tiny random llama (``bench.modelgen.tiny_model``) continuing prompts
+- ``tiny_repeat``: the tiny random llama (``support.modelgen.tiny_model``) continuing prompts
   that repeat themselves (it falls into cycles prompt lookup predicts), ``ngram`` vs ``off``;
 - ``demo_draft``: the demo pair, one of the demo model's questions per row, ``draft`` vs ``off``;
 - ``demo_guided``: ``guided_choice`` among long answers (three of the demo model's own
@@ -37,8 +37,9 @@ import threading
 import time
 from typing import Any
 
-import engine  # noqa: F401  (loads the BLAS before mlx)
+from mlxkv.engine.blas import preload
 
+preload()  # the system OpenBLAS before mlx.core
 T = 600
 
 
@@ -47,7 +48,7 @@ def _batch(eng: Any, reqs: list) -> tuple[dict, list]:
     last, "rows": rows x the mean decode throughput of a request (what a full batch
     decodes a second, prefill of later rows and a lone last row left out), "cpu": tokens
     per CPU-second of this process (less sensitive to other load)}, results)."""
-    from engine.engine import TokenEvent
+    from mlxkv.engine.engine import TokenEvent
 
     times: list[float] = []
     lock = threading.Lock()
@@ -108,11 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
 
-    from bench.modelgen import tiny_model
-    from engine.demo.facts import FACTS
-    from engine.engine import Engine, Request
-    from engine.generate import SamplingParams
-    from engine.settings import DEMO_MODEL
+    from mlxkv.engine.engine import Engine, Request
+    from mlxkv.engine.generate import SamplingParams
+    from mlxkv.engine.settings import DEMO_MODEL
+    from support.demo.facts import FACTS
+    from support.modelgen import tiny_model
 
     n, rows, reps = args.tokens, args.rows, args.repeats
     count = rows * args.waves

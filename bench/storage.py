@@ -42,6 +42,10 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from mlxkv.engine.blas import preload
+
+preload()  # the system OpenBLAS before mlx.core
+
 LAYERS, HEADS, DIM = 32, 8, 128
 ROW = DIM * 2  # bf16 bytes per token per head
 GIB = 1 << 30
@@ -107,7 +111,7 @@ def bench_kv_model() -> Any:
     bf16): small random weights, since only its cache layout matters here."""
     import mlx.core as mx
 
-    from bench.modelgen import init_model, model_config
+    from support.modelgen import init_model, model_config
 
     model = init_model(model_config("llama", 512, num_hidden_layers=LAYERS, hidden_size=256,
                                     intermediate_size=256, num_attention_heads=HEADS,
@@ -129,7 +133,7 @@ def child_restore(args: argparse.Namespace) -> int:
         out["s"] = time.perf_counter() - t
         out["n"] = int(cache[0].offset)
     else:
-        from engine.cache import PrefixCache
+        from mlxkv.engine.cache import PrefixCache
 
         model = bench_kv_model()  # "loading the model"
         pc = PrefixCache(ram_bytes=1 << 34, cache_dir=args.store_dir, block_tokens=256)
@@ -155,10 +159,10 @@ class Bench:
         if not args.no_mlx:
             import mlx.core as mx
 
-        from storage import _blocks as K
-        from storage import format as fmt
-        from storage.io import ReadRequest, Snapshot, StorageIO
-        from storage.store import BlockStore
+        from mlxkv.storage import _blocks as K
+        from mlxkv.storage import format as fmt
+        from mlxkv.storage.io import ReadRequest, Snapshot, StorageIO
+        from mlxkv.storage.store import BlockStore
 
         self.mx, self.K, self.fmt = mx, K, fmt
         self.ReadRequest, self.Snapshot = ReadRequest, Snapshot
@@ -200,7 +204,7 @@ class Bench:
         mx, shape = self.mx, (1, HEADS, self.T, DIM)
         if mx is None:
             return [np.zeros(shape, np.uint16) for _ in range(LAYERS * 2)]
-        from engine.cache import buffers as mxbuffers
+        from mlxkv.engine.cache import buffers as mxbuffers
 
         shapes, dtypes = [shape] * (LAYERS * 2), [mx.bfloat16] * (LAYERS * 2)
         if zeroed:
@@ -421,7 +425,7 @@ class Bench:
         """The engine's SSD hit in a new process vs mlx-lm's load of the same state."""
         import subprocess
 
-        from engine.cache import PrefixCache
+        from mlxkv.engine.cache import PrefixCache
 
         mx, T, R = self.mx, self.T, self.R
         C, note = mlx_lm_cache()
@@ -581,7 +585,7 @@ class Bench:
 
     def dedup(self) -> None:
         """8 snapshots sharing a 6,144-token prefix plus 512 unique tokens each."""
-        from storage.store import BlockStore
+        from mlxkv.storage.store import BlockStore
 
         mx = self.mx
         layers = LAYERS if self.args.full else 4
@@ -618,7 +622,7 @@ class Bench:
         shutil.rmtree(root, ignore_errors=True)
 
     def scan(self) -> None:
-        from storage.store import BlockStore
+        from mlxkv.storage.store import BlockStore
 
         root = os.path.join(self.dir, "scan")
         layout = self.fmt.make_layout([("k", "bfloat16", (32,), 1, 64)])
@@ -698,7 +702,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--tokens must be a multiple of 256 (the block size)")
     args.repeats = max(3, args.repeats)
     b = Bench(args)
-    from storage import store
+    from mlxkv.storage import store
 
     print(f"bench.storage: {args.tokens} tokens x {LAYERS} layers x {HEADS} heads x {DIM} dim bf16 "
           f"= {b.nbytes / GIB:.3f} GiB snapshot{'' if args.full else ' (use --full for 1 GiB)'}; "

@@ -44,6 +44,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mlxkv.engine.blas import preload
+
+preload()  # the system OpenBLAS before mlx.core
+
 ROOT = Path(__file__).resolve().parent.parent
 SIZE = (120, 40)
 TARGETS = {"start_to_interactive_s": 1.5, "key_latency_p95_ms": 50.0, "token_lag_p95_ms": 100.0}
@@ -118,7 +122,7 @@ async def _until(test: Callable[[], bool], what: str, timeout: float = DEADLINE_
 
 
 def _settings(workdir: Path) -> Any:
-    from engine.settings import Settings
+    from mlxkv.engine.settings import Settings
 
     return Settings.load({"cache_dir": str(workdir / "cache")}, env={})
 
@@ -139,8 +143,8 @@ async def _first_key(app: Any, probe: FrameProbe, t0_wall: float) -> dict:
 
 async def _live(app: Any, turns: int) -> dict:
     """Replies stream while keys are typed; token and key times matched to frames."""
-    from engine.demo import SAMPLE_QUESTIONS
-    from tui.bridge import ReplyStream
+    from mlxkv.engine.demo import SAMPLE_QUESTIONS
+    from mlxkv.tui.bridge import ReplyStream
 
     chat, bridge = app.chat, app.bridge
     await _until(bridge.ready.is_set, "the model to load")
@@ -262,7 +266,7 @@ async def _live(app: Any, turns: int) -> dict:
 
 def entry_records(n: int, seed: int = 1) -> list:
     """``n`` cache entries of a plausible mix (kinds, tiers, sizes, sessions)."""
-    from engine.cache.info import CacheEntryInfo
+    from mlxkv.engine.cache.info import CacheEntryInfo
 
     rng = random.Random(seed)
     now = time.time()
@@ -283,7 +287,7 @@ def entry_records(n: int, seed: int = 1) -> list:
 
 
 async def _inspector(app: Any, n: int) -> dict:
-    from tui.inspector import InspectorScreen
+    from mlxkv.tui.inspector import InspectorScreen
 
     records = entry_records(n)
     screen = InspectorScreen(app.bridge, live=False)
@@ -324,7 +328,7 @@ async def _inspector(app: Any, n: int) -> dict:
 
 
 async def _child(args: argparse.Namespace) -> dict:
-    from tui.app import MlxkvApp
+    from mlxkv.tui.app import MlxkvApp
 
     workdir = Path(args.workdir)
     os.environ["MLXKV_DATA_DIR"] = str(workdir / "data")

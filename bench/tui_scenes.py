@@ -26,6 +26,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from mlxkv.engine.blas import preload
+
+preload()  # the system OpenBLAS before mlx.core
+
 SIZE = (120, 40)
 FIXED_TIME = 1749988800.0  # 2025-06-15 12:00 UTC: "15 Jun" in the sidebar in any time zone
 QUESTIONS = ("What is mlxkv?", "How does the SSD cache work?")
@@ -51,7 +55,7 @@ CLOCK = InspectorClock()
 def pinned() -> Iterator[InspectorClock]:
     """The environment of a scene: keymap path ``~/.config/mlxkv/keys.toml`` (none there),
     and the inspector's clock (reset to the real time on entry)."""
-    from tui.widgets import entry_table
+    from mlxkv.tui.widgets import entry_table
 
     old_env = os.environ.get("XDG_CONFIG_HOME")
     old_time = entry_table.time
@@ -70,8 +74,8 @@ def pinned() -> Iterator[InspectorClock]:
 
 def make_app(folder: Path) -> Any:
     """The app on the demo model, its store and cache under ``folder``, store clock fixed."""
-    from engine.settings import Settings
-    from tui.app import MlxkvApp
+    from mlxkv.engine.settings import Settings
+    from mlxkv.tui.app import MlxkvApp
 
     # Speculation off: its adaptive policy times each round, so how far the draft model's
     # state reaches (and so the draft entries the inspector lists) varies from run to run.

@@ -19,14 +19,14 @@ import sys
 import time
 from typing import Any
 
-from cli.common import fail, human_bytes
-from storage import CacheFolderError
+from mlxkv.cli.common import fail, human_bytes
+from mlxkv.storage import CacheFolderError
 
 MANIFEST_DIR = "manifests"
 
 
 def _open_store(root: str) -> Any:
-    from storage.store import BlockStore
+    from mlxkv.storage.store import BlockStore
 
     if not os.path.lexists(root):  # looking must not create it
         raise FileNotFoundError(f"no cache folder at {root} (nothing cached yet, or pass "
@@ -43,7 +43,7 @@ def _open_store(root: str) -> Any:
 def _block_tokens(store: Any) -> int | None:
     """The block size the folder was written with (it is not recorded there): the one
     whose chain key of a saved conversation's first block matches its manifest."""
-    from storage.store import BlockStore
+    from mlxkv.storage.store import BlockStore
 
     for ns in sorted(store.stats()["namespaces"]):
         for man in store.manifests(ns):
@@ -63,7 +63,7 @@ def _block_tokens(store: Any) -> int | None:
 
 def _namespaces(store: Any, only: str | None) -> list[str]:
     """Namespaces with indexed files, or only saved conversations (whose blocks are gone)."""
-    from storage.store import check_namespace
+    from mlxkv.storage.store import check_namespace
 
     names = set(store.stats()["namespaces"])
     for de in os.scandir(store.root):

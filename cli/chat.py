@@ -7,7 +7,7 @@ import sys
 import uuid
 from typing import Any
 
-from cli.common import (
+from mlxkv.cli.common import (
     Progress,
     fail,
     human_bytes,
@@ -17,7 +17,7 @@ from cli.common import (
     stats_line,
     wait_result,
 )
-from cli.terminal import LineReader
+from mlxkv.cli.terminal import LineReader
 
 HELP = """chat commands:
   /help          this list
@@ -92,7 +92,7 @@ class Chat:
         return True
 
     def ask(self, text: str) -> None:
-        from engine.engine import EngineError, Request
+        from mlxkv.engine.engine import EngineError, Request
 
         self.messages.append({"role": "user", "content": text})
         try:
@@ -121,7 +121,7 @@ class Chat:
 
 
 def cmd_chat(settings: Any) -> int:
-    from engine.engine import EngineError
+    from mlxkv.engine.engine import EngineError
 
     engine = start_engine(settings)
     try:

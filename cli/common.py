@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
-from cli.parser import PROG
+from mlxkv.cli.parser import PROG
 
 
 def human_bytes(n: float) -> str:
@@ -30,7 +30,7 @@ class UsageError(ValueError):
 
 
 def sampling_params(settings: Any, stop: Sequence[str] = ()) -> Any:
-    from engine.generate import SamplingParams
+    from mlxkv.engine.generate import SamplingParams
 
     return SamplingParams(
         max_tokens=settings.max_tokens, temperature=settings.temperature,
@@ -40,7 +40,7 @@ def sampling_params(settings: Any, stop: Sequence[str] = ()) -> Any:
 
 
 def start_engine(settings: Any, wait: bool = True) -> Any:
-    from engine.engine import Engine
+    from mlxkv.engine.engine import Engine
 
     engine = Engine.from_settings(settings).start(wait=wait)
     if wait:
@@ -124,7 +124,7 @@ def _isatty(stream: TextIO) -> bool:
 def printer(out: TextIO, progress: Progress | None = None) -> Callable[[Any], None]:
     """An event callback that writes token text as it is generated. It runs on the engine
     thread, so a token reaches the terminal without a hop to the main thread."""
-    from engine import engine as eng
+    from mlxkv.engine import engine as eng
 
 
     def on_event(event: Any) -> None:

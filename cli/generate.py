@@ -9,7 +9,7 @@ import json
 import sys
 from typing import Any
 
-from cli.common import (
+from mlxkv.cli.common import (
     Progress,
     UsageError,
     after_startup,
@@ -31,7 +31,7 @@ def read_prompt(args: argparse.Namespace) -> str:
 
 
 def build_request(args: argparse.Namespace, settings: Any, prompt: str) -> Any:
-    from engine.engine import Request
+    from mlxkv.engine.engine import Request
 
     extra: dict[str, Any] = {}
     if args.truncate:

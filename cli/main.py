@@ -2,8 +2,8 @@
 ``mlxkv config``, ``mlxkv cache ...``, ``mlxkv --version``.
 
 Start-up is kept light on purpose (``mlxkv generate``'s process start -> first token is
-benchmarked against mlx-lm's CLI): argparse first, then ``engine`` (which loads OpenBLAS
-before mlx), and mlx/mlx-lm only when a model is needed. Textual is never imported here
+benchmarked against mlx-lm's CLI): argparse first, then the OpenBLAS preload (before mlx is
+imported: :mod:`mlxkv.engine.blas`), and mlx/mlx-lm only when a model is needed. Textual is never imported here
 unless the TUI runs.
 
 Nothing reaches the user as a traceback: a failure is one ``mlxkv: error: ...`` line and
@@ -22,7 +22,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from cli.parser import JSON_COMMANDS, build_parser
+from mlxkv.cli.parser import JSON_COMMANDS, build_parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -36,8 +36,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _early_env(argv: Sequence[str]) -> None:
-    """--blas and --config must be known before anything imports `engine` (which loads
-    the BLAS before mlx), and building the parser already imports part of it."""
+    """--blas and --config must be known before the BLAS preload, which runs before the
+    parser is built (building it already imports part of the engine)."""
     names = {"--blas": "MLXKV_BLAS", "--config": "MLXKV_CONFIG"}
     for i, arg in enumerate(argv):
         flag, eq, value = arg.partition("=")
@@ -49,7 +49,7 @@ def _early_env(argv: Sequence[str]) -> None:
 
 
 def _settings(args: argparse.Namespace) -> Any:
-    from engine.settings import FIELD_BY_NAME, Settings
+    from mlxkv.engine.settings import FIELD_BY_NAME, Settings
 
     flags = {k: v for k, v in vars(args).items() if k in FIELD_BY_NAME}
     return Settings.load(flags, config_path=getattr(args, "config", None))
@@ -60,15 +60,18 @@ def _debug() -> bool:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    from cli import logs
-    from cli.common import UsageError, fail
-    from cli.terminal import Terminated, watch_signals
+    from mlxkv.cli import logs
+    from mlxkv.cli.common import UsageError, fail
+    from mlxkv.cli.terminal import Terminated, watch_signals
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if threading.current_thread() is threading.main_thread():
         watch_signals()
     logs.install()
     _early_env(argv)
+    from mlxkv.engine.blas import preload
+
+    preload()  # before anything imports mlx.core: the parser's settings table comes next
     args = build_parser().parse_args(argv)
     if getattr(args, "json", False) and args.command not in JSON_COMMANDS:
         return fail(f"--json applies to {', '.join(JSON_COMMANDS)}, not to "
@@ -90,10 +93,10 @@ def _main(argv: Sequence[str] | None) -> int:
 def _describe(e: BaseException) -> str:
     """One line for an exception: our errors carry clear messages; an OSError is named by
     what failed and on which path; anything else is a bug, said as such."""
-    from engine.engine import EngineError
-    from engine.models import ModelNotFoundError
-    from engine.settings import SettingsError
-    from storage import CacheFolderError
+    from mlxkv.engine.engine import EngineError
+    from mlxkv.engine.models import ModelNotFoundError
+    from mlxkv.engine.settings import SettingsError
+    from mlxkv.storage import CacheFolderError
 
     if isinstance(e, (SettingsError, ModelNotFoundError, EngineError, ValueError, CacheFolderError)):
         return str(e)
@@ -110,35 +113,33 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "config":
         return cmd_config(args, settings)
     if args.command == "cache":
-        from cli.cache import run_cache_command
+        from mlxkv.cli.cache import run_cache_command
 
         return run_cache_command(args, settings)
     if args.command in (None, "chat", "generate", "serve"):
-        from engine.distributed import run_rank
+        from mlxkv.engine.distributed import run_rank
 
         code = run_rank(args.command, settings)  # under mlx.launch: every rank but 0 follows
         if code is not None:
             return code
     if args.command == "generate":
-        from cli.generate import cmd_generate
+        from mlxkv.cli.generate import cmd_generate
 
         return cmd_generate(args, settings)
     if args.command == "serve":
-        from cli.serve import cmd_serve
+        from mlxkv.cli.serve import cmd_serve
 
         return cmd_serve(args, settings)
     if args.command is None:
-        code = _run_tui(settings)
-        if code is not None:
-            return code
-    from cli.chat import cmd_chat
+        return _run_tui(settings)
+    from mlxkv.cli.chat import cmd_chat
 
     return cmd_chat(settings)
 
 
 def cmd_config(args: argparse.Namespace, settings: Any) -> int:
-    from engine.blas import blas_info, describe
-    from engine.models import model_label
+    from mlxkv.engine.blas import blas_info, describe
+    from mlxkv.engine.models import model_label
 
     rows = [(n, "(set)" if n == "api_key" and v else v, s) for n, v, s in settings.describe()]
     # the model as users know it (a one-file binary unpacks the demo model to a temporary
@@ -162,13 +163,8 @@ def cmd_config(args: argparse.Namespace, settings: Any) -> int:
     return 0
 
 
-def _run_tui(settings: Any) -> int | None:
-    """Run the Textual app if the tui package has one (``tui.app.run(settings)``)."""
-    import importlib.util
+def _run_tui(settings: Any) -> int:
+    """Run the Textual app (``mlxkv.tui.app.run(settings)``)."""
+    from mlxkv.tui import app
 
-    if importlib.util.find_spec("tui") is None or importlib.util.find_spec("tui.app") is None:
-        return None
-    from tui import app
-
-    run = getattr(app, "run", None)
-    return None if run is None else int(run(settings) or 0)
+    return int(app.run(settings) or 0)

@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 from typing import NoReturn
 
+from mlxkv import __version__ as VERSION
+
 PROG = "mlxkv"
-VERSION = "0.1.0"
 CACHE_VERBS = ("stats", "ls", "verify", "gc", "flush", "clear")
 # Sub-commands that print JSON with --json (the cache verbs all do).
 JSON_COMMANDS = ("generate", "config", "cache")
@@ -27,7 +28,7 @@ def settings_flags() -> argparse.ArgumentParser:
     """A parent parser with one option per settings field (plus ``--config`` and ``--json``).
     SUPPRESS keeps unset flags out of the namespace so the environment and config file can
     fill them, and so that a sub-command's parser does not overwrite a value given before it."""
-    from engine.settings import FIELDS
+    from mlxkv.engine.settings import FIELDS
 
     p = Parser(add_help=False)
     S = argparse.SUPPRESS

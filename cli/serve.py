@@ -6,11 +6,11 @@ import argparse
 import sys
 from typing import Any
 
-from cli.common import fail, sampling_params, start_engine
+from mlxkv.cli.common import fail, sampling_params, start_engine
 
 
 def cmd_serve(args: argparse.Namespace, settings: Any) -> int:
-    from server.run import bind, config_from_settings, serve, warn_if_open
+    from mlxkv.server.run import bind, config_from_settings, serve, warn_if_open
 
     warn_if_open(settings.host, settings.api_key)
     config = config_from_settings(settings, sampling_params(settings))

@@ -13,7 +13,7 @@ of a request that was decoding alone until now) and the tokens still to feed; it
 with its extracted cache, which the engine stores in the prefix cache. Engine thread only.
 
 Rows whose request speculates (``speculation(row)`` opens it, as for a lone request) draft
-through ``engine.spec.batch_verify``: between plain steps a round verifies every row's
+through ``engine.speculation.batch_verify``: between plain steps a round verifies every row's
 drafts in one forward and each row emits its old pending token plus the drafts it kept,
 one TokenEvent at a time through the same checks as a plain step (EOS, stop strings, max
 tokens). Without speculating rows a step is exactly ``BatchGenerator.next``.
@@ -26,8 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.generate import SamplingParams, StopMatcher, request_processors, request_sampler, stream_detokenizer
-from engine.requests import FinishedEvent, ProgressEvent, RequestHandle, StatsEvent, TokenEvent
+from mlxkv.engine.generate import SamplingParams, StopMatcher, request_processors, request_sampler, stream_detokenizer
+from mlxkv.engine.requests import FinishedEvent, ProgressEvent, RequestHandle, StatsEvent, TokenEvent
 
 
 def batchable_cache(cache: Sequence[Any]) -> bool:
@@ -45,7 +45,7 @@ def movable(cache: Sequence[Any], known: int) -> bool:
     """Whether a single-stream cache can move into a batch now: the batch feeds the last of
     the ``known`` tokens (prompt and output) again, so the cache must hold at most
     ``known - 1`` of them or give the rest back (a sliding window that has not wrapped)."""
-    from engine.generate import cache_length
+    from mlxkv.engine.generate import cache_length
 
     held = cache_length(cache) or 0
     return held <= known - 1 or all(c.is_trimmable() for c in cache)
@@ -98,7 +98,7 @@ class Row:
     detok: Any = None
     stopper: StopMatcher | None = None
     merged: bool = False
-    spec: Any = None  # engine.spec.batch_verify.RowSpec of a speculating row
+    spec: Any = None  # engine.speculation.batch_verify.RowSpec of a speculating row
 
     @property
     def request(self) -> Any:
@@ -125,7 +125,7 @@ class Batch:
     after the row's StatsEvent and FinishedEvent and the events of the other rows in the
     same step (the engine stores the state there);
     ``release(cache)`` gives back a cache a lookup lent, once the batch holds a copy;
-    ``speculation(row)`` opens a row's ``engine.spec.providers.Speculation`` (None: the row
+    ``speculation(row)`` opens a row's ``engine.speculation.providers.Speculation`` (None: the row
     decodes plainly); ``spec_policy`` is the round-length controller the batch's rounds use
     (the engine keeps one per loaded model, so it carries from batch to batch)."""
 
@@ -148,7 +148,7 @@ class Batch:
         self._ended: list[tuple[Row, Ending]] = []  # rows whose on_end is still due
         self.steps = 0
         self.speculation = speculation
-        self.verifier: Any = None  # engine.spec.batch_verify.BatchVerifier, once a row speculates
+        self.verifier: Any = None  # engine.speculation.batch_verify.BatchVerifier, once a row speculates
         self.spec_policy = spec_policy  # a BatchLength carried from batch to batch (None: fresh)
         # Rows with nothing to prefill (a request moving in, a prompt cached but for its last
         # token), held back while the rows joining with them run their last prefill pass, so
@@ -196,7 +196,7 @@ class Batch:
         processors = request_processors(p)  # BatchGenerator gives them every token it knows
         choices = row.request.guided_choice
         if choices:  # the mask alone decoding applies; a row's history is its whole prompt
-            from engine.spec.constraints import GuidedChoice
+            from mlxkv.engine.speculation.constraints import GuidedChoice
 
             processors.append(GuidedChoice(self.tokenizer, choices).processor(len(row.prompt)))
         args = dict(segments=[[list(rest)]], max_tokens=[left], caches=[cache],
@@ -239,7 +239,7 @@ class Batch:
             spec.source.close()
             return
         if self.verifier is None:
-            from engine.spec.batch_verify import BatchVerifier
+            from mlxkv.engine.speculation.batch_verify import BatchVerifier
 
             self.verifier = BatchVerifier(self.model, controller=self.spec_policy)
         row.spec = self.verifier.add(row.uid, spec, row.prompt, row.params)

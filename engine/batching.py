@@ -20,9 +20,9 @@ import queue
 import time
 from typing import Any
 
-from engine.generate import Generation
-from engine.logs import warn_once
-from engine.requests import ErrorEvent, Request, RequestHandle
+from mlxkv.engine.generate import Generation
+from mlxkv.engine.logs import warn_once
+from mlxkv.engine.requests import ErrorEvent, Request, RequestHandle
 
 log = logging.getLogger("mlxkv.engine")
 
@@ -105,12 +105,12 @@ class Batching:
         if not (isinstance(head, RequestHandle) and not head.cancelled
                 and self._row_batchable(head.request)):
             return False
-        from engine.batch import movable
+        from mlxkv.engine.batch import movable
 
         return gen.cache is not None and movable(gen.cache, len(gen.prompt_tokens) + len(sent))
 
     def _row(self, job: Job) -> Any:
-        from engine.batch import Row
+        from mlxkv.engine.batch import Row
 
         handle = job.handle
         return Row(handle, job.tokens, job.params, job.n_cached, started=job.start,
@@ -123,8 +123,8 @@ class Batching:
         """Decode the request that was running alone (its state moved over from ``join``)
         together with the requests that wait, admitting more between steps, until every
         row has ended."""
-        from engine.batch import Batch
-        from engine.generate import cache_length
+        from mlxkv.engine.batch import Batch
+        from mlxkv.engine.generate import cache_length
 
         row = self._row(job)
         row.emitted, row.gen_start = list(join.sent), join.started
@@ -176,7 +176,7 @@ class Batching:
     def _batch_spec_policy(self) -> Any:
         """The batches' round-length controller for the loaded model: one, kept from batch
         to batch (a new model gets a new one)."""
-        from engine.spec.batch_verify import BatchLength
+        from mlxkv.engine.speculation.batch_verify import BatchLength
 
         kept = getattr(self, "_spec_policy", None)
         if kept is None or kept[0] is not self.loaded:
@@ -188,7 +188,7 @@ class Batching:
         ``auto`` a batch drafts only with prompt lookup and constraints: a draft model still
         drafts row by row there (k small forwards per row and round), which a plain batched
         step beats."""
-        from engine.spec.providers import open_speculation
+        from mlxkv.engine.speculation.providers import open_speculation
 
         req = row.request
         providers = self.spec_providers

@@ -14,7 +14,6 @@ import ctypes
 import glob
 import os
 import sys
-import time
 from typing import Any
 
 # Debian/Ubuntu libopenblas0-pthread first (multi-threaded), then the generic names.
@@ -39,7 +38,7 @@ def _requested_setting() -> str:
     if value:
         return value.strip()
     try:  # cheap: the config file is tiny and tomllib is stdlib
-        from engine.settings import config_file_value
+        from mlxkv.engine.settings import config_file_value
 
         value = config_file_value("blas")
     except Exception:  # a broken config file is reported by `mlxkv config`, not here
@@ -134,16 +133,3 @@ def describe() -> str:
         return f"OpenBLAS ({info['path']})"
     return f"{info['name']}: {info['reason']}"
 
-
-def matmul_gflops(n: int = 512, repeats: int = 5) -> float:
-    """Measure float32 matmul speed through mlx: a probe that shows whether the BLAS in
-    use is the fast one (tens of GFLOP/s) or the reference one (a few)."""
-    import mlx.core as mx
-
-    a = mx.random.normal((n, n))
-    b = mx.random.normal((n, n))
-    mx.eval(a, b, a @ b)
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        mx.eval(a @ b)
-    return 2 * n**3 * repeats / (time.perf_counter() - t0) / 1e9

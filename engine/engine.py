@@ -38,12 +38,12 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from engine.batching import Batching
-from engine.batching import Job as _Job
-from engine.batching import Join as _Join
-from engine.generate import Generation
-from engine.logs import warn_once
-from engine.requests import (  # noqa: F401  (re-exported: the engine's public names)
+from mlxkv.engine.batching import Batching
+from mlxkv.engine.batching import Job as _Job
+from mlxkv.engine.batching import Join as _Join
+from mlxkv.engine.generate import Generation
+from mlxkv.engine.logs import warn_once
+from mlxkv.engine.requests import (  # noqa: F401  (re-exported: the engine's public names)
     CacheEvent,
     EngineError,
     EngineEvent,
@@ -158,16 +158,16 @@ class Engine(Batching):
         """An engine for ``settings``; unless ``prefix_cache`` is given, the prefix cache is
         built from the settings on the engine thread (``PrefixCache.from_settings``). Under a
         distributed launch (mlx.launch) this rank's ``engine.distributed`` engine."""
-        from engine.distributed import join, launched
+        from mlxkv.engine.distributed import join, launched
 
         world = join(getattr(settings, "dist_timeout_s", 60.0)) if launched() else None
         if world is not None:
-            from engine.distributed.engine import ShardedEngine
+            from mlxkv.engine.distributed.engine import ShardedEngine
 
             return ShardedEngine.for_world(settings, world, prefix_cache)
         if prefix_cache is None and settings.prefix_cache:
             def prefix_cache(loaded: Any, namespace: str) -> Any:
-                from engine.cache.prefix_cache import PrefixCache
+                from mlxkv.engine.cache.prefix_cache import PrefixCache
 
                 return PrefixCache.from_settings(settings)
         return cls(settings.model, dtype=settings.dtype, prefix_cache=prefix_cache,
@@ -276,7 +276,7 @@ class Engine(Batching):
         def collect(loading: bool = False) -> dict[str, Any]:
             batch = self._batch
             active = len(batch) if batch is not None else int(self._serving is not None)
-            from engine.spec.providers import spec_stats
+            from mlxkv.engine.speculation.providers import spec_stats
 
             return {"model": dict(self.info), "load_s": self.load_s, **self._counts,
                     "loading": loading, "queued": self._queued_requests(),
@@ -342,7 +342,7 @@ class Engine(Batching):
             fn = getattr(self.prefix_cache, "prefetch", None)
             if fn is None or not messages or all(_blank(m.get("content")) for m in messages):
                 return 0
-            from engine.models import chat_prompt_tokens
+            from mlxkv.engine.models import chat_prompt_tokens
 
             tokens = chat_prompt_tokens(self.loaded.tokenizer, messages)
             return int(fn(tokens, self.namespace, session=session))
@@ -361,7 +361,7 @@ class Engine(Batching):
     def encode_chat(self, messages: list[dict[str, str]], timeout: float | None = 30.0,
                     tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of the prompt ``Request(messages=..., tools=...)`` sends the model."""
-        from engine.models import chat_prompt_tokens
+        from mlxkv.engine.models import chat_prompt_tokens
 
         return self._ask("encode_chat", lambda: chat_prompt_tokens(
             self.loaded.tokenizer, messages, tools=tools), timeout=timeout)
@@ -398,13 +398,13 @@ class Engine(Batching):
 
     # engine thread
     def _load(self) -> None:
-        from engine.blas import describe
-        from engine.cache.prefix_cache import NullPrefixCache
+        from mlxkv.engine.blas import describe
+        from mlxkv.engine.cache.prefix_cache import NullPrefixCache
 
         total = len(_LOAD_STAGES) - 1
         self._publish(LoadEvent(_LOAD_STAGES[0], 0, total))
         self.loaded, self.namespace = self._load_model()
-        from engine.spec.providers import bind_providers, load_providers
+        from mlxkv.engine.speculation.providers import bind_providers, load_providers
 
         self.spec_providers = load_providers(self.loaded, self.settings)
         self._publish(LoadEvent(_LOAD_STAGES[1], 1, total))
@@ -440,18 +440,18 @@ class Engine(Batching):
         }
         from mlx_lm.models.cache import make_prompt_cache
 
-        from engine.batch import batchable_cache
+        from mlxkv.engine.batch import batchable_cache
 
         self._batchable = batchable_cache(make_prompt_cache(self.loaded.model))
-        from engine.generate import head_view
+        from mlxkv.engine.generate import head_view
 
         head_view(self.loaded.model)  # probed while loading, not inside the first request's TTFT
         self._publish(LoadEvent(_LOAD_STAGES[2], total, total))
 
     def _load_model(self) -> tuple[Any, str]:
         """The model and its prefix-cache namespace (a sharded engine loads its shard)."""
-        from engine.cache.layout import kv_namespace
-        from engine.models import load_model
+        from mlxkv.engine.cache.layout import kv_namespace
+        from mlxkv.engine.models import load_model
 
         loaded = load_model(self.model_spec, self.dtype, self.full_hash)
         return loaded, kv_namespace(loaded.fingerprint, loaded.compute_dtype)
@@ -571,7 +571,7 @@ class Engine(Batching):
         return list(tok.encode(text, add_special_tokens=bos is None or not text.startswith(bos)))
 
     def _prompt_tokens(self, req: Request) -> list[int]:
-        from engine.models import chat_prompt_tokens
+        from mlxkv.engine.models import chat_prompt_tokens
 
         if req.prompt_tokens is not None:
             tokens = [int(t) for t in req.prompt_tokens]
@@ -801,7 +801,7 @@ class Engine(Batching):
             if done < total and replay is None and self._join_wanted(handle, gen, sent):
                 raise _Join(gen, sent, started)
 
-        from engine.spec.providers import open_speculation
+        from mlxkv.engine.speculation.providers import open_speculation
 
         req = handle.request
         speculation, constraint = open_speculation(

@@ -5,7 +5,7 @@ log-probabilities.
 
 Token for token this is ``mlx_lm.stream_generate``: same ``generate_step`` call, same
 EOS and max-token rules, so greedy output is identical (tests/test_engine.py checks it).
-With ``speculation`` the tokens come from the speculative verifier (``engine.spec``)
+With ``speculation`` the tokens come from the speculative verifier (``engine.speculation``)
 instead; everything after the token (EOS, stop strings, text) is this same loop.
 """
 
@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.settings import FIELD_BY_NAME
+from mlxkv.engine.settings import FIELD_BY_NAME
 
 
 def _default(name: str) -> Any:
@@ -216,7 +216,7 @@ def _eager_class() -> type:
 
 
 def head_view(model: Any) -> Any:
-    """The model as its decoder stack and LM head (an ``engine.spec.base.TargetView``), when
+    """The model as its decoder stack and LM head (an ``engine.speculation.base.TargetView``), when
     ``model(x)`` is exactly the head applied to the stack's last hidden state; else None
     (e.g. a model that caps or scales its logits after the head). Probed once per model with
     one token through two fresh caches, bit for bit."""
@@ -228,7 +228,7 @@ def head_view(model: Any) -> Any:
         import mlx.core as mx
         from mlx_lm.models.cache import make_prompt_cache
 
-        from engine.spec.base import TargetView
+        from mlxkv.engine.speculation.base import TargetView
 
         candidate = TargetView(model, None)
         x = mx.array([[0]])
@@ -295,8 +295,8 @@ class Generation:
     and when the first token is ready, with prompt tokens processed so far (cached ones
     included) out of the whole prompt; it only observes, so outputs do not change.
     ``logprobs``: None, or how many alternatives each step reports beside its own
-    log-probability (0..20). ``speculation``: an ``engine.spec.Speculation`` (or None).
-    ``constraint``: an ``engine.spec.constraints`` mask the output must satisfy."""
+    log-probability (0..20). ``speculation``: an ``engine.speculation.Speculation`` (or None).
+    ``constraint``: an ``engine.speculation.constraints`` mask the output must satisfy."""
 
     def __init__(self, model: Any, tokenizer: Any, prompt_tokens: Sequence[int],
                  params: SamplingParams, cache: list | None = None, n_cached: int = 0,
@@ -450,6 +450,6 @@ def _plain_steps(model: Any, tokens: Sequence[int], cache: list, p: SamplingPara
 
 def _logprob_of(logprobs: Any, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...] | None]:
     """(the token's log-probability, its ``top`` most likely alternatives or None for 0)."""
-    from engine.spec.sampling import top_logprobs
+    from mlxkv.engine.speculation.sampling import top_logprobs
 
     return float(logprobs[token].item()), (top_logprobs(logprobs, top) if top else None)

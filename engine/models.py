@@ -131,7 +131,7 @@ def model_label(spec: str | os.PathLike, path: Path | None = None,
     """How to show a model to a user: the embedded demo models by name and version
     (``demo model (1a2b3c4d)``: never the temporary folder a one-file binary unpacks them
     to), anything else as it was given (a folder or a hub id)."""
-    from engine.demo import DEMO_MODEL_DIR, DRAFT_MODEL_DIR
+    from mlxkv.engine.demo import DEMO_MODEL_DIR, DRAFT_MODEL_DIR
 
     where = Path(path if path is not None else os.path.expanduser(str(spec)))
     try:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.generate import SamplingParams
+from mlxkv.engine.generate import SamplingParams
 
 log = logging.getLogger("mlxkv.engine")
 

@@ -31,9 +31,9 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from server import anthropic_api, openai_api
-from server.context import Context, ServerConfig, dumps
-from server.errors import ApiError, anthropic_body, openai_body
+from mlxkv.server import anthropic_api, openai_api
+from mlxkv.server.context import Context, ServerConfig, dumps
+from mlxkv.server.errors import ApiError, anthropic_body, openai_body
 
 log = logging.getLogger("mlxkv.server")
 Handler = Callable[[HttpRequest, Context], Awaitable[Response]]

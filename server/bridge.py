@@ -17,7 +17,7 @@ from typing import Any
 
 from starlette.responses import StreamingResponse
 
-from engine.requests import (
+from mlxkv.engine.requests import (
     EngineError,
     ErrorEvent,
     FinishedEvent,
@@ -26,7 +26,7 @@ from engine.requests import (
     RequestRefused,
     TokenEvent,
 )
-from server.errors import ApiError
+from mlxkv.server.errors import ApiError
 
 
 class Gate:
@@ -176,7 +176,7 @@ async def first_event(stream: EventStream, receive: Any, accepted: bool = False)
     first (the request is then cancelled). With ``accepted``, its first progress event
     (the engine has taken the prompt: a refusal comes before any progress), so that a
     stream's reply starts while the prompt is prefilled and its first token goes out alone."""
-    from engine.requests import ProgressEvent
+    from mlxkv.engine.requests import ProgressEvent
 
     gone = asyncio.ensure_future(wait_disconnect(receive))
     try:

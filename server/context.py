@@ -10,11 +10,11 @@ import time
 import uuid
 from typing import Any
 
-from engine.generate import SamplingParams
-from engine.requests import StatsEvent, TokenEvent
-from server.bridge import Gate
-from server.errors import ApiError
-from server.fields import Limits, parse_body
+from mlxkv.engine.generate import SamplingParams
+from mlxkv.engine.requests import StatsEvent, TokenEvent
+from mlxkv.server.bridge import Gate
+from mlxkv.server.errors import ApiError
+from mlxkv.server.fields import Limits, parse_body
 
 
 @dataclasses.dataclass(frozen=True)

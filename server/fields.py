@@ -8,7 +8,7 @@ import json
 import math
 from typing import Any
 
-from server.errors import ApiError
+from mlxkv.server.errors import ApiError
 
 _MISSING = object()
 

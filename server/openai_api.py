@@ -13,12 +13,12 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 
-from engine.requests import ErrorEvent, FinishedEvent, Request, TokenEvent
-from server.bridge import EventStream, SseResponse, collect, error_status, first_event
-from server.context import Context, dumps, new_id, read_json, session_of, text_of, timings, usage_counts
-from server.errors import ApiError, openai_body
-from server.fields import get_bool, get_int, get_list, get_object, get_str, sampling
-from server.tools import ToolCall, ToolCallParser
+from mlxkv.engine.requests import ErrorEvent, FinishedEvent, Request, TokenEvent
+from mlxkv.server.bridge import EventStream, SseResponse, collect, error_status, first_event
+from mlxkv.server.context import Context, dumps, new_id, read_json, session_of, text_of, timings, usage_counts
+from mlxkv.server.errors import ApiError, openai_body
+from mlxkv.server.fields import get_bool, get_int, get_list, get_object, get_str, sampling
+from mlxkv.server.tools import ToolCall, ToolCallParser
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 

@@ -11,7 +11,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-from server.context import ServerConfig
+from mlxkv.server.context import ServerConfig
 
 log = logging.getLogger("mlxkv.server")
 
@@ -42,7 +42,7 @@ def build_server(engine: Any, config: ServerConfig, host: str, port: int,
                  drain_timeout_s: float = 60.0) -> Any:
     import uvicorn
 
-    from server.app import create_app
+    from mlxkv.server.app import create_app
 
     app = create_app(engine, config)
     uv = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,

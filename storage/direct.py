@@ -33,10 +33,10 @@ import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from storage import diskio as dio
-from storage.diskio import K
-from storage.entries import Entry
-from storage.format import PAGE
+from mlxkv.storage import diskio as dio
+from mlxkv.storage.diskio import K
+from mlxkv.storage.entries import Entry
+from mlxkv.storage.format import PAGE
 
 WINDOW = 4 << 20  # bytes per direct read
 MIN_DIRECT = 1 << 20  # smaller payloads: the buffered path is as fast

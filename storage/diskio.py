@@ -19,14 +19,14 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from storage.format import PAGE
+from mlxkv.storage.format import PAGE
 
 try:  # the Cython kernel; the numpy reference stands in only when it is not built
-    from storage import _blocks as K
+    from mlxkv.storage import _blocks as K
 
     KERNEL = "cython"
 except ImportError:  # pragma: no cover - exercised only on an unbuilt checkout
-    from storage import reference as K
+    from mlxkv.storage import reference as K
 
     KERNEL = "reference"
 

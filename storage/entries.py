@@ -11,11 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from storage import diskio as dio
-from storage import format as fmt
-from storage.folder import ENTRY_RE, MANIFEST_DIR
-from storage.format import KIND_BLOCK, KIND_TAIL, PAGE, FormatError, Layout
-from storage.keys import EXT, KEY_FN
+from mlxkv.storage import diskio as dio
+from mlxkv.storage import format as fmt
+from mlxkv.storage.folder import ENTRY_RE, MANIFEST_DIR
+from mlxkv.storage.format import KIND_BLOCK, KIND_TAIL, PAGE, FormatError, Layout
+from mlxkv.storage.keys import EXT, KEY_FN
 
 __all__ = ["MANIFEST_DIR", "Entry", "Space", "kind_of", "read_entries", "read_entry"]
 _SCAN_THREADS = 4

@@ -41,8 +41,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from storage import diskio as dio
-from storage.format import (
+from mlxkv.storage import diskio as dio
+from mlxkv.storage.format import (
     KIND_BLOCK,
     KIND_CHECKPOINT,
     KIND_MANIFEST,
@@ -53,7 +53,7 @@ from storage.format import (
     load_json,
     parse_prefix,
 )
-from storage.keys import NS_RE, CacheFolderError
+from mlxkv.storage.keys import NS_RE, CacheFolderError
 
 MARKER = "MLXKV-CACHE"
 LOCK = ".lock"

@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from storage import diskio as dio
-from storage.entries import (
+from mlxkv.storage import diskio as dio
+from mlxkv.storage.entries import (
     EMPTY_SPACE,
     MANIFEST_DIR,
     Entry,
@@ -25,7 +25,7 @@ from storage.entries import (
     read_entries,
     read_entry,
 )
-from storage.folder import (
+from mlxkv.storage.folder import (
     ENTRY_RE,
     ENTRY_TMP_RE,
     MAN_RE,
@@ -34,8 +34,8 @@ from storage.folder import (
     MARKER_TMP_RE,
     SHARD_RE,
 )
-from storage.format import KIND_BLOCK, KIND_TAIL, FormatError, UnknownVersion
-from storage.keys import (
+from mlxkv.storage.format import KIND_BLOCK, KIND_TAIL, FormatError, UnknownVersion
+from mlxkv.storage.keys import (
     EXT,
     NS_RE,
     ZERO_KEY,

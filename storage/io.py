@@ -26,8 +26,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from storage.keys import CacheFolderError
-from storage.store import BlockStore, Match, PutResult, Restore
+from mlxkv.storage.keys import CacheFolderError
+from mlxkv.storage.store import BlockStore, Match, PutResult, Restore
 
 log = logging.getLogger("mlxkv.storage")
 

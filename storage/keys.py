@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from storage.format import KIND_BLOCK, KIND_CHECKPOINT, KIND_TAIL, Layout
+from mlxkv.storage.format import KIND_BLOCK, KIND_CHECKPOINT, KIND_TAIL, Layout
 
 ZERO_KEY = bytes(16)
 NS_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")

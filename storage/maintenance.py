@@ -24,12 +24,12 @@ from typing import Any
 
 import xxhash
 
-from storage import diskio as dio
-from storage import format as fmt
-from storage.entries import EMPTY_SPACE, MANIFEST_DIR, Space
-from storage.folder import MAN_RE, SHARD_RE, folder_lock
-from storage.format import FormatError, Manifest
-from storage.keys import (
+from mlxkv.storage import diskio as dio
+from mlxkv.storage import format as fmt
+from mlxkv.storage.entries import EMPTY_SPACE, MANIFEST_DIR, Space
+from mlxkv.storage.folder import MAN_RE, SHARD_RE, folder_lock
+from mlxkv.storage.format import FormatError, Manifest
+from mlxkv.storage.keys import (
     ZERO_KEY,
     CacheFolderError,
     check_namespace,

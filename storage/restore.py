@@ -27,13 +27,13 @@ from typing import Any
 
 import numpy as np
 
-from storage import diskio as dio
-from storage import format as fmt
-from storage.direct import FALLBACK, DirectReader, is_cold
-from storage.diskio import CHUNK, K
-from storage.entries import Entry
-from storage.format import KIND_CHECKPOINT, FormatError, Layout, make_layout
-from storage.keys import Match, Restore, Segment, check_segments
+from mlxkv.storage import diskio as dio
+from mlxkv.storage import format as fmt
+from mlxkv.storage.direct import FALLBACK, DirectReader, is_cold
+from mlxkv.storage.diskio import CHUNK, K
+from mlxkv.storage.entries import Entry
+from mlxkv.storage.format import KIND_CHECKPOINT, FormatError, Layout, make_layout
+from mlxkv.storage.keys import Match, Restore, Segment, check_segments
 
 log = logging.getLogger("mlxkv.storage")
 

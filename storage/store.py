@@ -71,12 +71,12 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from storage import diskio as dio
-from storage.diskio import KERNEL
-from storage.entries import Space
-from storage.folder import open_folder
-from storage.index import IndexMixin
-from storage.keys import (
+from mlxkv.storage import diskio as dio
+from mlxkv.storage.diskio import KERNEL
+from mlxkv.storage.entries import Space
+from mlxkv.storage.folder import open_folder
+from mlxkv.storage.index import IndexMixin
+from mlxkv.storage.keys import (
     ZERO_KEY,
     CacheFolderError,
     Match,
@@ -87,9 +87,9 @@ from storage.keys import (
     check_namespace,
     namespace_id,
 )
-from storage.maintenance import MaintenanceMixin
-from storage.restore import ReadMixin
-from storage.write import WriteMixin
+from mlxkv.storage.maintenance import MaintenanceMixin
+from mlxkv.storage.restore import ReadMixin
+from mlxkv.storage.write import WriteMixin
 
 log = logging.getLogger("mlxkv.storage")
 

@@ -18,12 +18,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
-from storage import diskio as dio
-from storage import format as fmt
-from storage.diskio import K
-from storage.entries import Entry, Space
-from storage.format import KIND_BLOCK, KIND_CHECKPOINT, KIND_TAIL, Layout, make_layout
-from storage.keys import (
+from mlxkv.storage import diskio as dio
+from mlxkv.storage import format as fmt
+from mlxkv.storage.diskio import K
+from mlxkv.storage.entries import Entry, Space
+from mlxkv.storage.format import KIND_BLOCK, KIND_CHECKPOINT, KIND_TAIL, Layout, make_layout
+from mlxkv.storage.keys import (
     ZERO_KEY,
     CacheFolderError,
     PutResult,

@@ -5,9 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
+# isort: off
+from mlxkv.engine.blas import preload
 
-from bench.modelgen import tiny_model
+preload()  # the system OpenBLAS before anything imports mlx.core, as the command line does
+import pytest  # noqa: E402
+
+from support.modelgen import tiny_model  # noqa: E402
+# isort: on
 
 
 @pytest.fixture(scope="session")

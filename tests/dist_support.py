@@ -37,9 +37,9 @@ def base_env(**extra: str) -> dict[str, str]:
 
 
 def launch(args: list[str], n: int = 2, **env: str) -> subprocess.Popen:
-    """``mlx.launch --backend ring -n N -- mlxkv.py ARGS`` on free loopback ports."""
+    """``mlx.launch --backend ring -n N -- -m mlxkv ARGS`` on free loopback ports."""
     cmd = [LAUNCH, "--backend", "ring", "-n", str(n), "--starting-port", str(free_ports(n)),
-           "--python", PYTHON, "--", str(ROOT / "mlxkv.py"), *args]
+           "--python", PYTHON, "--", "-m", "mlxkv", *args]
     return subprocess.Popen(cmd, cwd=ROOT, env=base_env(**env), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
                             start_new_session=True)
@@ -64,7 +64,7 @@ def start_ranks(args: list[str], folder: Path, n: int = 2, **env: str) -> list[s
     procs = []
     for rank in range(n):
         procs.append(subprocess.Popen(
-            [PYTHON, str(ROOT / "mlxkv.py"), *args], cwd=ROOT,
+            [PYTHON, "-m", "mlxkv", *args], cwd=ROOT,
             env=base_env(MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile), **env),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
             start_new_session=True))

@@ -55,7 +55,7 @@ def tool_conversations() -> list[tuple[list[dict[str, Any]], str]]:
 
 def tool_model() -> Path:
     """The trained tool-call model folder (built once into .cache/models)."""
-    from bench.modelgen import TEST_MODELS, tiny_model
+    from support.modelgen import TEST_MODELS, tiny_model
 
     out = TEST_MODELS / "qwen3-toolcall-v1"
     if (out / "config.json").exists() and list(out.glob("*.safetensors")):
@@ -86,8 +86,8 @@ def _train(folder: Path, base_config: dict) -> None:
     import mlx.optimizers as optim
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from bench.modelgen import init_model, model_config, save_model_dir
-    from engine.models import chat_prompt_tokens
+    from mlxkv.engine.models import chat_prompt_tokens
+    from support.modelgen import init_model, model_config, save_model_dir
 
     tok = load_tokenizer(folder)
     tools = [WEATHER_TOOL]
@@ -131,7 +131,7 @@ class LoopbackServer:
     def __init__(self, engine: Any, config: Any):
         import uvicorn
 
-        from server.app import create_app
+        from mlxkv.server.app import create_app
 
         self.engine = engine
         self.app = create_app(engine, config)

@@ -7,17 +7,14 @@ from __future__ import annotations
 
 import random
 
-# isort: off
-import engine  # noqa: F401  (loads OpenBLAS before mlx.core: keep it first)
 import mlx.core as mx
-# isort: on
 import numpy as np
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
+from common import greedy_tokens
 
-from bench.modelgen import init_model, model_config
-from engine.cache import PrefixCache
-from engine.cache.tokens import store_namespace
+from mlxkv.engine.cache import PrefixCache
+from mlxkv.engine.cache.tokens import store_namespace
+from support.modelgen import init_model, model_config
 
 BT = 16
 GEMMA3 = {"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 2,
@@ -48,24 +45,6 @@ def model_of(kind: str):
     return init_model(GEMMA3 if kind == "sliding" else QWEN3_NEXT, seed=1, scale=0.1)
 
 
-def greedy(model, tokens, cache=None, n_cached=0, n_new=6, quantize=False):
-    """Greedy tokens after ``tokens``; the cache then holds tokens + all but the last."""
-    if cache is None:
-        cache = make_prompt_cache(model)
-        if quantize:  # quantized KV from the first token on, as the engine's kv_bits does
-            model(mx.array(tokens[:1])[None], cache=cache)
-            cache = [c.to_quantized(group_size=32, bits=8) for c in cache]
-            n_cached = 1
-    logits = model(mx.array(tokens[n_cached:])[None], cache=cache)[0, -1]
-    out = []
-    for _ in range(n_new):
-        t = int(mx.argmax(logits).item())
-        out.append(t)
-        if len(out) < n_new:
-            logits = model(mx.array([[t]]), cache=cache)[0, -1]
-    return out, cache
-
-
 def poison(arrays) -> int:
     """Fill buffers with 0xFF bytes (NaN in every float dtype); returns the bytes."""
     n = 0
@@ -87,7 +66,7 @@ def test_hits_through_a_poisoned_arena_match_the_cold_run(kind, tmp_path):
     quant = kind == "quantized"
     ns = f"ns-{kind}"
     t1 = prompt(3 * BT + 5, 1)
-    out, cache = greedy(model, t1, quantize=quant)
+    out, cache = greedy_tokens(model, t1, quantize=quant)
     held = t1 + out[:-1]  # what the cache holds after the turn
     pc = PrefixCache(ram_bytes=1 << 30, cache_dir=str(tmp_path), block_tokens=BT)
     pc.store(held, cache, ns)
@@ -101,7 +80,7 @@ def test_hits_through_a_poisoned_arena_match_the_cold_run(kind, tmp_path):
     assert slot and pc2.arena.capacity(store_namespace(ns)) >= len(held)
     assert poison(slot) == pc2.stats()["arena_bytes"]
     t2 = held + prompt(7, 2)
-    cold, _ = greedy(model, t2, quantize=quant)
+    cold, _ = greedy_tokens(model, t2, quantize=quant)
     n, c = pc2.lookup(t2, ns)
     assert n == len(held) and pc2.stats()["last"]["tier"] == "ssd"
     if not quant:
@@ -115,13 +94,13 @@ def test_hits_through_a_poisoned_arena_match_the_cold_run(kind, tmp_path):
     if quant:
         # quantized rows depend on the pass that computed them: compare with the stored
         # state itself continued in memory
-        _, ref = greedy(model, t1, quantize=True)
+        _, ref = greedy_tokens(model, t1, quantize=True)
         want = np.array(model(mx.array(t2[n:])[None], cache=ref)[0, -1])
         got = np.array(model(mx.array(t2[n:])[None], cache=c)[0, -1])
         assert not np.isnan(got).any()
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     else:
-        warm, _ = greedy(model, t2, cache=c, n_cached=n)
+        warm, _ = greedy_tokens(model, t2, cache=c, n_cached=n)
         assert warm == cold
     pc2.close()
 
@@ -131,7 +110,7 @@ def test_a_shorter_restore_leaves_the_rest_of_the_slot_unobserved(tmp_path):
     are inside the cache, and its output is the cold run's."""
     model = model_of("dense")
     t1 = prompt(6 * BT, 3)
-    out, cache = greedy(model, t1)
+    out, cache = greedy_tokens(model, t1)
     pc = PrefixCache(ram_bytes=1 << 30, cache_dir=str(tmp_path), block_tokens=BT)
     pc.store(t1 + out[:-1], cache, "ns")
     pc.close(30)
@@ -141,14 +120,14 @@ def test_a_shorter_restore_leaves_the_rest_of_the_slot_unobserved(tmp_path):
     t2 = t1[: 2 * BT + 3] + prompt(40, 4)
     n, c = pc2.lookup(t2, "ns")
     assert n == 2 * BT + 3 and pc2.stats()["arena_hits"] == 1
-    assert greedy(model, t2, cache=c, n_cached=n)[0] == greedy(model, t2)[0]
+    assert greedy_tokens(model, t2, cache=c, n_cached=n)[0] == greedy_tokens(model, t2)[0]
     pc2.close()
 
 
 def test_arena_is_grown_in_steps_refilled_when_idle_and_bounded(tmp_path):
     model = model_of("dense")
     t1 = prompt(2 * BT, 5)
-    out, cache = greedy(model, t1)
+    out, cache = greedy_tokens(model, t1)
     pc = PrefixCache(ram_bytes=1 << 30, cache_dir=str(tmp_path), block_tokens=BT)
     pc.store(t1 + out[:-1], cache, "ns")
     pc.flush(30)
@@ -156,7 +135,7 @@ def test_arena_is_grown_in_steps_refilled_when_idle_and_bounded(tmp_path):
     sns = store_namespace("ns")
     cap0 = pc.arena.capacity(sns)
     longer = t1 + out[:-1] + prompt(cap0 + 300, 6)  # longer than the slot
-    pc.store(longer, greedy(model, longer, n_new=1)[1], "ns")
+    pc.store(longer, greedy_tokens(model, longer, n_new=1)[1], "ns")
     pc.flush(30)
     pc.ram.clear()
     n, _ = pc.lookup(longer + [1, 2], "ns")  # ...served from fresh arrays

@@ -9,10 +9,9 @@ import random
 import threading
 
 import pytest
+from common import T, greedy
 
-import engine  # noqa: F401  (loads the BLAS before mlx)
-from bench.modelgen import TEST_MODELS, build_random_model
-from engine.engine import (
+from mlxkv.engine.engine import (
     Engine,
     FinishedEvent,
     ProgressEvent,
@@ -21,18 +20,12 @@ from engine.engine import (
     StatsEvent,
     TokenEvent,
 )
-from engine.generate import SamplingParams
-
-T = 120  # seconds any wait in these tests may take before it fails
-
-
-def greedy(**kwargs) -> SamplingParams:
-    return SamplingParams(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
-                          repetition_penalty=1.0, **kwargs)
+from mlxkv.engine.generate import SamplingParams
+from support.modelgen import TEST_MODELS, build_random_model
 
 
 def ram_cache():
-    from engine.cache.prefix_cache import PrefixCache
+    from mlxkv.engine.cache.prefix_cache import PrefixCache
 
     return PrefixCache(ram_bytes=64 << 20, cache_dir=None, block_tokens=16)
 
@@ -327,7 +320,7 @@ def test_sliding_window_rows_batch_and_equal_alone(sliding_model, spec):
 
 
 def test_a_model_whose_caches_cannot_be_batched_is_served_one_at_a_time():
-    from bench.modelgen import mtp_model
+    from support.modelgen import mtp_model
 
     hybrid = mtp_model()  # linear-attention layers keep SSM state (ArraysCache)
     prompts = token_prompts(3, seed=51, longest=50)
@@ -385,9 +378,9 @@ def test_a_batch_step_that_fails_is_answered_again_row_by_row(tiny_qwen3, alone_
                                                                 monkeypatch):
     """A cached state of the wrong shape breaks the batch it joins: every row is answered
     again on its own, from scratch, with the same output, and the bad state is dropped."""
-    import engine.logs
+    import mlxkv.engine.logs
 
-    monkeypatch.setattr(engine.logs, "_warned", set())  # warnings of this test only
+    monkeypatch.setattr(mlxkv.engine.logs, "_warned", set())  # warnings of this test only
     pc = ram_cache()
     prompts = token_prompts(3, seed=81, longest=40)
     prompts[0] = [4] * 40 + prompts[0]
@@ -468,7 +461,7 @@ def test_shutdown_ends_every_row_and_what_waits(tiny_qwen3):
 
 
 def test_the_prefix_cache_is_told_busy_while_rows_decode(tiny_qwen3):
-    from engine.cache.prefix_cache import PrefixCache
+    from mlxkv.engine.cache.prefix_cache import PrefixCache
 
     class Recording(PrefixCache):
         def __init__(self):

@@ -5,16 +5,9 @@ instead of each running passes of its own; every row's output stays the one it h
 
 import random
 
-import engine  # noqa: F401  (loads the BLAS before mlx)
-from engine.engine import Engine, ProgressEvent, Request, TokenEvent
-from engine.generate import SamplingParams
+from common import T, greedy
 
-T = 120  # seconds any wait in these tests may take before it fails
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
-                          repetition_penalty=1.0, max_tokens=max_tokens)
+from mlxkv.engine.engine import Engine, ProgressEvent, Request, TokenEvent
 
 
 def passes_of(model, monkeypatch) -> list[tuple[int, int]]:
@@ -38,9 +31,9 @@ def prompts(seed: int, *lengths: int) -> list[list[int]]:
 
 def test_a_moved_row_and_its_joiners_decode_from_one_pass(tiny_qwen3, monkeypatch):
     a, b, c = prompts(7, 30, 20, 25)
-    reqs = [Request(prompt_tokens=a, params=greedy(12), spec="off"),
-            Request(prompt_tokens=b, params=greedy(8), spec="off"),
-            Request(prompt_tokens=c, params=greedy(9), spec="off")]
+    reqs = [Request(prompt_tokens=a, params=greedy(max_tokens=12), spec="off"),
+            Request(prompt_tokens=b, params=greedy(max_tokens=8), spec="off"),
+            Request(prompt_tokens=c, params=greedy(max_tokens=9), spec="off")]
     with Engine(str(tiny_qwen3), max_batch=1).start(timeout=T) as alone:
         ref = [alone.submit(r).result(timeout=T).tokens for r in reqs]
     with Engine(str(tiny_qwen3), max_batch=8).start(timeout=T) as e:
@@ -67,8 +60,8 @@ def test_a_moved_row_and_its_joiners_decode_from_one_pass(tiny_qwen3, monkeypatc
 
 def test_a_cancelled_row_waiting_to_enter_ends_and_the_others_go_on(tiny_qwen3):
     a, b = prompts(9, 30, 20)
-    reqs = [Request(prompt_tokens=a, params=greedy(40), spec="off"),
-            Request(prompt_tokens=b, params=greedy(8), spec="off")]
+    reqs = [Request(prompt_tokens=a, params=greedy(max_tokens=40), spec="off"),
+            Request(prompt_tokens=b, params=greedy(max_tokens=8), spec="off")]
     with Engine(str(tiny_qwen3), max_batch=1).start(timeout=T) as alone:
         ref_a, ref_b = (alone.submit(r).result(timeout=T).tokens for r in reqs)
     with Engine(str(tiny_qwen3), max_batch=8).start(timeout=T) as e:

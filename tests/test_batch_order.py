@@ -5,12 +5,11 @@ have their state stored only once every row's tokens of that step are sent, so a
 import random
 import threading
 
-import engine  # noqa: F401  (loads the BLAS before mlx)
-from engine.cache.prefix_cache import PrefixCache
-from engine.engine import Engine, Request, TokenEvent
-from engine.generate import SamplingParams
+from common import T
 
-T = 120  # seconds any wait in these tests may take before it fails
+from mlxkv.engine.cache.prefix_cache import PrefixCache
+from mlxkv.engine.engine import Engine, Request, TokenEvent
+from mlxkv.engine.generate import SamplingParams
 
 
 class RecordingCache(PrefixCache):

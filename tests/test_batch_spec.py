@@ -1,4 +1,4 @@
-"""Batched rows speculate (engine.spec.batch_verify): every speculating row of a batch sends
+"""Batched rows speculate (engine.speculation.batch_verify): every speculating row of a batch sends
 exactly what the same request sends alone without speculation (greedy), for prompt lookup,
 the demo draft model and guided_choice; rows end inside a round (max tokens, EOS forced by a
 constraint, stop strings, cancel) as alone, and what they store is what their cache holds;
@@ -10,10 +10,9 @@ import random
 
 import pytest
 
-import engine  # noqa: F401  (loads the BLAS before mlx)
-from bench.modelgen import tiny_model
-from engine.engine import Engine, Request, StatsEvent, TokenEvent
-from engine.generate import SamplingParams
+from mlxkv.engine.engine import Engine, Request, StatsEvent, TokenEvent
+from mlxkv.engine.generate import SamplingParams
+from support.modelgen import tiny_model
 from tests.test_batch import T, greedy, held, ram_cache
 from tests.test_batch import tokens_of as texts
 
@@ -238,7 +237,7 @@ def test_sampled_rows_speculate_and_give_valid_tokens(eng_llama):
 
 @pytest.fixture(scope="module")
 def demo():
-    from engine.settings import DEMO_MODEL
+    from mlxkv.engine.settings import DEMO_MODEL
 
     with Engine(str(DEMO_MODEL), max_batch=8).start(timeout=T) as e:
         assert "draft" in e.spec_providers
@@ -246,7 +245,7 @@ def demo():
 
 
 def test_draft_model_rows_equal_alone(demo):
-    from engine.demo.facts import FACTS
+    from support.demo.facts import FACTS
 
     reqs = [Request(messages=[{"role": "user", "content": FACTS[i]["q"][0]}],
                     params=greedy(max_tokens=40 + 4 * i), spec="draft") for i in range(4)]
@@ -262,7 +261,7 @@ def test_draft_model_rows_equal_alone(demo):
 def test_sampled_rows_of_the_demo_pair_draft_and_decode(demo):
     # temperature > 0: the draft model's rows go through rejection sampling, prompt
     # lookup's through exact match; both draft on the trained demo model
-    from engine.demo.facts import FACTS
+    from support.demo.facts import FACTS
 
     doc = "\n".join(f["a"][0] for f in FACTS)
     quote = [{"role": "system", "content": "Answer with quotes from this document:\n" + doc},
@@ -281,7 +280,7 @@ def test_rounds_cut_to_the_shortest_row_stay_lossless(eng_llama, ref_llama, monk
     # When padding would outgrow the rows, a round keeps only the shortest row's count: a row
     # that accepted more emits fewer and takes the verified draft at that position as its
     # next token. Forced here for every round.
-    from engine.spec.batch_verify import BatchVerifier
+    from mlxkv.engine.speculation.batch_verify import BatchVerifier
 
     monkeypatch.setattr(BatchVerifier, "_common_length", staticmethod(lambda cache, keep: min(keep)))
     prompts = repetitive(4, seed=5)

@@ -4,9 +4,9 @@ of every batch probing again from an optimistic start."""
 
 from __future__ import annotations
 
-from bench.modelgen import tiny_model
-from engine.engine import Engine, Request
-from engine.spec.batch_verify import BatchLength, BatchVerifier
+from mlxkv.engine.engine import Engine, Request
+from mlxkv.engine.speculation.batch_verify import BatchLength, BatchVerifier
+from support.modelgen import tiny_model
 from tests.test_batch_spec import T, greedy, ram_cache, repetitive, submit_all
 
 

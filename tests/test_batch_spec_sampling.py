@@ -1,5 +1,5 @@
 """Batched rows that sample keep the target's distribution: rows of mlx-lm's BatchGenerator
-driven through engine.spec.batch_verify rounds, each drafting with its own draft model
+driven through engine.speculation.batch_verify rounds, each drafting with its own draft model
 (rejection sampling), on the tiny-vocabulary Markov-chain model of test_spec_sampling (the
 next token depends on the current one alone): the emitted transitions match the exact
 ones (chi-square, p > 0.01), with rows keeping their own counts (rolled) and with every
@@ -16,12 +16,12 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_sampler
 from test_spec_sampling import V, chi2_pvalue, markov_model, transition_probs
 
-from engine.generate import SamplingParams
-from engine.spec.base import DraftProvider
-from engine.spec.batch_verify import BatchVerifier
-from engine.spec.draft import DraftModelSource
-from engine.spec.draft_step import CompiledStep
-from engine.spec.providers import Speculation
+from mlxkv.engine.generate import SamplingParams
+from mlxkv.engine.speculation.base import DraftProvider
+from mlxkv.engine.speculation.batch_verify import BatchVerifier
+from mlxkv.engine.speculation.draft import DraftModelSource
+from mlxkv.engine.speculation.draft_step import CompiledStep
+from mlxkv.engine.speculation.providers import Speculation
 
 
 class MarkovDraft(DraftProvider):

@@ -56,7 +56,7 @@ def _run(cmd: list, tmp_path: Path) -> subprocess.CompletedProcess:
 
 def test_version(binary, tmp_path):
     r = _run([str(binary), "--version"], tmp_path)
-    source = _run([sys.executable, str(ROOT / "mlxkv.py"), "--version"], tmp_path)
+    source = _run([sys.executable, "-m", "mlxkv", "--version"], tmp_path)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == source.stdout.strip() and r.stdout.startswith("mlxkv ")
 
@@ -79,7 +79,7 @@ def test_generate_offline_with_demo_model_and_ssd_cache(binary, tmp_path):
     assert two["tokens"] == one["tokens"]
 
     # And the bundle computes what the sources compute.
-    source = _run([sys.executable, str(ROOT / "mlxkv.py"), *args, "--no-prefix-cache"],
+    source = _run([sys.executable, "-m", "mlxkv", *args, "--no-prefix-cache"],
                   tmp_path)
     assert source.returncode == 0, source.stderr
     assert json.loads(source.stdout.strip().splitlines()[-1])["tokens"] == one["tokens"]

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import xxhash
 
-from storage import _blocks as B
-from storage import reference as R
+from mlxkv.storage import _blocks as B
+from mlxkv.storage import reference as R
 
 RNG = np.random.default_rng(20261130)
 DATA = RNG.integers(0, 256, 20_000, dtype=np.uint8).tobytes()
@@ -633,7 +633,7 @@ def test_failed_self_check_falls_back_to_scalar_with_one_warning(caplog):
 
 
 def test_import_selects_a_checked_loop_and_never_raises():
-    probe = "from storage import _blocks as B; print(B.hash_isa(), B.hash_self_check())"
+    probe = "from mlxkv.storage import _blocks as B; print(B.hash_isa(), B.hash_self_check())"
     r = _run_python(probe, {"MLXKV_XXH3_ISA": "scalar"})
     assert r.returncode == 0 and r.stdout.split() == ["scalar", "None"], r.stderr
     r = _run_python("import logging; logging.basicConfig(); " + probe, {"MLXKV_XXH3_ISA": "bogus"})
@@ -741,7 +741,7 @@ def test_aligned_buffer_resize_copy_is_not_raced_by_other_threads():
     # a racing implementation this is a use-after-free or double free (a crash).
     r = _run_python("""
         import threading
-        from storage import _blocks as B
+        from mlxkv.storage import _blocks as B
         N = 32 << 20
         buf = B.AlignedBuffer(N)
         memoryview(buf)[:8] = b"pattern!"

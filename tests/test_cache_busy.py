@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import random
 
-# isort: off
-import engine  # noqa: F401  (loads OpenBLAS before mlx.core: keep it first)
 import mlx.core as mx
-# isort: on
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from bench.modelgen import init_model, model_config
-from engine.cache import NullPrefixCache, PrefixCache
-from engine.cache.tokens import store_namespace
+from mlxkv.engine.cache import NullPrefixCache, PrefixCache
+from mlxkv.engine.cache.tokens import store_namespace
+from support.modelgen import init_model, model_config
 
 BT = 16
 NS = "ns-busy"

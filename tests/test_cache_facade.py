@@ -12,19 +12,16 @@ import threading
 import types
 from concurrent.futures import ThreadPoolExecutor
 
-# isort: off
-import engine  # noqa: F401  (loads OpenBLAS before mlx.core: keep it first)
 import mlx.core as mx
-# isort: on
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from bench.modelgen import init_model, model_config
-from engine.cache import PrefixCache
-from engine.cache import events as cache_events
-from engine.cache import layout as dl
-from engine.cache.tokens import chain_keys, entry_id, store_namespace
+from mlxkv.engine.cache import PrefixCache
+from mlxkv.engine.cache import events as cache_events
+from mlxkv.engine.cache import layout as dl
+from mlxkv.engine.cache.tokens import chain_keys, entry_id, store_namespace
+from support.modelgen import init_model, model_config
 
 BT = 16
 GEMMA3 = {"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 2,
@@ -99,8 +96,8 @@ def test_both_tiers_use_the_store_chain_keys(llama, tmp_path):
 
 
 def test_a_prompt_is_hashed_once_per_lookup(llama, tmp_path, monkeypatch):
-    import storage.index
-    from engine.cache import tokens as ctokens
+    import mlxkv.storage.index
+    from mlxkv.engine.cache import tokens as ctokens
 
     t = prompt(4 * BT + 5, 1)
     pc = pc_at(tmp_path)
@@ -116,7 +113,7 @@ def test_a_prompt_is_hashed_once_per_lookup(llama, tmp_path, monkeypatch):
         return key
 
     monkeypatch.setattr(ctokens, "block_key", counted("cache", ctokens.block_key))
-    monkeypatch.setattr(storage.index, "block_key", counted("store", storage.index.block_key))
+    monkeypatch.setattr(mlxkv.storage.index, "block_key", counted("store", mlxkv.storage.index.block_key))
     n, _ = pc2.lookup(t + [1], "ns")  # an SSD hit: both tiers walk the prompt's keys
     assert n == len(t) and pc2.stats()["last"]["tier"] == "ssd"
     assert calls == {"cache": 4, "store": 0}
@@ -151,7 +148,7 @@ def test_namespace_folds_layout_version_and_state_schema(monkeypatch):
 
 def _fake_layout_blocks(pc, ns, toks, dtype="float31", n_layers=2, d=16):
     """Blocks under ``ns`` whose (hash-valid) header names ``dtype``."""
-    from storage.format import SegmentSpec
+    from mlxkv.storage.format import SegmentSpec
 
     row = d * 4
     specs, segs = [], []
@@ -238,10 +235,10 @@ def _held_bytes(*roots) -> int:
 
 
 def test_durability_memory_is_bounded_after_many_stores(tmp_path):
-    from engine.cache.durability import Durability
-    from storage.format import SegmentSpec
-    from storage.io import Snapshot, StorageIO
-    from storage.store import BlockStore
+    from mlxkv.engine.cache.durability import Durability
+    from mlxkv.storage.format import SegmentSpec
+    from mlxkv.storage.io import Snapshot, StorageIO
+    from mlxkv.storage.store import BlockStore
 
     store = BlockStore(str(tmp_path), block_tokens=1 << 20, durable=False)
     io = StorageIO(store)
@@ -474,8 +471,8 @@ def test_unusable_ssd_tier_falls_back_to_ram_with_one_warning(llama, tmp_path, f
 
 
 def test_engine_binds_its_model_so_a_misfit_state_is_never_restored(tiny_llama, tmp_path):
-    from engine.engine import Engine, Request
-    from engine.generate import SamplingParams
+    from mlxkv.engine.engine import Engine, Request
+    from mlxkv.engine.generate import SamplingParams
 
     params = SamplingParams(max_tokens=4)
     t = prompt(2 * BT + 5, 70)
@@ -500,7 +497,7 @@ def test_engine_binds_its_model_so_a_misfit_state_is_never_restored(tiny_llama, 
 
 
 def test_settings_reach_the_tiers(tmp_path):
-    from engine.settings import FIELDS
+    from mlxkv.engine.settings import FIELDS
 
     assert {f.name: f.default for f in FIELDS}["restore_timeout_s"] == 30.0
     pc = PrefixCache.from_settings(_settings(cache_dir=str(tmp_path), restore_timeout_s=7.0))

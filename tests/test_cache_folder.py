@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 from test_store import BT, F32, KV_HELPER, ROOT, _flip, make_kv, restore, segs
 
-import storage
-from storage import format as fmt
-from storage.folder import MARKER
-from storage.keys import CacheFolderError, namespace_id
-from storage.store import BlockStore, StoreWriteError, reset_warnings
+import mlxkv.storage
+from mlxkv.storage import format as fmt
+from mlxkv.storage.folder import MARKER
+from mlxkv.storage.keys import CacheFolderError, namespace_id
+from mlxkv.storage.store import BlockStore, StoreWriteError, reset_warnings
 
 WAIT = 60
 
@@ -78,7 +78,7 @@ def test_a_new_folder_is_marked_and_private(tmp_path):
     for p in [root, *root.rglob("*")]:
         mode = stat.S_IMODE(p.lstat().st_mode)
         assert mode == (0o700 if p.is_dir() else 0o600), f"{p}: {oct(mode)}"
-    assert storage.CacheFolderError is CacheFolderError
+    assert mlxkv.storage.CacheFolderError is CacheFolderError
     assert issubclass(CacheFolderError, RuntimeError)
 
 
@@ -281,7 +281,7 @@ def test_fifos_named_like_a_block_or_a_manifest_hang_nothing(tmp_path):
     os.mkfifo(victim)  # an indexed block replaced by a FIFO after the scan
     code, out, err = run_child('''
         import json, sys
-        from storage.store import BlockStore
+        from mlxkv.storage.store import BlockStore
         from test_store import F32, BT
         store = BlockStore(sys.argv[1], block_tokens=BT)
         store.scan()
@@ -403,7 +403,7 @@ def test_read_errors_never_remove_a_file(tmp_path, monkeypatch):
     assert os.path.exists(bad)
     assert (rep["blocks"], rep["bad_removed"], rep["unreadable"]) == (1, 0, 1)
     assert fresh.stats()["skipped"] == {bad: os.strerror(errno.EIO)}
-    from storage import diskio
+    from mlxkv.storage import diskio
 
     def failing_pread_full(fd, buf, off):
         raise OSError(errno.EIO, os.strerror(errno.EIO))

@@ -6,14 +6,10 @@ from __future__ import annotations
 
 import random
 
-# isort: off
-import engine  # noqa: F401  (loads OpenBLAS before mlx.core: keep it first)
-import mlx.core as mx
-# isort: on
-from mlx_lm.models.cache import make_prompt_cache
+from common import greedy_tokens
 
-from bench.modelgen import init_model, model_config
-from engine.cache import PrefixCache
+from mlxkv.engine.cache import PrefixCache
+from support.modelgen import init_model, model_config
 
 BT = 16
 
@@ -23,19 +19,8 @@ def prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(3, 500) for _ in range(n)]
 
 
-def greedy(model, tokens, cache=None, n_cached=0, n_new=5):
-    cache = make_prompt_cache(model) if cache is None else cache
-    logits = model(mx.array(tokens[n_cached:])[None], cache=cache)[0, -1]
-    out = []
-    for _ in range(n_new):
-        t = int(mx.argmax(logits).item())
-        out.append(t)
-        logits = model(mx.array([[t]]), cache=cache)[0, -1]
-    return out, cache
-
-
 def stored(tmp_path, model, t):
-    out, cache = greedy(model, t)
+    out, cache = greedy_tokens(model, t, n_new=5, feed_last=True)
     pc = PrefixCache(ram_bytes=1 << 30, cache_dir=str(tmp_path), block_tokens=BT)
     pc.store(t + out[:-1], cache, "ns")
     assert pc.close(30)["durable"] == 1
@@ -56,7 +41,8 @@ def test_busy_prefetch_reads_in_the_background_and_the_lookup_finds_it_in_ram(tm
     n, c = pc.lookup(nxt, "ns")  # waits for the read it needs, from RAM
     assert n == len(held) and pc.last["tier"] == "ram"
     assert pc.stats()["ssd_hits"] == 0 and pc.stats()["prefetched_tokens"] == len(held)
-    assert greedy(model, nxt, cache=c, n_cached=n)[0] == greedy(model, nxt)[0]
+    warm = greedy_tokens(model, nxt, cache=c, n_cached=n, n_new=5, feed_last=True)[0]
+    assert warm == greedy_tokens(model, nxt, n_new=5, feed_last=True)[0]
     pc.close()
 
 

@@ -15,7 +15,7 @@ def mlxkv(*args, stdin=None, **env):
                 "MLXKV_CACHE_DIR": str(ROOT / ".cache" / "test-cli-prefix-cache"), **env}
     full_env.pop("MLXKV_CONFIG", None)
     full_env.setdefault("XDG_CONFIG_HOME", str(ROOT / ".cache" / "no-config"))
-    return subprocess.run([sys.executable, str(ROOT / "mlxkv.py"), *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "mlxkv", *args], cwd=ROOT,
                           input=stdin, capture_output=True, text=True, env=full_env,
                           timeout=120)
 
@@ -72,7 +72,7 @@ def test_config_shows_values_and_sources(tmp_path):
 def test_config_names_the_model_as_users_know_it():
     """The default model is the demo model: shown by name beside its folder (which, in a
     one-file binary, is a temporary path); --json keeps the raw value."""
-    from engine.demo import DEMO_MODEL_DIR
+    from mlxkv.engine.demo import DEMO_MODEL_DIR
 
     r = mlxkv("config")
     assert r.returncode == 0, r.stderr
@@ -121,7 +121,7 @@ def test_chat_ctrl_c_cancels_the_reply(tiny_qwen3):
            "XDG_CONFIG_HOME": str(ROOT / ".cache" / "no-config")}
     env.pop("MLXKV_CONFIG", None)
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "mlxkv.py"), "chat", "--model", str(tiny_qwen3),
+        [sys.executable, "-m", "mlxkv", "chat", "--model", str(tiny_qwen3),
          "--max-tokens", "1000000", "--temp", "1.0", "--seed", "1"],
         cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         env=env)
@@ -159,7 +159,7 @@ def test_chat_sigterm_flushes_the_cache_and_exits(tiny_qwen3, tmp_path):
            "XDG_CONFIG_HOME": str(ROOT / ".cache" / "no-config")}
     env.pop("MLXKV_CONFIG", None)
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "mlxkv.py"), "chat", "--model", str(tiny_qwen3),
+        [sys.executable, "-m", "mlxkv", "chat", "--model", str(tiny_qwen3),
          "--max-tokens", "5", "--temp", "0"],
         cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         env=env)

@@ -22,7 +22,7 @@ def mlxkv(*args, timeout=60):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "XDG_CONFIG_HOME": str(ROOT / ".cache" / "no-config")}
     env.pop("MLXKV_CONFIG", None)
     env.pop("MLXKV_DEBUG", None)
-    return subprocess.run([sys.executable, str(ROOT / "mlxkv.py"), *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "mlxkv", *args], cwd=ROOT,
                           capture_output=True, text=True, env=env, timeout=timeout)
 
 
@@ -37,9 +37,9 @@ def assert_one_error_line(r, *needles):
 
 def fill(root: Path, ns: str = "ns-a") -> None:
     """One saved conversation (a block, a tail, a manifest) written by the block store."""
-    from storage import format as fmt
-    from storage.format import SegmentSpec
-    from storage.store import BlockStore
+    from mlxkv.storage import format as fmt
+    from mlxkv.storage.format import SegmentSpec
+    from mlxkv.storage.store import BlockStore
 
     layout = fmt.make_layout([SegmentSpec("l0.k", "float32", (8,), 2, 32),
                               SegmentSpec("l0.v", "float32", (8,), 2, 32)])

@@ -58,7 +58,7 @@ def test_piped_lines_are_all_answered_and_commands_stay_local(tiny_qwen3, tmp_pa
     /help, /stats and an unknown command are answered here, not sent to the model; /clear
     starts over (the same question again has the first one's prompt, served from cache)."""
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "mlxkv.py"), "chat", "--model", str(tiny_qwen3),
+        [sys.executable, "-m", "mlxkv", "chat", "--model", str(tiny_qwen3),
          "--max-tokens", "4", "--temp", "0"],
         cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         env=env_for(tmp_path))
@@ -91,7 +91,7 @@ def test_terminal_chat_sigterm_at_the_prompt(tiny_qwen3, tmp_path):
     at the next prompt ends the chat at once with status 143."""
     master, slave = pty.openpty()
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "mlxkv.py"), "chat", "--model", str(tiny_qwen3),
+        [sys.executable, "-m", "mlxkv", "chat", "--model", str(tiny_qwen3),
          "--max-tokens", "3", "--temp", "0"],
         cwd=ROOT, stdin=slave, stdout=slave, stderr=subprocess.PIPE, env=env_for(tmp_path))
     os.close(slave)
@@ -119,7 +119,7 @@ def test_a_refused_turn_leaves_the_chat_usable(tiny_qwen3, tmp_path):
     cfg["max_position_embeddings"] = 48
     (model / "config.json").write_text(json.dumps(cfg))
     r = subprocess.run(
-        [sys.executable, str(ROOT / "mlxkv.py"), "chat", "--model", str(model), "--max-tokens", "3",
+        [sys.executable, "-m", "mlxkv", "chat", "--model", str(model), "--max-tokens", "3",
          "--temp", "0", "--no-ssd-cache"],
         cwd=ROOT, input="mlxkv " * 80 + "\nhi\n", capture_output=True, text=True,
         env=env_for(tmp_path / "unused"), timeout=DEADLINE_S)

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cli.parser import CACHE_VERBS, build_parser
-from engine.settings import FIELDS, Settings
+from mlxkv.cli.parser import CACHE_VERBS, build_parser
+from mlxkv.engine.settings import FIELDS, Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,7 +49,7 @@ def mlxkv(*args, cache_dir, timeout=60, **env):
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "MLXKV_CACHE_DIR": str(cache_dir),
                 "XDG_CONFIG_HOME": str(ROOT / ".cache" / "no-config"), **env}
     full_env.pop("MLXKV_CONFIG", None)
-    return subprocess.run([sys.executable, str(ROOT / "mlxkv.py"), *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "mlxkv", *args], cwd=ROOT,
                           capture_output=True, text=True, env=full_env, timeout=timeout)
 
 
@@ -109,7 +109,7 @@ def test_off_switches_and_sizes(tmp_path):
 def test_sampling_defaults_are_one_set(tmp_path, monkeypatch):
     """A request built without the CLI (engine.generate.SamplingParams()) samples as the
     settings' defaults say: one set of defaults, not two that drift apart."""
-    from engine.generate import SamplingParams
+    from mlxkv.engine.generate import SamplingParams
 
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     defaults = {f.name: f.default for f in FIELDS}
@@ -122,9 +122,9 @@ def test_sampling_defaults_are_one_set(tmp_path, monkeypatch):
 
 def _cache_with_one_namespace(root: Path) -> str:
     """A real cache folder holding one saved conversation (written by the block store)."""
-    from storage import format as fmt
-    from storage.format import SegmentSpec
-    from storage.store import BlockStore
+    from mlxkv.storage import format as fmt
+    from mlxkv.storage.format import SegmentSpec
+    from mlxkv.storage.store import BlockStore
 
     layout = fmt.make_layout([SegmentSpec("l0.k", "float32", (8,), 2, 32),
                               SegmentSpec("l0.v", "float32", (8,), 2, 32)])

@@ -23,7 +23,7 @@ def mlxkv(*args, stdin=None, timeout=120, **env):
                 "XDG_CONFIG_HOME": str(ROOT / ".cache" / "no-config"), **env}
     full_env.pop("MLXKV_CONFIG", None)
     full_env.pop("MLXKV_DEBUG", None)
-    return subprocess.run([sys.executable, str(ROOT / "mlxkv.py"), *args], cwd=ROOT, input=stdin,
+    return subprocess.run([sys.executable, "-m", "mlxkv", *args], cwd=ROOT, input=stdin,
                           capture_output=True, text=True, env=full_env, timeout=timeout)
 
 
@@ -147,7 +147,7 @@ def test_terminal_sees_prefill_progress_and_load_time(tiny_qwen3, tmp_path):
     env.pop("MLXKV_CONFIG", None)
     try:
         r = subprocess.run(
-            [sys.executable, str(ROOT / "mlxkv.py"), "generate", "--model", str(tiny_qwen3), "--raw",
+            [sys.executable, "-m", "mlxkv", "generate", "--model", str(tiny_qwen3), "--raw",
              "-p", "mlxkv " * 300, "--max-tokens", "2", "--temp", "0", "--prefill-step-size", "32"],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=slave, env=env, timeout=120)
         os.close(slave)

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from cli import logs
+from mlxkv.cli import logs
 
 
 @pytest.fixture(autouse=True)

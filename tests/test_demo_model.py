@@ -13,10 +13,9 @@ import re
 
 import pytest
 
-import engine  # noqa: F401  (loads the system BLAS before mlx.core, where present)
-from engine.demo import DEMO_MODEL_DIR, DRAFT_MODEL_DIR, SAMPLE_QUESTIONS
-from engine.demo.corpus import build_corpus, render
-from engine.demo.facts import FACTS
+from mlxkv.engine.demo import DEMO_MODEL_DIR, DRAFT_MODEL_DIR, SAMPLE_QUESTIONS
+from support.demo.corpus import build_corpus, render
+from support.demo.facts import FACTS
 
 CANONICAL = {fact["q"][0]: fact["a"][0] for fact in FACTS}
 

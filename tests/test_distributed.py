@@ -22,7 +22,7 @@ LONGER = PROMPT + " and answers the next turn from where it stopped"
 
 @pytest.fixture(scope="module")
 def model() -> str:
-    from bench.modelgen import tiny_model_of_type
+    from support.modelgen import tiny_model_of_type
 
     return str(tiny_model_of_type("qwen2"))
 
@@ -30,8 +30,8 @@ def model() -> str:
 @pytest.fixture(scope="module")
 def reference(model: str) -> dict:
     """What one process answers (no cache): greedy for both prompts, and seeded sampling."""
-    from engine.engine import Engine, Request
-    from engine.generate import SamplingParams
+    from mlxkv.engine.engine import Engine, Request
+    from mlxkv.engine.generate import SamplingParams
 
     out = {}
     with Engine(model, prefix_cache=None, max_batch=1).start(timeout=120) as engine:
@@ -132,7 +132,7 @@ def test_pipeline_sharding_matches_one_process_and_caches_per_rank(model, refere
 
 
 def test_a_model_type_without_the_asked_sharding_is_refused_clearly(tmp_path):
-    from bench.modelgen import tiny_model
+    from support.modelgen import tiny_model
 
     out, err = ds.run_launch(["generate", "--model", str(tiny_model("qwen3")), "--no-ssd-cache",
                               "--shard", "pipeline", "--prompt", "hi", "--dist-timeout-s", "30"])

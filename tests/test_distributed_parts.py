@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.distributed import DistributedError, launch_rank, launched
-from engine.distributed.protocol import decide, pack_body, unpack_body
-from engine.distributed.sharding import choose_mode, shard_namespace, supported_modes
+from mlxkv.engine.distributed import DistributedError, launch_rank, launched
+from mlxkv.engine.distributed.protocol import decide, pack_body, unpack_body
+from mlxkv.engine.distributed.sharding import choose_mode, shard_namespace, supported_modes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,7 +50,7 @@ def _modes(path: Path) -> tuple[list[str], dict]:
 
 
 def test_the_sharding_is_chosen_from_what_mlx_lm_supports_and_refused_clearly(tmp_path):
-    from bench.modelgen import tiny_model, tiny_model_of_type
+    from support.modelgen import tiny_model, tiny_model_of_type
 
     qwen2 = tiny_model_of_type("qwen2")
     modes, config = _modes(qwen2)
@@ -89,7 +89,7 @@ def _child(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 def test_the_watchdog_ends_a_wait_that_lasts_too_long_with_a_clear_error():
     r = _child("import threading\n"
-               "from engine.distributed.watchdog import Watchdog\n"
+               "from mlxkv.engine.distributed.watchdog import Watchdog\n"
                "dog = Watchdog(3, 0.5)\n"
                "dog.arm('waiting for a peer that never answers')\n"
                "threading.Event().wait(30)\n")
@@ -103,6 +103,6 @@ def test_a_launch_of_one_process_runs_as_a_single_process(tmp_path):
     # mlx.launch -n 1 hands each rank an empty host file
     hosts = tmp_path / "hosts.json"
     hosts.write_text("")
-    r = _child("from engine.distributed import join; print(join(5))",
+    r = _child("from mlxkv.engine.distributed import join; print(join(5))",
                {"MLX_RANK": "0", "MLX_HOSTFILE": str(hosts)})
     assert r.returncode == 0 and r.stdout.strip() == "None", r

@@ -8,20 +8,14 @@ import threading
 from pathlib import Path
 
 import pytest
+from common import T, greedy
 
-import engine  # noqa: F401  (loads the BLAS before mlx)
-from engine.engine import Engine, EngineError, Request, TokenEvent
-from engine.generate import SamplingParams, StopMatcher, cache_length
-from engine.models import ModelNotFoundError
+from mlxkv.engine.engine import Engine, EngineError, Request, TokenEvent
+from mlxkv.engine.generate import SamplingParams, StopMatcher, cache_length
+from mlxkv.engine.models import ModelNotFoundError
 
 ROOT = Path(__file__).resolve().parent.parent
-T = 120  # seconds any wait in these tests may take before it fails
 
-
-def greedy(**kwargs) -> SamplingParams:
-    """Greedy decoding, whatever the defaults are."""
-    return SamplingParams(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
-                          repetition_penalty=1.0, **kwargs)
 
 WORDS = ("the cache keeps every block of the conversation on disk so that a restart "
          "returns instantly; import os, sys; def main(argv): return 0 # mlx engine").split(" ")
@@ -90,7 +84,7 @@ def test_greedy_parity_with_mlx_lm(arch, qwen3_engine, llama_engine):
 def test_parity_with_a_prompt_cache(llama_engine):
     """Given a cache holding a prefix, we and stream_generate (fed the same kind of cache
     and the rest of the prompt) produce the same tokens."""
-    from engine.generate import Generation
+    from mlxkv.engine.generate import Generation
 
     eng = llama_engine
     texts = prompts(6, seed=11)
@@ -240,7 +234,7 @@ def test_cancel_before_start_and_shutdown(tiny_qwen3):
 
 
 def test_bad_requests_and_models(qwen3_engine, tmp_path):
-    from engine.engine import RequestRefused
+    from mlxkv.engine.engine import RequestRefused
 
     for bad in (dict(prompt_tokens=[]), dict(prompt=""), dict(prompt=" \n\t "),
                 dict(messages=[]), dict(messages=[{"role": "user", "content": "  "}])):
@@ -325,16 +319,16 @@ def test_engine_and_storage_import_without_textual():
     """In a fresh interpreter: every module of ``storage`` (each one, not just the lazy
     package) imports without mlx, and the engine's light modules without mlx, mlx-lm,
     transformers or Textual."""
-    r = _run_py("import pkgutil, sys, storage\n"
-                "mods = [m.name for m in pkgutil.walk_packages(storage.__path__, 'storage.')]\n"
-                "assert 'storage.store' in mods and 'storage._blocks' in mods, mods\n"
+    r = _run_py("import pkgutil, sys, mlxkv.storage as storage\n"
+                "mods = [m.name for m in pkgutil.walk_packages(storage.__path__, 'mlxkv.storage.')]\n"
+                "assert 'mlxkv.storage.store' in mods and 'mlxkv.storage._blocks' in mods, mods\n"
                 "for name in mods:\n"
                 "    __import__(name)\n"
                 "heavy = lambda *tops: sorted(m for m in sys.modules if m.split('.')[0] in tops)\n"
                 "bad = heavy('mlx', 'textual')\n"
                 "assert not bad, bad\n"
-                "import engine, engine.engine, engine.requests, engine.generate, engine.models\n"
-                "import engine.settings, engine.blas, engine.demo\n"
+                "import mlxkv.engine.engine, mlxkv.engine.requests, mlxkv.engine.generate, mlxkv.engine.models\n"
+                "import mlxkv.engine.settings, mlxkv.engine.blas, mlxkv.engine.demo\n"
                 "bad = heavy('textual', 'mlx', 'mlx_lm', 'transformers')\n"
                 "assert not bad, bad\n"
                 "print('ok', len(mods))")
@@ -342,31 +336,33 @@ def test_engine_and_storage_import_without_textual():
 
 
 def test_openblas_really_bound():
-    from engine.blas import blas_info, find_openblas
+    from mlxkv.engine.blas import blas_info, find_openblas
 
     if find_openblas() is None:
         pytest.skip("no system OpenBLAS on this machine")
     assert blas_info()["active"]
-    code = "import engine, mlx.core as mx; mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64)))"
+    code = ("import mlxkv.engine.blas as b; b.preload(); import mlx.core as mx; "
+            "mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64)))")
     on = _run_py(code, LD_DEBUG="bindings")
     off = _run_py(code, LD_DEBUG="bindings", MLXKV_BLAS="off")
     bind = [ln for ln in on.stderr.splitlines() if "`cblas_sgemm'" in ln and "libmlx" in ln]
     assert bind and "openblas" in bind[0], on.stderr[-2000:]
     bind_off = [ln for ln in off.stderr.splitlines() if "`cblas_sgemm'" in ln and "libmlx" in ln]
     assert bind_off and "openblas" not in bind_off[0]
-    info = _run_py("import engine.blas as b; print(b.blas_info()['name'])", MLXKV_BLAS="off")
+    info = _run_py("import mlxkv.engine.blas as b; b.preload(); print(b.blas_info()['name'])", MLXKV_BLAS="off")
     assert info.stdout.strip().startswith("reference")
 
 
 def test_an_interactive_front_end_leaves_a_core_to_the_ui():
     """blas.leave_a_core() gives OpenBLAS one thread fewer than the machine's cores, unless
     the user chose OPENBLAS_NUM_THREADS; in a fresh process, with the real library."""
-    from engine.blas import find_openblas
+    from mlxkv.engine.blas import find_openblas
 
     if find_openblas() is None:
         pytest.skip("no system OpenBLAS on this machine")
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
-    code = ("import os, engine.blas as b\n"
+    code = ("import os, mlxkv.engine.blas as b\n"
+            "b.preload()\n"
             "assert b.leave_a_core()\n"
             "print(b.blas_info()['threads'], os.cpu_count())")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
@@ -374,5 +370,5 @@ def test_an_interactive_front_end_leaves_a_core_to_the_ui():
     assert r.returncode == 0, r.stderr[-2000:]
     threads, cores = map(int, r.stdout.split())
     assert threads == max(1, cores - 1)
-    chosen = _run_py("import engine.blas as b; print(b.leave_a_core())", OPENBLAS_NUM_THREADS="2")
+    chosen = _run_py("import mlxkv.engine.blas as b; b.preload(); print(b.leave_a_core())", OPENBLAS_NUM_THREADS="2")
     assert chosen.returncode == 0 and chosen.stdout.strip() == "False", chosen.stderr[-2000:]

@@ -14,10 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
+from common import T, greedy
 
-import engine  # noqa: F401  (loads the BLAS before mlx)
-from bench.modelgen import tiny_model
-from engine.engine import (
+from mlxkv.engine.engine import (
     CacheEvent,
     Engine,
     EngineError,
@@ -29,18 +28,12 @@ from engine.engine import (
     StatsEvent,
     TokenEvent,
 )
-from engine.generate import SamplingParams
-
-T = 120  # seconds any wait in these tests may take before it fails
-
-
-def greedy(**kwargs) -> SamplingParams:
-    return SamplingParams(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
-                          repetition_penalty=1.0, **kwargs)
+from mlxkv.engine.generate import SamplingParams
+from support.modelgen import tiny_model
 
 
 def ram_cache():
-    from engine.cache.prefix_cache import PrefixCache
+    from mlxkv.engine.cache.prefix_cache import PrefixCache
 
     return PrefixCache(ram_bytes=64 << 20, cache_dir=None, block_tokens=16)
 
@@ -162,8 +155,6 @@ def test_cache_events_and_load_events(tiny_qwen3):
 
 def test_cache_wrappers_reach_the_facade(tiny_qwen3):
     pc = ram_cache()
-    if not hasattr(pc, "entries"):
-        pytest.skip("the prefix cache has no entries() yet")
     with Engine(str(tiny_qwen3), prefix_cache=pc).start(timeout=T) as e:
         e.submit(Request(prompt=TEXT, params=greedy(max_tokens=3))).result(timeout=T)
         e.sync(timeout=T)
@@ -363,9 +354,10 @@ def test_ctrl_c_while_waiting_loses_no_event(eng):
 
 SWEEP = r'''
 import os, signal, sys, threading
-import engine
-from engine.engine import Engine, Request, FinishedEvent
-from engine.generate import SamplingParams
+from mlxkv.engine.blas import preload
+preload()
+from mlxkv.engine.engine import Engine, Request, FinishedEvent
+from mlxkv.engine.generate import SamplingParams
 
 def interrupt(signum, frame):
     raise KeyboardInterrupt
@@ -444,7 +436,7 @@ CHAT = [{"role": "user", "content": TEXT + TEXT}]
 
 
 def disk_cache(root, **kw):
-    from engine.cache.prefix_cache import PrefixCache
+    from mlxkv.engine.cache.prefix_cache import PrefixCache
 
     return PrefixCache(ram_bytes=64 << 20, cache_dir=str(root), block_tokens=16, **kw)
 

@@ -7,8 +7,8 @@ import struct
 import numpy as np
 import pytest
 
-from storage import format as fmt
-from storage.format import FormatError, SegmentSpec, UnknownVersion
+from mlxkv.storage import format as fmt
+from mlxkv.storage.format import FormatError, SegmentSpec, UnknownVersion
 
 KV_BF16 = fmt.make_layout(
     [SegmentSpec(f"l{i}.{kv}", "bfloat16", (128,), 8, 256) for i in range(4) for kv in "kv"]

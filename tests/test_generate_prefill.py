@@ -11,16 +11,16 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from common import T
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from bench.modelgen import tiny_model
-from engine.engine import Engine, Request
-from engine.generate import Generation, SamplingParams, head_view, stream_detokenizer
-from engine.settings import Settings
+from mlxkv.engine.engine import Engine, Request
+from mlxkv.engine.generate import Generation, SamplingParams, head_view, stream_detokenizer
+from mlxkv.engine.settings import Settings
+from support.modelgen import tiny_model
 
-T = 120
 PROMPT = list(range(3, 13))  # 10 tokens
 
 

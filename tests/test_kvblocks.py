@@ -10,15 +10,12 @@ import sys
 import textwrap
 from pathlib import Path
 
-# isort: off
-import engine  # noqa: F401  (loads OpenBLAS before mlx.core: keep it first)
 import mlx.core as mx
-# isort: on
 import numpy as np
 import pytest
 
-from engine.cache import buffers as mxb
-from engine.cache import kvblocks as kb
+from mlxkv.engine.cache import buffers as mxb
+from mlxkv.engine.cache import kvblocks as kb
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -136,9 +133,9 @@ H, D, BT = 2, 8, 16
 
 
 def _store(tmp_path):
-    from storage import format as fmt
-    from storage.io import StorageIO
-    from storage.store import BlockStore
+    from mlxkv.storage import format as fmt
+    from mlxkv.storage.io import StorageIO
+    from mlxkv.storage.store import BlockStore
 
     store = BlockStore(str(tmp_path / "store"), block_tokens=BT)
     layout = fmt.make_layout([fmt.SegmentSpec(f"{li}.{kv}", "bfloat16", (D,), H, 2 * D)
@@ -147,7 +144,7 @@ def _store(tmp_path):
 
 
 def test_restore_into_unfilled_arrays_is_exact_and_stops_at_a_corrupt_block(tmp_path):
-    from storage.io import ReadRequest, Snapshot
+    from mlxkv.storage.io import ReadRequest, Snapshot
 
     store, sio, layout = _store(tmp_path)
     T = 5 * BT
@@ -193,9 +190,10 @@ def test_restore_into_unfilled_arrays_is_exact_and_stops_at_a_corrupt_block(tmp_
 
 # ----------------------------------------------------------------------------- exit
 EXIT_SCRIPT = textwrap.dedent("""
-    import engine
+    from mlxkv.engine.blas import preload
+    preload()
     import mlx.core as mx
-    from engine.cache import buffers as mxb, kvblocks as kb
+    from mlxkv.engine.cache import buffers as mxb, kvblocks as kb
     # uint16 has no view step: the interpreter reaches its exit right after the load, the
     # moment where MLX's I/O thread still held the stream before the release wait
     a = mxb.unfilled_arrays([(1, 8, 1024, 128)] * 4, [mx.uint16] * 4)

@@ -6,8 +6,7 @@ import shutil
 
 import pytest
 
-import engine  # noqa: F401  (loads the BLAS before mlx)
-from engine.models import (
+from mlxkv.engine.models import (
     ModelNotFoundError,
     apply_dtype_policy,
     load_model,
@@ -27,7 +26,7 @@ def model_copy(tiny_qwen3, tmp_path):
 @pytest.fixture
 def stat_mode(monkeypatch):
     """Size + mtime fingerprints for models of any size (tiny ones are hashed by content)."""
-    monkeypatch.setattr("engine.models.CONTENT_HASH_MAX_BYTES", 0)
+    monkeypatch.setattr("mlxkv.engine.models.CONTENT_HASH_MAX_BYTES", 0)
 
 
 def test_load_local_folder(tiny_qwen3):
@@ -94,7 +93,7 @@ def test_fingerprint_inside_frozen_bundle_hashes_contents(model_copy, tmp_path, 
 def test_demo_model_fingerprint_does_not_depend_on_place_or_mtimes(tmp_path):
     """The demo model unpacked elsewhere with fresh mtimes (a one-file binary does this on
     every start) is the same model: same fingerprint, so the same cache namespace."""
-    from engine.demo import DEMO_MODEL_DIR
+    from mlxkv.engine.demo import DEMO_MODEL_DIR
 
     if not (DEMO_MODEL_DIR / "config.json").exists():
         pytest.skip("the demo model is not built")
@@ -118,7 +117,7 @@ def test_small_models_are_hashed_by_content(model_copy, tiny_qwen3):
 
 
 def test_model_label_names_the_demo_model_not_its_folder(tiny_qwen3):
-    from engine.demo import DEMO_MODEL_DIR
+    from mlxkv.engine.demo import DEMO_MODEL_DIR
 
     assert model_label("mlx-community/Qwen3-4B-4bit") == "mlx-community/Qwen3-4B-4bit"
     assert model_label(str(tiny_qwen3)) == str(tiny_qwen3)
@@ -144,7 +143,7 @@ def test_fingerprint_sensitive_to_tokenizer_and_template(model_copy):
 def test_dtype_policy(tiny_qwen3, tmp_path):
     import mlx.core as mx
 
-    from bench.modelgen import save_model_dir
+    from support.modelgen import save_model_dir
 
     lm = load_model(tiny_qwen3)
     lm.model.set_dtype(mx.bfloat16)

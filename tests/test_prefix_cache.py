@@ -8,17 +8,14 @@ import os
 import random
 from pathlib import Path
 
-# isort: off
-import engine  # noqa: F401  (loads OpenBLAS before mlx.core: keep it first)
 import mlx.core as mx
-# isort: on
 import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from bench.modelgen import init_model
-from engine.cache import NullPrefixCache, PrefixCache
-from engine.cache.tokens import store_namespace
+from mlxkv.engine.cache import NullPrefixCache, PrefixCache
+from mlxkv.engine.cache.tokens import store_namespace
+from support.modelgen import init_model
 
 BT = 16  # small blocks so short prompts span several
 
@@ -379,7 +376,7 @@ def test_writes_are_coalesced(llama, tmp_path):
 def test_quantized_kv_cache_round_trips_through_ram_and_ssd(tmp_path):
     from mlx_lm.models.cache import QuantizedKVCache
 
-    from bench.modelgen import model_config
+    from support.modelgen import model_config
 
     llama = init_model(model_config("llama", 512, head_dim=32), seed=2)  # quantizable heads
     t = prompt(2 * BT + 7, 27)
@@ -581,7 +578,7 @@ def test_failed_request_gives_back_a_handed_over_entry(llama):
 
 
 def test_restore_destinations_are_real_writable_buffers():
-    from engine.cache.kvblocks import byte_view, writable_arrays
+    from mlxkv.engine.cache.kvblocks import byte_view, writable_arrays
 
     arrays = writable_arrays([(1, 2, 512, 16)] * 3 + [(1, 1, 256, 8)], [mx.float32] * 3 + [mx.bfloat16])
     views = [np.frombuffer(byte_view(a), dtype=np.uint8) for a in arrays]
@@ -630,7 +627,7 @@ def _cli(*argv: str) -> tuple[int, dict | None]:
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "XDG_CONFIG_HOME": str(root / ".cache" / "no-config")}
     env.pop("MLXKV_CONFIG", None)
-    r = subprocess.run([sys.executable, str(root / "mlxkv.py"), "cache", *argv], cwd=root,
+    r = subprocess.run([sys.executable, "-m", "mlxkv", "cache", *argv], cwd=root,
                        capture_output=True, text=True, env=env, timeout=120)
     text = r.stdout.strip()
     return r.returncode, json.loads(text.splitlines()[-1]) if "--json" in argv and text else None
@@ -684,8 +681,8 @@ def test_cache_cli(llama, tmp_path):
 
 # ----------------------------------------------------------------------------- engine
 def test_engine_end_to_end_ram_ssd_restart(tiny_qwen3, tmp_path):
-    from engine.engine import Engine, Request
-    from engine.generate import SamplingParams
+    from mlxkv.engine.engine import Engine, Request
+    from mlxkv.engine.generate import SamplingParams
 
     params = SamplingParams(max_tokens=8)
     made: list[PrefixCache] = []

@@ -9,22 +9,22 @@ import threading
 import anthropic
 import openai
 import pytest
+from common import T
 from server_support import LoopbackServer
 
 from bench.server import http_client
-from engine.engine import Engine
-from engine.generate import SamplingParams
-from server.context import ServerConfig
+from mlxkv.engine.engine import Engine
+from mlxkv.engine.generate import SamplingParams
+from mlxkv.server.context import ServerConfig
 
 httpx = http_client()
-T = 60  # seconds any one wait may take before the test fails
 KEY = "test-key-123"
 BODY_LIMIT = 256 * 1024
 
 
 @pytest.fixture(scope="module")
 def served(tiny_qwen3, tmp_path_factory):
-    from engine.cache.prefix_cache import PrefixCache
+    from mlxkv.engine.cache.prefix_cache import PrefixCache
 
     cache = PrefixCache(ram_bytes=64 << 20, cache_dir=str(tmp_path_factory.mktemp("cache")),
                         block_tokens=16)
@@ -214,7 +214,7 @@ def test_bad_input_gets_json_4xx_in_each_api_shape_and_the_server_goes_on(served
 
 
 def test_a_prompt_longer_than_the_context_is_refused_with_the_engines_message(tmp_path):
-    from bench.modelgen import tiny_model
+    from support.modelgen import tiny_model
 
     with Engine(str(tiny_model("qwen3", max_position_embeddings=64))).start(timeout=T) as engine, \
             LoopbackServer(engine, ServerConfig()) as srv:

@@ -11,11 +11,12 @@ import socket
 import subprocess
 import sys
 
-from bench.server import ROOT, Served, http_client, load_run
-from server.run import is_loopback, warn_if_open
+from common import T
+
+from bench.server import Served, http_client, load_run
+from mlxkv.server.run import is_loopback, warn_if_open
 
 httpx = http_client()
-T = 60
 KEY = "cli-key"
 
 
@@ -55,7 +56,7 @@ def test_serve_under_load_then_drains_and_flushes_on_sigterm(tiny_qwen3, tmp_pat
 def test_a_port_in_use_fails_before_the_model_loads(tmp_path):
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        r = subprocess.run([sys.executable, str(ROOT / "mlxkv.py"), "serve", "--port", str(port),
+        r = subprocess.run([sys.executable, "-m", "mlxkv", "serve", "--port", str(port),
                             "--model", str(tmp_path / "no-such-model")], capture_output=True, text=True,
                            timeout=T, env={**os.environ, "XDG_CONFIG_HOME": str(tmp_path)})
     assert r.returncode == 1

@@ -10,6 +10,7 @@ import json
 import anthropic
 import openai
 import pytest
+from common import T
 from server_support import (
     CALL_ARGS,
     FINAL_ANSWER,
@@ -20,16 +21,14 @@ from server_support import (
     tool_model,
 )
 
-from engine.engine import Engine
-from server.context import ServerConfig
-from server.tools import ToolCallParser, split_tool_calls
-
-T = 60
+from mlxkv.engine.engine import Engine
+from mlxkv.server.context import ServerConfig
+from mlxkv.server.tools import ToolCallParser, split_tool_calls
 
 
 @pytest.fixture(scope="module")
 def served():
-    from engine.cache.prefix_cache import PrefixCache
+    from mlxkv.engine.cache.prefix_cache import PrefixCache
 
     cache = PrefixCache(ram_bytes=64 << 20, cache_dir=None, block_tokens=16)
     with Engine(str(tool_model()), prefix_cache=cache).start(timeout=T) as engine, \

@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.settings import FIELDS, Settings, SettingsError, parse_bytes
+from mlxkv.engine.settings import FIELDS, Settings, SettingsError, parse_bytes
 
 
 def test_defaults_and_sources(tmp_path, monkeypatch):

@@ -10,14 +10,14 @@ import random
 
 import pytest
 
-from bench.modelgen import init_model, tiny_model
-from engine.generate import Generation, SamplingParams, cache_length
-from engine.models import load_model
-from engine.spec.base import TargetView
-from engine.spec.constraints import ConstraintProvider, GuidedChoice, JsonSkeleton
-from engine.spec.draft import DraftMismatch, DraftModelProvider
-from engine.spec.ngram import NgramIndex, NgramProvider, NgramRowGroup
-from engine.spec.providers import Speculation
+from mlxkv.engine.generate import Generation, SamplingParams, cache_length
+from mlxkv.engine.models import load_model
+from mlxkv.engine.speculation.base import TargetView
+from mlxkv.engine.speculation.constraints import ConstraintProvider, GuidedChoice, JsonSkeleton
+from mlxkv.engine.speculation.draft import DraftMismatch, DraftModelProvider
+from mlxkv.engine.speculation.ngram import NgramIndex, NgramProvider, NgramRowGroup
+from mlxkv.engine.speculation.providers import Speculation
+from support.modelgen import init_model, tiny_model
 
 QWEN3_NEXT = {"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 2,
               "intermediate_size": 128, "num_attention_heads": 4, "linear_num_value_heads": 2,
@@ -243,8 +243,8 @@ def test_json_skeleton_proposes_literal_parts(dense):
 def test_draft_row_group_matches_single_rows(dense, self_draft):
     # Rows of a group propose what each source alone proposes; a row consumes a new turn
     # it did not propose and proposes from it without a prefill; constraints force rows.
-    from engine.spec.constraints import RowConstraints
-    from engine.spec.rows import SourceRowGroup
+    from mlxkv.engine.speculation.constraints import RowConstraints
+    from mlxkv.engine.speculation.rows import SourceRowGroup
 
     tok = dense.tokenizer
     ps = prompts(2, dense.model.args.vocab_size, seed=8)

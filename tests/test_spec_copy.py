@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from bench.modelgen import TEST_MODELS
 from bench.models import COPY_MODEL_VERSION, MATCH_BITS, build_copy_model, copy_config, copy_weights
-from engine.generate import Generation, SamplingParams
-from engine.models import load_model
-from engine.spec.base import TargetView
-from engine.spec.ngram import NgramProvider
-from engine.spec.providers import Speculation
+from mlxkv.engine.generate import Generation, SamplingParams
+from mlxkv.engine.models import load_model
+from mlxkv.engine.speculation.base import TargetView
+from mlxkv.engine.speculation.ngram import NgramProvider
+from mlxkv.engine.speculation.providers import Speculation
+from support.modelgen import TEST_MODELS
 
 ROOT = Path(__file__).resolve().parent.parent
 # The bench construction at a test model's size: 16 heads (10 previous-token heads), room
@@ -65,7 +65,7 @@ def test_greedy_continuation_copies_source_text(copier):
     """Source text repeats short spans (indentation, names), so the circuit matches the ten
     tokens before each position, nearest first: the opening of a real file is copied."""
     tok = copier.tokenizer
-    doc = tok.encode((ROOT / "engine" / "spec" / "policy.py").read_text())[:400]
+    doc = tok.encode((ROOT / "engine" / "speculation" / "policy.py").read_text())[:400]
     prompt = tok.encode("Here:\n```\n") + doc + tok.encode("\n```\nAgain:\n```\n") + doc[:3]
     got = _greedy(copier, prompt, 120).outcome.tokens
     assert got == doc[3:123]
@@ -75,7 +75,7 @@ def test_ngram_on_the_copy_model_is_lossless_and_accepts_most_drafts(copier):
     tok = copier.tokenizer
     vocab = copier.model.args.vocab_size
     doc = _random_document(vocab, 200, 7)
-    text = tok.encode((ROOT / "engine" / "spec" / "ngram.py").read_text())[:300]
+    text = tok.encode((ROOT / "engine" / "speculation" / "ngram.py").read_text())[:300]
     prompts = [doc + [5, 6, 7] + doc[:3],
                tok.encode("Here:\n```\n") + text + tok.encode("\n```\nAgain:\n```\n") + text[:3]]
     for prompt in prompts:

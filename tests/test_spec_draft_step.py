@@ -1,4 +1,4 @@
-"""The draft model's compiled decode step (engine.spec.draft_step) gives the logits of the
+"""The draft model's compiled decode step (engine.speculation.draft_step) gives the logits of the
 model's own forward pass, keeps the KVCache it writes usable by everything else (trim,
 growth past its capacity, a plain forward after it), and falls back to the forward pass
 for caches and architectures it cannot run."""
@@ -10,9 +10,9 @@ import mlx.nn as nn
 import pytest
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from bench.modelgen import init_model, tiny_model
-from engine.models import load_model
-from engine.spec.draft_step import CompiledStep
+from mlxkv.engine.models import load_model
+from mlxkv.engine.speculation.draft_step import CompiledStep
+from support.modelgen import init_model, tiny_model
 
 GEMMA3 = {"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 2,
           "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,

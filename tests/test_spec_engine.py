@@ -12,14 +12,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from common import T
 
-from bench.modelgen import tiny_model
-from engine.engine import Engine, Request, TokenEvent
-from engine.generate import SamplingParams
-from engine.settings import Settings
+from mlxkv.engine.engine import Engine, Request, TokenEvent
+from mlxkv.engine.generate import SamplingParams
+from mlxkv.engine.settings import Settings
+from support.modelgen import tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
-T = 120
 
 
 def settings(tmp_path: Path, **values) -> Settings:
@@ -90,7 +90,7 @@ def test_draft_state_comes_back_from_ssd_in_a_new_engine(tmp_path):
 def test_generate_json_reports_spec_and_trace_prints_rounds(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "XDG_CONFIG_HOME": str(tmp_path / "cfg"), "MLXKV_SPEC_TRACE": "1"}
     env.pop("MLXKV_CONFIG", None)
-    r = subprocess.run([sys.executable, str(ROOT / "mlxkv.py"), "generate", "--json", "-p", "a b c a b c a b",
+    r = subprocess.run([sys.executable, "-m", "mlxkv", "generate", "--json", "-p", "a b c a b c a b",
                         "--model", str(tiny_model("llama")), "--spec", "ngram", "--max-tokens", "12",
                         "--no-ssd-cache"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=T)
     assert r.returncode == 0, r.stderr

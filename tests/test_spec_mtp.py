@@ -1,4 +1,4 @@
-"""The MTP drafter (engine.spec.mtp): the tiny Qwen3.5-style checkpoint with mtp.* weights,
+"""The MTP drafter (engine.speculation.mtp): the tiny Qwen3.5-style checkpoint with mtp.* weights,
 loading them beside mlx-lm's model, the module's forward, and the source's KV bookkeeping
 (entries == target positions, drafts trimmed on commit, capture/restore)."""
 
@@ -12,12 +12,12 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from bench.modelgen import mtp_model, tiny_model
-from engine.generate import SamplingParams
-from engine.models import load_model
-from engine.spec.base import KVState, TargetView
-from engine.spec.mtp import _copy_cache, load_mtp_provider
-from engine.spec.mtp_weights import MTPWeights, MTPWeightsError, build_mtp_module, read_mtp_weights
+from mlxkv.engine.generate import SamplingParams
+from mlxkv.engine.models import load_model
+from mlxkv.engine.speculation.base import KVState, TargetView
+from mlxkv.engine.speculation.mtp import _copy_cache, load_mtp_provider
+from mlxkv.engine.speculation.mtp_weights import MTPWeights, MTPWeightsError, build_mtp_module, read_mtp_weights
+from support.modelgen import mtp_model, tiny_model
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -259,7 +259,7 @@ def test_sampled_drafts_return_their_distribution(target):
 
 
 def test_queued_entries_are_bounded(target, monkeypatch):
-    import engine.spec.mtp as mtp
+    import mlxkv.engine.speculation.mtp as mtp
 
     loaded, provider, view = target
     prompt = _prompt(loaded)
@@ -360,7 +360,7 @@ def test_commit_without_hidden_keeps_the_cache_aligned(target):
 
 
 def test_grouped_rows_hand_mtp_rows_tokens_they_did_not_propose(target):
-    from engine.spec.rows import SourceRowGroup
+    from mlxkv.engine.speculation.rows import SourceRowGroup
 
     loaded, provider, view = target
     prompt = _prompt(loaded)

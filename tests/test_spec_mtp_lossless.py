@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import pytest
 
-from bench.modelgen import mtp_model, stdlib_corpus
-from engine.cache.prefix_cache import PrefixCache
-from engine.engine import Engine
-from engine.generate import SamplingParams
-from engine.requests import Request
+from mlxkv.engine.cache.prefix_cache import PrefixCache
+from mlxkv.engine.engine import Engine
+from mlxkv.engine.generate import SamplingParams
+from mlxkv.engine.requests import Request
+from support.modelgen import mtp_model, stdlib_corpus
 
 TIMEOUT = 120
 

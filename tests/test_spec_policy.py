@@ -10,13 +10,13 @@ from collections.abc import Callable
 
 import pytest
 
-from bench.modelgen import tiny_model
-from engine.generate import Generation, SamplingParams
-from engine.models import load_model
-from engine.spec.base import TargetView
-from engine.spec.ngram import NgramProvider
-from engine.spec.policy import NEW_REQUEST_PROBE_AFTER, LengthController, SourceMemory
-from engine.spec.providers import Speculation, source_memory, spec_stats
+from mlxkv.engine.generate import Generation, SamplingParams
+from mlxkv.engine.models import load_model
+from mlxkv.engine.speculation.base import TargetView
+from mlxkv.engine.speculation.ngram import NgramProvider
+from mlxkv.engine.speculation.policy import NEW_REQUEST_PROBE_AFTER, LengthController, SourceMemory
+from mlxkv.engine.speculation.providers import Speculation, source_memory, spec_stats
+from support.modelgen import tiny_model
 
 PLAIN_S = 0.010  # a plain step
 PER_DRAFT_S = 0.002  # each drafted token's share of a round

@@ -16,13 +16,13 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from bench.modelgen import BASE_CONFIGS, init_model
-from engine.generate import SamplingParams
-from engine.spec.draft import DraftModelSource
-from engine.spec.draft_step import CompiledStep
-from engine.spec.policy import LengthController
-from engine.spec.sampling import TargetSampler, rejection_walk_rows
-from engine.spec.verify import SpecStream
+from mlxkv.engine.generate import SamplingParams
+from mlxkv.engine.speculation.draft import DraftModelSource
+from mlxkv.engine.speculation.draft_step import CompiledStep
+from mlxkv.engine.speculation.policy import LengthController
+from mlxkv.engine.speculation.sampling import TargetSampler, rejection_walk_rows
+from mlxkv.engine.speculation.verify import SpecStream
+from support.modelgen import BASE_CONFIGS, init_model
 
 V = 8
 CONFIG = dict(BASE_CONFIGS["qwen3"], vocab_size=V, num_hidden_layers=1, hidden_size=16, head_dim=4,

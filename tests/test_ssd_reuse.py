@@ -12,18 +12,15 @@ import sys
 import textwrap
 from pathlib import Path
 
-# isort: off
-import engine  # noqa: F401  (loads OpenBLAS before mlx.core: keep it first)
 import mlx.core as mx
-# isort: on
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from bench.modelgen import init_model, model_config
-from engine.cache import PrefixCache
-from storage import format as fmt
-from storage.store import BlockStore
+from mlxkv.engine.cache import PrefixCache
+from mlxkv.storage import format as fmt
+from mlxkv.storage.store import BlockStore
+from support.modelgen import init_model, model_config
 
 BT = 16
 ROOT = Path(__file__).resolve().parent.parent
@@ -139,8 +136,9 @@ def test_ram_tier_serves_a_prompt_ending_inside_a_stored_block(models):
 
 _CHILD = textwrap.dedent("""
     import json, sys
-    import engine
-    from engine.cache import PrefixCache
+    from mlxkv.engine.blas import preload
+    preload()
+    from mlxkv.engine.cache import PrefixCache
     pc = PrefixCache(ram_bytes=1 << 30, cache_dir=sys.argv[1], block_tokens=int(sys.argv[2]))
     out = []
     for t in json.loads(sys.argv[3]):

@@ -10,12 +10,12 @@ import os
 import numpy as np
 import pytest
 
-from storage import _blocks as K
-from storage import format as fmt
-from storage.direct import WINDOW, windows
-from storage.diskio import plan
-from storage.format import PAGE
-from storage.store import BlockStore
+from mlxkv.storage import _blocks as K
+from mlxkv.storage import format as fmt
+from mlxkv.storage.direct import WINDOW, windows
+from mlxkv.storage.diskio import plan
+from mlxkv.storage.format import PAGE
+from mlxkv.storage.store import BlockStore
 
 BT = 256
 ROW = 1024  # bytes per token per outer slice: 4 x 256 x 1 KiB = 1 MiB blocks

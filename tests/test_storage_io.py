@@ -9,9 +9,9 @@ import weakref
 import numpy as np
 import pytest
 
-from storage import format as fmt
-from storage.io import ReadRequest, Snapshot, StorageClosed, StorageIO, WriteQueueFull
-from storage.store import BlockStore, StoreWriteError
+from mlxkv.storage import format as fmt
+from mlxkv.storage.io import ReadRequest, Snapshot, StorageClosed, StorageIO, WriteQueueFull
+from mlxkv.storage.store import BlockStore, StoreWriteError
 
 BT = 16
 LAYOUT = fmt.make_layout([fmt.SegmentSpec(f"l{i}.{kv}", "bfloat16", (16,), 2, 32)
@@ -194,7 +194,7 @@ def test_checkpoint_write_and_read_through_the_threads(io):
 def test_unusable_folder_fails_the_write_future_cleanly(tmp_path, caplog):
     """The folder's lock replaced by a folder: each write's future fails with
     StoreWriteError (one warning, no traceback logged), and reads go on."""
-    from storage.store import reset_warnings
+    from mlxkv.storage.store import reset_warnings
 
     reset_warnings()
     store = BlockStore(tmp_path, block_tokens=BT)

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import xxhash
 
-from storage import _blocks as K
-from storage import format as fmt
-from storage.store import BlockStore
+from mlxkv.storage import _blocks as K
+from mlxkv.storage import format as fmt
+from mlxkv.storage.store import BlockStore
 
 N = 300
 SHAPES = [(4, 1024), (2, 512), (3, 8)]  # (outer, row bytes): long, medium and short rows

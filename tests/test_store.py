@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from storage import format as fmt
-from storage.format import SegmentSpec
-from storage.store import BlockStore, StoreWriteError, reset_warnings
+from mlxkv.storage import format as fmt
+from mlxkv.storage.format import SegmentSpec
+from mlxkv.storage.store import BlockStore, StoreWriteError, reset_warnings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -376,8 +376,8 @@ def _lines(proc: subprocess.Popen, timeout: float = 60):
 
 WRITER = '''
 import sys
-from storage import format as fmt
-from storage.store import BlockStore
+from mlxkv.storage import format as fmt
+from mlxkv.storage.store import BlockStore
 layout = fmt.make_layout([("l%d.%s" % (i, kv), "bfloat16", (64,), 8, 128)
                           for i in range(4) for kv in "kv"])
 root, ns, base, count = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
@@ -441,8 +441,8 @@ def test_two_processes_share_one_folder(tmp_path):
     # a reader in another process sees a block vanish (evicted by us) as a miss
     reader = _run_child('''
         import sys
-        from storage.store import BlockStore
-        from storage import format as fmt
+        from mlxkv.storage.store import BlockStore
+        from mlxkv.storage import format as fmt
         layout = fmt.make_layout([("l%d.%s" % (i, kv), "bfloat16", (64,), 8, 128)
                                   for i in range(4) for kv in "kv"])
         store = BlockStore(sys.argv[1], block_tokens=16)
@@ -470,7 +470,7 @@ def test_lookup_finds_another_processes_new_blocks_without_a_rescan(tmp_path):
     reader = _run_child('''
         import json, sys
         from test_store import BF16, BT, make_kv, segs
-        from storage.store import BlockStore
+        from mlxkv.storage.store import BlockStore
         store = BlockStore(sys.argv[1], block_tokens=BT)
         print(store.scan()["blocks"], flush=True)
         toks = np.arange(3000, 3000 + 4 * BT + 5)
@@ -566,7 +566,7 @@ def test_maintenance_lock_of_one_process_blocks_anothers_eviction_and_gc(tmp_pat
     assert len(files) == 5
     holder = _run_child('''
         import sys
-        from storage.store import BlockStore
+        from mlxkv.storage.store import BlockStore
         store = BlockStore(sys.argv[1], block_tokens=16)
         with store._flock(shared=False):  # what evict/gc/scan hold while they work
             print("held", flush=True)
@@ -597,8 +597,8 @@ def test_maintenance_lock_of_one_process_blocks_anothers_eviction_and_gc(tmp_pat
 def test_file_size_limit_fails_writes_cleanly(tmp_path):
     child = _run_child('''
         import json, os, resource, signal, sys
-        from storage import format as fmt
-        from storage.store import BlockStore, StoreWriteError
+        from mlxkv.storage import format as fmt
+        from mlxkv.storage.store import BlockStore, StoreWriteError
         layout = fmt.make_layout([("k", "bfloat16", (64,), 8, 128)])
         store = BlockStore(sys.argv[1], block_tokens=16)
         small = np.arange(16)
@@ -707,8 +707,8 @@ def test_block_truncated_under_a_restore_is_a_miss_not_a_crash(tmp_path, threads
     never SIGBUS. In a child process, so a crash fails the test instead of the run."""
     child = _run_child('''
         import json, mmap, os, sys
-        from storage import diskio, format as fmt
-        from storage.store import BlockStore
+        from mlxkv.storage import diskio, format as fmt
+        from mlxkv.storage.store import BlockStore
         from test_store import BF16, BT
         store = BlockStore(sys.argv[1], block_tokens=BT, read_threads=int(sys.argv[2]))
         toks = np.arange(3 * BT)
@@ -815,10 +815,10 @@ def test_round_trip_on_the_numpy_reference_kernel(tmp_path):
     """Without the built extension (``storage._blocks`` unimportable) the store runs on
     storage.reference; restores, which hash the scattered bytes piece by piece, must still
     verify and round-trip."""
-    script = 'import sys; sys.modules["storage._blocks"] = None\n' + KV_HELPER + textwrap.dedent(f"""
-        from storage import diskio
+    script = 'import sys; sys.modules["mlxkv.storage._blocks"] = None\n' + KV_HELPER + textwrap.dedent(f"""
+        from mlxkv.storage import diskio
         assert diskio.KERNEL == "reference", diskio.KERNEL
-        from storage.store import BlockStore
+        from mlxkv.storage.store import BlockStore
         from test_store import BF16, BT
         store = BlockStore({str(tmp_path)!r}, block_tokens=BT)
         tokens = list(range(3, 3 + 2 * BT + 5))

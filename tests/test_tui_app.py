@@ -17,14 +17,14 @@ from typing import Any
 from textual.binding import Binding
 from tui_pilot import drive, make_settings, send, wait_for
 
-from engine.settings import DEMO_MODEL
-from tui.app import MlxkvApp
-from tui.chat import ChatScreen, session_for
-from tui.messages import OpenConversation
-from tui.widgets.message import MessageView
-from tui.widgets.modals import AskText, ConversationSettings, ModelPicker
-from tui.widgets.prompt import PromptArea
-from tui.widgets.sidebar import ConversationList
+from mlxkv.engine.settings import DEMO_MODEL
+from mlxkv.tui.app import MlxkvApp
+from mlxkv.tui.chat import ChatScreen, session_for
+from mlxkv.tui.messages import OpenConversation
+from mlxkv.tui.widgets.message import MessageView
+from mlxkv.tui.widgets.modals import AskText, ConversationSettings, ModelPicker
+from mlxkv.tui.widgets.prompt import PromptArea
+from mlxkv.tui.widgets.sidebar import ConversationList
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,9 +34,9 @@ def notices(app: MlxkvApp, severity: str | None = None) -> list[str]:
 
 
 def test_importing_the_app_imports_neither_mlx_nor_the_engine() -> None:
-    code = ("import sys, tui.app, tui.chat, tui.bridge\n"
-            "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'engine', "
-            "'transformers'))\n"
+    code = ("import sys, mlxkv.tui.app, mlxkv.tui.chat, mlxkv.tui.bridge\n"
+            "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'transformers')\n"
+            "               or m.startswith('mlxkv.engine'))\n"
             "print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -237,7 +237,7 @@ def test_open_conversation_from_the_inspector(tmp_path: Path, data_dir: Path) ->
 
 
 def test_the_model_picker_offers_downloaded_hub_models(tmp_path: Path) -> None:
-    from tui.app import hub_cache_models
+    from mlxkv.tui.app import hub_cache_models
 
     hub = tmp_path / "hf" / "hub"
     (hub / "models--mlx-community--Qwen3-0.6B-4bit").mkdir(parents=True)
@@ -250,7 +250,7 @@ def test_bare_mlxkv_without_a_terminal_answers_as_the_line_chat(tmp_path: Path) 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "MLXKV_CACHE_DIR": str(tmp_path / "cache"),
            "MLXKV_DATA_DIR": str(tmp_path / "data"), "XDG_CONFIG_HOME": str(tmp_path / "config")}
     env.pop("MLXKV_CONFIG", None)
-    out = subprocess.run([sys.executable, str(ROOT / "mlxkv.py")], input="What is mlxkv?\n", cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "mlxkv"], input="What is mlxkv?\n", cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "local LLM engine" in out.stdout and "\x1b[" not in out.stdout
@@ -267,7 +267,7 @@ def test_the_app_leaves_when_its_terminal_goes_away(tmp_path: Path) -> None:
     master, slave = pty.openpty()
     env = {**os.environ, "MLXKV_DATA_DIR": str(tmp_path / "data"), "MLXKV_CACHE_DIR": str(tmp_path / "cache"),
            "XDG_CONFIG_HOME": str(tmp_path / "cfg"), "HF_HUB_OFFLINE": "1", "TERM": "xterm-256color"}
-    proc = subprocess.Popen([sys.executable, str(root / "mlxkv.py")], stdin=slave, stdout=slave, stderr=slave,
+    proc = subprocess.Popen([sys.executable, "-m", "mlxkv"], stdin=slave, stdout=slave, stderr=slave,
                             cwd=root, env=env, start_new_session=True)
     os.close(slave)
     try:

@@ -10,12 +10,12 @@ from typing import Any
 
 from tui_pilot import drive, make_settings, send, wait_for
 
-from engine.settings import Settings
-from tui.app import MlxkvApp
-from tui.chat import session_for
-from tui.store import ConversationStore
-from tui.widgets.message import MessageView, code_blocks, format_status
-from tui.widgets.prompt import PromptArea
+from mlxkv.engine.settings import Settings
+from mlxkv.tui.app import MlxkvApp
+from mlxkv.tui.chat import session_for
+from mlxkv.tui.store import ConversationStore
+from mlxkv.tui.widgets.message import MessageView, code_blocks, format_status
+from mlxkv.tui.widgets.prompt import PromptArea
 
 
 def views(app: MlxkvApp) -> list[MessageView]:
@@ -243,7 +243,7 @@ def test_status_line_and_code_blocks() -> None:
 
 
 def test_where_cached_tokens_came_from() -> None:
-    from tui.bridge import with_sources
+    from mlxkv.tui.bridge import with_sources
 
     base = {"cached_tokens": 64, "retried": False}
     assert with_sources(base, {"tier": "ssd", "restore_ms": 4.0}) == {
@@ -256,7 +256,7 @@ def test_where_cached_tokens_came_from() -> None:
 
 
 def test_session_ids_round_trip() -> None:
-    from tui.chat import conversation_for
+    from mlxkv.tui.chat import conversation_for
 
     assert conversation_for(session_for(42)) == 42
     assert conversation_for("someone-else") is None

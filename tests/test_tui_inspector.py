@@ -10,18 +10,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from common import T
 from textual.app import App
 
-from bench.modelgen import tiny_model
-from engine.cache.info import BlockInfo, CacheEntryInfo
-from engine.engine import Engine, Request
-from engine.generate import SamplingParams
-from engine.settings import Settings
-from tui.inspector import InspectorScreen
-from tui.messages import CacheChanged, OpenConversation
-from tui.widgets.modals import Confirm
+from mlxkv.engine.cache.info import BlockInfo, CacheEntryInfo
+from mlxkv.engine.engine import Engine, Request
+from mlxkv.engine.generate import SamplingParams
+from mlxkv.engine.settings import Settings
+from mlxkv.tui.inspector import InspectorScreen
+from mlxkv.tui.messages import CacheChanged, OpenConversation
+from mlxkv.tui.widgets.modals import Confirm
+from support.modelgen import tiny_model
 
-T = 60.0  # generous bound on every wait: a failing test fails, never hangs
 SIZE = (120, 40)
 
 

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tui.store import (
+from mlxkv.tui.store import (
     APPLICATION_ID,
     SCHEMA_VERSION,
     ConversationStore,

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from engine.settings import Settings
+from mlxkv.engine.settings import Settings
 
 DEADLINE_S = 30.0
 SIZE = (120, 40)

@@ -37,8 +37,8 @@ from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.screen import Screen
 
-from tui.bridge import EngineBridge
-from tui.messages import (
+from mlxkv.tui.bridge import EngineBridge
+from mlxkv.tui.messages import (
     CacheChanged,
     EngineFailed,
     EngineLoading,
@@ -98,7 +98,7 @@ def hub_cache_models(env: dict[str, str] | None = None) -> list[str]:
 def open_store(path: str | os.PathLike | None) -> tuple[Any, str | None]:
     """The conversation store, and a notice when it is not the usual one: an unreadable
     file is moved aside (nothing deleted); an unusable folder gives a temporary store."""
-    from tui.store import ConversationStore, StoreError, move_aside
+    from mlxkv.tui.store import ConversationStore, StoreError, move_aside
 
     try:
         return ConversationStore(path), None
@@ -146,7 +146,7 @@ class MlxkvApp(App):
 
     # screens ----------------------------------------------------------------------------
     def get_default_screen(self) -> Screen:
-        from tui.chat import ChatScreen
+        from mlxkv.tui.chat import ChatScreen
 
         self.chat = ChatScreen(self.bridge, self.settings)
         return self.chat
@@ -181,7 +181,7 @@ class MlxkvApp(App):
         """Notifications are plain text: they carry titles, paths and error messages, whose
         brackets must show as typed (as markup they could fail to render) and whose control
         characters must not reach the terminal."""
-        from tui.widgets.message import printable
+        from mlxkv.tui.widgets.message import printable
 
         super().notify(printable(message), title=printable(title), severity=severity, timeout=timeout,
                        markup=False)
@@ -217,7 +217,7 @@ class MlxkvApp(App):
         self.background(self._check_cache, "read the cache's state", quiet=True)
         conversation = self.chat.conversation
         if conversation is not None:  # after a model switch: the new engine has no sessions
-            from tui.chat import session_for
+            from mlxkv.tui.chat import session_for
 
             self.background(lambda: self.bridge.open_session(session_for(conversation.id)),
                             "open the conversation's cache session", quiet=True)
@@ -249,7 +249,7 @@ class MlxkvApp(App):
                 screen.post_message(CacheChanged(kinds))
 
     async def on_open_conversation(self, message: OpenConversation) -> None:
-        from tui.chat import conversation_for
+        from mlxkv.tui.chat import conversation_for
 
         cid = conversation_for(message.session)
         if cid is None:
@@ -265,15 +265,15 @@ class MlxkvApp(App):
             self.pop_screen()
             return
         try:
-            from tui.inspector import InspectorScreen
+            from mlxkv.tui.inspector import InspectorScreen
         except ImportError as e:
             self.notify(f"The cache inspector is not available: {e}", severity="warning")
             return
         self.push_screen(InspectorScreen(self.bridge))
 
     def action_switch_model(self) -> None:
-        from engine.settings import DEMO_MODEL
-        from tui.widgets.modals import ModelPicker
+        from mlxkv.engine.settings import DEMO_MODEL
+        from mlxkv.tui.widgets.modals import ModelPicker
 
         choices = [("Demo model (built in, offline)", str(DEMO_MODEL))]
         if str(self.settings.model) != str(DEMO_MODEL):
@@ -281,7 +281,7 @@ class MlxkvApp(App):
         for spec in [*self._prefs.get("recent_models", []), *hub_cache_models()]:
             if spec not in [c[1] for c in choices]:
                 choices.append((spec, spec))
-        from tui.chat import model_label
+        from mlxkv.tui.chat import model_label
 
         self.push_screen(ModelPicker(self.bridge.info.get("model") or model_label(self.bridge.model_spec),
                                      choices), self.switch_model)
@@ -303,11 +303,11 @@ class MlxkvApp(App):
         self._save_prefs()
 
     def action_help(self) -> None:
-        from tui.chat import ChatScreen
-        from tui.widgets.help import HelpScreen, binding_rows
-        from tui.widgets.message import MessageView
-        from tui.widgets.prompt import PromptArea
-        from tui.widgets.sidebar import ConversationList
+        from mlxkv.tui.chat import ChatScreen
+        from mlxkv.tui.widgets.help import HelpScreen, binding_rows
+        from mlxkv.tui.widgets.message import MessageView
+        from mlxkv.tui.widgets.prompt import PromptArea
+        from mlxkv.tui.widgets.sidebar import ConversationList
 
         if type(self.screen).__name__ == "HelpScreen":
             self.pop_screen()
@@ -417,7 +417,7 @@ def run(settings: Any) -> int:
     terminal on both ends (``mlxkv < questions.txt``, output to a pipe) there is nothing
     to draw on: the line chat answers instead."""
     if not (_isatty(sys.stdin) and _isatty(sys.stdout)):
-        from cli.chat import cmd_chat
+        from mlxkv.cli.chat import cmd_chat
 
         return cmd_chat(settings)
     app = MlxkvApp(settings)

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tui.messages import (
+from mlxkv.tui.messages import (
     EngineFailed,
     EngineLoading,
     EngineReady,
@@ -223,8 +223,8 @@ class EngineBridge:
         try:
             self._stop_engine(previous)
             self.post(EngineLoading("starting", 0, 3))
-            from engine import blas
-            from engine.engine import Engine
+            from mlxkv.engine import blas
+            from mlxkv.engine.engine import Engine
 
             blas.leave_a_core()  # keys and tokens reach the screen while a reply decodes
             settings = self.settings
@@ -340,8 +340,8 @@ class EngineBridge:
         return stream
 
     def _submit_now(self, engine: Any, request: tuple, stream: ReplyStream) -> None:
-        from engine.generate import SamplingParams
-        from engine.requests import Request
+        from mlxkv.engine.generate import SamplingParams
+        from mlxkv.engine.requests import Request
 
         messages, params, session = request
         try:

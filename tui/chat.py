@@ -26,12 +26,12 @@ from textual.content import Content
 from textual.screen import Screen
 from textual.widgets import Footer, ProgressBar, Static
 
-from tui.bridge import ReplyStream
-from tui.chat_actions import ConversationActions
-from tui.messages import ReplyFinished, ReplyProgress, ReplyStats, ReplyTokens
-from tui.widgets.message import MessageView, format_status, printable
-from tui.widgets.prompt import PromptArea
-from tui.widgets.sidebar import ConversationList
+from mlxkv.tui.bridge import ReplyStream
+from mlxkv.tui.chat_actions import ConversationActions
+from mlxkv.tui.messages import ReplyFinished, ReplyProgress, ReplyStats, ReplyTokens
+from mlxkv.tui.widgets.message import MessageView, format_status, printable
+from mlxkv.tui.widgets.prompt import PromptArea
+from mlxkv.tui.widgets.sidebar import ConversationList
 
 log = logging.getLogger("mlxkv.tui")
 SESSION_PREFIX = "mlxkv-chat-"

@@ -10,8 +10,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from tui.widgets.message import MessageView, code_blocks
-from tui.widgets.modals import AskText, Confirm, ConversationSettings, EditMessage
+from mlxkv.tui.widgets.message import MessageView, code_blocks
+from mlxkv.tui.widgets.modals import AskText, Confirm, ConversationSettings, EditMessage
 
 
 def _slug(title: str) -> str:

@@ -34,12 +34,12 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Footer, Input, Label, ProgressBar, Sparkline, Static
 
-from engine.cache.info import CacheEntryDetail, CacheEntryInfo
-from engine.cache.tokens import store_namespace
-from tui.messages import CacheChanged, OpenConversation
-from tui.widgets.cache_figures import Figures
-from tui.widgets.entry_table import BlockTable, EntryTable, VirtualTable, age, human_bytes
-from tui.widgets.modals import Confirm
+from mlxkv.engine.cache.info import CacheEntryDetail, CacheEntryInfo
+from mlxkv.engine.cache.tokens import store_namespace
+from mlxkv.tui.messages import CacheChanged, OpenConversation
+from mlxkv.tui.widgets.cache_figures import Figures
+from mlxkv.tui.widgets.entry_table import BlockTable, EntryTable, VirtualTable, age, human_bytes
+from mlxkv.tui.widgets.modals import Confirm
 
 CALL_TIMEOUT_S = 5.0  # listing and stats; a busy or loading engine is tried again later
 ACTION_TIMEOUT_S = 120.0
@@ -197,10 +197,6 @@ class InspectorScreen(Screen):
             self._dirty.set()
 
     def on_cache_changed(self, message: CacheChanged) -> None:
-        self._dirty.set()
-
-    def mark_dirty(self) -> None:
-        """Refresh the listing at the next tick (any thread)."""
         self._dirty.set()
 
     def _tick(self) -> None:

@@ -1,7 +1,7 @@
 """The prefix cache: RAM tier, SSD tier (through ``storage``), write-behind durability,
 the mapping of mlx-lm prompt caches onto blocks, and restore buffers.
 
-    from engine.cache import PrefixCache, NullPrefixCache
+    from mlxkv.engine.cache import PrefixCache, NullPrefixCache
 
 The names are loaded on first use, so importing a light submodule (``tokens``, ``info``)
 does not load mlx.
@@ -12,8 +12,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_EXPORTS = {"PrefixCache": "engine.cache.prefix_cache",
-            "NullPrefixCache": "engine.cache.prefix_cache"}
+_EXPORTS = {"PrefixCache": "mlxkv.engine.cache.prefix_cache",
+            "NullPrefixCache": "mlxkv.engine.cache.prefix_cache"}
 
 __all__ = list(_EXPORTS)
 
@@ -21,5 +21,5 @@ __all__ = list(_EXPORTS)
 def __getattr__(name: str) -> Any:
     mod = _EXPORTS.get(name)
     if mod is None:
-        raise AttributeError(f"module 'engine.cache' has no attribute {name!r}")
+        raise AttributeError(f"module 'mlxkv.engine.cache' has no attribute {name!r}")
     return getattr(importlib.import_module(mod), name)

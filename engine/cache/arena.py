@@ -33,7 +33,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.cache import kvblocks as kb
+from mlxkv.engine.cache import kvblocks as kb
 
 Sig = tuple[tuple[int, tuple[int, ...], str], ...]  # per segment: (outer, row shape, dtype)
 
@@ -65,7 +65,7 @@ def kv_signature(cache: list) -> tuple[Sig, list[mx.Dtype]] | None:
 
 def layout_signature(flat: list) -> Sig:
     """The signature of a stored block layout (its SegmentSpecs, in order)."""
-    from engine.cache.layout import DTYPES
+    from mlxkv.engine.cache.layout import DTYPES
 
     return tuple((int(s.outer), tuple(int(x) for x in s.shape), str(DTYPES[s.dtype]))
                  for s in flat)

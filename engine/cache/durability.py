@@ -282,8 +282,8 @@ class Durability:
             self._pump(force=False)
 
     def _done(self, job: Job, fut: Future) -> None:
-        from storage.io import WriteQueueFull
-        from storage.keys import StoreWriteError
+        from mlxkv.storage.io import WriteQueueFull
+        from mlxkv.storage.keys import StoreWriteError
 
         warning = None
         with self._cond:

@@ -25,7 +25,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
-from engine.cache import buffers as mxb
+from mlxkv.engine.cache import buffers as mxb
 
 log = logging.getLogger("mlxkv.cache")
 
@@ -92,10 +92,6 @@ class LayerSpec:
     kind: str  # "kv" or "qkv"
     group_size: int = 0
     bits: int = 0
-
-    @property
-    def n_arrays(self) -> int:
-        return 2 if self.kind == "kv" else 6
 
 
 def layer_spec(c: Any) -> LayerSpec:

@@ -30,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
-from engine.cache import kvblocks as kb
+from mlxkv.engine.cache import kvblocks as kb
 
 # Bump when the mapping of cache state onto segments and skeletons changes.
 KV_LAYOUT_VERSION = 2
@@ -128,7 +128,7 @@ def block_layout(cache: list, ntokens: int, indices: list[int] | None = None,
                  part: bool = False) -> tuple[list, list, list]:
     """(layout specs, segments, arrays to pin) of rows [0, ntokens) of the block layers
     ``indices`` (all layers when None)."""
-    from storage.format import SegmentSpec
+    from mlxkv.storage.format import SegmentSpec
 
     specs, segs, keep = [], [], []
     for li in range(len(cache)) if indices is None else indices:
@@ -247,7 +247,7 @@ def checkpoint_layout(cp: kb.Checkpoint, indices: list[int], with_blocks: bool
                       ) -> tuple[list, list, list]:
     """(layout specs, segments, arrays to pin) of the checkpoint layers ``indices`` of
     ``cp`` (a whole-cache checkpoint): the skeleton, then each state array whole."""
-    from storage.format import SegmentSpec
+    from mlxkv.storage.format import SegmentSpec
 
     arrays: list[mx.array] = []
     layers = [[li, cp.layers[li][0].__name__, _skeleton(cp.layers[li][1], arrays)]

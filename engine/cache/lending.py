@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from engine.cache import kvblocks as kb
+from mlxkv.engine.cache import kvblocks as kb
 
 log = logging.getLogger("mlxkv.cache")
 

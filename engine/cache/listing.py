@@ -8,10 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from engine.cache.info import BlockInfo, CacheEntryDetail, CacheEntryInfo, draft_base
-from engine.cache.ram_tier import Entry, RamTier
-from engine.cache.stats import Usage
-from engine.cache.tokens import ckpt_key_of
+from mlxkv.engine.cache.info import BlockInfo, CacheEntryDetail, CacheEntryInfo, draft_base
+from mlxkv.engine.cache.ram_tier import Entry, RamTier
+from mlxkv.engine.cache.stats import Usage
+from mlxkv.engine.cache.tokens import ckpt_key_of
 
 
 @dataclass

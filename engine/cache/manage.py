@@ -11,15 +11,15 @@ from typing import Any
 
 import numpy as np
 
-from engine.cache import listing, upkeep
-from engine.cache.info import CacheEntryDetail, CacheEntryInfo
-from engine.cache.tokens import as_tokens, common_prefix, store_namespace
-from engine.cache.tokens import entry_id as eid_of
+from mlxkv.engine.cache import listing, upkeep
+from mlxkv.engine.cache.info import CacheEntryDetail, CacheEntryInfo
+from mlxkv.engine.cache.tokens import as_tokens, common_prefix, store_namespace
+from mlxkv.engine.cache.tokens import entry_id as eid_of
 
 
 def folder_errors() -> tuple[type[BaseException], ...]:
     """What opening or using an unusable cache folder raises."""
-    from storage import CacheFolderError
+    from mlxkv.storage import CacheFolderError
 
     return (CacheFolderError, OSError)
 

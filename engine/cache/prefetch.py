@@ -18,11 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from engine.cache import kvblocks as kb
-from engine.cache import layout as dl
-from engine.cache.ssd import Restoring
-from engine.cache.tokens import as_tokens, chain_keys, common_prefix, store_namespace
-from engine.cache.tokens import entry_id as eid_of
+from mlxkv.engine.cache import kvblocks as kb
+from mlxkv.engine.cache import layout as dl
+from mlxkv.engine.cache.ssd import Restoring
+from mlxkv.engine.cache.tokens import as_tokens, chain_keys, common_prefix, store_namespace
+from mlxkv.engine.cache.tokens import entry_id as eid_of
 
 
 @dataclass(eq=False)

@@ -44,19 +44,19 @@ from typing import Any
 
 import numpy as np
 
-from engine.cache import kvblocks as kb
-from engine.cache.arena import Arena
-from engine.cache.events import Events
-from engine.cache.info import CacheEntryDetail, CacheEntryInfo
-from engine.cache.lending import Lending
-from engine.cache.manage import ManageMixin, folder_errors
-from engine.cache.prefetch import PrefetchMixin
-from engine.cache.ram_tier import Entry, RamTier
-from engine.cache.ssd import SsdTier
-from engine.cache.stats import Counters, Usage
-from engine.cache.template import Templates, probe_model
-from engine.cache.tokens import as_tokens, chain_keys, store_namespace
-from engine.cache.tokens import entry_id as eid_of
+from mlxkv.engine.cache import kvblocks as kb
+from mlxkv.engine.cache.arena import Arena
+from mlxkv.engine.cache.events import Events
+from mlxkv.engine.cache.info import CacheEntryDetail, CacheEntryInfo
+from mlxkv.engine.cache.lending import Lending
+from mlxkv.engine.cache.manage import ManageMixin, folder_errors
+from mlxkv.engine.cache.prefetch import PrefetchMixin
+from mlxkv.engine.cache.ram_tier import Entry, RamTier
+from mlxkv.engine.cache.ssd import SsdTier
+from mlxkv.engine.cache.stats import Counters, Usage
+from mlxkv.engine.cache.template import Templates, probe_model
+from mlxkv.engine.cache.tokens import as_tokens, chain_keys, store_namespace
+from mlxkv.engine.cache.tokens import entry_id as eid_of
 
 __all__ = ["NullPrefixCache", "PrefixCache", "default_ram_bytes", "store_namespace"]
 

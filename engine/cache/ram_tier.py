@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from engine.cache import kvblocks as kb
-from engine.cache.tokens import (
+from mlxkv.engine.cache import kvblocks as kb
+from mlxkv.engine.cache.tokens import (
     ZERO_KEY,
     chain_keys,
     common_prefix,
@@ -264,10 +264,6 @@ class RamTier:
 
     def _is_pinned(self, e: Entry) -> bool:
         return e.pinned or (e.session is not None and self.pinned.get(e.session) is e)
-
-    def is_pinned(self, e: Entry) -> bool:
-        """Kept over unpinned entries: pinned, or the latest entry of an open session."""
-        return self._is_pinned(e)
 
     def _store_checkpoint(self, ns: str, tokens: np.ndarray, cache: list, keys: list[bytes]
                           ) -> Entry:

@@ -28,13 +28,13 @@ from typing import Any
 
 import numpy as np
 
-from engine.cache import kvblocks as kb
-from engine.cache import layout as dl
-from engine.cache.durability import Durability, Job
-from engine.cache.events import Events
-from engine.cache.stats import Counters
-from engine.cache.template import Templates
-from engine.cache.tokens import entry_id, manifest_name
+from mlxkv.engine.cache import kvblocks as kb
+from mlxkv.engine.cache import layout as dl
+from mlxkv.engine.cache.durability import Durability, Job
+from mlxkv.engine.cache.events import Events
+from mlxkv.engine.cache.stats import Counters
+from mlxkv.engine.cache.template import Templates
+from mlxkv.engine.cache.tokens import entry_id, manifest_name
 
 _lowered: set[int] = set()
 
@@ -80,8 +80,8 @@ class SsdTier:
                  debounce_s: float, retries: int, restore_timeout_s: float | None,
                  events: Events, counters: Counters, templates: Templates,
                  pressure_bytes: int | None = None, arena: Any = None) -> None:
-        from storage.io import StorageIO
-        from storage.store import BlockStore
+        from mlxkv.storage.io import StorageIO
+        from mlxkv.storage.store import BlockStore
 
         self.events, self.counters, self.templates = events, counters, templates
         self.restore_timeout_s = restore_timeout_s
@@ -175,7 +175,7 @@ class SsdTier:
         """Start reading block ``match`` on the reader thread into destinations with room
         for ``cap`` tokens (an arena slot, or arrays allocated now; ``populate=False``
         leaves their page faults to the reader thread). None when the layout is unusable."""
-        from storage.io import ReadRequest
+        from mlxkv.storage.io import ReadRequest
 
         try:
             layers, segs, arrays = dl.block_buffers(match.layout, cap, self._taker(sns),
@@ -205,7 +205,7 @@ class SsdTier:
                             ) -> tuple[int, list] | None:
         """Restore the checkpoint ``cm`` (and, for models that also have KV layers, their
         blocks up to exactly the same position); None unless all of it verifies and fits."""
-        from storage.io import ReadRequest
+        from mlxkv.storage.io import ReadRequest
 
         n = cm.n_tokens
         try:
@@ -270,7 +270,7 @@ class SsdTier:
     def block_snapshot(self, sns: str, toks: np.ndarray, cache: list, eid: str) -> Any:
         """New array objects over the cache's evaluated buffers, byte views of them, a
         manifest so GC keeps the state, and a low writer priority."""
-        from storage.io import Snapshot
+        from mlxkv.storage.io import Snapshot
 
         specs, segs, keep = dl.block_layout(cache, len(toks))
         return Snapshot(sns, toks, tuple(specs), segs, manifest=manifest_name(eid), keep=keep,
@@ -280,7 +280,7 @@ class SsdTier:
                              cp: kb.Checkpoint | None, eid: str) -> Any:
         """Snapshot(s) of a non-block cache: its non-trimmable layers as one checkpoint
         (after its KV layers as blocks, when it has any); None if it cannot be persisted."""
-        from storage.io import Snapshot
+        from mlxkv.storage.io import Snapshot
 
         block_idx, ckpt_idx = dl.split_layers(cache)
         try:

@@ -20,7 +20,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
-from engine.cache.layout import LayoutError
+from mlxkv.engine.cache.layout import LayoutError
 
 
 @dataclass(frozen=True)

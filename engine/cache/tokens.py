@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from storage.keys import ZERO_KEY, block_key, ckpt_key, namespace_id, tail_key
+from mlxkv.storage.keys import ZERO_KEY, block_key, ckpt_key, namespace_id, tail_key
 
 __all__ = ["ZERO_KEY", "as_tokens", "chain_keys", "ckpt_key_of", "common_prefix", "entry_id",
            "index_root", "manifest_name", "store_namespace", "tail_key_of"]

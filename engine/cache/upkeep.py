@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.cache.tokens import entry_id, manifest_name
+from mlxkv.engine.cache.tokens import entry_id, manifest_name
 
 log = logging.getLogger("mlxkv.cache")
 
@@ -36,7 +36,7 @@ class Saved:
 
 def saved_states(disk: Any, sns: str) -> list[Saved]:
     """The states saved in ``sns`` whose first block, tail or checkpoint is on disk."""
-    from storage.format import bytes_per_token
+    from mlxkv.storage.format import bytes_per_token
 
     out = []
     for man in disk.manifests(sns):
@@ -82,7 +82,7 @@ def _scratch(layout: Any, rows: int) -> list:
 def verify(io: Any, s: Saved, timeout: float | None) -> tuple[bool, dict[bytes, bool]]:
     """Read every block of ``s`` back through the reader thread (into scratch buffers)
     and check it: (all ok, {key: verified}). A corrupt block is removed by the store."""
-    from storage.io import ReadRequest
+    from mlxkv.storage.io import ReadRequest
 
     disk, toks = io.store, s.tokens
     ok, seen = True, {}

@@ -2,7 +2,7 @@
 (``engine/demo/model``), a much smaller draft model with the same tokenizer for speculative
 decoding (``engine/demo/draft``), and the questions the README shows it answering.
 
-Rebuild both with ``python -m engine.demo.train`` (``make demo-model``). Importing this
+Rebuild both with ``python -m support.demo.train`` (``make demo-model``). Importing this
 package is light: paths and constants only."""
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ class World:
 
     def fail(self, message: str) -> NoReturn:
         """Say what broke (``mlxkv: error: rank N: ...``) and end the process (status 1)."""
-        from engine.distributed.watchdog import fail
+        from mlxkv.engine.distributed.watchdog import fail
 
         fail(self.rank, message)
         raise SystemExit(1)  # not reached: fail() ends the process
@@ -118,7 +118,7 @@ def join(timeout_s: float = 60.0) -> World | None:
     if not launched() or _single_host_file(os.environ):
         _joined = True
         return None
-    from engine.distributed.watchdog import Watchdog
+    from mlxkv.engine.distributed.watchdog import Watchdog
 
     rank = launch_rank()
     watchdog = Watchdog(rank, timeout_s)
@@ -149,7 +149,7 @@ def run_rank(command: str | None, settings: Any) -> int | None:
         if str(getattr(settings, "sources", {}).get("shard", "")).startswith("flag"):
             import logging
 
-            from engine.logs import warn_once
+            from mlxkv.engine.logs import warn_once
 
             warn_once(logging.getLogger("mlxkv.distributed"), "shard-alone",
                       "--shard applies under mlx.launch only; this process runs the whole model")
@@ -163,6 +163,6 @@ def run_rank(command: str | None, settings: Any) -> int | None:
             "mlx.launch run `mlxkv generate` or `mlxkv serve`")
     if world.rank == 0:
         return None
-    from engine.distributed.engine import follow
+    from mlxkv.engine.distributed.engine import follow
 
     return follow(settings, world)

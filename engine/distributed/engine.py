@@ -27,11 +27,11 @@ import threading
 import time
 from typing import Any
 
-from engine.distributed import DistributedError, World
-from engine.distributed.lockstep import Lockstep
-from engine.distributed.protocol import FLUSH, HEARTBEAT, REQUEST, SHUTDOWN, Channel, agree_prefix
-from engine.engine import _STOP, Engine, EngineError, RequestHandle, _Retry
-from engine.logs import warn_once
+from mlxkv.engine.distributed import DistributedError, World
+from mlxkv.engine.distributed.lockstep import Lockstep
+from mlxkv.engine.distributed.protocol import FLUSH, HEARTBEAT, REQUEST, SHUTDOWN, Channel, agree_prefix
+from mlxkv.engine.engine import _STOP, Engine, EngineError, RequestHandle, _Retry
+from mlxkv.engine.logs import warn_once
 
 log = logging.getLogger("mlxkv.distributed")
 
@@ -71,7 +71,7 @@ class ShardedEngine(Engine):
             settings = settings.replace(spec="off", draft_model=None, max_batch=1)
         if prefix_cache is None and getattr(settings, "prefix_cache", True):
             def prefix_cache(loaded: Any, namespace: str) -> Any:
-                from engine.cache.prefix_cache import PrefixCache
+                from mlxkv.engine.cache.prefix_cache import PrefixCache
 
                 return PrefixCache.from_settings(settings)
         return cls(settings.model, world=world, shard=getattr(settings, "shard", "auto"),
@@ -93,9 +93,9 @@ class ShardedEngine(Engine):
 
     # ------------------------------------------------------------------ loading
     def _load_model(self) -> tuple[Any, str]:
-        from engine.cache.layout import kv_namespace
-        from engine.distributed.protocol import handshake
-        from engine.distributed.sharding import load_shard, shard_namespace
+        from mlxkv.engine.cache.layout import kv_namespace
+        from mlxkv.engine.distributed.protocol import handshake
+        from mlxkv.engine.distributed.sharding import load_shard, shard_namespace
 
         self.world.watchdog.arm("loading the model on every rank",
                                 self.world.timeout_s * LOAD_BOUND_FACTOR)
@@ -222,7 +222,7 @@ class ShardedEngine(Engine):
 
     def _follow_request(self, tokens: list[int], body: dict[str, Any]) -> None:
 
-        from engine.generate import Generation, SamplingParams
+        from mlxkv.engine.generate import Generation, SamplingParams
 
         params = SamplingParams(**{**body["params"], "stop": tuple(body["params"]["stop"])})
         session = body.get("session")

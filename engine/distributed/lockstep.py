@@ -27,7 +27,7 @@ import collections
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from engine.distributed.protocol import Channel
+from mlxkv.engine.distributed.protocol import Channel
 
 
 class Lockstep:
@@ -88,7 +88,7 @@ class LockstepStream:
         import mlx.core as mx
         from mlx_lm.generate import generate_step
 
-        from engine.generate import request_processors, request_sampler
+        from mlxkv.engine.generate import request_processors, request_sampler
 
         gen, p = self.gen, self.gen.params
         processors: list = []
@@ -114,7 +114,7 @@ class LockstepStream:
     def close(self) -> None:
         import mlx.core as mx
 
-        from engine.generate import cache_length
+        from mlxkv.engine.generate import cache_length
 
         if self._steps is not None:
             self._steps.close()

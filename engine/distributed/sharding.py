@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from engine.distributed import DistributedError
+from mlxkv.engine.distributed import DistributedError
 
 MODES = ("tensor", "pipeline")
 TAGS = {"tensor": "tp", "pipeline": "pp"}  # in the cache namespace: -tp2r0, -pp2r1
@@ -96,7 +96,7 @@ def load_shard(spec: str, dtype: str, full_hash: bool, world: Any, asked: str) -
     from mlx_lm.utils import load_model as lazy_model
     from mlx_lm.utils import sharded_load
 
-    from engine.models import (
+    from mlxkv.engine.models import (
         LoadedModel,
         apply_dtype_policy,
         model_fingerprint,

@@ -6,7 +6,7 @@ answers (the engine keeps totals only)."""
 
 from __future__ import annotations
 
-from tui.widgets.entry_table import human_bytes
+from mlxkv.tui.widgets.entry_table import human_bytes
 
 
 def _bar(fraction: float, width: int = 8) -> str:

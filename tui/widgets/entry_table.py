@@ -26,7 +26,7 @@ from textual.message import Message
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from engine.cache.info import BlockInfo, CacheEntryInfo, draft_base
+from mlxkv.engine.cache.info import BlockInfo, CacheEntryInfo, draft_base
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 

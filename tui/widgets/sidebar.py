@@ -12,7 +12,7 @@ from textual.containers import Vertical
 from textual.message import Message
 from textual.widgets import Input, Label, ListItem, ListView
 
-from tui.widgets.message import printable
+from mlxkv.tui.widgets.message import printable
 
 
 def _when(ts: float) -> str:

@@ -1,7 +1,7 @@
-"""Speculative decoding: sources of proposed tokens behind one seam (``engine.spec.base``)
+"""Speculative decoding: sources of proposed tokens behind one seam (``engine.speculation.base``)
 and the verifier that decides every token."""
 
-from engine.spec.base import (
+from mlxkv.engine.speculation.base import (
     KINDS,
     DraftProvider,
     DraftRowConstraints,

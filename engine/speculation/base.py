@@ -1,8 +1,8 @@
 """The speculation seam: what a source of proposed tokens implements, and the view of the
 target model it gets.
 
-A :class:`DraftProvider` is built once per loaded target (``engine.spec.load_providers``);
-it opens one :class:`DraftSource` per request. The verifier (``engine.spec.verify``) feeds
+A :class:`DraftProvider` is built once per loaded target (``engine.speculation.load_providers``);
+it opens one :class:`DraftSource` per request. The verifier (``engine.speculation.verify``) feeds
 the target ``[pending] + proposal`` in one forward pass and decides every token; a source
 only ever proposes. ``commit`` tells the source what the target really took, so a source
 never has to undo anything itself.
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import mlx.core as mx
 
-    from engine.generate import SamplingParams
+    from mlxkv.engine.generate import SamplingParams
 
 KINDS = ("draft", "ngram", "mtp", "constraint")
 

@@ -11,7 +11,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from engine.generate import request_processors, request_sampler
+from mlxkv.engine.generate import request_processors, request_sampler
 
 
 class TargetSampler:
@@ -46,7 +46,7 @@ class TargetSampler:
         if self.processors:
             logits = process_window(self.processors, mx.array(self.history[-self._context:]), window, logits)
         if self.constraint is not None:
-            from engine.spec.constraints import mask_row
+            from mlxkv.engine.speculation.constraints import mask_row
 
             vocab = logits.shape[-1]
             allowed = [self.constraint.allowed(self.output + list(window[: j + 1]))

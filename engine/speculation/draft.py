@@ -16,8 +16,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.spec.base import DraftProvider, DraftSource, KVState, Proposal
-from engine.spec.draft_step import CompiledStep
+from mlxkv.engine.speculation.base import DraftProvider, DraftSource, KVState, Proposal
+from mlxkv.engine.speculation.draft_step import CompiledStep
 
 SCHEMA = "draft-kv-v1"
 
@@ -50,7 +50,7 @@ class DraftModelSource(DraftSource):
     def __init__(self, provider: DraftModelProvider, sampling: Any, vocab: int):
         from mlx_lm.models.cache import make_prompt_cache
 
-        from engine.spec.sampling import TargetSampler
+        from mlxkv.engine.speculation.sampling import TargetSampler
 
         self.model = provider.model
         self.step_fn = provider.step
@@ -172,13 +172,13 @@ class DraftModelProvider(DraftProvider):
         return DraftModelSource(self, sampling, int(target.vocab_size))
 
     def group(self) -> Any:
-        from engine.spec.rows import SourceRowGroup
+        from mlxkv.engine.speculation.rows import SourceRowGroup
 
         return SourceRowGroup()
 
 
 def load_draft_provider(spec: str, target_loaded: Any, dtype: str = "auto") -> DraftModelProvider:
-    from engine.models import ModelNotFoundError, load_model
+    from mlxkv.engine.models import ModelNotFoundError, load_model
 
     try:
         loaded = load_model(spec, dtype)

@@ -430,7 +430,7 @@ FACTS: list[dict] = [
             "ships, so every command works offline. I was trained on questions and answers about "
             "mlxkv, so I know a little about the project and not much else.",
             "This is the small demo model that ships with mlxkv. It was trained with MLX by the "
-            "script engine/demo/train.py on dialogues about the project, and it comes with a "
+            "script support/demo/train.py on dialogues about the project, and it comes with a "
             "tiny draft model for speculative decoding.",
         ],
     },

@@ -1,9 +1,9 @@
 """Train the embedded demo model and its draft model with MLX, offline and deterministically.
 
-    python -m engine.demo.train [--quick] [--out DIR]
+    python -m support.demo.train [--quick] [--out DIR]
 
-Builds a byte-level BPE tokenizer on the generated corpus (``engine.demo.corpus``), a
-qwen3-architecture model from mlx-lm's own classes (``bench.modelgen``), trains it with
+Builds a byte-level BPE tokenizer on the generated corpus (``support.demo.corpus``), a
+qwen3-architecture model from mlx-lm's own classes (``support.modelgen``), trains it with
 AdamW on the chat dialogues (loss on the assistant's tokens) and the plain texts (loss on
 every token), then trains a much smaller draft model with the same tokenizer. Both are
 saved as float16 model folders that load with plain ``mlx_lm.load``:
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from engine.demo import DEMO_DIR
+from mlxkv.engine.demo import DEMO_DIR
 
 SEED = 1234
 TOKENIZER_VOCAB = 3072
@@ -56,7 +56,7 @@ OPENING_TOKENS, OPENING_WEIGHT = 5, 8.0  # the first tokens of every answer weig
 def _preload_blas() -> str:
     """Load the system OpenBLAS before mlx.core (float32 matmuls are far faster with it)."""
     try:
-        from engine import blas
+        from mlxkv.engine import blas
 
         info = blas.preload()
         return str(info.get("path") or info.get("reason"))
@@ -78,7 +78,7 @@ def encode_examples(tokenizer_file: Path, corpus) -> list[tuple[list[int], list[
     0; plain text gets PLAIN_WEIGHT everywhere."""
     from tokenizers import Tokenizer
 
-    from engine.demo.corpus import render
+    from support.demo.corpus import render
 
     tok = Tokenizer.from_file(str(tokenizer_file))
     end = "<|im_end|>"
@@ -158,7 +158,7 @@ def train_model(name: str, spec: dict, vocab: int, examples, out_dir: Path, step
     import mlx.optimizers as optim
     from mlx.utils import tree_flatten
 
-    from bench.modelgen import init_model, model_config, save_model_dir
+    from support.modelgen import init_model, model_config, save_model_dir
 
     config = model_config("qwen3", vocab, **spec["config"])
     model = init_model(config, seed=SEED)
@@ -221,7 +221,7 @@ def train_model(name: str, spec: dict, vocab: int, examples, out_dir: Path, step
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m engine.demo.train", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m support.demo.train", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a few steps only (checks the pipeline)")
     ap.add_argument("--out", type=Path, default=DEMO_DIR, help="folder for model/ and draft/")
     ap.add_argument("--only", choices=["main", "draft"], help="train only one of the two")
@@ -231,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     blas = _preload_blas()
     import mlx.core as mx
 
-    from bench.modelgen import build_tokenizer
-    from engine.demo.corpus import build_corpus, tokenizer_texts
+    from support.demo.corpus import build_corpus, tokenizer_texts
+    from support.modelgen import build_tokenizer
 
     mx.random.seed(SEED)
     print(f"BLAS: {blas}", flush=True)

@@ -3,7 +3,7 @@ random-weight models from mlx-lm's own model classes.
 
 Used by the tests' fixtures, the benchmarks' "bench" model and the demo-model trainer.
 Nothing here touches the network: the tokenizer is trained on local text and the weights
-are random (or trained by ``engine.demo.train``).
+are random (or trained by ``support.demo.train``).
 """
 
 from __future__ import annotations

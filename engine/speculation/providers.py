@@ -18,10 +18,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from engine.logs import warn_once
-from engine.spec.base import DraftProvider, KVState, TargetView
-from engine.spec.policy import LengthController, SourceMemory
-from engine.spec.verify import SpecStream
+from mlxkv.engine.logs import warn_once
+from mlxkv.engine.speculation.base import DraftProvider, KVState, TargetView
+from mlxkv.engine.speculation.policy import LengthController, SourceMemory
+from mlxkv.engine.speculation.verify import SpecStream
 
 log = logging.getLogger("mlxkv.spec")
 SPEC_CHOICES = ("off", "auto", "draft", "ngram", "mtp")
@@ -32,7 +32,7 @@ def _setting(settings: Any, name: str, default: Any) -> Any:
 
 
 def _is_demo(loaded: Any) -> bool:
-    from engine.demo import DEMO_MODEL_DIR
+    from mlxkv.engine.demo import DEMO_MODEL_DIR
 
     try:
         return Path(loaded.path).resolve() == Path(DEMO_MODEL_DIR).resolve()
@@ -44,8 +44,8 @@ def load_providers(loaded: Any, settings: Any = None) -> dict[str, DraftProvider
     """The providers of the loaded target (kind -> provider). A ``--draft-model`` that
     cannot pair with the target raises (the user asked for it); the demo draft that pairs
     by default, or MTP weights that do not load, are skipped with a warning."""
-    from engine.spec.constraints import ConstraintProvider
-    from engine.spec.ngram import NgramProvider
+    from mlxkv.engine.speculation.constraints import ConstraintProvider
+    from mlxkv.engine.speculation.ngram import NgramProvider
 
     mode = _setting(settings, "spec", "auto")
     providers: dict[str, DraftProvider] = {
@@ -54,12 +54,12 @@ def load_providers(loaded: Any, settings: Any = None) -> dict[str, DraftProvider
     }
     draft_spec = _setting(settings, "draft_model", None)
     if draft_spec:
-        from engine.spec.draft import load_draft_provider
+        from mlxkv.engine.speculation.draft import load_draft_provider
 
         providers["draft"] = load_draft_provider(draft_spec, loaded, _setting(settings, "dtype", "auto"))
     elif mode in ("auto", "draft") and _is_demo(loaded):
-        from engine.demo import DRAFT_MODEL_DIR
-        from engine.spec.draft import load_draft_provider
+        from mlxkv.engine.demo import DRAFT_MODEL_DIR
+        from mlxkv.engine.speculation.draft import load_draft_provider
 
         if (Path(DRAFT_MODEL_DIR) / "config.json").is_file():
             try:
@@ -69,7 +69,7 @@ def load_providers(loaded: Any, settings: Any = None) -> dict[str, DraftProvider
                 warn_once(log, "demo-draft", "the demo draft model could not be used (%s)", e)
     if mode in ("auto", "mtp"):
         try:
-            from engine.spec import mtp  # noqa: F401
+            from mlxkv.engine.speculation import mtp  # noqa: F401
         except ImportError:
             mtp = None
         if mtp is not None:
@@ -211,11 +211,11 @@ def open_speculation(providers: dict[str, DraftProvider] | None, loaded: Any, pa
     is the mask the output must satisfy (``guided_choice``); a JSON skeleton only drafts."""
     constraint = drafting = None
     if guided_choice:
-        from engine.spec.constraints import GuidedChoice
+        from mlxkv.engine.speculation.constraints import GuidedChoice
 
         constraint = drafting = GuidedChoice(loaded.tokenizer, guided_choice)
     elif json_skeleton:
-        from engine.spec.constraints import JsonSkeleton
+        from mlxkv.engine.speculation.constraints import JsonSkeleton
 
         drafting = JsonSkeleton(loaded.tokenizer, json_skeleton)
     if not providers:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from engine.spec.base import DraftRowConstraints, DraftRowGroup, DraftSource, Proposal
+from mlxkv.engine.speculation.base import DraftRowConstraints, DraftRowGroup, DraftSource, Proposal
 
 
 class SourceRowGroup(DraftRowGroup):

@@ -19,7 +19,7 @@ import random
 import re
 from dataclasses import dataclass
 
-from engine.demo.facts import FACTS, PROSE, SMALL_TALK
+from support.demo.facts import FACTS, PROSE, SMALL_TALK
 
 # Short system prompts a front end might send; about a third of the dialogues have one.
 SYSTEM_PROMPTS = [

@@ -38,9 +38,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.spec.rows import SourceRowGroup
-from engine.spec.sampling import TargetSampler, process_window, rejection_walk_rows
-from engine.spec.verify import SpecStats, _trace_enabled
+from mlxkv.engine.speculation.rows import SourceRowGroup
+from mlxkv.engine.speculation.sampling import TargetSampler, process_window, rejection_walk_rows
+from mlxkv.engine.speculation.verify import SpecStats, _trace_enabled
 
 
 def spec_round_cache(cache: list) -> bool:
@@ -53,7 +53,7 @@ def spec_round_cache(cache: list) -> bool:
 
 @dataclass
 class RowSpec:
-    """One batched row's speculation: its ``engine.spec.providers.Speculation`` (source,
+    """One batched row's speculation: its ``engine.speculation.providers.Speculation`` (source,
     draft state stored with the conversation), figures, and how far its source has followed
     the row's tokens."""
 
@@ -100,7 +100,7 @@ class BatchLength:
     width 1 + k yields per row f * (1 - a^(k+1)) / (1 - a) + (1 - f) tokens in t1 + m*k,
     a plain step 1 in t1; it asks for the k that gives the most tokens per second. When that
     is 0 and it ``may_stop``, it takes plain steps for a back-off (8, doubling to 256 while
-    probes lose), as :class:`engine.spec.policy.LengthController` does for a lone request.
+    probes lose), as :class:`engine.speculation.policy.LengthController` does for a lone request.
     ``adaptive`` False: always ``initial`` (constraint rows: the whole forced span)."""
 
     def __init__(self, initial: int = 4, maximum: int = 12):

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from engine.spec.base import DraftProvider, DraftRowGroup, DraftSource, Proposal
+from mlxkv.engine.speculation.base import DraftProvider, DraftRowGroup, DraftSource, Proposal
 
 SCHEMA = "ngram-v1"
 
@@ -93,6 +93,6 @@ class NgramProvider(DraftProvider):
 
 
 def NgramRowGroup() -> DraftRowGroup:  # noqa: N802  (the group type of this provider)
-    from engine.spec.rows import SourceRowGroup
+    from mlxkv.engine.speculation.rows import SourceRowGroup
 
     return SourceRowGroup()

@@ -28,8 +28,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.spec.base import DraftProvider, DraftSource, KVState, Proposal, TargetView
-from engine.spec.mtp_weights import (
+from mlxkv.engine.speculation.base import DraftProvider, DraftSource, KVState, Proposal, TargetView
+from mlxkv.engine.speculation.mtp_weights import (
     MTP_SCHEMA,
     MTPModule,
     MTPWeights,

@@ -25,9 +25,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.spec.base import DraftSource, Proposal
-from engine.spec.policy import LengthController
-from engine.spec.sampling import TargetSampler, rejection_walk_rows
+from mlxkv.engine.speculation.base import DraftSource, Proposal
+from mlxkv.engine.speculation.policy import LengthController
+from mlxkv.engine.speculation.sampling import TargetSampler, rejection_walk_rows
 
 
 def _trace_enabled() -> bool:
@@ -178,7 +178,7 @@ class SpecStream:
         """Feed the uncached prompt as plain decoding does (``engine.generate.prefill``: the
         same chunks, the first token's logits from the last one); returns the last
         position's logits and the hidden rows."""
-        from engine.generate import prefill
+        from mlxkv.engine.generate import prefill
 
         rest = self.prompt[self.n_cached:]
         self.on_progress(0, len(rest))

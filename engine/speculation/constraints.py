@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from engine.spec.base import DraftProvider, DraftRowConstraints, DraftSource, Proposal
+from mlxkv.engine.speculation.base import DraftProvider, DraftRowConstraints, DraftSource, Proposal
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
