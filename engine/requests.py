@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlxkv.engine.generate import SamplingParams
+from mlxkv.engine.speculation.base import SPEC_CHOICES
 
 log = logging.getLogger("mlxkv.engine")
 
@@ -141,8 +142,8 @@ class Request:
     # Report log-probabilities with each token: 0 = the token's own, N = also the N most
     # likely alternatives (at most 20). None = none.
     logprobs: int | None = None
-    # Speculation for this request: None = the engine's setting; "off", "auto", "draft",
-    # "ngram", "mtp" override it.
+    # Speculation for this request: None = the engine's setting; one of SPEC_CHOICES
+    # overrides it.
     spec: str | None = None
     # Request constraints: the output must be exactly one of these strings.
     guided_choice: tuple[str, ...] | None = None
@@ -164,8 +165,8 @@ class Request:
             raise ValueError("the prompt is empty (no tokens)")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs}")
-        if self.spec is not None and self.spec not in ("off", "auto", "draft", "ngram", "mtp"):
-            raise ValueError(f"spec must be one of off, auto, draft, ngram, mtp; got {self.spec!r}")
+        if self.spec is not None and self.spec not in SPEC_CHOICES:
+            raise ValueError(f"spec must be one of {', '.join(SPEC_CHOICES)}; got {self.spec!r}")
         if self.guided_choice is not None:
             choices = tuple(self.guided_choice)
             if not choices or any(not isinstance(c, str) or not c for c in choices):

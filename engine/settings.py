@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mlxkv.engine.speculation.base import SPEC_CHOICES
+
 ENGINE_DIR = Path(__file__).resolve().parent
 DEMO_MODEL = ENGINE_DIR / "demo" / "model"
 DEMO_DRAFT_MODEL = ENGINE_DIR / "demo" / "draft"
@@ -183,9 +185,10 @@ FIELDS: tuple[Field, ...] = (
     Field("blas", "auto", str, "CPU BLAS on Linux: auto, off, or a library path",
           metavar="auto|off|PATH"),
     # speculative decoding
-    Field("spec", "auto", _choice("off", "auto", "draft", "ngram", "mtp"),
+    Field("spec", "auto", _choice(*SPEC_CHOICES),
           "speculative decoding: off, auto (the best source available, off when slower), "
-          "draft, ngram (prompt lookup) or mtp", choices=("off", "auto", "draft", "ngram", "mtp")),
+          "draft, ngram (prompt lookup), suffix (the conversation's and earlier outputs' "
+          "suffixes) or mtp", choices=SPEC_CHOICES),
     Field("spec_tokens", 12, _positive_int, "most tokens a speculation round proposes", arg_type=int,
           metavar="N"),
     Field("spec_ngram_min", 2, _positive_int, "prompt lookup: shortest n-gram matched", arg_type=int,

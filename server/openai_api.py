@@ -14,6 +14,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 
 from mlxkv.engine.requests import ErrorEvent, FinishedEvent, Request, TokenEvent
+from mlxkv.engine.speculation.base import SPEC_CHOICES
 from mlxkv.server.bridge import EventStream, SseResponse, collect, error_status, first_event
 from mlxkv.server.context import Context, dumps, new_id, read_json, session_of, text_of, timings, usage_counts
 from mlxkv.server.errors import ApiError, openai_body
@@ -112,9 +113,8 @@ def _decoding(body: dict) -> dict[str, Any]:
         out["guided_choice"] = tuple(choices)
     spec = get_str(body, "spec")
     if spec is not None:
-        if spec not in ("off", "auto", "draft", "ngram", "mtp"):
-            raise ApiError(400, f"spec must be one of off, auto, draft, ngram, mtp; got {spec!r}",
-                           "spec")
+        if spec not in SPEC_CHOICES:
+            raise ApiError(400, f"spec must be one of {', '.join(SPEC_CHOICES)}; got {spec!r}", "spec")
         out["spec"] = spec
     return out
 

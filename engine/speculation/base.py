@@ -23,7 +23,9 @@ if TYPE_CHECKING:
 
     from mlxkv.engine.generate import SamplingParams
 
-KINDS = ("draft", "ngram", "mtp", "constraint")
+KINDS = ("draft", "ngram", "suffix", "mtp", "constraint")
+# What a request or the settings may ask for: off, auto (the best source available), or a source.
+SPEC_CHOICES = ("off", "auto", "draft", "ngram", "suffix", "mtp")
 
 
 class TargetView:
@@ -127,7 +129,7 @@ class DraftSource:
 class DraftProvider:
     """One per loaded target: opens a :class:`DraftSource` per request."""
 
-    kind: str = ""  # "draft" | "ngram" | "mtp" | "constraint"
+    kind: str = ""  # one of KINDS
     weights_bytes: int = 0
     supports_external_tokens: bool = False
     needs_hidden: bool = False

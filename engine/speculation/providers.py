@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from mlxkv.engine.logs import warn_once
-from mlxkv.engine.speculation.base import DraftProvider, KVState, TargetView
+from mlxkv.engine.speculation.base import SPEC_CHOICES, DraftProvider, KVState, TargetView
 from mlxkv.engine.speculation.policy import LengthController, SourceMemory
 from mlxkv.engine.speculation.verify import SpecStream
 
 log = logging.getLogger("mlxkv.spec")
-SPEC_CHOICES = ("off", "auto", "draft", "ngram", "mtp")
+__all__ = ["SPEC_CHOICES", "load_providers", "open_speculation"]
 
 
 def _setting(settings: Any, name: str, default: Any) -> Any:
@@ -46,10 +46,12 @@ def load_providers(loaded: Any, settings: Any = None) -> dict[str, DraftProvider
     by default, or MTP weights that do not load, are skipped with a warning."""
     from mlxkv.engine.speculation.constraints import ConstraintProvider
     from mlxkv.engine.speculation.ngram import NgramProvider
+    from mlxkv.engine.speculation.suffix import SuffixProvider
 
     mode = _setting(settings, "spec", "auto")
     providers: dict[str, DraftProvider] = {
         "ngram": NgramProvider(_setting(settings, "spec_ngram_min", 2), _setting(settings, "spec_ngram_max", 4)),
+        "suffix": SuffixProvider(),
         "constraint": ConstraintProvider(),
     }
     draft_spec = _setting(settings, "draft_model", None)

@@ -1,0 +1,105 @@
+"""Suffix speculation: the index's longest match, most frequent continuation and re-anchoring
+after a paraphrase; the global index learning finished outputs within its bound; and through
+the engine, output token for token equal to plain decoding, single-stream and batched, with
+a repeated request proposed from what the first one wrote."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from common import T, greedy
+
+from mlxkv.engine.engine import Engine, Request
+from mlxkv.engine.generate import SamplingParams
+from mlxkv.engine.settings import Settings
+from mlxkv.engine.speculation.suffix import SuffixIndex, SuffixProvider, propose_from
+from support.modelgen import tiny_model
+
+
+def index_of(*seqs: list[int], lengths=(8, 4, 2, 1)) -> SuffixIndex:
+    ix = SuffixIndex(lengths)
+    for s in seqs:
+        ix.extend(s)
+        ix.end_sequence()
+    return ix
+
+
+def test_the_longest_match_decides_the_continuation():
+    # "5 6" was followed by 7 once and by 9 once; "4 5 6" only by 9
+    ix = index_of([1, 5, 6, 7, 0, 4, 5, 6, 9, 10, 11], lengths=(4, 3, 2, 1))
+    assert ix.match([3, 4, 5, 6]) == (3, {9: 1})
+    assert ix.match([3, 5, 6]) == (2, {7: 1, 9: 1})
+    assert propose_from([ix], [3, 4, 5, 6], 3, alpha=8, min_share=0.0) == [9, 10, 11]
+
+
+def test_the_most_frequent_continuation_wins():
+    ix = index_of([1, 2, 3], [1, 2, 3], [1, 2, 4], lengths=(2, 1))
+    assert propose_from([ix], [0, 1, 2], 1, alpha=8, min_share=0.0) == [3]
+    # a continuation with too small a share of what followed stops the proposal
+    assert propose_from([ix], [0, 1, 2], 1, alpha=8, min_share=0.7) == []
+
+
+def test_a_proposal_reanchors_after_a_changed_token():
+    text = list(range(10, 40))
+    ix = index_of(text, lengths=(8, 4, 2, 1))
+    context = text[:12] + [99] + text[13:16]  # one token paraphrased, then the text goes on
+    assert propose_from([ix], context, 8, alpha=8, min_share=0.0) == text[16:24]
+
+
+def test_a_short_match_proposes_little():
+    ix = index_of(list(range(100, 140)), lengths=(16, 8, 4, 2, 1))
+    assert len(propose_from([ix], [7, 100], 16, alpha=2, min_share=0.0)) == 2  # 1-token match
+    assert len(propose_from([ix], list(range(100, 116)), 16, alpha=2, min_share=0.0)) == 16
+
+
+def test_forgetting_a_sequence_removes_what_it_added():
+    ix = SuffixIndex((4, 2, 1))
+    ix.extend([5, 6, 7, 8])
+    seq = ix.end_sequence()
+    ix.extend([1, 2, 3])
+    other = ix.end_sequence()
+    ix.forget(seq)
+    assert ix.match([5, 6])[1] is None and ix.match([1, 2])[1] == {3: 1}
+    ix.forget(other)
+    assert len(ix) == 0
+
+
+def test_the_global_index_keeps_the_newest_outputs_within_its_bound():
+    p = SuffixProvider(lengths=(4, 2, 1), global_tokens=10)
+    p.learn([1, 2, 3, 4, 5, 6])
+    p.learn([7, 8, 9, 10, 11, 12])
+    assert p.learned_tokens == 6  # the first output was forgotten to stay within 10 tokens
+    assert p.global_index.match([1, 2])[1] is None
+    assert propose_from([p.global_index], [8, 9], 2, alpha=8, min_share=0.0) == [10, 11]
+
+
+def settings(tmp_path: Path, **values) -> Settings:
+    base = {"model": str(tiny_model("llama")), "cache_dir": str(tmp_path / "cache"), "block_tokens": 16,
+            "ram_cache_bytes": 256 << 20}
+    return Settings.load({**base, **values}, env={})
+
+
+CODE = [{"role": "user", "content": "def area(r):\n    return 3.14 * r * r\n" * 3}]
+
+
+def test_suffix_speculation_is_lossless_and_learns_from_finished_requests(tmp_path):
+    with Engine.from_settings(settings(tmp_path, prefix_cache=False)).start(timeout=T) as e:
+        params = SamplingParams(max_tokens=32, temperature=0.0)
+        plain = e.submit(Request(messages=CODE, params=params, spec="off")).result(timeout=T)
+        first = e.submit(Request(messages=CODE, params=params, spec="suffix")).result(timeout=T)
+        assert first.tokens == plain.tokens and first.stats.spec["source"] == "suffix"
+        # the same request again: its output is now in the global index
+        again = e.submit(Request(messages=CODE, params=params, spec="suffix")).result(timeout=T)
+        assert again.tokens == plain.tokens
+        assert again.stats.spec["accepted"] > first.stats.spec["accepted"]
+        assert again.stats.spec["accepted"] >= len(plain.tokens) // 2
+
+
+def test_batched_rows_use_suffix_speculation_and_decode_as_alone(tmp_path):
+    prompts = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 9, [20 + i for i in range(30)]]
+    with Engine.from_settings(settings(tmp_path, prefix_cache=False)).start(timeout=T) as e:
+        alone = [e.submit(Request(prompt_tokens=p, params=greedy(max_tokens=16), spec="off")).result(timeout=T)
+                 for p in prompts]
+        handles = [e.submit(Request(prompt_tokens=p, params=greedy(max_tokens=16), spec="suffix")) for p in prompts]
+        together = [h.result(timeout=T) for h in handles]
+    assert [r.tokens for r in together] == [r.tokens for r in alone]
