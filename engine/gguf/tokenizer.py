@@ -116,19 +116,23 @@ def _build(header: GGUFHeader) -> Any:
         tok.post_processor = processors.TemplateProcessing(
             single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
             special_tokens=[(bos, ids["bos"])])
-    return _wrap(header, tok, tokens, ids)
+    return _wrap(header, tok, tokens, ids, [t.content for t in special])
 
 
-def _wrap(header: GGUFHeader, tok: Any, tokens: list[str], ids: dict[str, int]) -> Any:
+def _wrap(header: GGUFHeader, tok: Any, tokens: list[str], ids: dict[str, int],
+          control: list[str]) -> Any:
     from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
     from transformers import PreTrainedTokenizerFast
 
     def name(key: str) -> str | None:
         return tokens[ids[key]] if key in ids else None
 
+    named = {name(k) for k in ("bos", "eos", "unknown", "padding")}
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=name("bos"), eos_token=name("eos"),
-        unk_token=name("unknown"), pad_token=name("padding"))
+        unk_token=name("unknown"), pad_token=name("padding"),
+        # the control tokens are special to transformers too (all_special_tokens lists them)
+        additional_special_tokens=[t for t in control if t not in named])
     template = header.get("tokenizer.chat_template")
     if isinstance(template, str) and template.strip():
         fast.chat_template = template
