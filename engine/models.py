@@ -1,5 +1,5 @@
-"""Load mlx-lm models (local folder or hub id), apply the compute-dtype policy, and compute
-a stable model fingerprint for the prefix cache's namespace."""
+"""Load mlx-lm models (local folder, GGUF file or hub id), apply the compute-dtype policy,
+and compute a stable model fingerprint for the prefix cache's namespace."""
 
 from __future__ import annotations
 
@@ -30,8 +30,24 @@ class ModelNotFoundError(FileNotFoundError):
 
 
 def _looks_like_path(spec: str) -> bool:
-    return (spec.startswith(("/", ".", "~")) or spec.endswith("/") or spec.count("/") > 1
+    return (spec.startswith(("/", ".", "~")) or spec.endswith(("/", ".gguf")) or spec.count("/") > 1
             or os.sep != "/" and os.sep in spec)
+
+
+def gguf_file(path: str | os.PathLike) -> Path | None:
+    """The GGUF file ``path`` names: the file itself, or the one ``.gguf`` file of a
+    folder that has no ``config.json``; None when it is not one. A folder holding several
+    is an error that names them (which one is meant?)."""
+    path = Path(path)
+    if path.is_file():
+        return path if path.suffix.lower() == ".gguf" else None
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    found = sorted(p for p in path.iterdir() if p.suffix.lower() == ".gguf" and p.is_file())
+    if len(found) > 1:
+        raise ModelNotFoundError(f"{path} holds {len(found)} GGUF files "
+                                 f"({', '.join(p.name for p in found[:4])}): name one")
+    return found[0] if found else None
 
 
 def _offline() -> bool:
@@ -45,14 +61,21 @@ def resolve_model_path(spec: str | os.PathLike) -> Path:
     text = os.path.expanduser(str(spec))
     path = Path(text)
     if path.exists():
+        gguf = gguf_file(path)
+        if gguf is not None:
+            return gguf
+        if path.is_file():
+            raise ModelNotFoundError(f"{path} is a file, not a model folder or a .gguf file")
         if not (path / "config.json").is_file():
-            raise ModelNotFoundError(f"{path} is not a model folder (no config.json in it)")
+            raise ModelNotFoundError(f"{path} is not a model folder (no config.json in it, "
+                                     "nor a .gguf file)")
         return path
     if _looks_like_path(str(spec)):
         hint = ""
         if path.resolve() == (Path(__file__).resolve().parent / "demo" / "model"):
             hint = " (the demo model is not built yet: run `make demo-model`, or pass --model)"
-        raise ModelNotFoundError(f"model folder not found: {spec}{hint}")
+        what = "GGUF file" if text.lower().endswith(".gguf") else "model folder"
+        raise ModelNotFoundError(f"{what} not found: {spec}{hint}")
     from huggingface_hub import snapshot_download
 
     try:
@@ -91,6 +114,26 @@ def _in_frozen_bundle(path: Path) -> bool:
     return bool(base) and path.resolve().is_relative_to(Path(base).resolve())
 
 
+_GGUF_DIGESTS: dict[tuple, bytes] = {}
+
+
+def gguf_digest(path: Path) -> bytes:
+    """The content digest (xxh3-128) of a GGUF file: weights, tokenizer and template are
+    all in it. Kept per process for an unchanged file (size, mtime, inode), as hashing a
+    multi-GB file takes seconds."""
+    import xxhash
+
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+    if key not in _GGUF_DIGESTS:
+        h = xxhash.xxh3_128()
+        with open(path, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 22), b""):
+                h.update(chunk)
+        _GGUF_DIGESTS[key] = h.digest()
+    return _GGUF_DIGESTS[key]
+
+
 def model_fingerprint(path: str | os.PathLike, full_hash: bool = False) -> str:
     """128-bit hex fingerprint of a model folder: canonical config.json, weight files
     (sizes + mtimes, or content hashes), tokenizer files and chat template. Equal folders
@@ -98,8 +141,13 @@ def model_fingerprint(path: str | os.PathLike, full_hash: bool = False) -> str:
 
     Weights are hashed by content with ``full_hash``, when they are small (at most
     ``CONTENT_HASH_MAX_BYTES`` together: the demo models, test models) and inside a frozen
-    (PyInstaller) bundle, which unpacks with fresh mtimes on every start."""
+    (PyInstaller) bundle, which unpacks with fresh mtimes on every start. A GGUF file is
+    always hashed by content, the whole file."""
     root = Path(path)
+    if root.is_file():
+        h = hashlib.sha256(FINGERPRINT_VERSION)
+        h.update(b"gguf\0" + gguf_digest(root))
+        return h.hexdigest()[:32]
     config = json.loads((root / "config.json").read_text())
     weights = sorted(p for p in root.glob("*.safetensors") if p.is_file())
     if not weights:
@@ -219,11 +267,56 @@ class LoadedModel:
         return None
 
 
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def load_gguf_model(path: Path, spec: str, dtype: str = "auto") -> LoadedModel:
+    """Load the GGUF file at ``path`` (:mod:`mlxkv.engine.gguf`) and apply the dtype policy.
+
+    Q4_0 / Q4_1 / Q8_0 weights stay quantized, except with "auto" on the CPU: mlx's CPU
+    quantized matmul is slower than the float32 matmul on BLAS by 10x and more, so they
+    are dequantized to float32 there when that fits in half the machine's memory (as the
+    policy runs half-precision weights in float32 on the CPU)."""
+    import mlx.core as mx
+
+    from mlxkv.engine.gguf import load_gguf, read_header
+
+    header = read_header(path)  # GGUFError (a ValueError) names what is wrong with the file
+    counts = Counter(t.type_name for t in header.tensors.values())
+    quantized = any(t in ("Q4_0", "Q4_1", "Q8_0") for t in counts)
+    float32_bytes = 4 * sum(_elements(t.shape) for t in header.tensors.values())
+    dequantize = (mx.float32 if dtype == "auto" and quantized and mx.default_device() == mx.cpu
+                  and float32_bytes <= _physical_memory() // 2 else None)
+    loaded = load_gguf(path, dequantize=dequantize, header=header)
+    native = counts.most_common(1)[0][0] if counts else "none"
+    compute = apply_dtype_policy(loaded.model, dtype)
+    return LoadedModel(model=loaded.model, tokenizer=loaded.tokenizer, config=loaded.config,
+                       path=path, spec=str(spec), fingerprint=model_fingerprint(path),
+                       weights_dtype=f"gguf {native}", compute_dtype=compute,
+                       extra={"gguf": {"types": dict(counts), "dequantized": loaded.dequantized,
+                                       "architecture": header.get("general.architecture"),
+                                       "name": header.get("general.name")}})
+
+
+def _elements(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 def load_model(spec: str | os.PathLike, dtype: str = "auto", full_hash: bool = False,
                tokenizer_config: dict | None = None) -> LoadedModel:
-    """Load ``spec`` (folder or hub id) with ``mlx_lm.load`` and apply the dtype policy.
-    Call it on the thread that will run the model (MLX streams are thread-local)."""
+    """Load ``spec`` (folder, GGUF file or hub id) with ``mlx_lm.load`` (a GGUF file with
+    :func:`load_gguf_model`) and apply the dtype policy. Call it on the thread that will
+    run the model (MLX streams are thread-local)."""
     path = resolve_model_path(spec)
+    if path.is_file():
+        return load_gguf_model(path, str(spec), dtype)
     from mlx_lm.utils import load
 
     model, tokenizer, config = load(str(path), tokenizer_config=tokenizer_config,

@@ -145,7 +145,7 @@ class Field:
 SIZE = "SIZE"  # metavar of byte sizes: 2GiB, 512MB, a byte count
 
 FIELDS: tuple[Field, ...] = (
-    Field("model", str(DEMO_MODEL), str, "model folder or Hugging Face hub id (default: the demo model)",
+    Field("model", str(DEMO_MODEL), str, "model folder, GGUF file or Hugging Face hub id (default: the demo model)",
           metavar="PATH|ID"),
     Field("draft_model", None, _optional(str),
           "draft model for speculative decoding (shares the model's tokenizer; the demo model "

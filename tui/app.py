@@ -287,7 +287,8 @@ class MlxkvApp(App):
                                      choices), self.switch_model)
 
     def switch_model(self, spec: str | None) -> None:
-        """Shut the engine down and load ``spec`` (a folder or a hub id) in the background."""
+        """Shut the engine down and load ``spec`` (a folder, a GGUF file or a hub id) in the
+        background."""
         if not spec:
             return
         if not self.bridge.ready.is_set():  # a second load would leave the first one running
@@ -321,7 +322,7 @@ class MlxkvApp(App):
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
-        yield SystemCommand("Switch model", "Load another model: the demo model, a folder, a hub id (F3)",
+        yield SystemCommand("Switch model", "Load another model: the demo model, a folder, a .gguf file, a hub id (F3)",
                             self.action_switch_model)
         yield SystemCommand("Cache inspector", "What the prefix cache holds, live (F2)",
                             self.action_toggle_inspector)

@@ -98,6 +98,7 @@ def load_shard(spec: str, dtype: str, full_hash: bool, world: Any, asked: str) -
 
     from mlxkv.engine.models import (
         LoadedModel,
+        ModelNotFoundError,
         apply_dtype_policy,
         model_fingerprint,
         resolve_model_path,
@@ -105,6 +106,9 @@ def load_shard(spec: str, dtype: str, full_hash: bool, world: Any, asked: str) -
     )
 
     path = resolve_model_path(spec)
+    if path.is_file():
+        raise ModelNotFoundError(f"{path}: a GGUF file is not split across ranks (mlx-lm's "
+                                 "sharded loading reads model folders); convert it to a folder")
     config = json.loads((path / "config.json").read_text())
     skeleton, _ = lazy_model(path, lazy=True, strict=False)
     mode = choose_mode(asked, supported_modes(skeleton), config, path, world.size, world.rank)

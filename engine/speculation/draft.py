@@ -161,7 +161,9 @@ class DraftModelProvider(DraftProvider):
         self.model = loaded.model
         self.label = loaded.label
         check_pair(target_loaded.tokenizer, loaded.tokenizer, loaded.model, loaded.label)
-        self.weights_bytes = sum(p.stat().st_size for p in Path(loaded.path).glob("*.safetensors"))
+        path = Path(loaded.path)
+        self.weights_bytes = (path.stat().st_size if path.is_file()  # a GGUF file
+                              else sum(p.stat().st_size for p in path.glob("*.safetensors")))
         self.fingerprint = loaded.fingerprint
         self.step = CompiledStep(loaded.model)  # the draft's decode step, shared by its sources
 

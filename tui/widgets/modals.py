@@ -187,7 +187,8 @@ class ConversationSettings(_Dialog):
 
 
 class ModelPicker(_Dialog):
-    """The demo model, the models used before, or a folder / hub id the user types."""
+    """The demo model, the models used before, or a folder / GGUF file / hub id the user
+    types."""
 
     def __init__(self, current: str, choices: list[tuple[str, str]]) -> None:
         super().__init__()
@@ -197,7 +198,8 @@ class ModelPicker(_Dialog):
         with Vertical():
             yield Label(f"Model (now: {self._current})", classes="title")
             yield OptionList(*[Option(label, id=spec) for label, spec in self._choices], id="choices")
-            yield Input(placeholder="or type a model folder or Hugging Face id, then Enter", id="spec")
+            yield Input(placeholder="or type a model folder, a .gguf file or a Hugging Face id, then Enter",
+                        id="spec")
             yield Static("Enter: switch · Esc: cancel · the model loads in the background", classes="hint")
 
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
