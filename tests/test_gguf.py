@@ -161,6 +161,31 @@ def test_llama_rope_factors_are_applied(tmp_path):
     assert mx.allclose(got(long), want(long), atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["linear", "yarn"])
+def test_rope_scaling_from_the_metadata(kind, tmp_path):
+    import json
+
+    src = tiny_model_dir("qwen3")
+    cfg = json.loads((src / "config.json").read_text())
+    overrides = {"qwen3.rope.scaling.type": kind, "qwen3.rope.scaling.factor": ("f32", 4.0),
+                 "qwen3.rope.scaling.original_context_length": ("u32", 32)}
+    path = write_gguf(src, tmp_path / f"{kind}.gguf", overrides=overrides)
+    folder = tmp_path / kind
+    folder.mkdir()
+    for f in src.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    scaling = {"type": kind, "factor": 4.0, **({"original_max_position_embeddings": 32}
+                                                if kind == "yarn" else {})}
+    (folder / "config.json").write_text(json.dumps({**cfg, "rope_scaling": scaling}))
+    want, _ = mlx_lm_load(str(folder))
+    plain, _ = mlx_lm_load(str(src))
+    got = load_gguf(path)
+    assert got.config["rope_scaling"] == scaling
+    long = mx.array([list(range(3, 3 + 40))])
+    assert not mx.allclose(plain(long), want(long), atol=1e-4)
+    assert mx.array_equal(got.model(long), want(long))
+
+
 def test_unsupported_architecture_and_tokenizer_are_named(tmp_path):
     src = tiny_model_dir("llama")
     path = write_gguf(src, tmp_path / "gemma.gguf", overrides={"general.architecture": "gemma"})
@@ -174,9 +199,35 @@ def test_unsupported_architecture_and_tokenizer_are_named(tmp_path):
     with pytest.raises(GGUFError, match="block_count is 1073741824, the file has tensors for 2 layers"):
         load_gguf(path)
     assert time.perf_counter() - t0 < 5
+    path = write_gguf(src, tmp_path / "split.gguf", overrides={"split.count": ("u32", 3)})
+    with pytest.raises(GGUFError, match="one part of a model split into 3 files"):
+        load_gguf(path)
     path = write_gguf(src, tmp_path / "heads.gguf", overrides={"llama.attention.head_count": ("u32", 8)})
     with pytest.raises(GGUFError):
         load_gguf(path)
+
+
+def test_the_tokenizer_follows_the_metadata(tmp_path):
+    src = tiny_model_dir("llama")
+    _, src_tok = mlx_lm_load(str(src))
+    endoftext = src_tok.convert_tokens_to_ids("<|endoftext|>")
+    # an end-of-turn id ends generation as EOS does; BOS is added when the file says so
+    path = write_gguf(src, tmp_path / "eot.gguf", overrides={
+        "tokenizer.ggml.eot_token_id": ("u32", endoftext),
+        "tokenizer.ggml.bos_token_id": ("u32", endoftext),
+        "tokenizer.ggml.add_bos_token": ("bool", True)})
+    tok = load_gguf(path).tokenizer
+    assert tok.eos_token_ids == {*src_tok.eos_token_ids, endoftext}
+    assert tok.encode("hi") == [endoftext, *src_tok.encode("hi", add_special_tokens=False)]
+    # a pre-tokenizer llama.cpp knows and this loader does not: GPT-2's split, and a warning
+    path = write_gguf(src, tmp_path / "pre.gguf", overrides={"tokenizer.ggml.pre": "mystery-bpe"})
+    with pytest.warns(UserWarning, match="unknown pre-tokenizer 'mystery-bpe'"):
+        tok = load_gguf(path).tokenizer
+    for text in SAMPLES:
+        assert tok.encode(text, add_special_tokens=False) == src_tok.encode(text, add_special_tokens=False)
+    # no template in the file: no chat template (prompts are the plain join)
+    path = write_gguf(src, tmp_path / "bare.gguf", overrides={"tokenizer.chat_template": None})
+    assert not load_gguf(path).tokenizer.has_chat_template
 
 
 def test_the_type_table_is_the_gguf_packages():

@@ -39,6 +39,10 @@ def load_gguf(path: str | os.PathLike, dequantize: Any = None,
     from .weights import load_tensors
 
     header = header if header is not None else read_header(Path(path))
+    parts = header.get("split.count", 1)
+    if isinstance(parts, int) and parts > 1:
+        raise GGUFError(f"{header.path}: one part of a model split into {parts} files "
+                        "(merge them first: llama.cpp's llama-gguf-split --merge)")
     tokenizer = build_tokenizer(header)
     model, config = build_model(header, load_tensors(header, dequantize), dequantize)
     return GGUFModel(model=model, tokenizer=tokenizer, config=config, header=header,
