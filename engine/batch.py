@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlxkv.engine.generate import SamplingParams, StopMatcher, request_processors, request_sampler, stream_detokenizer
+from mlxkv.engine.mlx_lm_compat import DecodingRows, admitting, batch_speculation_available
 from mlxkv.engine.requests import FinishedEvent, ProgressEvent, RequestHandle, StatsEvent, TokenEvent
 
 
@@ -230,7 +231,9 @@ class Batch:
             self._insert(row, args)
 
     def _open_spec(self, row: Row) -> None:
-        if self.speculation is None:
+        # A round rewrites BatchGenerator's private state: only on the mlx-lm versions that
+        # was checked against (elsewhere the row decodes plainly, after one warning).
+        if self.speculation is None or not batch_speculation_available():
             return
         spec = self.speculation(row)
         if spec is None:
@@ -292,7 +295,7 @@ class Batch:
         if prefilling:
             self.gen.prefill_step_size = min(prefilling)
         if verifier is not None and verifier.specs:
-            decoding_only = not (len(self.gen._prompt_batch) or self.gen._unprocessed_sequences)
+            decoding_only = not admitting(self.gen)
             t = time.perf_counter()
             prompt_out, gen_out = self.gen.next()
             verifier.plain_step(self.gen, t, decoding_only)
@@ -342,9 +345,9 @@ class Batch:
         if out is None:
             return False
         self.steps += 1
-        gb = self.gen._generation_batch
+        decoding = DecodingRows(self.gen)
         ended: list[tuple[Row, str, str | None, int]] = []
-        for i, (uid, got) in enumerate(zip(list(gb.uids), out)):
+        for i, (uid, got) in enumerate(zip(list(decoding.uids), out)):
             row = self.rows.get(uid)
             if row is None:
                 continue
@@ -353,10 +356,7 @@ class Batch:
                 if row.first_time is None:
                     row.first_time = now
                 row.last_time = now
-                gb._num_tokens[i] += 1
-                reason = "length" if gb._num_tokens[i] >= gb.max_tokens[i] else None
-                if gb._matchers[i].advance(token):
-                    reason = "stop"
+                reason = decoding.count(i, token)  # as a plain step counts it
                 if reason == "stop":  # EOS: never sent, as alone
                     ended.append((row, "stop", "eos", len(got.emitted) - n - 1))
                     break

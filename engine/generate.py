@@ -11,12 +11,12 @@ instead; everything after the token (EOS, stop strings, text) is this same loop.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlxkv.engine.detokenize import stream_detokenizer
 from mlxkv.engine.settings import FIELD_BY_NAME
 
 
@@ -173,46 +173,6 @@ def _with_history(processor: Callable, history: Any) -> Callable:
     import mlx.core as mx
 
     return lambda tokens, logits: processor(mx.concatenate([history, tokens]), logits)
-
-
-def stream_detokenizer(tokenizer: Any) -> Any:
-    """A fresh streaming detokenizer of ``tokenizer`` (mlx-lm's). A byte-level BPE one
-    releases bytes that can no longer become valid UTF-8 (a stray continuation byte, a
-    broken sequence) at once, as the U+FFFD they decode to, and holds back only a sequence
-    that a later token may still complete; mlx-lm's holds any text that ends in U+FFFD
-    until a later token ends it. The text, joined, is the same; a stream only shows it no
-    later than it is decided."""
-    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
-
-    detok = tokenizer.detokenizer
-    if type(detok) is BPEStreamingDetokenizer:
-        detok.__class__ = _eager_class()
-    return detok
-
-
-@functools.cache
-def _eager_class() -> type:
-    import codecs
-
-    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, _byte_decoder
-
-    class EagerBPEDetokenizer(BPEStreamingDetokenizer):
-        def add_token(self, token: int) -> None:
-            super().add_token(token)
-            if not self._unflushed:
-                return
-            table = _byte_decoder()
-            if any(c not in table for c in self._unflushed):  # added tokens: mlx-lm's way
-                return
-            decoder = codecs.getincrementaldecoder("utf-8")("replace")
-            text = decoder.decode(bytes(table[c] for c in self._unflushed), final=False)
-            held = len(decoder.getstate()[0])
-            if not text or (held == 0 and not text.endswith("\ufffd")):
-                return  # nothing decided yet, or a lone space mlx-lm holds on purpose
-            self.text += self._maybe_trim_space(text)
-            self._unflushed = self._unflushed[len(self._unflushed) - held:] if held else ""
-
-    return EagerBPEDetokenizer
 
 
 def head_view(model: Any) -> Any:

@@ -111,6 +111,31 @@ def build_tokenizer(out_dir: str | os.PathLike, texts: Iterable[str], vocab_size
     return len(tok.get_vocab())
 
 
+def build_spm_tokenizer(out_dir: str | os.PathLike, texts: Iterable[str], vocab_size: int = 400,
+                        trim_space: bool = True) -> Path:
+    """Train a SentencePiece-style tokenizer (Llama's layout: ``▁`` for a space, BPE with
+    ``<0xNN>`` byte fallback) on ``texts`` and save it in Hugging Face format. Its decoder is
+    the one mlx-lm recognises as SentencePiece (with ``trim_space``: the leading space is
+    stripped, the other variant keeps it)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if trim_space:
+        steps.append(decoders.Strip(" ", 1, 0))
+    tok.decoder = decoders.Sequence(steps)
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tok.train_from_iterator(texts, trainer=trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, show_progress=False))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", bos_token=None,
+                            unk_token="<unk>").save_pretrained(str(out))
+    return out
+
+
 def model_config(arch: str, vocab_size: int, **overrides) -> dict:
     if arch not in BASE_CONFIGS:
         raise ValueError(f"unknown architecture {arch!r}; known: {sorted(BASE_CONFIGS)}")

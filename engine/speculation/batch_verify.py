@@ -2,9 +2,11 @@
 
 ``engine.batch.Batch`` decodes its rows with mlx-lm's ``BatchGenerator``. Between its steps
 the generation batch is always in one state: each row's KV holds every token it was fed,
-its next token (``_next_tokens``, "pending") is sampled and not fed yet, with its
-log-probabilities. A round here starts and ends in that same state, so plain steps
-(``BatchGenerator.next``, pipelined and untouched) and speculative rounds mix freely:
+its next token ("pending") is sampled and not fed yet, with its log-probabilities. A round
+here starts and ends in that same state, so plain steps (``BatchGenerator.next``, pipelined
+and untouched) and speculative rounds mix freely. That state is private to mlx-lm: a round
+reads and rewrites it only through ``engine.mlx_lm_compat.DecodingRows``, which is checked
+against named mlx-lm versions.
 
 1. The rows' sources (a :class:`SourceRowGroup`, kept in the batch's row order) propose
    drafts after each row's pending token; rows without a source, or with nothing to
@@ -38,6 +40,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxkv.engine.mlx_lm_compat import DecodingRows, admitting
 from mlxkv.engine.speculation.rows import SourceRowGroup
 from mlxkv.engine.speculation.sampling import TargetSampler, process_window, rejection_walk_rows
 from mlxkv.engine.speculation.verify import SpecStats, _trace_enabled
@@ -234,10 +237,10 @@ class BatchVerifier:
     def summary(self, spec: RowSpec) -> dict:
         return spec.summary(self.controller.current())
 
-    def _sync(self, gb: Any) -> None:
+    def _sync(self, rows: DecodingRows) -> None:
         """Keep the group's rows in the batch's order, prefill the sources of rows that
         entered the generation batch, and tell every source the tokens fed by plain steps."""
-        order = [u for u in gb.uids if u in self.specs]
+        order = [u for u in rows.uids if u in self.specs]
         if order != self.uids:
             at = {u: i for i, u in enumerate(self.uids)}
             kept = [u for u in order if u in at]
@@ -249,10 +252,10 @@ class BatchVerifier:
                 new = order
             self.group.append([self.specs[u].source for u in new])
             self.uids = list(order)
-        pos = {u: i for i, u in enumerate(gb.uids)}
+        pos = {u: i for i, u in enumerate(rows.uids)}
         commits = []
         for u in self.uids:
-            spec, tokens = self.specs[u], gb.tokens[pos[u]]
+            spec, tokens = self.specs[u], rows.tokens[pos[u]]
             if spec.fed < 0:
                 t = time.perf_counter()
                 spec.source.prefill(spec.prompt, 0)
@@ -280,9 +283,10 @@ class BatchVerifier:
         """Drafts to ask for this step (0: a plain step)."""
         if not self.specs:
             return 0
-        gb = gen._generation_batch
-        if (len(gen._prompt_batch) or gen._unprocessed_sequences or not len(gb)
-                or not any(u in self.specs for u in gb.uids) or not spec_round_cache(gb.prompt_cache)):
+        if admitting(gen):
+            return 0
+        rows = DecodingRows(gen)
+        if not len(rows) or not any(u in self.specs for u in rows.uids) or not spec_round_cache(rows.cache):
             return 0
         # As alone: only ``auto`` stops speculating when it is slower; a source the request
         # named keeps drafting (one such row keeps the rounds going for the batch).
@@ -310,9 +314,9 @@ class BatchVerifier:
         if not self.specs:
             return
         if decoding_only:
-            gb = gen._generation_batch
-            if not self._plain_timed and len(gb):
-                mx.eval(gb._next_tokens)
+            rows = DecodingRows(gen)
+            if not self._plain_timed and len(rows):
+                mx.eval(rows.pending)
             self.controller.record_plain(time.perf_counter() - started)
         self._plain_timed = decoding_only
 
@@ -321,15 +325,15 @@ class BatchVerifier:
         """One speculative round over the generation batch of ``gen`` (a BatchGenerator):
         per row of that batch (in its order) what it emits; None when no row had anything
         to propose (nothing was fed: take a plain step)."""
-        gb = gen._generation_batch
-        with mx.stream(gen._stream):
-            mx.eval(gb._next_tokens, gb._next_logprobs)
+        rows = DecodingRows(gen)
+        with mx.stream(gen.stream):
+            mx.eval(rows.pending, rows.pending_logprobs)
             t0 = time.perf_counter()
-            self._sync(gb)
-            pending = [int(t) for t in gb._next_tokens.tolist()]
-            n = len(gb.uids)
-            pos = {u: i for i, u in enumerate(gb.uids)}
-            limits = [max(0, min(k, gb.max_tokens[pos[u]] - gb._num_tokens[pos[u]] - 1)) for u in self.uids]
+            self._sync(rows)
+            pending = [int(t) for t in rows.pending.tolist()]
+            n = len(rows)
+            pos = {u: i for i, u in enumerate(rows.uids)}
+            limits = [max(0, min(k, rows.max_tokens[pos[u]] - rows.generated(pos[u]) - 1)) for u in self.uids]
             proposals = self.group.proposals([pending[pos[u]] for u in self.uids], k, limits)
             drafts: list[list[int]] = [[] for _ in range(n)]
             probs: list[Any] = [None] * n
@@ -343,13 +347,13 @@ class BatchVerifier:
                 return None
             t_drafted = time.perf_counter()
             windows = [[pending[i]] + drafts[i] + [pending[i]] * (width - 1 - len(drafts[i])) for i in range(n)]
-            logits = self.model(mx.array(windows), cache=gb.prompt_cache)
-            lp = self._logprobs(gb, logits, windows)
-            targets = self._sample(gb, lp)
+            logits = self.model(mx.array(windows), cache=rows.cache)
+            lp = self._logprobs(rows, logits, windows)
+            targets = self._sample(rows, lp)
             rej = [i for i in range(n) if probs[i] is not None and drafts[i]
-                   and self._spec_at(gb, i) is not None and self._spec_at(gb, i).sampler is not None]
+                   and self._spec_at(rows, i) is not None and self._spec_at(rows, i).sampler is not None]
             if rej:
-                acc, nxt = self._rejection(gb, lp, rej, drafts, probs, width)
+                acc, nxt = self._rejection(rows, lp, rej, drafts, probs, width)
                 mx.eval(targets, acc, nxt)
                 walked = dict(zip(rej, zip(acc.tolist(), nxt.tolist())))
             else:
@@ -369,24 +373,22 @@ class BatchVerifier:
                 keep.append(a + 1)
                 follow.append(int(nx))
             t_verified = time.perf_counter()
-            common = self._common_length(gb.prompt_cache, keep)
+            common = self._common_length(rows.cache, keep)
             kept = [min(c, common) for c in keep]
             nxt_tokens = [follow[i] if keep[i] <= common else drafts[i][common - 1] for i in range(n)]
-            self._settle_cache(gb.prompt_cache, width, common, kept)
-            old_lp = list(gb._next_logprobs)
+            self._settle_cache(rows.cache, width, common, kept)
+            old_lp = list(rows.pending_logprobs)
             out = []
             for i in range(n):
                 fed = windows[i][:kept[i]]
-                gb.tokens[i].extend(fed)
-                if gb.logits_processors[i]:
-                    gb._token_context[i].update_and_fetch(mx.array(fed, dtype=mx.int32))
+                rows.tokens[i].extend(fed)
+                rows.extend_history(i, fed)
                 out.append(RoundRow([(pending[i], old_lp[i])]
                                     + [(drafts[i][j], lp[i, j]) for j in range(kept[i] - 1)]))
-            gb._next_tokens = mx.array(nxt_tokens, dtype=gb._next_tokens.dtype)
-            gb._next_logprobs = [lp[i, kept[i] - 1] for i in range(n)]
+            rows.set_pending(nxt_tokens, [lp[i, kept[i] - 1] for i in range(n)])
             for u in self.uids:  # the sources take what their row kept
                 spec = self.specs[u]
-                spec.fed = len(gb.tokens[pos[u]])
+                spec.fed = len(rows.tokens[pos[u]])
             t_c = time.perf_counter()
             self.group.commit([windows[pos[u]][:kept[pos[u]]] for u in self.uids])
             t_done = time.perf_counter()
@@ -403,39 +405,39 @@ class BatchVerifier:
             self.controller.record_round(width, sum(len(drafts[i]) for i in drafting),
                                          sum(kept[i] - 1 for i in drafting), len(drafting) / n, t_done - t0)
             if self.trace:
-                for i, uid in enumerate(gb.uids):
+                for i, uid in enumerate(rows.uids):
                     print(f"mlxkv spec batch: row={uid} fed={windows[i][:1 + len(drafts[i])]} drafts={drafts[i]} "
                           f"accepted={keep[i] - 1} kept={kept[i]} next={nxt_tokens[i]}", file=sys.stderr, flush=True)
             self._plain_timed = False
             self.rounds += 1
             return out
 
-    def _spec_at(self, gb: Any, i: int) -> RowSpec | None:
-        return self.specs.get(gb.uids[i])
+    def _spec_at(self, rows: DecodingRows, i: int) -> RowSpec | None:
+        return self.specs.get(rows.uids[i])
 
     @staticmethod
-    def _logprobs(gb: Any, logits: mx.array, windows: list[list[int]]) -> mx.array:
+    def _logprobs(rows: DecodingRows, logits: mx.array, windows: list[list[int]]) -> mx.array:
         """logits [B, W, V] -> each row's processed, normalised log-probabilities, position j
         seeing the row's history plus its window up to j (as a plain step would)."""
-        if any(gb.logits_processors):
+        if any(rows.processors):
             logits = mx.stack([
-                process_window(procs, gb._token_context[i].tokens, windows[i], logits[i]) if procs else logits[i]
-                for i, procs in enumerate(gb.logits_processors)])
+                process_window(procs, rows.history(i), windows[i], logits[i]) if procs else logits[i]
+                for i, procs in enumerate(rows.processors)])
         return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
     @staticmethod
-    def _sample(gb: Any, lp: mx.array) -> mx.array:
+    def _sample(rows: DecodingRows, lp: mx.array) -> mx.array:
         """Each row's own sampler at every position: [B, W]."""
         b, w, v = lp.shape
-        samplers = [s if s is not None else gb.fallback_sampler for s in (gb.samplers or [None] * b)]
+        samplers = rows.samplers()
         if all(s is samplers[0] for s in samplers):
             return samplers[0](lp.reshape(b * w, v)).reshape(b, w)
         return mx.stack([s(lp[i]) for i, s in enumerate(samplers)])
 
-    def _rejection(self, gb: Any, lp: mx.array, rows: list[int], drafts: list[list[int]],
+    def _rejection(self, batch: DecodingRows, lp: mx.array, rows: list[int], drafts: list[list[int]],
                    probs: list[Any], width: int) -> tuple[mx.array, mx.array]:
         k = width - 1
-        p = mx.stack([self._spec_at(gb, i).sampler.probs(lp[i]) for i in rows])
+        p = mx.stack([self._spec_at(batch, i).sampler.probs(lp[i]) for i in rows])
         qs, ds = [], []
         for i in rows:
             q = probs[i][: len(drafts[i])].astype(mx.float32)
@@ -465,7 +467,9 @@ class BatchVerifier:
     @staticmethod
     def _settle_cache(cache: list, width: int, common: int, kept: list[int]) -> None:
         """Drop the rejected positions: trim every row to ``common``; a row that kept fewer
-        is rolled right so its rejected tail becomes left padding."""
+        is rolled right so its rejected tail becomes left padding. Public ``BatchKVCache``
+        API only: its filled columns are ``keys_and_values()``, and ``filter`` keeping every
+        row drops the columns all rows pad (as it does when a row leaves)."""
         from mlx_lm.models.cache import dynamic_roll
 
         shifts = [common - k for k in kept]
@@ -474,16 +478,13 @@ class BatchVerifier:
         for c in cache:
             c.trim(width - common)
             if roll:
-                end = c._idx
-                c.keys[..., :end, :] = dynamic_roll(c.keys[..., :end, :], shift[:, None], axis=2)
-                c.values[..., :end, :] = dynamic_roll(c.values[..., :end, :], shift[:, None], axis=2)
+                keys, values = c.keys_and_values()
+                end = keys.shape[2]
+                c.keys[..., :end, :] = dynamic_roll(keys, shift[:, None], axis=2)
+                c.values[..., :end, :] = dynamic_roll(values, shift[:, None], axis=2)
                 c.left_padding = c.left_padding + shift
                 c.offset = c.offset - shift
-        if roll:
-            low = min(cache[0].left_padding.tolist())
-            if low >= 64:  # every row padded: drop the columns no row uses
-                for c in cache:
-                    c.keys = c.keys[..., low:, :]
-                    c.values = c.values[..., low:, :]
-                    c._idx -= low
-                    c.left_padding = c.left_padding - low
+        if roll and min(cache[0].left_padding.tolist()) >= 64:  # every row padded that far
+            every = list(range(len(kept)))
+            for c in cache:
+                c.filter(every)

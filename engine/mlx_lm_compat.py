@@ -1,0 +1,177 @@
+"""Every use of mlx-lm's private state, in one module, checked against named versions.
+
+Speculation over a batch (``engine.speculation.batch_verify``) works on mlx-lm's
+``BatchGenerator`` between two of its steps. Its public API inserts rows, steps and removes
+them; it has no way to read or replace what a round needs:
+
+- the decoding rows at all (``BatchGenerator._generation_batch``), and whether rows still
+  wait for or are in their prefill (``_unprocessed_sequences``, ``_prompt_batch``): a round
+  runs only when every row decodes;
+- each row's pending token, sampled and not fed yet, and its log-probabilities
+  (``GenerationBatch._next_tokens``, ``_next_logprobs``): a round feeds it first and leaves
+  the verified next token there, so the next plain step goes on from it;
+- each row's count of generated tokens and its EOS matcher (``_num_tokens``, ``_matchers``):
+  tokens a round emits count against ``max_tokens`` and end the row at EOS exactly as a
+  plain step's do;
+- the token history its logits processors see (``_token_context``): a round's kept tokens
+  join it, so a repetition penalty or a constraint sees what a plain step would show it.
+
+mlx-lm's caches need nothing private here: the write index of a ``BatchKVCache`` is the
+length of ``keys_and_values()`` and its public ``filter`` drops the columns every row pads.
+The streaming detokenizer is our own (``engine.detokenize``), not a patched mlx-lm one.
+
+Those private names were read in mlx-lm's source and exercised by the batch tests on every
+version in :data:`CHECKED_VERSIONS` (the same code in all of them). On any other version
+:func:`version_problem` says so, :func:`batch_speculation_available` is False with one
+warning, and rows in a batch decode plainly; everything else (a lone request, plain or
+speculative, and batching itself) uses mlx-lm's public API only and runs as before. Reaching
+the internals anyway (:class:`DecodingRows`) raises :class:`UnverifiedMlxLm`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from mlxkv.engine.logs import warn_once
+
+log = logging.getLogger("mlxkv.engine")
+
+# The mlx-lm releases whose private state below was read and tested. A new release goes in
+# only after the same check (the source of GenerationBatch, BatchGenerator and TokenBuffer,
+# and tests/test_batch_spec*.py passing on it); pyproject.toml bounds mlx-lm to these.
+CHECKED_VERSIONS: tuple[str, ...] = ("0.32.0", "0.32.1", "0.32.2")
+
+
+class UnverifiedMlxLm(RuntimeError):
+    """mlx-lm's private state was reached on a version it was not checked against."""
+
+
+def installed_version() -> str:
+    """The version of the mlx-lm that is imported."""
+    import mlx_lm
+
+    return str(getattr(mlx_lm, "__version__", "unknown"))
+
+
+def version_problem(version: str | None = None) -> str | None:
+    """None when ``version`` (default: the installed mlx-lm's) is one the internals were
+    checked against; else why batched speculation cannot run on it."""
+    version = installed_version() if version is None else version
+    if version in CHECKED_VERSIONS:
+        return None
+    return (f"mlx-lm {version} is not a version mlxkv's batched speculation was checked against "
+            f"({', '.join(CHECKED_VERSIONS)}): it reads BatchGenerator's private state, which may "
+            "differ there. Requests decoded together decode plainly (same output, no drafts); "
+            "a request alone still speculates. Install a checked version "
+            f"(pip install 'mlx-lm>={CHECKED_VERSIONS[0]},<={CHECKED_VERSIONS[-1]}') to batch with drafts.")
+
+
+def require_checked(version: str | None = None) -> None:
+    """Raise :class:`UnverifiedMlxLm` unless ``version`` (default: installed) was checked."""
+    problem = version_problem(version)
+    if problem is not None:
+        raise UnverifiedMlxLm(problem)
+
+
+def batch_speculation_available(version: str | None = None) -> bool:
+    """Whether rows of a batch may speculate on this mlx-lm; on an unchecked version, warns
+    once (per version) why not."""
+    version = installed_version() if version is None else version
+    problem = version_problem(version)
+    if problem is None:
+        return True
+    warn_once(log, f"mlx-lm-unchecked:{version}", "%s", problem)
+    return False
+
+
+def admitting(gen: Any) -> bool:
+    """Whether ``gen`` (a BatchGenerator) holds rows that wait for or are in their prefill."""
+    require_checked()
+    return bool(len(gen._prompt_batch) or gen._unprocessed_sequences)
+
+
+class DecodingRows:
+    """The decoding rows of a ``BatchGenerator`` between two of its steps, in its order:
+    each row's KV holds ``tokens[i]``, its pending token is sampled and not fed yet. What a
+    speculative round reads and rewrites goes through here, nowhere else."""
+
+    def __init__(self, gen: Any):
+        require_checked()
+        self._batch = gen._generation_batch
+
+    def __len__(self) -> int:
+        return len(self._batch.uids)
+
+    @property
+    def uids(self) -> list[int]:
+        return self._batch.uids
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        """Per row, every token its KV holds (a round extends them with what it fed)."""
+        return self._batch.tokens
+
+    @property
+    def max_tokens(self) -> list[int]:
+        return self._batch.max_tokens
+
+    @property
+    def cache(self) -> list:
+        """The batch's cache, one ``BatchKVCache`` (or other batch cache) per layer."""
+        return self._batch.prompt_cache
+
+    @property
+    def processors(self) -> list[list]:
+        """Per row, its logits processors (an empty list: none)."""
+        return self._batch.logits_processors
+
+    def samplers(self) -> list[Any]:
+        """Per row, the sampler a plain step uses (the generator's default for rows without one)."""
+        b = self._batch
+        return [s if s is not None else b.fallback_sampler for s in (b.samplers or [None] * len(b.uids))]
+
+    @property
+    def pending(self) -> Any:
+        """The rows' pending tokens ([B], maybe not evaluated yet)."""
+        return self._batch._next_tokens
+
+    @property
+    def pending_logprobs(self) -> list[Any]:
+        """Per row, the log-probabilities ([V]) its pending token was sampled from."""
+        return self._batch._next_logprobs
+
+    def set_pending(self, tokens: Sequence[int], logprobs: list[Any]) -> None:
+        """Make ``tokens`` the rows' pending tokens (the next plain step feeds them)."""
+        import mlx.core as mx
+
+        b = self._batch
+        b._next_tokens = mx.array(list(tokens), dtype=b._next_tokens.dtype)
+        b._next_logprobs = list(logprobs)
+
+    def generated(self, i: int) -> int:
+        """Tokens row ``i`` has emitted in the batch."""
+        return self._batch._num_tokens[i]
+
+    def count(self, i: int, token: int) -> str | None:
+        """Count ``token`` as emitted by row ``i``, as a plain step does: "stop" when it ends
+        the row's stop sequence (EOS), "length" when it is the row's last, else None."""
+        b = self._batch
+        b._num_tokens[i] += 1
+        reason = "length" if b._num_tokens[i] >= b.max_tokens[i] else None
+        if b._matchers[i].advance(token):
+            reason = "stop"
+        return reason
+
+    def history(self, i: int) -> Any:
+        """The token history row ``i``'s logits processors see (an mx.array)."""
+        return self._batch._token_context[i].tokens
+
+    def extend_history(self, i: int, tokens: Sequence[int]) -> None:
+        """Add ``tokens`` (fed by a round) to row ``i``'s processors' history, as plain steps do
+        for rows that have processors."""
+        import mlx.core as mx
+
+        if self._batch.logits_processors[i]:
+            self._batch._token_context[i].update_and_fetch(mx.array(list(tokens), dtype=mx.int32))

@@ -1,0 +1,76 @@
+"""The one module that reaches into mlx-lm's private state (``engine.mlx_lm_compat``): it
+names the versions it was checked against, refuses any other with a message that says what
+to do, and on such a version the engine still decodes (alone, speculating alone, and in a
+batch, plainly) with one warning that says why batched rows do not draft."""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import mlx_lm
+import pytest
+
+from mlxkv.engine import mlx_lm_compat as compat
+from mlxkv.engine.engine import Engine, Request
+from support.modelgen import tiny_model
+from tests.test_batch import T, greedy, ram_cache
+from tests.test_batch_spec import alone, repetitive, submit_all
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_installed_mlx_lm_is_a_checked_one():
+    # A new mlx-lm in the environment fails here first: check its internals, then add it.
+    assert compat.version_problem() is None, compat.version_problem()
+    for v in compat.CHECKED_VERSIONS:
+        assert compat.version_problem(v) is None
+        compat.require_checked(v)
+
+
+def test_the_dependency_bound_is_the_checked_versions():
+    text = (ROOT / "pyproject.toml").read_text()
+    (bound,) = re.findall(r'"mlx-lm([^"]*)"', text)
+    assert bound == f">={compat.CHECKED_VERSIONS[0]},<={compat.CHECKED_VERSIONS[-1]}"
+
+
+def test_an_unchecked_version_is_refused_clearly(caplog):
+    problem = compat.version_problem("0.33.0")
+    assert problem is not None
+    assert "mlx-lm 0.33.0" in problem and all(v in problem for v in compat.CHECKED_VERSIONS)
+    assert "decode plainly" in problem and "pip install" in problem
+    with pytest.raises(compat.UnverifiedMlxLm, match=r"mlx-lm 0\.33\.0 is not a version"):
+        compat.require_checked("0.33.0")
+    with caplog.at_level(logging.WARNING, logger="mlxkv.engine"):
+        assert compat.batch_speculation_available("0.33.0") is False
+        assert compat.batch_speculation_available("0.33.0") is False
+        assert compat.batch_speculation_available(compat.CHECKED_VERSIONS[-1]) is True
+    warned = [r for r in caplog.records if r.name == "mlxkv.engine"]
+    assert [r.getMessage() for r in warned] == [problem]  # once
+
+
+def test_on_an_unchecked_version_plain_decoding_and_batches_still_work(monkeypatch, caplog):
+    # Only the version number is changed: everything else is the installed mlx-lm.
+    monkeypatch.setattr(mlx_lm, "__version__", "0.99.1")
+    assert compat.installed_version() == "0.99.1"
+    with pytest.raises(compat.UnverifiedMlxLm):
+        compat.DecodingRows(object())  # the internals themselves refuse
+    prompts = repetitive(4, seed=11)
+    with Engine(str(tiny_model("llama")), max_batch=1).start(timeout=T) as ref, \
+            Engine(str(tiny_model("llama")), prefix_cache=ram_cache(), max_batch=8).start(timeout=T) as e, \
+            caplog.at_level(logging.WARNING, logger="mlxkv.engine"):
+        # alone: plain, and speculating (no private state involved), as on a checked version
+        req = Request(prompt_tokens=prompts[0], params=greedy(max_tokens=30), spec="ngram")
+        lone = e.submit(req).result(timeout=T)
+        assert not lone.stats.batched and lone.stats.spec is not None
+        assert lone.tokens == alone(ref, req)[0].tokens
+        # together: batched, no drafts, the same tokens as alone
+        reqs = [Request(prompt_tokens=p, params=greedy(max_tokens=30 + 2 * i), spec="ngram")
+                for i, p in enumerate(prompts)]
+        got, _, _ = submit_all(e, reqs)
+        for req, r in zip(reqs, got):
+            assert r.stats.batched and r.stats.spec is None
+            assert r.tokens == alone(ref, req)[0].tokens
+    warned = [r.getMessage() for r in caplog.records if "0.99.1" in r.getMessage()]
+    assert warned == [compat.version_problem("0.99.1")]
