@@ -165,11 +165,20 @@ class ChatScreen(ConversationActions, Screen):
             else:
                 text = "loading…"
         title = self.conversation.title if self.conversation is not None else "New chat"
+        if not self._widgets_alive():
+            return
         # Content, not markup: a title or a folder name may hold brackets.
         self.query_one("#model-bar", Static).update(
             Content.assemble((printable(name), "bold"), f" · {printable(text)}   ", (printable(title), "dim")))
 
+    def _widgets_alive(self) -> bool:
+        """False once the app is closing: an engine message that arrives then (the model
+        finished loading as the user quit) finds the screen's widgets already removed."""
+        return bool(self.query("#progress"))
+
     def show_progress(self, done: float | None, total: float | None = None) -> None:
+        if not self._widgets_alive():
+            return
         bar = self.query_one("#progress", ProgressBar)
         if done is None:
             bar.display = False
