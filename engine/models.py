@@ -294,8 +294,13 @@ def load_gguf_model(path: Path, spec: str, dtype: str = "auto") -> LoadedModel:
     loaded = load_gguf(path, dequantize=dequantize, header=header)
     native = counts.most_common(1)[0][0] if counts else "none"
     compute = apply_dtype_policy(loaded.model, dtype)
+    fingerprint = model_fingerprint(path)
+    if loaded.dequantized:
+        # Dequantized weights compute other numbers than quantized matmuls (in the same
+        # compute dtype): their KV state is another cache namespace, so neither seeds the other.
+        fingerprint = hashlib.blake2b(f"{fingerprint}:dequantized".encode(), digest_size=16).hexdigest()
     return LoadedModel(model=loaded.model, tokenizer=loaded.tokenizer, config=loaded.config,
-                       path=path, spec=str(spec), fingerprint=model_fingerprint(path),
+                       path=path, spec=str(spec), fingerprint=fingerprint,
                        weights_dtype=f"gguf {native}", compute_dtype=compute,
                        extra={"gguf": {"types": dict(counts), "dequantized": loaded.dequantized,
                                        "architecture": header.get("general.architecture"),

@@ -58,6 +58,10 @@ def test_load_model_applies_the_dtype_policy(q4):
     assert any(isinstance(m, nn.QuantizedLinear) for _, m in native.model.named_modules())
     x = mx.array([[1, 2, 3, 4]])
     assert mx.allclose(auto.model(x), native.model(x), atol=1e-3)
+    # close, not equal: the two never share cached KV, even computed in the same dtype
+    quantized_f32 = load_model(q4, dtype="float32")
+    assert quantized_f32.extra["gguf"]["dequantized"] is False and quantized_f32.compute_dtype == "float32"
+    assert quantized_f32.fingerprint == native.fingerprint == model_fingerprint(q4) != auto.fingerprint
     assert auto.config["model_type"] == "qwen3" and auto.context_tokens == 32768
     assert auto.path == q4 and auto.name == q4.name
     assert auto.tokenizer.has_chat_template and auto.tokenizer.eos_token_ids
