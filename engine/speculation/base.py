@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import mlx.core as mx
 
-    from mlxkv.engine.generate import SamplingParams
+    from mlxkv.engine.sampling import SamplingParams
 
 KINDS = ("draft", "ngram", "mtp", "constraint")
 
