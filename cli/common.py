@@ -40,9 +40,9 @@ def sampling_params(settings: Any, stop: Sequence[str] = ()) -> Any:
 
 
 def start_engine(settings: Any, wait: bool = True) -> Any:
-    from mlxkv.engine.engine import Engine
+    from mlxkv.engine.distributed.launch import engine_for
 
-    engine = Engine.from_settings(settings).start(wait=wait)
+    engine = engine_for(settings).start(wait=wait)
     if wait:
         after_startup()
     return engine

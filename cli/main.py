@@ -117,7 +117,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return run_cache_command(args, settings)
     if args.command in (None, "chat", "generate", "serve"):
-        from mlxkv.engine.distributed import run_rank
+        from mlxkv.engine.distributed.launch import run_rank
 
         code = run_rank(args.command, settings)  # under mlx.launch: every rank but 0 follows
         if code is not None:

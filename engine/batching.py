@@ -1,131 +1,70 @@
-"""The engine thread's side of continuous batching, mixed into :class:`engine.engine.Engine`:
-when a request decoding alone moves into a batch, which waiting requests join it between
-steps, what a row leaves behind (its state, stored in the prefix cache), and what happens
-when a batch step fails. The rows themselves are :mod:`engine.batch`.
+"""Continuous batching, on the engine thread: a request decoding alone moves into a batch
+(with its KV state) when another waits, the waiting ones join it between steps, what a
+row leaves behind (its state) is stored in the prefix cache, and a batch step that fails
+has every row answered again alone. The rows themselves are :mod:`engine.batch`; which
+requests may join, and when, is :mod:`engine.admission`.
 
-Policy: a lone request decodes single-stream (with speculation). While it runs, the
-engine looks, between tokens and prefill chunks, at the next command in line; when that is
-a request that may be batched, the running one raises :class:`Join` out of its
-generation, its KV state moves into a batch (trimmed so the last known token is fed
-again) and the waiting requests join, each after its own prefix-cache lookup, up to
-``max_batch`` rows. A call, a shutdown or a request that must be served alone (seeded
-sampling) is not overtaken: the batch stops admitting and runs out first.
+Interface: :meth:`Batching.run` (the engine's scheduler calls it with the request that was
+running alone and its :class:`~engine.single.Join`) and :meth:`Batching.active_rows`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import queue
 import time
-from typing import Any
+from collections.abc import Callable
 
-from mlxkv.engine.generate import Generation
+from mlxkv.engine.admission import Admission
+from mlxkv.engine.batch import Batch, Ending, Row
+from mlxkv.engine.commands import CommandQueue
+from mlxkv.engine.generate import cache_length
+from mlxkv.engine.loading import Runtime
 from mlxkv.engine.logs import warn_once
-from mlxkv.engine.requests import ErrorEvent, Request, RequestHandle
+from mlxkv.engine.preparing import Job, Preparer
+from mlxkv.engine.requests import Counts, ErrorEvent
+from mlxkv.engine.settings import Settings
+from mlxkv.engine.single import Join, SingleStream
+from mlxkv.engine.speculation.batch_verify import BatchLength
+from mlxkv.engine.speculation.providers import Speculation
 
 log = logging.getLogger("mlxkv.engine")
 
 
-# How long a request that starts alone waits for others sent with it (see Batching._gather),
-# and for how long after requests last decoded together the engine expects such bursts.
-GATHER_S = 0.01
-GATHER_RECENT_S = 60.0
-
-
-class Join(BaseException):
-    """Raised on the engine thread out of a single-stream generation (between tokens or
-    prefill chunks) so that it moves into a batch. A BaseException, so that no
-    ``except Exception`` on its way (the generation loop's, a speculation source's)
-    mistakes it for a failure."""
-
-    def __init__(self, gen: Generation, sent: list[int], started: float):
-        super().__init__("join a batch")
-        self.gen, self.sent, self.started = gen, sent, started
-
-
-@dataclasses.dataclass
-class Job:
-    """A request ready to generate: its prompt, its parameters (max_tokens cut to the
-    context) and what the prefix cache supplied."""
-
-    handle: RequestHandle
-    start: float
-    tokens: list[int]
-    params: Any
-    n_cached: int
-    cache: Any
-    ram_tokens: int
-    ssd_tokens: int
-
-
 class Batching:
-    """Continuous batching for :class:`engine.engine.Engine` (engine thread only). Uses the
-    engine's queue look-ahead (``_peek``, ``_backlog``), its request steps (``_prepare``,
-    ``_generate``, ``_answered``, ``_serve``) and its prefix-cache helpers."""
+    """Batches of up to ``max_batch`` rows for one loaded model."""
 
-    @staticmethod
-    def _row_batchable(req: Request) -> bool:
-        # A seeded sampled request keeps its own random stream: it is served alone.
-        p = req.params
-        return not (p.seed is not None and p.temperature > 0)
+    def __init__(self, runtime: Runtime, settings: Settings, commands: CommandQueue,
+                 counts: Counts, admission: Admission, preparer: Preparer, single: SingleStream,
+                 load_wait: Callable[[float], float]):
+        self.runtime = runtime
+        self.settings = settings
+        self.commands = commands
+        self.counts = counts
+        self.admission = admission
+        self.preparer = preparer
+        self.single = single
+        self.load_wait = load_wait
+        self.max_batch = admission.max_batch
+        self.batch: Batch | None = None  # the batch decoding now
+        # The batches' round-length controller: one, kept from batch to batch.
+        self.spec_policy = BatchLength()
 
-    def _gather(self, handle: RequestHandle) -> None:
-        """A batchable request that starts while nothing else waits gives the requests sent
-        with it (clients that send at once) up to ``GATHER_S`` to arrive before its prefill:
-        they then prefill together in one batch, as mlx_lm.server's do, instead of this one
-        alone and the others after its first token (its prefill is one pass: nothing to join
-        between). It waits that long once, on the queue, not in a sleep, and only while
-        requests have decoded together within ``GATHER_RECENT_S``: a lone user (the chat, one
-        agent) never waits; a server that sees concurrent clients does."""
-        if (self._waiting > 0 or self._backlog or self.max_batch < 2 or not self._batchable
-                or not self._recently_batched() or handle.cancelled
-                or not self._row_batchable(handle.request)):
-            return
-        try:
-            self._backlog.append(self._queue.get(timeout=GATHER_S))
-        except queue.Empty:
-            pass
+    def active_rows(self) -> int:
+        """Rows decoding in a batch now (0: none)."""
+        return len(self.batch) if self.batch is not None else 0
 
-    def _recently_batched(self) -> bool:
-        """Whether requests decoded together within the last ``GATHER_RECENT_S``."""
-        last = self._batched_at
-        return self._batch is not None or (last is not None and time.monotonic() - last < GATHER_RECENT_S)
-
-    def _join_wanted(self, handle: RequestHandle, gen: Generation, sent: list[int]) -> bool:
-        """Should the single-stream request ``handle`` move into a batch now: another
-        request that may decode with it is next in line, and its state can move."""
-        if self._waiting > 0:
-            self._sweep_cancelled()
-        if (self._waiting <= 0 or self.max_batch < 2 or not self._batchable
-                or handle.cancelled or self._stopping.is_set()
-                or not self._row_batchable(handle.request)):
-            return False
-        head = self._peek()
-        if not (isinstance(head, RequestHandle) and not head.cancelled
-                and self._row_batchable(head.request)):
-            return False
-        from mlxkv.engine.batch import movable
-
-        return gen.cache is not None and movable(gen.cache, len(gen.prompt_tokens) + len(sent))
-
-    def _row(self, job: Job) -> Any:
-        from mlxkv.engine.batch import Row
-
+    def _row(self, job: Job) -> Row:
         handle = job.handle
         return Row(handle, job.tokens, job.params, job.n_cached, started=job.start,
-                   queue_s=job.start - handle.submitted, load_s=self._load_wait(handle.submitted),
+                   queue_s=job.start - handle.submitted, load_s=self.load_wait(handle.submitted),
                    context_cut=job.params.max_tokens < handle.request.params.max_tokens,
                    cached_ram_tokens=job.ram_tokens, cached_ssd_tokens=job.ssd_tokens,
                    lent=job.cache)
 
-    def _run_batch(self, job: Job, join: Join) -> None:
+    def run(self, job: Job, join: Join) -> None:
         """Decode the request that was running alone (its state moved over from ``join``)
         together with the requests that wait, admitting more between steps, until every
         row has ended."""
-        from mlxkv.engine.batch import Batch
-        from mlxkv.engine.generate import cache_length
-
         row = self._row(job)
         row.emitted, row.gen_start = list(join.sent), join.started
         row.first_time = join.gen.first_token_time
@@ -140,24 +79,26 @@ class Batching:
         if held > keep:
             for c in cache:
                 c.trim(held - keep)
-        batch = Batch(self.loaded.model, self.loaded.tokenizer, self.max_batch,
-                      should_stop=lambda r: r.handle.cancelled or self._stopping.is_set(),
-                      stopping=self._stopping.is_set, on_end=self._row_ended,
-                      release=self._release, speculation=self._row_speculation,
-                      spec_policy=self._batch_spec_policy())
+        closed = self.commands.is_closed
+        loaded = self.runtime.loaded
+        batch = Batch(loaded.model, loaded.tokenizer, self.max_batch,
+                      should_stop=lambda r: r.handle.cancelled or closed(),
+                      stopping=closed, on_end=self._row_ended,
+                      release=self.runtime.cache.release, speculation=self._row_speculation,
+                      spec_policy=self.spec_policy)
         if join.gen.speculation is not None:  # the row opens its own in the batch
             join.gen.speculation.source.close()
-        self._batch = batch
-        self._serving = None
-        self._counts["batched"] += 1
+        self.batch = batch
+        self.admission.batching = True
+        self.counts.batched += 1
         try:
             try:
                 batch.add(row, cache, history[:keep], history[keep:])
             except Exception as e:
                 log.debug("request %d could not move into a batch", row.handle.id, exc_info=True)
-                self._release(job.cache)
-                self._counts["errors"] += 1
-                row.handle._emit(ErrorEvent(f"{type(e).__name__}: {e}", e))
+                self.runtime.cache.release(job.cache)
+                self.counts.errors += 1
+                row.handle.emit(ErrorEvent(f"{type(e).__name__}: {e}", e))
             while True:
                 self._admit(batch)
                 if not len(batch):
@@ -165,66 +106,42 @@ class Batching:
                 try:
                     batch.step()
                 except Exception as e:
-                    self._batch_failed(batch, e)
+                    self._failed(batch, e)
                     break
-                self._run_quick()
+                self.commands.run_quick()
         finally:
-            self._batch = None
-            self._batched_at = time.monotonic()
+            self.batch = None
+            self.admission.batching = False
+            self.admission.batched_at = time.monotonic()
             batch.close()
 
-    def _batch_spec_policy(self) -> Any:
-        """The batches' round-length controller for the loaded model: one, kept from batch
-        to batch (a new model gets a new one)."""
-        from mlxkv.engine.speculation.batch_verify import BatchLength
-
-        kept = getattr(self, "_spec_policy", None)
-        if kept is None or kept[0] is not self.loaded:
-            kept = self._spec_policy = (self.loaded, BatchLength())
-        return kept[1]
-
-    def _row_speculation(self, row: Any) -> Any:
+    def _row_speculation(self, row: Row) -> Speculation | None:
         """A batched row's speculation, opened as for the request alone (None: plain). Under
         ``auto`` a batch drafts only with prompt lookup and constraints: a draft model still
         drafts row by row there (k small forwards per row and round), which a plain batched
         step beats."""
-        from mlxkv.engine.speculation.providers import open_speculation
-
         req = row.request
-        providers = self.spec_providers
-        if (req.spec or getattr(self.settings, "spec", "auto")) == "auto":
+        providers = self.runtime.providers
+        if (req.spec or self.settings.spec) == "auto":
             providers = {k: v for k, v in providers.items() if k not in ("draft", "mtp")}
-        spec, _ = open_speculation(
-            providers, self.loaded, row.params, mode=req.spec,
-            settings_mode=getattr(self.settings, "spec", "auto"), guided_choice=req.guided_choice,
-            json_skeleton=req.json_skeleton, max_tokens=getattr(self.settings, "spec_tokens", 12),
-            prefix_cache=self.prefix_cache if self._caching else None, namespace=self.namespace,
-            session=req.session)
+        spec, _ = self.single.speculation(req, row.params, providers)
         if spec is not None:
-            spec._restore(row.prompt)
+            spec.restore(row.prompt)
         return spec
 
-    def _admit(self, batch: Any) -> None:
+    def _admit(self, batch: Batch) -> None:
         """Let the requests next in line join ``batch`` while it has room. A call, a
         shutdown or a request that must be served alone stops this: it waits until the
         batch has ended, as it would behind a single request."""
-        if self._waiting > 0:
-            self._sweep_cancelled()
-        while batch.room > 0 and not self._stopping.is_set():
-            head = self._peek()
-            if not isinstance(head, RequestHandle):
+        if self.commands.waiting > 0:
+            self.admission.sweep_cancelled()
+        while batch.room > 0:
+            head = self.admission.next_row()
+            if head is None:
                 return
-            if head.cancelled:  # answered at once, as _serve does
-                self._backlog.popleft()
-                self._serve(head)
-                continue
-            if not self._row_batchable(head.request):
-                return
-            self._backlog.popleft()
-            self._take(head)
-            self._counts["requests"] += 1
-            self._counts["batched"] += 1
-            job = self._prepare(head, time.perf_counter())
+            self.counts.requests += 1
+            self.counts.batched += 1
+            job = self.preparer.prepare(head, time.perf_counter())
             if job is None:
                 continue
             try:
@@ -232,20 +149,21 @@ class Batching:
                           job.tokens[job.n_cached:])
             except Exception as e:
                 log.debug("request %d could not join the batch", head.id, exc_info=True)
-                self._release(job.cache)
-                self._counts["errors"] += 1
-                head._emit(ErrorEvent(f"{type(e).__name__}: {e}", e))
+                self.runtime.cache.release(job.cache)
+                self.counts.errors += 1
+                head.emit(ErrorEvent(f"{type(e).__name__}: {e}", e))
 
-    def _row_ended(self, row: Any, ending: Any) -> None:
+    def _row_ended(self, row: Row, ending: Ending) -> None:
         """A batched row sent its last event: count it and store its state."""
         if ending.reason == "cancelled":
-            self._counts["cancelled"] += 1
-        if not (self._caching and ending.tokens_in_cache and ending.cache):
-            self._release(ending.cache)
+            self.counts.cancelled += 1
+        cache = self.runtime.cache
+        if not (cache.enabled and ending.tokens_in_cache and ending.cache):
+            cache.release(ending.cache)
             return
-        self._store_state(ending.tokens_in_cache, ending.cache, row.request.session)
+        cache.store(ending.tokens_in_cache, ending.cache, row.request.session)
 
-    def _batch_failed(self, batch: Any, exc: BaseException) -> None:
+    def _failed(self, batch: Batch, exc: BaseException) -> None:
         """A batch step failed (a cached state that does not fit, say): every row is
         answered again alone, from scratch; what it already sent is checked, not sent
         again. Cached states that seeded a row are dropped."""
@@ -254,19 +172,16 @@ class Batching:
                    "(%s: %s); each is answered again on its own", len(batch),
                    type(exc).__name__, (str(exc).splitlines() or [""])[0][:200])
         for row in batch.abort():
-            self._counts["retries"] += 1
+            self.counts.retries += 1
             if row.n_cached > 0:
-                self._drop_cached(row.prompt, row.lent, row.n_cached, exc)
+                self.runtime.cache.drop(row.prompt, exc)
             handle, sent = row.handle, list(row.emitted)
-            self._serving = handle
             try:
-                gen = self._generate(handle, row.prompt, row.params, None, 0, [], sent)
+                gen = self.single.generate(handle, row.prompt, row.params, None, 0, [], sent)
             except Exception as e:
                 log.debug("request %d failed", handle.id, exc_info=True)
-                self._counts["errors"] += 1
-                handle._emit(ErrorEvent(f"{type(e).__name__}: {e}", e))
+                self.counts.errors += 1
+                handle.emit(ErrorEvent(f"{type(e).__name__}: {e}", e))
                 continue
-            finally:
-                self._serving = None
-            self._answered(handle, row.request, gen, row.started, row.params.max_tokens, 0,
-                           0, 0, True)
+            self.single.answered(handle, row.request, gen, row.started, row.params.max_tokens,
+                                 0, 0, 0, True)

@@ -9,6 +9,7 @@ an event or stall the engine; waiting again picks up where it was.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import queue
@@ -18,8 +19,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxkv.engine.generate import SamplingParams
-from mlxkv.engine.speculation.base import SPEC_CHOICES
+from mlxkv.engine.sampling import SamplingParams
+from mlxkv.engine.settings import SPEC_CHOICES
 
 log = logging.getLogger("mlxkv.engine")
 
@@ -119,8 +120,8 @@ class WaitTimeout(TimeoutError, queue.Empty):
 
 
 # ---------------------------------------------------------------------------- requests
-def _blank(content: Any) -> bool:
-    # None or whitespace; other content (a list of parts, for multimodal templates) counts
+def blank(content: Any) -> bool:
+    """None or whitespace; other content (a list of parts, for multimodal templates) counts."""
     return content is None or (isinstance(content, str) and not content.strip())
 
 
@@ -156,9 +157,9 @@ class Request:
         given = [x is not None for x in (self.messages, self.prompt, self.prompt_tokens)]
         if sum(given) != 1:
             raise ValueError("a request needs exactly one of messages, prompt, prompt_tokens")
-        if self.prompt is not None and _blank(self.prompt):
+        if self.prompt is not None and blank(self.prompt):
             raise ValueError("the prompt is empty")
-        if self.messages is not None and all(_blank(m.get("content")) for m in self.messages):
+        if self.messages is not None and all(blank(m.get("content")) for m in self.messages):
             raise ValueError("the prompt is empty" if self.messages
                              else "the prompt is empty (no messages)")
         if self.prompt_tokens is not None and len(self.prompt_tokens) == 0:
@@ -179,6 +180,21 @@ class Request:
             if self.guided_choice is not None:
                 raise ValueError("a request takes guided_choice or json_skeleton, not both")
             self.json_skeleton = parts
+
+
+@dataclass
+class Counts:
+    """The engine's request counts (``Engine.stats()``); the engine thread writes them."""
+
+    requests: int = 0
+    errors: int = 0
+    refused: int = 0
+    cancelled: int = 0
+    retries: int = 0
+    batched: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
 
 
 @dataclass
@@ -221,7 +237,8 @@ class RequestHandle:
         self.error: ErrorEvent | None = None
 
     # engine side
-    def _emit(self, event: Event) -> None:
+    def emit(self, event: Event) -> None:
+        """Record ``event`` and wake the waiters (the engine thread only)."""
         if self._callback is not None:
             try:
                 self._callback(event)
@@ -244,6 +261,8 @@ class RequestHandle:
             waiter.put(None)
         if isinstance(event, _FINAL):
             self.done.set()
+
+    _emit = emit  # the spelling engine/batch.py uses
 
     # caller side
     def cancel(self) -> None:

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlxkv.engine.speculation.base import SPEC_CHOICES
+# What a request or the settings may ask for: off, auto (the best source available), or a
+# source (engine.speculation).
+SPEC_CHOICES = ("off", "auto", "draft", "ngram", "suffix", "mtp")
 
 ENGINE_DIR = Path(__file__).resolve().parent
 DEMO_MODEL = ENGINE_DIR / "demo" / "model"
@@ -276,7 +278,47 @@ def config_file_value(name: str) -> Any:
 
 
 class Settings:
-    """Effective settings: attribute access to values, ``sources[name]`` says where from."""
+    """Effective settings: attribute access to values, ``sources[name]`` says where from.
+
+    The annotations below type the values; their defaults live in :data:`FIELDS` only (a
+    test checks that both name the same settings). Code that needs a setting reads it from
+    here, never with a default of its own: :meth:`defaults` is the table's values."""
+
+    model: str
+    draft_model: str | None
+    cache_dir: str
+    prefix_cache: bool
+    ram_cache_bytes: int
+    ssd_cache_bytes: int
+    block_tokens: int
+    restore_timeout_s: float
+    dtype: str
+    full_hash: bool
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    seed: int | None
+    max_tokens: int
+    prefill_step_size: int
+    max_batch: int
+    max_queue: int
+    system_prompt: str | None
+    blas: str
+    spec: str
+    spec_tokens: int
+    spec_ngram_min: int
+    spec_ngram_max: int
+    shard: str
+    dist_timeout_s: float
+    host: str
+    port: int
+    api_key: str | None
+    cors_origins: str | None
+    max_body_bytes: int
+    max_requests: int
+    max_tokens_limit: int | None
 
     def __init__(self, values: dict[str, Any], sources: dict[str, str], config_path: Path):
         self._values = values
@@ -288,6 +330,14 @@ class Settings:
             return self.__dict__["_values"][name]
         except KeyError:
             raise AttributeError(name) from None
+
+    @classmethod
+    def defaults(cls, **changes: Any) -> Settings:
+        """Every setting at its default (no flags, environment, config file or model
+        recommendation), with ``changes`` applied as :meth:`replace` applies them."""
+        values = {f.name: f.default for f in FIELDS}
+        settings = cls(values, {f.name: "default" for f in FIELDS}, default_config_path({}))
+        return settings.replace(**changes) if changes else settings
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self._values)

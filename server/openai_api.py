@@ -14,7 +14,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 
 from mlxkv.engine.requests import ErrorEvent, FinishedEvent, Request, TokenEvent
-from mlxkv.engine.speculation.base import SPEC_CHOICES
+from mlxkv.engine.settings import SPEC_CHOICES
 from mlxkv.server.bridge import EventStream, SseResponse, collect, error_status, first_event
 from mlxkv.server.context import Context, dumps, new_id, read_json, session_of, text_of, timings, usage_counts
 from mlxkv.server.errors import ApiError, openai_body

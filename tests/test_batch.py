@@ -616,7 +616,7 @@ def test_only_an_engine_that_batched_recently_waits_for_company(tiny_qwen3):
     # prefills together) only once requests have decoded together: a lone user never waits.
     with Engine(str(tiny_qwen3), prefix_cache=ram_cache(), max_batch=8).start(timeout=T) as e:
         e.submit(Request(prompt_tokens=[5, 6, 7], params=greedy(max_tokens=3))).result(timeout=T)
-        assert e.call(e._recently_batched).result(timeout=T) is False
+        assert e.call(e.scheduler.admission.recently_batched).result(timeout=T) is False
         rec = Recorder(e)
         with held(e):
             hs = [rec.submit(Request(prompt_tokens=p, params=greedy(max_tokens=6)))
@@ -624,4 +624,4 @@ def test_only_an_engine_that_batched_recently_waits_for_company(tiny_qwen3):
         for h in hs:
             h.result(timeout=T)
         assert all(rec.events[h.id][-2].batched for h in hs)
-        assert e.call(e._recently_batched).result(timeout=T) is True
+        assert e.call(e.scheduler.admission.recently_batched).result(timeout=T) is True

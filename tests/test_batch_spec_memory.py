@@ -29,7 +29,7 @@ def test_the_next_batch_goes_on_from_what_the_last_one_learned():
             assert all(r.tokens for r in results)
 
         def policy() -> tuple[BatchLength, int]:
-            kept = e._spec_policy[1]
+            kept = e.scheduler.batching.spec_policy
             return kept, kept._rounds
 
         batch(5)

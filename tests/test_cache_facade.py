@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxkv.engine.cache import PrefixCache
+from mlxkv.engine.cache import NullPrefixCache, PrefixCache
 from mlxkv.engine.cache import events as cache_events
 from mlxkv.engine.cache import layout as dl
 from mlxkv.engine.cache.tokens import chain_keys, entry_id, store_namespace
+from mlxkv.engine.settings import Settings
 from support.modelgen import init_model, model_config
 
 BT = 16
@@ -436,7 +437,26 @@ def test_sessions_pin_their_latest_entry(llama):
 def _settings(**kw):
     base = {"prefix_cache": True, "ram_cache_bytes": 1 << 30, "block_tokens": BT,
             "ssd_cache_bytes": None, "cache_dir": None}
-    return types.SimpleNamespace(**{**base, **kw})
+    return Settings.defaults(**{**base, **kw})
+
+
+def test_both_prefix_caches_satisfy_the_engines_cache_client():
+    """The engine calls every CacheClient member without probing: each cache defines each
+    one, with the protocol's parameters."""
+    import inspect
+
+    from mlxkv.engine.cache.client import CacheClient
+
+    members = [n for n in vars(CacheClient) if not n.startswith("_")] + ["enabled", "on_event"]
+    for cls in (PrefixCache, NullPrefixCache):
+        for name in members:
+            assert hasattr(cls, name), (cls.__name__, name)
+            want = vars(CacheClient).get(name)
+            if inspect.isfunction(want):
+                got = inspect.signature(getattr(cls, name))
+                assert list(got.parameters) == list(inspect.signature(want).parameters), (cls, name)
+    assert isinstance(NullPrefixCache(), CacheClient)
+    assert NullPrefixCache.enabled is False and PrefixCache.enabled is True
 
 
 def test_unusable_ssd_tier_falls_back_to_ram_with_one_warning(llama, tmp_path, fresh_warnings,

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from common import T, greedy
 
+from mlxkv.engine.cache.prefix_cache import NullPrefixCache
 from mlxkv.engine.engine import Engine, EngineError, Request, TokenEvent
 from mlxkv.engine.generate import SamplingParams, StopMatcher, cache_length
 from mlxkv.engine.models import ModelNotFoundError
@@ -268,9 +269,12 @@ def test_submit_while_the_model_loads(tiny_qwen3, tmp_path):
         bad.wait_ready()
 
 
-class DictPrefixCache:
+class DictPrefixCache(NullPrefixCache):
     """A minimal real prefix cache for the seam test: keeps the last stored state and
-    lends it when it is a strict prefix of the next prompt."""
+    lends it when it is a strict prefix of the next prompt (the rest of the engine's
+    CacheClient is NullPrefixCache's)."""
+
+    enabled = True
 
     def __init__(self):
         self.stored = None

@@ -1,6 +1,7 @@
 """Import hygiene of the installed package, read from the source (nothing is imported):
-every project import names ``mlxkv...`` in full, and the checkout's folders refuse to be
-imported under their folder names."""
+every project import names ``mlxkv...`` in full, no two project modules import each other,
+directly or around a loop (function-local imports count like any other), and the checkout's
+folders refuse to be imported under their folder names."""
 
 from __future__ import annotations
 
@@ -13,6 +14,109 @@ ROOT = Path(__file__).resolve().parent.parent
 # repository folder -> installed package name (pyproject.toml's package-dir)
 PACKAGES = {"mlxkv": "mlxkv", "engine": "mlxkv.engine", "storage": "mlxkv.storage", "cli": "mlxkv.cli",
             "server": "mlxkv.server", "tui": "mlxkv.tui"}
+
+
+def project_modules() -> dict[str, Path]:
+    mods: dict[str, Path] = {}
+    for folder, name in PACKAGES.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            mods[".".join((name, *parts))] = path
+    mods["mlxkv.storage._blocks"] = ROOT / "storage" / "_blocks.pyx"
+    return mods
+
+
+def imports_of(path: Path, module: str, is_package: bool, known: set[str]) -> set[str]:
+    """The project modules ``module`` imports anywhere in its body."""
+    out: set[str] = set()
+    if path.suffix != ".py":
+        return out
+    tree = ast.parse(path.read_text(), str(path))
+    base = module if is_package else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                anchor = base.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                prefix = ".".join(anchor + ([node.module] if node.module else []))
+            else:
+                prefix = node.module or ""
+            names = [prefix] + [f"{prefix}.{a.name}" for a in node.names]
+        else:
+            continue
+        for name in names:
+            # the deepest project module the name reaches (a from-import may name a class)
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                out.add(name)
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    mods = project_modules()
+    known = set(mods)
+    return {m: imports_of(p, m, p.name == "__init__.py", known) for m, p in mods.items()}
+
+
+def cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(g.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def parent_packages(module: str) -> set[str]:
+    parts = module.split(".")
+    return {".".join(parts[:i]) for i in range(1, len(parts))}
+
+
+def test_no_import_cycle_between_project_modules():
+    g = graph()
+    # Importing a.b.c runs a/__init__ and a.b/__init__ first; an edge to a parent package
+    # is not a loop of the module's own making, so only module-to-module edges count.
+    g = {m: {d for d in deps if d not in parent_packages(m)} for m, deps in g.items()}
+    found = cycles(g)
+    assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_a_cycle_is_found_when_there_is_one():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
 
 
 def test_every_project_import_uses_the_full_name():

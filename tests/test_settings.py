@@ -98,3 +98,17 @@ def test_model_generation_config_sits_between_config_file_and_defaults(tmp_path)
     (model / "generation_config.json").write_text("{not json")
     s = Settings.load({"model": str(model)}, env={}, config_path=cfg)
     assert (s.temperature, s.sources["temperature"]) == (0.0, "default")
+
+
+def test_the_typed_settings_name_exactly_the_table_and_defaults_come_from_it():
+    import typing
+
+    hints = typing.get_type_hints(Settings)
+    assert set(hints) == {f.name for f in FIELDS}
+    s = Settings.defaults()
+    for f in FIELDS:
+        assert getattr(s, f.name) == f.default and s.sources[f.name] == "default"
+        if f.default is not None:  # each default is of its annotated type
+            assert isinstance(f.default, typing.get_args(hints[f.name]) or hints[f.name]), f.name
+    t = Settings.defaults(max_batch="3")
+    assert t.max_batch == 3 and t.sources["max_batch"] == "override" and s.max_batch == 8

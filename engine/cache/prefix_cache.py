@@ -57,6 +57,7 @@ from mlxkv.engine.cache.stats import Counters, Usage
 from mlxkv.engine.cache.template import Templates, probe_model
 from mlxkv.engine.cache.tokens import as_tokens, chain_keys, store_namespace
 from mlxkv.engine.cache.tokens import entry_id as eid_of
+from mlxkv.engine.settings import FIELD_BY_NAME, Settings
 
 __all__ = ["NullPrefixCache", "PrefixCache", "default_ram_bytes", "store_namespace"]
 
@@ -65,7 +66,7 @@ log = logging.getLogger("mlxkv.cache")
 _EMPTY_FLUSH = {"durable": 0, "flushed": 0, "pending": 0, "failed": 0, "missing": 0}
 _EMPTY_GC = {"removed": 0, "bytes": 0, "live_keys": 0, "manifests_removed": 0,
              "unreadable_manifests": {}}
-DEFAULT_RESTORE_TIMEOUT_S = 30.0
+DEFAULT_RESTORE_TIMEOUT_S: float = FIELD_BY_NAME["restore_timeout_s"].default
 
 
 def default_ram_bytes(fraction: float = 0.25) -> int:
@@ -79,6 +80,7 @@ def default_ram_bytes(fraction: float = 0.25) -> int:
 class NullPrefixCache:
     """Caching off: every lookup misses, stores are dropped, listings are empty."""
 
+    enabled = False
     on_event: Callable[[dict], None] | None = None
 
     last: dict[str, Any] = {}
@@ -145,8 +147,11 @@ class PrefixCache(ManageMixin, PrefetchMixin):
     """RAM + SSD prefix cache (see the module docstring); the front end's entry management
     (entries, pin, evict, delete, verify, invalidate) is in ``engine.cache.manage``."""
 
+    enabled = True
+
     def __init__(self, ram_bytes: int | None = None, cache_dir: str | os.PathLike | None = None,
-                 block_tokens: int = 256, ssd: bool = True, ssd_bytes: int | None = None,
+                 block_tokens: int = FIELD_BY_NAME["block_tokens"].default, ssd: bool = True,
+                 ssd_bytes: int | None = None,
                  durable: bool = True, debounce_s: float = 0.0, retries: int = 2,
                  min_ssd_gain: int | None = None, on_event: Callable[[dict], None] | None = None,
                  restore_timeout_s: float | None = DEFAULT_RESTORE_TIMEOUT_S,
@@ -186,17 +191,14 @@ class PrefixCache(ManageMixin, PrefetchMixin):
                                   "tier (RAM only): %s", exc)
 
     @classmethod
-    def from_settings(cls, settings: Any) -> PrefixCache | NullPrefixCache:
+    def from_settings(cls, settings: Settings) -> PrefixCache | NullPrefixCache:
         """Build from the engine's settings (prefix_cache, cache_dir, ram_cache_bytes,
         ssd_cache_bytes (0: no SSD tier), block_tokens, restore_timeout_s)."""
-        if not getattr(settings, "prefix_cache", True):
+        if not settings.prefix_cache:
             return NullPrefixCache()
-        return cls(ram_bytes=getattr(settings, "ram_cache_bytes", None),
-                   cache_dir=getattr(settings, "cache_dir", None),
-                   block_tokens=getattr(settings, "block_tokens", 256),
-                   ssd_bytes=getattr(settings, "ssd_cache_bytes", None),
-                   restore_timeout_s=getattr(settings, "restore_timeout_s",
-                                             DEFAULT_RESTORE_TIMEOUT_S))
+        return cls(ram_bytes=settings.ram_cache_bytes, cache_dir=settings.cache_dir,
+                   block_tokens=settings.block_tokens, ssd_bytes=settings.ssd_cache_bytes,
+                   restore_timeout_s=settings.restore_timeout_s)
 
     # the tiers' parts, by their old names
     @property

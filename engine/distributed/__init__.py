@@ -28,6 +28,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from mlxkv.engine.settings import FIELD_BY_NAME
+
 # What the launchers set: mlx.launch (ring, jaccl), mpirun, the NCCL launch.
 LAUNCH_ENV = ("MLX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MLX_WORLD_SIZE")
 RANK_ENV = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
@@ -109,7 +111,7 @@ def _name_rank_in_warnings(rank: int) -> None:
         handler.addFilter(_RankPrefix(rank))
 
 
-def join(timeout_s: float = 60.0) -> World | None:
+def join(timeout_s: float = FIELD_BY_NAME["dist_timeout_s"].default) -> World | None:
     """The group this process belongs to, or None (no launch, or a launch of one process).
     The first call connects to the other ranks, within ``timeout_s`` seconds."""
     global _world, _joined
@@ -139,30 +141,3 @@ def join(timeout_s: float = 60.0) -> World | None:
     _world = World(rank=group.rank(), size=group.size(), group=group, watchdog=watchdog,
                    timeout_s=float(timeout_s))
     return _world
-
-
-def run_rank(command: str | None, settings: Any) -> int | None:
-    """For the command line, under a distributed launch: None on rank 0 (it goes on as the
-    front end) and without a launch; on every other rank, the exit status once it has
-    followed rank 0 to the end. Commands other than generate and serve are refused."""
-    if not launched():
-        if str(getattr(settings, "sources", {}).get("shard", "")).startswith("flag"):
-            import logging
-
-            from mlxkv.engine.logs import warn_once
-
-            warn_once(logging.getLogger("mlxkv.distributed"), "shard-alone",
-                      "--shard applies under mlx.launch only; this process runs the whole model")
-        return None
-    world = join(getattr(settings, "dist_timeout_s", 60.0))
-    if world is None:
-        return None
-    if command not in COMMANDS:
-        raise DistributedError(
-            f"rank {world.rank}: `mlxkv {command or 'chat'}` does not run distributed; under "
-            "mlx.launch run `mlxkv generate` or `mlxkv serve`")
-    if world.rank == 0:
-        return None
-    from mlxkv.engine.distributed.engine import follow
-
-    return follow(settings, world)

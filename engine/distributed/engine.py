@@ -1,14 +1,18 @@
 """The engine under a distributed launch: rank 0 serves, every other rank follows.
 
-:class:`ShardedEngine` is an ``engine.engine.Engine`` whose model is this rank's shard
-(``sharding.load_shard``) and whose prefix-cache namespace is this shard's. On rank 0 it
-is the engine front ends know: requests are accepted, tokenised and looked up as usual,
-then broadcast before the prefill (``_prepare``); generation runs through
-:class:`~engine.distributed.lockstep.Lockstep`; while idle it sends a heartbeat every
-quarter of ``--dist-timeout-s``, and when it stops it tells the others. On every other
-rank the engine thread runs :meth:`ShardedEngine._follow` instead of the request queue:
-it serves what rank 0 sends, stores its own shard's state after each request, and ends
-when rank 0 says so.
+:class:`ShardedEngine` is an ``engine.engine.Engine`` with three parts plugged in through
+the engine's declared interfaces (``engine.engine.Plugs``):
+
+* :class:`ShardModel` (a ``ModelSource``): this rank's shard (``sharding.load_shard``)
+  and this shard's prefix-cache namespace, with every load bounded by the watchdog;
+* a ``CommandSource``: on rank 0, :class:`LeaderCommands` takes requests from the queue
+  as usual and sends a heartbeat every quarter of ``--dist-timeout-s`` while idle, and
+  tells the others when it stops; on every other rank, :class:`FollowerCommands` serves
+  what rank 0 sends instead (storing its own shard's state after each request) and ends
+  the loop when rank 0 says so;
+* :class:`LockstepTokens` (a ``TokenSource``): a request rank 0 accepted (tokenised and
+  looked up as usual) is broadcast and the cached prefix agreed before the prefill; its
+  generation runs through :class:`~engine.distributed.lockstep.Lockstep`.
 
 Requests are served one at a time: batching and speculation are off (each would need its
 own lock-step). A generation that fails cannot be answered again without the cache as
@@ -17,21 +21,29 @@ on one machine (the other ranks are inside the same step): the rank stops with a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-import os
 import queue
-import signal
-import sys
-import threading
-import time
-from typing import Any
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
 
+from mlxkv.engine.cache.client import CacheArg, CacheClient
+from mlxkv.engine.commands import STOP, Command, CommandQueue, wait
 from mlxkv.engine.distributed import DistributedError, World
 from mlxkv.engine.distributed.lockstep import Lockstep
 from mlxkv.engine.distributed.protocol import FLUSH, HEARTBEAT, REQUEST, SHUTDOWN, Channel, agree_prefix
-from mlxkv.engine.engine import _STOP, Engine, EngineError, RequestHandle, _Retry
+from mlxkv.engine.engine import Engine, EngineError, Event, Plugs, Request, RequestHandle
 from mlxkv.engine.logs import warn_once
+from mlxkv.engine.preparing import Job
+from mlxkv.engine.sampling import SamplingParams
+from mlxkv.engine.settings import Settings
+
+if TYPE_CHECKING:
+    from mlxkv.engine.models import LoadedModel
+    from mlxkv.engine.speculation.base import DraftProvider
+    from mlxkv.engine.speculation.providers import Speculation
 
 log = logging.getLogger("mlxkv.distributed")
 
@@ -39,218 +51,254 @@ LOAD_BOUND_FACTOR = 10  # loading waits for the slowest rank's disk: a longer bo
 CACHE_CLOSE_S = 5.0  # what a failing rank gives its prefix cache before it exits
 
 
-def _params_body(params: Any) -> dict[str, Any]:
+def _params_body(params: SamplingParams) -> dict[str, Any]:
     body = dataclasses.asdict(params)
     body["stop"] = list(params.stop)
     return body
 
 
-class ShardedEngine(Engine):
-    """One rank's engine (see the module docstring). Build it with :meth:`for_world`."""
+class ShardModel:
+    """This rank's shard of the model (a ``ModelSource``)."""
 
-    def __init__(self, model: str, *, world: World, shard: str = "auto", **kwargs: Any):
-        kwargs["max_batch"] = 1
-        super().__init__(model, **kwargs)
-        self.world = world
-        self.shard = shard
-        self.leader = world.rank == 0
-        self.channel = Channel(world, fail=self._fail)
-        self._heartbeat_s = max(0.05, world.timeout_s / 4)
-        self._told_stop = False
-        self._last: dict[str, Any] | None = None  # the last request's agreement
+    def __init__(self, engine: ShardedEngine, caching: bool):
+        self.engine = engine
+        self.caching = caching  # every rank must agree on it
 
-    @classmethod
-    def for_world(cls, settings: Any, world: World, prefix_cache: Any = None) -> ShardedEngine:
-        """The engine of this rank for ``settings`` (speculation and batching off)."""
-        asked = [name for name in ("spec", "max_batch", "draft_model")
-                 if str(getattr(settings, "sources", {}).get(name, "default")) != "default"]
-        if asked and world.rank == 0:
-            warn_once(log, "one-at-a-time", "under a distributed launch requests are served one "
-                      "at a time, without speculation (%s ignored)", ", ".join(sorted(asked)))
-        if hasattr(settings, "replace"):
-            settings = settings.replace(spec="off", draft_model=None, max_batch=1)
-        if prefix_cache is None and getattr(settings, "prefix_cache", True):
-            def prefix_cache(loaded: Any, namespace: str) -> Any:
-                from mlxkv.engine.cache.prefix_cache import PrefixCache
-
-                return PrefixCache.from_settings(settings)
-        return cls(settings.model, world=world, shard=getattr(settings, "shard", "auto"),
-                   dtype=getattr(settings, "dtype", "auto"), prefix_cache=prefix_cache,
-                   full_hash=getattr(settings, "full_hash", False), settings=settings,
-                   max_queue=getattr(settings, "max_queue", 64),
-                   name=f"mlxkv-engine-rank{world.rank}")
-
-    # ------------------------------------------------------------------ failures
-    def _fail(self, message: str) -> None:
-        """The group is broken (engine thread): give the cache a moment, then exit."""
-        try:
-            close = getattr(self.prefix_cache, "close", None)
-            if close is not None:
-                close(CACHE_CLOSE_S)
-        except Exception:
-            pass
-        self.world.fail(message)
-
-    # ------------------------------------------------------------------ loading
-    def _load_model(self) -> tuple[Any, str]:
+    def load(self) -> tuple[LoadedModel, str]:
         from mlxkv.engine.cache.layout import kv_namespace
         from mlxkv.engine.distributed.protocol import handshake
         from mlxkv.engine.distributed.sharding import load_shard, shard_namespace
 
-        self.world.watchdog.arm("loading the model on every rank",
-                                self.world.timeout_s * LOAD_BOUND_FACTOR)
-        loaded = load_shard(self.model_spec, self.dtype, self.full_hash, self.world, self.shard)
+        world, settings = self.engine.world, self.engine.settings
+        world.watchdog.arm("loading the model on every rank", world.timeout_s * LOAD_BOUND_FACTOR)
+        loaded = load_shard(settings.model, settings.dtype, settings.full_hash, world,
+                            settings.shard)
         mode = loaded.extra["shard"]
-        handshake(self.channel, {
+        handshake(self.engine.channel, {
             "model": loaded.fingerprint, "compute dtype": loaded.compute_dtype, "sharding": mode,
-            "prefix cache": "on" if self._prefix_arg is not None else "off"})
+            "prefix cache": "on" if self.caching else "off"})
         # the prefix cache's probe of the model (one token through it) is a collective too
-        self.world.watchdog.arm("loading the model on every rank",
-                                self.world.timeout_s * LOAD_BOUND_FACTOR)
+        world.watchdog.arm("loading the model on every rank", world.timeout_s * LOAD_BOUND_FACTOR)
         namespace = kv_namespace(loaded.fingerprint, loaded.compute_dtype)
-        return loaded, shard_namespace(namespace, mode, self.world.size, self.world.rank)
+        return loaded, shard_namespace(namespace, mode, world.size, world.rank)
 
-    def _load(self) -> None:
+    def loading(self) -> AbstractContextManager[None]:
+        return self._bounded()
+
+    @contextlib.contextmanager
+    def _bounded(self) -> Iterator[None]:
+        rank = self.engine.world.rank
         try:
-            super()._load()
+            yield
         except DistributedError:
             raise
         except (ValueError, OSError) as e:
-            raise DistributedError(f"rank {self.world.rank}: {e}") from e
+            raise DistributedError(f"rank {rank}: {e}") from e
         except Exception as e:
-            raise DistributedError(f"rank {self.world.rank}: {type(e).__name__}: {e}") from e
+            raise DistributedError(f"rank {rank}: {type(e).__name__}: {e}") from e
         finally:
-            self.world.watchdog.disarm()
-        self.spec_providers = {}
-        self.info["distributed"] = {"world": self.world.size, "rank": self.world.rank,
-                                    "shard": self.loaded.extra["shard"]}
+            self.engine.world.watchdog.disarm()
 
-    # ------------------------------------------------------------------ the command loop
-    def _next_command(self) -> Any:
-        if not self.leader:
-            try:
-                self._follow()
-            except Exception as e:  # a bug here would leave rank 0 waiting: say it and stop
-                self._fail(f"{type(e).__name__}: {e}")
-            return _STOP
+    def providers(self, loaded: LoadedModel, settings: Settings) -> dict[str, DraftProvider]:
+        return {}  # no speculation: it would need its own lock-step
+
+    def describe(self, loaded: LoadedModel) -> dict[str, Any]:
+        world = self.engine.world
+        return {"distributed": {"world": world.size, "rank": world.rank,
+                                "shard": loaded.extra["shard"]}}
+
+
+class LeaderCommands:
+    """Rank 0's command source: the queue, with heartbeats while idle."""
+
+    def __init__(self, engine: ShardedEngine):
+        self.engine = engine
+        self.heartbeat_s = max(0.05, engine.world.timeout_s / 4)
+        self._told_stop = False
+
+    def next_command(self, commands: CommandQueue) -> Command:
         while True:
             try:
-                return self._queue.get(timeout=self._heartbeat_s)
+                return commands.get(timeout=self.heartbeat_s)
             except queue.Empty:
-                self.channel.send(HEARTBEAT)
+                self.engine.channel.send(HEARTBEAT)
 
-    def _stopped(self) -> None:
-        if self.leader and not self._told_stop:
+    def stopped(self) -> None:
+        if not self._told_stop:
             self._told_stop = True
-            self.channel.send(SHUTDOWN)
+            self.engine.channel.send(SHUTDOWN)
 
-    def submit(self, request: Any, callback: Any = None) -> RequestHandle:
-        if not self.leader:
-            raise EngineError(f"rank {self.world.rank} takes its requests from rank 0")
-        return super().submit(request, callback)
 
-    # ------------------------------------------------------------------ one request
-    def _agree(self, tokens: list[int], n: int, cache: Any, ram: int, ssd: int
-               ) -> tuple[int, Any, int, int]:
-        """The cached length every rank holds; this rank's cache cut to it."""
-        from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+class FollowerCommands:
+    """Every other rank's command source: what rank 0 sends, served until it says stop."""
 
-        trimmable = cache is not None and can_trim_prompt_cache(cache)
-        agreed = agree_prefix(self.channel, n, trimmable, ram, ssd)
-        used = agreed.used
-        self._last = {"prompt_tokens": len(tokens), "used": used,
-                      "cached_by_rank": agreed.cached_by_rank,
-                      "ram_by_rank": agreed.ram_by_rank, "ssd_by_rank": agreed.ssd_by_rank}
-        if used == n:
-            return n, cache, ram, ssd
-        if used == 0:
-            self._release(cache)
-            return 0, None, 0, 0
-        trim_prompt_cache(cache, n - used)
-        ram = min(ram, used)
-        return used, cache, ram, used - ram
+    def __init__(self, engine: ShardedEngine):
+        self.engine = engine
 
-    def _prepare(self, handle: RequestHandle, start: float) -> Any:
-        job = super()._prepare(handle, start)  # tokenised, fitted, looked up here
-        if job is None:  # refused: the other ranks never hear of it
-            return None
+    def next_command(self, commands: CommandQueue) -> Command:
         try:
-            self.channel.send(REQUEST, job.tokens, {"params": _params_body(job.params),
-                                                    "session": handle.request.session})
-            n, cache, ram, ssd = self._agree(job.tokens, job.n_cached, job.cache, job.ram_tokens,
-                                             job.ssd_tokens)
-        except Exception as e:  # the other ranks are inside this request's collectives
-            self._fail(f"{type(e).__name__}: {e}")
-            raise
-        return dataclasses.replace(job, n_cached=n, cache=cache, ram_tokens=ram, ssd_tokens=ssd)
+            self._follow()
+        except Exception as e:  # a bug here would leave rank 0 waiting: say it and stop
+            self.engine.fail(f"{type(e).__name__}: {e}")
+        return STOP
 
-    def _decoding(self, handle: RequestHandle, speculation: Any) -> Any:
-        if speculation is not None:  # a request that asked for it: off here
-            warn_once(log, "request-spec", "speculation is off under a distributed launch")
-            try:
-                speculation.source.close()
-            except Exception:
-                pass
-        return Lockstep(self.channel)
+    def stopped(self) -> None:
+        return None
 
-    def _generate(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return super()._generate(*args, **kwargs)
-        except Exception as e:
-            cause = e.__cause__ if isinstance(e, _Retry) and e.__cause__ is not None else e
-            self._fail(f"a generation failed ({type(cause).__name__}: {cause}); the ranks can no "
-                       "longer stay in step")
-            raise
-
-    # ------------------------------------------------------------------ other ranks
     def _follow(self) -> None:
-        """Serve what rank 0 sends until it says stop (every rank but 0)."""
+        channel, cache = self.engine.channel, self.engine.scheduler.runtime.cache
         while True:
-            msg = self.channel.receive()
+            msg = channel.receive()
             if msg.op == HEARTBEAT:
                 continue
             if msg.op == SHUTDOWN:
                 return
             if msg.op == FLUSH:
                 try:
-                    self.prefix_cache.flush(msg.arg / 1000 if msg.arg > 0 else None)
+                    cache.client.flush(msg.arg / 1000 if msg.arg > 0 else None)
                 except Exception:
                     log.exception("prefix cache flush failed")
                 continue
             if msg.op == REQUEST:
-                self._follow_request(msg.tokens, msg.body)
+                self._request(msg.tokens, msg.body)
 
-    def _follow_request(self, tokens: list[int], body: dict[str, Any]) -> None:
+    def _request(self, tokens: list[int], body: dict[str, Any]) -> None:
+        from mlxkv.engine.generate import Generation
 
-        from mlxkv.engine.generate import Generation, SamplingParams
-
+        engine = self.engine
+        scheduler = engine.scheduler
+        cache, loaded = scheduler.runtime.cache, scheduler.runtime.loaded
         params = SamplingParams(**{**body["params"], "stop": tuple(body["params"]["stop"])})
         session = body.get("session")
-        self._counts["requests"] += 1
-        self._busy(True)
-        n, cache = self._lookup(tokens, session)
-        ram, ssd = self._tier_split(n)
-        n, cache, _, _ = self._agree(tokens, n, cache, ram, ssd)
-        gen = Generation(self.loaded.model, self.loaded.tokenizer, tokens, params, cache=cache,
-                         n_cached=n, speculation=Lockstep(self.channel))
+        scheduler.counts.requests += 1
+        cache.busy(True)
+        n, lent = cache.lookup(tokens, session)
+        ram, ssd = cache.tier_split(n)
+        n, lent, _, _ = engine.tokens.agree(tokens, n, lent, ram, ssd)
+        gen = Generation(loaded.model, loaded.tokenizer, tokens, params, cache=lent,
+                         n_cached=n, speculation=Lockstep(engine.channel))
         try:
             for _ in gen:
                 pass
         except Exception as e:
-            self._fail(f"a generation failed ({type(e).__name__}: {e}); the ranks can no longer "
-                       "stay in step")
+            engine.fail(f"a generation failed ({type(e).__name__}: {e}); the ranks can no "
+                        "longer stay in step")
         out = gen.outcome
-        if self._caching and out is not None and out.tokens_in_cache:
-            self._store_state(out.tokens_in_cache, gen.cache, session)
-        self._busy(False)
+        if cache.enabled and out is not None and out.tokens_in_cache:
+            cache.store(out.tokens_in_cache, gen.cache, session)
+        cache.busy(False)
 
-    # ------------------------------------------------------------------ front ends
+
+class LockstepTokens:
+    """Every rank generates the same tokens in lock-step (a ``TokenSource``)."""
+
+    def __init__(self, engine: ShardedEngine):
+        self.engine = engine
+        self.last: dict[str, Any] | None = None  # the last request's agreement
+
+    def agree(self, tokens: list[int], n: int, cache: list | None, ram: int, ssd: int
+              ) -> tuple[int, list | None, int, int]:
+        """The cached length every rank holds; this rank's cache cut to it."""
+        from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+        trimmable = cache is not None and can_trim_prompt_cache(cache)
+        agreed = agree_prefix(self.engine.channel, n, trimmable, ram, ssd)
+        used = agreed.used
+        self.last = {"prompt_tokens": len(tokens), "used": used,
+                     "cached_by_rank": agreed.cached_by_rank,
+                     "ram_by_rank": agreed.ram_by_rank, "ssd_by_rank": agreed.ssd_by_rank}
+        if used == n:
+            return n, cache, ram, ssd
+        if used == 0:
+            self.engine.scheduler.runtime.cache.release(cache)
+            return 0, None, 0, 0
+        trim_prompt_cache(cache, n - used)
+        ram = min(ram, used)
+        return used, cache, ram, used - ram
+
+    def prepared(self, job: Job) -> Job:
+        """Rank 0: send the request to every rank, then agree on its cached prefix."""
+        try:
+            self.engine.channel.send(REQUEST, job.tokens, {"params": _params_body(job.params),
+                                                           "session": job.handle.request.session})
+            n, cache, ram, ssd = self.agree(job.tokens, job.n_cached, job.cache, job.ram_tokens,
+                                            job.ssd_tokens)
+        except Exception as e:  # the other ranks are inside this request's collectives
+            self.engine.fail(f"{type(e).__name__}: {e}")
+            raise
+        return dataclasses.replace(job, n_cached=n, cache=cache, ram_tokens=ram, ssd_tokens=ssd)
+
+    def decoding(self, handle: RequestHandle, speculation: Speculation | None) -> Lockstep:
+        if speculation is not None:  # a request that asked for it: off here
+            warn_once(log, "request-spec", "speculation is off under a distributed launch")
+            try:
+                speculation.source.close()
+            except Exception:
+                pass
+        return Lockstep(self.engine.channel)
+
+    def failed(self, exc: BaseException) -> None:
+        self.engine.fail(f"a generation failed ({type(exc).__name__}: {exc}); the ranks can "
+                         "no longer stay in step")
+
+
+class ShardedEngine(Engine):
+    """One rank's engine (see the module docstring). Build it with :meth:`for_world`."""
+
+    def __init__(self, model: str, *, world: World, prefix_cache: CacheArg = None,
+                 **kwargs: Any):
+        self.world = world
+        self.leader = world.rank == 0
+        self.channel = Channel(world, fail=self.fail)
+        self.tokens = LockstepTokens(self)
+        commands = LeaderCommands(self) if self.leader else FollowerCommands(self)
+        plugs = Plugs(model=ShardModel(self, prefix_cache is not None), commands=commands,
+                      tokens=self.tokens)
+        super().__init__(model, prefix_cache=prefix_cache, max_batch=1, plugs=plugs, **kwargs)
+
+    @classmethod
+    def for_world(cls, settings: Settings, world: World, prefix_cache: CacheArg = None
+                  ) -> ShardedEngine:
+        """The engine of this rank for ``settings`` (speculation and batching off)."""
+        asked = [name for name in ("spec", "max_batch", "draft_model")
+                 if str(settings.sources.get(name, "default")) != "default"]
+        if asked and world.rank == 0:
+            warn_once(log, "one-at-a-time", "under a distributed launch requests are served one "
+                      "at a time, without speculation (%s ignored)", ", ".join(sorted(asked)))
+        settings = settings.replace(spec="off", draft_model=None, max_batch=1)
+        if prefix_cache is None and settings.prefix_cache:
+            def prefix_cache(loaded: LoadedModel, namespace: str) -> CacheClient:
+                from mlxkv.engine.cache.prefix_cache import PrefixCache
+
+                return PrefixCache.from_settings(settings)
+        return cls(settings.model, world=world, prefix_cache=prefix_cache, settings=settings,
+                   name=f"mlxkv-engine-rank{world.rank}")
+
+    def fail(self, message: str) -> None:
+        """The group is broken (engine thread): give the cache a moment, then exit."""
+        cache = self.prefix_cache
+        try:
+            if cache is not None:
+                cache.close(CACHE_CLOSE_S)
+        except Exception:
+            pass
+        self.world.fail(message)
+
+    def submit(self, request: Request, callback: Callable[[Event], None] | None = None
+               ) -> RequestHandle:
+        if not self.leader:
+            raise EngineError(f"rank {self.world.rank} takes its requests from rank 0")
+        return super().submit(request, callback)
+
+    # front ends
     def distributed_info(self) -> dict[str, Any]:
         """This rank, the group and the last request's cached prefix per rank
         (``cached_by_rank``, ``ram_by_rank``, ``ssd_by_rank``) and the length used."""
-        shard = self.loaded.extra.get("shard") if self.loaded is not None else self.shard
+        loaded = self.loaded
+        shard = loaded.extra.get("shard") if loaded is not None else self.settings.shard
+        last = self.tokens.last
         return {"world": self.world.size, "rank": self.world.rank, "shard": shard,
-                "last_request": dict(self._last) if self._last else None}
+                "last_request": dict(last) if last else None}
 
     def stats(self, timeout: float | None = 30.0) -> dict[str, Any]:
         figures = super().stats(timeout)
@@ -264,33 +312,6 @@ class ShardedEngine(Engine):
 
         def flush_all() -> dict:
             self.channel.send(FLUSH, arg=int(timeout * 1000) if timeout else 0)
-            return self.prefix_cache.flush(timeout)
-        wait = None if timeout is None else timeout + 30.0
-        return self._wait(self.call(flush_all), wait, "cache flush")
-
-
-def follow(settings: Any, world: World) -> int:
-    """Run this rank (not rank 0) until rank 0 stops: the exit status.
-
-    Rank 0 decides when the group stops. Ctrl-C reaches every rank of a launch from a
-    terminal: here it is ignored, and rank 0 drains, has every rank flush its cache and
-    stops them. SIGTERM (a service stopping, or mlx.launch stopping the ranks because one
-    failed) gives rank 0 up to ``--dist-timeout-s`` to say stop, then this rank leaves; the
-    engine thread may be inside a collective that never returns, so it leaves at once."""
-    deadline: list[float] = []
-
-    def on_term(signum: int, frame: Any) -> None:
-        if not deadline:
-            deadline.append(time.monotonic() + world.timeout_s)
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, on_term)
-    engine = ShardedEngine.for_world(settings, world)
-    engine.start()
-    while engine._thread.is_alive():
-        engine._thread.join(0.2)
-        if deadline and time.monotonic() > deadline[0]:
-            sys.stderr.flush()
-            os._exit(143)
-    return 0
+            return self.scheduler.runtime.cache.client.flush(timeout)
+        limit = None if timeout is None else timeout + 30.0
+        return wait(self.call(flush_all), limit, "cache flush")

@@ -88,7 +88,7 @@ class LockstepStream:
         import mlx.core as mx
         from mlx_lm.generate import generate_step
 
-        from mlxkv.engine.generate import request_processors, request_sampler
+        from mlxkv.engine.sampling import request_processors, request_sampler
 
         gen, p = self.gen, self.gen.params
         processors: list = []

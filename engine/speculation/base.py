@@ -21,11 +21,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import mlx.core as mx
 
-    from mlxkv.engine.generate import SamplingParams
+    from mlxkv.engine.sampling import SamplingParams
 
 KINDS = ("draft", "ngram", "suffix", "mtp", "constraint")
-# What a request or the settings may ask for: off, auto (the best source available), or a source.
-SPEC_CHOICES = ("off", "auto", "draft", "ngram", "suffix", "mtp")
 
 
 class TargetView:

@@ -16,6 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxkv.engine.sampling import SamplingParams
 from mlxkv.engine.speculation.base import DraftProvider, DraftSource, KVState, Proposal
 from mlxkv.engine.speculation.draft_step import CompiledStep
 
@@ -47,7 +48,7 @@ def check_pair(target_tokenizer: Any, draft_tokenizer: Any, draft_model: Any, dr
 
 
 class DraftModelSource(DraftSource):
-    def __init__(self, provider: DraftModelProvider, sampling: Any, vocab: int):
+    def __init__(self, provider: DraftModelProvider, sampling: SamplingParams | None, vocab: int):
         from mlx_lm.models.cache import make_prompt_cache
 
         from mlxkv.engine.speculation.sampling import TargetSampler
@@ -59,7 +60,7 @@ class DraftModelSource(DraftSource):
         self._proposed: tuple[list[int], mx.array] | None = None  # fed by the last proposal
         self.target: list[int] = []  # tokens in the target's KV
         self.vocab = vocab
-        self.step = max(1, int(getattr(sampling, "prefill_step_size", 2048)))
+        self.step = max(1, (sampling or SamplingParams()).prefill_step_size)
         # The draft samples without the target's processors: q only has to be what it drew from.
         plain = dataclasses.replace(sampling, repetition_penalty=1.0) if sampling is not None else None
         self.sampler = TargetSampler(plain, []) if plain is not None else None

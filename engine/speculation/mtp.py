@@ -28,6 +28,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxkv.engine.sampling import SamplingParams
 from mlxkv.engine.speculation.base import DraftProvider, DraftSource, KVState, Proposal, TargetView
 from mlxkv.engine.speculation.mtp_weights import (
     MTP_SCHEMA,
@@ -80,7 +81,7 @@ class MTPSource(DraftSource):
     without this source's state): so the cache always holds exactly the target's tokens
     and is stored as a :class:`KVState`."""
 
-    def __init__(self, provider: MTPProvider, target: TargetView, sampling: Any):
+    def __init__(self, provider: MTPProvider, target: TargetView, sampling: SamplingParams | None):
         self._mtp: MTPModule = provider.module
         self._embed = target.embed
         self._head = target.logits
@@ -92,8 +93,9 @@ class MTPSource(DraftSource):
         self._queue_h: list[mx.array] = []  # real entries not yet run: hidden rows ...
         self._queue_t: list[int] = []  # ... and their tokens
         self._proposed_for: int | None = None  # pending token whose entry follows the real ones
-        self._temperature = float(getattr(sampling, "temperature", 0.0) or 0.0)
-        seed = getattr(sampling, "seed", None)
+        sampling = sampling or SamplingParams()
+        self._temperature = float(sampling.temperature)
+        seed = sampling.seed
         self._key = mx.random.key(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
 
     # -- bookkeeping -------------------------------------------------------------------

@@ -18,17 +18,17 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from mlxkv.engine.cache.client import CacheClient
 from mlxkv.engine.logs import warn_once
-from mlxkv.engine.speculation.base import SPEC_CHOICES, DraftProvider, KVState, TargetView
+from mlxkv.engine.sampling import SamplingParams
+from mlxkv.engine.settings import FIELD_BY_NAME, SPEC_CHOICES, Settings
+from mlxkv.engine.speculation.base import DraftProvider, KVState, TargetView
 from mlxkv.engine.speculation.policy import LengthController, SourceMemory
 from mlxkv.engine.speculation.verify import SpecStream
 
 log = logging.getLogger("mlxkv.spec")
 __all__ = ["SPEC_CHOICES", "load_providers", "open_speculation"]
-
-
-def _setting(settings: Any, name: str, default: Any) -> Any:
-    return getattr(settings, name, default) if settings is not None else default
+SPEC_TOKENS: int = FIELD_BY_NAME["spec_tokens"].default
 
 
 def _is_demo(loaded: Any) -> bool:
@@ -40,7 +40,7 @@ def _is_demo(loaded: Any) -> bool:
         return False
 
 
-def load_providers(loaded: Any, settings: Any = None) -> dict[str, DraftProvider]:
+def load_providers(loaded: Any, settings: Settings) -> dict[str, DraftProvider]:
     """The providers of the loaded target (kind -> provider). A ``--draft-model`` that
     cannot pair with the target raises (the user asked for it); the demo draft that pairs
     by default, or MTP weights that do not load, are skipped with a warning."""
@@ -48,17 +48,17 @@ def load_providers(loaded: Any, settings: Any = None) -> dict[str, DraftProvider
     from mlxkv.engine.speculation.ngram import NgramProvider
     from mlxkv.engine.speculation.suffix import SuffixProvider
 
-    mode = _setting(settings, "spec", "auto")
+    mode = settings.spec
     providers: dict[str, DraftProvider] = {
-        "ngram": NgramProvider(_setting(settings, "spec_ngram_min", 2), _setting(settings, "spec_ngram_max", 4)),
+        "ngram": NgramProvider(settings.spec_ngram_min, settings.spec_ngram_max),
         "suffix": SuffixProvider(),
         "constraint": ConstraintProvider(),
     }
-    draft_spec = _setting(settings, "draft_model", None)
+    draft_spec = settings.draft_model
     if draft_spec:
         from mlxkv.engine.speculation.draft import load_draft_provider
 
-        providers["draft"] = load_draft_provider(draft_spec, loaded, _setting(settings, "dtype", "auto"))
+        providers["draft"] = load_draft_provider(draft_spec, loaded, settings.dtype)
     elif mode in ("auto", "draft") and _is_demo(loaded):
         from mlxkv.engine.demo import DRAFT_MODEL_DIR
         from mlxkv.engine.speculation.draft import load_draft_provider
@@ -66,7 +66,7 @@ def load_providers(loaded: Any, settings: Any = None) -> dict[str, DraftProvider
         if (Path(DRAFT_MODEL_DIR) / "config.json").is_file():
             try:
                 providers["draft"] = load_draft_provider(str(DRAFT_MODEL_DIR), loaded,
-                                                         _setting(settings, "dtype", "auto"))
+                                                         settings.dtype)
             except Exception as e:
                 warn_once(log, "demo-draft", "the demo draft model could not be used (%s)", e)
     if mode in ("auto", "mtp"):
@@ -87,12 +87,12 @@ def load_providers(loaded: Any, settings: Any = None) -> dict[str, DraftProvider
     return providers
 
 
-def bind_providers(prefix_cache: Any, namespace: str, providers: dict[str, DraftProvider]) -> None:
+def bind_providers(prefix_cache: CacheClient, namespace: str,
+                   providers: dict[str, DraftProvider]) -> None:
     """Let the prefix cache check restored draft states against the draft's own model."""
-    bind = getattr(prefix_cache, "bind_model", None)
     for p in providers.values():
-        if p.model is not None and bind is not None:
-            bind(draft_namespace(namespace, p), p.model)
+        if p.model is not None:
+            prefix_cache.bind_model(draft_namespace(namespace, p), p.model)
 
 
 def spec_stats(providers: dict[str, DraftProvider]) -> dict:
@@ -143,9 +143,10 @@ class Speculation:
     """One request's speculation: its source, its length controller, and the draft state it
     restores from and stores to the prefix cache."""
 
-    def __init__(self, provider: DraftProvider, target: TargetView, params: Any, *, mode: str = "auto",
-                 constraint: Any = None, max_tokens: int = 12, prefix_cache: Any = None,
-                 namespace: str = "", session: str | None = None, timed: bool = True):
+    def __init__(self, provider: DraftProvider, target: TargetView, params: SamplingParams, *,
+                 mode: str = "auto", constraint: Any = None, max_tokens: int = SPEC_TOKENS,
+                 prefix_cache: CacheClient | None = None, namespace: str = "",
+                 session: str | None = None, timed: bool = True):
         self.provider = provider
         self.target = target
         self.constraint = constraint
@@ -154,7 +155,7 @@ class Speculation:
         # sampled request keeps a fixed length, so its draws do not depend on timings.
         exact = provider.kind == "constraint"
         adaptive = timed and not exact
-        memory = source_memory(provider, getattr(params, "temperature", 0) > 0) if adaptive else None
+        memory = source_memory(provider, params.temperature > 0) if adaptive else None
         self.controller = LengthController(initial=max_tokens if exact else min(4, max_tokens),
                                            maximum=max_tokens, adaptive=adaptive,
                                            may_stop=mode == "auto" and not exact, memory=memory)
@@ -163,7 +164,8 @@ class Speculation:
         self.session = session
         self.restored_tokens = 0
 
-    def _restore(self, prompt: list[int]) -> None:
+    def restore(self, prompt: list[int]) -> None:
+        """Start the draft from its cached state of ``prompt``'s prefix, when it has one."""
         if self.prefix_cache is None or self.ns is None:
             return
         try:
@@ -176,7 +178,7 @@ class Speculation:
             self.restored_tokens = n
 
     def stream(self, gen: Any, progress: Any) -> SpecStream:
-        self._restore(gen.prompt_tokens)
+        self.restore(gen.prompt_tokens)
         return SpecStream(gen.model, gen.prompt_tokens, gen.n_cached, gen.cache, gen.params, self.source,
                           self.controller, kind=self.provider.kind, target_view=self.target,
                           needs_hidden=self.provider.needs_hidden, on_progress=progress,
@@ -204,11 +206,12 @@ class Speculation:
         return summary
 
 
-def open_speculation(providers: dict[str, DraftProvider] | None, loaded: Any, params: Any, *,
-                     mode: str | None, settings_mode: str = "auto", guided_choice: Any = None,
-                     json_skeleton: Any = None, max_tokens: int = 12, prefix_cache: Any = None,
-                     namespace: str = "", session: str | None = None
-                     ) -> tuple[Speculation | None, Any]:
+def open_speculation(providers: dict[str, DraftProvider] | None, loaded: Any,
+                     params: SamplingParams, *, mode: str | None,
+                     settings_mode: str = FIELD_BY_NAME["spec"].default, guided_choice: Any = None,
+                     json_skeleton: Any = None, max_tokens: int = SPEC_TOKENS,
+                     prefix_cache: CacheClient | None = None, namespace: str = "",
+                     session: str | None = None) -> tuple[Speculation | None, Any]:
     """(the request's Speculation or None, its constraint or None). The constraint returned
     is the mask the output must satisfy (``guided_choice``); a JSON skeleton only drafts."""
     constraint = drafting = None

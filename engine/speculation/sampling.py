@@ -11,7 +11,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from mlxkv.engine.generate import request_processors, request_sampler
+from mlxkv.engine.sampling import request_processors, request_sampler
 
 
 class TargetSampler:

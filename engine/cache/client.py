@@ -1,0 +1,95 @@
+"""What the engine needs of a prefix cache: :class:`CacheClient`.
+
+Both :class:`~engine.cache.prefix_cache.PrefixCache` (RAM + SSD tiers) and
+:class:`~engine.cache.prefix_cache.NullPrefixCache` (caching off) satisfy it, so the
+engine calls every method without probing for it. ``tests/test_cache_facade.py`` checks
+that both define each member with the same parameters. Every method is called on the
+engine thread (``on_event`` may be called from the cache's own threads).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+from mlxkv.engine.cache.info import CacheEntryDetail, CacheEntryInfo
+
+
+@runtime_checkable
+class CacheClient(Protocol):
+    """A prefix cache as the engine uses it."""
+
+    # False for the cache that keeps nothing (the engine then skips the store's work).
+    enabled: bool
+    # Receives the cache's events (dicts with a "type"); the engine chains its own.
+    on_event: Callable[[dict], None] | None
+
+    @property
+    def last(self) -> dict[str, Any]:
+        """The last lookup: ``cached_tokens``, ``ram_tokens``, ``ssd_tokens``, ..."""
+
+    def bind_model(self, ns: str, model: Any) -> None:
+        """Restored states of ``ns`` are checked against ``model``'s caches."""
+
+    def lookup(self, tokens: Any, ns: str, session: str | None = None
+               ) -> tuple[int, list | None]:
+        """(cached tokens, a KV cache holding them) for the prompt ``tokens``, or (0, None)."""
+
+    def store(self, tokens: Any, cache: list, ns: str, session: str | None = None) -> None:
+        """Keep the KV state ``cache`` of ``tokens``."""
+
+    def release(self, cache: list | None) -> bool:
+        """Give back a cache lent by ``lookup`` that will not be stored."""
+
+    def invalidate(self, tokens: Any, ns: str) -> None:
+        """Drop every cached state that would seed ``tokens`` (it failed)."""
+
+    def busy(self, active: bool) -> None:
+        """Whether a request is being served (background writes yield meanwhile)."""
+
+    def prefetch(self, tokens: Any, ns: str, session: str | None = None) -> int:
+        """Warm the cached state of ``tokens`` into RAM: the tokens now warm."""
+
+    def flush(self, timeout: float | None = None) -> dict[str, int]:
+        """Persist every dirty state now."""
+
+    def close(self, timeout: float | None = None) -> dict[str, int]:
+        """Flush and stop the cache's threads."""
+
+    def stats(self) -> dict[str, Any]:
+        """Figures for ``Engine.stats()["cache"]``."""
+
+    def gc(self, ns: str | None = None, min_age_s: float = 0.0) -> dict[str, Any]:
+        """Remove SSD blocks no saved state names."""
+
+    def open_session(self, session: str) -> None:
+        """Keep ``session``'s states pinned while it is open."""
+
+    def close_session(self, session: str) -> None:
+        """Unpin ``session``'s states."""
+
+    def entries(self, ns: str | None = None) -> list[CacheEntryInfo]:
+        """Cached states, of ``ns`` or all."""
+
+    def entry(self, entry_id: str) -> CacheEntryDetail | None:
+        """One entry's details."""
+
+    def pin(self, entry_id: str, pinned: bool = True) -> bool:
+        """Pin (or unpin) an entry."""
+
+    def evict(self, entry_id: str) -> bool:
+        """Drop an entry from RAM (kept on SSD)."""
+
+    def delete(self, entry_id: str) -> bool:
+        """Drop an entry from every tier."""
+
+    def verify(self, entry_id: str | None = None) -> dict[str, Any]:
+        """Read and check SSD blocks (of one entry, or all)."""
+
+
+CacheFactory = Callable[[Any, str], CacheClient]  # (loaded model, namespace) -> the cache
+
+# What ``Engine(prefix_cache=...)`` takes: a cache, a factory called on the engine thread
+# once the model is loaded, or None (no caching).
+CacheArg = CacheClient | CacheFactory | None
+
