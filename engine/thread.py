@@ -4,17 +4,20 @@ why it failed), stop it and join it.
 :class:`EngineThread` runs three steps the engine hands it: ``load`` (the model and the
 prefix cache), ``serve`` (the command loop, until :data:`engine.commands.STOP`) and
 ``finish`` (answer what is left, close the cache). Whatever happens, the thread closes
-its command queue and destroys the MLX streams it created before it ends. Engines still
+its command queue, waits for the mlx work it queued and destroys the MLX streams it
+created before it ends (:func:`finish_streams` says why both matter at exit). Engines still
 running when the interpreter exits are stopped and joined first (``atexit``).
 """
 
 from __future__ import annotations
 
 import atexit
+import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 from mlxkv.engine.commands import CommandQueue
 from mlxkv.engine.requests import EngineError
@@ -22,12 +25,35 @@ from mlxkv.engine.requests import EngineError
 _live: weakref.WeakSet[EngineThread] = weakref.WeakSet()
 
 
-def clear_streams() -> None:
-    """Destroy the MLX streams this thread created: mlx needs that done before the thread
-    (and the interpreter) exits, or the process aborts at exit ("terminate called ...")."""
+def finish_streams() -> None:
+    """Wait for the mlx work this thread queued, then destroy the MLX streams it created;
+    the engine thread calls it last.
+
+    mlx-lm's decoding loop queues the next step (``mx.async_eval``) before it hands out a
+    token, so a generation that ends (max tokens, a stop string, a cancel) leaves a
+    forward pass computing on mlx's stream thread, which outlives this one
+    (``clear_streams`` only drops this thread's encoders). Left running, that pass is
+    inside OpenBLAS when the process exits, and OpenBLAS's exit handler
+    (``gotoblas_quit`` -> ``blas_thread_shutdown_``) cannot stop a worker in a call: the
+    worker ends its job by marking itself idle over the stop request, sleeps, and the
+    handler's ``pthread_join`` waits forever; or, the worker done first, the handler
+    unmaps the buffers the running kernel uses (a segmentation fault at exit). The streams
+    must be destroyed before the thread (and the interpreter) exits, or the process aborts
+    at exit ("terminate called ...")."""
     try:
         import mlx.core as mx
-
+    except Exception:
+        return
+    streams: list[Any] = [None]  # None: this thread's default stream
+    generate = sys.modules.get("mlx_lm.generate")
+    if generate is not None:  # not imported: nothing ran on it (asking would create it)
+        streams.append(generate.generation_stream)
+    for stream in streams:
+        try:
+            mx.synchronize(stream)
+        except Exception:  # a failed computation was reported where it was evaluated
+            pass
+    try:
         mx.clear_streams()
     except Exception:
         pass
@@ -102,7 +128,7 @@ class EngineThread:
             self.load_error = e
             self.commands.close(error=e)
             self.commands.drain(error=e)
-            clear_streams()
+            finish_streams()
             self._ready.set()
             return
         finally:
@@ -113,4 +139,4 @@ class EngineThread:
         finally:
             self.commands.close()
             self._finish()
-            clear_streams()
+            finish_streams()
