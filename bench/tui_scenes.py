@@ -101,10 +101,18 @@ async def _model_ready(pilot: Any) -> None:
 
 
 async def _settle(pilot: Any) -> None:
+    """Steady cursors, drawn from the widgets' state now, then every worker finished."""
     app = pilot.app
     for screen in app.screen_stack:
         for widget in screen.query("TextArea, Input"):
             widget.cursor_blink = False
+            # A text area caches its rendered lines under a key that tells a steady cursor
+            # from a blinked-off one only by cursor_blink: a line rendered in an "off" half
+            # of the blink (there is one for every second the scene ran) would be shown
+            # again without the steady cursor. Whether one was cached depended on how long
+            # the model took to load (the machine's load); drop them, draw from the state.
+            widget.notify_style_update()
+            widget.refresh()
     await pilot.pause()
     await app.workers.wait_for_complete()
     await pilot.pause()
