@@ -13,14 +13,12 @@ from typing import Any
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
-from textual.content import Content
 from textual.message import Message
 from textual.widgets import Markdown, Static
 
 _FENCE = re.compile(r"^([ \t]*)(`{3,}|~{3,})[^\n]*\n(.*?)^\1\2[ \t]*$", re.M | re.S)
 
 
-_FENCE_OPEN = re.compile(r"^[ \t]{0,3}(`{3,}|~{3,})", re.M)  # a line that opens (or closes) fenced code
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
@@ -73,29 +71,6 @@ def format_status(stats: dict[str, Any] | None, reason: str | None = None) -> st
     return " · ".join(parts)
 
 
-class StreamedParagraph(Markdown.BLOCKS["paragraph_open"]):  # Textual's paragraph (not exported)
-    """A paragraph whose new text (the next tokens of a reply) repaints it alone while its
-    height stays the same. Textual's paragraph asks for a layout of the whole screen on
-    every update, and that reflow of every message on the screen was most of the UI's time
-    while a reply streamed; only a new line (or a new block) changes the layout."""
-
-    def set_content(self, content: Content) -> None:
-        width, height = self.content_size
-        if self._layout_required or not (self.is_mounted and width and height):
-            super().set_content(content)
-            return
-        self._content = content
-        self.update(content, layout=False)
-        if self._render().get_height(self.styles, width) != height:
-            self.refresh(layout=True)
-
-
-class ReplyMarkdown(Markdown):
-    """A message's Markdown, its paragraphs :class:`StreamedParagraph` s."""
-
-    BLOCKS = {**Markdown.BLOCKS, "paragraph_open": StreamedParagraph}
-
-
 class MessageView(Vertical, can_focus=True):
     """A message; ``message_id`` is its id in the store (None until it is saved)."""
 
@@ -128,7 +103,7 @@ class MessageView(Vertical, can_focus=True):
 
     def compose(self) -> ComposeResult:
         yield Static(printable(self._label), classes="role", markup=False)
-        yield ReplyMarkdown(printable(self.content), classes="body")
+        yield Markdown(printable(self.content), classes="body")
         yield Static(self._status_text(), classes="status", markup=False)
 
     def _status_text(self) -> str:
@@ -159,24 +134,15 @@ class MessageView(Vertical, can_focus=True):
             await self._stream.write(printable(text))
 
     async def finish(self, text: str | None = None) -> None:
-        """End the stream with the rest of ``text`` (the whole reply). A reply with fenced
-        code is rendered once more in full (its code blocks render right then); any other
-        is already shown as a full render would show it, and re-mounting every block of it
-        held up the UI, and the reply's last tokens, for a frame or more."""
-        full = self.content if text is None else text
-        stream, self._stream = self._stream, None
-        if stream is not None and full.startswith(self.content) and not _FENCE_OPEN.search(full):
-            rest, self.content = full[len(self.content):], full
-            if rest:
-                await stream.write(printable(rest))
-            await stream.stop()  # appends what it still holds
-        else:
-            self.content = full
-            if stream is not None:
-                await stream.stop()
-            await self.body.update(printable(full))
+        """End the stream and render the whole text once more (fenced code renders right)."""
+        if text is not None:
+            self.content = text
+        if self._stream is not None:
+            stream, self._stream = self._stream, None
+            await stream.stop()
         self.streaming = False
         self.remove_class("streaming")
+        await self.body.update(printable(self.content))
 
     def action_copy(self) -> None:
         self.app.copy_to_clipboard(self.content)
