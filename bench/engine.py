@@ -5,7 +5,13 @@
 2. Process start -> first token of ``mlxkv generate`` vs the ``mlx_lm.generate`` CLI on
    the demo model (the tiny test model when the demo model is not built), same BLAS.
 
-    python -m bench.engine [--json] [--reps N] [--prompt-tokens N] [--decode-tokens N]
+Then both again on the real model (SmolLM2-135M-Instruct, ``support.real_model``), the
+figures under the same keys with ``_real`` appended (``prefill_vs_mlx_lm_real``,
+``decode_vs_mlx_lm_real``, ``first_token_vs_mlx_lm_real``, ...; ``real_model`` names the
+file): mlx-lm cannot read GGUF, so both sides run the float32 mlx-lm folder converted from
+it (``bench.models.real_model_folder``). ``--no-real`` skips that pass.
+
+    python -m bench.engine [--json] [--reps N] [--prompt-tokens N] [--decode-tokens N] [--no-real]
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from pathlib import Path
 # One BLAS thread unless told otherwise: on 2 shared cores a descheduled BLAS worker
 # thread makes every matmul wait, which swamps the differences measured here.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+from bench.models import add_real_flag, real_model_file  # noqa: E402
 from mlxkv.engine.blas import blas_info, describe, preload  # noqa: E402
 
 preload()  # the system OpenBLAS before mlx.core
@@ -74,13 +81,14 @@ def _rates(t0, stamps, n_prompt: int, n: int) -> tuple[float, ...]:
             n_prompt / max(c1 - c0, 1e-9), (n - 1) / max(c2 - c1, 1e-9))
 
 
-def throughput(reps: int, prompt_tokens: int, decode_tokens: int) -> dict:
+def throughput(reps: int, prompt_tokens: int, decode_tokens: int, model: Path | None = None) -> dict:
+    """Prefill/decode of ours vs stream_generate on ``model`` (default: the bench model)."""
     import random
 
     from bench.models import bench_model_path, parameter_count
     from mlxkv.engine.engine import Engine
 
-    path = bench_model_path()
+    path = model or bench_model_path()
     with Engine(str(path), dtype="float32").start() as eng:
         vocab = eng.call(lambda: eng.loaded.tokenizer.vocab_size).result(60)
         special = eng.call(lambda: set(eng.loaded.tokenizer.all_special_ids)).result(60)
@@ -182,9 +190,10 @@ def first_token(reps: int, model_override: str | None = None) -> dict:
             "ours_all": ours_t, "mlx_lm_all": peer_t}
 
 
-def _throughput_report(args: argparse.Namespace) -> dict:
-    tp = throughput(args.reps, args.prompt_tokens, args.decode_tokens)
-    print(f"bench model {tp['params_m']}M params, {tp['compute_dtype']}, prompt "
+def _throughput_report(args: argparse.Namespace, model: Path | None = None,
+                       label: str = "bench model") -> dict:
+    tp = throughput(args.reps, args.prompt_tokens, args.decode_tokens, model)
+    print(f"{label} {tp['params_m']}M params, {tp['compute_dtype']}, prompt "
           f"{tp['prompt_tokens']} tokens, {tp['decode_tokens']} generated, median of "
           f"{tp['reps']} interleaved runs")
     rows = [("prefill tok/s", tp["ours_prefill_tps"], tp["mlx_lm_prefill_tps"]),
@@ -208,6 +217,22 @@ def _throughput_report(args: argparse.Namespace) -> dict:
     return result
 
 
+def _first_token_report(args: argparse.Namespace, model: str | None, header: bool,
+                        which: str | None = None) -> dict:
+    ft = first_token(args.first_token_reps, model)
+    if which:
+        ft["which"] = which
+    if header:
+        print(f"{'':<28}{'mlxkv':>10}{'mlx-lm':>10}{'ratio':>8}   (ratio of the medians)")
+    print(f"{'start -> first token (s)':<28}{ft['ours_s']:>10.2f}{ft['mlx_lm_s']:>10.2f}"
+          f"{ft['ours_s'] / ft['mlx_lm_s']:>8.3f}   (median of paired ratios "
+          f"{ft['paired_ratio']:.3f}; lower is better)")
+    print(f"first token measured on the {ft['which']}: mlxkv generate vs the "
+          "mlx_lm.generate CLI, same BLAS, same prompt, greedy")
+    return {"first_token": ft, "first_token_vs_mlx_lm": ft["paired_ratio"],
+            "first_token_ratio_of_medians": ft["ours_s"] / ft["mlx_lm_s"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.split(
         "\n")[0])
@@ -221,7 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--first-token-model", help="model folder (default: the demo model)")
     ap.add_argument("--full", action="store_true",
                     help="longer: 9 pairs, 1024-token prompt, 32 generated tokens")
+    add_real_flag(ap)
     args = ap.parse_args(argv)
+    real = None if args.no_real else real_model_file()  # fails before the synthetic pass
     if args.full:
         args.reps, args.first_token_reps = max(args.reps, 9), max(args.first_token_reps, 9)
         args.prompt_tokens, args.decode_tokens = 1024, 32
@@ -232,17 +259,22 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_throughput:
         result.update(_throughput_report(args))
     if not args.skip_first_token:
-        ft = first_token(args.first_token_reps, args.first_token_model)
-        if args.skip_throughput:
-            print(f"{'':<28}{'mlxkv':>10}{'mlx-lm':>10}{'ratio':>8}   (ratio of the medians)")
-        result["first_token"] = ft
-        result["first_token_vs_mlx_lm"] = ft["paired_ratio"]
-        result["first_token_ratio_of_medians"] = ft["ours_s"] / ft["mlx_lm_s"]
-        print(f"{'start -> first token (s)':<28}{ft['ours_s']:>10.2f}{ft['mlx_lm_s']:>10.2f}"
-              f"{ft['ours_s'] / ft['mlx_lm_s']:>8.3f}   (median of paired ratios "
-              f"{ft['paired_ratio']:.3f}; lower is better)")
-        print(f"first token measured on the {ft['which']}: mlxkv generate vs the "
-              "mlx_lm.generate CLI, same BLAS, same prompt, greedy")
+        result.update(_first_token_report(args, args.first_token_model, args.skip_throughput))
+    if real is not None:
+        from bench.models import REAL_FOLDER_NOTE, real_keys, real_model_folder
+
+        folder = real_model_folder()
+        print(f"real model {real.name}: {REAL_FOLDER_NOTE}", flush=True)
+        figures: dict = {}
+        if not args.skip_throughput:
+            figures.update(_throughput_report(args, folder, "real model"))
+        if not args.skip_first_token:
+            figures.update(_first_token_report(args, str(folder), args.skip_throughput,
+                                               "real model (f32 folder)"))
+        result.update(real_keys(figures))
+        result["real_model"] = str(real)
+        result["real_model_folder"] = str(folder)
+        result["real_model_note"] = REAL_FOLDER_NOTE
     result["load_average_end"] = os.getloadavg()[0]
     cores = os.cpu_count() or 1
     print(f"load average at the end: {result['load_average_end']:.1f} ({cores} cores: above "

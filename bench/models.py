@@ -288,6 +288,54 @@ def copy_model_path(blas_active: bool | None = None) -> Path:
     return build_copy_model(TEST_MODELS / name, shape, tokenizer_from=bench_model_path(blas_active))
 
 
+# ---------------------------------------------------------------------------------------
+# The real model: SmolLM2-135M-Instruct as a GGUF file (support.real_model), beside the
+# synthetic ones in every benchmark that prints a speculation, TTFT or server figure.
+# ---------------------------------------------------------------------------------------
+REAL_SUFFIX = "_real"
+REAL_FOLDER_NOTE = ("both sides on the float32 mlx-lm folder converted from the real model's GGUF "
+                    "(mlx-lm cannot read GGUF)")
+REAL_GGUF_NOTE = "the real model's GGUF file, loaded by mlxkv (dequantized to float32 on the CPU under --dtype auto)"
+
+
+class RealModelMissing(SystemExit):
+    """The real model's fixture is not there (``make fixtures`` fetches it)."""
+
+
+def add_real_flag(ap: Any) -> None:
+    """``--no-real``: skip the pass on the real model (argparse parser ``ap``)."""
+    ap.add_argument("--no-real", action="store_true",
+                    help="skip the pass on the real model (SmolLM2-135M-Instruct GGUF, fetched by make fixtures)")
+
+
+def real_model_file() -> Path:
+    """The real model's GGUF file; a clear error when it has not been fetched."""
+    from support.real_model import FIXTURES, GGUF_NAME, real_model_path
+
+    path = real_model_path()
+    if path is None:
+        raise RealModelMissing(
+            f"the real model {FIXTURES / GGUF_NAME} is missing: run `make fixtures` (or "
+            "`python -m support.real_model`) to fetch it, or pass --no-real to skip the real pass")
+    return path
+
+
+def real_model_folder() -> Path:
+    """An mlx-lm folder (float32 safetensors) of the real model's weights, converted once from
+    the GGUF file by ``support.gguf_files.convert_gguf`` beside it (the folder the GGUF
+    tests use): what a peer that cannot read GGUF runs, and ours beside it."""
+    from support.gguf_files import convert_gguf
+    from support.real_model import GGUF_SHA256
+
+    gguf = real_model_file()
+    return convert_gguf(gguf, gguf.parent / f"smollm2-135m-instruct-f32-{GGUF_SHA256[:12]}")
+
+
+def real_keys(figures: dict) -> dict:
+    """``figures`` with every key suffixed ``_real``."""
+    return {f"{k}{REAL_SUFFIX}": v for k, v in figures.items()}
+
+
 if __name__ == "__main__":
     for p in (bench_model_path(), copy_model_path()):
         print(p, f"{parameter_count(p) / 1e6:.1f}M parameters")

@@ -8,6 +8,17 @@ Model: the bench model (``bench.models.bench_model_path()`` when present, else a
 hidden 1024 x 8 layers, 4 KV heads of 64, random weights, built once into .cache/models),
 float32. The chat trace runs on a tiny model: hit fractions do not depend on model size.
 Time ratios are ours divided by the other; ``decode_under_persist`` is a throughput ratio.
+
+Then the TTFT and hit figures again on the real model (SmolLM2-135M-Instruct,
+``support.real_model``), its GGUF file loaded by mlxkv as a user loads it (float32 on the
+CPU; mlx-lm's ``LRUPromptCache`` holds the KV state of the same loaded model): cold
+prefill, RAM hit, SSD hit after a restart, tail reuse and the prefetched first turn, under
+the synthetic keys' names with ``_real`` appended (``ram_hit_vs_prefill_real``,
+``ssd_hit_vs_cold_real``, ...), ``real_model`` naming the file. The real pass runs at
+``--context`` capped by the real model's context (8192 tokens), and leaves out decode under
+persistence, shared-prefix RAM and the chat trace (figures of the cache, not of the model);
+``--no-real`` skips it. Prompts are random token ids in both passes (a prefill's cost does
+not depend on what the tokens say).
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 # isort: off
+from bench.models import REAL_GGUF_NOTE, REAL_SUFFIX, add_real_flag, real_model_file
 from mlxkv.engine.blas import preload
 
 preload()  # the system OpenBLAS before mlx.core
@@ -55,6 +67,11 @@ def bench_model() -> Path:
 
 
 def load(path: Path) -> Any:
+    """The model at ``path``: a folder through mlx-lm, a GGUF file through mlxkv's loader."""
+    if Path(path).suffix.lower() == ".gguf":
+        from mlxkv.engine.models import load_model
+
+        return load_model(str(path)).model
     from mlx_lm import load as mlx_load
 
     model, _ = mlx_load(str(path))
@@ -229,9 +246,16 @@ def child_prefetched(args: argparse.Namespace, model: Any, prompt: list[int]) ->
 
 
 # ----------------------------------------------------------------------------- parent
+REAL_CONTEXT = 8192  # the real model's context length
+
+
 class Bench:
-    def __init__(self, args: argparse.Namespace) -> None:
+    """One pass on one model: the synthetic (bench) model by default; with ``model`` (the
+    real model's GGUF), the TTFT and hit figures only, their keys ending in ``suffix``."""
+
+    def __init__(self, args: argparse.Namespace, model: Path | None = None, suffix: str = "") -> None:
         self.args = args
+        self.model_override, self.suffix = model, suffix
         self.rows: list[tuple[str, str, str]] = []
         self.res: dict[str, float] = {}
         base = Path(os.path.expanduser(args.dir))
@@ -245,24 +269,27 @@ class Bench:
     def run(self) -> dict[str, Any]:
         from mlxkv.engine.blas import describe
 
+        real = self.model_override is not None
         try:
-            self.model_path = bench_model()
+            self.model_path = self.model_override or bench_model()
             t = time.perf_counter()
             self.model = load(self.model_path)
-            self.row("bench model load", f"{time.perf_counter() - t:.1f} s", str(self.model_path))
+            self.row("real model load (GGUF, mlxkv's loader)" if real else "bench model load",
+                     f"{time.perf_counter() - t:.1f} s", str(self.model_path))
             self.row("BLAS", describe(), "")
             self.cold()
             self.ram_hit()
             self.ssd_hit()
-            self.decode_under_persist()
-            self.shared_ram()
-            self.trace()
+            if not real:
+                self.decode_under_persist()
+                self.shared_ram()
+                self.trace()
         finally:
             pc = getattr(self, "pc", None)
             if pc is not None:
                 pc.close(30)
             shutil.rmtree(self.dir, ignore_errors=True)
-        return self.res
+        return {f"{k}{self.suffix}": v for k, v in self.res.items()}
 
     # ------------------------------------------------------------------ cold
     def cold(self) -> None:
@@ -615,14 +642,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--child-ssd", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
+    add_real_flag(ap)
     args = ap.parse_args(argv)
     if args.quick:
         args.context = 1024
     if args.child_ssd:
         return child_ssd(args)
+    real = None if args.no_real else real_model_file()  # fails before the synthetic pass
     print(f"bench.prefix: {args.context}-token conversation + {args.new} new tokens, "
               f"median of {args.repeats}", flush=True)
     res = Bench(args).run()
+    if real is not None:
+        real_args = argparse.Namespace(**{**vars(args), "context": min(args.context, REAL_CONTEXT - args.new - 1)})
+        print(f"bench.prefix, real model ({real.name}, {REAL_GGUF_NOTE}): {real_args.context}-token "
+              f"conversation + {args.new} new tokens, median of {args.repeats}", flush=True)
+        res.update(Bench(real_args, real, REAL_SUFFIX).run())
+        res["real_model"] = str(real)
+        res["real_context"] = real_args.context
     if args.json:
         print(json.dumps(res))
     return 0

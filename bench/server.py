@@ -15,7 +15,16 @@ in one run (ratios inside the run; the figures of one machine mean nothing on an
 4. Load (ours): 200 requests from 16 concurrent clients, twice; errors and the server's
    RSS after each run.
 
-    python -m bench.server [--json] [--quick]
+Then 1-3 again on the real model (SmolLM2-135M-Instruct, ``support.real_model``): mlx-lm
+cannot read GGUF, so both servers run the float32 mlx-lm folder converted from it
+(``bench.models.real_model_folder``). The real pass is shorter: the same stream counts,
+one run each instead of 3, 4 users (2 with --quick) over 2 rounds, the same restart
+prompt length (the real model's context is 8192), and no load run (a figure of our
+server, not of the model). Its figures carry the synthetic keys' names with ``_real``
+appended (``agg_vs_mlx_lm_1_real``, ``later_round_ttft_vs_mlx_lm_real``,
+``restart_ttft_vs_mlx_lm_real``, ...), ``real_model`` names the file; ``--no-real`` skips it.
+
+    python -m bench.server [--json] [--quick] [--no-real]
 
 The last line with --json is one JSON object: agg_vs_mlx_lm_{1,2,4,8} (>= 1.0 wanted),
 agg4_vs_single (>= 2.0), later_round_ttft_vs_mlx_lm (<= 0.5), restart_ttft_vs_mlx_lm
@@ -41,6 +50,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from bench.models import REAL_FOLDER_NOTE, add_real_flag, real_keys, real_model_file, real_model_folder
 
 # One BLAS thread per server, as bench.engine: on 2 shared cores a descheduled BLAS worker
 # makes every matmul wait. Both servers get the same environment.
@@ -276,10 +287,12 @@ def load_run(url: str, requests: int = 200, clients: int = 16, max_tokens: int =
 
 
 # --------------------------------------------------------------------------- the run
-def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
+def measure(args: argparse.Namespace, log: Callable[[str], None], model: Path | None = None,
+            load: bool = True) -> dict[str, Any]:
+    """Both servers on ``model`` (default: the bench model); ``load``: the load runs too."""
     from bench.models import bench_model_path
 
-    model = bench_model_path()
+    model = model or bench_model_path()
     work = Path(tempfile.mkdtemp(prefix="mlxkv-bench-server-"))
     ours = Served("mlxkv", model, work)
     theirs = Served("mlx_lm", model, work)
@@ -336,15 +349,16 @@ def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, A
 
         # 4. load (before the restart: the server has run everything above)
         runs = []
-        for k in range(2):
+        for k in range(2 if load else 0):
             res = load_run(ours.url, args.load_requests, 16)
             res["rss_bytes"] = ours.rss_bytes()
             runs.append(res)
             log(f"load run {k + 1}: {res['requests']} requests, {res['errors']} errors, "
                 f"{res['seconds']:.1f} s, RSS {res['rss_bytes'] / 2**20:.0f} MiB")
-        out["load"] = runs
-        out["load_errors"] = runs[0]["errors"] + runs[1]["errors"]
-        out["load_rss_ratio"] = runs[1]["rss_bytes"] / runs[0]["rss_bytes"]
+        if runs:
+            out["load"] = runs
+            out["load_errors"] = runs[0]["errors"] + runs[1]["errors"]
+            out["load_rss_ratio"] = runs[1]["rss_bytes"] / runs[0]["rss_bytes"]
 
         # 3. restart with a long prompt
         long_text = text_of_tokens(model, args.long_tokens, seed=11)
@@ -380,7 +394,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="one JSON object on the last line")
     ap.add_argument("--quick", action="store_true", help="a short smoke run (smaller everything)")
     ap.add_argument("--users", type=int, help="users of the multi-round trace (default 16; 2 with --quick)")
+    add_real_flag(ap)
     args = ap.parse_args(argv)
+    real = None if args.no_real else real_model_file()  # fails before the synthetic pass
     if args.quick:
         args.streams, args.decode_tokens, args.reps = [1, 4], 16, 1
         args.system_tokens, args.rounds, args.long_tokens = 300, 2, 1000
@@ -399,16 +415,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench.server: {msg}", file=sys.stderr, flush=True)
 
     out = measure(args, log)
+    if real is not None:
+        folder = real_model_folder()
+        real_args = argparse.Namespace(**{**vars(args), "reps": 1, "rounds": 2,
+                                          "users": min(args.users, 2 if args.quick else 4)})
+        log(f"real model {real.name}: {REAL_FOLDER_NOTE}")
+        figures = measure(real_args, log, folder, load=False)
+        out.update(real_keys(figures))
+        out.update({"real_model": str(real), "real_model_folder": str(folder), "real_model_note": REAL_FOLDER_NOTE,
+                    "real_pass": {"reps": 1, "rounds": 2, "users": real_args.users, "streams": args.streams,
+                                  "load_run": False}})
     targets = {"agg_vs_mlx_lm_1": (">=", 1.0), "agg_vs_mlx_lm_2": (">=", 1.0),
                "agg_vs_mlx_lm_4": (">=", 1.0), "agg_vs_mlx_lm_8": (">=", 1.0),
                "agg4_vs_single": (">=", 2.0), "later_round_ttft_vs_mlx_lm": ("<=", 0.5),
                "restart_ttft_vs_mlx_lm": ("<=", 0.1), "load_errors": ("<=", 0),
                "load_rss_ratio": ("<=", 1.1)}
+    if real is not None:
+        targets.update({f"{k}_real": v for k, v in targets.items() if not k.startswith("load_")})
     if not args.json:
         for key, (op, want) in targets.items():
             if key in out:
                 ok = out[key] >= want if op == ">=" else out[key] <= want
-                print(f"{key:<28} {out[key]:8.3f}   target {op} {want}   {'ok' if ok else 'MISSED'}")
+                print(f"{key:<33} {out[key]:8.3f}   target {op} {want}   {'ok' if ok else 'MISSED'}")
     print(json.dumps(out, default=str) if args.json else "")
     return 0
 

@@ -47,6 +47,30 @@ Figures (speed-ups = decode throughput with speculation / without):
   along the window; the plain ratio is ``restored_acceptance_plain_ratio``), and
   ``restored_same_as_cold`` that both equal a cold run.
 
+Then the real model (SmolLM2-135M-Instruct, ``support.real_model``), its GGUF file loaded
+as a user loads it (only mlxkv runs here: speculation against plain decoding), greedy
+unless said, ``--real-tokens`` (>= 128) decoded per request:
+- ``ngram_file_edit_real_*`` and ``suffix_file_edit_real_*``: prompt lookup and the suffix
+  source against ``off``, the instruct model asked through its chat template to repeat
+  ~60 lines of ``engine/cache/prefix_cache.py`` (from ``PrefixCache.lookup``, whole
+  methods) with the method renamed ``find``, its answer so far the fence and ``def find(``
+  (as the copy model's task: the edit written, the model copies the rest); with acceptance
+  and tokens per forward. 60 lines, not more: asked to repeat ~150, the 135M model loses
+  the code within a few lines (greedy, it wrote a comment line of ``1.1.1...``; with the
+  answer started, a short function of its own), which measures repetition, not an edit.
+  The suffix source's global index learns the output of every finished suffix request,
+  so in the interleaved runs (one engine, the same request each time, after a warm-up)
+  it has seen the answer before: ``suffix_repeat_learned`` says so, and that is the
+  agent's case (a file read back and rewritten turn after turn).
+  ``suffix_file_edit_real_first_*`` is the suffix source's first request in the engine
+  (nothing learned yet) against the plain run before it: one run each, noisier;
+- ``auto_freeform_ratio_real``: ``auto`` against ``off`` on sampled free-form text
+  (temperature 1, no prefix cache);
+- ``constraint_speedup_real``: ``guided_choice`` with the long choices, ``auto`` against
+  ``off``;
+- ``lossless_real``: greedy outputs equal across the modes of every greedy task.
+``real_model`` names the file; ``--no-real`` skips the pass.
+
 The last line of ``--json`` is one JSON object with every figure.
 """
 
@@ -65,6 +89,7 @@ from pathlib import Path
 from typing import Any
 
 # isort: off
+from bench.models import add_real_flag, real_model_file
 from mlxkv.engine.blas import preload
 
 preload()  # the system OpenBLAS before mlx.core
@@ -214,6 +239,74 @@ def _quote_prompt(tok: Any) -> list[int]:
     return tok.encode(head + 'The document says: "' + opening)
 
 
+def _real_file_edit_messages(lines: int = 60) -> list[dict]:
+    """A chat asking to repeat about ``lines`` lines of the prefix cache's source (whole
+    methods, from ``PrefixCache.lookup``) with the method renamed ``find``."""
+    src = SOURCE_FILE.read_text().splitlines()
+    start = next(i for i, line in enumerate(src) if line.startswith("    def lookup(") and "list | None" in line)
+    ends = [i for i in range(start + 1, len(src)) if src[i].startswith(("    def ", "    @"))]
+    end = max([e for e in ends if e - start <= lines] or [min(len(src), start + lines)])
+    code = "\n".join(src[start:end]).rstrip()
+    return [{"role": "user", "content": "Here is part of a Python class:\n```python\n" + code + "\n```\n"
+             "Repeat this code exactly, with one change: rename the method `lookup` to `find`. "
+             "Write only the code."}]
+
+
+def _real_pass(args: argparse.Namespace, real: Path, work: Path) -> dict:
+    """The speculation figures on the real model's GGUF file (see the docstring)."""
+    from mlxkv.engine.engine import Engine, Request
+    from mlxkv.engine.generate import SamplingParams
+
+    reps, n = args.repeats, max(args.real_tokens, 128)
+    greedy = SamplingParams(max_tokens=n)
+    story = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
+    detail: dict[str, Any] = {}
+    with Engine.from_settings(_settings(real, work / "r0")).start(timeout=600) as eng:
+        tok = eng.loaded.tokenizer
+        edit = tok.encode(tok.apply_chat_template(_real_file_edit_messages(), add_generation_prompt=True,
+                                                  tokenize=False) + "```python\n    def find(")
+
+        def make(m: str) -> Any:
+            return Request(prompt_tokens=edit, params=greedy, spec=m)
+
+        plain = _run(eng, make("off"))  # also fills the prefix cache and warms the kernels
+        first = _run(eng, make("suffix"))  # the suffix source's first request: nothing learned
+        detail["suffix_file_edit_first"] = {
+            "plain_tps": round(plain.stats.decode_tps, 3), "spec_tps": round(first.stats.decode_tps, 3),
+            "speedup": round(first.stats.decode_tps / plain.stats.decode_tps, 3) if plain.stats.decode_tps else 0.0,
+            "spec": first.stats.spec, "same_output": first.tokens == plain.tokens}
+        detail["file_edit"] = _side_by_side(eng, make, reps, ("off", "ngram", "suffix"), True)
+        detail["file_edit"]["decoded_tokens"] = len(plain.tokens)
+        detail["file_edit"]["reply_head"] = tok.decode(plain.tokens[:48])
+        detail["file_edit"]["prompt_tokens"] = len(edit)
+        detail["constraint"] = _side_by_side(
+            eng, lambda m: Request(messages=[{"role": "user", "content": "Which sentence describes the prefix cache?"}],
+                                   params=SamplingParams(max_tokens=128), spec=m, guided_choice=CHOICES),
+            reps, ("off", "auto"), True)
+    with Engine.from_settings(_settings(real, work / "r1", prefix_cache=False)).start(timeout=600) as eng:
+        sampled = SamplingParams(max_tokens=n, temperature=1.0)
+        detail["auto_freeform"] = _side_by_side(eng, lambda m: Request(messages=story, params=sampled, spec=m),
+                                                reps + 1, ("off", "auto"), False)
+    edit_run = detail["file_edit"]
+    out: dict[str, Any] = {"real_model": str(real), "real_model_note": "mlxkv only, on the GGUF file",
+                           "real_tokens": n}
+    out.update(_figures("ngram_file_edit_real_", edit_run))
+    out.update(_figures("suffix_file_edit_real_", edit_run["by_mode"]["suffix"]))
+    out["suffix_repeat_learned"] = True
+    first = detail["suffix_file_edit_first"]
+    out["suffix_file_edit_real_first_speedup"] = first["speedup"]
+    out["suffix_file_edit_real_first_acceptance"] = (first["spec"] or {}).get("acceptance")
+    out["file_edit_real_decoded_tokens"] = edit_run["decoded_tokens"]
+    out.update({
+        "constraint_speedup_real": detail["constraint"]["speedup"],
+        "constraint_cpu_speedup_real": detail["constraint"]["cpu_speedup"],
+        "auto_freeform_ratio_real": detail["auto_freeform"]["speedup"],
+        "auto_freeform_cpu_ratio_real": detail["auto_freeform"]["cpu_speedup"],
+        "lossless_real": all(d.get("same_output", True) for d in detail.values()),
+        "detail_real": detail})
+    return out
+
+
 def _restored_child(args: argparse.Namespace) -> int:
     """Turn 2 of the conversation in a fresh process (prefix cache from the SSD tier only)."""
     from mlxkv.engine.engine import Engine, Request
@@ -276,11 +369,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-layers", type=int, default=2)
     ap.add_argument("--upper-scale", type=float, default=0.02,
                     help="the bench pair's target: scale of the updates its upper layers write")
+    ap.add_argument("--real-tokens", type=int, default=128,
+                    help="tokens generated per request on the real model (at least 128)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--restored-child", help=argparse.SUPPRESS)
+    add_real_flag(ap)
     args = ap.parse_args(argv)
     if args.restored_child:
         return _restored_child(args)
+    real = None if args.no_real else real_model_file()  # fails before the synthetic pass
 
     from bench.models import bench_model_path, copy_model_path
     from mlxkv.engine.engine import Engine, Request
@@ -356,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
                 detail[f"demo_draft_q{q}"] = _side_by_side(
                     eng, lambda m, a=ask: Request(messages=a, params=long, spec=m), max(6, 3 * reps),
                     ("off", "draft"), True)
+        real_figures = _real_pass(args, real, work) if real is not None else {}
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -393,9 +491,10 @@ def main(argv: list[str] | None = None) -> int:
         "bench_pair": f"{pair_target.name} + {pair_draft.name}",
         "detail": detail,
     })
+    results.update(real_figures)
     if not args.json:
         for key, value in results.items():
-            if key != "detail":
+            if key not in ("detail", "detail_real"):
                 print(f"{key:34s} {value}")
     print(json.dumps(results))
     return 0

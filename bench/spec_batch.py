@@ -3,7 +3,7 @@ submitted at once to an engine that decodes ``--rows`` together (a row that ends
 by the next request, as under a server's load), with speculation and without, side by side
 in one engine (runs interleaved, median of ``--repeats``).
 
-    python -m bench.spec_batch [--rows 4] [--waves 3] [--tokens 96] [--repeats 3]
+    python -m bench.spec_batch [--rows 4] [--waves 3] [--tokens 96] [--repeats 3] [--no-real]
 
 Tasks (all greedy unless said; every row's output is checked equal across modes):
 - ``demo_quote``: the demo model (trained) answering with quotes from a document in its
@@ -19,6 +19,16 @@ Tasks (all greedy unless said; every row's output is checked equal across modes)
   random weights, the server benchmark's model): ``auto`` (prompt lookup, which finds
   little there) against ``off``, so the plain batched path is not made slower (at most 32
   tokens a request: the bench model is slow on a CPU).
+
+Then the real model (SmolLM2-135M-Instruct, ``support.real_model``, its GGUF file loaded by
+mlxkv, as a user loads it; only mlxkv runs here): ``real_quote`` (``ngram`` vs ``off``),
+``real_guided`` (``auto`` vs ``off``, the same long choices) and ``real_freeform_auto``
+(sampled, ``auto`` vs ``off``), the demo tasks' prompts, at most ``--real-tokens`` (64)
+tokens a request (the real model is ~30x the demo model's cost per token); the headline
+figures under the synthetic ones' names with ``_real`` appended (``ngram_batch_speedup_real``,
+``constraint_batch_speedup_real``, ``auto_freeform_batch_ratio_real``; no draft model pairs
+with it, so no ``draft_batch_speedup_real``), ``real_model`` naming the file. ``--no-real``
+skips that pass.
 
 Per task, three throughputs with and without speculation and their ratio: ``rows`` (the
 headline ``ratio``): ``--rows`` x a request's mean decode throughput, what a full batch
@@ -37,6 +47,7 @@ import threading
 import time
 from typing import Any
 
+from bench.models import add_real_flag, real_model_file
 from mlxkv.engine.blas import preload
 
 preload()  # the system OpenBLAS before mlx.core
@@ -101,46 +112,59 @@ def _side_by_side(eng: Any, make: Any, modes: tuple[str, str], repeats: int, sam
     return out
 
 
+def _demo_tasks(count: int, n: int) -> tuple[Any, Any, Any, Any]:
+    """The request builders (mode -> ``count`` requests) of the quote, question, free-form
+    and guided tasks, ``n`` tokens a request at most."""
+    from mlxkv.engine.engine import Request
+    from mlxkv.engine.generate import SamplingParams
+    from support.demo.facts import FACTS
+
+    greedy = SamplingParams(max_tokens=n, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0)
+    doc = "\n".join(f["a"][0] for f in FACTS)
+    story = SamplingParams(max_tokens=n, temperature=1.0)
+
+    def quote(mode: str) -> list:
+        return [Request(messages=[{"role": "system", "content": "Answer with quotes from this document:\n" + doc},
+                                  {"role": "user", "content": FACTS[3 + i]["q"][0]}], params=greedy, spec=mode)
+                for i in range(count)]
+
+    def ask(mode: str) -> list:
+        return [Request(messages=[{"role": "user", "content": FACTS[i]["q"][0]}], params=greedy, spec=mode)
+                for i in range(count)]
+
+    def freeform(mode: str) -> list:
+        return [Request(messages=[{"role": "user", "content": f"Tell me a long story about mlxkv, part {i}."}],
+                        params=story, spec=mode) for i in range(count)]
+
+    def guided(mode: str) -> list:
+        return [Request(messages=[{"role": "user", "content": FACTS[i]["q"][1]}], params=greedy, spec=mode,
+                        guided_choice=tuple(FACTS[i]["a"])) for i in range(count)]
+
+    return quote, ask, freeform, guided
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=4)
     ap.add_argument("--waves", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--real-tokens", type=int, default=64, help="tokens a request at most on the real model")
+    add_real_flag(ap)
     args = ap.parse_args(argv)
+    real = None if args.no_real else real_model_file()  # fails before the synthetic pass
 
     from mlxkv.engine.engine import Engine, Request
     from mlxkv.engine.generate import SamplingParams
     from mlxkv.engine.settings import DEMO_MODEL
-    from support.demo.facts import FACTS
     from support.modelgen import tiny_model
 
     n, rows, reps = args.tokens, args.rows, args.repeats
     count = rows * args.waves
     greedy = SamplingParams(max_tokens=n, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0)
     results: dict[str, Any] = {"rows": rows, "requests": count, "tokens": n, "repeats": reps}
+    quote, ask, freeform, guided = _demo_tasks(count, n)
     with Engine(str(DEMO_MODEL), max_batch=rows, prefix_cache=None).start(timeout=T) as eng:
-        doc = "\n".join(f["a"][0] for f in FACTS)
-
-        def quote(mode: str) -> list:
-            return [Request(messages=[{"role": "system", "content": "Answer with quotes from this document:\n" + doc},
-                                      {"role": "user", "content": FACTS[3 + i]["q"][0]}], params=greedy, spec=mode)
-                    for i in range(count)]
-
-        def ask(mode: str) -> list:
-            return [Request(messages=[{"role": "user", "content": FACTS[i]["q"][0]}], params=greedy, spec=mode)
-                    for i in range(count)]
-
-        story = SamplingParams(max_tokens=n, temperature=1.0)
-
-        def freeform(mode: str) -> list:
-            return [Request(messages=[{"role": "user", "content": f"Tell me a long story about mlxkv, part {i}."}],
-                            params=story, spec=mode) for i in range(count)]
-
-        def guided(mode: str) -> list:
-            return [Request(messages=[{"role": "user", "content": FACTS[i]["q"][1]}], params=greedy, spec=mode,
-                            guided_choice=tuple(FACTS[i]["a"])) for i in range(count)]
-
         results["demo_quote"] = _side_by_side(eng, quote, ("off", "ngram"), reps, True)
         results["demo_guided"] = _side_by_side(eng, guided, ("off", "auto"), reps, True)
         results["demo_draft"] = _side_by_side(eng, ask, ("off", "draft"), reps, True)
@@ -171,6 +195,18 @@ def main(argv: list[str] | None = None) -> int:
     results["constraint_batch_speedup"] = results["demo_guided"]["ratio"]
     results["auto_freeform_batch_ratio"] = results["demo_freeform_auto"]["ratio"]
     results["bench_auto_freeform_batch_ratio"] = results["bench_freeform_auto"]["ratio"]
+    if real is not None:
+        quote, _, freeform, guided = _demo_tasks(count, min(n, args.real_tokens))
+        with Engine(str(real), max_batch=rows, prefix_cache=None).start(timeout=T) as eng:
+            results["real_quote"] = _side_by_side(eng, quote, ("off", "ngram"), reps, True)
+            results["real_guided"] = _side_by_side(eng, guided, ("off", "auto"), reps, True)
+            results["real_freeform_auto"] = _side_by_side(eng, freeform, ("off", "auto"), reps, False)
+        results["real_model"] = str(real)
+        results["real_tokens"] = min(n, args.real_tokens)
+        results["ngram_batch_speedup_real"] = results["real_quote"]["ratio"]
+        results["constraint_batch_speedup_real"] = results["real_guided"]["ratio"]
+        results["auto_freeform_batch_ratio_real"] = results["real_freeform_auto"]["ratio"]
+        results["lossless_real"] = results["real_quote"]["same_output"] and results["real_guided"]["same_output"]
     print(json.dumps(results))
     return 0
 
