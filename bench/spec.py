@@ -214,6 +214,26 @@ def _side_by_side(eng: Any, make: Any, repeats: int, modes: tuple[str, ...], che
     return out
 
 
+def _constraint_task(eng: Any, reps: int, **prompt: Any) -> dict:
+    """guided_choice (long choices): auto (constraint drafts) against off."""
+    from mlxkv.engine.engine import Request
+    from mlxkv.engine.generate import SamplingParams
+
+    params = SamplingParams(max_tokens=128)
+    return _side_by_side(eng, lambda m: Request(**prompt, params=params, spec=m, guided_choice=CHOICES),
+                         reps, ("off", "auto"), True)
+
+
+def _freeform_task(eng: Any, story: list[dict], n: int, reps: int) -> dict:
+    """auto against off on sampled free-form text (outputs differ: no lossless check)."""
+    from mlxkv.engine.engine import Request
+    from mlxkv.engine.generate import SamplingParams
+
+    sampled = SamplingParams(max_tokens=n, temperature=1.0)
+    return _side_by_side(eng, lambda m: Request(messages=story, params=sampled, spec=m), reps + 1, ("off", "auto"),
+                         False)
+
+
 def _file_edit_prompt(tok: Any) -> list[int]:
     """A 600-token source file in a fence, the request to repeat it with one change, and the
     answer so far: the fence again and the file up to just past the change (the copy model
@@ -279,14 +299,10 @@ def _real_pass(args: argparse.Namespace, real: Path, work: Path) -> dict:
         detail["file_edit"]["decoded_tokens"] = len(plain.tokens)
         detail["file_edit"]["reply_head"] = tok.decode(plain.tokens[:48])
         detail["file_edit"]["prompt_tokens"] = len(edit)
-        detail["constraint"] = _side_by_side(
-            eng, lambda m: Request(messages=[{"role": "user", "content": "Which sentence describes the prefix cache?"}],
-                                   params=SamplingParams(max_tokens=128), spec=m, guided_choice=CHOICES),
-            reps, ("off", "auto"), True)
+        detail["constraint"] = _constraint_task(
+            eng, reps, messages=[{"role": "user", "content": "Which sentence describes the prefix cache?"}])
     with Engine.from_settings(_settings(real, work / "r1", prefix_cache=False)).start(timeout=600) as eng:
-        sampled = SamplingParams(max_tokens=n, temperature=1.0)
-        detail["auto_freeform"] = _side_by_side(eng, lambda m: Request(messages=story, params=sampled, spec=m),
-                                                reps + 1, ("off", "auto"), False)
+        detail["auto_freeform"] = _freeform_task(eng, story, n, reps)
     edit_run = detail["file_edit"]
     out: dict[str, Any] = {"real_model": str(real), "real_model_note": "mlxkv only, on the GGUF file",
                            "real_tokens": n}
@@ -412,15 +428,10 @@ def main(argv: list[str] | None = None) -> int:
                 eng, lambda m: Request(prompt_tokens=first, params=greedy, spec=m), reps, ("off", "ngram"), True)
             detail["draft_layer_skip"] = _side_by_side(eng, lambda m: Request(messages=story, params=greedy, spec=m),
                                                        reps, ("off", "draft"), True)
-            detail["constraint"] = _side_by_side(
-                eng, lambda m: Request(prompt="Which sentence describes the prefix cache?\n",
-                                       params=SamplingParams(max_tokens=128), spec=m, guided_choice=CHOICES),
-                reps, ("off", "auto"), True)
+            detail["constraint"] = _constraint_task(eng, reps, prompt="Which sentence describes the prefix cache?\n")
         # 2. auto against off on sampled free-form text (prompt lookup only, no cache)
         with Engine.from_settings(_settings(bench, work / "c2", prefix_cache=False)).start(timeout=600) as eng:
-            sampled = SamplingParams(max_tokens=n, temperature=1.0)
-            detail["auto_freeform"] = _side_by_side(eng, lambda m: Request(messages=story, params=sampled, spec=m),
-                                                    reps + 1, ("off", "auto"), False)
+            detail["auto_freeform"] = _freeform_task(eng, story, n, reps)
         # 3. the bench pair: draft speed-up, then a conversation restored in a new process
         with Engine.from_settings(_settings(pair_target, work / "c3", draft_model=str(pair_draft))).start(
                 timeout=600) as eng:

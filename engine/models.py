@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import sys
 from collections import Counter
@@ -288,7 +289,7 @@ def load_gguf_model(path: Path, spec: str, dtype: str = "auto") -> LoadedModel:
     header = read_header(path)  # GGUFError (a ValueError) names what is wrong with the file
     counts = Counter(t.type_name for t in header.tensors.values())
     quantized = any(t in ("Q4_0", "Q4_1", "Q8_0") for t in counts)
-    float32_bytes = 4 * sum(_elements(t.shape) for t in header.tensors.values())
+    float32_bytes = 4 * sum(math.prod(t.shape) for t in header.tensors.values())
     dequantize = (mx.float32 if dtype == "auto" and quantized and mx.default_device() == mx.cpu
                   and float32_bytes <= _physical_memory() // 2 else None)
     loaded = load_gguf(path, dequantize=dequantize, header=header)
@@ -305,13 +306,6 @@ def load_gguf_model(path: Path, spec: str, dtype: str = "auto") -> LoadedModel:
                        extra={"gguf": {"types": dict(counts), "dequantized": loaded.dequantized,
                                        "architecture": header.get("general.architecture"),
                                        "name": header.get("general.name")}})
-
-
-def _elements(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def load_model(spec: str | os.PathLike, dtype: str = "auto", full_hash: bool = False,

@@ -15,7 +15,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from tui_pilot import drive, make_settings, send, wait_for
+from tui_pilot import drive, make_settings, pick_model, send, wait_for
 
 from mlxkv.engine.gguf import GGUFError
 from mlxkv.engine.models import ModelNotFoundError, load_model, model_fingerprint, resolve_model_path
@@ -108,17 +108,12 @@ def test_mlxkv_chat_takes_a_gguf_file(q4, tmp_path):
 
 def test_the_tui_model_switcher_loads_a_gguf_file(q4, tmp_path: Path, data_dir: Path) -> None:
     from mlxkv.tui.app import MlxkvApp
-    from mlxkv.tui.widgets.modals import ModelPicker
 
     app = MlxkvApp(make_settings(tmp_path, max_tokens=4))
 
     async def scenario(pilot: Any) -> None:
         await wait_for(pilot, app.metrics.model_ready.is_set, "model")
-        await pilot.press("f3")
-        await wait_for(pilot, lambda: isinstance(app.screen, ModelPicker), "model picker")
-        app.screen.query_one("#spec").value = str(q4)
-        app.screen.query_one("#spec").focus()
-        await pilot.press("enter")
+        await pick_model(pilot, str(q4))
         await wait_for(pilot, lambda: app.bridge.ready.is_set() and app.bridge.error is None
                        and app.bridge.info.get("path") == str(q4), "the GGUF model")
         assert app.bridge.info["model_type"] == "qwen3"

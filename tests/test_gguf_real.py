@@ -227,21 +227,16 @@ def test_a_multi_turn_chat_through_mlxkv_serve_reuses_the_cache(tmp_path, refere
 
 
 def test_the_tui_switches_to_the_file_and_answers(tmp_path, data_dir):
-    from tui_pilot import drive, make_settings, send, wait_for
+    from tui_pilot import drive, make_settings, pick_model, send, wait_for
 
     from mlxkv.tui.app import MlxkvApp
     from mlxkv.tui.widgets.message import MessageView
-    from mlxkv.tui.widgets.modals import ModelPicker
 
     app = MlxkvApp(make_settings(tmp_path, max_tokens=MAX_TOKENS))
 
     async def scenario(pilot) -> None:
         await wait_for(pilot, app.metrics.model_ready.is_set, "model")
-        await pilot.press("f3")
-        await wait_for(pilot, lambda: isinstance(app.screen, ModelPicker), "model picker")
-        app.screen.query_one("#spec").value = str(REAL)
-        app.screen.query_one("#spec").focus()
-        await pilot.press("enter")
+        await pick_model(pilot, str(REAL))
         await wait_for(pilot, lambda: app.bridge.ready.is_set() and app.bridge.error is None
                        and app.bridge.info.get("path") == str(REAL), "the real model", timeout=T)
         await send(pilot, "What is the capital of France?")

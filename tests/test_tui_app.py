@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from textual.binding import Binding
-from tui_pilot import drive, make_settings, send, wait_for
+from tui_pilot import drive, make_settings, pick_model, send, wait_for
 
 from mlxkv.engine.settings import DEMO_MODEL
 from mlxkv.tui.app import MlxkvApp
@@ -144,11 +144,7 @@ def test_model_switcher_reports_a_bad_folder_and_loads_the_demo_model(tmp_path: 
 
     async def scenario(pilot: Any) -> None:
         await wait_for(pilot, app.metrics.model_ready.is_set, "model")
-        await pilot.press("f3")
-        await wait_for(pilot, lambda: isinstance(app.screen, ModelPicker), "model picker")
-        app.screen.query_one("#spec").value = str(tmp_path / "missing-model")
-        app.screen.query_one("#spec").focus()
-        await pilot.press("enter")
+        await pick_model(pilot, str(tmp_path / "missing-model"))
         await wait_for(pilot, lambda: app.bridge.error is not None, "load failure")
         await wait_for(pilot, lambda: any("F3" in m for m in notices(app, "error")), "notification")
         await pilot.press("f3")

@@ -42,6 +42,18 @@ async def send(pilot: Any, text: str) -> None:
     await wait_for(pilot, lambda: app.metrics.replies > before and app.chat.pending is None, "reply")
 
 
+async def pick_model(pilot: Any, spec: str) -> None:
+    """F3, ``spec`` typed into the model picker, Enter (the load is not waited for)."""
+    from mlxkv.tui.widgets.modals import ModelPicker
+
+    app = pilot.app
+    await pilot.press("f3")
+    await wait_for(pilot, lambda: isinstance(app.screen, ModelPicker), "model picker")
+    app.screen.query_one("#spec").value = spec
+    app.screen.query_one("#spec").focus()
+    await pilot.press("enter")
+
+
 def drive(app: Any, scenario: Callable[[Any], Any]) -> None:
     """Run the real app headless at SIZE, play ``scenario(pilot)``, then stop its engine
     (which flushes its cache), whatever happened."""
