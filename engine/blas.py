@@ -6,6 +6,13 @@ the global scope first, so a BLAS loaded with ``RTLD_GLOBAL`` *before* ``mlx.cor
 imported wins. After ``mlx.core`` has been imported the symbols are already bound (or will
 bind to the bundled copy), so :func:`preload` must run first: ``engine/__init__.py`` calls
 it. ``MLXKV_BLAS=off`` disables it; ``MLXKV_BLAS=/path/libopenblas.so.0`` picks a library.
+
+OpenBLAS picks its kernels by the CPU's model number, and a CPU it has no entry for (a
+virtual machine's generic "Intel Xeon Processor", a newer model than the library) gets
+its slowest x86-64 kernels ("Prescott"): float32 matmuls ran 4x slower than the AVX-512
+kernels on such a machine. Unless ``OPENBLAS_CORETYPE`` is set, :func:`preload` names the
+kernel family the CPU's instruction set supports (the flags Linux reports), which is what
+OpenBLAS itself picks on a CPU it knows.
 """
 
 from __future__ import annotations
@@ -28,7 +35,8 @@ CANDIDATES = (
 )
 
 _state: dict[str, Any] = {"requested": None, "path": None, "loaded": False, "active": False,
-                          "reason": "preload() not called", "config": None}
+                          "reason": "preload() not called", "config": None, "core": None,
+                          "core_source": "OpenBLAS's own detection"}
 _handle: ctypes.CDLL | None = None
 
 
@@ -44,6 +52,49 @@ def _requested_setting() -> str:
     except Exception:  # a broken config file is reported by `mlxkv config`, not here
         value = None
     return str(value).strip() if value else "auto"
+
+
+# The OpenBLAS kernel family for an x86-64 CPU's instruction set (its sgemm kernels are the
+# ones it picks for the CPU models it knows with these flags), best first.
+_CORE_BY_FLAGS = (
+    ("SkylakeX", {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}),
+    ("Haswell", {"avx2", "fma"}),
+)
+
+
+def core_for_flags(flags: set[str]) -> str | None:
+    """The ``OPENBLAS_CORETYPE`` for a CPU with these ``/proc/cpuinfo`` flags, or None."""
+    for core, needed in _CORE_BY_FLAGS:
+        if needed <= flags:
+            return core
+    return None
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _choose_core() -> None:
+    """Set ``OPENBLAS_CORETYPE`` from the CPU's flags unless the user set it (read by
+    OpenBLAS when it is loaded, so before the load)."""
+    if os.environ.get("OPENBLAS_CORETYPE"):
+        _state["core_source"] = "OPENBLAS_CORETYPE"
+        return
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return
+    core = core_for_flags(_cpu_flags())
+    if core is not None:
+        os.environ["OPENBLAS_CORETYPE"] = core
+        _state["core_source"] = "the CPU's flags"
 
 
 def find_openblas() -> str | None:
@@ -75,6 +126,7 @@ def preload(setting: str | None = None) -> dict[str, Any]:
         _state["reason"] = "no system OpenBLAS found (apt install libopenblas0-pthread)"
         return blas_info()
     mlx_already = "mlx.core" in sys.modules
+    _choose_core()
     try:
         _handle = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
     except OSError as e:
@@ -84,6 +136,8 @@ def preload(setting: str | None = None) -> dict[str, Any]:
     try:
         _handle.openblas_get_config.restype = ctypes.c_char_p
         _state["config"] = _handle.openblas_get_config().decode()
+        _handle.openblas_get_corename.restype = ctypes.c_char_p
+        _state["core"] = _handle.openblas_get_corename().decode()
     except AttributeError:
         pass
     if mlx_already:
@@ -130,6 +184,7 @@ def blas_info() -> dict[str, Any]:
 def describe() -> str:
     info = blas_info()
     if info["active"]:
-        return f"OpenBLAS ({info['path']})"
+        core = f", {info['core']} kernels from {info['core_source']}" if info["core"] else ""
+        return f"OpenBLAS ({info['path']}{core})"
     return f"{info['name']}: {info['reason']}"
 

@@ -376,3 +376,30 @@ def test_an_interactive_front_end_leaves_a_core_to_the_ui():
     assert threads == max(1, cores - 1)
     chosen = _run_py("import mlxkv.engine.blas as b; b.preload(); print(b.leave_a_core())", OPENBLAS_NUM_THREADS="2")
     assert chosen.returncode == 0 and chosen.stdout.strip() == "False", chosen.stderr[-2000:]
+
+
+def test_openblas_kernels_follow_the_cpus_instruction_set():
+    """OpenBLAS gives a CPU model it has no entry for (a virtual machine's generic Xeon) its
+    slowest kernels; preload names the family the CPU's flags support instead, unless the
+    user chose one; in a fresh process, with the real library."""
+    from mlxkv.engine.blas import core_for_flags, find_openblas
+
+    avx512 = {"avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
+    assert core_for_flags(avx512) == "SkylakeX"
+    assert core_for_flags({"avx", "avx2", "fma"}) == "Haswell"
+    assert core_for_flags({"sse2", "sse4_2"}) is None
+    assert core_for_flags(avx512 - {"avx512dq"}) == "Haswell"
+    if find_openblas() is None:
+        pytest.skip("no system OpenBLAS on this machine")
+    code = "import mlxkv.engine.blas as b; b.preload(); i = b.blas_info(); print(i['core'], '|', i['core_source'])"
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    core, source = (s.strip() for s in r.stdout.split("|"))
+    with open("/proc/cpuinfo") as fh:
+        flags = next((set(ln.split(":")[1].split()) for ln in fh if ln.startswith("flags")), set())
+    wanted = core_for_flags(flags)
+    if wanted is not None:
+        assert (core, source) == (wanted, "the CPU's flags")
+    chosen = _run_py(code, OPENBLAS_CORETYPE="Haswell")
+    assert chosen.stdout.split("|")[0].strip() == "Haswell" and "OPENBLAS_CORETYPE" in chosen.stdout

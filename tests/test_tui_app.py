@@ -70,8 +70,10 @@ def test_every_binding_has_an_id_and_f1_lists_them(tmp_path: Path, data_dir: Pat
     async def scenario(pilot: Any) -> None:
         app.chat.query_one("#messages").focus()  # "?" outside the message box
         await pilot.press("question_mark")
-        await wait_for(pilot, lambda: type(app.screen).__name__ == "HelpScreen", "help")
-        text = app.screen.query_one("Markdown").source
+        # the help screen fills its Markdown after it is mounted: wait for the text itself
+        text = await wait_for(pilot, lambda: type(app.screen).__name__ == "HelpScreen"
+                              and app.screen.query("Markdown") and app.screen.query_one("Markdown").source,
+                              "help")
         for bid in ("app.quit", "chat.new", "chat.cancel", "prompt.send", "prompt.newline", "message.copy"):
             assert f"`{bid}`" in text
         await pilot.press("escape")
