@@ -238,6 +238,7 @@ BAD_FIELDS = [
     ("max_output_tokens", 0), ("max_output_tokens", "many"), ("max_output_tokens", 1.5),
     ("max_output_tokens", float("inf")),
     ("temperature", "hot"), ("temperature", -1), ("temperature", 1e300), ("temperature", float("nan")),
+    ("temperature", 10**400), ("top_p", -(10**400)), ("max_output_tokens", -(10**400)),
     ("top_p", 2), ("top_p", 0), ("top_p", []),
     ("seed", 2**64), ("seed", -1), ("seed", 10**40),
     ("metadata", "x"), ("metadata", {"a": 1}),
