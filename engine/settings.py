@@ -223,6 +223,9 @@ FIELDS: tuple[Field, ...] = (
     Field("max_tokens_limit", None, _optional(_positive_int),
           "serve: largest max_tokens a request may ask for (default: the model's context)",
           arg_type=int, metavar="N"),
+    Field("responses_store_bytes", 64 * 1024**2, parse_bytes,
+          "serve: memory for earlier /v1/responses answers kept for previous_response_id, "
+          "e.g. 64MiB (0: none kept)", metavar=SIZE),
 )
 FIELD_BY_NAME = {f.name: f for f in FIELDS}
 # Sampling values a model folder may recommend in Hugging Face's generation_config.json.
@@ -319,6 +322,7 @@ class Settings:
     max_body_bytes: int
     max_requests: int
     max_tokens_limit: int | None
+    responses_store_bytes: int
 
     def __init__(self, values: dict[str, Any], sources: dict[str, str], config_path: Path):
         self._values = values

@@ -4,6 +4,7 @@
     GET  /v1/models              the one model served
     POST /v1/chat/completions    OpenAI chat (JSON or SSE)
     POST /v1/completions         OpenAI text completion (JSON or SSE)
+    POST /v1/responses           OpenAI Responses (JSON or SSE; what Codex CLI speaks)
     POST /v1/messages            Anthropic Messages (JSON or SSE)
     POST /v1/messages/count_tokens  the input tokens of a Messages body
     GET  /stats                  engine, cache and speculation figures, and the server's own
@@ -31,7 +32,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from mlxkv.server import anthropic_api, openai_api
+from mlxkv.server import anthropic_api, openai_api, responses_api
 from mlxkv.server.context import Context, ServerConfig, dumps
 from mlxkv.server.errors import ApiError, anthropic_body, openai_body
 
@@ -119,6 +120,7 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> Starlette:
         Route("/v1/models", _route(ctx, models), methods=["GET"]),
         Route("/v1/chat/completions", _route(ctx, openai_api.chat_completions), methods=["POST"]),
         Route("/v1/completions", _route(ctx, openai_api.completions), methods=["POST"]),
+        Route("/v1/responses", _route(ctx, responses_api.responses), methods=["POST"]),
         Route("/v1/messages", _route(ctx, anthropic_api.messages), methods=["POST"]),
         Route("/v1/messages/count_tokens", _route(ctx, anthropic_api.count_tokens), methods=["POST"]),
         Route("/stats", _route(ctx, stats), methods=["GET"]),

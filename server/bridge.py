@@ -217,3 +217,12 @@ async def collect(stream: EventStream, receive: Any) -> list[Any] | None:
                 return events
     finally:
         gone.cancel()
+
+
+async def all_events(stream: EventStream, first: Any, receive: Any) -> list[Any] | None:
+    """``first`` (already taken) and every later event of a request that is not streamed,
+    or None when the client went away before the end (the request is then cancelled)."""
+    if isinstance(first, (FinishedEvent, ErrorEvent)):
+        return [first]
+    rest = await collect(stream, receive)
+    return None if rest is None else [first, *rest]

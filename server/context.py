@@ -15,6 +15,7 @@ from mlxkv.engine.requests import StatsEvent, TokenEvent
 from mlxkv.server.bridge import Gate
 from mlxkv.server.errors import ApiError
 from mlxkv.server.fields import Limits, parse_body
+from mlxkv.server.response_store import ResponseStore
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +29,7 @@ class ServerConfig:
     max_tokens_limit: int | None = None
     defaults: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     model_id: str | None = None  # what /v1/models lists (default: the engine's model label)
+    responses_store_bytes: int = 64 * 1024**2  # earlier /v1/responses kept (previous_response_id)
 
 
 class Context:
@@ -39,6 +41,7 @@ class Context:
         self.model_id = config.model_id or str(info.get("model") or engine.model_spec)
         self.limits = Limits(config.max_tokens_limit, info.get("context_tokens"))
         self.created = int(time.time())
+        self.responses = ResponseStore(config.responses_store_bytes)
         self._tokenizer: Any = None
         self._tok_lock = threading.Lock()
         self._token_texts: dict[int, str] = {}

@@ -70,8 +70,10 @@ def get_float(body: dict, name: str, default: Any = None, lo: float | None = Non
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ApiError(400, f"{name} must be a number, not {_kind(value)}", name)
+    if isinstance(value, int) and value.bit_length() > 1000 or not math.isfinite(value):
+        raise ApiError(400, f"{name} must be a finite number", name)  # (huge ints: no float)
     if lo is not None and value < lo:
         raise ApiError(400, f"{name} must be >= {lo}, got {value}", name)
     if hi is not None and value > hi:

@@ -6,11 +6,17 @@ calls as ``<tool_call>{json}</tool_call>``, results as ``<tool_response>``), ove
 mlx in a few seconds on two replies: the weather question answers with a get_weather call,
 and the same conversation with that call's result answers with a sentence. Greedy decoding
 then writes both exactly, through the server's real template and parsing path.
+
+The default-tools model is the same, under a plain ChatML template that has no tool
+format (as SmolLM2's): trained on the prompts ``/v1/responses`` writes for such templates
+(tools in the system message, calls and results as tags), so that it answers the server's
+own default tool format.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import shutil
@@ -53,11 +59,42 @@ def tool_conversations() -> list[tuple[list[dict[str, Any]], str]]:
     return [(first, call), (second, FINAL_ANSWER)]
 
 
+PLAIN_TEMPLATE = (
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def default_tool_conversations() -> list[tuple[list[dict[str, Any]], str]]:
+    """The tool conversations as ``/v1/responses`` writes them for a template without tools."""
+    from mlxkv.server.responses_items import call_text, inline_tools, parse_input, to_messages
+
+    call = {"type": "function_call", "call_id": "x", "name": "get_weather",
+            "arguments": json.dumps(CALL_ARGS)}
+    first = [{"type": "message", "role": "user", "content": QUESTION}]
+    second = first + [call, {"type": "function_call_output", "call_id": "x", "output": TOOL_RESULT}]
+    reply = call_text({"function": {"name": "get_weather", "arguments": CALL_ARGS}})
+    return [(inline_tools(to_messages(parse_input(items), None), [WEATHER_TOOL]), answer)
+            for items, answer in ((first, reply), (second, FINAL_ANSWER))]
+
+
 def tool_model() -> Path:
     """The trained tool-call model folder (built once into .cache/models)."""
+    return _trained("qwen3-toolcall-v1", TOOL_TEMPLATE, tool_conversations(), [WEATHER_TOOL])
+
+
+def default_tool_model() -> Path:
+    """The model trained on the default tool format (one folder per version of its prompts)."""
+    rows = default_tool_conversations()
+    digest = hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()[:10]
+    return _trained(f"qwen3-defaulttools-{digest}", PLAIN_TEMPLATE, rows, None)
+
+
+def _trained(name: str, template: str, rows: list[tuple[list[dict[str, Any]], str]],
+             tools: list[dict[str, Any]] | None) -> Path:
     from support.modelgen import TEST_MODELS, tiny_model
 
-    out = TEST_MODELS / "qwen3-toolcall-v1"
+    out = TEST_MODELS / name
     if (out / "config.json").exists() and list(out.glob("*.safetensors")):
         return out
     base = tiny_model("qwen3")
@@ -69,10 +106,10 @@ def tool_model() -> Path:
             shutil.copy(f, tmp / f.name)
     cfg_path = tmp / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
-    cfg["chat_template"] = TOOL_TEMPLATE
+    cfg["chat_template"] = template
     cfg_path.write_text(json.dumps(cfg, indent=2))
     (tmp / "chat_template.jinja").unlink(missing_ok=True)
-    _train(tmp, json.loads((base / "config.json").read_text()))
+    _train(tmp, json.loads((base / "config.json").read_text()), rows, tools)
     if out.exists():
         shutil.rmtree(tmp, ignore_errors=True)
     else:
@@ -80,7 +117,8 @@ def tool_model() -> Path:
     return out
 
 
-def _train(folder: Path, base_config: dict) -> None:
+def _train(folder: Path, base_config: dict, conversations: list[tuple[list[dict[str, Any]], str]],
+           tools: list[dict[str, Any]] | None) -> None:
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
@@ -90,9 +128,8 @@ def _train(folder: Path, base_config: dict) -> None:
     from support.modelgen import init_model, model_config, save_model_dir
 
     tok = load_tokenizer(folder)
-    tools = [WEATHER_TOOL]
     rows = []
-    for messages, reply in tool_conversations():
+    for messages, reply in conversations:
         prompt = chat_prompt_tokens(tok, messages, tools=tools)
         answer = list(tok.encode(reply, add_special_tokens=False)) + [tok.eos_token_id]
         rows.append((prompt, answer))
@@ -126,19 +163,20 @@ def _train(folder: Path, base_config: dict) -> None:
 
 class LoopbackServer:
     """``server.app`` on uvicorn in a thread, on a port the OS picked (bound before the
-    thread starts, so a client never races the bind)."""
+    thread starts, so a client never races the bind); ``wrap``: ASGI middleware around it."""
 
-    def __init__(self, engine: Any, config: Any):
+    def __init__(self, engine: Any, config: Any, wrap: Any = None):
         import uvicorn
 
         from mlxkv.server.app import create_app
 
         self.engine = engine
         self.app = create_app(engine, config)
+        served = self.app if wrap is None else wrap(self.app)  # ASGI middleware around the app
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", access_log=False,
+        self.server = uvicorn.Server(uvicorn.Config(served, log_level="warning", access_log=False,
                                                     lifespan="off", timeout_graceful_shutdown=5))
         self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])),
                                        name="uvicorn-test", daemon=True)
