@@ -248,6 +248,7 @@ class LoadedModel:
     weights_dtype: str
     compute_dtype: str
     extra: dict = field(default_factory=dict)
+    context_override: int | None = None  # the context_tokens setting, when given
 
     @property
     def name(self) -> str:
@@ -260,7 +261,10 @@ class LoadedModel:
 
     @property
     def context_tokens(self) -> int | None:
-        """The model's context length (``max_position_embeddings``), when its config says."""
+        """The context a prompt and its reply may fill: the ``context_tokens`` setting when
+        given, else the model's own (``max_position_embeddings``), when its config says."""
+        if self.context_override is not None:
+            return self.context_override
         for cfg in (self.config, self.config.get("text_config") or {}):
             value = cfg.get("max_position_embeddings")
             if isinstance(value, int) and value > 0:

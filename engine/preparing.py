@@ -130,8 +130,10 @@ class Preparer:
         if len(tokens) >= context:
             keep = max(context - max_tokens, context // 2, 1)
             if not req.truncate:
+                whose = "the model's context" if self.loaded.context_override is None else \
+                    "the context (--context-tokens)"
                 raise RequestRefused(
-                    f"the prompt is {len(tokens)} tokens; the model's context is {context} "
+                    f"the prompt is {len(tokens)} tokens; {whose} is {context} "
                     f"tokens (use --truncate to keep the last {keep})")
             tokens = tokens[-keep:]
         return tokens, min(max_tokens, context - len(tokens))

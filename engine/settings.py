@@ -175,6 +175,10 @@ FIELDS: tuple[Field, ...] = (
           metavar="X"),
     Field("seed", None, _optional(int), "random seed for sampling", arg_type=int, metavar="N"),
     Field("max_tokens", 512, _positive_int, "maximum tokens to generate", arg_type=int, metavar="N"),
+    Field("context_tokens", None, _optional(_positive_int),
+          "tokens a prompt and its reply may fill (default: the model's own context, "
+          "max_position_embeddings); more lets an agent's long prompt in, with the model "
+          "past the length it was trained on", arg_type=int, metavar="N"),
     Field("prefill_step_size", 2048, _positive_int, "prompt tokens per prefill chunk", arg_type=int,
           metavar="N"),
     Field("max_batch", 8, _positive_int,
@@ -304,6 +308,7 @@ class Settings:
     repetition_penalty: float
     seed: int | None
     max_tokens: int
+    context_tokens: int | None
     prefill_step_size: int
     max_batch: int
     max_queue: int

@@ -213,6 +213,23 @@ def test_prompt_longer_than_the_context_is_refused(small_context_engine):
     assert r.stats.prompt_tokens == 56 and r.tokens == ref.tokens
 
 
+def test_the_context_tokens_setting_replaces_the_models_context():
+    """An agent's prompt longer than the model's own context runs with --context-tokens above
+    it; below it, the setting is the limit a prompt is refused by."""
+    from mlxkv.engine.settings import Settings
+
+    model = str(tiny_model("qwen3", max_position_embeddings=64))
+    with Engine(model, settings=Settings.defaults(model=model, context_tokens=128)).start(timeout=T) as e:
+        tokens = e.encode(TEXT * 4, timeout=T)[:100]
+        r = e.submit(Request(prompt_tokens=tokens, params=greedy(max_tokens=8))).result(timeout=T)
+        assert r.stats.prompt_tokens == 100 and len(r.tokens) == 8
+        assert e.stats()["model"]["context_tokens"] == 128
+    with Engine(model, settings=Settings.defaults(model=model, context_tokens=32)).start(timeout=T) as e:
+        h = e.submit(Request(prompt_tokens=tokens[:40], params=greedy(max_tokens=8)))
+        with pytest.raises(RequestRefused, match=r"the prompt is 40 tokens; the context \(--context-tokens\) is 32"):
+            h.result(timeout=T)
+
+
 def test_generation_stops_at_the_end_of_the_context(small_context_engine):
     e = small_context_engine
     tokens = e.encode(TEXT * 4, timeout=T)[:60]
