@@ -109,9 +109,13 @@ def test_a_stop_between_layers_keeps_exactly_the_chunks_before(config):
 
     with pytest.raises(Cancelled):
         prefill(model, toks, stopped, STEP, lambda d: None, between_layers=stop_in_third_chunk)
+
+    def stop_after_two_chunks(done: int) -> None:  # how a cancel between chunks stops
+        if done == 2 * STEP:
+            raise Cancelled
     two = make_prompt_cache(model)
-    prefill(model, toks[: 2 * STEP], two, STEP, lambda d: None)
-    mx.eval([c.state for c in two])
+    with pytest.raises(Cancelled):
+        prefill(model, toks, two, STEP, stop_after_two_chunks)
     assert same(arrays(stopped), arrays(two))
     # and the stopped cache goes on exactly as one that never ran the third chunk
     la, _ = prefill(model, toks[2 * STEP:], stopped, STEP, lambda d: None)
