@@ -33,6 +33,15 @@ def stored(pc, model, tokens, ns="ns", **kw):
     pc.store(tokens, cache, ns, **kw)
 
 
+def room_for_two(model, tokens, clock: Clock):
+    """A RAM-only cache on ``clock`` that holds two states like ``tokens``, not three."""
+    probe = pc_at(None, ram_bytes=1 << 30)
+    stored(probe, model, tokens)
+    one = probe.ram.nbytes
+    probe.close()
+    return pc_at(None, ram_bytes=int(2.5 * one), clock=clock)
+
+
 # ----------------------------------------------------------------------------- explain
 def test_explain_names_the_closest_state_and_where_the_prompt_parts(llama, tmp_path):
     base = prompt(90, 1)
@@ -65,12 +74,7 @@ def test_explain_names_the_closest_state_and_where_the_prompt_parts(llama, tmp_p
 def test_under_pressure_a_hinted_state_outlives_unhinted_ones_until_its_hint_ends(llama):
     clock = Clock()
     t = [prompt(40, s) for s in range(10, 16)]
-    _, _, c = run(llama, t[0], n_new=0)
-    probe = pc_at(None, ram_bytes=1 << 30)
-    probe.store(t[0], c, "ns")
-    one = probe.ram.nbytes
-    probe.close()
-    pc = pc_at(None, ram_bytes=int(2.5 * one), clock=clock)
+    pc = room_for_two(llama, t[0], clock)
     stored(pc, llama, t[0], retain_s=300)  # the oldest, but hinted for 5 minutes
     stored(pc, llama, t[1])
     stored(pc, llama, t[2])  # over the cap: t[1] goes, not the older t[0]
@@ -87,12 +91,7 @@ def test_under_pressure_a_hinted_state_outlives_unhinted_ones_until_its_hint_end
 def test_a_manual_pin_outlasts_hints_and_stays_until_unpinned(llama):
     clock = Clock()
     t = [prompt(40, s) for s in range(20, 26)]
-    _, _, c = run(llama, t[0], n_new=0)
-    probe = pc_at(None, ram_bytes=1 << 30)
-    probe.store(t[0], c, "ns")
-    one = probe.ram.nbytes
-    probe.close()
-    pc = pc_at(None, ram_bytes=int(2.5 * one), clock=clock)
+    pc = room_for_two(llama, t[0], clock)
     stored(pc, llama, t[0])
     pinned = next(iter(pc.entries())).id
     assert pc.pin(pinned)

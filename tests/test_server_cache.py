@@ -11,9 +11,8 @@ import random
 import threading
 import time
 
-import anthropic
-import openai
 import pytest
+import test_server
 from common import T
 from server_support import LoopbackServer
 
@@ -26,6 +25,9 @@ from support.modelgen import tiny_model
 
 httpx = http_client()
 HEADER = "x-mlxkv-cache"
+KEY = test_server.KEY
+AUTH = {"x-api-key": KEY}
+oai, claude = test_server.oai, test_server.claude  # the clients, of this module's ``served``
 SYSTEM = ("x-anthropic-billing-header: cc_version={v}; cc_entrypoint=cli;\n"
           "You are a careful assistant who answers questions about files in the project. "
           "Read the files before answering, and say which ones you read.")
@@ -41,22 +43,12 @@ def served(tiny_qwen3):
 
     cache = PrefixCache(ram_bytes=64 << 20, cache_dir=None, block_tokens=16)
     engine = Engine(str(tiny_qwen3), prefix_cache=cache).start(timeout=T)
-    config = ServerConfig(defaults=SamplingParams(max_tokens=4, temperature=0.0))
+    config = ServerConfig(api_key=KEY, defaults=SamplingParams(max_tokens=4, temperature=0.0))
     try:
         with LoopbackServer(engine, config) as srv:
             yield srv
     finally:
         engine.shutdown()
-
-
-@pytest.fixture
-def oai(served):
-    return openai.OpenAI(base_url=served.url + "/v1", api_key="k", max_retries=0, timeout=T)
-
-
-@pytest.fixture
-def claude(served):
-    return anthropic.Anthropic(base_url=served.url, api_key="k", max_retries=0, timeout=T)
 
 
 def test_every_generation_route_says_what_its_lookup_matched(oai, claude):
@@ -96,7 +88,7 @@ def test_stats_shows_where_each_prompt_parted_from_the_cache(served, oai):
     other = [{"role": "system", "content": SYSTEM.format(v="3.0.52")}, msgs[1]]
     r = oai.chat.completions.with_raw_response.create(model="m", messages=other, max_tokens=2)
     header = fields(r.headers[HEADER])
-    lookups = httpx.get(served.url + "/stats", timeout=T).json()["lookups"]
+    lookups = httpx.get(served.url + "/stats", headers=AUTH, timeout=T).json()["lookups"]
     last = lookups[-1]
     assert last["outcome"] == "diverged" and str(last["diverged_at"]) == header["diverged_at"]
     assert last["entry"] == header["entry"] and last["entry_label"] == header["entry"][:12]
@@ -129,7 +121,7 @@ def test_cache_control_and_prompt_cache_key_keep_the_state(served, oai, claude):
 ])
 def test_a_malformed_cache_control_is_a_400_naming_it(served, body, field):
     full = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], **body}
-    r = httpx.post(served.url + "/v1/messages", json=full, timeout=T)
+    r = httpx.post(served.url + "/v1/messages", json=full, headers=AUTH, timeout=T)
     assert r.status_code == 400 and field in r.json()["error"]["message"]
 
 
@@ -138,7 +130,8 @@ def test_a_malformed_cache_control_is_a_400_naming_it(served, body, field):
                                            "prompt_cache_retention")])
 def test_a_malformed_prompt_cache_key_is_a_400_naming_it(served, extra, field):
     body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], **extra}
-    r = httpx.post(served.url + "/v1/chat/completions", json=body, timeout=T)
+    r = httpx.post(served.url + "/v1/chat/completions", json=body, headers=AUTH,
+                   timeout=T)
     assert r.status_code == 400 and r.json()["error"]["param"] == field
 
 
