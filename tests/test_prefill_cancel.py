@@ -153,13 +153,15 @@ def slow_model():
     return tiny_model("qwen3", **SLOW)
 
 
+@pytest.mark.parametrize("spec", ["off", "ngram"], ids=["plain", "speculative"])
 def test_an_abandoned_prefill_frees_the_engine_inside_its_chunk_and_keeps_what_it_did(
-        slow_model, tmp_path):
+        slow_model, tmp_path, spec):
     """A long prompt is cancelled while its second chunk computes: it ends inside that
     chunk (its last progress is the first chunk's), the engine answers the next request,
-    and that request (the same prompt) finds the first chunk in the cache."""
+    and that request (the same prompt) finds the first chunk in the cache. The same with
+    the speculative verifier's prefill."""
     settings = Settings.defaults(model=str(slow_model), cache_dir=str(tmp_path / "cache"),
-                                 prefill_step_size=CHUNK, spec="off", block_tokens=64)
+                                 prefill_step_size=CHUNK, spec=spec, block_tokens=64)
     toks = prompt(2 * CHUNK + 100, seed=9)
     params = SamplingParams(max_tokens=1, temperature=0.0, prefill_step_size=CHUNK)
     with Engine.from_settings(settings).start(timeout=T) as eng:
