@@ -159,6 +159,10 @@ class Batch:
     def __len__(self) -> int:
         return len(self.rows) + len(self._held)
 
+    def handles(self) -> list[Any]:
+        """The requests of every row (held ones too)."""
+        return [r.handle for r in self.rows.values()] + [h[0].handle for h in self._held]
+
     @property
     def room(self) -> int:
         return self.max_rows - len(self)

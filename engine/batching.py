@@ -21,7 +21,7 @@ from mlxkv.engine.generate import cache_length
 from mlxkv.engine.loading import Runtime
 from mlxkv.engine.logs import warn_once
 from mlxkv.engine.preparing import Job, Preparer
-from mlxkv.engine.requests import Counts, ErrorEvent
+from mlxkv.engine.requests import Counts, ErrorEvent, RequestHandle
 from mlxkv.engine.settings import Settings
 from mlxkv.engine.single import Join, SingleStream
 from mlxkv.engine.speculation.batch_verify import BatchLength
@@ -35,7 +35,7 @@ class Batching:
 
     def __init__(self, runtime: Runtime, settings: Settings, commands: CommandQueue,
                  counts: Counts, admission: Admission, preparer: Preparer, single: SingleStream,
-                 load_wait: Callable[[float], float]):
+                 load_wait: Callable[[float], float], between: Callable[..., None]):
         self.runtime = runtime
         self.settings = settings
         self.commands = commands
@@ -44,6 +44,7 @@ class Batching:
         self.preparer = preparer
         self.single = single
         self.load_wait = load_wait
+        self.between = between  # quick calls and the published figures, between steps
         self.max_batch = admission.max_batch
         self.batch: Batch | None = None  # the batch decoding now
         # The batches' round-length controller: one, kept from batch to batch.
@@ -52,6 +53,10 @@ class Batching:
     def active_rows(self) -> int:
         """Rows decoding in a batch now (0: none)."""
         return len(self.batch) if self.batch is not None else 0
+
+    def active_handles(self) -> list[RequestHandle]:
+        """The requests of the rows decoding in a batch now."""
+        return [] if self.batch is None else self.batch.handles()
 
     def _row(self, job: Job) -> Row:
         handle = job.handle
@@ -108,7 +113,7 @@ class Batching:
                 except Exception as e:
                     self._failed(batch, e)
                     break
-                self.commands.run_quick()
+                self.between()
         finally:
             self.batch = None
             self.admission.batching = False
@@ -152,6 +157,8 @@ class Batching:
                 self.runtime.cache.release(job.cache)
                 self.counts.errors += 1
                 head.emit(ErrorEvent(f"{type(e).__name__}: {e}", e))
+            else:
+                self.between(True)
 
     def _row_ended(self, row: Row, ending: Ending) -> None:
         """A batched row sent its last event: count it and store its state."""
@@ -161,7 +168,8 @@ class Batching:
         if not (cache.enabled and ending.tokens_in_cache and ending.cache):
             cache.release(ending.cache)
             return
-        cache.store(ending.tokens_in_cache, ending.cache, row.request.session)
+        cache.store(ending.tokens_in_cache, ending.cache, row.request.session,
+                    row.request.retain_s)
 
     def _failed(self, batch: Batch, exc: BaseException) -> None:
         """A batch step failed (a cached state that does not fit, say): every row is

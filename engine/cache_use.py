@@ -7,6 +7,7 @@ request is computed without the cache.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from mlxkv.engine.cache.client import CacheClient
 from mlxkv.engine.logs import warn_once
@@ -78,14 +79,25 @@ class CacheUse:
         except Exception:
             log.exception("prefix cache busy() failed")
 
-    def store(self, tokens: list[int], cache: list, session: str | None) -> None:
-        """Hand the KV state of ``tokens`` to the cache, once the request is answered; a
-        failure is logged, never raised into the request."""
+    def explain(self, tokens: list[int]) -> Any:
+        """The stored state closest to the prompt and where the prompt parts from it (see
+        ``CacheClient.explain``); None when there is none or the cache failed (logged)."""
+        try:
+            return self.client.explain(tokens, self.namespace)
+        except Exception:
+            log.exception("prefix cache explain failed")
+            return None
+
+    def store(self, tokens: list[int], cache: list, session: str | None,
+              retain_s: float | None = None) -> None:
+        """Hand the KV state of ``tokens`` to the cache, once the request is answered
+        (``retain_s``: the request's retention hint); a failure is logged, never raised
+        into the request."""
         try:
             import mlx.core as mx
 
             mx.eval([c.state for c in cache])
-            self.client.store(tokens, cache, self.namespace, session=session)
+            self.client.store(tokens, cache, self.namespace, session=session, retain_s=retain_s)
         except Exception:
             log.exception("prefix cache store failed")
 

@@ -27,6 +27,7 @@ single-stream loop (``engine.single``), batching (``engine.admission``,
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -57,6 +58,7 @@ from mlxkv.engine.requests import (  # noqa: F401  (re-exported: the engine's pu
     blank,
 )
 from mlxkv.engine.settings import Settings
+from mlxkv.engine.snapshot import Publisher
 from mlxkv.engine.thread import EngineThread
 
 if TYPE_CHECKING:
@@ -108,6 +110,9 @@ class Engine:
         self._prefix_arg = prefix_cache
         self._counts = Counts()
         self._listeners = Listeners()
+        # the figures the engine thread publishes, for callers that must not wait for it
+        self._publisher = Publisher(self._figures, self._listing)
+        self._listeners.subscribe(self._publisher.on_event)
         self._commands = CommandQueue(self.max_queue)
         self._thread = EngineThread(name, self._commands, load=self._load,
                                     serve=lambda: self.scheduler.run(),
@@ -221,23 +226,40 @@ class Engine:
 
     # what front ends need
     def stats(self, timeout: float | None = 30.0) -> dict[str, Any]:
-        """The model, its load time, request counts, what is queued, the requests decoding
-        now (``active``) and the cache's stats (``loading`` and no cache stats, without
-        waiting, while the model loads)."""
-        def collect(loading: bool = False) -> dict[str, Any]:
-            from mlxkv.engine.speculation.providers import spec_stats
-
-            active = self._scheduler.active() if self._scheduler is not None else 0
-            rt = self.runtime
-            return {"model": dict(self.info), "load_s": self.load_s, **self._counts.as_dict(),
-                    "loading": loading, "queued": self._commands.waiting,
-                    "busy": active > 0, "active": active, "max_batch": self.max_batch,
-                    "batching": rt is not None and rt.batchable and self.max_batch > 1,
-                    "namespace": self.namespace, "spec": spec_stats(self.spec_providers),
-                    "cache": None if loading or rt is None else rt.cache.client.stats()}
+        """The model, its load time, request counts, what is queued, the requests being
+        served (``active``; ``running``: how far each is), the cache's stats, the last
+        lookups (``lookups``: what each request found in the cache, and why no more), and
+        ``as_of`` / ``age_s``: when they were taken. While the engine thread is busy they
+        are what it published last (at most about half a second old while it works), so
+        this never waits for a prefill; ``loading`` and no cache stats while the model
+        loads."""
         if self._thread.loading():
-            return collect(loading=True)
-        return self._ask("stats", collect, timeout=timeout)
+            return {**self._figures(loading=True), "as_of": time.time(), "age_s": 0.0}
+        return self._publisher.stats(
+            lambda: self._ask("stats", self._publisher.publish_now, timeout=timeout))
+
+    def snapshot(self) -> dict[str, Any] | None:
+        """What the engine thread published last (the figures of :meth:`stats`, with
+        ``as_of``), without asking it anything; None before the model is loaded."""
+        snap = self._publisher.latest
+        return None if snap is None else snap.answer()
+
+    def _figures(self, loading: bool = False) -> dict[str, Any]:
+        from mlxkv.engine.speculation.providers import spec_stats
+
+        sched, rt = self._scheduler, self.runtime
+        active = sched.active() if sched is not None else 0
+        return {"model": dict(self.info), "load_s": self.load_s, **self._counts.as_dict(),
+                "loading": loading, "queued": self._commands.waiting,
+                "busy": active > 0, "active": active, "max_batch": self.max_batch,
+                "batching": rt is not None and rt.batchable and self.max_batch > 1,
+                "namespace": self.namespace, "spec": spec_stats(self.spec_providers),
+                "running": sched.running() if sched is not None else [],
+                "lookups": sched.lookups.as_dicts() if sched is not None else [],
+                "cache": None if loading or rt is None else rt.cache.client.stats()}
+
+    def _listing(self) -> list[CacheEntryInfo]:
+        return self.scheduler.runtime.cache.client.entries(None)
 
     def _cache(self, what: str, fn: Callable[[CacheClient], T], timeout: float | None) -> T:
         return self._ask(f"cache {what}", lambda: fn(self.scheduler.runtime.cache.client),
@@ -245,8 +267,14 @@ class Engine:
 
     def cache_entries(self, ns: str | None = None, timeout: float | None = 30.0
                       ) -> list[CacheEntryInfo]:
-        """Cached states (``CacheEntryInfo``), of namespace ``ns`` or all."""
-        return self._cache("entries", lambda c: c.entries(ns), timeout)
+        """Cached states (``CacheEntryInfo``), of namespace ``ns`` or all. All of them,
+        while the engine thread is busy, are the listing it published last (made again
+        whenever the cache changed, at most about once a second), so this never waits for
+        a prefill."""
+        if ns is not None:
+            return self._cache("entries", lambda c: c.entries(ns), timeout)
+        return self._publisher.entries(
+            lambda: self._ask("cache entries", self._publisher.list_now, timeout=timeout))
 
     def cache_entry(self, entry_id: str, timeout: float | None = 30.0
                     ) -> CacheEntryDetail | None:
@@ -330,6 +358,6 @@ class Engine:
                                self._listeners.publish, self._listeners.cache_event)
         self._scheduler = Scheduler(runtime, self.settings, self._commands, self._counts,
                                     self.plugs.commands, self.plugs.tokens,
-                                    self._thread.load_wait, self.max_batch)
+                                    self._thread.load_wait, self.max_batch, self._publisher)
         self.runtime = runtime
         self._listeners.publish(ready_event())

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlxkv.engine.detokenize import stream_detokenizer
+from mlxkv.engine.layer_steps import LayerSteps
 from mlxkv.engine.sampling import (  # noqa: F401  (re-exported: where callers look for them)
     SamplingParams,
     request_processors,
@@ -141,12 +142,21 @@ def head_view(model: Any) -> Any:
     return view
 
 
+LayerHook = Callable[[int, int, int, int], None]  # (done, chunk, layer, layers) -> None
+
+
 def prefill(model: Any, tokens: Sequence[int], cache: list, step: int,
-            on_chunk: Callable[[int], None], view: Any = None) -> tuple[Any, Any]:
+            on_chunk: Callable[[int], None], view: Any = None,
+            between_layers: LayerHook | None = None) -> tuple[Any, Any]:
     """Feed ``tokens`` (non-empty) into ``cache`` in chunks of at most ``step``; returns the
     last position's logits ([1, V], not evaluated) and, with ``view`` (a TargetView whose
     source reads them), the hidden states of every position ([T, D]), else None.
     ``on_chunk(done)`` follows each chunk but the last (it may raise to cancel).
+    ``between_layers(done, chunk, layer, layers)``, when given, follows the evaluation of
+    each layer's cache inside every chunk (``done`` tokens before this ``chunk``-token
+    chunk, ``layer`` of ``layers`` evaluated): it may raise to stop inside the chunk, which
+    then leaves the cache holding the ``done`` tokens before it (``engine.layer_steps``;
+    the arithmetic is unchanged).
 
     The last chunk gives the first token's logits too, the LM head applied to its last
     position only: no pass of its own for the prompt's last token (a pass costs a fixed
@@ -169,16 +179,25 @@ def prefill(model: Any, tokens: Sequence[int], cache: list, step: int,
             return None, split.forward(x, cache)[1][0]
         return model(x, cache=cache), None
 
+    def chunk(n: int) -> tuple[Any, Any]:
+        """The forward pass of the next ``n`` tokens, its cache evaluated layer by layer
+        when ``between_layers`` is given."""
+        steps = LayerSteps(cache, n) if between_layers is not None else None
+        out = forward(mx.array([list(tokens[done: done + n])]))
+        if steps is not None:
+            steps.run(lambda layer, layers: between_layers(done, n, layer, layers))
+        return out
+
     while total - done > (step if fused else 1):
         n = min(step, total - done - (0 if fused else 1))
-        _, h = forward(mx.array([list(tokens[done: done + n])]))
+        _, h = chunk(n)
         keep = [h] if view is not None else []
         mx.eval([c.state for c in cache] + keep)
         rows += keep
         done += n
         on_chunk(done)
         mx.clear_cache()
-    logits, h = forward(mx.array([list(tokens[done:])]))
+    logits, h = chunk(total - done)
     if view is not None:
         rows.append(h)
     logits = split.logits(h[-1:]) if fused else logits[0, -1:]
@@ -195,13 +214,18 @@ class Generation:
     included) out of the whole prompt; it only observes, so outputs do not change.
     ``logprobs``: None, or how many alternatives each step reports beside its own
     log-probability (0..20). ``speculation``: an ``engine.speculation.Speculation`` (or None).
-    ``constraint``: an ``engine.speculation.constraints`` mask the output must satisfy."""
+    ``constraint``: an ``engine.speculation.constraints`` mask the output must satisfy.
+    ``on_layer(done, chunk, layer, layers)``: inside each prefill chunk, after each layer
+    (``done`` prompt tokens, cached ones included, before a ``chunk``-token chunk);
+    ``should_stop`` is polled there too, so a cancel stops inside a chunk, keeping the
+    chunks before it (see :func:`prefill`)."""
 
     def __init__(self, model: Any, tokenizer: Any, prompt_tokens: Sequence[int],
                  params: SamplingParams, cache: list | None = None, n_cached: int = 0,
                  should_stop: Callable[[], bool] | None = None,
                  on_progress: Callable[[int, int], None] | None = None,
-                 logprobs: int | None = None, speculation: Any = None, constraint: Any = None):
+                 logprobs: int | None = None, speculation: Any = None, constraint: Any = None,
+                 on_layer: Callable[[int, int, int, int], None] | None = None):
         if not prompt_tokens:
             raise ValueError("empty prompt")
         if not 0 <= n_cached < len(prompt_tokens):
@@ -221,6 +245,15 @@ class Generation:
         self.logprobs = logprobs
         self.speculation = speculation
         self.constraint = constraint
+        self.on_layer = on_layer
+
+    def between_layers(self, done: int, chunk: int, layer: int, layers: int) -> None:
+        """:func:`prefill`'s ``between_layers`` (``done``: of the uncached suffix): report,
+        then stop the prefill here when asked (it keeps the chunks before this one)."""
+        if self.on_layer is not None:
+            self.on_layer(self.n_cached + done, chunk, layer, layers)
+        if layer < layers and self.should_stop():  # a finished chunk is kept as it is
+            raise Cancelled
 
     def __iter__(self) -> Iterator[Step]:
         import mlx.core as mx
@@ -262,7 +295,7 @@ class Generation:
                 processors = (processors or []) + [
                     self.constraint.processor(len(self.prompt_tokens) - self.n_cached)]
             steps = _plain_steps(self.model, self.prompt_tokens[self.n_cached:], self.cache, p,
-                                 sampler, processors, progress)
+                                 sampler, processors, progress, self.between_layers)
         try:
             for n, (token, token_logprobs) in enumerate(steps):
                 t_last = time.perf_counter()
@@ -316,7 +349,8 @@ class Generation:
 
 
 def _plain_steps(model: Any, tokens: Sequence[int], cache: list, p: SamplingParams, sampler: Callable,
-                 processors: list[Callable], progress: Callable[[int, int], None]) -> Iterator[tuple[int, Any]]:
+                 processors: list[Callable], progress: Callable[[int, int], None],
+                 between_layers: LayerHook) -> Iterator[tuple[int, Any]]:
     """Plain decoding of the uncached prompt suffix ``tokens``: :func:`prefill`, the first
     token sampled from its logits as mlx-lm's generate_step samples (processors, then
     log-probabilities, then the sampler), then generate_step itself from that token on. The
@@ -327,7 +361,8 @@ def _plain_steps(model: Any, tokens: Sequence[int], cache: list, p: SamplingPara
     total = len(tokens)
     with mx.stream(generation_stream):
         progress(0, total)
-        logits, _ = prefill(model, tokens, cache, p.prefill_step_size, lambda done: progress(done, total))
+        logits, _ = prefill(model, tokens, cache, p.prefill_step_size, lambda done: progress(done, total),
+                            between_layers=between_layers)
         context = mx.array(list(tokens))
         for processor in processors:
             logits = processor(context, logits)

@@ -9,6 +9,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Protocol
 
 from mlxkv.engine.cache_use import CacheUse
+from mlxkv.engine.lookups import LookupHistory, report
 from mlxkv.engine.requests import Counts, ErrorEvent, Request, RequestHandle, RequestRefused, blank
 from mlxkv.engine.sampling import SamplingParams
 
@@ -79,13 +80,16 @@ class LocalTokens:
 
 
 class Preparer:
-    """Tokenizing, context fit and cache lookup for one loaded model."""
+    """Tokenizing, context fit and cache lookup for one loaded model; ``lookups`` keeps
+    what the last lookups found (each request's handle gets its own ``cache_report``)."""
 
-    def __init__(self, loaded: LoadedModel, cache: CacheUse, counts: Counts, tokens: TokenSource):
+    def __init__(self, loaded: LoadedModel, cache: CacheUse, counts: Counts, tokens: TokenSource,
+                 lookups: LookupHistory):
         self.loaded = loaded
         self.cache = cache
         self.counts = counts
         self.tokens = tokens
+        self.lookups = lookups
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of raw ``text``. As mlx_lm.stream_generate: special tokens are added
@@ -157,5 +161,17 @@ class Preparer:
             params = dataclasses.replace(params, max_tokens=max_tokens)
         n_cached, cache = self.cache.lookup(tokens, req.session)
         ram_tokens, ssd_tokens = self.cache.tier_split(n_cached)
-        job = Job(handle, start, tokens, params, n_cached, cache, ram_tokens, ssd_tokens)
-        return self.tokens.prepared(job)
+        job = self.tokens.prepared(
+            Job(handle, start, tokens, params, n_cached, cache, ram_tokens, ssd_tokens))
+        self.record(job)
+        return job
+
+    def record(self, job: Job) -> None:
+        """What the lookup found, and why no more (before the request's first event)."""
+        n, total = job.n_cached, len(job.tokens)
+        near = self.cache.explain(job.tokens) if self.cache.enabled and n < total - 1 else None
+        tier = "ram" if job.ram_tokens else "ssd" if job.ssd_tokens else None
+        r = report(job.handle.id, job.tokens, n, tier, near, self.loaded.tokenizer,
+                   enabled=self.cache.enabled)
+        job.handle.cache_report = r
+        self.lookups.add(r)

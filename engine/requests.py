@@ -152,6 +152,10 @@ class Request:
     # ('{"name": "', '", "age": ', '}'): speculation proposes them as they come due; they
     # never force a token (the model decides every one).
     json_skeleton: tuple[str, ...] | None = None
+    # A retention hint (Anthropic cache_control, OpenAI prompt_cache_key): the state this
+    # request leaves in the prefix cache (its whole prompt and reply) is evicted only after
+    # every state without one, for this many seconds. None: no hint.
+    retain_s: float | None = None
 
     def __post_init__(self) -> None:
         given = [x is not None for x in (self.messages, self.prompt, self.prompt_tokens)]
@@ -180,6 +184,9 @@ class Request:
             if self.guided_choice is not None:
                 raise ValueError("a request takes guided_choice or json_skeleton, not both")
             self.json_skeleton = parts
+        if self.retain_s is not None and not (isinstance(self.retain_s, (int, float))
+                                              and 0 < self.retain_s < float("inf")):
+            raise ValueError(f"retain_s must be a positive number of seconds, got {self.retain_s!r}")
 
 
 @dataclass
@@ -235,6 +242,9 @@ class RequestHandle:
         self.stats: StatsEvent | None = None
         self.finished: FinishedEvent | None = None
         self.error: ErrorEvent | None = None
+        # What its prefix-cache lookup found (an engine.lookups.LookupReport), set on the
+        # engine thread before its first ProgressEvent: a caller that saw that event reads it.
+        self.cache_report: Any = None
 
     # engine side
     def emit(self, event: Event) -> None:

@@ -187,6 +187,10 @@ FIELDS: tuple[Field, ...] = (
     Field("max_queue", 64, _positive_int,
           "requests waiting to be served at most; more are refused at once", arg_type=int,
           metavar="N"),
+    Field("lookup_history", 32, _positive_int,
+          "requests whose cache lookup (matched tokens, where the prompt parted from the "
+          "closest cached state) stats and the inspector's misses view keep",
+          arg_type=int, metavar="N"),
     Field("system_prompt", None, _optional(str), "system message for chat", metavar="TEXT"),
     Field("blas", "auto", str, "CPU BLAS on Linux: auto, off, or a library path",
           metavar="auto|off|PATH"),
@@ -312,6 +316,7 @@ class Settings:
     prefill_step_size: int
     max_batch: int
     max_queue: int
+    lookup_history: int
     system_prompt: str | None
     blas: str
     spec: str

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mlxkv.engine.admission import Admission
@@ -55,12 +56,25 @@ class Join(BaseException):
         self.gen, self.sent, self.started = gen, sent, started
 
 
+@dataclass(frozen=True)
+class PrefillAt:
+    """Where the prefill of the request generating now is: ``layer`` of ``layers`` layers
+    of the ``chunk`` tokens after the first ``done`` prompt tokens (cached ones included)."""
+
+    done: int
+    chunk: int
+    layer: int
+    layers: int
+
+
 class SingleStream:
-    """Decodes one request at a time for one loaded model."""
+    """Decodes one request at a time for one loaded model. ``between()`` is what the
+    engine thread does where it looks up from a generation (quick calls, the published
+    figures): between prefill layers and chunks and between tokens."""
 
     def __init__(self, runtime: Runtime, settings: Settings, commands: CommandQueue,
                  counts: Counts, admission: Admission, tokens: TokenSource,
-                 load_wait: Callable[[float], float]):
+                 load_wait: Callable[[float], float], between: Callable[..., None]):
         self.runtime = runtime
         self.settings = settings
         self.commands = commands
@@ -68,7 +82,9 @@ class SingleStream:
         self.admission = admission
         self.tokens = tokens
         self.load_wait = load_wait
+        self.between = between
         self.current: RequestHandle | None = None  # the request generating now
+        self.prefill_at: PrefillAt | None = None  # inside its prefill: where
 
     def speculation(self, req: Request, params: SamplingParams,
                     providers: dict[str, DraftProvider] | None = None
@@ -139,7 +155,7 @@ class SingleStream:
         handle.emit(FinishedEvent(out.finish_reason, detail))
         # After the caller has its answer: hand the KV state to the prefix cache.
         if self.runtime.cache.enabled and out.tokens_in_cache:
-            self.runtime.cache.store(out.tokens_in_cache, gen.cache, req.session)
+            self.runtime.cache.store(out.tokens_in_cache, gen.cache, req.session, req.retain_s)
 
     def generate(self, handle: RequestHandle, tokens: list[int], params: SamplingParams,
                  cache: list | None, n_cached: int, sent: list[int],
@@ -154,22 +170,29 @@ class SingleStream:
             self.tokens.failed(e.__cause__ if isinstance(e, Retry) and e.__cause__ else e)
             raise
         finally:
-            self.current = None
+            self.current = self.prefill_at = None
 
     def _generate(self, handle: RequestHandle, tokens: list[int], params: SamplingParams,
                   cache: list | None, n_cached: int, sent: list[int],
                   replay: list[int] | None) -> Generation:
         gather = [replay is None]  # before its prefill, once: see Admission.gather
-        commands, admission = self.commands, self.admission
+        first = [True]  # the figures show the request from its first progress on
+        commands, admission, between = self.commands, self.admission, self.between
 
         def progress(done: int, total: int) -> None:
             handle.emit(ProgressEvent(done, total))
-            commands.run_quick()
+            self.prefill_at = None
+            between(first[0])
+            first[0] = False
             if gather[0]:
                 gather[0] = False
                 admission.gather(handle)
             if done < total and replay is None and admission.wanted(handle, gen, sent):
                 raise Join(gen, sent, started)
+
+        def on_layer(done: int, chunk: int, layer: int, layers: int) -> None:
+            self.prefill_at = PrefillAt(done, chunk, layer, layers)
+            between()
 
         req = handle.request
         speculation, constraint = self.speculation(req, params)
@@ -179,7 +202,8 @@ class SingleStream:
         gen = Generation(loaded.model, loaded.tokenizer, tokens, params,
                          cache=cache, n_cached=n_cached, on_progress=progress,
                          should_stop=lambda: handle.cancelled or commands.is_closed(),
-                         logprobs=req.logprobs, speculation=speculation, constraint=constraint)
+                         logprobs=req.logprobs, speculation=speculation, constraint=constraint,
+                         on_layer=on_layer)
         skip = 0
         steps = iter(gen)
         try:
@@ -194,7 +218,7 @@ class SingleStream:
                 handle.emit(TokenEvent(step.token, step.text, step.logprob, step.top_logprobs))
                 if step.token is not None:
                     sent.append(step.token)
-                commands.run_quick()
+                between()
                 if (step.token is not None and replay is None
                         and admission.wanted(handle, gen, sent)):
                     steps.close()  # ends its generate_step (and speculation) before the move

@@ -18,6 +18,7 @@ from mlxkv.server.bridge import EventStream, SseResponse, collect, error_status,
 from mlxkv.server.context import Context, dumps, new_id, read_json, session_of, text_of, usage_counts
 from mlxkv.server.errors import ApiError, anthropic_body
 from mlxkv.server.fields import get_list, get_object, get_str, sampling
+from mlxkv.server.retention import anthropic_retain_s
 from mlxkv.server.tools import ToolCall, ToolCallParser
 
 
@@ -151,7 +152,8 @@ async def messages(http: HttpRequest, ctx: Context) -> Response:
     params = sampling(body, ctx.config.defaults, ctx.limits, ("max_tokens",), stop_name="stop_sequences",
                       required_max=True)
     try:
-        req = Request(messages=msgs, params=params, session=session_of(http, body), tools=tools)
+        req = Request(messages=msgs, params=params, session=session_of(http, body), tools=tools,
+                      retain_s=anthropic_retain_s(body))
     except ValueError as e:
         raise ApiError(400, str(e)) from None
     es = EventStream(ctx.engine, req, ctx.gate, asyncio.get_running_loop())

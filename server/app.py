@@ -33,6 +33,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mlxkv.server import anthropic_api, openai_api, responses_api
+from mlxkv.server.bridge import cache_header, current_stream
 from mlxkv.server.context import Context, ServerConfig, dumps
 from mlxkv.server.errors import ApiError, anthropic_body, openai_body
 
@@ -69,7 +70,12 @@ def _route(ctx: Context, handler: Handler, open_route: bool = False) -> Callable
         try:
             if not open_route:
                 _check_key(http, ctx.config.api_key)
-            return await handler(http, ctx)
+            current_stream.set(None)
+            response = await handler(http, ctx)
+            header = cache_header(current_stream.get())
+            if header is not None:  # a generation route: what its cache lookup found
+                response.headers["x-mlxkv-cache"] = header
+            return response
         except ApiError as e:
             return _error(e, http.url.path)
         except Exception as e:  # a bug of ours: the client gets JSON, the log one line
@@ -82,7 +88,14 @@ def _route(ctx: Context, handler: Handler, open_route: bool = False) -> Callable
 
 
 async def health(http: HttpRequest, ctx: Context) -> Response:
-    return JSONResponse({"status": "ok", "model": ctx.model_id})
+    """Liveness: answered at once, also during a long prefill (the engine's figures are
+    the ones it published last, never asked for)."""
+    out: dict[str, Any] = {"status": "ok", "model": ctx.model_id}
+    snap = ctx.engine.snapshot()
+    if snap is not None:
+        out.update(busy=snap.get("busy"), queued=snap.get("queued"), as_of=snap.get("as_of"),
+                   age_s=snap.get("age_s"))
+    return JSONResponse(out)
 
 
 async def models(http: HttpRequest, ctx: Context) -> Response:
@@ -91,11 +104,16 @@ async def models(http: HttpRequest, ctx: Context) -> Response:
 
 
 async def stats(http: HttpRequest, ctx: Context) -> Response:
+    """Engine, cache and speculation figures (while the engine is busy: as it published
+    them last, ``as_of`` says when), the last requests' cache lookups (``lookups``: what
+    each matched and where its prompt parted from the closest cached state), and the
+    server's own counts."""
     figures: dict[str, Any] = await run_in_threadpool(ctx.engine.stats)
     gate = ctx.gate
     return Response(dumps({
-        "engine": {k: v for k, v in figures.items() if k not in ("cache", "spec")},
+        "engine": {k: v for k, v in figures.items() if k not in ("cache", "spec", "lookups")},
         "cache": figures.get("cache"), "spec": figures.get("spec"),
+        "lookups": figures.get("lookups", []),
         "server": {"in_flight": gate.in_flight, "limit": gate.limit, "served": gate.served,
                    "rejected": gate.rejected, "cancelled": gate.cancelled}}), media_type="application/json")
 
@@ -131,7 +149,8 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> Starlette:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(ctx.config.cors_origins),
                                      allow_methods=["GET", "POST", "OPTIONS"],
                                      allow_headers=["authorization", "content-type", "x-api-key",
-                                                    "anthropic-version", "x-session-id"]))
+                                                    "anthropic-version", "x-session-id"],
+                                     expose_headers=["x-mlxkv-cache"]))
 
     async def http_error(http: HttpRequest, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -74,6 +75,21 @@ class Gate:
             return self._lock.wait_for(lambda: self.in_flight == n, timeout)
 
 
+# The request an HTTP handler submitted, for what the app adds to every generation
+# route's response (the x-mlxkv-cache header): each HTTP request runs in a task of its
+# own, so this is the handler's own request, and no route has to hand it over.
+current_stream: contextvars.ContextVar[EventStream | None] = contextvars.ContextVar(
+    "mlxkv_current_stream", default=None)
+
+
+def cache_header(stream: EventStream | None) -> str | None:
+    """The ``x-mlxkv-cache`` header of ``stream``'s request: what its cache lookup
+    matched and, when it matched less than the prompt, where the prompt parted from the
+    closest cached state (``engine.lookups.LookupReport.header``); None before the lookup."""
+    report = None if stream is None else stream.handle.cache_report
+    return None if report is None else report.header()
+
+
 class EventStream:
     """One submitted request: its events, in order, on the event loop."""
 
@@ -96,6 +112,7 @@ class EventStream:
             if isinstance(e, EngineError):
                 raise ApiError(503, f"the engine is not serving: {e}") from None
             raise
+        current_stream.set(self)
 
     def _leave(self, reason: str = "error") -> None:
         if not self._left:

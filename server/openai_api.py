@@ -19,6 +19,7 @@ from mlxkv.server.bridge import EventStream, SseResponse, collect, error_status,
 from mlxkv.server.context import Context, dumps, new_id, read_json, session_of, text_of, timings, usage_counts
 from mlxkv.server.errors import ApiError, openai_body
 from mlxkv.server.fields import get_bool, get_int, get_list, get_object, get_str, sampling
+from mlxkv.server.retention import openai_retain_s
 from mlxkv.server.tools import ToolCall, ToolCallParser
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -217,7 +218,7 @@ async def chat_completions(http: HttpRequest, ctx: Context) -> Response:
     params = sampling(body, ctx.config.defaults, ctx.limits, ("max_completion_tokens", "max_tokens"))
     req = _engine_request(messages=messages, params=params, session=session_of(http, body),
                           tools=tools, logprobs=(top or 0) if want_logprobs else None,
-                          **_decoding(body))
+                          retain_s=openai_retain_s(body), **_decoding(body))
     started = await _Run(ctx, http, req, want_logprobs, stream).start()
     if isinstance(started, Response):
         return started
@@ -337,7 +338,7 @@ async def completions(http: HttpRequest, ctx: Context) -> Response:
     logprobs = get_int(body, "logprobs", None, lo=0, hi=20)
     params = sampling(body, ctx.config.defaults, ctx.limits, ("max_tokens",))
     req = _engine_request(**completion_prompt(body), params=params, session=session_of(http, body),
-                          logprobs=logprobs, **_decoding(body))
+                          logprobs=logprobs, retain_s=openai_retain_s(body), **_decoding(body))
     started = await _Run(ctx, http, req, logprobs is not None, stream).start()
     if isinstance(started, Response):
         return started

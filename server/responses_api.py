@@ -42,6 +42,7 @@ from mlxkv.server.responses_items import (
     parse_tools,
     to_messages,
 )
+from mlxkv.server.retention import openai_retain_s
 from mlxkv.server.tools import ToolCall, ToolCallParser
 
 _TEXT_FORMATS = ("text", "json_object", "json_schema")
@@ -133,6 +134,7 @@ class Ask:
     store: bool
     echo_tools: list[Any]  # as given
     echo: dict[str, Any]  # other fields the response object repeats as given
+    retain_s: float | None  # prompt_cache_key / prompt_cache_retention as a retention hint
 
 
 def read_ask(body: dict, ctx: Context) -> Ask:
@@ -197,7 +199,8 @@ def read_ask(body: dict, ctx: Context) -> Ask:
                tool_choice=body.get("tool_choice", "auto"),
                parallel_tool_calls=get_bool(body, "parallel_tool_calls", True), params=params,
                max_output_tokens=asked, clamped=clamped, stream=get_bool(body, "stream"),
-               store=get_bool(body, "store", True), echo_tools=body.get("tools") or [], echo=echo)
+               store=get_bool(body, "store", True), echo_tools=body.get("tools") or [], echo=echo,
+               retain_s=openai_retain_s(body))
 
 
 _RENDERS_TOOLS: dict[str, bool] = {}  # model fingerprint -> its chat template renders tools
@@ -231,7 +234,7 @@ async def engine_request(ask: Ask, ctx: Context, session: str | None) -> Request
         messages, tools = inline_tools(messages, tools), None
     try:
         return Request(messages=messages, params=ask.params, session=session,
-                       tools=tools, truncate=ask.echo["truncation"] == "auto")
+                       tools=tools, truncate=ask.echo["truncation"] == "auto", retain_s=ask.retain_s)
     except ValueError as e:
         raise ApiError(400, f"input: {e}", "input") from None
 

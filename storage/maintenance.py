@@ -46,6 +46,8 @@ class MaintenanceMixin:
     block_tokens: int
     durable: bool
     max_bytes: int | None
+    retain_clock: Callable[[], float]
+    _retained: dict[tuple[str, bytes], float]
     _lock: threading.RLock
     _c: dict[str, int]
     _spaces: dict[str, Space]
@@ -59,17 +61,35 @@ class MaintenanceMixin:
         with folder_lock(self.root, shared):
             yield
 
+    def retain(self, ns: str, keys: Iterable[bytes], ttl_s: float) -> None:
+        """Evict the files of ``keys`` in ``ns`` (written or still to come) only after every
+        other file, for ``ttl_s`` seconds from now (a retention hint; this process only)."""
+        until = self.retain_clock() + float(ttl_s)
+        with self._lock:
+            for k in keys:
+                if self._retained.get((ns, k), 0.0) < until:
+                    self._retained[(ns, k)] = until
+
+    def _held(self) -> set[tuple[str, bytes]]:
+        """The (ns, key) pairs a retention hint holds now (expired ones forgotten)."""
+        now = self.retain_clock()
+        for k in [k for k, until in self._retained.items() if until <= now]:
+            del self._retained[k]
+        return set(self._retained)
+
     def evict(self, max_bytes: int | None = None) -> dict[str, int]:
-        """Remove least-recently-used entries until the store holds <= max_bytes."""
+        """Remove least-recently-used entries until the store holds <= max_bytes; files a
+        retention hint holds (``retain``) go only after all others."""
         cap = self.max_bytes if max_bytes is None else max_bytes
         if cap is None or self._bytes <= cap:
             return {"evicted": 0, "bytes": 0}
         removed = freed = 0
         with self._flock(shared=False):
             with self._lock:
+                held = self._held()
                 # deepest first among equals: evicting a parent would orphan its children
                 order = sorted((e for sp in self._spaces.values() for e in sp.entries()),
-                               key=lambda e: (e.last_used, -e.t0))
+                               key=lambda e: ((e.ns, e.key) in held, e.last_used, -e.t0))
                 victims = []
                 for e in order:
                     if self._bytes <= cap:

@@ -31,6 +31,7 @@ API (all byte-level; ``storage`` never imports mlx)::
     store.manifests(ns, errors={})  # + the unreadable ones: errors[path] = reason
     store.damaged_manifests(ns)     # -> {path: reason}: what ``cache verify`` reports
     store.evict(max_bytes) ; store.gc(ns, min_age_s) ; store.stats() ; store.close()
+    store.retain(ns, keys, ttl_s)  # evict those files only after all others, for ttl_s
         # gc leaves a namespace whole while one of its manifests cannot be read
         # (its report lists them under "unreadable_manifests")
     store.clear(ns)                 # remove a namespace whole, damaged manifests included
@@ -68,6 +69,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -149,6 +151,9 @@ class BlockStore(IndexMixin, WriteMixin, ReadMixin, MaintenanceMixin):
         self._left: dict[str, str] = {}  # path -> reason: files left alone (not ours, unreadable)
         self._removing: set[str] = set()  # see IndexMixin._retire
         self._removals = 0
+        # (ns, key) -> until when (``retain_clock``) eviction keeps it over the others
+        self._retained: dict[tuple[str, bytes], float] = {}
+        self.retain_clock = time.monotonic
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

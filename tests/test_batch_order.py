@@ -19,9 +19,9 @@ class RecordingCache(PrefixCache):
         super().__init__(ram_bytes=64 << 20, cache_dir=None, block_tokens=16)
         self.log = log
 
-    def store(self, tokens, cache, ns, session=None):
+    def store(self, tokens, cache, ns, session=None, retain_s=None):
         self.log.append(("store", len(tokens)))
-        return super().store(tokens, cache, ns, session=session)
+        return super().store(tokens, cache, ns, session=session, retain_s=retain_s)
 
 
 def test_rows_ending_together_send_their_tokens_before_any_store(tiny_qwen3):

@@ -288,7 +288,7 @@ class DictPrefixCache(NullPrefixCache):
             return len(stored[0]), stored[1]
         return 0, None
 
-    def store(self, tokens, cache, namespace, session=None):
+    def store(self, tokens, cache, namespace, session=None, retain_s=None):
         assert cache_length(cache) == len(tokens)
         self.stored = (list(tokens), cache)
 

@@ -226,6 +226,15 @@ def test_open_conversation_from_the_inspector(tmp_path: Path, data_dir: Path) ->
         await wait_for(pilot, lambda: app.chat.conversation is None, "new chat")
         await pilot.press("f2")
         await wait_for(pilot, lambda: type(app.screen).__name__ == "InspectorScreen", "inspector")
+        # the inspector's actions are in the palette while it is open, its keys in F1
+        titles = [c.title for c in app.get_system_commands(app.screen)]
+        assert "Cache misses" in titles and "Evict entry" in titles
+        inspector = app.screen
+        await pilot.press("f1")
+        await wait_for(pilot, lambda: type(app.screen).__name__ == "HelpScreen", "help")
+        assert "`inspector.misses`" in app.screen.query_one("Markdown").source
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: app.screen is inspector, "the inspector again")
         app.screen.post_message(OpenConversation(session_for(first.id)))
         await wait_for(pilot, lambda: app.screen is app.chat and app.chat.conversation is not None
                        and app.chat.conversation.id == first.id, "conversation opened")

@@ -335,3 +335,40 @@ def test_ten_thousand_entries_render_and_scroll(engine):
         assert table.cursor_key == before and before is not None
         await pilot.pause()
     run(check, engine, live=False)
+
+
+def test_the_misses_view_shows_where_each_prompt_parted_from_the_cache(engine):
+    """``m`` shows the last requests' lookups: a new conversation whose system prompt
+    differs in one line parts from the cached one there; its row says where, and the
+    detail pane shows both sides."""
+    system = "build: {v}\nYou are a careful assistant. Read the files before answering."
+    for v in ("alpha-17", "omega-42"):
+        handle = engine.submit(Request(messages=[
+            {"role": "system", "content": system.format(v=v)},
+            {"role": "user", "content": "which file defines the server?"}],
+            params=SamplingParams(max_tokens=2)))
+        handle.result(timeout=T)
+    engine.sync(T)
+    parted = handle.cache_report
+    assert parted.outcome == "diverged" and parted.diverged_at > 0
+
+    async def check(pilot, screen: InspectorScreen) -> None:
+        await until(pilot, lambda: screen.table.row_count >= 1, "the entries")
+        await pilot.press("m")
+        assert screen.showing_misses and screen.focused is screen.misses
+        await until(pilot, lambda: str(handle.id) in screen.misses.keys, "the lookups")
+        screen.misses.select(str(handle.id))
+        await pilot.pause()
+        row = screen.misses.row(str(handle.id))
+        line = screen.misses._line(row)
+        assert "diverged" in line and str(parted.diverged_at) in line
+        summary = str(screen.query_one("#detail-summary").render())
+        assert f"at token {parted.diverged_at}" in summary
+        assert "omega" in summary and "alpha" in summary  # this prompt's and the cached one's
+        assert "requests" in str(screen.query_one("#entry-count").render())
+        await pilot.press("e")  # entry actions are for the entry list
+        await until(pilot, lambda: any("press m" in n.message for n in pilot.app._notifications),
+                    "the notice")
+        await pilot.press("m")
+        assert not screen.showing_misses and screen.focused is screen.table
+    run(check, engine)

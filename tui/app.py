@@ -329,6 +329,9 @@ class MlxkvApp(App):
         yield SystemCommand("Help: keys", "Every key and its binding id (F1)", self.action_help)
         for title, help_text, callback in getattr(self.chat, "commands", list)():
             yield SystemCommand(title, help_text, callback)
+        if type(screen).__name__ == "InspectorScreen":  # its actions, while it is open
+            for title, help_text, callback in screen.commands():
+                yield SystemCommand(title, help_text, callback)
 
     # keymap and preferences -------------------------------------------------------------
     def _apply_keymap(self) -> None:

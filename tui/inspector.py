@@ -14,6 +14,10 @@ tier against their caps, dedup ratio, queue depths, last restore) come from
 ``engine.stats()`` once a second. The table and the block chain are virtualized
 (:mod:`tui.widgets.entry_table`); the detail pane loads 150 ms after the cursor stops.
 Opening an entry's conversation posts :class:`OpenConversation` for the app.
+
+``m`` switches to the misses view (:mod:`tui.widgets.miss_table`): the last requests'
+cache lookups from the same ``stats()`` answers, each with where its prompt parted from
+the closest cached entry; ``m`` again goes back to the entries.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from mlxkv.engine.cache.tokens import store_namespace
 from mlxkv.tui.messages import CacheChanged, OpenConversation
 from mlxkv.tui.widgets.cache_figures import Figures
 from mlxkv.tui.widgets.entry_table import BlockTable, EntryTable, VirtualTable, age, human_bytes
+from mlxkv.tui.widgets.miss_table import MissTable, describe
 from mlxkv.tui.widgets.modals import Confirm
 
 CALL_TIMEOUT_S = 5.0  # listing and stats; a busy or loading engine is tried again later
@@ -81,8 +86,9 @@ def _summary(e: CacheEntryInfo, model: str) -> Text:
     text.append(f"id {e.id}\nmodel {model}\n")
     text.append(f"{e.tokens} tokens in {e.blocks} blocks · {human_bytes(e.bytes)} "
                 f"({human_bytes(e.unique_bytes)} unique, {human_bytes(e.shared_bytes)} shared)\n")
+    kept = f"kept over others for {e.retained_s:.0f} s more" if e.retained_s > 0 else ""
     text.append(f"tier {e.tier} · {'pinned' if e.pinned else 'not pinned'} · {e.hits} hits · "
-                f"used {age(e.last_used)} ago\n")
+                f"used {age(e.last_used)} ago{' · ' + kept if kept else ''}\n")
     return text
 
 
@@ -106,6 +112,7 @@ class InspectorScreen(Screen):
         Binding("f", "flush", "Flush", id="inspector.flush"),
         Binding("g", "gc", "GC", id="inspector.gc"),
         Binding("o,enter", "open_conversation", "Open chat", id="inspector.open"),
+        Binding("m", "toggle_misses", "Misses", show=False, id="inspector.misses"),
         Binding("ctrl+r", "refresh", "Refresh", show=False, id="inspector.refresh"),
     ]
 
@@ -138,6 +145,7 @@ class InspectorScreen(Screen):
             yield Input(placeholder="filter: id, model, kind, tier, session", id="filter")
             yield Label("", id="entry-count")
         yield EntryTable(id="entries")
+        yield MissTable(id="misses")
         with Horizontal(id="verify-bar"):
             yield Label("verifying", id="verify-label")
             yield ProgressBar(total=None, show_eta=False, id="verify-progress")
@@ -155,6 +163,34 @@ class InspectorScreen(Screen):
     @property
     def blocks(self) -> BlockTable:
         return self.query_one("#detail-blocks", BlockTable)
+
+    @property
+    def misses(self) -> MissTable:
+        return self.query_one("#misses", MissTable)
+
+    @property
+    def showing_misses(self) -> bool:
+        return self.has_class("-misses")
+
+    def commands(self) -> list[tuple[str, str, Any]]:
+        """(title, help, callback) of every inspector action, for the command palette."""
+        return [
+            ("Cache misses", "The last requests' cache lookups: what matched and where each "
+             "prompt parted from the closest cached entry (m)", self.action_toggle_misses),
+            ("Filter entries", "Show the entries whose text holds every word (/)", self.action_filter),
+            ("Evict entry", "Drop the selected entry from RAM, keeping it on SSD (e)", self.action_evict),
+            ("Delete entry", "Drop the selected entry from RAM and SSD, after asking (d)",
+             self.action_delete),
+            ("Pin entry", "Keep the selected entry over others in RAM (p)", lambda: self.action_pin(True)),
+            ("Unpin entry", "Let the selected entry be evicted like others (u)",
+             lambda: self.action_pin(False)),
+            ("Verify entry", "Read the selected entry back from SSD and check it (v)", self.action_verify),
+            ("Verify all entries", "Read every saved entry back and check it (V)", self.action_verify_all),
+            ("Flush cache", "Write every state still in RAM only to SSD now (f)", self.action_flush),
+            ("Collect SSD garbage", "Remove SSD files no entry uses, after asking (g)", self.action_gc),
+            ("Open entry's chat", "Open the conversation of the selected entry (o)",
+             self.action_open_conversation),
+        ]
 
     def on_mount(self) -> None:
         self.table.focus()
@@ -230,7 +266,7 @@ class InspectorScreen(Screen):
                 self._dirty.set()  # tried again at a later tick
         if message.entries is not None:
             self.load_entries(message.entries)
-            if self.table.cursor_key is not None:
+            if self.table.cursor_key is not None and not self.showing_misses:
                 self._load_detail(self.table.cursor_key)
         if message.stats is not None:
             self._show_figures(message.stats)
@@ -242,10 +278,12 @@ class InspectorScreen(Screen):
         self._show_count()
 
     def _show_count(self) -> None:
-        t = self.table
+        misses = self.showing_misses
+        t = self.misses if misses else self.table
         arrow = "▼" if t.reverse else "▲"
+        what = "requests" if misses else "entries"
         self.query_one("#entry-count", Label).update(
-            f"{t.row_count} of {t.total_count} entries · sort {t.sort_key} {arrow}")
+            f"{t.row_count} of {t.total_count} {what} · sort {t.sort_key} {arrow}")
 
     def _show_figures(self, stats: dict) -> None:
         ns, label = stats.get("namespace"), (stats.get("model") or {}).get("model")
@@ -259,9 +297,15 @@ class InspectorScreen(Screen):
         for key, text in figs.items():
             self.query_one(f"#fig-{key}", Label).update(Text(text))
         self.query_one("#fig-sparkline", Sparkline).data = list(self.figures.history)
+        self.misses.set_rows(stats.get("lookups") or [])
+        if self.showing_misses:
+            self._show_miss(self.misses.cursor_key)
 
     # ------------------------------------------------------------------ detail pane
     def on_virtual_table_cursor_moved(self, message: VirtualTable.CursorMoved) -> None:
+        if message.table is self.misses:
+            self._show_miss(message.key)
+            return
         if message.table is not self.table:
             return
         if self._detail_timer is not None:
@@ -273,7 +317,7 @@ class InspectorScreen(Screen):
 
     def _detail_due(self) -> None:
         self._detail_timer = None
-        if self.table.cursor_key is not None:
+        if self.table.cursor_key is not None and not self.showing_misses:
             self._load_detail(self.table.cursor_key)
 
     @work(thread=True, group="inspector-detail", exit_on_error=False)
@@ -298,8 +342,8 @@ class InspectorScreen(Screen):
 
     @on(_DetailLoaded)
     def _detail_loaded(self, message: _DetailLoaded) -> None:
-        if message.entry_id != self.table.cursor_key:
-            return  # the cursor moved on meanwhile
+        if message.entry_id != self.table.cursor_key or self.showing_misses:
+            return  # the cursor moved on meanwhile, or the misses view is shown
         if message.error is not None:
             self.query_one("#detail-summary", Static).update(Text(f"engine: {message.error}"))
             return
@@ -313,8 +357,35 @@ class InspectorScreen(Screen):
         self.query_one("#detail-preview", Static).update(Text(preview, style="italic"))
         self.blocks.set_blocks([] if detail is None else detail.blocks)
 
+    # ------------------------------------------------------------------ misses view
+    def action_toggle_misses(self) -> None:
+        """Switch between the entries and the misses view (the last requests' lookups)."""
+        self.toggle_class("-misses")
+        if self.showing_misses:
+            self.misses.focus()
+            self._show_miss(self.misses.cursor_key)
+        else:
+            self.table.focus()
+            self._show_detail(None, "")
+            if self.table.cursor_key is not None:
+                self._load_detail(self.table.cursor_key)
+        self._show_count()
+
+    def _show_miss(self, key: str | None) -> None:
+        if not self.showing_misses:
+            return
+        row = None if key is None else self.misses.row(key)
+        self.detail = None
+        self.query_one("#detail-summary", Static).update(
+            Text("no request yet") if row is None else describe(row))
+        self.query_one("#detail-preview", Static).update("")
+        self.blocks.set_blocks([])
+
     # ------------------------------------------------------------------ actions
     def _selected(self) -> CacheEntryInfo | None:
+        if self.showing_misses:
+            self.notify("This acts on entries: press m for the entry list.", severity="warning")
+            return None
         e = self.table.selected
         if e is None:
             self.notify("No entry selected.", severity="warning")
@@ -474,11 +545,11 @@ class InspectorScreen(Screen):
             self.table.focus()
 
     def action_sort(self, step: int) -> None:
-        self.table.cycle_sort(step)
+        (self.misses if self.showing_misses else self.table).cycle_sort(step)
         self._show_count()
 
     def action_reverse(self) -> None:
-        self.table.toggle_reverse()
+        (self.misses if self.showing_misses else self.table).toggle_reverse()
         self._show_count()
 
     def action_refresh(self) -> None:

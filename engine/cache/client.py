@@ -35,8 +35,14 @@ class CacheClient(Protocol):
                ) -> tuple[int, list | None]:
         """(cached tokens, a KV cache holding them) for the prompt ``tokens``, or (0, None)."""
 
-    def store(self, tokens: Any, cache: list, ns: str, session: str | None = None) -> None:
-        """Keep the KV state ``cache`` of ``tokens``."""
+    def store(self, tokens: Any, cache: list, ns: str, session: str | None = None,
+              retain_s: float | None = None) -> None:
+        """Keep the KV state ``cache`` of ``tokens`` (``retain_s``: a retention hint: kept
+        over states without one for that many seconds)."""
+
+    def explain(self, tokens: Any, ns: str) -> Any:
+        """The stored state closest to the prompt ``tokens`` and where the prompt parts
+        from it (an ``engine.cache.misses.Divergence``), or None."""
 
     def release(self, cache: list | None) -> bool:
         """Give back a cache lent by ``lookup`` that will not be stored."""

@@ -48,6 +48,9 @@ class CacheEntryInfo:
     hits: int  # lookups this process served from it
     session: str | None
     session_pinned: bool = False  # held in RAM as the latest entry of an open session
+    # seconds a retention hint (cache_control, prompt_cache_key) still keeps it over the
+    # entries without one (0: none); unlike ``pinned`` it ends by itself
+    retained_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -35,12 +35,15 @@ class Lent:
     ns: str
     tokens: np.ndarray
     session: str | None
+    retained_until: float = 0.0  # the entry's retention hint, kept for when it comes back
 
 
 class Lending:
-    """Handed-over caches by id; ``keep(ns, tokens, cache, session)`` stores one back."""
+    """Handed-over caches by id; ``keep(ns, tokens, cache, session, retained_until)``
+    stores one back."""
 
-    def __init__(self, keep: Callable[[str, np.ndarray, list, str | None], object]) -> None:
+    def __init__(self, keep: Callable[[str, np.ndarray, list, str | None, float], object]
+                 ) -> None:
         self._keep = keep
         self._lent: dict[int, Lent] = {}
         self.released = 0  # entries given back
@@ -48,12 +51,19 @@ class Lending:
     def __len__(self) -> int:
         return len(self._lent)
 
-    def remember(self, cache: list, ns: str, toks: np.ndarray, session: str | None) -> None:
-        self._lent[id(cache)] = Lent(cache, ns, toks.copy(), session)
+    def remember(self, cache: list, ns: str, toks: np.ndarray, session: str | None,
+                 retained_until: float = 0.0) -> None:
+        self._lent[id(cache)] = Lent(cache, ns, toks.copy(), session, retained_until)
         while len(self._lent) > MAX_LENT:
             rec = self._lent.pop(next(iter(self._lent)))
             if self._orphaned(rec):
                 self._give_back(rec)
+
+    def retention(self, cache: list) -> float:
+        """The retention hint of the entry handed over as ``cache`` (0: none): the state
+        stored from it holds that entry's tokens, and keeps its hint."""
+        rec = self._lent.get(id(cache))
+        return rec.retained_until if rec is not None and rec.cache is cache else 0.0
 
     def stored(self, cache: list) -> None:
         """The request stored its cache: nothing to give back."""
@@ -104,7 +114,7 @@ class Lending:
                    for c, arrs in zip(cache, arrays)):
                 raise ValueError(f"the cache no longer holds its first {n} tokens")
             back = [kb.make_layer(kb.layer_spec(c), arrs, n) for c, arrs in zip(cache, arrays)]
-            self._keep(rec.ns, rec.tokens, back, rec.session)
+            self._keep(rec.ns, rec.tokens, back, rec.session, rec.retained_until)
         except Exception as exc:  # noqa: BLE001  (a failed computation left lazy garbage)
             log.warning("could not take back a %d-token cached state: %s", n, exc)
             return False

@@ -89,6 +89,7 @@ def infos(facts: dict[str, Facts], ram: RamTier, pins: set[str], usage: Usage
     by_ns: dict[str, list[Facts]] = {}
     for f in facts.values():
         by_ns.setdefault(f.ns, []).append(f)
+    now = ram.clock()
     out = {}
     for f in facts.values():
         blocks = {**f.ssd_blocks, **f.ram_blocks}
@@ -101,11 +102,12 @@ def infos(facts: dict[str, Facts], ram: RamTier, pins: set[str], usage: Usage
         session = f.ram.session if f.ram is not None else None
         pinned = f.eid in pins or (f.ram is not None and f.ram.pinned)
         held = f.ram is not None and session is not None and ram.pinned.get(session) is f.ram
+        retained = max(0.0, f.ram.retained_until - now) if f.ram is not None else 0.0
         out[f.eid] = CacheEntryInfo(
             id=f.eid, ns=f.ns, kind=_kind(f, by_ns), tokens=restorable(f), blocks=len(blocks),
             bytes=total, unique_bytes=total - shared, shared_bytes=shared, tier=tier,
             pinned=pinned, last_used=when if when is not None else f.created, hits=hits,
-            session=session, session_pinned=held)
+            session=session, session_pinned=held, retained_s=round(retained, 1))
     return out
 
 

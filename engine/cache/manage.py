@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from mlxkv.engine.cache import listing, upkeep
+from mlxkv.engine.cache import listing, misses, upkeep
 from mlxkv.engine.cache.info import CacheEntryDetail, CacheEntryInfo
 from mlxkv.engine.cache.tokens import as_tokens, common_prefix, store_namespace
 from mlxkv.engine.cache.tokens import entry_id as eid_of
@@ -26,14 +26,15 @@ def folder_errors() -> tuple[type[BaseException], ...]:
 
 class ManageMixin:
     """Entry management of :class:`engine.cache.prefix_cache.PrefixCache` (which sets
-    ``ram``, ``ssd``, ``lending``, ``usage``, ``counters``, ``_events``, ``_pins`` and
-    ``_verified``)."""
+    ``ram``, ``ssd``, ``lending``, ``usage``, ``counters``, ``saved_tokens``, ``_events``,
+    ``_pins`` and ``_verified``)."""
 
     ram: Any
     ssd: Any
     lending: Any
     usage: Any
     counters: Any
+    saved_tokens: misses.SavedTokens
     _events: Any
     _pins: set[str]
     _verified: dict[bytes, bool]
@@ -44,7 +45,12 @@ class ManageMixin:
             return []
         try:
             names = [sns] if sns is not None else sorted(self.ssd.disk.stats()["namespaces"])
-            return [s for name in names for s in upkeep.saved_states(self.ssd.disk, name)]
+            out = []
+            for name in names:
+                states = sorted(upkeep.saved_states(self.ssd.disk, name), key=lambda s: s.created)
+                self.saved_tokens.listed(name, ((s.eid, s.tokens) for s in states))
+                out += states
+            return out
         except folder_errors() as exc:
             self._events.warn("list-failed", "prefix cache: cannot list the SSD tier: %s", exc)
             return []
@@ -65,6 +71,25 @@ class ManageMixin:
             return None
         info = listing.infos(facts, self.ram, self._pins, self.usage)[entry_id]
         return listing.detail(info, f, self._verified)
+
+    def explain(self, tokens: Any, ns: str) -> misses.Divergence | None:
+        """The stored state of ``ns`` that shares the longest prefix with ``tokens`` (RAM
+        entries first, then the SSD tier's saved states; most recent first), and where
+        the prompt parts from it; None when none starts like it."""
+        toks, sns = as_tokens(tokens), store_namespace(ns)
+        if len(toks) == 0:
+            return None
+        first = toks[0]
+        cands = [misses.Candidate(e.tokens, "ram", session=e.session)
+                 for e in reversed(self.ram.entries.values())
+                 if e.ns == sns and len(e.tokens) and e.tokens[0] == first]
+        if self.ssd is not None:
+            try:
+                cands += self.saved_tokens.candidates(self.ssd.disk, sns, first)
+            except folder_errors() as exc:
+                self._events.warn("list-failed", "prefix cache: cannot list the SSD tier: %s",
+                                  exc)
+        return misses.closest(toks, sns, cands)
 
     def pin(self, entry_id: str, pinned: bool = True) -> bool:
         """Keep an entry over others in RAM (never superseded or handed over)."""
@@ -115,6 +140,7 @@ class ManageMixin:
                 found = True
         self._pins.discard(entry_id)
         self.usage.forget(entry_id)
+        self.saved_tokens.removed(entry_id)
         if found:
             self.counters.add(deleted=1)
             self._events.emit("delete", id=entry_id)
@@ -148,6 +174,7 @@ class ManageMixin:
             mans = [s.manifest for s in self._saved(sns)
                     if keys & {k for k, _, _ in s.blocks}]
             self._remove(sns, keys, mans)
+            self.saved_tokens.forget(sns)
         self.counters.add(invalidated=1)
         self._events.emit("invalidate", ns=ns, tokens=len(toks), ram_entries=len(dropped))
 

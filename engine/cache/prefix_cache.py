@@ -50,6 +50,7 @@ from mlxkv.engine.cache.events import Events
 from mlxkv.engine.cache.info import CacheEntryDetail, CacheEntryInfo
 from mlxkv.engine.cache.lending import Lending
 from mlxkv.engine.cache.manage import ManageMixin, folder_errors
+from mlxkv.engine.cache.misses import Divergence, SavedTokens
 from mlxkv.engine.cache.prefetch import PrefetchMixin
 from mlxkv.engine.cache.ram_tier import Entry, RamTier
 from mlxkv.engine.cache.ssd import SsdTier
@@ -97,7 +98,11 @@ class NullPrefixCache:
     def gc(self, ns: str | None = None, min_age_s: float = 0.0) -> dict[str, Any]:
         return {**_EMPTY_GC, "unreadable_manifests": {}}
 
-    def store(self, tokens: Any, cache: list, ns: str, session: str | None = None) -> None:
+    def store(self, tokens: Any, cache: list, ns: str, session: str | None = None,
+              retain_s: float | None = None) -> None:
+        return None
+
+    def explain(self, tokens: Any, ns: str) -> Divergence | None:
         return None
 
     def release(self, cache: list | None) -> bool:
@@ -155,7 +160,8 @@ class PrefixCache(ManageMixin, PrefetchMixin):
                  durable: bool = True, debounce_s: float = 0.0, retries: int = 2,
                  min_ssd_gain: int | None = None, on_event: Callable[[dict], None] | None = None,
                  restore_timeout_s: float | None = DEFAULT_RESTORE_TIMEOUT_S,
-                 arena_bytes: int | None = None) -> None:
+                 arena_bytes: int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if block_tokens <= 0:
             raise ValueError(f"block_tokens must be > 0, got {block_tokens}")
         self.block_tokens = int(block_tokens)
@@ -163,8 +169,10 @@ class PrefixCache(ManageMixin, PrefetchMixin):
         self.counters = Counters()
         self.usage = Usage()
         self.templates = Templates()
+        self.clock = clock  # retention hints are measured against it
         self.ram = RamTier(default_ram_bytes() if ram_bytes is None else int(ram_bytes),
-                           self.block_tokens, on_evict=self._on_ram_drop)
+                           self.block_tokens, on_evict=self._on_ram_drop, clock=clock)
+        self.saved_tokens = SavedTokens()  # the SSD tier's token ids, for explain()
         self.lending = Lending(self._keep)
         # restore from SSD only when it saves at least this many tokens over the RAM hit
         self.min_ssd_gain = max(1, self.block_tokens // 4 if min_ssd_gain is None
@@ -238,6 +246,10 @@ class PrefixCache(ManageMixin, PrefetchMixin):
                 self.arena.prepare(sns, cache, self.ssd.latest_tokens(sns))
             except Exception as exc:  # noqa: BLE001  (no arena: restores allocate as before)
                 log.debug("cannot prepare the KV arena: %s", exc)
+            try:  # what explain() compares prompts with, read now rather than in a request
+                self.saved_tokens.load(self.ssd.disk, sns)
+            except folder_errors() as exc:
+                log.debug("cannot read the saved states' tokens: %s", exc)
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, tokens: Any, ns: str, session: str | None = None) -> tuple[int, list | None]:
@@ -262,7 +274,8 @@ class PrefixCache(ManageMixin, PrefetchMixin):
         if tier == "ram":
             cache = match.lend()
             if match.moved and cache is not None:
-                self.lending.remember(cache, sns, toks[:n], session)
+                self.lending.remember(cache, sns, toks[:n], session,
+                                      match.entry.retained_until if match.entry else 0.0)
             if match.entry is not None:
                 self.usage.hit(match.entry.id)
         elif tier == "ssd":
@@ -300,6 +313,7 @@ class PrefixCache(ManageMixin, PrefetchMixin):
         except folder_errors() as exc:
             self._events.warn("gc-failed", "prefix cache: cannot collect the SSD tier: %s", exc)
             return {**_EMPTY_GC, "unreadable_manifests": {}}
+        self.saved_tokens.forget(None if ns is None else store_namespace(ns))
         self._events.emit("gc", ns=ns, removed=rep.get("removed", 0), bytes=rep.get("bytes", 0))
         return rep
 
@@ -308,19 +322,27 @@ class PrefixCache(ManageMixin, PrefetchMixin):
         return n_ssd >= n_ram + self.min_ssd_gain or (n_ram == 0 and n_ssd > 0)
 
     # ------------------------------------------------------------------ store
-    def store(self, tokens: Any, cache: list, ns: str, session: str | None = None) -> None:
+    def store(self, tokens: Any, cache: list, ns: str, session: str | None = None,
+              retain_s: float | None = None) -> None:
         """Keep the state of ``cache`` (which holds ``tokens``) in RAM and persist it in the
         background. Raises ValueError when the cache and the tokens disagree (a handed-over
-        entry is then given back, as by ``release``)."""
+        entry is then given back, as by ``release``). ``retain_s``: a retention hint (a
+        request's ``cache_control`` or ``prompt_cache_key``): for that long the state is
+        evicted only after every state without one, from RAM and from the SSD tier. A
+        state stored from an entry that was handed over keeps that entry's hint too."""
         self._adopt()
+        until = self.lending.retention(cache)
+        if retain_s is not None and retain_s > 0:
+            until = max(until, self.clock() + float(retain_s))
         try:
-            self._store(tokens, cache, ns, session)
+            self._store(tokens, cache, ns, session, until)
         except BaseException:
             self.release(cache)
             raise
         self.lending.stored(cache)
 
-    def _store(self, tokens: Any, cache: list, ns: str, session: str | None) -> None:
+    def _store(self, tokens: Any, cache: list, ns: str, session: str | None,
+               retain_until: float) -> None:
         t0 = time.perf_counter()
         toks = as_tokens(tokens)
         if len(toks) == 0 or not cache:
@@ -341,13 +363,18 @@ class PrefixCache(ManageMixin, PrefetchMixin):
         sns = store_namespace(ns)
         self.templates.learn(sns, cache)
         eid = eid_of(sns, toks)
-        entry = self.ram.store(sns, toks, cache, session,
-                               keys=chain_keys(sns, toks, self.block_tokens),
-                               pinned=eid in self._pins)
+        keys = chain_keys(sns, toks, self.block_tokens)
+        entry = self.ram.store(sns, toks, cache, session, keys=keys, pinned=eid in self._pins,
+                               retain_until=retain_until)
         persisted = False
         if self.ssd is not None:
             cp = entry.checkpoint if entry is not None and entry.checkpoint else None
             persisted = self.ssd.persist(sns, toks, cache, block_mode, cp)
+            if persisted:
+                self.saved_tokens.saved(sns, eid, toks)
+            left = retain_until - self.clock()
+            if left > 0:
+                self.ssd.retain(sns, toks, keys, left)
         self.counters.add(stores=1, store_ms=(time.perf_counter() - t0) * 1e3,
                           **({} if block_mode else {"checkpoint_stores": 1,
                                                     "checkpoints_persisted": int(persisted)}))
@@ -368,8 +395,10 @@ class PrefixCache(ManageMixin, PrefetchMixin):
         whether an entry was given back."""
         return self.lending.release(cache)
 
-    def _keep(self, sns: str, toks: np.ndarray, cache: list, session: str | None) -> Any:
-        return self.ram.store(sns, toks, cache, session, pinned=eid_of(sns, toks) in self._pins)
+    def _keep(self, sns: str, toks: np.ndarray, cache: list, session: str | None,
+              retained_until: float = 0.0) -> Any:
+        return self.ram.store(sns, toks, cache, session, pinned=eid_of(sns, toks) in self._pins,
+                              retain_until=retained_until)
 
     def _on_ram_drop(self, entry: Entry, evicted: bool, superseded_by: Entry | None) -> None:
         # The coordinator already holds a snapshot of every dirty block state (it was taken
@@ -434,6 +463,7 @@ class PrefixCache(ManageMixin, PrefetchMixin):
             "dedup_ratio": (ram.logical_bytes / ram.token_bytes) if ram.token_bytes else 1.0,
             "hit_fraction": (s["cached_tokens"] / s["prompt_tokens"]) if s["prompt_tokens"] else 0.0,
             "sessions": len(self._sessions), "pinned": len(self._pins),
+            "retained": sum(1 for e in list(ram.entries.values()) if ram.retained(e)),
             "ssd_disabled_reason": self.ssd_disabled_reason,
         })
         s.update(self.ssd.stats() if self.ssd is not None else {"ssd": False})

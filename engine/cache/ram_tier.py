@@ -76,6 +76,10 @@ class Entry:
     parent: bytes = ZERO_KEY  # index parent of the checkpoint (last full block or root)
     session: str | None = None
     pinned: bool = False  # kept over others and never handed over or superseded
+    # A retention hint (a request's cache_control / prompt_cache_key): until this time of
+    # the tier's clock it is evicted only after every entry without one, and never
+    # superseded; then it is an entry like any other. 0: none.
+    retained_until: float = 0.0
     nbytes: int = 0  # checkpoint bytes (block entries account through slabs)
     logical: int = 0  # bytes this entry would take alone (for the dedup ratio)
     created: float = field(default_factory=time.time)
@@ -103,12 +107,14 @@ class RamTier:
     """Byte-capped LRU of entries with a shared block index (see module docstring)."""
 
     def __init__(self, max_bytes: int, block_tokens: int,
-                 on_evict: Callable[[Entry, bool, Entry | None], None] | None = None) -> None:
+                 on_evict: Callable[[Entry, bool, Entry | None], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if block_tokens <= 0:
             raise ValueError(f"block_tokens must be > 0, got {block_tokens}")
         self.max_bytes = int(max_bytes)
         self.bt = int(block_tokens)
         self.on_evict = on_evict
+        self.clock = clock  # what retention hints are measured against
         self.entries: OrderedDict[tuple[str, bytes], Entry] = OrderedDict()
         self.runs: dict[bytes, Run] = {}
         # parent key -> first token -> runs (full blocks and tails) under it
@@ -175,9 +181,11 @@ class RamTier:
 
     # ------------------------------------------------------------------ store
     def store(self, ns: str, tokens: np.ndarray, cache: list, session: str | None = None,
-              keys: list[bytes] | None = None, pinned: bool = False) -> Entry | None:
+              keys: list[bytes] | None = None, pinned: bool = False,
+              retain_until: float = 0.0) -> Entry | None:
         """Keep ``cache`` (holding exactly ``tokens``) and return its entry (None if empty
-        or evicted at once). ``keys``: ``chain_keys(ns, tokens)`` when already computed."""
+        or evicted at once). ``keys``: ``chain_keys(ns, tokens)`` when already computed.
+        ``retain_until``: a retention hint's end (the tier's clock; 0: none)."""
         n = len(tokens)
         if n == 0:
             return None
@@ -187,6 +195,7 @@ class RamTier:
             self.entries.move_to_end(key)
             self._set_session(have, session)
             have.pinned = have.pinned or pinned
+            have.retained_until = max(have.retained_until, retain_until)
             return have
         if keys is None:
             keys = chain_keys(ns, tokens, self.bt)
@@ -195,6 +204,7 @@ class RamTier:
         else:
             entry = self._store_checkpoint(ns, tokens, cache, keys)
         entry.pinned = pinned
+        entry.retained_until = retain_until
         self.entries[key] = entry
         self._set_session(entry, session)
         for other in self._prefixes_of(entry):
@@ -257,13 +267,24 @@ class RamTier:
         for e in self.entries.values():
             if (e is not entry and e.ns == entry.ns and e.checkpoint is None
                     and entry.checkpoint is None and len(e.tokens) < n
-                    and not self._is_pinned(e)
+                    and not self._is_pinned(e) and not self.retained(e)
                     and np.array_equal(e.tokens, entry.tokens[: len(e.tokens)])):
                 out.append(e)
         return out
 
     def _is_pinned(self, e: Entry) -> bool:
         return e.pinned or (e.session is not None and self.pinned.get(e.session) is e)
+
+    def retained(self, e: Entry) -> bool:
+        """Whether ``e``'s retention hint still holds."""
+        return e.retained_until > 0.0 and e.retained_until > self.clock()
+
+    def _keep_rank(self, e: Entry) -> int:
+        """Eviction order: entries of a lower rank go first (LRU within a rank): plain
+        ones, then those a retention hint holds, then pinned ones."""
+        if self._is_pinned(e):
+            return 2
+        return 1 if self.retained(e) else 0
 
     def _store_checkpoint(self, ns: str, tokens: np.ndarray, cache: list, keys: list[bytes]
                           ) -> Entry:
@@ -402,15 +423,16 @@ class RamTier:
 
     # ------------------------------------------------------------------ eviction
     def evict(self) -> None:
-        """Drop least recently used entries until under the byte cap (pinned ones last)."""
+        """Drop least recently used entries until under the byte cap: entries without a
+        retention hint first, then those whose hint still holds, pinned ones last."""
         while self.nbytes > self.max_bytes and self.entries:
-            victim = None
+            victim, rank = None, 3
             for e in self.entries.values():
-                if not self._is_pinned(e):
-                    victim = e
-                    break
-            if victim is None:
-                victim = next(iter(self.entries.values()))
+                r = self._keep_rank(e)
+                if r < rank:
+                    victim, rank = e, r
+                    if r == 0:
+                        break
             self._drop(victim, evicted=True)
 
     def _drop(self, entry: Entry, evicted: bool, superseded_by: Entry | None = None) -> None:

@@ -34,7 +34,7 @@ from mlxkv.engine.cache.durability import Durability, Job
 from mlxkv.engine.cache.events import Events
 from mlxkv.engine.cache.stats import Counters
 from mlxkv.engine.cache.template import Templates
-from mlxkv.engine.cache.tokens import entry_id, manifest_name
+from mlxkv.engine.cache.tokens import ZERO_KEY, ckpt_key_of, entry_id, manifest_name, tail_key_of
 
 _lowered: set[int] = set()
 
@@ -253,6 +253,16 @@ class SsdTier:
         return n, cache
 
     # ------------------------------------------------------------------ persist
+    def retain(self, sns: str, toks: np.ndarray, keys: list[bytes], ttl_s: float) -> None:
+        """Keep the files of the state of ``toks`` (``keys``: its chain keys) over others
+        when the store evicts, for ``ttl_s`` seconds (a retention hint)."""
+        bt = self.disk.block_tokens
+        rest = toks[len(keys) * bt:]
+        held = list(keys) + [ckpt_key_of(sns, toks, bt)]
+        if len(rest):
+            held.append(tail_key_of(sns, keys[-1] if keys else ZERO_KEY, rest))
+        self.disk.retain(sns, held, ttl_s)
+
     def persist(self, sns: str, toks: np.ndarray, cache: list, block_mode: bool,
                 cp: kb.Checkpoint | None) -> bool:
         """Hand a snapshot of ``cache`` (holding ``toks``) to the writer; False when it

@@ -182,7 +182,8 @@ class Speculation:
         return SpecStream(gen.model, gen.prompt_tokens, gen.n_cached, gen.cache, gen.params, self.source,
                           self.controller, kind=self.provider.kind, target_view=self.target,
                           needs_hidden=self.provider.needs_hidden, on_progress=progress,
-                          constraint=self.constraint, eos=gen.tokenizer.eos_token_ids)
+                          constraint=self.constraint, eos=gen.tokenizer.eos_token_ids,
+                          between_layers=gen.between_layers)
 
     def finish(self, stream: SpecStream, tokens_in_cache: list[int]) -> dict:
         summary = stream.summary()

@@ -136,13 +136,15 @@ class SpecStream:
     """The (token, logprobs) stream of one speculative generation. ``kv_tokens`` is always
     exactly what the target's cache holds; ``on_progress(done, total)`` observes the
     prefill of the uncached suffix as ``generate_step``'s callback does (it may raise to
-    cancel between chunks)."""
+    cancel between chunks); ``between_layers`` is ``prefill``'s (it may raise to cancel
+    inside a chunk)."""
 
     def __init__(self, model: Any, prompt_tokens: Sequence[int], n_cached: int, cache: list,
                  params: Any, source: DraftSource, controller: LengthController, *,
                  kind: str, target_view: Any = None, needs_hidden: bool = False,
                  on_progress: Callable[[int, int], None] | None = None, constraint: Any = None,
-                 eos: Collection[int] = ()):
+                 eos: Collection[int] = (),
+                 between_layers: Callable[[int, int, int, int], None] | None = None):
         self.model = model
         self.prompt = list(prompt_tokens)
         self.n_cached = n_cached
@@ -155,6 +157,7 @@ class SpecStream:
         self.constraint = constraint
         self.eos = frozenset(eos)
         self.on_progress = on_progress or (lambda done, total: None)
+        self.between_layers = between_layers
         self.kv_tokens: list[int] = list(self.prompt[:n_cached])
         self.stats = SpecStats(kind)
         self.trace = _trace_enabled()
@@ -188,7 +191,8 @@ class SpecStream:
             self.on_progress(done, len(rest))
 
         logits, hidden = prefill(self.model, rest, self.cache, self.params.prefill_step_size, fed,
-                                 view=self.view if self.needs_hidden else None)
+                                 view=self.view if self.needs_hidden else None,
+                                 between_layers=self.between_layers)
         self.kv_tokens.extend(rest[len(self.kv_tokens) - self.n_cached:])
         return logits, hidden
 

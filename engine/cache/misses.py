@@ -1,0 +1,119 @@
+"""Why a lookup matched no more: the stored state that shares the longest prefix with a
+prompt, and where the two part (engine thread).
+
+A lookup walks the hash chain to the longest block-aligned match and then compares token
+ids inside the next block, so it knows how far the prompt matched, but not which stored
+state it matched nor what that state holds after the point where they part. Both tiers
+keep every stored state's token ids beside its KV (a RAM entry its ``tokens``; an SSD
+manifest its token ids), and token ids are ~10,000 times smaller than their KV rows, so
+the closest state is found by comparing token ids: each candidate that starts like the
+prompt costs one vectorised comparison, and the candidates are the namespace's RAM
+entries and the SSD tier's saved states.
+
+The SSD tier's states come from :class:`SavedTokens`: the manifests of a namespace read
+once, on its first explanation, then kept up to date by this process's own stores and
+removals and by every listing (which reads the manifests anyway). States another process
+saves meanwhile are seen from the next listing on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mlxkv.engine.cache.tokens import common_prefix, entry_id
+
+NEXT_TOKENS = 16  # the closest state's tokens kept after the point where the prompt parts
+MAX_CANDIDATES = 4096  # states compared at most per explanation, most recent first
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """The stored state closest to a prompt: ``shared`` tokens are the same in both; the
+    prompt parts from it there when ``shared < tokens`` (else it continues past its end)."""
+
+    entry: str  # the state's id
+    label: str  # what the inspector's entry column shows: its conversation, or its id
+    tokens: int  # the state's length
+    shared: int
+    next_tokens: tuple[int, ...]  # the state's tokens from ``shared`` on (a few)
+    tier: str  # "ram" or "ssd": where it was found
+
+
+@dataclass(frozen=True)
+class Candidate:
+    tokens: np.ndarray
+    tier: str
+    eid: str | None = None  # None: worked out (hashed) only for the winner
+    session: str | None = None
+
+
+def closest(prompt: np.ndarray, sns: str, candidates: Iterable[Candidate]) -> Divergence | None:
+    """The candidate sharing the longest prefix with ``prompt`` (at least one token); a tie
+    goes to the first (RAM before SSD, most recent first). The caller passes only
+    candidates that start with the prompt's first token."""
+    if len(prompt) == 0:
+        return None
+    best, best_n = None, 0
+    for i, c in enumerate(candidates):
+        if i >= MAX_CANDIDATES:
+            break
+        n = common_prefix(c.tokens, prompt)
+        if n > best_n:
+            best, best_n = c, n
+            if n >= len(prompt):
+                break
+    if best is None:
+        return None
+    eid = best.eid or entry_id(sns, best.tokens)
+    nxt = tuple(int(t) for t in best.tokens[best_n: best_n + NEXT_TOKENS])
+    return Divergence(eid, best.session or eid[:12], len(best.tokens), best_n, nxt, best.tier)
+
+
+class SavedTokens:
+    """Token ids of the SSD tier's saved states, per store namespace (engine thread)."""
+
+    def __init__(self) -> None:
+        self._by_ns: dict[str, dict[str, np.ndarray]] = {}
+
+    def load(self, disk: Any, sns: str) -> dict[str, np.ndarray]:
+        """The saved states of ``sns`` (id -> token ids, oldest first), their manifests
+        read on first use (``PrefixCache.bind_model`` reads the model's namespace while
+        the model loads, so no request waits for it)."""
+        known = self._by_ns.get(sns)
+        if known is None:
+            mans = sorted(disk.manifests(sns), key=lambda m: m.created)
+            known = self._by_ns[sns] = {
+                entry_id(sns, t): t for t in
+                (np.ascontiguousarray(m.tokens, dtype="<u4") for m in mans)}
+        return known
+
+    def candidates(self, disk: Any, sns: str, first: int) -> list[Candidate]:
+        """The saved states of ``sns`` whose first token is ``first``, newest first."""
+        return [Candidate(t, "ssd", eid) for eid, t in reversed(self.load(disk, sns).items())
+                if len(t) and t[0] == first]
+
+    def saved(self, sns: str, eid: str, tokens: np.ndarray) -> None:
+        """This process saved a state (its manifest is being written)."""
+        known = self._by_ns.get(sns)
+        if known is not None:
+            known.pop(eid, None)
+            known[eid] = tokens  # most recent last
+
+    def listed(self, sns: str, states: Iterable[tuple[str, np.ndarray]]) -> None:
+        """A listing read the manifests of ``sns``: ``(id, tokens)`` of each."""
+        self._by_ns[sns] = dict(states)
+
+    def removed(self, eid: str) -> None:
+        for known in self._by_ns.values():
+            known.pop(eid, None)
+
+    def forget(self, sns: str | None = None) -> None:
+        """Read ``sns`` (every namespace: None) again on its next use."""
+        if sns is None:
+            self._by_ns.clear()
+        else:
+            self._by_ns.pop(sns, None)

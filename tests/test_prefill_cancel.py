@@ -1,0 +1,205 @@
+"""Cancellation inside a prefill chunk (``engine.layer_steps``): a chunk evaluated layer by
+layer gives bit for bit the KV rows and logits of one evaluation (plain decoding's and the
+speculative verifier's prefill alike), a stop between two layers leaves the cache holding
+exactly the chunks before it (on dense, sliding-window, hybrid and SSM models), and an
+abandoned request frees the engine inside its chunk and keeps what it prefilled."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import mlx.core as mx
+import pytest
+from common import T
+from mlx_lm.models.cache import make_prompt_cache
+from test_prefix_cache import GEMMA3, MAMBA, QWEN3_NEXT
+
+from mlxkv.engine.engine import Engine, ProgressEvent, Request
+from mlxkv.engine.generate import Cancelled, SamplingParams, head_view, prefill
+from mlxkv.engine.settings import Settings
+from mlxkv.engine.speculation.base import TargetView
+from support.modelgen import init_model, tiny_model
+
+QWEN3 = {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 3, "intermediate_size": 128,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+         "max_position_embeddings": 32768, "rope_theta": 10000.0, "tie_word_embeddings": True,
+         "vocab_size": 512}
+MODELS = [QWEN3, GEMMA3, QWEN3_NEXT, MAMBA]
+IDS = ["dense", "rotating+kv", "ssm+kv", "ssm-only"]
+STEP = 16  # tokens per chunk: 70 tokens are 5 chunks, the sliding window (16) wraps
+
+
+def prompt(n: int = 70, seed: int = 3) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 500) for _ in range(n)]
+
+
+def arrays(cache: list) -> list[mx.array]:
+    """What a cache holds: the rows inside its offset for token-indexed layers, every
+    array of the others."""
+    out: list[mx.array] = []
+
+    def walk(x):
+        if isinstance(x, mx.array):
+            out.append(x)
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                walk(y)
+    for c in cache:
+        if type(c).__name__ == "KVCache":
+            out += [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
+        else:
+            walk(c.state)
+    return out
+
+
+def same(a: list[mx.array], b: list[mx.array]) -> bool:
+    return len(a) == len(b) and all(x.shape == y.shape and bool(mx.array_equal(x, y))
+                                    for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("config", MODELS, ids=IDS)
+def test_layer_by_layer_is_bit_for_bit_the_same(config):
+    model = init_model(config, seed=1, scale=0.1)
+    toks = prompt()
+    whole = make_prompt_cache(model)
+    logits, _ = prefill(model, toks, whole, STEP, lambda done: None)
+    seen: list[tuple[int, int, int, int]] = []
+    stepped = make_prompt_cache(model)
+    logits2, _ = prefill(model, toks, stepped, STEP, lambda done: None,
+                         between_layers=lambda *at: seen.append(at))
+    mx.eval(logits, logits2)
+    assert bool(mx.array_equal(logits, logits2)) and same(arrays(whole), arrays(stepped))
+    # every layer of every chunk (the last one too), in order; a model without a head view
+    # (its logits are not the head on the last hidden state) feeds its last token alone
+    fed = len(toks) if head_view(model) is not None else len(toks) - 1
+    chunks = [(d, min(STEP, fed - d)) for d in range(0, fed, STEP)]
+    if fed < len(toks):
+        chunks.append((fed, 1))
+    layers = len(whole)
+    assert seen == [(d, n, i, layers) for d, n in chunks for i in range(1, layers + 1)]
+
+
+def test_the_verifiers_prefill_with_hidden_rows_is_the_same():
+    """The speculative verifier's prefill (a TargetView reading every position's hidden
+    state) gives the same logits, hidden rows and cache layer by layer."""
+    model = init_model(QWEN3, seed=2, scale=0.1)
+    view = TargetView(model, None)
+    toks = prompt(50)
+    a, b = make_prompt_cache(model), make_prompt_cache(model)
+    la, ha = prefill(model, toks, a, STEP, lambda d: None, view=view)
+    lb, hb = prefill(model, toks, b, STEP, lambda d: None, view=view,
+                     between_layers=lambda *at: None)
+    mx.eval(la, ha, lb, hb)
+    assert bool(mx.array_equal(la, lb)) and bool(mx.array_equal(ha, hb))
+    assert same(arrays(a), arrays(b))
+
+
+@pytest.mark.parametrize("config", MODELS, ids=IDS)
+def test_a_stop_between_layers_keeps_exactly_the_chunks_before(config):
+    model = init_model(config, seed=1, scale=0.1)
+    toks = prompt()
+    stopped = make_prompt_cache(model)
+
+    def stop_in_third_chunk(done: int, chunk: int, layer: int, layers: int) -> None:
+        if done == 2 * STEP and layer == 1:
+            raise Cancelled
+
+    with pytest.raises(Cancelled):
+        prefill(model, toks, stopped, STEP, lambda d: None, between_layers=stop_in_third_chunk)
+
+    def stop_after_two_chunks(done: int) -> None:  # how a cancel between chunks stops
+        if done == 2 * STEP:
+            raise Cancelled
+    two = make_prompt_cache(model)
+    with pytest.raises(Cancelled):
+        prefill(model, toks, two, STEP, stop_after_two_chunks)
+    assert same(arrays(stopped), arrays(two))
+    # and the stopped cache goes on exactly as one that never ran the third chunk
+    la, _ = prefill(model, toks[2 * STEP:], stopped, STEP, lambda d: None)
+    lb, _ = prefill(model, toks[2 * STEP:], two, STEP, lambda d: None)
+    mx.eval(la, lb)
+    assert bool(mx.array_equal(la, lb))
+
+
+def test_a_stop_inside_the_first_chunk_leaves_a_cached_prefix_as_it_was():
+    """A lent cache (a prefix from the prefix cache) stopped inside the first new chunk
+    holds the prefix again, its buffers unchanged where it matters."""
+    model = init_model(QWEN3, seed=4, scale=0.1)
+    toks = prompt(60)
+    cache = make_prompt_cache(model)
+    prefill(model, toks[:20], cache, STEP, lambda d: None)
+    mx.eval([c.state for c in cache])
+    before = [mx.array(a) for a in arrays(cache)]
+    mx.eval(before)
+
+    def stop(done: int, chunk: int, layer: int, layers: int) -> None:
+        if layer == 2:
+            raise Cancelled
+    with pytest.raises(Cancelled):
+        prefill(model, toks[20:], cache, STEP, lambda d: None, between_layers=stop)
+    assert all(c.offset == 20 for c in cache) and same(arrays(cache), before)
+
+
+# ------------------------------------------------------------------------ the engine
+SLOW = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4)  # seconds per chunk
+CHUNK = 1024
+
+
+@pytest.fixture(scope="module")
+def slow_model():
+    return tiny_model("qwen3", **SLOW)
+
+
+@pytest.mark.parametrize("spec", ["off", "ngram"], ids=["plain", "speculative"])
+def test_an_abandoned_prefill_frees_the_engine_inside_its_chunk_and_keeps_what_it_did(
+        slow_model, tmp_path, spec):
+    """A long prompt is cancelled while its second chunk computes: it ends inside that
+    chunk (its last progress is the first chunk's), the engine answers the next request,
+    and that request (the same prompt) finds the first chunk in the cache. The same with
+    the speculative verifier's prefill."""
+    settings = Settings.defaults(model=str(slow_model), cache_dir=str(tmp_path / "cache"),
+                                 prefill_step_size=CHUNK, spec=spec, block_tokens=64)
+    toks = prompt(2 * CHUNK + 100, seed=9)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prefill_step_size=CHUNK)
+    with Engine.from_settings(settings).start(timeout=T) as eng:
+        h = eng.submit(Request(prompt_tokens=toks, params=params))
+        cancelled_at = ended_at = 0.0
+        events = []
+        for ev in h.events(timeout=T):
+            events.append(ev)
+            if isinstance(ev, ProgressEvent) and ev.done == CHUNK and not cancelled_at:
+                threading.Timer(0.05, h.cancel).start()  # while the second chunk computes
+                cancelled_at = time.monotonic() + 0.05
+        ended_at = time.monotonic()
+        progress = [e.done for e in events if isinstance(e, ProgressEvent)]
+        assert h.finished.reason == "cancelled" and not h.tokens
+        assert progress == [0, CHUNK], progress  # it never finished the second chunk
+        again = eng.submit(Request(prompt_tokens=toks, params=params)).result(timeout=T)
+        assert again.stats.cached_tokens == CHUNK  # the first chunk, kept when it was cancelled
+        assert eng.stats(timeout=T)["cancelled"] == 1
+    print(f"cancel -> end of the request: {ended_at - cancelled_at:.2f} s")
+
+
+def test_the_last_layer_of_the_last_chunk_is_not_thrown_away():
+    """A stop asked for after the prompt's last layer is done leaves the prefill whole:
+    the chunk is finished, and the request ends at its first token as before."""
+    model_path = tiny_model("qwen3")
+    from mlx_lm import load
+
+    from mlxkv.engine.generate import Generation
+
+    model, tok = load(str(model_path))
+    assert head_view(model) is not None
+    stop = [False]
+
+    def on_layer(done: int, chunk: int, layer: int, layers: int) -> None:
+        stop[0] = stop[0] or (done + chunk == 20 and layer == layers)
+    gen = Generation(model, tok, prompt(20), SamplingParams(max_tokens=5, temperature=0.0,
+                                                            prefill_step_size=8),
+                     should_stop=lambda: stop[0], on_layer=on_layer)
+    steps = [s for s in gen if s.token is not None]
+    assert gen.outcome.finish_reason == "cancelled" and len(steps) == 1
+    assert gen.outcome.tokens_in_cache[:20] == prompt(20)
