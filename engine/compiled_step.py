@@ -19,7 +19,8 @@ move into a batch) sees the usual caches. A trace serves one buffer capacity (a 
 of 256, grown here as needed) and one input width (1..``max_width`` tokens); tracing
 again costs a few milliseconds on a small model, some tens on the real one.
 
-The first compiled step of each model is checked against the model's own forward pass
+The first compiled step of each model (its first request's second token, so the first
+token and the load never wait for it) is checked against the model's own forward pass
 from the same cache over :data:`CHECK_STEPS` greedy steps: every step's log-probabilities
 within :data:`TOLERANCE` and the same greedy token. An architecture whose forward pass
 the fixed layers cannot run (it reads the offset as a Python number, or its cache is not
@@ -167,17 +168,3 @@ class CompiledStep:
         for c in cache:
             c.offset = start + width
         return got[0] if ok else want[0]
-
-    def probe(self, tokens: int = 8) -> bool:
-        """Check the step once on a fresh cache (``tokens`` prompt tokens, then
-        :data:`CHECK_STEPS` steps), unless it was checked already; whether it is enabled.
-        Called while the engine loads, so no request pays for the check."""
-        from mlx_lm.models.cache import make_prompt_cache
-
-        if self.enabled is None:
-            cache = make_prompt_cache(self.model)
-            ids = mx.arange(1, tokens + 1).reshape(1, -1)
-            mx.eval(self.model(ids[:, :-1], cache=cache))
-            if self.fits(cache, 1):
-                self.check(ids[:, -1:], cache)
-        return bool(self.enabled)

@@ -50,13 +50,9 @@ class LocalModel:
 
     def load(self) -> tuple[LoadedModel, str]:
         from mlxkv.engine.cache.layout import kv_namespace
-        from mlxkv.engine.decoding import decode_step
         from mlxkv.engine.models import load_model
 
         loaded = load_model(self.spec, self.dtype, self.full_hash, dequantize=self.dequantize)
-        # Checked here, not inside the first request's decoding. (A sharded model's step
-        # is not compiled: its forward pass holds collectives.)
-        decode_step(loaded.model).probe()
         return loaded, kv_namespace(loaded.fingerprint, loaded.compute_dtype)
 
     def loading(self) -> AbstractContextManager[None]:

@@ -108,15 +108,19 @@ class ScaledLogits(nn.Module):
 def test_a_step_that_differs_from_the_forward_pass_is_not_used(caplog):
     model = ScaledLogits(load_model(str(tiny_model("qwen3"))).model)
     step = CompiledStep(model)
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([[3, 4, 5]]), cache=cache))
+    x = mx.array([[6]])
     with caplog.at_level(logging.DEBUG, logger="mlxkv.engine"):
-        assert step.probe() is False
+        got = step(x, cache)  # checked: the forward pass's logits come back
     assert step.enabled is False
     lines = [r.getMessage() for r in caplog.records if "compiled step differs" in r.getMessage()]
     assert len(lines) == 1, caplog.text
-    cache = make_prompt_cache(model)
-    mx.eval(model(mx.array([[3, 4, 5]]), cache=cache))
-    got = step(mx.array([[6]]), cache)  # the forward pass
-    assert got.shape == (1, model.inner.args.vocab_size) and cache[0].offset == 4
+    for c in cache:
+        c.trim(1)
+    assert mx.array_equal(got, model(x, cache=cache)[0, -1:]).item()
+    got = step(mx.array([[7]]), cache)  # the forward pass from now on
+    assert got.shape == (1, model.inner.args.vocab_size) and cache[0].offset == 5
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -144,7 +148,6 @@ def test_the_real_model_decodes_as_mlx_lm_does():
 
     path = convert_gguf(REAL, FIXTURES / f"smollm2-135m-instruct-f32-{GGUF_SHA256[:12]}")
     loaded = load_model(str(path))
-    assert decode_step(loaded.model).probe() is True
     reference, _ = mlx_lm_load(str(path))
     for text in ("What is the capital of France?", "Write a haiku about the sea."):
         prompt = loaded.tokenizer.apply_chat_template(
@@ -152,3 +155,4 @@ def test_the_real_model_decodes_as_mlx_lm_does():
         got, _ = ours(loaded, prompt, SamplingParams(max_tokens=24, temperature=0.0))
         assert len(got) > 4
         assert got == mlx_lm_tokens(path, prompt, 24, reference)[: len(got)]
+        assert decode_step(loaded.model).enabled is True
