@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from mlxkv.engine.settings import DEQUANTIZE_CHOICES
-from mlxkv.engine.weight_layout import transpose_for_cpu
 
 # Files whose bytes change what the tokenizer (and so the token ids) produce.
 TOKENIZER_FILES = (
@@ -368,7 +367,6 @@ def load_gguf_model(path: Path, spec: str, dtype: str = "auto", dequantize: str 
     loaded = load_gguf(path, dequantize=mx.float32 if wanted else None, header=header)
     native = counts.most_common(1)[0][0] if counts else "none"
     compute = apply_dtype_policy(loaded.model, dtype)
-    transpose_for_cpu(loaded.model)
     fingerprint = model_fingerprint(path)
     if loaded.dequantized:
         fingerprint = dequantized_fingerprint(fingerprint)
@@ -385,8 +383,7 @@ def load_model(spec: str | os.PathLike, dtype: str = "auto", full_hash: bool = F
                tokenizer_config: dict | None = None, dequantize: str = "auto") -> LoadedModel:
     """Load ``spec`` (folder, GGUF file or hub id) with ``mlx_lm.load`` (a GGUF file with
     :func:`load_gguf_model`), dequantize a quantized model when ``dequantize`` says so
-    (:func:`dequantize_wanted`), apply the dtype policy, and lay its matrices out for the
-    CPU (:func:`engine.weight_layout.transpose_for_cpu`). Call it on the thread that will
+    (:func:`dequantize_wanted`) and apply the dtype policy. Call it on the thread that will
     run the model (MLX streams are thread-local)."""
     path = resolve_model_path(spec)
     if path.is_file():
@@ -404,7 +401,6 @@ def load_model(spec: str | os.PathLike, dtype: str = "auto", full_hash: bool = F
             dequantized = dequantize_layers(model, target) > 0
             fingerprint = dequantized_fingerprint(fingerprint)
     compute = apply_dtype_policy(model, dtype)
-    transpose_for_cpu(model)
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path,
                        spec=str(spec), fingerprint=fingerprint,
                        weights_dtype=native, compute_dtype=compute,

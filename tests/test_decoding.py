@@ -126,17 +126,23 @@ def test_a_step_that_differs_from_the_forward_pass_is_not_used(caplog):
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_the_cpu_layout_computes_the_same_numbers(arch):
     path = folder(arch)
-    ours_model = load_model(str(path)).model
+    loaded = load_model(str(path))
+    ours(loaded, [3, 4, 5], SamplingParams(max_tokens=3, temperature=0.0))
+    assert transpose_for_cpu(loaded.model) == 0  # done once, at its first decoding
     theirs, _ = mlx_lm_load(str(path))
-    assert transpose_for_cpu(ours_model) == 0  # done once, at load
     assert transpose_for_cpu(theirs) > 0
     reference, _ = mlx_lm_load(str(path))
     x = mx.array([[(i * 7) % 200 + 3 for i in range(50)]])
     a, b = make_prompt_cache(theirs), make_prompt_cache(reference)
-    assert mx.array_equal(theirs(x, cache=a), reference(x, cache=b)).item()  # prefill
+    # the same products, summed in the order BLAS picks for each layout: equal to rounding
+    # (bit for bit on the reference BLAS; OpenBLAS's small-matrix kernels may round apart)
+    outs = [(theirs(x, cache=a), reference(x, cache=b))]  # prefill
     for t in (5, 9, 11):  # decode steps
         y = mx.array([[t]])
-        assert mx.array_equal(theirs(y, cache=a), reference(y, cache=b)).item()
+        outs.append((theirs(y, cache=a), reference(y, cache=b)))
+    for got, want in outs:
+        assert mx.allclose(got, want, rtol=1e-5, atol=1e-6).item()
+        assert mx.array_equal(mx.argmax(got, axis=-1), mx.argmax(want, axis=-1)).item()
 
 
 REAL = real_model_path()
