@@ -41,8 +41,8 @@ def transpose_for_cpu(model: Any) -> int:
     import mlx.core as mx
     import mlx.nn as nn
 
-    if mx.default_device() != mx.cpu or getattr(model, _DONE, False):
-        return 0
+    if mx.default_device() != mx.cpu or not isinstance(model, nn.Module) or getattr(model, _DONE, False):
+        return 0  # (a model wrapped in a plain object keeps its layout: nothing to walk)
     changed = 0
     for _, module in model.named_modules():
         if type(module) not in (nn.Linear, nn.Embedding) or "weight" not in module:
