@@ -153,6 +153,7 @@ def throughput(reps: int, prompt_tokens: int, decode_tokens: int, model: Path | 
 
     from bench.models import bench_model_path, parameter_count
     from mlxkv.engine.engine import Engine
+    from mlxkv.engine.models import weights_dtype
 
     path = model or bench_model_path()
     with Engine(str(path), dtype=dtype).start() as eng:
@@ -162,6 +163,7 @@ def throughput(reps: int, prompt_tokens: int, decode_tokens: int, model: Path | 
         # decodes exactly decode_tokens tokens.
         eng.call(lambda: setattr(eng.loaded.tokenizer, "eos_token_ids", set())).result(60)
         theirs_model = _peer(eng, peer or path, dtype == "float32")
+        peer_dtype = eng.call(lambda: weights_dtype(theirs_model[0])).result(60)
         rng = random.Random(0)
         ids = [i for i in range(vocab) if i not in special]
         tokens = [rng.choice(ids) for _ in range(prompt_tokens)]
@@ -184,7 +186,7 @@ def throughput(reps: int, prompt_tokens: int, decode_tokens: int, model: Path | 
             "cpu_prefill_ratio": med(ours, 2) / med(theirs, 2),
             "cpu_decode_ratio": med(ours, 3) / med(theirs, 3),
             "model": str(path), "params_m": round(parameter_count(path) / 1e6, 1),
-            "compute_dtype": info["compute_dtype"], "prompt_tokens": prompt_tokens,
+            "compute_dtype": info["compute_dtype"], "peer_dtype": peer_dtype, "prompt_tokens": prompt_tokens,
             "decode_tokens": decode_tokens, "reps": reps,
             "ours_prefill_tps": med(ours, 0), "mlx_lm_prefill_tps": med(theirs, 0),
             "ours_decode_tps": med(ours, 1), "mlx_lm_decode_tps": med(theirs, 1),
@@ -192,16 +194,17 @@ def throughput(reps: int, prompt_tokens: int, decode_tokens: int, model: Path | 
             "bandwidth_limit_tps": limit_tps, "decode_vs_bandwidth_limit": med(ours, 1) / limit_tps}
 
 
-def greedy_agreement(model: Path, peer: Path, prompts: list[str], n: int) -> float:
+def greedy_agreement(model: Path, peer: Path, prompts: list[str], n: int, float32: bool = False) -> float:
     """The fraction of greedy tokens (position by position, ``n`` per prompt) that ours on
-    ``model`` and mlx-lm's ``generate_step`` on its own load of ``peer`` share."""
+    ``model`` and mlx-lm's ``generate_step`` on its own load of ``peer`` (cast to float32
+    with ``float32``) share."""
     from mlxkv.engine.engine import Engine, Request
     from mlxkv.engine.generate import SamplingParams
 
     same = total = 0
     with Engine(str(model)).start() as eng:
         eng.call(lambda: setattr(eng.loaded.tokenizer, "eos_token_ids", set())).result(60)
-        theirs = _peer(eng, peer, False)
+        theirs = _peer(eng, peer, float32)
 
         def reference(tokens: list[int]) -> list[int]:
             import mlx.core as mx
@@ -336,6 +339,8 @@ def _q4_report(args: argparse.Namespace, folder: Path) -> dict:
     q4 = quantized_copy(folder)
     tp = throughput(args.q4_reps, args.q4_prompt_tokens, args.q4_decode_tokens, q4, q4, dtype="auto")
     agreement = greedy_agreement(q4, q4, list(Q4_PROMPTS), args.q4_decode_tokens)
+    # the same quantized matmuls with float32 activations: what dequantizing alone changes
+    agreement_f32 = greedy_agreement(q4, q4, list(Q4_PROMPTS), args.q4_decode_tokens, float32=True)
     print(f"real model, mlx-lm 4-bit folder ({q4.name}): mlx-lm quantized vs mlxkv --dequantize auto "
           f"({tp['compute_dtype']}), prompt {tp['prompt_tokens']}, {tp['decode_tokens']} generated, "
           f"median of {tp['reps']} interleaved runs")
@@ -344,9 +349,11 @@ def _q4_report(args: argparse.Namespace, folder: Path) -> dict:
         print(f"{'q4 ' + name:<28}{ours:>10.1f}{theirs:>10.1f}{ours / theirs:>8.3f}"
               f"   (paired {tp[f'paired_{key}_ratio']:.3f})")
     print(f"greedy agreement with the quantized path: {agreement:.3f} of {len(Q4_PROMPTS)} x "
-          f"{args.q4_decode_tokens} tokens")
+          f"{args.q4_decode_tokens} tokens as mlx-lm runs it ({tp['peer_dtype']} activations), "
+          f"{agreement_f32:.3f} with its quantized matmuls in float32")
     return {"q4_throughput": tp, "q4_prefill_vs_mlx_lm": tp["paired_prefill_ratio"],
             "q4_decode_vs_mlx_lm": tp["paired_decode_ratio"], "q4_greedy_agreement": agreement,
+            "q4_greedy_agreement_float32": agreement_f32,
             "q4_model_folder": str(q4)}
 
 
