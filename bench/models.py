@@ -295,7 +295,8 @@ def copy_model_path(blas_active: bool | None = None) -> Path:
 REAL_SUFFIX = "_real"
 REAL_FOLDER_NOTE = ("both sides on the float32 mlx-lm folder converted from the real model's GGUF "
                     "(mlx-lm cannot read GGUF)")
-REAL_GGUF_NOTE = "the real model's GGUF file, loaded by mlxkv (dequantized to float32 on the CPU under --dtype auto)"
+REAL_GGUF_NOTE = ("the real model's GGUF file, loaded by mlxkv (dequantized to float32 on the CPU under "
+                  "--dequantize auto)")
 
 
 class RealModelMissing(SystemExit):

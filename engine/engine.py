@@ -106,7 +106,8 @@ class Engine:
         self.max_batch, self.max_queue = self.settings.max_batch, self.settings.max_queue
         self.plugs = plugs if plugs is not None else Plugs()
         self._model = self.plugs.model or LocalModel(self.model_spec, self.settings.dtype,
-                                                     self.settings.full_hash)
+                                                     self.settings.full_hash,
+                                                     self.settings.dequantize)
         self._prefix_arg = prefix_cache
         self._counts = Counts()
         self._listeners = Listeners()

@@ -3,8 +3,9 @@ processors) plus what a chat engine needs around it: a reused prompt cache, EOS,
 strings matched on text, streaming detokenization, max tokens, cancellation and per-token
 log-probabilities.
 
-Token for token this is ``mlx_lm.stream_generate``: same ``generate_step`` call, same
-EOS and max-token rules, so greedy output is identical (tests/test_engine.py checks it).
+Token for token this is ``mlx_lm.stream_generate``: ``generate_step``'s loop (its step
+compiled where the model allows, ``engine.decoding``), the same EOS and max-token rules,
+so greedy output is identical (tests/test_engine.py checks it).
 With ``speculation`` the tokens come from the speculative verifier (``engine.speculation``)
 instead; everything after the token (EOS, stop strings, text) is this same loop.
 """
@@ -353,10 +354,13 @@ def _plain_steps(model: Any, tokens: Sequence[int], cache: list, p: SamplingPara
                  between_layers: LayerHook) -> Iterator[tuple[int, Any]]:
     """Plain decoding of the uncached prompt suffix ``tokens``: :func:`prefill`, the first
     token sampled from its logits as mlx-lm's generate_step samples (processors, then
-    log-probabilities, then the sampler), then generate_step itself from that token on. The
+    log-probabilities, then the sampler), then generate_step's loop from that token on
+    (``engine.decoding.plain_decode``: its step compiled where the model allows). The
     processors see the same context as before: ``tokens``, then the generated ones."""
     import mlx.core as mx
-    from mlx_lm.generate import generate_step, generation_stream
+    from mlx_lm.generate import generation_stream
+
+    from mlxkv.engine.decoding import plain_decode
 
     total = len(tokens)
     with mx.stream(generation_stream):
@@ -373,9 +377,8 @@ def _plain_steps(model: Any, tokens: Sequence[int], cache: list, p: SamplingPara
     yield first.item(), logprobs.squeeze(0)
     if p.max_tokens <= 1:
         return
-    rest = generate_step(first, model, max_tokens=p.max_tokens - 1, sampler=sampler,
-                         logits_processors=[with_history(proc, context) for proc in processors] or None,
-                         prompt_cache=cache, prefill_step_size=p.prefill_step_size)
+    rest = plain_decode(model, first, cache, sampler,
+                        [with_history(proc, context) for proc in processors] or None, p.max_tokens - 1)
     try:
         yield from rest
     finally:

@@ -44,14 +44,15 @@ class ModelSource(Protocol):
 class LocalModel:
     """The whole model, loaded in this process (``engine.models.load_model``)."""
 
-    def __init__(self, spec: str, dtype: str, full_hash: bool):
+    def __init__(self, spec: str, dtype: str, full_hash: bool, dequantize: str):
         self.spec, self.dtype, self.full_hash = spec, dtype, full_hash
+        self.dequantize = dequantize
 
     def load(self) -> tuple[LoadedModel, str]:
         from mlxkv.engine.cache.layout import kv_namespace
         from mlxkv.engine.models import load_model
 
-        loaded = load_model(self.spec, self.dtype, self.full_hash)
+        loaded = load_model(self.spec, self.dtype, self.full_hash, dequantize=self.dequantize)
         return loaded, kv_namespace(loaded.fingerprint, loaded.compute_dtype)
 
     def loading(self) -> AbstractContextManager[None]:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mlxkv.engine.settings import DEQUANTIZE_CHOICES
+
 # Files whose bytes change what the tokenizer (and so the token ids) produce.
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -220,15 +222,7 @@ def apply_dtype_policy(model: Any, policy: str = "auto") -> str:
     import mlx.core as mx
 
     native = weights_dtype(model)
-    if policy == "native" or native == "none":
-        return native
-    if policy == "auto":
-        on_cpu = mx.default_device() == mx.cpu
-        target = "float32" if on_cpu and native in ("bfloat16", "float16") else native
-    elif policy in ("float32", "bfloat16", "float16"):
-        target = policy
-    else:
-        raise ValueError(f"unknown dtype policy {policy!r}")
+    target = compute_dtype(policy, native)
     if target != native:
         model.set_dtype(getattr(mx, target))
         mx.eval(model.parameters())
@@ -279,13 +273,92 @@ def _physical_memory() -> int:
         return 0
 
 
-def load_gguf_model(path: Path, spec: str, dtype: str = "auto") -> LoadedModel:
+def dequantize_wanted(setting: str, dequantized_bytes: int) -> bool:
+    """Whether to dequantize a quantized model at load (``--dequantize``): "on", "off", or
+    "auto": on the CPU backend when the dequantized weights take at most half the machine's
+    memory (mlx's CPU quantized matmul is 10x and more slower than the float32 matmul on
+    BLAS), never on Metal or CUDA (whose quantized kernels are fast and read fewer bytes)."""
+    import mlx.core as mx
+
+    if setting not in DEQUANTIZE_CHOICES:
+        raise ValueError(f"unknown dequantize setting {setting!r}")
+    if setting != "auto":
+        return setting == "on"
+    return mx.default_device() == mx.cpu and dequantized_bytes <= _physical_memory() // 2
+
+
+def dequantized_fingerprint(fingerprint: str) -> str:
+    """The fingerprint of a quantized model loaded dequantized: dequantized weights compute
+    other numbers than quantized matmuls (in the same compute dtype), so their KV state is
+    another cache namespace and neither seeds the other."""
+    return hashlib.blake2b(f"{fingerprint}:dequantized".encode(), digest_size=16).hexdigest()
+
+
+def compute_dtype(policy: str, native: str) -> str:
+    """The dtype ``policy`` computes a model whose floating weights are ``native`` in."""
+    import mlx.core as mx
+
+    if policy == "native" or native == "none":
+        return native
+    if policy == "auto":
+        on_cpu = mx.default_device() == mx.cpu
+        return "float32" if on_cpu and native in ("bfloat16", "float16") else native
+    if policy in ("float32", "bfloat16", "float16"):
+        return policy
+    raise ValueError(f"unknown dtype policy {policy!r}")
+
+
+def quantized_layers(model: Any) -> list[tuple[str, Any]]:
+    """(name, module) of every quantized linear or embedding layer of an mlx-lm model."""
+    import mlx.nn as nn
+
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+
+
+def dequantize_layers(model: Any, dtype: str) -> int:
+    """Replace ``model``'s quantized linear and embedding layers (mlx-lm's 4/8-bit folders)
+    by float layers of ``dtype`` holding the same weights, dequantized from scales and biases
+    cast to ``dtype`` first (so float32 weights are the exact ``scale * q + bias``); the
+    number of layers replaced. mlx-lm's own ``dequantize_model`` does the replacing."""
+    import mlx.core as mx
+    from mlx_lm.utils import dequantize_model
+
+    layers = quantized_layers(model)
+    target = getattr(mx, dtype)
+    for _, m in layers:
+        m.scales = m.scales.astype(target)
+        if getattr(m, "biases", None) is not None:
+            m.biases = m.biases.astype(target)
+    if layers:
+        dequantize_model(model)
+        mx.eval(model.parameters())
+    return len(layers)
+
+
+def _dequantized_bytes(model: Any, dtype: str) -> int:
+    """Bytes of ``model``'s weights once its quantized layers hold ``dtype`` matrices."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    size = getattr(mx, dtype).size if dtype in ("float32", "bfloat16", "float16") else 4
+    layers = dict(quantized_layers(model))
+    total = 0
+    for name, p in tree_flatten(model.parameters()):
+        layer, _, leaf = name.rpartition(".")
+        if layer not in layers:
+            total += p.nbytes
+        elif leaf == "weight":  # packed: 32 // bits values in each uint32
+            total += p.size * (32 // layers[layer].bits) * size
+    return total
+
+
+def load_gguf_model(path: Path, spec: str, dtype: str = "auto", dequantize: str = "auto") -> LoadedModel:
     """Load the GGUF file at ``path`` (:mod:`mlxkv.engine.gguf`) and apply the dtype policy.
 
-    Q4_0 / Q4_1 / Q8_0 weights stay quantized, except with "auto" on the CPU: mlx's CPU
-    quantized matmul is slower than the float32 matmul on BLAS by 10x and more, so they
-    are dequantized to float32 there when that fits in half the machine's memory (as the
-    policy runs half-precision weights in float32 on the CPU)."""
+    Q4_0 / Q4_1 / Q8_0 weights stay quantized unless :func:`dequantize_wanted` says
+    otherwise (``dequantize``; auto: on the CPU when that fits); dequantized, they become
+    float32 and the dtype policy then casts them like any float weights."""
     import mlx.core as mx
 
     from mlxkv.engine.gguf import load_gguf, read_header
@@ -294,41 +367,48 @@ def load_gguf_model(path: Path, spec: str, dtype: str = "auto") -> LoadedModel:
     counts = Counter(t.type_name for t in header.tensors.values())
     quantized = any(t in ("Q4_0", "Q4_1", "Q8_0") for t in counts)
     float32_bytes = 4 * sum(math.prod(t.shape) for t in header.tensors.values())
-    dequantize = (mx.float32 if dtype == "auto" and quantized and mx.default_device() == mx.cpu
-                  and float32_bytes <= _physical_memory() // 2 else None)
-    loaded = load_gguf(path, dequantize=dequantize, header=header)
+    wanted = quantized and dequantize_wanted(dequantize, float32_bytes)
+    loaded = load_gguf(path, dequantize=mx.float32 if wanted else None, header=header)
     native = counts.most_common(1)[0][0] if counts else "none"
     compute = apply_dtype_policy(loaded.model, dtype)
     fingerprint = model_fingerprint(path)
     if loaded.dequantized:
-        # Dequantized weights compute other numbers than quantized matmuls (in the same
-        # compute dtype): their KV state is another cache namespace, so neither seeds the other.
-        fingerprint = hashlib.blake2b(f"{fingerprint}:dequantized".encode(), digest_size=16).hexdigest()
+        fingerprint = dequantized_fingerprint(fingerprint)
     return LoadedModel(model=loaded.model, tokenizer=loaded.tokenizer, config=loaded.config,
                        path=path, spec=str(spec), fingerprint=fingerprint,
                        weights_dtype=f"gguf {native}", compute_dtype=compute,
                        extra={"gguf": {"types": dict(counts), "dequantized": loaded.dequantized,
                                        "architecture": header.get("general.architecture"),
-                                       "name": header.get("general.name")}})
+                                       "name": header.get("general.name")},
+                              "dequantized": loaded.dequantized})
 
 
 def load_model(spec: str | os.PathLike, dtype: str = "auto", full_hash: bool = False,
-               tokenizer_config: dict | None = None) -> LoadedModel:
+               tokenizer_config: dict | None = None, dequantize: str = "auto") -> LoadedModel:
     """Load ``spec`` (folder, GGUF file or hub id) with ``mlx_lm.load`` (a GGUF file with
-    :func:`load_gguf_model`) and apply the dtype policy. Call it on the thread that will
+    :func:`load_gguf_model`), dequantize a quantized model when ``dequantize`` says so
+    (:func:`dequantize_wanted`) and apply the dtype policy. Call it on the thread that will
     run the model (MLX streams are thread-local)."""
     path = resolve_model_path(spec)
     if path.is_file():
-        return load_gguf_model(path, str(spec), dtype)
+        return load_gguf_model(path, str(spec), dtype, dequantize)
     from mlx_lm.utils import load
 
     model, tokenizer, config = load(str(path), tokenizer_config=tokenizer_config,
                                     return_config=True)
     native = weights_dtype(model)
+    fingerprint = model_fingerprint(path, full_hash)
+    dequantized = False
+    if quantized_layers(model):
+        target = compute_dtype(dtype, native)
+        if dequantize_wanted(dequantize, _dequantized_bytes(model, target)):
+            dequantized = dequantize_layers(model, target) > 0
+            fingerprint = dequantized_fingerprint(fingerprint)
     compute = apply_dtype_policy(model, dtype)
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path,
-                       spec=str(spec), fingerprint=model_fingerprint(path, full_hash),
-                       weights_dtype=native, compute_dtype=compute)
+                       spec=str(spec), fingerprint=fingerprint,
+                       weights_dtype=native, compute_dtype=compute,
+                       extra={"dequantized": dequantized})
 
 
 def chat_prompt_tokens(tokenizer: Any, messages: list[dict[str, str]],

@@ -24,6 +24,7 @@ ENGINE_DIR = Path(__file__).resolve().parent
 DEMO_MODEL = ENGINE_DIR / "demo" / "model"
 DEMO_DRAFT_MODEL = ENGINE_DIR / "demo" / "draft"
 DTYPE_POLICIES = ("auto", "float32", "bfloat16", "float16", "native")
+DEQUANTIZE_CHOICES = ("auto", "on", "off")
 
 
 class SettingsError(ValueError):
@@ -164,6 +165,11 @@ FIELDS: tuple[Field, ...] = (
           arg_type=float, metavar="S"),
     Field("dtype", "auto", _choice(*DTYPE_POLICIES),
           "compute dtype (auto: float32 on CPU for bf16/fp16 weights)", choices=DTYPE_POLICIES),
+    Field("dequantize", "auto", _choice(*DEQUANTIZE_CHOICES),
+          "quantized weights (GGUF Q4/Q8, mlx-lm 4/8-bit folders): on = dequantize at load and "
+          "compute in --dtype, off = quantized matmuls, auto = on for the CPU backend when the "
+          "dequantized model fits in half the memory, off on Metal/CUDA",
+          choices=DEQUANTIZE_CHOICES),
     Field("full_hash", False, _bool,
           "fingerprint weights by content (slow once) instead of size + mtime"),
     Field("temperature", 0.0, float, "sampling temperature (0 = greedy)", flag="--temp",
@@ -304,6 +310,7 @@ class Settings:
     block_tokens: int
     restore_timeout_s: float
     dtype: str
+    dequantize: str
     full_hash: bool
     temperature: float
     top_p: float

@@ -202,6 +202,29 @@ def build_random_model(
     return out
 
 
+def quantized_copy(source: str | os.PathLike, bits: int = 4, dtype: str | None = "bfloat16") -> Path:
+    """An mlx-lm quantized folder (``bits``-bit affine, mlx-lm's default groups) of the float
+    model folder ``source``, made by mlx-lm's own converter as a user's download would be
+    (weights cast to ``dtype`` first, so the scales are ``dtype`` as in bf16 checkpoints);
+    built once beside it as ``<name>-q<bits>``."""
+    import shutil
+
+    from mlx_lm.convert import convert
+
+    source = Path(source)
+    out = source.with_name(f"{source.name}-q{bits}")
+    if (out / "config.json").exists() and list(out.glob("*.safetensors")):
+        return out
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    convert(str(source), str(tmp), quantize=True, q_bits=bits, dtype=dtype)
+    if out.exists():  # a concurrent builder won the race
+        shutil.rmtree(tmp, ignore_errors=True)
+        return out
+    os.replace(tmp, out)
+    return out
+
+
 TEST_MODELS = Path(os.environ.get("MLXKV_TEST_MODELS",
                                   Path(__file__).resolve().parent.parent / ".cache" / "models"))
 

@@ -45,23 +45,25 @@ def test_a_gguf_file_or_a_folder_holding_one_resolves(q4, tmp_path):
         resolve_model_path(tmp_path / "notes.txt")
 
 
-def test_load_model_applies_the_dtype_policy(q4):
-    # On the CPU ("auto") the quantized matrices become float32 (BLAS); "native" keeps them
-    # quantized, as mlx-lm's QuantizedLinear.
+def test_load_model_applies_the_dequantize_setting_and_the_dtype_policy(q4):
+    # On the CPU (--dequantize auto) the quantized matrices become float32 (BLAS); "off"
+    # keeps them quantized, as mlx-lm's QuantizedLinear. --dtype is the compute dtype only.
     auto = load_model(q4)
     assert mx.default_device() == mx.cpu
     assert auto.compute_dtype == "float32" and auto.weights_dtype == "gguf Q4_0"
     assert auto.extra["gguf"]["dequantized"] is True
     assert not any(isinstance(m, nn.QuantizedLinear) for _, m in auto.model.named_modules())
-    native = load_model(q4, dtype="native")
+    assert load_model(q4, dtype="native").extra["gguf"]["dequantized"] is True
+    native = load_model(q4, dtype="native", dequantize="off")
     assert native.extra["gguf"]["dequantized"] is False
     assert any(isinstance(m, nn.QuantizedLinear) for _, m in native.model.named_modules())
     x = mx.array([[1, 2, 3, 4]])
     assert mx.allclose(auto.model(x), native.model(x), atol=1e-3)
     # close, not equal: the two never share cached KV, even computed in the same dtype
-    quantized_f32 = load_model(q4, dtype="float32")
+    quantized_f32 = load_model(q4, dtype="float32", dequantize="off")
     assert quantized_f32.extra["gguf"]["dequantized"] is False and quantized_f32.compute_dtype == "float32"
     assert quantized_f32.fingerprint == native.fingerprint == model_fingerprint(q4) != auto.fingerprint
+    assert load_model(q4, dequantize="on").fingerprint == auto.fingerprint
     assert auto.config["model_type"] == "qwen3" and auto.context_tokens == 32768
     assert auto.path == q4 and auto.name == q4.name
     assert auto.tokenizer.has_chat_template and auto.tokenizer.eos_token_ids

@@ -25,6 +25,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxkv.engine.decoding import decode_step
 from mlxkv.engine.speculation.base import DraftSource, Proposal
 from mlxkv.engine.speculation.policy import LengthController
 from mlxkv.engine.speculation.sampling import TargetSampler, rejection_walk_rows
@@ -298,10 +299,13 @@ class SpecStream:
 
     def _plain_block(self, sampler: TargetSampler, pending: int, steps: int) -> Iterator[tuple[int, mx.array]]:
         """``steps`` plain tokens after ``pending``, pipelined as ``generate_step`` does (the
-        next forward is queued before the current token is read). Returns the new pending
+        next forward is queued before the current token is read), through the model's
+        compiled step as plain decoding's (``engine.decoding``). Returns the new pending
         token (sampled, yielded, not fed)."""
+        forward = decode_step(self.model)
+
         def step(y: mx.array) -> tuple[mx.array, mx.array]:
-            logits = self.model(y.reshape(1, 1), cache=self.cache)[0]
+            logits = forward(y.reshape(1, 1), self.cache)
             lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             return sampler.sample(lp), lp
         self._feed_plain(sampler, pending)

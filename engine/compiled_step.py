@@ -1,0 +1,170 @@
+"""A model's decode step as one compiled MLX function (the target's plain decoding and a
+draft model's steps both run through it).
+
+A small model's step is dominated by per-operation dispatch, not arithmetic: on the CPU
+backend the fast RMSNorm, RoPE and attention kernels fall back to chains of primitive ops
+(a step of the 30-layer real model builds ~2,000 of them in Python, RoPE's frequencies
+again in every layer). ``mx.compile`` traces the step once and fuses the element-wise
+chains, so a step neither builds its graph in Python nor dispatches each small op.
+
+A compiled function must not depend on Python state that changes from call to call, and
+mlx-lm's ``KVCache`` does: its offset is a Python int (a new trace per position) and it
+returns keys sliced to the offset. So the step runs the model over :class:`FixedKV`
+layers holding the ``KVCache``'s own buffers at their full capacity: the offset is an
+array input (RoPE takes it as one), the new keys and values go in with a dynamic slice
+update, and the attention mask hides every slot at or after the offset. The function
+returns the last position's logits and the updated buffers, which go back into the
+``KVCache`` objects, so everything else (trim, capture, the prefix cache, speculation, a
+move into a batch) sees the usual caches. A trace serves one buffer capacity (a multiple
+of 256, grown here as needed) and one input width (1..``max_width`` tokens); tracing
+again costs a few milliseconds on a small model, some tens on the real one.
+
+The first compiled step of each model (its first request's second token, so the first
+token and the load never wait for it) is checked against the model's own forward pass
+from the same cache over :data:`CHECK_STEPS` greedy steps: every step's log-probabilities
+within :data:`TOLERANCE` and the same greedy token. An architecture whose forward pass
+the fixed layers cannot run (it reads the offset as a Python number, or its cache is not
+a plain ``KVCache``) or whose logits differ keeps the forward pass (one debug line says
+why); so does a machine without the C++ compiler MLX's CPU compile needs.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import mlx.core as mx
+
+log = logging.getLogger("mlxkv.engine")
+
+STEP = 256  # buffer capacities are kept at multiples of this (KVCache.step): one trace each
+TOLERANCE = 1e-3  # most a compiled log-probability may differ from the forward pass's
+CHECK_STEPS = 3  # greedy steps the first compiled use is compared over
+
+
+class FixedKV:
+    """One attention layer's cache as the compiled step sees it: the full buffers, the
+    offset as an array, writes at the offset, a mask over the filled slots."""
+
+    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array):
+        self.keys, self.values, self.offset = keys, values, offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        at = self.offset.reshape(1)
+        self.keys = mx.slice_update(self.keys, keys.astype(self.keys.dtype), at, axes=(2,))
+        self.values = mx.slice_update(self.values, values.astype(self.values.dtype), at, axes=(2,))
+        return self.keys, self.values
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
+        if window_size is not None:
+            raise TypeError("the compiled step has no sliding window")
+        slots = mx.arange(self.keys.shape[2])[None]
+        return slots <= (self.offset + mx.arange(n))[:, None]  # [n, capacity]: causal, filled slots
+
+
+def log_softmax(logits: mx.array) -> mx.array:
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+class CompiledStep:
+    """``step(tokens, cache)``: ``model(tokens, cache=cache)[0, -1:]`` (the last position's
+    logits, [1, V], unevaluated), through one compiled function when the cache allows it,
+    else the model's own forward pass. ``enabled`` is None until the first compiled step
+    was checked against the forward pass, then whether it matched. ``label`` names the
+    model in the debug line of a failed check."""
+
+    def __init__(self, model: Any, max_width: int = 1, label: str = "the model"):
+        self.model = model
+        self.max_width = max_width
+        self.label = label
+        self.enabled: bool | None = None
+        self._fn = mx.compile(self._step)
+
+    def _step(self, tokens: mx.array, offset: mx.array, *buffers: mx.array) -> list[mx.array]:
+        layers = [FixedKV(buffers[i], buffers[i + 1], offset) for i in range(0, len(buffers), 2)]
+        logits = self.model(tokens, cache=layers)[0, -1:]
+        out = [logits]
+        for c in layers:
+            out += [c.keys, c.values]
+        return out
+
+    def fits(self, cache: list, width: int) -> bool:
+        """Plain KVCache layers at one offset, with room for ``width`` more (grown here to a
+        multiple of STEP when needed: a cache restored from the prefix cache holds exactly
+        its tokens, and a trace per odd capacity would pile up)."""
+        from mlx_lm.models.cache import KVCache
+
+        if not cache or not 0 < width <= self.max_width:
+            return False
+        first = cache[0]
+        for c in cache:
+            if type(c) is not KVCache or c.keys is None or c.offset != first.offset:
+                return False
+        need = first.offset + width
+        for c in cache:
+            size = c.keys.shape[2]
+            if size < need or size % STEP:
+                grow = -(-need // STEP) * STEP - c.offset
+                k, v = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
+                c.keys = mx.concatenate([k, mx.zeros((*k.shape[:2], grow, k.shape[3]), k.dtype)], axis=2)
+                c.values = mx.concatenate([v, mx.zeros((*v.shape[:2], grow, v.shape[3]), v.dtype)], axis=2)
+        return True
+
+    def _compiled(self, tokens: mx.array, cache: list) -> mx.array:
+        width = tokens.shape[1]
+        out = self._fn(tokens, mx.array(cache[0].offset, dtype=mx.int32),
+                       *[b for c in cache for b in (c.keys, c.values)])
+        # The cache now holds the step's outputs only, so the old buffers have no owner but
+        # the step's graph, which then writes the new keys into them in place.
+        for i, c in enumerate(cache):
+            c.keys, c.values = out[1 + 2 * i], out[2 + 2 * i]
+            c.offset += width
+        return out[0]
+
+    def __call__(self, tokens: mx.array, cache: list) -> mx.array:
+        if self.enabled is False or not self.fits(cache, tokens.shape[1]):
+            return self.model(tokens, cache=cache)[0, -1:]
+        if self.enabled is None:
+            return self.check(tokens, cache)
+        return self._compiled(tokens, cache)
+
+    def check(self, tokens: mx.array, cache: list, steps: int = CHECK_STEPS) -> mx.array:
+        """The first input and ``steps - 1`` greedy steps after it, both ways from the same
+        cache (slots at or past the offset are never read, so trimming the forward pass's
+        steps undoes them); the first input's logits, and ``enabled`` set. The cache ends
+        holding the first input only, as one step leaves it."""
+        width, start = tokens.shape[1], cache[0].offset
+
+        def run(step: Any) -> list[mx.array]:
+            out, x = [], tokens
+            for _ in range(steps):
+                logits = step(x)
+                mx.eval(logits)
+                out.append(logits)
+                x = mx.argmax(logits, axis=-1).reshape(1, 1).astype(tokens.dtype)
+            return out
+
+        want = run(lambda x: self.model(x, cache=cache)[0, -1:])
+        written = [(c.keys, c.values) for c in cache]
+        for c in cache:
+            c.trim(c.offset - start)
+        ok = False
+        try:
+            got = run(lambda x: self._compiled(x, cache) if self.fits(cache, x.shape[1])
+                      else self.model(x, cache=cache)[0, -1:])
+            diff = max(mx.abs(log_softmax(g) - log_softmax(w)).max().item() for g, w in zip(got, want))
+            same = all(mx.argmax(g).item() == mx.argmax(w).item() for g, w in zip(got, want))
+            ok = all(g.shape == w.shape for g, w in zip(got, want)) and diff <= TOLERANCE and same
+            if not ok:
+                log.debug("%s: the compiled step differs from the forward pass (log-probabilities "
+                          "by %g, greedy tokens %s); the forward pass decodes", self.label, diff,
+                          "the same" if same else "differ")
+        except Exception as e:  # an architecture the fixed layers cannot run
+            log.debug("%s: the decode step is not compiled (%s: %s)", self.label, type(e).__name__, e)
+        self.enabled = ok
+        if not ok:  # back to what the forward pass wrote
+            for c, (keys, values) in zip(cache, written):
+                c.keys, c.values = keys, values
+        for c in cache:
+            c.offset = start + width
+        return got[0] if ok else want[0]
