@@ -13,6 +13,7 @@ from typing import Any
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
+from textual.content import Content
 from textual.message import Message
 from textual.widgets import Markdown, Static
 
@@ -71,6 +72,29 @@ def format_status(stats: dict[str, Any] | None, reason: str | None = None) -> st
     return " · ".join(parts)
 
 
+class StreamedParagraph(Markdown.BLOCKS["paragraph_open"]):  # Textual's paragraph (not exported)
+    """A paragraph whose new text (the next tokens of a reply) repaints it alone while its
+    height stays the same. Textual's paragraph asks for a layout of the whole screen on
+    every update, and that reflow of every message on the screen was most of the UI's time
+    while a reply streamed; only a new line (or a new block) changes the layout."""
+
+    def set_content(self, content: Content) -> None:
+        width, height = self.content_size
+        if self._layout_required or not (self.is_mounted and width and height):
+            super().set_content(content)
+            return
+        self._content = content
+        self.update(content, layout=False)
+        if self._render().get_height(self.styles, width) != height:
+            self.refresh(layout=True)
+
+
+class ReplyMarkdown(Markdown):
+    """A message's Markdown, its paragraphs :class:`StreamedParagraph` s."""
+
+    BLOCKS = {**Markdown.BLOCKS, "paragraph_open": StreamedParagraph}
+
+
 class MessageView(Vertical, can_focus=True):
     """A message; ``message_id`` is its id in the store (None until it is saved)."""
 
@@ -103,7 +127,7 @@ class MessageView(Vertical, can_focus=True):
 
     def compose(self) -> ComposeResult:
         yield Static(printable(self._label), classes="role", markup=False)
-        yield Markdown(printable(self.content), classes="body")
+        yield ReplyMarkdown(printable(self.content), classes="body")
         yield Static(self._status_text(), classes="status", markup=False)
 
     def _status_text(self) -> str:
