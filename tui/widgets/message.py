@@ -20,6 +20,7 @@ from textual.widgets import Markdown, Static
 _FENCE = re.compile(r"^([ \t]*)(`{3,}|~{3,})[^\n]*\n(.*?)^\1\2[ \t]*$", re.M | re.S)
 
 
+_FENCE_OPEN = re.compile(r"^[ \t]{0,3}(`{3,}|~{3,})", re.M)  # a line that opens (or closes) fenced code
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
@@ -158,15 +159,24 @@ class MessageView(Vertical, can_focus=True):
             await self._stream.write(printable(text))
 
     async def finish(self, text: str | None = None) -> None:
-        """End the stream and render the whole text once more (fenced code renders right)."""
-        if text is not None:
-            self.content = text
-        if self._stream is not None:
-            stream, self._stream = self._stream, None
-            await stream.stop()
+        """End the stream with the rest of ``text`` (the whole reply). A reply with fenced
+        code is rendered once more in full (its code blocks render right then); any other
+        is already shown as a full render would show it, and re-mounting every block of it
+        held up the UI, and the reply's last tokens, for a frame or more."""
+        full = self.content if text is None else text
+        stream, self._stream = self._stream, None
+        if stream is not None and full.startswith(self.content) and not _FENCE_OPEN.search(full):
+            rest, self.content = full[len(self.content):], full
+            if rest:
+                await stream.write(printable(rest))
+            await stream.stop()  # appends what it still holds
+        else:
+            self.content = full
+            if stream is not None:
+                await stream.stop()
+            await self.body.update(printable(full))
         self.streaming = False
         self.remove_class("streaming")
-        await self.body.update(printable(self.content))
 
     def action_copy(self) -> None:
         self.app.copy_to_clipboard(self.content)
