@@ -358,22 +358,37 @@ def test_a_message_the_store_cannot_save_goes_back_to_the_box(tmp_path: Path, da
     drive(app, scenario)
 
 
-def test_the_view_follows_the_reply_unless_scrolled_up(tmp_path: Path, data_dir: Path, tiny_qwen3: Path) -> None:
-    from textual import events
-
-    with ConversationStore() as store:  # a conversation longer than the screen
+def store_long_conversation() -> None:
+    """A conversation longer than the screen (16 messages), in the store of ``data_dir``."""
+    with ConversationStore() as store:
         conversation = store.create("long one")
         for i in range(8):
             store.add_message(conversation.id, "user", f"question {i}")
             store.add_message(conversation.id, "assistant", "\n\n".join(f"line {j} of answer {i}" for j in range(4)))
+
+
+def terminal_key(app: MlxkvApp, name: str) -> None:
+    """A key as the terminal sends it (Pilot.press would wait for what it starts to end)."""
+    from textual import events
+
+    app._driver.process_message(events.Key(name, None))
+
+
+async def open_listed_conversation(pilot: Any, messages: int) -> None:
+    app = pilot.app
+    await wait_for(pilot, lambda: list(app.chat.query("ConversationItem")), "listed")
+    app.chat.query_one("#conversations").focus()
+    await pilot.press("enter")
+    await wait_for(pilot, lambda: len(views(app)) == messages, "its messages")
+
+
+def test_the_view_follows_the_reply_unless_scrolled_up(tmp_path: Path, data_dir: Path, tiny_qwen3: Path) -> None:
+    store_long_conversation()
     # Sampled with this seed, the random-weight model writes text for over 1000 tokens.
     app = open_app(make_settings(tmp_path, model=str(tiny_qwen3), max_tokens=1000, temperature=1.0, seed=3))
 
     async def scenario(pilot: Any) -> None:
-        await wait_for(pilot, lambda: list(app.chat.query("ConversationItem")), "listed")
-        app.chat.query_one("#conversations").focus()
-        await pilot.press("enter")
-        await wait_for(pilot, lambda: len(views(app)) == 16, "its messages")
+        await open_listed_conversation(pilot, 16)
         box = app.chat.messages_box
         shown = app.metrics.token_lag_s
 
@@ -382,8 +397,8 @@ def test_the_view_follows_the_reply_unless_scrolled_up(tmp_path: Path, data_dir:
             await wait_for(pilot, lambda: len(shown) >= start + more and app.chat.pending is not None,
                            "streamed text")
 
-        def key(name: str) -> None:  # as the terminal sends it; pilot.press would wait out the reply
-            app._driver.process_message(events.Key(name, None))
+        def key(name: str) -> None:  # pilot.press would wait out the reply
+            terminal_key(app, name)
 
         app.chat.prompt.load_text("tell me everything")
         key("enter")
@@ -402,6 +417,36 @@ def test_the_view_follows_the_reply_unless_scrolled_up(tmp_path: Path, data_dir:
         assert box.scroll_y == box.max_scroll_y
         key("escape")
         await wait_for(pilot, lambda: app.chat.pending is None, "stopped")
+    drive(app, scenario)
+
+
+def test_end_puts_the_view_at_the_latest_line_at_once_and_it_follows(tmp_path: Path, data_dir: Path) -> None:
+    # Textual animates End for a second towards the end as it was when the key came, while
+    # the anchor puts the view at the end at each layout; a reply's tokens lay the screen
+    # out only when they add a line, so the animation's last step could leave the view
+    # short of the reply until the next line.
+    store_long_conversation()
+    app = open_app(make_settings(tmp_path))
+
+    async def scenario(pilot: Any) -> None:
+        await open_listed_conversation(pilot, 16)
+        box = app.chat.messages_box
+        box.focus()
+        await pilot.press("home")
+        await wait_for(pilot, lambda: box.scroll_y == 0, "scrolled to the top")
+        terminal_key(app, "end")
+        await pilot.pause(0.1)
+        assert box.scroll_y == box.max_scroll_y > 0
+        assert not app.animator.is_being_animated(box, "scroll_y")
+        reply = MessageView("assistant")  # a reply that grows from there, a line at a time
+        await box.mount(reply)
+        reply.start_stream()
+        for i in range(4):
+            end = box.max_scroll_y
+            await reply.append(f"line {i} of the reply\n\n")
+            await pilot.pause()
+            assert box.scroll_y == box.max_scroll_y > end
+        await reply.finish()
     drive(app, scenario)
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.containers import Horizontal, Vertical
 from textual.content import Content
 from textual.screen import Screen
 from textual.widgets import Footer, ProgressBar, Static
@@ -30,6 +30,7 @@ from mlxkv.tui.bridge import ReplyStream
 from mlxkv.tui.chat_actions import ConversationActions
 from mlxkv.tui.messages import ReplyFinished, ReplyProgress, ReplyStats, ReplyTokens
 from mlxkv.tui.widgets.message import MessageView, format_status, printable
+from mlxkv.tui.widgets.message_list import MessageList
 from mlxkv.tui.widgets.prompt import PromptArea
 from mlxkv.tui.widgets.sidebar import ConversationList
 
@@ -128,7 +129,7 @@ class ChatScreen(ConversationActions, Screen):
             with Vertical(id="main"):
                 yield Static("", id="model-bar")
                 yield ProgressBar(id="progress", show_eta=False)
-                with VerticalScroll(id="messages"):
+                with MessageList(id="messages"):
                     yield Static(self._empty_text(), id="empty")
                 yield PromptArea(id="prompt")
         yield Footer()
@@ -138,7 +139,7 @@ class ChatScreen(ConversationActions, Screen):
                 "Ctrl+N: new chat · F2: cache inspector · Ctrl+P: every command · F1: keys")
 
     def on_mount(self) -> None:
-        self.query_one("#messages", VerticalScroll).anchor()
+        self.messages_box.anchor()
         self.query_one("#progress", ProgressBar).display = False
         self.prompt.focus()
         self.show_model_state()
@@ -149,8 +150,8 @@ class ChatScreen(ConversationActions, Screen):
         return self.query_one("#prompt", PromptArea)
 
     @property
-    def messages_box(self) -> VerticalScroll:
-        return self.query_one("#messages", VerticalScroll)
+    def messages_box(self) -> MessageList:
+        return self.query_one("#messages", MessageList)
 
     # model state (called by the app on engine messages) -----------------------------
     def show_model_state(self, text: str | None = None) -> None:
