@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 from tui_pilot import drive, make_settings, send, wait_for
 
 from mlxkv.engine.settings import Settings
@@ -53,6 +54,32 @@ def test_reply_streams_as_markdown_with_a_status_line(tmp_path: Path, data_dir: 
         assert roles[0] == ("user", "What is mlxkv?") and roles[1][0] == "assistant"
         stats = store.messages(conversation.id)[1].stats
         assert stats["prompt_tokens"] > 0 and stats["finish_reason"] in ("stop", "length")
+
+
+def test_a_question_and_its_reply_appear_in_one_layout_and_the_reply_keeps_its_status_line(
+        tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each layout reflows the whole screen and moves every message on it: the question and
+    # the reply's view (its status line showing) are mounted together, and the first tokens
+    # change the status line rather than hide it (it then shows the figures, same height).
+    status_at_append: list[tuple[bool, str]] = []
+    append = MessageView.append
+
+    async def watched_append(view: MessageView, text: str) -> None:
+        status = view.query_one(".status")
+        status_at_append.append((status.display, str(status.render())))
+        await append(view, text)
+    monkeypatch.setattr(MessageView, "append", watched_append)
+    app = open_app(make_settings(tmp_path))
+
+    async def scenario(pilot: Any) -> None:
+        await wait_for(pilot, app.metrics.model_ready.is_set, "model")
+        laid_out: list[int] = []  # messages on the screen at each layout
+        app.screen.screen_layout_refresh_signal.subscribe(app.screen, lambda _: laid_out.append(len(views(app))))
+        await send(pilot, "What is mlxkv?")
+        assert 2 in laid_out and 1 not in laid_out  # never the question without its reply
+        assert status_at_append and all(shown and text.startswith("writing…") for shown, text in status_at_append)
+        assert "tok/s" in str(views(app)[-1].query_one(".status").render())
+    drive(app, scenario)
 
 
 def test_second_turn_reads_the_first_from_the_cache(tmp_path: Path, data_dir: Path) -> None:

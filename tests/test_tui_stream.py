@@ -30,12 +30,18 @@ async def _settle(pilot: Any) -> None:
     await pilot.pause(0.05)
 
 
+def _layouts(app: App) -> list[Any]:
+    """The screen's layouts from now on (one entry each)."""
+    layouts: list[Any] = []
+    app.screen.screen_layout_refresh_signal.subscribe(app.screen, layouts.append)
+    return layouts
+
+
 def test_tokens_on_the_same_line_do_not_lay_out_the_screen() -> None:
     async def run() -> None:
         app = _Chat()
         async with app.run_test(size=SIZE) as pilot:
-            layouts: list[Any] = []
-            app.screen.screen_layout_refresh_signal.subscribe(app.screen, layouts.append)
+            layouts = _layouts(app)
             view = app.query_one(MessageView)
             view.start_stream()
             await view.append("The cache")
@@ -91,5 +97,36 @@ def test_a_reply_with_fenced_code_is_rendered_again_in_full() -> None:
             fence = view.body.query_one(Markdown.BLOCKS["fence"])
             assert fence.code.strip() == "make test"
             assert blocks[-1].content.plain == "That is all."
+
+    asyncio.run(run())
+
+
+def test_a_status_line_of_the_same_height_does_not_lay_out_the_screen() -> None:
+    # A reply's status line goes thinking… -> writing… -> its figures: a line each time.
+    async def run() -> None:
+        app = _Chat()
+        async with app.run_test(size=SIZE) as pilot:
+            layouts = _layouts(app)
+            view = app.query_one(MessageView)
+            status = view.query_one(".status")
+            view.set_status("thinking…")
+            await _settle(pilot)
+            assert status.display and status.size.height == 1
+            height = view.size.height
+            layouts.clear()
+
+            for text in ("writing… (Esc stops it)", "12 prompt tok · 0 cached · TTFT 0.04 s · 96 tok at 231 tok/s"):
+                view.set_status(text)
+                await _settle(pilot)
+                assert layouts == [], f"the status {text!r} laid the screen out"
+                assert str(status.render()) == text and view.size.height == height
+
+            view.set_status("a status line too long for one line of the screen · " * 3)  # wraps
+            await _settle(pilot)
+            assert layouts and status.size.height > 1 and view.size.height > height
+            layouts.clear()
+            view.set_status("")  # hidden: the view shrinks
+            await _settle(pilot)
+            assert layouts and not status.display and view.size.height < height
 
     asyncio.run(run())

@@ -297,15 +297,15 @@ class ChatScreen(ConversationActions, Screen):
                 self.prompt.load_text(text)
             raise
         self.history.append(message)
-        await self._mount_view(MessageView("user", text, message_id=message.id))
         await self.refresh_list(only_if_moved=True)  # before the reply: its tokens stream undisturbed
-        await self.generate()
+        await self.generate(MessageView("user", text, message_id=message.id))
 
-    async def _mount_view(self, view: MessageView) -> None:
+    async def _mount_views(self, *views: MessageView) -> None:
+        """Add ``views`` at the end of the message list, in one mount."""
         box = self.messages_box
         for empty in box.query("#empty"):
             await empty.remove()
-        await box.mount(view)
+        await box.mount_all(views)
         box.anchor()
 
     def _assistant_label(self) -> str:
@@ -326,13 +326,14 @@ class ChatScreen(ConversationActions, Screen):
             params.update({k: v for k, v in (self.conversation.sampling or {}).items() if k in SAMPLING_KEYS})
         return params
 
-    async def generate(self) -> None:
-        """Ask for a reply to the open conversation as it stands."""
+    async def generate(self, question: MessageView | None = None) -> None:
+        """Ask for a reply to the open conversation as it stands; ``question``: the view of
+        the user's message it answers, not shown yet (both are mounted together)."""
         conversation = self.conversation
-        view = MessageView("assistant", label=self._assistant_label())
-        await self._mount_view(view)
+        view = MessageView("assistant", label=self._assistant_label(),
+                           status="thinking…" if self.bridge.ready.is_set() else "waiting for the model…")
+        await self._mount_views(*(question, view) if question is not None else (view,))
         view.start_stream()
-        view.set_status("waiting for the model…" if not self.bridge.ready.is_set() else "thinking…")
         stream = self.bridge.submit(self._payload(), self.sampling(), session_for(conversation.id),
                                     self.post_message)
         self.pending = Pending(stream, conversation.id, view)
@@ -353,8 +354,8 @@ class ChatScreen(ConversationActions, Screen):
         view = p.view
         if not text or view is None or not view.is_attached:
             return
-        if not view.content:
-            view.set_status("")
+        if not view.content:  # a line of the same height: the screen is not laid out again
+            view.set_status("writing… (Esc stops it)")
         await view.append(text)
         if produced is not None:
             self.app.metrics.token_shown(produced, self)

@@ -73,21 +73,29 @@ def format_status(stats: dict[str, Any] | None, reason: str | None = None) -> st
     return " · ".join(parts)
 
 
+def update_in_place(widget: Static, content: Content | str) -> None:
+    """Show ``content`` in ``widget``, laying the screen out only when its height changes.
+
+    ``Static.update`` asks for a layout of the whole screen every time: a reflow of every
+    widget on it, and a repaint of every message when the view moves. Text that keeps the
+    widget's height (a reply's next tokens on the same line, the next status) needs a
+    repaint of the widget alone."""
+    width, height = widget.content_size
+    if not (widget.is_mounted and widget.display and width and height):
+        widget.update(content)  # not laid out yet: its first layout measures it
+        return
+    widget.update(content, layout=False)
+    if widget.get_content_height(widget.content_size, widget.app.size, width) != height:
+        widget.refresh(layout=True)
+
+
 class StreamedParagraph(Markdown.BLOCKS["paragraph_open"]):  # Textual's paragraph (not exported)
     """A paragraph whose new text (the next tokens of a reply) repaints it alone while its
-    height stays the same. Textual's paragraph asks for a layout of the whole screen on
-    every update, and that reflow of every message on the screen was most of the UI's time
-    while a reply streamed; only a new line (or a new block) changes the layout."""
+    height stays the same (Textual's paragraph lays the screen out on every update)."""
 
     def set_content(self, content: Content) -> None:
-        width, height = self.content_size
-        if self._layout_required or not (self.is_mounted and width and height):
-            super().set_content(content)
-            return
         self._content = content
-        self.update(content, layout=False)
-        if self._render().get_height(self.styles, width) != height:
-            self.refresh(layout=True)
+        update_in_place(self, content)
 
 
 class ReplyMarkdown(Markdown):
@@ -116,24 +124,29 @@ class MessageView(Vertical, can_focus=True):
             self.view, self.action = view, action
 
     def __init__(self, role: str, content: str = "", *, message_id: int | None = None,
-                 stats: dict[str, Any] | None = None, label: str | None = None) -> None:
+                 stats: dict[str, Any] | None = None, label: str | None = None,
+                 status: str = "") -> None:
+        """``status``: the status line to show until stats come (a reply being written)."""
         super().__init__(classes=f"message {role}")
         self.role = role
         self.content = content
         self.message_id = message_id
         self.stats = stats
         self._label = label or {"user": "You", "assistant": "Assistant", "system": "System"}.get(role, role)
+        self._status = status
         self._stream: Any = None
         self.streaming = False
 
     def compose(self) -> ComposeResult:
         yield Static(printable(self._label), classes="role", markup=False)
         yield ReplyMarkdown(printable(self.content), classes="body")
-        yield Static(self._status_text(), classes="status", markup=False)
+        status = Static(self._status_text(), classes="status", markup=False)
+        status.display = bool(self._status_text())  # set before the first layout, not after it
+        yield status
 
     def _status_text(self) -> str:
         if self.stats is None:
-            return ""
+            return self._status
         return format_status(self.stats, self.stats.get("finish_reason"))
 
     @property
@@ -141,12 +154,14 @@ class MessageView(Vertical, can_focus=True):
         return self.query_one(".body", Markdown)
 
     def set_status(self, text: str) -> None:
+        """Show ``text`` on the status line (none: hide it); a text of the same height as the
+        one shown repaints the line alone."""
         status = self.query_one(".status", Static)
-        status.update(text)
-        status.display = bool(text)
-
-    def on_mount(self) -> None:
-        self.query_one(".status", Static).display = bool(self._status_text())
+        if text and status.display:
+            update_in_place(status, text)
+        else:
+            status.update(text)
+            status.display = bool(text)
 
     def start_stream(self) -> None:
         self.streaming = True
