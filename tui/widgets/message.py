@@ -1,6 +1,7 @@
 """One message of a conversation: who said it, the text as Markdown (streamed while a
-reply is generated, then rendered once in full so fenced code is right), and for a reply
-its status line (prompt and cached tokens and where they came from, TTFT, speed).
+reply is generated; a reply with fenced code is rendered once more in full at its end, so
+the code is right), and for a reply its status line (thinking…, writing…, then prompt and
+cached tokens and where they came from, TTFT, speed).
 
 A message takes focus (Tab, or Up/Down in the message list), and its keys act on it:
 copy it, copy its code blocks, branch from it (edit and resend), regenerate."""
