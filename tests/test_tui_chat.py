@@ -56,19 +56,27 @@ def test_reply_streams_as_markdown_with_a_status_line(tmp_path: Path, data_dir: 
         assert stats["prompt_tokens"] > 0 and stats["finish_reason"] in ("stop", "length")
 
 
-def test_a_question_and_its_reply_appear_in_one_layout_and_the_reply_keeps_its_status_line(
+def test_a_reply_keeps_its_status_line_and_is_not_restyled_as_it_starts(
         tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Each layout reflows the whole screen and moves every message on it: the question and
-    # the reply's view (its status line showing) are mounted together, and the first tokens
-    # change the status line rather than hide it (it then shows the figures, same height).
+    # Each layout reflows the whole screen and moves every message on it: the reply's view
+    # comes with its status line (thinking…), which the first tokens change rather than hide
+    # (then the figures replace it, same height); it is made a streaming reply, not restyled
+    # into one (a class added to a mounted widget restyles all of it).
     status_at_append: list[tuple[bool, str]] = []
-    append = MessageView.append
+    restyled: list[tuple[str, bool]] = []  # (role, had text) of each message restyled
+    append, update_styles = MessageView.append, MlxkvApp.update_styles
 
     async def watched_append(view: MessageView, text: str) -> None:
         status = view.query_one(".status")
         status_at_append.append((status.display, str(status.render())))
         await append(view, text)
+
+    def watched_update_styles(app: MlxkvApp, node: Any, animate: bool = True) -> None:
+        if isinstance(node, MessageView):
+            restyled.append((node.role, bool(node.content)))
+        update_styles(app, node, animate)
     monkeypatch.setattr(MessageView, "append", watched_append)
+    monkeypatch.setattr(MlxkvApp, "update_styles", watched_update_styles)
     app = open_app(make_settings(tmp_path))
 
     async def scenario(pilot: Any) -> None:
@@ -76,9 +84,11 @@ def test_a_question_and_its_reply_appear_in_one_layout_and_the_reply_keeps_its_s
         laid_out: list[int] = []  # messages on the screen at each layout
         app.screen.screen_layout_refresh_signal.subscribe(app.screen, lambda _: laid_out.append(len(views(app))))
         await send(pilot, "What is mlxkv?")
-        assert 2 in laid_out and 1 not in laid_out  # never the question without its reply
+        assert 2 in laid_out and 1 not in laid_out  # the question and its reply, mounted together
         assert status_at_append and all(shown and text.startswith("writing…") for shown, text in status_at_append)
         assert "tok/s" in str(views(app)[-1].query_one(".status").render())
+        assert ("assistant", False) not in restyled  # restyled once, when it ended
+        assert ("assistant", True) in restyled
     drive(app, scenario)
 
 

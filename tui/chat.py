@@ -330,7 +330,7 @@ class ChatScreen(ConversationActions, Screen):
         """Ask for a reply to the open conversation as it stands; ``question``: the view of
         the user's message it answers, not shown yet (both are mounted together)."""
         conversation = self.conversation
-        view = MessageView("assistant", label=self._assistant_label(),
+        view = MessageView("assistant", label=self._assistant_label(), streaming=True,
                            status="thinking…" if self.bridge.ready.is_set() else "waiting for the model…")
         await self._mount_views(*(question, view) if question is not None else (view,))
         view.start_stream()

@@ -126,9 +126,11 @@ class MessageView(Vertical, can_focus=True):
 
     def __init__(self, role: str, content: str = "", *, message_id: int | None = None,
                  stats: dict[str, Any] | None = None, label: str | None = None,
-                 status: str = "") -> None:
-        """``status``: the status line to show until stats come (a reply being written)."""
-        super().__init__(classes=f"message {role}")
+                 status: str = "", streaming: bool = False) -> None:
+        """``status``: the status line to show until stats come; ``streaming``: a reply
+        about to stream, drawn as one from its first frame (:meth:`start_stream` once
+        mounted), not restyled after it."""
+        super().__init__(classes=f"message {role}" + " streaming" * streaming)
         self.role = role
         self.content = content
         self.message_id = message_id
