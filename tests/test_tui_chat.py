@@ -487,6 +487,31 @@ def test_end_puts_the_view_at_the_latest_line_at_once_and_it_follows(tmp_path: P
     drive(app, scenario)
 
 
+def test_messages_keep_their_width_when_the_list_starts_to_scroll(tmp_path: Path, data_dir: Path) -> None:
+    # The scroll bar's columns are kept for it: a conversation that outgrows the screen (a
+    # reply that gets long) had every message on the screen wrapped again, narrower, and
+    # repainted in one frame, the text jumping sideways.
+    store_long_conversation()
+    with ConversationStore() as store:
+        short = store.create("short one")
+        store.add_message(short.id, "user", "question")
+        store.add_message(short.id, "assistant", "answer")
+        (long_one,) = [c for c in store.list() if c.title == "long one"]
+    app = open_app(make_settings(tmp_path))
+
+    async def scenario(pilot: Any) -> None:
+        box = app.chat.messages_box
+        await app.chat.open_conversation(short.id)
+        await wait_for(pilot, lambda: len(views(app)) == 2 and views(app)[0].size.width, "its messages")
+        assert box.max_scroll_y == 0
+        width = views(app)[0].size.width
+        await app.chat.open_conversation(long_one.id)
+        await wait_for(pilot, lambda: len(views(app)) == 16 and box.max_scroll_y > 0, "its messages")
+        await pilot.pause()
+        assert [v.size.width for v in views(app)] == [width] * 16
+    drive(app, scenario)
+
+
 def test_control_characters_of_a_reply_never_reach_the_terminal(tmp_path: Path, data_dir: Path,
                                                                 tiny_qwen3: Path) -> None:
     # With this seed the random-weight model's reply starts with ESC: drawn raw, it would
