@@ -169,10 +169,10 @@ async def _live(app: Any, turns: int) -> dict:
         if p is not None and p.view is not None:
             watched["rid"], watched["view"] = p.stream.rid, p.view
         view = watched["view"]
-        if view is not None and view.is_attached:
-            body = view.body
-            if not body.lock.is_locked:  # mid-append the new blocks are not laid out yet
-                watched["shown"] = len(body.source)
+        # A view just mounted may not have composed its children yet: nothing shown then.
+        body = next(iter(view.query(".body")), None) if view is not None and view.is_attached else None
+        if body is not None and not body.lock.is_locked:  # mid-append the new blocks are not laid out yet
+            watched["shown"] = len(body.source)
         return watched["rid"], watched["shown"], len(prompt.text)
 
     probe = FrameProbe(app, sample)

@@ -6,6 +6,7 @@ the cache inspector."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -59,6 +60,21 @@ def test_the_screen_takes_keys_while_the_model_loads(tmp_path: Path, data_dir: P
         await pilot.pause()
         assert app.chat.query_one("#progress").display is False
     drive(app, scenario)
+
+
+def test_what_the_load_built_is_frozen_out_of_the_collector_while_the_engine_runs(
+        tmp_path: Path, data_dir: Path) -> None:
+    # A full collection walked every object of mlx-lm, the tokenizer and the model (~100 ms
+    # with every thread held, the UI's too) every few replies.
+    gc.unfreeze()  # objects another test's start-up froze
+    app = MlxkvApp(make_settings(tmp_path))
+
+    async def scenario(pilot: Any) -> None:
+        await wait_for(pilot, app.metrics.model_ready.is_set, "model")
+        assert app.bridge.error is None
+        assert gc.isenabled() and gc.get_freeze_count() > 10_000
+    drive(app, scenario)
+    assert gc.get_freeze_count() == 0  # the stopped engine's objects can be collected again
 
 
 def test_every_binding_has_an_id_and_f1_lists_them(tmp_path: Path, data_dir: Path) -> None:

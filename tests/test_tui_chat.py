@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 from tui_pilot import drive, make_settings, send, wait_for
 
 from mlxkv.engine.settings import Settings
@@ -53,6 +54,42 @@ def test_reply_streams_as_markdown_with_a_status_line(tmp_path: Path, data_dir: 
         assert roles[0] == ("user", "What is mlxkv?") and roles[1][0] == "assistant"
         stats = store.messages(conversation.id)[1].stats
         assert stats["prompt_tokens"] > 0 and stats["finish_reason"] in ("stop", "length")
+
+
+def test_a_reply_keeps_its_status_line_and_is_not_restyled_as_it_starts(
+        tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each layout reflows the whole screen and moves every message on it: the reply's view
+    # comes with its status line (thinking…), which the first tokens change rather than hide
+    # (then the figures replace it, same height); it is made a streaming reply, not restyled
+    # into one (a class added to a mounted widget restyles all of it).
+    status_at_append: list[tuple[bool, str]] = []
+    restyled: list[tuple[str, bool]] = []  # (role, had text) of each message restyled
+    append, update_styles = MessageView.append, MlxkvApp.update_styles
+
+    async def watched_append(view: MessageView, text: str) -> None:
+        status = view.query_one(".status")
+        status_at_append.append((status.display, str(status.render())))
+        await append(view, text)
+
+    def watched_update_styles(app: MlxkvApp, node: Any, animate: bool = True) -> None:
+        if isinstance(node, MessageView):
+            restyled.append((node.role, bool(node.content)))
+        update_styles(app, node, animate)
+    monkeypatch.setattr(MessageView, "append", watched_append)
+    monkeypatch.setattr(MlxkvApp, "update_styles", watched_update_styles)
+    app = open_app(make_settings(tmp_path))
+
+    async def scenario(pilot: Any) -> None:
+        await wait_for(pilot, app.metrics.model_ready.is_set, "model")
+        laid_out: list[int] = []  # messages on the screen at each layout
+        app.screen.screen_layout_refresh_signal.subscribe(app.screen, lambda _: laid_out.append(len(views(app))))
+        await send(pilot, "What is mlxkv?")
+        assert 2 in laid_out and 1 not in laid_out  # the question and its reply, mounted together
+        assert status_at_append and all(shown and text.startswith("writing…") for shown, text in status_at_append)
+        assert "tok/s" in str(views(app)[-1].query_one(".status").render())
+        assert ("assistant", False) not in restyled  # restyled once, when it ended
+        assert ("assistant", True) in restyled
+    drive(app, scenario)
 
 
 def test_second_turn_reads_the_first_from_the_cache(tmp_path: Path, data_dir: Path) -> None:
@@ -358,22 +395,37 @@ def test_a_message_the_store_cannot_save_goes_back_to_the_box(tmp_path: Path, da
     drive(app, scenario)
 
 
-def test_the_view_follows_the_reply_unless_scrolled_up(tmp_path: Path, data_dir: Path, tiny_qwen3: Path) -> None:
-    from textual import events
-
-    with ConversationStore() as store:  # a conversation longer than the screen
+def store_long_conversation() -> None:
+    """A conversation longer than the screen (16 messages), in the store of ``data_dir``."""
+    with ConversationStore() as store:
         conversation = store.create("long one")
         for i in range(8):
             store.add_message(conversation.id, "user", f"question {i}")
             store.add_message(conversation.id, "assistant", "\n\n".join(f"line {j} of answer {i}" for j in range(4)))
+
+
+def terminal_key(app: MlxkvApp, name: str) -> None:
+    """A key as the terminal sends it (Pilot.press would wait for what it starts to end)."""
+    from textual import events
+
+    app._driver.process_message(events.Key(name, None))
+
+
+async def open_listed_conversation(pilot: Any, messages: int) -> None:
+    app = pilot.app
+    await wait_for(pilot, lambda: list(app.chat.query("ConversationItem")), "listed")
+    app.chat.query_one("#conversations").focus()
+    await pilot.press("enter")
+    await wait_for(pilot, lambda: len(views(app)) == messages, "its messages")
+
+
+def test_the_view_follows_the_reply_unless_scrolled_up(tmp_path: Path, data_dir: Path, tiny_qwen3: Path) -> None:
+    store_long_conversation()
     # Sampled with this seed, the random-weight model writes text for over 1000 tokens.
     app = open_app(make_settings(tmp_path, model=str(tiny_qwen3), max_tokens=1000, temperature=1.0, seed=3))
 
     async def scenario(pilot: Any) -> None:
-        await wait_for(pilot, lambda: list(app.chat.query("ConversationItem")), "listed")
-        app.chat.query_one("#conversations").focus()
-        await pilot.press("enter")
-        await wait_for(pilot, lambda: len(views(app)) == 16, "its messages")
+        await open_listed_conversation(pilot, 16)
         box = app.chat.messages_box
         shown = app.metrics.token_lag_s
 
@@ -382,8 +434,8 @@ def test_the_view_follows_the_reply_unless_scrolled_up(tmp_path: Path, data_dir:
             await wait_for(pilot, lambda: len(shown) >= start + more and app.chat.pending is not None,
                            "streamed text")
 
-        def key(name: str) -> None:  # as the terminal sends it; pilot.press would wait out the reply
-            app._driver.process_message(events.Key(name, None))
+        def key(name: str) -> None:  # pilot.press would wait out the reply
+            terminal_key(app, name)
 
         app.chat.prompt.load_text("tell me everything")
         key("enter")
@@ -402,6 +454,61 @@ def test_the_view_follows_the_reply_unless_scrolled_up(tmp_path: Path, data_dir:
         assert box.scroll_y == box.max_scroll_y
         key("escape")
         await wait_for(pilot, lambda: app.chat.pending is None, "stopped")
+    drive(app, scenario)
+
+
+def test_end_puts_the_view_at_the_latest_line_at_once_and_it_follows(tmp_path: Path, data_dir: Path) -> None:
+    # Textual animates End for a second towards the end as it was when the key came, while
+    # the anchor puts the view at the end at each layout; a reply's tokens lay the screen
+    # out only when they add a line, so the animation's last step could leave the view
+    # short of the reply until the next line.
+    store_long_conversation()
+    app = open_app(make_settings(tmp_path))
+
+    async def scenario(pilot: Any) -> None:
+        await open_listed_conversation(pilot, 16)
+        box = app.chat.messages_box
+        box.focus()
+        await pilot.press("home")
+        await wait_for(pilot, lambda: box.scroll_y == 0, "scrolled to the top")
+        terminal_key(app, "end")
+        await pilot.pause(0.1)
+        assert box.scroll_y == box.max_scroll_y > 0
+        assert not app.animator.is_being_animated(box, "scroll_y")
+        reply = MessageView("assistant")  # a reply that grows from there, a line at a time
+        await box.mount(reply)
+        reply.start_stream()
+        for i in range(4):
+            end = box.max_scroll_y
+            await reply.append(f"line {i} of the reply\n\n")
+            await pilot.pause()
+            assert box.scroll_y == box.max_scroll_y > end
+        await reply.finish()
+    drive(app, scenario)
+
+
+def test_messages_keep_their_width_when_the_list_starts_to_scroll(tmp_path: Path, data_dir: Path) -> None:
+    # The scroll bar's columns are kept for it: a conversation that outgrows the screen (a
+    # reply that gets long) had every message on the screen wrapped again, narrower, and
+    # repainted in one frame, the text jumping sideways.
+    store_long_conversation()
+    with ConversationStore() as store:
+        short = store.create("short one")
+        store.add_message(short.id, "user", "question")
+        store.add_message(short.id, "assistant", "answer")
+        (long_one,) = [c for c in store.list() if c.title == "long one"]
+    app = open_app(make_settings(tmp_path))
+
+    async def scenario(pilot: Any) -> None:
+        box = app.chat.messages_box
+        await app.chat.open_conversation(short.id)
+        await wait_for(pilot, lambda: len(views(app)) == 2 and views(app)[0].size.width, "its messages")
+        assert box.max_scroll_y == 0
+        width = views(app)[0].size.width
+        await app.chat.open_conversation(long_one.id)
+        await wait_for(pilot, lambda: len(views(app)) == 16 and box.max_scroll_y > 0, "its messages")
+        await pilot.pause()
+        assert [v.size.width for v in views(app)] == [width] * 16
     drive(app, scenario)
 
 

@@ -2,13 +2,13 @@
 message box, a model bar and a progress bar (model load, long prefills).
 
 A reply streams into its :class:`~tui.widgets.message.MessageView` through Textual's
-Markdown stream (one drain of the reply's buffer per burst of tokens) and is rendered in
-full once it ends. The message list is anchored to its end, so it follows new text
-until the user scrolls up. Conversations live in :mod:`tui.store` (called on the app's one
-store thread, so writes keep their order and never block a key); each has its own engine
-session (``mlxkv-chat-<id>``), opened and prefetched when the conversation opens, so its
-next turn starts from the cached prefix. Conversation actions (rename, delete, export,
-branch, settings) are in :mod:`tui.chat_actions`.
+Markdown stream (one drain of the reply's buffer per burst of tokens); the screen is laid
+out again only when a message's height changes. The message list is anchored to its end,
+so it follows new text until the user scrolls up. Conversations live in :mod:`tui.store`
+(called on the app's one store thread, so writes keep their order and never block a key);
+each has its own engine session (``mlxkv-chat-<id>``), opened and prefetched when the
+conversation opens, so its next turn starts from the cached prefix. Conversation actions
+(rename, delete, export, branch, settings) are in :mod:`tui.chat_actions`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.containers import Horizontal, Vertical
 from textual.content import Content
 from textual.screen import Screen
 from textual.widgets import Footer, ProgressBar, Static
@@ -30,6 +30,7 @@ from mlxkv.tui.bridge import ReplyStream
 from mlxkv.tui.chat_actions import ConversationActions
 from mlxkv.tui.messages import ReplyFinished, ReplyProgress, ReplyStats, ReplyTokens
 from mlxkv.tui.widgets.message import MessageView, format_status, printable
+from mlxkv.tui.widgets.message_list import MessageList
 from mlxkv.tui.widgets.prompt import PromptArea
 from mlxkv.tui.widgets.sidebar import ConversationList
 
@@ -128,7 +129,7 @@ class ChatScreen(ConversationActions, Screen):
             with Vertical(id="main"):
                 yield Static("", id="model-bar")
                 yield ProgressBar(id="progress", show_eta=False)
-                with VerticalScroll(id="messages"):
+                with MessageList(id="messages"):
                     yield Static(self._empty_text(), id="empty")
                 yield PromptArea(id="prompt")
         yield Footer()
@@ -138,7 +139,7 @@ class ChatScreen(ConversationActions, Screen):
                 "Ctrl+N: new chat · F2: cache inspector · Ctrl+P: every command · F1: keys")
 
     def on_mount(self) -> None:
-        self.query_one("#messages", VerticalScroll).anchor()
+        self.messages_box.anchor()
         self.query_one("#progress", ProgressBar).display = False
         self.prompt.focus()
         self.show_model_state()
@@ -149,8 +150,8 @@ class ChatScreen(ConversationActions, Screen):
         return self.query_one("#prompt", PromptArea)
 
     @property
-    def messages_box(self) -> VerticalScroll:
-        return self.query_one("#messages", VerticalScroll)
+    def messages_box(self) -> MessageList:
+        return self.query_one("#messages", MessageList)
 
     # model state (called by the app on engine messages) -----------------------------
     def show_model_state(self, text: str | None = None) -> None:
@@ -296,15 +297,15 @@ class ChatScreen(ConversationActions, Screen):
                 self.prompt.load_text(text)
             raise
         self.history.append(message)
-        await self._mount_view(MessageView("user", text, message_id=message.id))
         await self.refresh_list(only_if_moved=True)  # before the reply: its tokens stream undisturbed
-        await self.generate()
+        await self.generate(MessageView("user", text, message_id=message.id))
 
-    async def _mount_view(self, view: MessageView) -> None:
+    async def _mount_views(self, *views: MessageView) -> None:
+        """Add ``views`` at the end of the message list, in one mount."""
         box = self.messages_box
         for empty in box.query("#empty"):
             await empty.remove()
-        await box.mount(view)
+        await box.mount_all(views)
         box.anchor()
 
     def _assistant_label(self) -> str:
@@ -325,13 +326,14 @@ class ChatScreen(ConversationActions, Screen):
             params.update({k: v for k, v in (self.conversation.sampling or {}).items() if k in SAMPLING_KEYS})
         return params
 
-    async def generate(self) -> None:
-        """Ask for a reply to the open conversation as it stands."""
+    async def generate(self, question: MessageView | None = None) -> None:
+        """Ask for a reply to the open conversation as it stands; ``question``: the view of
+        the user's message it answers, not shown yet (both are mounted together)."""
         conversation = self.conversation
-        view = MessageView("assistant", label=self._assistant_label())
-        await self._mount_view(view)
+        view = MessageView("assistant", label=self._assistant_label(), streaming=True,
+                           status="thinking…" if self.bridge.ready.is_set() else "waiting for the model…")
+        await self._mount_views(*(question, view) if question is not None else (view,))
         view.start_stream()
-        view.set_status("waiting for the model…" if not self.bridge.ready.is_set() else "thinking…")
         stream = self.bridge.submit(self._payload(), self.sampling(), session_for(conversation.id),
                                     self.post_message)
         self.pending = Pending(stream, conversation.id, view)
@@ -352,8 +354,8 @@ class ChatScreen(ConversationActions, Screen):
         view = p.view
         if not text or view is None or not view.is_attached:
             return
-        if not view.content:
-            view.set_status("")
+        if not view.content:  # a line of the same height: the screen is not laid out again
+            view.set_status("writing… (Esc stops it)")
         await view.append(text)
         if produced is not None:
             self.app.metrics.token_shown(produced, self)

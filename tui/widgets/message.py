@@ -1,6 +1,7 @@
 """One message of a conversation: who said it, the text as Markdown (streamed while a
-reply is generated, then rendered once in full so fenced code is right), and for a reply
-its status line (prompt and cached tokens and where they came from, TTFT, speed).
+reply is generated; a reply with fenced code is rendered once more in full at its end, so
+the code is right), and for a reply its status line (thinking…, writing…, then prompt and
+cached tokens and where they came from, TTFT, speed).
 
 A message takes focus (Tab, or Up/Down in the message list), and its keys act on it:
 copy it, copy its code blocks, branch from it (edit and resend), regenerate."""
@@ -13,12 +14,14 @@ from typing import Any
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
+from textual.content import Content
 from textual.message import Message
 from textual.widgets import Markdown, Static
 
 _FENCE = re.compile(r"^([ \t]*)(`{3,}|~{3,})[^\n]*\n(.*?)^\1\2[ \t]*$", re.M | re.S)
 
 
+_FENCE_OPEN = re.compile(r"^[ \t]{0,3}(`{3,}|~{3,})", re.M)  # a line that opens (or closes) fenced code
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
@@ -71,6 +74,37 @@ def format_status(stats: dict[str, Any] | None, reason: str | None = None) -> st
     return " · ".join(parts)
 
 
+def update_in_place(widget: Static, content: Content | str) -> None:
+    """Show ``content`` in ``widget``, laying the screen out only when its height changes.
+
+    ``Static.update`` asks for a layout of the whole screen every time: a reflow of every
+    widget on it, and a repaint of every message when the view moves. Text that keeps the
+    widget's height (a reply's next tokens on the same line, the next status) needs a
+    repaint of the widget alone."""
+    width, height = widget.content_size
+    if not (widget.is_mounted and widget.display and width and height):
+        widget.update(content)  # not laid out yet: its first layout measures it
+        return
+    widget.update(content, layout=False)
+    if widget.get_content_height(widget.content_size, widget.app.size, width) != height:
+        widget.refresh(layout=True)
+
+
+class StreamedParagraph(Markdown.BLOCKS["paragraph_open"]):  # Textual's paragraph (not exported)
+    """A paragraph whose new text (the next tokens of a reply) repaints it alone while its
+    height stays the same (Textual's paragraph lays the screen out on every update)."""
+
+    def set_content(self, content: Content) -> None:
+        self._content = content
+        update_in_place(self, content)
+
+
+class ReplyMarkdown(Markdown):
+    """A message's Markdown, its paragraphs :class:`StreamedParagraph` s."""
+
+    BLOCKS = {**Markdown.BLOCKS, "paragraph_open": StreamedParagraph}
+
+
 class MessageView(Vertical, can_focus=True):
     """A message; ``message_id`` is its id in the store (None until it is saved)."""
 
@@ -91,24 +125,31 @@ class MessageView(Vertical, can_focus=True):
             self.view, self.action = view, action
 
     def __init__(self, role: str, content: str = "", *, message_id: int | None = None,
-                 stats: dict[str, Any] | None = None, label: str | None = None) -> None:
-        super().__init__(classes=f"message {role}")
+                 stats: dict[str, Any] | None = None, label: str | None = None,
+                 status: str = "", streaming: bool = False) -> None:
+        """``status``: the status line to show until stats come; ``streaming``: a reply
+        about to stream, drawn as one from its first frame (:meth:`start_stream` once
+        mounted), not restyled after it."""
+        super().__init__(classes=f"message {role}" + " streaming" * streaming)
         self.role = role
         self.content = content
         self.message_id = message_id
         self.stats = stats
         self._label = label or {"user": "You", "assistant": "Assistant", "system": "System"}.get(role, role)
+        self._status = status
         self._stream: Any = None
         self.streaming = False
 
     def compose(self) -> ComposeResult:
         yield Static(printable(self._label), classes="role", markup=False)
-        yield Markdown(printable(self.content), classes="body")
-        yield Static(self._status_text(), classes="status", markup=False)
+        yield ReplyMarkdown(printable(self.content), classes="body")
+        status = Static(self._status_text(), classes="status", markup=False)
+        status.display = bool(self._status_text())  # set before the first layout, not after it
+        yield status
 
     def _status_text(self) -> str:
         if self.stats is None:
-            return ""
+            return self._status
         return format_status(self.stats, self.stats.get("finish_reason"))
 
     @property
@@ -116,12 +157,14 @@ class MessageView(Vertical, can_focus=True):
         return self.query_one(".body", Markdown)
 
     def set_status(self, text: str) -> None:
+        """Show ``text`` on the status line (none: hide it); a text of the same height as the
+        one shown repaints the line alone."""
         status = self.query_one(".status", Static)
-        status.update(text)
-        status.display = bool(text)
-
-    def on_mount(self) -> None:
-        self.query_one(".status", Static).display = bool(self._status_text())
+        if text and status.display:
+            update_in_place(status, text)
+        else:
+            status.update(text)
+            status.display = bool(text)
 
     def start_stream(self) -> None:
         self.streaming = True
@@ -134,15 +177,24 @@ class MessageView(Vertical, can_focus=True):
             await self._stream.write(printable(text))
 
     async def finish(self, text: str | None = None) -> None:
-        """End the stream and render the whole text once more (fenced code renders right)."""
-        if text is not None:
-            self.content = text
-        if self._stream is not None:
-            stream, self._stream = self._stream, None
-            await stream.stop()
+        """End the stream with the rest of ``text`` (the whole reply). A reply with fenced
+        code is rendered once more in full (its code blocks render right then); any other
+        is already shown as a full render would show it, and re-mounting every block of it
+        held up the UI, and the reply's last tokens, for a frame or more."""
+        full = self.content if text is None else text
+        stream, self._stream = self._stream, None
+        if stream is not None and full.startswith(self.content) and not _FENCE_OPEN.search(full):
+            rest, self.content = full[len(self.content):], full
+            if rest:
+                await stream.write(printable(rest))
+            await stream.stop()  # appends what it still holds
+        else:
+            self.content = full
+            if stream is not None:
+                await stream.stop()
+            await self.body.update(printable(full))
         self.streaming = False
         self.remove_class("streaming")
-        await self.body.update(printable(self.content))
 
     def action_copy(self) -> None:
         self.app.copy_to_clipboard(self.content)
