@@ -248,6 +248,7 @@ class LoadedModel:
     weights_dtype: str
     compute_dtype: str
     extra: dict = field(default_factory=dict)
+    context_limit: int | None = None  # the settings' context_tokens, over the model's own
 
     @property
     def name(self) -> str:
@@ -260,7 +261,10 @@ class LoadedModel:
 
     @property
     def context_tokens(self) -> int | None:
-        """The model's context length (``max_position_embeddings``), when its config says."""
+        """The context a prompt and its reply may fill: the settings' ``context_tokens``, else
+        the model's own (``max_position_embeddings``), when its config says."""
+        if self.context_limit is not None:
+            return self.context_limit
         for cfg in (self.config, self.config.get("text_config") or {}):
             value = cfg.get("max_position_embeddings")
             if isinstance(value, int) and value > 0:

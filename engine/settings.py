@@ -175,6 +175,10 @@ FIELDS: tuple[Field, ...] = (
           metavar="X"),
     Field("seed", None, _optional(int), "random seed for sampling", arg_type=int, metavar="N"),
     Field("max_tokens", 512, _positive_int, "maximum tokens to generate", arg_type=int, metavar="N"),
+    Field("context_tokens", None, _optional(_positive_int),
+          "tokens a prompt and its reply may fill (default: the model's context, its "
+          "max_position_embeddings); beyond what the model was trained on it still runs, with "
+          "replies of lower quality", arg_type=int, metavar="N"),
     Field("prefill_step_size", 2048, _positive_int, "prompt tokens per prefill chunk", arg_type=int,
           metavar="N"),
     Field("max_batch", 8, _positive_int,
@@ -221,8 +225,13 @@ FIELDS: tuple[Field, ...] = (
           "serve: requests in flight at once (queued or decoding); more are answered 429",
           arg_type=int, metavar="N"),
     Field("max_tokens_limit", None, _optional(_positive_int),
-          "serve: largest max_tokens a request may ask for (default: the model's context)",
+          "serve: largest max_tokens a request may ask for (default: the model's context); "
+          "more is clamped to it, and the reply's x-mlxkv-max-tokens header says so",
           arg_type=int, metavar="N"),
+    Field("churn_rules", True, _bool,
+          "serve: remove text agents put in their system prompts that changes with every "
+          "conversation (Claude Code's billing header line), so that a new conversation reuses "
+          "the cached prompt it shares with the last (rules: server/churn.py)"),
 )
 FIELD_BY_NAME = {f.name: f for f in FIELDS}
 # Sampling values a model folder may recommend in Hugging Face's generation_config.json.
@@ -301,6 +310,7 @@ class Settings:
     repetition_penalty: float
     seed: int | None
     max_tokens: int
+    context_tokens: int | None
     prefill_step_size: int
     max_batch: int
     max_queue: int
@@ -319,6 +329,7 @@ class Settings:
     max_body_bytes: int
     max_requests: int
     max_tokens_limit: int | None
+    churn_rules: bool
 
     def __init__(self, values: dict[str, Any], sources: dict[str, str], config_path: Path):
         self._values = values
