@@ -20,7 +20,8 @@ def config_from_settings(settings: Any, defaults: Any) -> ServerConfig:
     origins = tuple(o.strip() for o in (settings.cors_origins or "").split(",") if o.strip())
     return ServerConfig(api_key=settings.api_key or None, cors_origins=origins,
                         max_body_bytes=settings.max_body_bytes, max_requests=settings.max_requests,
-                        max_tokens_limit=settings.max_tokens_limit, defaults=defaults)
+                        max_tokens_limit=settings.max_tokens_limit, defaults=defaults,
+                        churn_rules=settings.churn_rules)
 
 
 def is_loopback(host: str) -> bool:
