@@ -18,6 +18,7 @@ from server_support import (
     TOOL_RESULT,
     WEATHER_TOOL,
     LoopbackServer,
+    prompt_size,
     tool_model,
 )
 
@@ -88,7 +89,7 @@ def test_anthropic_tool_use_round_trip(served):
     assert m.stop_reason == "tool_use"
     # counted as sent: the tools are in the prompt the template renders
     counted = claude.messages.count_tokens(model="m", tools=tools, messages=messages).input_tokens
-    assert counted == m.usage.input_tokens + m.usage.cache_read_input_tokens
+    assert counted == prompt_size(m.usage)
     assert claude.messages.count_tokens(model="m", messages=messages).input_tokens < counted
     (use,) = [b for b in m.content if b.type == "tool_use"]
     assert (use.name, use.input) == ("get_weather", CALL_ARGS) and use.id.startswith("toolu_")
