@@ -24,16 +24,7 @@ from mlxkv.engine.requests import EngineError, ErrorEvent, FinishedEvent, Reques
 from mlxkv.server.bridge import WAITING, EventStream, SseResponse, collect, error_status, first_event
 from mlxkv.server.chat_prompt import ChatPrompt, chat_prompt
 from mlxkv.server.claude_fields import check_cache_control, check_ignored_fields
-from mlxkv.server.context import (
-    Context,
-    dumps,
-    model_name,
-    new_id,
-    read_json,
-    session_of,
-    stored_count,
-    usage_counts,
-)
+from mlxkv.server.context import Context, dumps, model_name, new_id, read_json, session_of, stored_count, usage_counts
 from mlxkv.server.errors import ApiError, anthropic_body
 from mlxkv.server.fields import get_list, get_object, get_str, max_tokens_header, sampling
 from mlxkv.server.keepalive import ANTHROPIC_PING, PROGRESS_EVERY, keep_alive

@@ -1,8 +1,21 @@
 """Fields of an Anthropic Messages body that the server accepts without acting on them, as
-agents send them (Claude Code sends all of these with every request). Each is checked for
-its shape, so a malformed value is a 400 that names it, as the hosted API answers; why it
-changes nothing here is said in :data:`IGNORED` (and in the README). Fields not named here
-and not read by the route are ignored.
+agents send them (Claude Code sends most of these with every request). Each is checked for
+its shape, so a malformed value is a 400 that names it, as the hosted API answers. Why each
+changes nothing here (the README says the same):
+
+- ``metadata``: identifies the end user to the hosted API's abuse checks; a local server
+  has no accounts.
+- ``thinking`` (any type): a local model reasons or not as its chat template has it; no
+  thinking blocks are returned, and those of earlier turns are left out of the prompt.
+- ``context_management``: asks the hosted API to clear old thinking or tool results on its
+  side; the conversation is prefilled as the client sends it.
+- ``output_config.effort``: the hosted model's effort level; a local model has none.
+  (``output_config.format``, structured outputs, is refused: the reply is not held to it.)
+- ``cache_control`` (on the body, blocks and tools, with ``ttl``): the prefix cache keeps
+  every prompt it serves without being asked.
+- ``service_tier``: there is one tier here.
+
+Fields not named here and not read by the route are ignored.
 
 Headers: ``anthropic-version``, ``anthropic-beta`` and the client's own (``x-app``, ...)
 are accepted and ignored; ``?beta=true`` on the URL too.
@@ -13,19 +26,6 @@ from __future__ import annotations
 from mlxkv.server.errors import ApiError
 from mlxkv.server.fields import get_int, get_list, get_object, get_str, within
 
-IGNORED = {
-    "metadata": "identifies the end user to the hosted API's abuse checks; a local server "
-                "has no accounts",
-    "thinking": "a local model reasons or not as its chat template has it; no thinking "
-                "blocks are returned, and thinking blocks of earlier turns are left out of "
-                "the prompt",
-    "context_management": "asks the hosted API to clear old thinking or tool results on its "
-                          "side; the conversation is prefilled as the client sends it",
-    "output_config.effort": "the hosted model's effort level; a local model has none",
-    "cache_control": "the prefix cache keeps every prompt it serves without being asked; "
-                     "a marker (with its ttl) is checked and changes nothing",
-    "service_tier": "one tier here",
-}
 THINKING_TYPES = ("enabled", "disabled", "adaptive")
 CACHE_TTLS = ("5m", "1h")
 

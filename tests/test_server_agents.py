@@ -2,7 +2,7 @@
 real server on a loopback port, on tiny models: a request shaped as Claude Code sends it,
 ``system`` entries inside ``messages`` (rendered in place, or merged where the template
 refuses them), the churn rules that let a new conversation reuse the last one's prompt, the
-default tool format for templates without tools, ``count_tokens`` equal to the prefill,
+``count_tokens`` equal to the prefill,
 ``max_tokens`` clamped with a header, the requested model echoed, keep-alive pings while a
 request waits, and honest cache usage on every route."""
 
@@ -16,17 +16,7 @@ import anthropic
 import openai
 import pytest
 from common import T
-from server_support import (
-    CALL_ARGS,
-    FINAL_ANSWER,
-    QUESTION,
-    TOOL_RESULT,
-    WEATHER_TOOL,
-    LoopbackServer,
-    default_format_tool_model,
-    prompt_size,
-    system_first_model,
-)
+from server_support import WEATHER_TOOL, LoopbackServer, prompt_size, system_first_model
 
 from bench.server import http_client
 from mlxkv.engine.engine import Engine
@@ -226,41 +216,6 @@ def test_without_the_churn_rules_a_new_conversation_misses_at_the_billing_line(e
     with LoopbackServer(engine, ServerConfig(defaults=SamplingParams(max_tokens=2), churn_rules=False)) as srv:
         cached, ideal = _conversation_pair(srv, engine, ("e3f", "0a9"))
     assert cached < 3 * BLOCK < ideal, (cached, ideal)
-
-
-# --------------------------------------------------------------------- default tool format
-@pytest.fixture(scope="module")
-def tool_served():
-    from mlxkv.engine.cache.prefix_cache import PrefixCache
-
-    cache = PrefixCache(ram_bytes=64 << 20, cache_dir=None, block_tokens=BLOCK)
-    with Engine(str(default_format_tool_model()), prefix_cache=cache).start(timeout=T) as engine, \
-            LoopbackServer(engine, ServerConfig()) as srv:
-        yield srv
-
-
-def test_tools_a_template_cannot_render_go_in_the_default_format_and_calls_come_back(tool_served):
-    claude = claude_of(tool_served)
-    messages: list[dict[str, Any]] = [{"role": "user", "content": QUESTION}]
-    counted = claude.messages.count_tokens(model="m", tools=[WEATHER], messages=messages).input_tokens
-    assert claude.messages.count_tokens(model="m", messages=messages).input_tokens < counted - 50
-    m = claude.messages.create(model="m", max_tokens=60, tools=[WEATHER], messages=messages)
-    assert m.stop_reason == "tool_use" and prompt_size(m.usage) == counted
-    (use,) = [b for b in m.content if b.type == "tool_use"]
-    assert (use.name, use.input) == ("get_weather", CALL_ARGS)
-    messages += [{"role": "assistant", "content": [b.model_dump() for b in m.content]},
-                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": TOOL_RESULT}]}]
-    with claude.messages.stream(model="m", max_tokens=60, tools=[WEATHER], messages=messages) as s:
-        final = s.get_final_message()
-    assert (final.stop_reason, final.content[0].text) == ("end_turn", FINAL_ANSWER)
-    assert final.usage.cache_read_input_tokens > 0
-    # the OpenAI route: the same prompt, the same calls
-    oai = openai.OpenAI(base_url=tool_served.url + "/v1", api_key="none", max_retries=0, timeout=T)
-    chunks = list(oai.chat.completions.create(model="m", messages=[{"role": "user", "content": QUESTION}],
-                                              tools=[WEATHER_TOOL], max_tokens=60, temperature=0, stream=True))
-    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", CALL_ARGS)]
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 # ------------------------------------------------------------------- count_tokens = prefill
