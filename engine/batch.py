@@ -28,7 +28,14 @@ from typing import Any
 
 from mlxkv.engine.generate import SamplingParams, StopMatcher, request_processors, request_sampler, stream_detokenizer
 from mlxkv.engine.mlx_lm_compat import DecodingRows, admitting, batch_speculation_available
-from mlxkv.engine.requests import FinishedEvent, ProgressEvent, RequestHandle, StatsEvent, TokenEvent
+from mlxkv.engine.requests import (
+    FinishedEvent,
+    ProgressEvent,
+    RequestHandle,
+    StatsEvent,
+    TokenEvent,
+    stored_prompt_tokens,
+)
 
 
 def batchable_cache(cache: Sequence[Any]) -> bool:
@@ -128,18 +135,21 @@ class Batch:
     ``release(cache)`` gives back a cache a lookup lent, once the batch holds a copy;
     ``speculation(row)`` opens a row's ``engine.speculation.providers.Speculation`` (None: the row
     decodes plainly); ``spec_policy`` is the round-length controller the batch's rounds use
-    (the engine keeps one per loaded model, so it carries from batch to batch)."""
+    (the engine keeps one per loaded model, so it carries from batch to batch); ``stores``:
+    whether ``on_end`` hands a row's state to the prefix cache (its StatsEvent says so)."""
 
     def __init__(self, model: Any, tokenizer: Any, max_rows: int,
                  should_stop: Callable[[Row], bool], stopping: Callable[[], bool],
                  on_end: Callable[[Row, Ending], None], release: Callable[[Any], None],
-                 speculation: Callable[[Row], Any] | None = None, spec_policy: Any = None):
+                 speculation: Callable[[Row], Any] | None = None, spec_policy: Any = None,
+                 stores: bool = False):
         from mlx_lm.generate import BatchGenerator
 
         self.model, self.tokenizer = model, tokenizer
         self.max_rows = max_rows
         self.should_stop, self.stopping, self.on_end = should_stop, stopping, on_end
         self.release = release
+        self.stores = stores
         eos = sorted(int(t) for t in tokenizer.eos_token_ids)
         # EOS ends a row inside BatchGenerator, which then hands over the row's cache.
         self.gen = BatchGenerator(model, stop_tokens=[[t] for t in eos] or None,
@@ -432,7 +442,9 @@ class Batch:
             decode_tps=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
             queue_s=row.queue_s, load_s=row.load_s,
             cached_ram_tokens=row.cached_ram_tokens, cached_ssd_tokens=row.cached_ssd_tokens,
-            batched=True, spec=self.verifier.summary(row.spec) if row.spec is not None else None))
+            batched=True, spec=self.verifier.summary(row.spec) if row.spec is not None else None,
+            stored_tokens=stored_prompt_tokens(len(row.prompt), row.n_cached, len(ending.tokens_in_cache),
+                                               self.stores and ending.cache is not None)))
         row.handle._emit(FinishedEvent(reason, detail))
         row.lent = None  # unmerged, the lent cache is what ``ending`` holds: stored back
         self._ended.append((row, ending))

@@ -90,7 +90,7 @@ class Batching:
                       should_stop=lambda r: r.handle.cancelled or closed(),
                       stopping=closed, on_end=self._row_ended,
                       release=self.runtime.cache.release, speculation=self._row_speculation,
-                      spec_policy=self.spec_policy)
+                      spec_policy=self.spec_policy, stores=self.runtime.cache.enabled)
         if join.gen.speculation is not None:  # the row opens its own in the batch
             join.gen.speculation.source.close()
         self.batch = batch

@@ -111,7 +111,7 @@ def load_runtime(source: ModelSource, settings: Settings, prefix_cache: CacheArg
     with source.loading():
         publish(LoadEvent(LOAD_STAGES[0], 0, total))
         loaded, namespace = source.load()
-        loaded.context_override = settings.context_tokens
+        loaded.context_limit = settings.context_tokens
         providers = source.providers(loaded, settings)
         publish(LoadEvent(LOAD_STAGES[1], 1, total))
         client = open_cache(prefix_cache, loaded, namespace)

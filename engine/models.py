@@ -242,7 +242,7 @@ class LoadedModel:
     weights_dtype: str
     compute_dtype: str
     extra: dict = field(default_factory=dict)
-    context_override: int | None = None  # the context_tokens setting, when given
+    context_limit: int | None = None  # the settings' context_tokens, over the model's own
 
     @property
     def name(self) -> str:
@@ -255,10 +255,10 @@ class LoadedModel:
 
     @property
     def context_tokens(self) -> int | None:
-        """The context a prompt and its reply may fill: the ``context_tokens`` setting when
-        given, else the model's own (``max_position_embeddings``), when its config says."""
-        if self.context_override is not None:
-            return self.context_override
+        """The context a prompt and its reply may fill: the settings' ``context_tokens``, else
+        the model's own (``max_position_embeddings``), when its config says."""
+        if self.context_limit is not None:
+            return self.context_limit
         for cfg in (self.config, self.config.get("text_config") or {}):
             value = cfg.get("max_position_embeddings")
             if isinstance(value, int) and value > 0:

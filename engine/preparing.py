@@ -134,7 +134,7 @@ class Preparer:
         if len(tokens) >= context:
             keep = max(context - max_tokens, context // 2, 1)
             if not req.truncate:
-                whose = "the model's context" if self.loaded.context_override is None else \
+                whose = "the model's context" if self.loaded.context_limit is None else \
                     "the context (--context-tokens)"
                 raise RequestRefused(
                     f"the prompt is {len(tokens)} tokens; {whose} is {context} "

@@ -63,6 +63,18 @@ class StatsEvent:
     # the time split draft / verify / other.
     spec: dict | None = None
     batched: bool = False  # decoded in a batch with other requests
+    # Prompt tokens this request hands to the prefix cache beyond the cached ones it read
+    # (its state is stored once it is answered; 0 without a cache)
+    stored_tokens: int = 0
+
+
+def stored_prompt_tokens(prompt_tokens: int, cached_tokens: int, tokens_in_cache: int,
+                         stores: bool) -> int:
+    """:attr:`StatsEvent.stored_tokens` of a request whose state holding ``tokens_in_cache``
+    tokens (its prompt, then its reply) goes to the cache when ``stores``."""
+    if not stores:
+        return 0
+    return max(0, min(tokens_in_cache, prompt_tokens) - cached_tokens)
 
 
 @dataclass(frozen=True)

@@ -182,9 +182,9 @@ FIELDS: tuple[Field, ...] = (
     Field("seed", None, _optional(int), "random seed for sampling", arg_type=int, metavar="N"),
     Field("max_tokens", 512, _positive_int, "maximum tokens to generate", arg_type=int, metavar="N"),
     Field("context_tokens", None, _optional(_positive_int),
-          "tokens a prompt and its reply may fill (default: the model's own context, "
-          "max_position_embeddings); more lets an agent's long prompt in, with the model "
-          "past the length it was trained on", arg_type=int, metavar="N"),
+          "tokens a prompt and its reply may fill (default: the model's context, its "
+          "max_position_embeddings); beyond what the model was trained on it still runs, with "
+          "replies of lower quality", arg_type=int, metavar="N"),
     Field("prefill_step_size", 2048, _positive_int, "prompt tokens per prefill chunk", arg_type=int,
           metavar="N"),
     Field("max_batch", 8, _positive_int,
@@ -235,11 +235,16 @@ FIELDS: tuple[Field, ...] = (
           "serve: requests in flight at once (queued or decoding); more are answered 429",
           arg_type=int, metavar="N"),
     Field("max_tokens_limit", None, _optional(_positive_int),
-          "serve: largest max_tokens a request may ask for (default: the model's context)",
+          "serve: largest max_tokens a request may ask for (default: the model's context); "
+          "more is clamped to it, and the reply's x-mlxkv-max-tokens header says so",
           arg_type=int, metavar="N"),
     Field("responses_store_bytes", 64 * 1024**2, parse_bytes,
           "serve: memory for earlier /v1/responses answers kept for previous_response_id, "
           "e.g. 64MiB (0: none kept)", metavar=SIZE),
+    Field("churn_rules", True, _bool,
+          "serve: remove text agents put in their system prompts that changes with every "
+          "conversation (Claude Code's billing header line), so that a new conversation reuses "
+          "the cached prompt it shares with the last (rules: server/churn.py)"),
 )
 FIELD_BY_NAME = {f.name: f for f in FIELDS}
 # Sampling values a model folder may recommend in Hugging Face's generation_config.json.
@@ -340,6 +345,7 @@ class Settings:
     max_requests: int
     max_tokens_limit: int | None
     responses_store_bytes: int
+    churn_rules: bool
 
     def __init__(self, values: dict[str, Any], sources: dict[str, str], config_path: Path):
         self._values = values

@@ -28,6 +28,7 @@ from mlxkv.engine.requests import (
     RequestHandle,
     StatsEvent,
     TokenEvent,
+    stored_prompt_tokens,
 )
 from mlxkv.engine.sampling import SamplingParams
 from mlxkv.engine.settings import Settings
@@ -138,13 +139,16 @@ class SingleStream:
         ttft = (gen.first_token_time - start) if gen.first_token_time else 0.0
         submitted = handle.submitted
         whole = out.cached_tokens == n_cached and not retried
+        stores = self.runtime.cache.enabled and bool(out.tokens_in_cache)
         handle.emit(StatsEvent(
             prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
             generated_tokens=len(out.tokens), ttft_s=ttft, prefill_tps=out.prefill_tps,
             decode_tps=out.decode_tps, queue_s=start - submitted,
             load_s=self.load_wait(submitted), retried=retried,
             cached_ram_tokens=ram_tokens if whole else 0,
-            cached_ssd_tokens=ssd_tokens if whole else 0, spec=out.spec))
+            cached_ssd_tokens=ssd_tokens if whole else 0, spec=out.spec,
+            stored_tokens=stored_prompt_tokens(out.prompt_tokens, out.cached_tokens,
+                                               len(out.tokens_in_cache), stores)))
         detail = out.stop_detail
         if out.finish_reason == "cancelled":
             self.counts.cancelled += 1
@@ -154,7 +158,7 @@ class SingleStream:
             detail = "context"  # stopped at the end of the model's context
         handle.emit(FinishedEvent(out.finish_reason, detail))
         # After the caller has its answer: hand the KV state to the prefix cache.
-        if self.runtime.cache.enabled and out.tokens_in_cache:
+        if stores:
             self.runtime.cache.store(out.tokens_in_cache, gen.cache, req.session, req.retain_s)
 
     def generate(self, handle: RequestHandle, tokens: list[int], params: SamplingParams,

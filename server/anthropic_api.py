@@ -1,12 +1,19 @@
 """Anthropic Messages API: ``POST /v1/messages``, JSON or server-sent events
 (``message_start``, one ``content_block_start``/``_delta``/``_stop`` run per text or tool_use
-block, ``message_delta`` with the stop reason and usage, ``message_stop``)."""
+block, ``message_delta`` with the stop reason and usage, ``message_stop``; ``ping`` events
+while nothing else is sent).
+
+The body is read as Claude Code sends it: ``system`` entries anywhere in ``messages``,
+``cache_control`` on blocks, tools and the body, and the fields ``server.claude_fields``
+accepts without acting on them. Usage follows the hosted API's sum: ``input_tokens`` +
+``cache_creation_input_tokens`` (the prompt tokens this request stores into the prefix
+cache) + ``cache_read_input_tokens`` (read from it) = the prompt."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
@@ -14,21 +21,18 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 
 from mlxkv.engine.requests import EngineError, ErrorEvent, FinishedEvent, Request, TokenEvent
-from mlxkv.server.bridge import EventStream, SseResponse, collect, error_status, first_event
-from mlxkv.server.context import Context, dumps, new_id, read_json, session_of, text_of, usage_counts
+from mlxkv.server.bridge import WAITING, EventStream, SseResponse, collect, error_status, first_event
+from mlxkv.server.chat_prompt import ChatPrompt, chat_prompt
+from mlxkv.server.claude_fields import check_cache_control, check_ignored_fields
+from mlxkv.server.context import Context, dumps, model_name, new_id, read_json, session_of, stored_count, usage_counts
 from mlxkv.server.errors import ApiError, anthropic_body
-from mlxkv.server.fields import get_list, get_object, get_str, sampling
+from mlxkv.server.fields import get_list, get_object, get_str, max_tokens_header, sampling
+from mlxkv.server.keepalive import ANTHROPIC_PING, PROGRESS_EVERY, keep_alive
 from mlxkv.server.retention import anthropic_retain_s
 from mlxkv.server.tools import ToolCall, ToolCallParser
 
 
 # ------------------------------------------------------------------------- the request
-def _system(value: Any) -> str | None:
-    if value is None:
-        return None
-    return text_of(value, "system")
-
-
 def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
@@ -37,42 +41,79 @@ def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
     for j, b in enumerate(content):
         if not isinstance(b, dict) or not isinstance(b.get("type"), str):
             raise ApiError(400, f"{where}[{j}] must be a content block object", f"{where}[{j}]")
+        check_cache_control(b, f"{where}[{j}]")
     return content
+
+
+def _text_block(b: dict, where: str) -> str:
+    if b["type"] != "text":
+        raise ApiError(400, f"{where}: blocks of type {b['type']!r} are not supported here (text only; "
+                            "this server runs a text model)", where)
+    if not isinstance(b.get("text"), str):
+        raise ApiError(400, f"{where}.text must be a string", f"{where}.text")
+    return b["text"]
+
+
+def _text(content: Any, where: str) -> str:
+    """A string, or the text of an array of text blocks (joined as they are)."""
+    return "".join(_text_block(b, f"{where}[{j}]") for j, b in enumerate(_blocks(content, where)))
+
+
+def _tool_use(b: dict, where: str) -> dict[str, Any]:
+    if not isinstance(b.get("name"), str) or not b["name"]:
+        raise ApiError(400, f"{where}.name must be a non-empty string", f"{where}.name")
+    if b.get("id") is not None and not isinstance(b["id"], str):
+        raise ApiError(400, f"{where}.id must be a string", f"{where}.id")
+    arguments = b.get("input")
+    if arguments is None:
+        arguments = {}
+    if not isinstance(arguments, dict):
+        raise ApiError(400, f"{where}.input must be an object", f"{where}.input")
+    return {"id": b.get("id"), "type": "function", "function": {"name": b["name"], "arguments": arguments}}
+
+
+def _tool_result(b: dict, where: str) -> dict[str, Any]:
+    if not isinstance(b.get("tool_use_id"), str):
+        raise ApiError(400, f"{where}.tool_use_id must be a string", f"{where}.tool_use_id")
+    result = b.get("content")
+    text = "" if result is None else _text(result, f"{where}.content")
+    return {"role": "tool", "tool_call_id": b["tool_use_id"], "content": text}
 
 
 def claude_messages(raw: list, system: Any) -> list[dict[str, Any]]:
     """Anthropic turns as chat-template messages: text blocks joined, ``tool_use`` blocks as
-    the assistant's tool calls, ``tool_result`` blocks as ``tool`` messages."""
+    the assistant's tool calls, ``tool_result`` blocks as ``tool`` messages, ``system``
+    entries as system messages where they stand (``server.chat_prompt`` places them)."""
     if not raw:
         raise ApiError(400, "messages must not be empty", "messages")
     out: list[dict[str, Any]] = []
-    sys_text = _system(system)
+    sys_text = _text(system, "system") if system is not None else ""
     if sys_text:
         out.append({"role": "system", "content": sys_text})
     for i, m in enumerate(raw):
         where = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise ApiError(400, f"{where} must be an object with role user or assistant", where)
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
+            raise ApiError(400, f"{where} must be an object with role user, assistant or system", where)
+        if m["role"] == "system":
+            out.append({"role": "system", "content": _text(m.get("content"), f"{where}.content")})
+            continue
         text, calls = [], []
         for j, b in enumerate(_blocks(m.get("content"), f"{where}.content")):
-            kind = b["type"]
+            kind, at = b["type"], f"{where}.content[{j}]"
             if kind == "text":
-                text.append(text_of(b.get("text", ""), f"{where}.content[{j}].text"))
+                text.append(_text_block(b, at))
             elif kind == "tool_use" and m["role"] == "assistant":
-                calls.append({"id": b.get("id"), "type": "function",
-                              "function": {"name": str(b.get("name")), "arguments": b.get("input") or {}}})
+                calls.append(_tool_use(b, at))
             elif kind == "tool_result" and m["role"] == "user":
-                result = b.get("content")
-                result_text = text_of(result, f"{where}.content[{j}].content") \
-                    if not isinstance(result, list) else text_of(
-                        [p for p in result if isinstance(p, dict) and p.get("type") == "text"],
-                        f"{where}.content[{j}].content")
-                out.append({"role": "tool", "tool_call_id": b.get("tool_use_id"), "content": result_text})
+                out.append(_tool_result(b, at))
             elif kind in ("thinking", "redacted_thinking"):
-                continue
+                continue  # earlier turns' reasoning: the hosted API leaves it out too
+            elif kind in ("tool_use", "tool_result"):
+                turn = "assistant" if kind == "tool_use" else "user"
+                raise ApiError(400, f"{at}: {kind} blocks belong in {turn} turns", at)
             else:
-                raise ApiError(400, f"{where}.content[{j}]: blocks of type {kind!r} are not supported",
-                               f"{where}.content[{j}]")
+                raise ApiError(400, f"{at}: blocks of type {kind!r} are not supported (text, tool_use, "
+                                    "tool_result and thinking only: this server runs a text model)", at)
         if text or calls or not any(b.get("type") == "tool_result" for b in _blocks(m.get("content"), where)):
             msg: dict[str, Any] = {"role": m["role"], "content": "".join(text)}
             if calls:
@@ -81,35 +122,73 @@ def claude_messages(raw: list, system: Any) -> list[dict[str, Any]]:
     return out
 
 
-def claude_tools(body: dict) -> list[dict[str, Any]] | None:
-    """Anthropic tools as OpenAI function tools (what chat templates are written for)."""
-    tools = get_list(body, "tools")
-    if not tools:
-        return None
+_TOOL_CHOICES = ("auto", "any", "tool", "none")
+
+
+def _tool_choice(body: dict) -> str | None:
     choice = get_object(body, "tool_choice")
-    if choice is not None and choice.get("type") == "none":
+    if choice is None:
+        return None
+    if choice.get("type") not in _TOOL_CHOICES:
+        raise ApiError(400, f"tool_choice.type must be one of {', '.join(_TOOL_CHOICES)}, got "
+                            f"{choice.get('type')!r}", "tool_choice.type")
+    if choice["type"] == "tool" and not isinstance(choice.get("name"), str):
+        raise ApiError(400, "tool_choice.name is required with type tool", "tool_choice.name")
+    return choice["type"]
+
+
+def claude_tools(body: dict) -> list[dict[str, Any]] | None:
+    """Anthropic tools as OpenAI function tools (what chat templates are written for).
+    A tool with ``defer_loading`` is left out of the prompt, as the hosted API leaves it out
+    of the model's context until the client's tool search loads it."""
+    tools = get_list(body, "tools")
+    if _tool_choice(body) == "none" or not tools:
         return None
     out = []
     for i, t in enumerate(tools):
-        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
-            raise ApiError(400, f"tools[{i}] needs a name", f"tools[{i}]")
+        where = f"tools[{i}]"
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str) or not t["name"]:
+            raise ApiError(400, f"{where} needs a name", where)
+        if t.get("type") not in (None, "custom"):
+            raise ApiError(400, f"{where}: tools of type {t['type']!r} are not supported (the hosted "
+                                "API's own tools; this server runs the client's tools)", f"{where}.type")
+        if t.get("description") is not None and not isinstance(t["description"], str):
+            raise ApiError(400, f"{where}.description must be a string", f"{where}.description")
+        schema = t.get("input_schema")
+        if schema is not None and not isinstance(schema, dict):
+            raise ApiError(400, f"{where}.input_schema must be an object", f"{where}.input_schema")
+        deferred = t.get("defer_loading")
+        if deferred is not None and not isinstance(deferred, bool):
+            raise ApiError(400, f"{where}.defer_loading must be true or false", f"{where}.defer_loading")
+        check_cache_control(t, where)
+        if deferred:
+            continue
         # the order OpenAI clients send (templates render the tool JSON as given)
         fn: dict[str, Any] = {"name": t["name"]}
-        if isinstance(t.get("description"), str):
+        if t.get("description"):
             fn["description"] = t["description"]
-        fn["parameters"] = t.get("input_schema") or {"type": "object"}
+        fn["parameters"] = schema or {"type": "object"}
         out.append({"type": "function", "function": fn})
-    return out
+    return out or None
+
+
+async def claude_prompt(body: dict, ctx: Context) -> ChatPrompt:
+    """The prompt a Messages body sends the model (the same for ``count_tokens``)."""
+    check_ignored_fields(body)
+    get_str(body, "model")
+    msgs = claude_messages(get_list(body, "messages", required=True), body.get("system"))
+    return await chat_prompt(ctx.template, msgs, claude_tools(body), ctx.config.churn_rules)
 
 
 # ------------------------------------------------------------------------- the answer
-def _usage(events: list[Any], with_input: bool = True) -> dict[str, Any]:
+def _input_usage(prompt: int, cached: int, stored: int) -> dict[str, int]:
+    return {"input_tokens": prompt - cached - stored, "cache_creation_input_tokens": stored,
+            "cache_read_input_tokens": cached}
+
+
+def _usage(events: list[Any]) -> dict[str, Any]:
     prompt, cached, generated = usage_counts(events)
-    out = {"output_tokens": generated}
-    if with_input:
-        out = {"input_tokens": prompt - cached, "cache_creation_input_tokens": 0,
-               "cache_read_input_tokens": cached, **out}
-    return out
+    return {**_input_usage(prompt, cached, stored_count(events)), "output_tokens": generated}
 
 
 def _stop(finished: FinishedEvent, calls: bool) -> tuple[str, str | None]:
@@ -129,42 +208,49 @@ def _tool_block(call: ToolCall) -> dict[str, Any]:
 
 async def count_tokens(http: HttpRequest, ctx: Context) -> Response:
     """``POST /v1/messages/count_tokens``: the input tokens a Messages request with this body
-    would send the model (system, messages and tools through the chat template)."""
+    would send the model (the same prompt, through the chat template)."""
     body = await read_json(http, ctx.config.max_body_bytes)
-    get_str(body, "model")
-    msgs = claude_messages(get_list(body, "messages", required=True), body.get("system"))
-    tools = claude_tools(body)
+    prompt = await claude_prompt(body, ctx)
     try:
-        tokens = await run_in_threadpool(ctx.engine.encode_chat, msgs, 30.0, tools)
+        tokens = await run_in_threadpool(ctx.engine.encode_chat, prompt.messages, 30.0, prompt.tools)
     except EngineError as e:
         raise ApiError(503, f"the engine is not serving: {e}") from None
+    except Exception as e:  # the chat template refused the messages: 400, as for a reply
+        raise error_status(ErrorEvent(f"{type(e).__name__}: {e}", e)) from None
     return JSONResponse({"input_tokens": len(tokens)})
+
+
+def _stores(ctx: Context) -> bool:
+    """Whether a request's prompt goes to the prefix cache once it is answered."""
+    cache = ctx.engine.prefix_cache
+    return cache is not None and bool(cache.enabled)
 
 
 async def messages(http: HttpRequest, ctx: Context) -> Response:
     body = await read_json(http, ctx.config.max_body_bytes)
-    get_str(body, "model")
-    msgs = claude_messages(get_list(body, "messages", required=True), body.get("system"))
-    tools = claude_tools(body)
+    prompt = await claude_prompt(body, ctx)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be true or false", "stream")
     params = sampling(body, ctx.config.defaults, ctx.limits, ("max_tokens",), stop_name="stop_sequences",
                       required_max=True)
+    headers = max_tokens_header(body, ctx.limits, ("max_tokens",))
     try:
-        req = Request(messages=msgs, params=params, session=session_of(http, body), tools=tools,
-                      retain_s=anthropic_retain_s(body))
+        req = Request(messages=prompt.messages, params=params, session=session_of(http, body),
+                      tools=prompt.tools, retain_s=anthropic_retain_s(body))
     except ValueError as e:
         raise ApiError(400, str(e)) from None
     es = EventStream(ctx.engine, req, ctx.gate, asyncio.get_running_loop())
-    first = await first_event(es, http.receive, accepted=stream)
+    first = await first_event(es, http.receive, accepted=stream,
+                              wait_s=ctx.config.ping_interval_s if stream else None)
     if first is None:
         return Response(status_code=499)
     if isinstance(first, ErrorEvent):
-        raise error_status(first)
-    mid = new_id("msg_")
+        raise error_status(first, "messages")
+    mid, model = new_id("msg_"), model_name(body, ctx)
     if stream:
-        return SseResponse(_stream(ctx, es, first, mid, bool(tools)), es)
+        reply = _Stream(es, first, mid, model, prompt.parse_calls, _stores(ctx))
+        return SseResponse(keep_alive(reply.chunks(), ctx.config.ping_interval_s, reply.keepalive), es, headers)
     events = [first]
     if not isinstance(first, (FinishedEvent, ErrorEvent)):
         rest = await collect(es, http.receive)
@@ -175,77 +261,108 @@ async def messages(http: HttpRequest, ctx: Context) -> Response:
         raise ApiError(500, f"the request failed: {events[-1].message}")
     text = "".join(e.text for e in events if isinstance(e, TokenEvent))
     calls: list[ToolCall] = []
-    if tools:
+    if prompt.parse_calls:
         parser = ToolCallParser()
         pieces = parser.feed(text) + parser.finish()
         text, calls = "".join(p for k, p in pieces if k == "text"), parser.calls
     content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text or not calls else []
     content += [_tool_block(c) for c in calls]
     reason, sequence = _stop(events[-1], bool(calls))
-    return JSONResponse({"id": mid, "type": "message", "role": "assistant", "model": ctx.model_id,
+    return JSONResponse({"id": mid, "type": "message", "role": "assistant", "model": model,
                          "content": content, "stop_reason": reason, "stop_sequence": sequence,
-                         "usage": _usage(events)})
+                         "usage": _usage(events)}, headers=headers)
 
 
 def _event(kind: str, data: dict[str, Any]) -> str:
     return f"event: {kind}\ndata: {dumps({'type': kind, **data})}\n\n"
 
 
-async def _stream(ctx: Context, es: EventStream, first: Any, mid: str, tools: bool) -> AsyncIterator[str]:
-    events: list[Any] = []
-    index = -1  # the content block being written
-    text_open = False
-    any_call = False
-    parser = ToolCallParser() if tools else None
+class _Stream:
+    """One streamed reply: its content blocks as they open and close, and the keep-alives
+    between them."""
 
-    async def all_events() -> AsyncIterator[Any]:
-        yield first
-        if not isinstance(first, (FinishedEvent, ErrorEvent)):
-            async for e in es.events():
-                yield e
+    def __init__(self, es: EventStream, first: Any, mid: str, model: str, tools: bool, stores: bool):
+        self.es, self.first, self.mid, self.model, self.stores = es, first, mid, model, stores
+        self.parser = ToolCallParser() if tools else None
+        self.index = -1  # the content block being written
+        self.text_open = False
 
-    # the prefill's first progress says the prompt's size and how much of it was cached
-    progress = es.first_progress
-    total, cached = (progress.total, progress.done) if progress is not None else (0, 0)
-    yield _event("message_start", {"message": {
-        "id": mid, "type": "message", "role": "assistant", "model": ctx.model_id, "content": [],
-        "stop_reason": None, "stop_sequence": None,
-        "usage": {"input_tokens": total - cached, "cache_creation_input_tokens": 0,
-                  "cache_read_input_tokens": cached, "output_tokens": 0}}})
-    async for event in all_events():
-        events.append(event)
-        pieces: list[tuple[str, Any]] = []
-        if isinstance(event, TokenEvent):
-            pieces = parser.feed(event.text) if parser else [("text", event.text)]
-        elif isinstance(event, FinishedEvent) and parser:
-            pieces = parser.finish()
-        elif isinstance(event, ErrorEvent):
-            yield _event("error", anthropic_body(ApiError(500, f"the request failed: {event.message}")))
-            return
-        for kind, piece in pieces:
-            if kind == "text" and piece:
-                if not text_open:
-                    index += 1
-                    text_open = True
-                    yield _event("content_block_start", {"index": index,
-                                                         "content_block": {"type": "text", "text": ""}})
-                yield _event("content_block_delta", {"index": index,
-                                                     "delta": {"type": "text_delta", "text": piece}})
-            elif kind == "call":
-                if text_open:
-                    yield _event("content_block_stop", {"index": index})
-                    text_open = False
-                index += 1
-                any_call = True
-                block = _tool_block(piece)
-                yield _event("content_block_start", {"index": index, "content_block": {**block, "input": {}}})
-                yield _event("content_block_delta", {"index": index, "delta": {
-                    "type": "input_json_delta", "partial_json": json.dumps(piece.arguments, ensure_ascii=False)}})
-                yield _event("content_block_stop", {"index": index})
-        if isinstance(event, FinishedEvent):
-            if text_open:
-                yield _event("content_block_stop", {"index": index})
-            reason, sequence = _stop(event, any_call)
-            yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                           "usage": _usage(events)})
-            yield _event("message_stop", {})
+    def keepalive(self, in_a_row: int) -> str:
+        """A ``ping``; every PROGRESS_EVERY-th in a row, an empty text delta instead (in a
+        text block opened for it, where the reply's text then goes), which clients count as
+        progress where they stop counting pings: a prefill longer than Claude Code's 30
+        pings and 300 s keeps its stream."""
+        if in_a_row % PROGRESS_EVERY:
+            return ANTHROPIC_PING
+        if not self.text_open:
+            return self._open_text()
+        return _event("content_block_delta", {"index": self.index, "delta": {"type": "text_delta", "text": ""}})
+
+    def _open_text(self) -> str:
+        self.index += 1
+        self.text_open = True
+        return _event("content_block_start", {"index": self.index, "content_block": {"type": "text", "text": ""}})
+
+    async def _events(self) -> AsyncIterator[Any]:
+        first = self.first
+        if first is not WAITING:
+            yield first
+            if isinstance(first, (FinishedEvent, ErrorEvent)):
+                return
+        async for e in self.es.events():
+            yield e
+
+    async def chunks(self) -> AsyncGenerator[str, None]:
+        events: list[Any] = []
+        any_call = False
+        parser = self.parser
+        # The prefill's first progress says the prompt's size and how much of it was cached;
+        # the uncached rest is stored once the request is answered. A stream that started
+        # while its request still waited in the queue knows none of it yet: message_delta
+        # carries the usage in full.
+        progress = self.es.first_progress
+        total, cached = (progress.total, progress.done) if progress is not None else (0, 0)
+        yield _event("message_start", {"message": {
+            "id": self.mid, "type": "message", "role": "assistant", "model": self.model, "content": [],
+            "stop_reason": None, "stop_sequence": None,
+            "usage": {**_input_usage(total, cached, total - cached if self.stores else 0), "output_tokens": 0}}})
+        async for event in self._events():
+            events.append(event)
+            pieces: list[tuple[str, Any]] = []
+            if isinstance(event, TokenEvent):
+                pieces = parser.feed(event.text) if parser else [("text", event.text)]
+            elif isinstance(event, FinishedEvent) and parser:
+                pieces = parser.finish()
+            elif isinstance(event, ErrorEvent):
+                # refused while the stream waited in the queue (too long, say): the same 400
+                # a request that was not queued gets, inside the stream
+                sent = any(isinstance(e, TokenEvent) for e in events)
+                err = ApiError(500, f"the request failed: {event.message}") if sent else error_status(event)
+                yield _event("error", anthropic_body(err))
+                return
+            for kind, piece in pieces:
+                if kind == "text" and piece:
+                    if not self.text_open:
+                        yield self._open_text()
+                    yield _event("content_block_delta", {"index": self.index,
+                                                         "delta": {"type": "text_delta", "text": piece}})
+                elif kind == "call":
+                    if self.text_open:
+                        yield _event("content_block_stop", {"index": self.index})
+                        self.text_open = False
+                    self.index += 1
+                    any_call = True
+                    block = _tool_block(piece)
+                    yield _event("content_block_start", {"index": self.index,
+                                                         "content_block": {**block, "input": {}}})
+                    yield _event("content_block_delta", {"index": self.index, "delta": {
+                        "type": "input_json_delta",
+                        "partial_json": json.dumps(piece.arguments, ensure_ascii=False)}})
+                    yield _event("content_block_stop", {"index": self.index})
+            if isinstance(event, FinishedEvent):
+                if self.text_open:
+                    yield _event("content_block_stop", {"index": self.index})
+                reason, sequence = _stop(event, any_call)
+                yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                               "usage": _usage(events)})
+                yield _event("message_stop", {})

@@ -153,9 +153,10 @@ class SseResponse(StreamingResponse):
     gone before or during the stream, task cancelled), the request is cancelled with it
     (a no-op once it has finished)."""
 
-    def __init__(self, content: Any, stream: EventStream):
+    def __init__(self, content: Any, stream: EventStream, headers: dict[str, str] | None = None):
         super().__init__(content, media_type="text/event-stream",
-                         headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+                         headers={"cache-control": "no-cache", "x-accel-buffering": "no",
+                                  **(headers or {})})
         self._stream = stream
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -176,11 +177,23 @@ async def wait_disconnect(receive: Any) -> None:
 _GONE = object()
 
 
-async def _next_unless_gone(stream: EventStream, gone: asyncio.Future) -> Any:
+class Waiting:
+    """:func:`first_event`'s answer when the engine has not taken the prompt in time (it
+    is queued behind other requests): a stream starts anyway, to keep its client."""
+
+
+WAITING = Waiting()
+
+
+async def _next_unless_gone(stream: EventStream, gone: asyncio.Future,
+                            timeout: float | None = None) -> Any:
     """The stream's next event, or ``_GONE`` (the request cancelled) when ``gone`` (the
-    client's disconnect) comes first."""
+    client's disconnect) comes first, or :data:`WAITING` when ``timeout`` passes first."""
     get = asyncio.ensure_future(stream.next())
-    done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+    done, _ = await asyncio.wait({get, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    if not done:
+        get.cancel()  # an event it took stays queued (asyncio.Queue.get gives it back)
+        return WAITING
     if get not in done:
         get.cancel()
         stream.cancel()
@@ -188,19 +201,27 @@ async def _next_unless_gone(stream: EventStream, gone: asyncio.Future) -> Any:
     return get.result()
 
 
-async def first_event(stream: EventStream, receive: Any, accepted: bool = False) -> Any:
+async def first_event(stream: EventStream, receive: Any, accepted: bool = False,
+                      wait_s: float | None = None) -> Any:
     """The request's first event that is not progress, or None when the client went away
     first (the request is then cancelled). With ``accepted``, its first progress event
     (the engine has taken the prompt: a refusal comes before any progress), so that a
-    stream's reply starts while the prompt is prefilled and its first token goes out alone."""
+    stream's reply starts while the prompt is prefilled and its first token goes out alone.
+    With ``wait_s``: :data:`WAITING` when nothing came within that many seconds (the
+    stream then starts, and a refusal comes inside it)."""
     from mlxkv.engine.requests import ProgressEvent
 
+    loop = asyncio.get_running_loop()
+    deadline = None if wait_s is None else loop.time() + wait_s
     gone = asyncio.ensure_future(wait_disconnect(receive))
     try:
         while True:
-            event = await _next_unless_gone(stream, gone)
+            left = None if deadline is None else max(0.0, deadline - loop.time())
+            event = await _next_unless_gone(stream, gone, left)
             if event is _GONE:
                 return None
+            if event is WAITING:
+                return event
             if not isinstance(event, ProgressEvent):
                 return event
             if stream.first_progress is None:
@@ -211,11 +232,18 @@ async def first_event(stream: EventStream, receive: Any, accepted: bool = False)
         gone.cancel()
 
 
-def error_status(event: ErrorEvent) -> ApiError:
+def error_status(event: ErrorEvent, param: str | None = None) -> ApiError:
     """A request that failed before its first token: 400 when the engine refused the input
-    (prompt longer than the context, empty), 500 otherwise."""
+    (prompt longer than the context, empty: ``param`` names the field that held it) or the
+    model's chat template refused the messages (an order of roles it does not take), 500
+    otherwise."""
+    from jinja2 import TemplateError
+
     if isinstance(event.exception, (RequestRefused, ValueError)):
-        return ApiError(400, event.message)
+        return ApiError(400, event.message, param)
+    if isinstance(event.exception, TemplateError):
+        return ApiError(400, f"the model's chat template refused the messages: {event.exception}",
+                        "messages")
     return ApiError(500, f"the request failed: {event.message}")
 
 

@@ -13,8 +13,9 @@ from typing import Any
 from mlxkv.engine.generate import SamplingParams
 from mlxkv.engine.requests import StatsEvent, TokenEvent
 from mlxkv.server.bridge import Gate
+from mlxkv.server.chat_prompt import TemplateProbe
 from mlxkv.server.errors import ApiError
-from mlxkv.server.fields import Limits, parse_body
+from mlxkv.server.fields import Limits, get_str, parse_body
 from mlxkv.server.response_store import ResponseStore
 
 
@@ -30,6 +31,10 @@ class ServerConfig:
     defaults: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     model_id: str | None = None  # what /v1/models lists (default: the engine's model label)
     responses_store_bytes: int = 64 * 1024**2  # earlier /v1/responses kept (previous_response_id)
+    churn_rules: bool = True  # server.churn's rules on system text
+    # seconds without a byte after which a stream sends a keep-alive (Anthropic ``ping``
+    # event, SSE comment on the OpenAI routes): clients give up on a silent stream
+    ping_interval_s: float = 10.0
 
 
 class Context:
@@ -40,6 +45,7 @@ class Context:
         info = getattr(engine, "info", {}) or {}
         self.model_id = config.model_id or str(info.get("model") or engine.model_spec)
         self.limits = Limits(config.max_tokens_limit, info.get("context_tokens"))
+        self.template = TemplateProbe(engine)  # what the chat template renders
         self.created = int(time.time())
         self.responses = ResponseStore(config.responses_store_bytes)
         self._tokenizer: Any = None
@@ -85,6 +91,12 @@ async def read_json(request: Any, limit: int) -> dict[str, Any]:
     return parse_body(b"".join(chunks))
 
 
+def model_name(body: dict, ctx: Context) -> str:
+    """The model a reply names: the one the client asked for (any name is served by the one
+    model; a client may check that the reply names what it sent), else the served one."""
+    return get_str(body, "model") or ctx.model_id
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex[:24]}"
 
@@ -122,9 +134,19 @@ def text_of(content: Any, where: str) -> str:
     raise ApiError(400, f"{where}: content must be a string or an array of parts", where)
 
 
+def _stats(events: list[Any]) -> StatsEvent | None:
+    return next((e for e in reversed(events) if isinstance(e, StatsEvent)), None)
+
+
+def stored_count(events: list[Any]) -> int:
+    """The prompt tokens a finished request stored into the prefix cache."""
+    stats = _stats(events)
+    return stats.stored_tokens if stats is not None else 0
+
+
 def usage_counts(events: list[Any]) -> tuple[int, int, int]:
     """(prompt, cached, generated) tokens of a finished request."""
-    stats = next((e for e in reversed(events) if isinstance(e, StatsEvent)), None)
+    stats = _stats(events)
     generated = sum(1 for e in events if isinstance(e, TokenEvent) and e.token is not None)
     if stats is None:
         return 0, 0, generated
@@ -134,7 +156,7 @@ def usage_counts(events: list[Any]) -> tuple[int, int, int]:
 def timings(events: list[Any]) -> dict[str, Any] | None:
     """The engine's own figures for a request (an extension field clients ignore): where its
     time went, and which cache tier its cached tokens came from."""
-    stats = next((e for e in reversed(events) if isinstance(e, StatsEvent)), None)
+    stats = _stats(events)
     if stats is None:
         return None
     out = {"queue_s": round(stats.queue_s, 6), "ttft_s": round(stats.ttft_s, 6),

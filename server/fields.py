@@ -6,27 +6,70 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
+from collections.abc import Callable
 from typing import Any
 
 from mlxkv.server.errors import ApiError
 
 _MISSING = object()
+# JSON may spell a lone UTF-16 surrogate ("\\ud800"); Python keeps it in the str, and it
+# fails far away, when the text is encoded (tokenizer, log, reply)
+_SURROGATE = re.compile("[\ud800-\udfff]")
+SEED_RANGE = (0, 2**64 - 1)  # what mlx's random.seed takes
+INT_MAX = 2**31 - 1  # bound on counts such as top_k: beyond it, arrays cannot be indexed
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
-    """The JSON object in ``raw`` (400 when it is not JSON, or not an object)."""
+    """The JSON object in ``raw`` (400 when it is not JSON, or not an object, or when a
+    string in it holds a lone UTF-16 surrogate: the message names where)."""
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, not {type(body).__name__}")
+    where = lone_surrogate(body)
+    if where is not None:
+        raise ApiError(400, f"{where}: the text holds a lone UTF-16 surrogate (not a character)",
+                       where)
     return body
+
+
+def lone_surrogate(value: Any) -> str | None:
+    """The path (``messages[0].content``) of the first string, key or value, holding a lone
+    surrogate, or None. Walked without recursion: JSON may nest as deep as the parser allows."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii() and _SURROGATE.search(item):
+                return path or "the request body"
+        elif isinstance(item, dict):
+            for key, child in reversed(list(item.items())):
+                # the key as it can be written back (a surrogate in it as its escape)
+                name = key.encode("utf-8", "backslashreplace").decode("utf-8")
+                name = f"{path}.{name}" if path else name
+                if not key.isascii() and _SURROGATE.search(key):
+                    return name
+                stack.append((name, child))
+        elif isinstance(item, list):
+            stack.extend((f"{path}[{i}]", child) for i, child in reversed(list(enumerate(item))))
+    return None
 
 
 def _kind(value: Any) -> str:
     return "null" if value is None else {dict: "object", list: "array", str: "string",
                                          bool: "boolean"}.get(type(value), type(value).__name__)
+
+
+def within(prefix: str, read: Callable[[], Any]) -> Any:
+    """``read()`` of a field of the object ``prefix`` names: its 400 names ``prefix.field``."""
+    try:
+        return read()
+    except ApiError as e:
+        param = f"{prefix}.{e.param}" if e.param else prefix
+        raise ApiError(e.status, f"{prefix}.{e.message}", param) from None
 
 
 def get_str(body: dict, name: str, default: Any = None, required: bool = False) -> Any:
@@ -123,27 +166,49 @@ class Limits:
     max_tokens_limit: int | None = None  # None: the model's context
     context_tokens: int | None = None
 
+    @property
+    def cap(self) -> int | None:
+        """The most tokens a reply may ask for (more is clamped to it)."""
+        return self.max_tokens_limit or self.context_tokens
+
+
+def requested_max_tokens(body: dict, max_names: tuple[str, ...]) -> int | None:
+    """The value of the first of ``max_names`` the body sets (None: none)."""
+    for name in max_names:
+        value = get_int(body, name, None, lo=1)
+        if value is not None:
+            return value
+    return None
+
+
+def max_tokens_header(body: dict, limits: Limits, max_names: tuple[str, ...]) -> dict[str, str]:
+    """The response header that says a request's ``max_tokens`` was clamped to the server's
+    limit (agents ask for more than a local model's context as a matter of course, e.g.
+    Claude Code's 32000): ``x-mlxkv-max-tokens: requested 32000, clamped to 8192``."""
+    asked = requested_max_tokens(body, max_names)
+    cap = limits.cap
+    if asked is None or cap is None or asked <= cap:
+        return {}
+    return {"x-mlxkv-max-tokens": f"requested {asked}, clamped to {cap}"}
+
 
 def sampling(body: dict, defaults: Any, limits: Limits, max_names: tuple[str, ...],
              stop_name: str = "stop", required_max: bool = False) -> Any:
-    """SamplingParams from the body's sampling fields over the server's ``defaults``."""
-    max_tokens = None
-    for name in max_names:
-        max_tokens = get_int(body, name, None, lo=1)
-        if max_tokens is not None:
-            break
+    """SamplingParams from the body's sampling fields over the server's ``defaults``. A
+    ``max_tokens`` above the server's limit is clamped to it (:func:`max_tokens_header`
+    says so to the client)."""
+    max_tokens = requested_max_tokens(body, max_names)
     if max_tokens is None and required_max:
         raise ApiError(400, f"{max_names[0]} is required", max_names[0])
-    cap = limits.max_tokens_limit or limits.context_tokens
-    if max_tokens is not None and cap is not None and max_tokens > cap:
-        raise ApiError(400, f"{max_names[0]} is {max_tokens}; this server allows at most {cap}",
-                       max_names[0])
+    cap = limits.cap
+    if max_tokens is not None and cap is not None:
+        max_tokens = min(max_tokens, cap)
     changes: dict[str, Any] = {
         "temperature": get_float(body, "temperature", defaults.temperature, lo=0.0, hi=100.0),
         "top_p": get_float(body, "top_p", defaults.top_p, lo=0.0, hi=1.0),
-        "top_k": get_int(body, "top_k", defaults.top_k, lo=0),
+        "top_k": get_int(body, "top_k", defaults.top_k, lo=0, hi=INT_MAX),
         "min_p": get_float(body, "min_p", defaults.min_p, lo=0.0, hi=1.0),
-        "seed": get_int(body, "seed", defaults.seed),
+        "seed": get_int(body, "seed", defaults.seed, lo=SEED_RANGE[0], hi=SEED_RANGE[1]),
         "stop": get_stop(body, stop_name),
     }
     if max_tokens is not None:

@@ -1,12 +1,13 @@
 """OpenAI routes: ``POST /v1/chat/completions`` and ``POST /v1/completions``, JSON or
-server-sent events (``data: {...}`` lines, ``data: [DONE]`` at the end)."""
+server-sent events (``data: {...}`` lines, ``data: [DONE]`` at the end; ``: ping`` comment
+lines while nothing else is sent)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
@@ -15,10 +16,31 @@ from starlette.responses import JSONResponse, Response
 
 from mlxkv.engine.requests import ErrorEvent, FinishedEvent, Request, TokenEvent
 from mlxkv.engine.settings import SPEC_CHOICES
-from mlxkv.server.bridge import EventStream, SseResponse, collect, error_status, first_event
-from mlxkv.server.context import Context, dumps, new_id, read_json, session_of, text_of, timings, usage_counts
+from mlxkv.server.bridge import WAITING, EventStream, SseResponse, collect, error_status, first_event
+from mlxkv.server.chat_prompt import chat_prompt
+from mlxkv.server.context import (
+    Context,
+    dumps,
+    model_name,
+    new_id,
+    read_json,
+    session_of,
+    text_of,
+    timings,
+    usage_counts,
+)
 from mlxkv.server.errors import ApiError, openai_body
-from mlxkv.server.fields import get_bool, get_int, get_list, get_object, get_str, sampling
+from mlxkv.server.fields import (
+    get_bool,
+    get_int,
+    get_list,
+    get_object,
+    get_str,
+    max_tokens_header,
+    sampling,
+    within,
+)
+from mlxkv.server.keepalive import comment, keep_alive
 from mlxkv.server.retention import openai_retain_s
 from mlxkv.server.tools import ToolCall, ToolCallParser
 
@@ -46,7 +68,7 @@ def chat_messages(raw: list) -> list[dict[str, Any]]:
             msg["tool_calls"] = _tool_calls_in(m["tool_calls"], f"{where}.tool_calls")
         if role == "tool":
             if m.get("tool_call_id") is not None:
-                msg["tool_call_id"] = str(m["tool_call_id"])
+                msg["tool_call_id"] = within(where, lambda m=m: get_str(m, "tool_call_id"))
             if isinstance(m.get("name"), str):
                 msg["name"] = m["name"]
         out.append(msg)
@@ -62,12 +84,14 @@ def _tool_calls_in(calls: Any, where: str) -> list[dict[str, Any]]:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise ApiError(400, f"{where}[{j}] needs function.name", f"{where}[{j}]")
         args = fn.get("arguments", {})
+        at = f"{where}[{j}].function.arguments"
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
             except ValueError:
-                raise ApiError(400, f"{where}[{j}].function.arguments is not JSON",
-                               f"{where}[{j}]") from None
+                raise ApiError(400, f"{at} is not JSON", at) from None
+        if not isinstance(args, dict):
+            raise ApiError(400, f"{at} must be a JSON object", at)
         out.append({"id": c.get("id"), "type": "function",
                     "function": {"name": fn["name"], "arguments": args}})
     return out
@@ -75,6 +99,9 @@ def _tool_calls_in(calls: Any, where: str) -> list[dict[str, Any]]:
 
 def chat_tools(body: dict) -> list[dict[str, Any]] | None:
     tools = get_list(body, "tools")
+    choice = body.get("tool_choice")
+    if choice is not None and not (choice in ("none", "auto", "required") or isinstance(choice, dict)):
+        raise ApiError(400, "tool_choice must be none, auto, required or an object", "tool_choice")
     if not tools:
         return None
     for i, t in enumerate(tools):
@@ -83,12 +110,7 @@ def chat_tools(body: dict) -> list[dict[str, Any]] | None:
                 or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise ApiError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": "
                                 "{\"name\": ...}}", f"tools[{i}]")
-    choice = body.get("tool_choice")
-    if choice == "none":
-        return None
-    if choice is not None and not (choice in ("auto", "required") or isinstance(choice, dict)):
-        raise ApiError(400, "tool_choice must be none, auto, required or an object", "tool_choice")
-    return tools
+    return None if choice == "none" else tools
 
 
 def _common(body: dict, ctx: Context) -> tuple[int, bool]:
@@ -97,7 +119,7 @@ def _common(body: dict, ctx: Context) -> tuple[int, bool]:
         raise ApiError(400, f"n must be 1 (this server returns one choice), got {n}", "n")
     stream = get_bool(body, "stream")
     options = get_object(body, "stream_options") or {}
-    include_usage = get_bool(options, "include_usage")
+    include_usage = within("stream_options", lambda: get_bool(options, "include_usage"))
     get_str(body, "model")  # any model name is accepted: the server serves one
     return include_usage, stream
 
@@ -172,22 +194,25 @@ def _call_json(call: ToolCall, index: int) -> dict[str, Any]:
 class _Run:
     """Submit a request and wait for its first event: refusals (a prompt longer than the
     context) become 4xx answers before any byte of a stream is sent. A stream starts once
-    the engine has taken the prompt (its first progress), not after the first token."""
+    the engine has taken the prompt (its first progress), not after the first token, or
+    when it has not within the keep-alive interval (queued behind other requests).
+    ``field``: the body's field that holds the prompt (a refusal's 400 names it)."""
 
     def __init__(self, ctx: Context, http: HttpRequest, req: Request, logprobs: bool,
-                 stream: bool = False):
+                 stream: bool, field: str):
         self.ctx, self.http, self.req, self.logprobs = ctx, http, req, logprobs
-        self.stream = stream
+        self.stream, self.field = stream, field
 
     async def start(self) -> tuple[EventStream, Any] | Response:
         if self.logprobs:
             await run_in_threadpool(self.ctx.load_tokenizer)
         stream = EventStream(self.ctx.engine, self.req, self.ctx.gate, asyncio.get_running_loop())
-        first = await first_event(stream, self.http.receive, accepted=self.stream)
+        first = await first_event(stream, self.http.receive, accepted=self.stream,
+                                  wait_s=self.ctx.config.ping_interval_s if self.stream else None)
         if first is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         if isinstance(first, ErrorEvent):
-            raise error_status(first)
+            raise error_status(first, self.field)
         return stream, first
 
 
@@ -198,35 +223,51 @@ async def _rest(stream: EventStream, first: Any, http: HttpRequest) -> list[Any]
     return None if rest is None else [first, *rest]
 
 
-def _failed(events: list[Any]) -> None:
+def _failure(events: list[Any]) -> ApiError | None:
+    """What a request that ended in an ErrorEvent is answered: the 4xx of a refusal when it
+    failed before its first token, else a 500."""
     last = events[-1]
-    if isinstance(last, ErrorEvent):
-        raise error_status(last) if not any(isinstance(e, TokenEvent) for e in events) \
-            else ApiError(500, f"the request failed: {last.message}")
+    if not isinstance(last, ErrorEvent):
+        return None
+    if not any(isinstance(e, TokenEvent) for e in events):
+        return error_status(last)
+    return ApiError(500, f"the request failed: {last.message}")
+
+
+def _failed(events: list[Any]) -> None:
+    err = _failure(events)
+    if err is not None:
+        raise err
+
+
+def _sse(ctx: Context, chunks: Any, es: EventStream, headers: dict[str, str]) -> SseResponse:
+    return SseResponse(keep_alive(chunks, ctx.config.ping_interval_s, comment), es, headers)
 
 
 # ------------------------------------------------------------------- chat completions
 async def chat_completions(http: HttpRequest, ctx: Context) -> Response:
     body = await read_json(http, ctx.config.max_body_bytes)
     include_usage, stream = _common(body, ctx)
-    messages = chat_messages(get_list(body, "messages", required=True))
-    tools = chat_tools(body)
+    prompt = await chat_prompt(ctx.template, chat_messages(get_list(body, "messages", required=True)),
+                               chat_tools(body), ctx.config.churn_rules)
     want_logprobs = get_bool(body, "logprobs")
     top = get_int(body, "top_logprobs", None, lo=0, hi=20)
     if top is not None and not want_logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-    params = sampling(body, ctx.config.defaults, ctx.limits, ("max_completion_tokens", "max_tokens"))
-    req = _engine_request(messages=messages, params=params, session=session_of(http, body),
-                          tools=tools, logprobs=(top or 0) if want_logprobs else None,
+    max_names = ("max_completion_tokens", "max_tokens")
+    params = sampling(body, ctx.config.defaults, ctx.limits, max_names)
+    headers = max_tokens_header(body, ctx.limits, max_names)
+    req = _engine_request(messages=prompt.messages, params=params, session=session_of(http, body),
+                          tools=prompt.tools, logprobs=(top or 0) if want_logprobs else None,
                           retain_s=openai_retain_s(body), **_decoding(body))
-    started = await _Run(ctx, http, req, want_logprobs, stream).start()
+    started = await _Run(ctx, http, req, want_logprobs, stream, "messages").start()
     if isinstance(started, Response):
         return started
     es, first = started
-    rid, created = new_id("chatcmpl-"), int(time.time())
+    rid, created, model = new_id("chatcmpl-"), int(time.time()), model_name(body, ctx)
     if stream:
-        return SseResponse(_chat_stream(ctx, es, first, rid, created, bool(tools), want_logprobs,
-                                        include_usage), es)
+        return _sse(ctx, _chat_stream(ctx, es, first, rid, created, model, prompt.parse_calls,
+                                      want_logprobs, include_usage), es, headers)
     events = await _rest(es, first, http)
     if events is None:
         return Response(status_code=499)
@@ -234,7 +275,7 @@ async def chat_completions(http: HttpRequest, ctx: Context) -> Response:
     tokens = [e for e in events if isinstance(e, TokenEvent)]
     text = "".join(e.text for e in tokens)
     calls: list[ToolCall] = []
-    if tools:
+    if prompt.parse_calls:
         parser = ToolCallParser()
         pieces = parser.feed(text) + parser.finish()
         text, calls = "".join(p for k, p in pieces if k == "text"), parser.calls
@@ -246,19 +287,19 @@ async def chat_completions(http: HttpRequest, ctx: Context) -> Response:
     if want_logprobs:
         logprobs = {"content": [x for e in tokens if (x := _chat_logprob(ctx, e)) is not None]}
     return JSONResponse({
-        "id": rid, "object": "chat.completion", "created": created, "model": ctx.model_id,
+        "id": rid, "object": "chat.completion", "created": created, "model": model,
         "choices": [{"index": 0, "message": message, "logprobs": logprobs,
                      "finish_reason": finish_reason(events[-1], bool(calls))}],
-        "usage": usage(events), "timings": timings(events)})
+        "usage": usage(events), "timings": timings(events)}, headers=headers)
 
 
 def sse(obj: Any) -> str:
     return f"data: {dumps(obj)}\n\n"
 
 
-async def _chat_stream(ctx: Context, es: EventStream, first: Any, rid: str, created: int,
-                       tools: bool, want_logprobs: bool, include_usage: bool) -> AsyncIterator[str]:
-    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_id}
+async def _chat_stream(ctx: Context, es: EventStream, first: Any, rid: str, created: int, model: str,
+                       tools: bool, want_logprobs: bool, include_usage: bool) -> AsyncGenerator[str, None]:
+    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
 
     def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> str:
         obj = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
@@ -290,7 +331,7 @@ async def _chat_stream(ctx: Context, es: EventStream, first: Any, rid: str, crea
             if lp is not None and lp["content"]:
                 yield chunk({}, logprobs=lp)
         elif isinstance(event, ErrorEvent):
-            yield sse(openai_body(ApiError(500, f"the request failed: {event.message}")))
+            yield sse(openai_body(_failure(events)))
             return
         elif isinstance(event, FinishedEvent):
             for _kind, piece in parser.finish() if parser else []:
@@ -303,8 +344,11 @@ async def _chat_stream(ctx: Context, es: EventStream, first: Any, rid: str, crea
 
 
 async def _chain(first: list[Any], es: EventStream) -> AsyncIterator[Any]:
-    """The first event (already taken), then the rest of the stream; stats stay in order."""
+    """The first event (already taken; none when the stream started while the request
+    waited in the queue), then the rest of the stream; stats stay in order."""
     for event in first:
+        if event is WAITING:
+            continue
         yield event
         if isinstance(event, (FinishedEvent, ErrorEvent)):
             return
@@ -337,17 +381,18 @@ async def completions(http: HttpRequest, ctx: Context) -> Response:
         raise ApiError(400, "suffix is not supported", "suffix")
     logprobs = get_int(body, "logprobs", None, lo=0, hi=20)
     params = sampling(body, ctx.config.defaults, ctx.limits, ("max_tokens",))
+    headers = max_tokens_header(body, ctx.limits, ("max_tokens",))
     req = _engine_request(**completion_prompt(body), params=params, session=session_of(http, body),
                           logprobs=logprobs, retain_s=openai_retain_s(body), **_decoding(body))
-    started = await _Run(ctx, http, req, logprobs is not None, stream).start()
+    started = await _Run(ctx, http, req, logprobs is not None, stream, "prompt").start()
     if isinstance(started, Response):
         return started
     es, first = started
     rid, created = new_id("cmpl-"), int(time.time())
-    base = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_id}
+    base = {"id": rid, "object": "text_completion", "created": created, "model": model_name(body, ctx)}
     if stream:
-        return SseResponse(_completion_stream(ctx, es, first, base, logprobs is not None, include_usage),
-                           es)
+        return _sse(ctx, _completion_stream(ctx, es, first, base, logprobs is not None, include_usage),
+                    es, headers)
     events = await _rest(es, first, http)
     if events is None:
         return Response(status_code=499)
@@ -356,11 +401,12 @@ async def completions(http: HttpRequest, ctx: Context) -> Response:
     return JSONResponse({**base, "choices": [{
         "index": 0, "text": "".join(e.text for e in tokens),
         "logprobs": _completion_logprobs(ctx, tokens) if logprobs is not None else None,
-        "finish_reason": finish_reason(events[-1])}], "usage": usage(events), "timings": timings(events)})
+        "finish_reason": finish_reason(events[-1])}], "usage": usage(events), "timings": timings(events)},
+        headers=headers)
 
 
 async def _completion_stream(ctx: Context, es: EventStream, first: Any, base: dict,
-                             want_logprobs: bool, include_usage: bool) -> AsyncIterator[str]:
+                             want_logprobs: bool, include_usage: bool) -> AsyncGenerator[str, None]:
     def chunk(text: str, finish: str | None = None, logprobs: Any = None) -> str:
         obj = {**base, "choices": [{"index": 0, "text": text, "logprobs": logprobs,
                                     "finish_reason": finish}]}
@@ -378,7 +424,7 @@ async def _completion_stream(ctx: Context, es: EventStream, first: Any, base: di
             if event.text or lp:
                 yield chunk(event.text, logprobs=lp)
         elif isinstance(event, ErrorEvent):
-            yield sse(openai_body(ApiError(500, f"the request failed: {event.message}")))
+            yield sse(openai_body(_failure(events)))
             return
         elif isinstance(event, FinishedEvent):
             yield chunk("", finish_reason(event))

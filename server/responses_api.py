@@ -25,19 +25,18 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 
-from mlxkv.engine.requests import EngineError, ErrorEvent, FinishedEvent, Request, TokenEvent
+from mlxkv.engine.requests import ErrorEvent, FinishedEvent, Request, TokenEvent
 from mlxkv.server.bridge import EventStream, SseResponse, all_events, error_status, first_event
+from mlxkv.server.chat_prompt import chat_prompt
 from mlxkv.server.context import Context, dumps, new_id, read_json, session_of, timings, usage_counts
 from mlxkv.server.errors import ApiError
 from mlxkv.server.fields import get_bool, get_int, get_list, get_object, get_str, sampling
 from mlxkv.server.responses_items import (
     Tools,
     check_tool_choice,
-    inline_tools,
     parse_input,
     parse_tools,
     to_messages,
@@ -203,38 +202,18 @@ def read_ask(body: dict, ctx: Context) -> Ask:
                retain_s=openai_retain_s(body))
 
 
-_RENDERS_TOOLS: dict[str, bool] = {}  # model fingerprint -> its chat template renders tools
-
-
-async def template_renders_tools(ctx: Context) -> bool:
-    """Whether the model's chat template writes ``tools`` into the prompt: a probe tool
-    rendered with and without, once per model."""
-    info = getattr(ctx.engine, "info", {}) or {}
-    key = str(info.get("fingerprint") or id(ctx.engine))
-    known = _RENDERS_TOOLS.get(key)
-    if known is None:
-        msgs = [{"role": "user", "content": "Hello"}]
-        probe = [{"type": "function", "function": {"name": "mlxkv_probe", "description": "probe",
-                                                   "parameters": {"type": "object", "properties": {}}}}]
-        try:
-            plain = await run_in_threadpool(ctx.engine.encode_chat, msgs, 30.0)
-            with_tool = await run_in_threadpool(ctx.engine.encode_chat, msgs, 30.0, probe)
-        except EngineError as e:
-            raise ApiError(503, f"the engine is not serving: {e}") from None
-        known = _RENDERS_TOOLS[key] = plain != with_tool
-    return known
-
-
 async def engine_request(ask: Ask, ctx: Context, session: str | None) -> Request:
-    """The engine request for ``ask``: its conversation through the chat template, the
-    tools in the template's own format or, when it has none, in the default one."""
+    """The engine request for ``ask``: its conversation built as every chat route builds
+    one (``server.chat_prompt``: the churn rules, the tools in the template's own format or,
+    when it has none, in the default one, later system messages where the template can
+    render them)."""
     messages = to_messages(ask.items, ask.instructions)
-    tools = ask.tools.chat if ask.use_tools else None
-    if tools and not await template_renders_tools(ctx):
-        messages, tools = inline_tools(messages, tools), None
+    prompt = await chat_prompt(ctx.template, messages, ask.tools.chat if ask.use_tools else None,
+                               ctx.config.churn_rules)
     try:
-        return Request(messages=messages, params=ask.params, session=session,
-                       tools=tools, truncate=ask.echo["truncation"] == "auto", retain_s=ask.retain_s)
+        return Request(messages=prompt.messages, params=ask.params, session=session,
+                       tools=prompt.tools, truncate=ask.echo["truncation"] == "auto",
+                       retain_s=ask.retain_s)
     except ValueError as e:
         raise ApiError(400, f"input: {e}", "input") from None
 

@@ -12,10 +12,9 @@ template has no form for, or run on OpenAI's side.
 
 Chat templates that render ``tools`` get them as OpenAI chat function tools, and the history's
 calls and results as assistant ``tool_calls`` and ``tool`` messages. Templates that ignore
-``tools`` (SmolLM2's, for one) would drop them without a word; for those the tools are
-written into the system message in a default format (:func:`default_tool_prompt`), the
-history's calls as ``<tool_call>`` tags and results as ``<tool_response>`` user turns, the
-same tags :class:`mlxkv.server.tools.ToolCallParser` reads back from the reply.
+``tools`` (SmolLM2's, for one) would drop them without a word; for those the route builds
+its prompt as every chat route does (``server.chat_prompt``), which writes them in the
+server's default tool format (``server.tool_prompt``).
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ import json
 from typing import Any
 
 from mlxkv.server.errors import ApiError
-from mlxkv.server.tools import CLOSE, OPEN
 
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 _ROLES = ("user", "assistant", "system", "developer")
@@ -229,43 +227,4 @@ def to_messages(items: list[dict[str, Any]], instructions: str | None) -> list[d
         # reasoning items: left out (module docstring)
     if system:
         out.insert(0, {"role": "system", "content": "\n\n".join(system)})
-    return out
-
-
-# ------------------------------------------------------------- the default tool format
-def default_tool_prompt(tools: list[dict[str, Any]]) -> str:
-    """The tools, described for a model whose chat template has no tool format (Hermes'
-    wording and tags, which many instruction-tuned models have seen)."""
-    listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    return ("# Tools\n\nYou may call one or more functions to assist with the user query. "
-            "The functions are described in JSON below:\n"
-            f"<tools>\n{listed}\n</tools>\n\n"
-            "To call a function, reply with a JSON object holding its name and arguments "
-            f"between {OPEN} and {CLOSE} tags:\n"
-            f'{OPEN}\n{{"name": <function-name>, "arguments": <arguments-object>}}\n{CLOSE}')
-
-
-def call_text(call: dict[str, Any]) -> str:
-    fn = call["function"]
-    return f"{OPEN}\n" + json.dumps({"name": fn["name"], "arguments": fn["arguments"]},
-                                    ensure_ascii=False) + f"\n{CLOSE}"
-
-
-def inline_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``messages`` with ``tools`` written into the system message and the calls and their
-    results written as text, for a template that would drop them (:func:`default_tool_prompt`)."""
-    prompt = default_tool_prompt(tools)
-    out: list[dict[str, Any]] = []
-    for m in messages:
-        if m.get("tool_calls"):
-            text = "\n".join(call_text(c) for c in m["tool_calls"])
-            out.append({"role": "assistant", "content": f"{m['content']}\n{text}" if m["content"] else text})
-        elif m["role"] == "tool":
-            out.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
-        else:
-            out.append(m)
-    if out and out[0]["role"] == "system":
-        out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{prompt}"}
-    else:
-        out.insert(0, {"role": "system", "content": prompt})
     return out

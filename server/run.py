@@ -21,7 +21,8 @@ def config_from_settings(settings: Any, defaults: Any) -> ServerConfig:
     return ServerConfig(api_key=settings.api_key or None, cors_origins=origins,
                         max_body_bytes=settings.max_body_bytes, max_requests=settings.max_requests,
                         max_tokens_limit=settings.max_tokens_limit, defaults=defaults,
-                        responses_store_bytes=settings.responses_store_bytes)
+                        responses_store_bytes=settings.responses_store_bytes,
+                        churn_rules=settings.churn_rules)
 
 
 def is_loopback(host: str) -> bool:

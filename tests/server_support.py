@@ -16,7 +16,6 @@ own default tool format.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import os
 import shutil
@@ -47,6 +46,11 @@ TOOL_RESULT = '{"temp_c": 22}'
 FINAL_ANSWER = "It is 22 C in Paris."
 
 
+def prompt_size(usage: Any) -> int:
+    """The prompt of an Anthropic reply's usage: its three parts add up to it."""
+    return usage.input_tokens + usage.cache_creation_input_tokens + usage.cache_read_input_tokens
+
+
 def tool_conversations() -> list[tuple[list[dict[str, Any]], str]]:
     """(messages, reply) pairs the tool model is trained on, as the server renders them."""
     first = [{"role": "user", "content": QUESTION}]
@@ -59,39 +63,10 @@ def tool_conversations() -> list[tuple[list[dict[str, Any]], str]]:
     return [(first, call), (second, FINAL_ANSWER)]
 
 
-PLAIN_TEMPLATE = (
-    "{%- for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
-    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def default_tool_conversations() -> list[tuple[list[dict[str, Any]], str]]:
-    """The tool conversations as ``/v1/responses`` writes them for a template without tools."""
-    from mlxkv.server.responses_items import call_text, inline_tools, parse_input, to_messages
-
-    call = {"type": "function_call", "call_id": "x", "name": "get_weather",
-            "arguments": json.dumps(CALL_ARGS)}
-    first = [{"type": "message", "role": "user", "content": QUESTION}]
-    second = first + [call, {"type": "function_call_output", "call_id": "x", "output": TOOL_RESULT}]
-    reply = call_text({"function": {"name": "get_weather", "arguments": CALL_ARGS}})
-    return [(inline_tools(to_messages(parse_input(items), None), [WEATHER_TOOL]), answer)
-            for items, answer in ((first, reply), (second, FINAL_ANSWER))]
-
-
-def tool_model() -> Path:
-    """The trained tool-call model folder (built once into .cache/models)."""
-    return _trained("qwen3-toolcall-v1", TOOL_TEMPLATE, tool_conversations(), [WEATHER_TOOL])
-
-
-def default_tool_model() -> Path:
-    """The model trained on the default tool format (one folder per version of its prompts)."""
-    rows = default_tool_conversations()
-    digest = hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()[:10]
-    return _trained(f"qwen3-defaulttools-{digest}", PLAIN_TEMPLATE, rows, None)
-
-
-def _trained(name: str, template: str, rows: list[tuple[list[dict[str, Any]], str]],
-             tools: list[dict[str, Any]] | None) -> Path:
+def _model_folder(name: str, template: str | None, build: Any = None) -> Path:
+    """The tiny qwen3 as ``.cache/models/NAME`` (built once), with ``template`` as its chat
+    template (None: its own plain ChatML, which renders no tools) and ``build(folder,
+    base_config)`` writing its weights (None: the tiny model's)."""
     from support.modelgen import TEST_MODELS, tiny_model
 
     out = TEST_MODELS / name
@@ -102,14 +77,16 @@ def _trained(name: str, template: str, rows: list[tuple[list[dict[str, Any]], st
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     for f in base.iterdir():
-        if not f.name.endswith(".safetensors") and f.name != "config.json" and f.is_file():
+        if f.is_file() and (build is None or (not f.name.endswith(".safetensors") and f.name != "config.json")):
             shutil.copy(f, tmp / f.name)
-    cfg_path = tmp / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["chat_template"] = template
-    cfg_path.write_text(json.dumps(cfg, indent=2))
-    (tmp / "chat_template.jinja").unlink(missing_ok=True)
-    _train(tmp, json.loads((base / "config.json").read_text()), rows, tools)
+    if template is not None:
+        cfg_path = tmp / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg["chat_template"] = template
+        cfg_path.write_text(json.dumps(cfg, indent=2))
+        (tmp / "chat_template.jinja").unlink(missing_ok=True)
+    if build is not None:
+        build(tmp, json.loads((base / "config.json").read_text()))
     if out.exists():
         shutil.rmtree(tmp, ignore_errors=True)
     else:
@@ -117,20 +94,71 @@ def _trained(name: str, template: str, rows: list[tuple[list[dict[str, Any]], st
     return out
 
 
-def _train(folder: Path, base_config: dict, conversations: list[tuple[list[dict[str, Any]], str]],
-           tools: list[dict[str, Any]] | None) -> None:
+def tool_model() -> Path:
+    """The trained tool-call model folder (built once into .cache/models): its template
+    renders tools (Hermes style)."""
+    return _model_folder("qwen3-toolcall-v1", TOOL_TEMPLATE,
+                         lambda folder, config: _train(folder, config, _template_prompt))
+
+
+def default_format_tool_model() -> Path:
+    """The same two replies learned by a model whose template renders no tools (the tiny
+    qwen3's plain ChatML): its prompts are the server's default tool format."""
+    return _model_folder("qwen3-toolcall-default-v1", None,
+                         lambda folder, config: _train(folder, config, _default_format_prompt))
+
+
+def system_first_model() -> Path:
+    """The tiny qwen3 (random weights) with a template that refuses a system message
+    anywhere but first, as Qwen3's and Gemma's do, and two turns of one role in a row."""
+    return _model_folder("qwen3-system-first-v1", SYSTEM_FIRST_TEMPLATE)
+
+
+SYSTEM_FIRST_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' and not loop.first %}"
+    "{{ raise_exception('System message must be at the beginning.') }}{%- endif %}"
+    "{%- if loop.index0 > 0 and messages[loop.index0 - 1].role == message.role %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif %}"
+    "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+
+
+def _template_prompt(tok: Any, messages: list[dict[str, Any]]) -> tuple[list[int], str]:
+    from mlxkv.engine.models import chat_prompt_tokens
+
+    return chat_prompt_tokens(tok, messages, tools=[WEATHER_TOOL]), ""
+
+
+def _default_format_prompt(tok: Any, messages: list[dict[str, Any]]) -> tuple[list[int], str]:
+    """The prompt the server sends a template without tools, and the call as the default
+    format writes it."""
+    from mlxkv.engine.models import chat_prompt_tokens
+    from mlxkv.server.chat_prompt import TemplateCaps, build_prompt
+    from mlxkv.server.tool_prompt import call_line
+
+    prompt = build_prompt(messages, [WEATHER_TOOL], TemplateCaps(tools=False, system_turns=True))
+    return chat_prompt_tokens(tok, prompt.messages, tools=prompt.tools), call_line("get_weather", CALL_ARGS)
+
+
+def _train(folder: Path, base_config: dict, render: Any) -> None:
+    """Overfit a tiny model on the two tool replies, each prompt from ``render(tokenizer,
+    messages)`` -> (tokens, the call's text: "" for the Hermes template's own)."""
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from mlxkv.engine.models import chat_prompt_tokens
     from support.modelgen import init_model, model_config, save_model_dir
 
     tok = load_tokenizer(folder)
     rows = []
-    for messages, reply in conversations:
-        prompt = chat_prompt_tokens(tok, messages, tools=tools)
+    for messages, reply in tool_conversations():
+        prompt, call = render(tok, messages)
+        if call and reply.startswith("<tool_call>"):
+            reply = call
         answer = list(tok.encode(reply, add_special_tokens=False)) + [tok.eos_token_id]
         rows.append((prompt, answer))
     width = max(len(p) + len(a) for p, a in rows)

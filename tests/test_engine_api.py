@@ -239,6 +239,21 @@ def test_generation_stops_at_the_end_of_the_context(small_context_engine):
     assert (r.finish_reason, r.finish_detail, len(r.tokens)) == ("length", "context", 4)
 
 
+def test_the_context_setting_replaces_the_models_own():
+    from mlxkv.engine.settings import Settings
+
+    model = str(tiny_model("qwen3", max_position_embeddings=64))
+    with Engine(model, settings=Settings.defaults(model=model, context_tokens=128)).start(timeout=T) as e:
+        tokens = e.encode(TEXT * 4, timeout=T)[:100]  # more than the model's 64
+        r = e.submit(Request(prompt_tokens=tokens, params=greedy(max_tokens=4))).result(timeout=T)
+        assert r.stats.prompt_tokens == 100 and len(r.tokens) == 4
+        assert e.info["context_tokens"] == 128
+    with Engine(model, settings=Settings.defaults(model=model, context_tokens=32)).start(timeout=T) as e:
+        h = e.submit(Request(prompt_tokens=tokens[:40], params=greedy(max_tokens=4)))
+        with pytest.raises(RequestRefused, match="the model's context is 32 tokens"):
+            h.result(timeout=T)
+
+
 def test_a_huge_text_prompt_is_refused_before_any_prefill(eng):
     text = (TEXT * 1000)[:100_000]
     h = eng.submit(Request(prompt=text, params=greedy(max_tokens=8)))
@@ -475,6 +490,25 @@ def test_stats_event_says_which_tier_served_the_cached_tokens(tiny_qwen3, tmp_pa
         s = ask(e, CHAT).stats
         assert s.cached_tokens > 0 and s.cached_ssd_tokens == s.cached_tokens
         assert s.cached_ram_tokens == 0
+
+
+def test_stats_event_says_how_many_prompt_tokens_the_request_stored(tiny_qwen3):
+    longer = [*CHAT, {"role": "assistant", "content": "ok"}, {"role": "user", "content": TEXT}]
+    with Engine(str(tiny_qwen3), prefix_cache=ram_cache()).start(timeout=T) as e:
+        first = ask(e, CHAT).stats
+        assert first.cached_tokens == 0 and first.stored_tokens == first.prompt_tokens
+        again = ask(e, CHAT).stats  # all but its last token read: that one is stored
+        assert (again.cached_tokens, again.stored_tokens) == (again.prompt_tokens - 1, 1)
+        more = ask(e, longer).stats
+        assert more.cached_tokens > 0 and more.stored_tokens == more.prompt_tokens - more.cached_tokens
+        # decoded in a batch: the same count
+        handles = [e.submit(Request(messages=[{"role": "user", "content": f"{i} {TEXT}"}],
+                                    params=greedy(max_tokens=24))) for i in range(3)]
+        for stats in (h.result(timeout=T).stats for h in handles):
+            assert stats.stored_tokens == stats.prompt_tokens - stats.cached_tokens > 0
+        assert any(h.result(timeout=T).stats.batched for h in handles)
+    with Engine(str(tiny_qwen3)).start(timeout=T) as e:  # no prefix cache: nothing stored
+        assert ask(e, CHAT).stats.stored_tokens == 0
 
 
 def test_prefetch_after_a_restart_warms_the_conversation_into_ram(tiny_qwen3, tmp_path):

@@ -21,16 +21,18 @@ from server_support import (
     TOOL_RESULT,
     WEATHER_TOOL,
     LoopbackServer,
-    default_tool_model,
+    default_format_tool_model,
     tool_model,
 )
 
 from bench.server import http_client
 from mlxkv.engine.engine import Engine
 from mlxkv.engine.generate import SamplingParams
+from mlxkv.server.chat_prompt import TemplateCaps, build_prompt
 from mlxkv.server.context import ServerConfig
 from mlxkv.server.response_store import ResponseStore
-from mlxkv.server.responses_items import inline_tools, parse_input, parse_tools, to_messages
+from mlxkv.server.responses_items import parse_input, parse_tools, to_messages
+from mlxkv.server.tool_prompt import call_line
 
 httpx = http_client()
 FN = WEATHER_TOOL["function"]
@@ -300,7 +302,7 @@ def test_a_prompt_longer_than_the_context_is_a_400(tmp_path):
 def tool_served(request):
     """A model that answers the weather question with a call: through its template's tool
     format, or through the server's default one (its template has none)."""
-    folder = tool_model() if request.param == "template" else default_tool_model()
+    folder = tool_model() if request.param == "template" else default_format_tool_model()
     with Engine(str(folder), prefix_cache=_cache()).start(timeout=T) as engine, \
             LoopbackServer(engine, ServerConfig()) as srv:
         yield srv
@@ -360,12 +362,12 @@ def test_the_default_tool_format_is_written_only_for_templates_without_one():
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "tool"]
     assert [c["function"]["name"] for c in messages[2]["tool_calls"]] == ["get_weather", "agents.spawn"]
     assert messages[3]["name"] == "get_weather" and messages[2]["tool_calls"][0]["function"]["arguments"] == CALL_ARGS
-    inline = inline_tools(messages, tools.chat)
-    assert [m["role"] for m in inline] == ["system", "user", "assistant", "user", "user"]
+    # a template without tools gets the server's default format, as on every chat route
+    inline = build_prompt(messages, tools.chat, TemplateCaps(tools=False, system_turns=True)).messages
+    assert [m["role"] for m in inline] == ["system", "user", "assistant", "user"]
     assert inline[0]["content"].startswith("Instructions.\n\nBe exact.\n\n# Tools")
-    assert json.dumps(WEATHER_TOOL) in inline[0]["content"]
-    assert inline[2]["content"] == ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
-                                    '</tool_call>\n<tool_call>\n{"name": "agents.spawn", "arguments": {}}\n'
-                                    "</tool_call>")
-    assert inline[3]["content"] == f"<tool_response>\n{TOOL_RESULT}\n</tool_response>"
+    assert "## get_weather" in inline[0]["content"] and "## agents.spawn" in inline[0]["content"]
+    assert inline[2]["content"] == (call_line("get_weather", CALL_ARGS) + "\n" + call_line("agents.spawn", {}))
+    assert inline[3]["content"] == (f"<tool_response>\n{TOOL_RESULT}\n</tool_response>\n"
+                                    "<tool_response>\nok\n</tool_response>")
     assert all("tool_calls" not in m for m in inline)

@@ -1,11 +1,15 @@
 """Tool calls through the server, for real: a tiny model trained to answer the weather
 question with a ``<tool_call>`` (see server_support.tool_model) is asked through the
 `openai` and `anthropic` clients; the call is parsed back, answered, and the model's reply to
-the result comes back as text."""
+the result comes back as text. A second model learned the same replies from the server's
+default tool format (its template renders no tools): the tools reach it as text in the
+system prompt, and its calls come back all the same."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from typing import Any
 
 import anthropic
 import openai
@@ -18,6 +22,8 @@ from server_support import (
     TOOL_RESULT,
     WEATHER_TOOL,
     LoopbackServer,
+    default_format_tool_model,
+    prompt_size,
     tool_model,
 )
 
@@ -26,14 +32,18 @@ from mlxkv.server.context import ServerConfig
 from mlxkv.server.tools import ToolCallParser, split_tool_calls
 
 
-@pytest.fixture(scope="module")
-def served():
+def serving(model: Any) -> Iterator[LoopbackServer]:
     from mlxkv.engine.cache.prefix_cache import PrefixCache
 
     cache = PrefixCache(ram_bytes=64 << 20, cache_dir=None, block_tokens=16)
-    with Engine(str(tool_model()), prefix_cache=cache).start(timeout=T) as engine, \
+    with Engine(str(model), prefix_cache=cache).start(timeout=T) as engine, \
             LoopbackServer(engine, ServerConfig()) as srv:
         yield srv
+
+
+@pytest.fixture(scope="module")
+def served():
+    yield from serving(tool_model())
 
 
 @pytest.fixture
@@ -88,7 +98,7 @@ def test_anthropic_tool_use_round_trip(served):
     assert m.stop_reason == "tool_use"
     # counted as sent: the tools are in the prompt the template renders
     counted = claude.messages.count_tokens(model="m", tools=tools, messages=messages).input_tokens
-    assert counted == m.usage.input_tokens + m.usage.cache_read_input_tokens
+    assert counted == prompt_size(m.usage)
     assert claude.messages.count_tokens(model="m", messages=messages).input_tokens < counted
     (use,) = [b for b in m.content if b.type == "tool_use"]
     assert (use.name, use.input) == ("get_weather", CALL_ARGS) and use.id.startswith("toolu_")
@@ -105,6 +115,41 @@ def test_anthropic_tool_use_round_trip(served):
         streamed = s.get_final_message()
     assert streamed.stop_reason == "tool_use"
     assert [(b.name, b.input) for b in streamed.content if b.type == "tool_use"] == [("get_weather", CALL_ARGS)]
+
+
+# The same round trips with a model whose template renders no tools: the server's default
+# tool format (tool list in the system prompt, calls and results as text).
+WEATHER = {"name": "get_weather", "description": WEATHER_TOOL["function"]["description"],
+           "input_schema": WEATHER_TOOL["function"]["parameters"]}
+
+
+@pytest.fixture(scope="module")
+def tool_served():
+    yield from serving(default_format_tool_model())
+
+
+def test_tools_a_template_cannot_render_go_in_the_default_format_and_calls_come_back(tool_served):
+    claude = anthropic.Anthropic(base_url=tool_served.url, api_key="none", max_retries=0, timeout=T)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": QUESTION}]
+    counted = claude.messages.count_tokens(model="m", tools=[WEATHER], messages=messages).input_tokens
+    assert claude.messages.count_tokens(model="m", messages=messages).input_tokens < counted - 50
+    m = claude.messages.create(model="m", max_tokens=60, tools=[WEATHER], messages=messages)
+    assert m.stop_reason == "tool_use" and prompt_size(m.usage) == counted
+    (use,) = [b for b in m.content if b.type == "tool_use"]
+    assert (use.name, use.input) == ("get_weather", CALL_ARGS)
+    messages += [{"role": "assistant", "content": [b.model_dump() for b in m.content]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": TOOL_RESULT}]}]
+    with claude.messages.stream(model="m", max_tokens=60, tools=[WEATHER], messages=messages) as s:
+        final = s.get_final_message()
+    assert (final.stop_reason, final.content[0].text) == ("end_turn", FINAL_ANSWER)
+    assert final.usage.cache_read_input_tokens > 0
+    # the OpenAI route: the same prompt, the same calls
+    oai = openai.OpenAI(base_url=tool_served.url + "/v1", api_key="none", max_retries=0, timeout=T)
+    chunks = list(oai.chat.completions.create(model="m", messages=[{"role": "user", "content": QUESTION}],
+                                              tools=[WEATHER_TOOL], max_tokens=60, temperature=0, stream=True))
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", CALL_ARGS)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 def test_parser_holds_back_a_partial_tag_and_gives_back_a_bad_one():
