@@ -6,8 +6,9 @@ A stream goes ``response.created``, ``response.in_progress``, then per output it
 ``output_text`` part and its deltas, or a ``function_call`` item with its arguments), and
 ends with ``response.completed`` (``response.incomplete`` when ``max_output_tokens`` cut the
 reply; ``error`` and ``response.failed`` when the engine failed). Every event has its
-``sequence_number`` and an ``event:`` line. While a long prompt is prefilled,
-``response.in_progress`` is sent again every ``HEARTBEAT_S``: clients that give up on a
+``sequence_number`` and an ``event:`` line. While a long prompt waits or is prefilled,
+``response.in_progress`` is sent again every keep-alive interval (``server.keepalive``, 10 s
+by default): clients that give up on a
 quiet stream (Codex after 300 s, then retrying the whole request) see it is alive. A reply
 that is not streamed is the same response object, built from the same items.
 
@@ -22,18 +23,19 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 
 from mlxkv.engine.requests import ErrorEvent, FinishedEvent, Request, TokenEvent
-from mlxkv.server.bridge import EventStream, SseResponse, all_events, error_status, first_event
+from mlxkv.server.bridge import WAITING, EventStream, SseResponse, all_events, error_status, first_event
 from mlxkv.server.chat_prompt import chat_prompt
 from mlxkv.server.context import Context, dumps, new_id, read_json, session_of, timings, usage_counts
 from mlxkv.server.errors import ApiError
 from mlxkv.server.fields import get_bool, get_int, get_list, get_object, get_str, sampling
+from mlxkv.server.keepalive import keep_alive
 from mlxkv.server.responses_items import (
     Tools,
     check_tool_choice,
@@ -47,7 +49,6 @@ from mlxkv.server.tools import ToolCall, ToolCallParser
 _TEXT_FORMATS = ("text", "json_object", "json_schema")
 _TRUNCATIONS = ("auto", "disabled")
 SEED_MAX = 2**64 - 1  # mlx's random seed is an unsigned 64-bit integer
-HEARTBEAT_S = 10.0  # a stream with nothing to send for this long repeats response.in_progress
 
 
 # ------------------------------------------------------------------------- the request
@@ -383,13 +384,15 @@ async def responses(http: HttpRequest, ctx: Context) -> Response:
     ask = read_ask(body, ctx)
     req = await engine_request(ask, ctx, session_of(http, body))
     es = EventStream(ctx.engine, req, ctx.gate, asyncio.get_running_loop())
-    first = await first_event(es, http.receive, accepted=ask.stream)
+    # a stream starts once the prompt is taken, or after a keep-alive interval in the queue
+    first = await first_event(es, http.receive, accepted=ask.stream,
+                              wait_s=ctx.config.ping_interval_s if ask.stream else None)
     if first is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
     if isinstance(first, ErrorEvent):
         raise error_status(first)
     answer = Answer(ask, ctx)
-    headers = {"x-mlxkv-clamped": f"max_output_tokens {ask.max_output_tokens} -> {ask.params.max_tokens}"} \
+    headers = {"x-mlxkv-max-tokens": f"requested {ask.max_output_tokens}, clamped to {ask.params.max_tokens}"} \
         if ask.clamped else {}
     if ask.stream:
         sse = SseResponse(_stream(answer, es, first, ctx), es)
@@ -406,26 +409,25 @@ async def responses(http: HttpRequest, ctx: Context) -> Response:
     return JSONResponse(answer.obj(answer.status), headers=headers)
 
 
-async def _engine_events(es: EventStream, first: Any, quiet_s: float) -> AsyncIterator[Any]:
-    """The first event, then the rest of the request's; None whenever ``quiet_s`` passed
-    without one (a long prefill): the stream then says it is still in progress."""
-    yield first
-    if isinstance(first, (FinishedEvent, ErrorEvent)):
-        return
+async def _engine_events(es: EventStream, first: Any) -> AsyncIterator[Any]:
+    """The first event (unless the request still waited: :data:`WAITING`), then the rest of
+    the request's, to its end."""
+    if first is not WAITING:
+        yield first
+        if isinstance(first, (FinishedEvent, ErrorEvent)):
+            return
     while True:
-        try:
-            # a queue's get is safe to cancel: an event that arrives meanwhile stays queued
-            event = await asyncio.wait_for(es.next(), quiet_s)
-        except asyncio.TimeoutError:
-            yield None
-            continue
+        event = await es.next()
         yield event
         if isinstance(event, (FinishedEvent, ErrorEvent)):
             return
 
 
-async def _stream(answer: Answer, es: EventStream, first: Any, ctx: Context,
-                  quiet_s: float = HEARTBEAT_S) -> AsyncIterator[str]:
+def _stream(answer: Answer, es: EventStream, first: Any, ctx: Context,
+            quiet_s: float | None = None) -> AsyncIterator[str]:
+    """The response's events as SSE chunks, with ``response.in_progress`` again whenever
+    ``quiet_s`` (default: the server's keep-alive interval) passes without one: an event,
+    not an SSE comment, because Codex's idle timer (300 s) counts events only."""
     seq = 0
 
     def send(event: dict[str, Any]) -> str:
@@ -433,23 +435,24 @@ async def _stream(answer: Answer, es: EventStream, first: Any, ctx: Context,
         seq += 1
         return _sse(event, seq - 1)
 
-    yield send({"type": "response.created", "response": answer.obj("in_progress")})
-    yield send({"type": "response.in_progress", "response": answer.obj("in_progress")})
-    async for event in _engine_events(es, first, quiet_s):
-        if event is None:
-            # an event, not an SSE comment: Codex's idle timer (300 s) counts events only
-            yield send({"type": "response.in_progress", "response": answer.obj("in_progress")})
-            continue
-        if isinstance(event, ErrorEvent):
-            answer.events.append(event)
-            message = f"the request failed: {event.message}"
-            yield send({"type": "error", "code": "server_error", "message": message, "param": None})
-            yield send({"type": "response.failed", "response": answer.obj(
-                "failed", {"code": "server_error", "message": message})})
-            return
-        for e in answer.feed(event):
-            yield send(e)
-        if isinstance(event, FinishedEvent):
-            answer.keep(ctx)
-            status = answer.status
-            yield send({"type": f"response.{status}", "response": answer.obj(status)})
+    async def chunks() -> AsyncGenerator[str, None]:
+        yield send({"type": "response.created", "response": answer.obj("in_progress")})
+        yield send({"type": "response.in_progress", "response": answer.obj("in_progress")})
+        async for event in _engine_events(es, first):
+            if isinstance(event, ErrorEvent):
+                answer.events.append(event)
+                message = f"the request failed: {event.message}"
+                yield send({"type": "error", "code": "server_error", "message": message, "param": None})
+                yield send({"type": "response.failed", "response": answer.obj(
+                    "failed", {"code": "server_error", "message": message})})
+                return
+            for e in answer.feed(event):
+                yield send(e)
+            if isinstance(event, FinishedEvent):
+                answer.keep(ctx)
+                status = answer.status
+                yield send({"type": f"response.{status}", "response": answer.obj(status)})
+
+    interval = ctx.config.ping_interval_s if quiet_s is None else quiet_s
+    return keep_alive(chunks(), interval,
+                      lambda n: send({"type": "response.in_progress", "response": answer.obj("in_progress")}))

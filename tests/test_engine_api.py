@@ -239,21 +239,6 @@ def test_generation_stops_at_the_end_of_the_context(small_context_engine):
     assert (r.finish_reason, r.finish_detail, len(r.tokens)) == ("length", "context", 4)
 
 
-def test_the_context_setting_replaces_the_models_own():
-    from mlxkv.engine.settings import Settings
-
-    model = str(tiny_model("qwen3", max_position_embeddings=64))
-    with Engine(model, settings=Settings.defaults(model=model, context_tokens=128)).start(timeout=T) as e:
-        tokens = e.encode(TEXT * 4, timeout=T)[:100]  # more than the model's 64
-        r = e.submit(Request(prompt_tokens=tokens, params=greedy(max_tokens=4))).result(timeout=T)
-        assert r.stats.prompt_tokens == 100 and len(r.tokens) == 4
-        assert e.info["context_tokens"] == 128
-    with Engine(model, settings=Settings.defaults(model=model, context_tokens=32)).start(timeout=T) as e:
-        h = e.submit(Request(prompt_tokens=tokens[:40], params=greedy(max_tokens=4)))
-        with pytest.raises(RequestRefused, match="the model's context is 32 tokens"):
-            h.result(timeout=T)
-
-
 def test_a_huge_text_prompt_is_refused_before_any_prefill(eng):
     text = (TEXT * 1000)[:100_000]
     h = eng.submit(Request(prompt=text, params=greedy(max_tokens=8)))

@@ -28,7 +28,8 @@ HEADER = "x-mlxkv-cache"
 KEY = test_server.KEY
 AUTH = {"x-api-key": KEY}
 oai, claude = test_server.oai, test_server.claude  # the clients, of this module's ``served``
-SYSTEM = ("x-anthropic-billing-header: cc_version={v}; cc_entrypoint=cli;\n"
+# a volatile first line that the churn rules do not know (they remove Claude Code's own)
+SYSTEM = ("Workspace build {v}; entrypoint=cli;\n"
           "You are a careful assistant who answers questions about files in the project. "
           "Read the files before answering, and say which ones you read.")
 
@@ -94,7 +95,7 @@ def test_stats_shows_where_each_prompt_parted_from_the_cache(served, oai):
     assert last["entry"] == header["entry"] and last["entry_label"] == header["entry"][:12]
     # the excerpts on both sides of the point where they part: the same text before it,
     # then this prompt's version against the cached one's
-    assert "cc_version=3.0" in last["before"]
+    assert "build 3.0" in last["before"]
     assert "52" in last["prompt_after"][:4] and "41" in last["entry_after"][:4]
     assert last["prompt_after"] != last["entry_after"]
     assert max(len(last[k]) for k in ("before", "prompt_after", "entry_after")) <= 40

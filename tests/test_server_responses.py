@@ -144,9 +144,9 @@ def test_max_output_tokens_above_the_limit_is_clamped_and_said(served):
     r = httpx.post(served.url + "/v1/responses", json=body, timeout=T)
     assert r.status_code == 200, r.text
     assert r.json()["max_output_tokens"] == 256
-    assert r.headers["x-mlxkv-clamped"] == f"max_output_tokens {10**12} -> 256"
+    assert r.headers["x-mlxkv-max-tokens"] == f"requested {10**12}, clamped to 256"
     with httpx.stream("POST", served.url + "/v1/responses", json={**body, "stream": True}, timeout=T) as s:
-        assert s.status_code == 200 and s.headers["x-mlxkv-clamped"].endswith("-> 256")
+        assert s.status_code == 200 and s.headers["x-mlxkv-max-tokens"].endswith("clamped to 256")
         s.read()
 
 
