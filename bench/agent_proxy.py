@@ -77,6 +77,15 @@ class Exchange:
         except ValueError:
             return None
 
+    def as_dict(self) -> dict[str, Any]:
+        """The record as JSON-ready values (bodies as text, times as offsets from the start)."""
+        return {"index": self.index, "label": self.label, "method": self.method, "path": self.path,
+                "request_headers": self.request_headers, "body": self.body.decode("utf-8", "replace"),
+                "status": self.status, "response_headers": self.response_headers,
+                "response": self.response_bytes().decode("utf-8", "replace"),
+                "pieces_s": [round(at - self.started, 4) for at, _ in self.chunks],
+                "wall_s": None if self.ended is None else round(self.ended - self.started, 4), "error": self.error}
+
     def sse_events(self) -> list[SseEvent]:
         """The server-sent events of a streamed answer, each with the time it arrived whole."""
         return parse_sse(self.chunks)

@@ -22,7 +22,7 @@ import pytest
 
 from bench.agent_prompts import PromptRenderer, best_prefix, common_prefix, without_volatile
 from bench.agent_proxy import RecordingProxy
-from bench.agents import cache_header, reply_of, ttft_of, usage_of
+from bench.agents import cache_header, reply_of, stop_of, ttft_of, usage_of
 from bench.server import http_client
 from support.real_model import real_model_path
 
@@ -204,7 +204,9 @@ def test_proxy_streams_and_records(upstream):
     assert stream.is_sse() and [e.name for e in stream.sse_events()] == [name for name, _ in SSE_EVENTS]
     assert len(stream.chunks) > 1 and stream.ended >= stream.chunks[-1][0]
     assert cache_header(stream) == {"matched": "90/100", "tier": "ram", "outcome": "diverged", "diverged_at": "90"}
-    assert usage_of(stream) == (100, 90) and reply_of(stream) == "Paris."
+    assert usage_of(stream) == (100, 90) and reply_of(stream) == "Paris." and stop_of(stream) == "end_turn"
+    saved = json.loads(json.dumps(stream.as_dict()))
+    assert saved["response"] == stream.response_bytes().decode() and json.loads(saved["body"]) == body
     # the first token is the first non-empty text, which came after the held-back events
     first_text = stream.sse_events()[4].at
     assert ttft_of(stream) == pytest.approx(first_text - stream.started)
