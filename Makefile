@@ -36,14 +36,16 @@ serve: ext
 fixtures: $(STAMP)
 	$(PY) -m support.real_model
 
-# The agents the tests and benchmarks drive against `mlxkv serve` (pinned, from the npm
-# registry, into the git-ignored .cache/agents); without npm their tests are skipped.
+# The agents the tests and benchmarks drive against `mlxkv serve` (pinned exactly, from the npm
+# registry, into the git-ignored .cache/agents; Claude Code's native binary comes with it as
+# @anthropic-ai/claude-code-linux-x64 of the same version); without npm they are skipped.
 CODEX := @openai/codex@0.171.0
+CLAUDE_CODE := @anthropic-ai/claude-code@2.1.332
 agents:
 	@if command -v npm >/dev/null 2>&1; then \
 	  mkdir -p .cache/agents && { npm install -q --no-audit --no-fund --save-exact --prefix .cache/agents \
-	    $(CODEX) || echo "note: npm install failed: the tests that run Codex CLI are skipped"; }; \
-	else echo "note: npm not found: the tests that run Codex CLI are skipped"; fi
+	    $(CODEX) $(CLAUDE_CODE) || echo "note: npm install failed: the tests and benchmarks that run the agents are skipped"; }; \
+	else echo "note: npm not found: the tests and benchmarks that run the agents are skipped"; fi
 
 test: ext fixtures
 	$(PY) -m pytest -q

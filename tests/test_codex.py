@@ -4,19 +4,18 @@ real model through ``POST /v1/responses``, then resumes the conversation for a s
 Every request it makes must be answered 2xx, the reply it prints must be the model's, and the
 second turn, which sends the whole history again, must find the first in the prefix cache.
 
-Codex is configured in a private ``CODEX_HOME``: a local provider (``wire_api =
-"responses"``, no key, no login), a one-line base prompt instead of its own several
-thousand tokens (``model_instructions_file``), and its optional prompt sections and tools
-off, so that the real model prefills it in seconds on a CPU. Its traffic anywhere but the
-server goes to a proxy that is not there: the run needs no network.
+Codex is configured in a private ``CODEX_HOME`` as ``bench.agents`` runs it
+(``bench.agent_clients.CodexCli``): a local provider (``wire_api = "responses"``, no key, no
+login), a one-line base prompt instead of its own several thousand tokens
+(``model_instructions_file``), and its optional prompt sections and tools off, so that the
+real model prefills it in seconds on a CPU. Its traffic anywhere but the server goes to a
+proxy that is not there: the run needs no network.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ import pytest
 from common import T
 from server_support import LoopbackServer
 
+from bench.agent_clients import CodexCli
 from mlxkv.engine.engine import Engine
 from mlxkv.server.context import ServerConfig
 from support.real_model import real_model_path
@@ -83,47 +83,11 @@ def _final_response(body: bytes) -> dict[str, Any]:
     return events[-1]["response"]
 
 
-def _config(home: Path, port: int) -> None:
-    (home / "instructions.md").write_text("You are a helpful assistant. Answer briefly.\n")
-    (home / "config.toml").write_text(f"""\
-model = "smollm2"
-model_provider = "mlxkv"
-model_instructions_file = "{home / 'instructions.md'}"
-model_context_window = 8192
-include_permissions_instructions = false
-include_apps_instructions = false
-include_environment_context = false
-web_search = "disabled"
-check_for_update_on_startup = false
-
-[agents]
-enabled = false
-
-[features]
-goals = false
-
-[analytics]
-enabled = false
-
-[model_providers.mlxkv]
-name = "mlxkv"
-base_url = "http://127.0.0.1:{port}/v1"
-wire_api = "responses"
-""")
-
-
-def _codex(home: Path, project: Path, *args: str) -> list[dict[str, Any]]:
-    """``codex exec --json ARGS`` and its JSONL events."""
-    env = {"PATH": os.environ["PATH"], "HOME": str(home), "CODEX_HOME": str(home), "LANG": "C.UTF-8",
-           "TERM": "dumb", "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
-    with socket.create_server(("127.0.0.1", 0)) as closed:  # a proxy address nothing answers at
-        dead = f"http://127.0.0.1:{closed.getsockname()[1]}"
-    env.update(HTTPS_PROXY=dead, HTTP_PROXY=dead, ALL_PROXY=dead, https_proxy=dead, http_proxy=dead)
-    r = subprocess.run([str(CODEX), "exec", "--json", "--skip-git-repo-check", "--color", "never", *args],
-                       cwd=project, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                       timeout=RUN_S)
+def _codex(codex: CodexCli, project: Path, prompt: str, thread: str | None = None) -> list[dict[str, Any]]:
+    """``codex exec --json PROMPT`` (or ``exec resume THREAD PROMPT``) and its JSONL events."""
+    r = codex.run(project, prompt, RUN_S, thread)
     assert r.returncode == 0, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
-    return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    return CodexCli.events(r)
 
 
 def _reply(events: list[dict[str, Any]]) -> str:
@@ -149,11 +113,11 @@ def test_codex_exec_and_resume_against_the_real_model(tmp_path):
     cache = PrefixCache(ram_bytes=256 << 20, cache_dir=None, block_tokens=16)
     with Engine(str(REAL), prefix_cache=cache).start(timeout=T) as engine, \
             LoopbackServer(engine, ServerConfig(), wrap=wrap) as srv:
-        _config(home, srv.port)
-        first = _codex(home, project, "What is the capital of France? Answer in one word.")
+        codex = CodexCli(home, f"http://127.0.0.1:{srv.port}")
+        first = _codex(codex, project, "What is the capital of France? Answer in one word.")
         turn1 = [c for c in recorder.calls if c["path"] == "/v1/responses"]
         thread = next(e["thread_id"] for e in first if e.get("type") == "thread.started")
-        second = _codex(home, project, "resume", thread, "And of Italy? One word.")
+        second = _codex(codex, project, "And of Italy? One word.", thread)
     calls = recorder.calls
     assert calls and all(c["status"] is not None and 200 <= c["status"] < 300 for c in calls), \
         [(c["method"], c["path"], c["status"], bytes(c["body"][:300])) for c in calls]
