@@ -25,6 +25,11 @@ ones after the last full block, as for a tail.
 Manifest body (kind 3): ``meta length u32 | meta (JSON) | token ids u32[n] | keys 16*k``.
 A manifest is all header: its header hash covers every byte, token ids and keys included.
 
+Learned sequences (kind 5: what a speculation source learned in a namespace, e.g. the
+suffix source's global index): ``meta length u32 | meta (JSON) | lengths u32[n] | token
+ids u32[sum(lengths)]``, the sequences oldest first. All header too, at most
+:data:`MAX_LEARNED_TOKENS` tokens; every length and count is checked against the body.
+
 Metadata JSON is bounded before it is parsed (:data:`MAX_META` bytes, :data:`MAX_DEPTH`
 levels of nesting), so a hostile or damaged file is a FormatError, never a RecursionError
 or a huge allocation.
@@ -48,8 +53,9 @@ KIND_BLOCK = 1
 KIND_TAIL = 2
 KIND_CHECKPOINT = 4  # whole (non-sliceable) state at one exact token position
 KIND_MANIFEST = 3
+KIND_LEARNED = 5  # token sequences a speculation source learned (one file per namespace)
 KIND_NAMES = {KIND_BLOCK: "block", KIND_TAIL: "tail", KIND_MANIFEST: "manifest",
-              KIND_CHECKPOINT: "checkpoint"}
+              KIND_CHECKPOINT: "checkpoint", KIND_LEARNED: "learned"}
 ENTRY_KINDS = (KIND_BLOCK, KIND_TAIL, KIND_CHECKPOINT)
 
 _PREFIX = struct.Struct("<8sHHI")  # magic, version, kind, header body length
@@ -61,6 +67,8 @@ MAX_HEADER = 1 << 24  # a header larger than 16 MiB is damage, not data
 MAX_MANIFEST = 1 << 28  # bytes: 64 M token ids; a larger .man file is not one of ours
 MAX_META = 1 << 20  # bytes of metadata JSON in one header
 MAX_DEPTH = 8  # nesting of metadata JSON (ours is 3 deep)
+# Tokens in one learned file: its body (4 bytes a token, plus lengths) stays under MAX_HEADER.
+MAX_LEARNED_TOKENS = 1 << 20
 
 # Bytes per element of the dtypes KV caches use; others are accepted without the check.
 DTYPE_SIZES = {
@@ -358,3 +366,61 @@ def decode_manifest(buf: Any) -> Manifest:
                         float(meta["created"]), extra)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise FormatError(f"bad manifest: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class Learned:
+    """Token sequences a speculation source learned in namespace ``ns`` (oldest first), in
+    the layout ``schema`` names."""
+
+    ns: str
+    schema: str
+    sequences: tuple[np.ndarray, ...]  # uint32 token ids, each non-empty
+    saved: float
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(s) for s in self.sequences)
+
+
+def encode_learned(learned: Learned, version: int = FORMAT_VERSION) -> bytes:
+    seqs = [np.ascontiguousarray(s, dtype="<u4") for s in learned.sequences]
+    if any(s.ndim != 1 or s.size == 0 for s in seqs):
+        raise ValueError("learned sequences must be flat and non-empty")
+    total = sum(s.size for s in seqs)
+    if total > MAX_LEARNED_TOKENS:
+        raise ValueError(f"{total} learned tokens: at most {MAX_LEARNED_TOKENS} fit one file")
+    meta = json.dumps({"ns": learned.ns, "schema": learned.schema, "sequences": len(seqs),
+                       "tokens": total, "saved": learned.saved}, separators=(",", ":")).encode()
+    lengths = np.array([s.size for s in seqs], dtype="<u4")
+    body = _MAN.pack(len(meta)) + meta + lengths.tobytes() + b"".join(s.tobytes() for s in seqs)
+    return _prefix(KIND_LEARNED, body, version)
+
+
+def decode_learned(buf: Any) -> Learned:
+    """Parse and verify a learned file read whole; FormatError if any byte or count is off."""
+    kind, body = _verified_body(buf)
+    if kind != KIND_LEARNED:
+        raise FormatError(f"expected learned sequences, found a {KIND_NAMES[kind]}")
+    if len(body) < _MAN.size:
+        raise FormatError("learned body too short")
+    (mlen,) = _MAN.unpack_from(body, 0)
+    if _MAN.size + mlen > len(body):
+        raise FormatError(f"learned metadata length {mlen} exceeds the body")
+    meta = load_json(body[_MAN.size: _MAN.size + mlen], "learned")
+    try:
+        n, total = int(meta["sequences"]), int(meta["tokens"])
+        ns, schema, saved = str(meta["ns"]), str(meta["schema"]), float(meta["saved"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise FormatError(f"bad learned metadata: {exc}") from exc
+    start = _MAN.size + mlen
+    if not (0 <= n <= total <= MAX_LEARNED_TOKENS) or start + 4 * (n + total) != len(body):
+        raise FormatError(f"learned sizes do not add up ({n} sequences, {total} tokens, "
+                          f"{len(body) - start} bytes)")
+    lengths = np.frombuffer(body, dtype="<u4", count=n, offset=start).astype(np.int64)
+    if n and (int(lengths.min()) < 1 or int(lengths.sum()) != total):
+        raise FormatError("learned sequence lengths do not add up to its token count")
+    tokens = np.frombuffer(body, dtype="<u4", count=total, offset=start + 4 * n)
+    ends = np.cumsum(lengths)
+    seqs = tuple(tokens[e - k: e].copy() for e, k in zip(ends.tolist(), lengths.tolist()))
+    return Learned(ns, schema, seqs, saved)
