@@ -141,6 +141,14 @@ class DraftProvider:
     def open(self, target: TargetView, sampling: SamplingParams, constraints: Any = None) -> DraftSource:
         raise NotImplementedError
 
+    def attach(self, cache: Any, namespace: str) -> None:
+        """Once, at load: the model's prefix cache (an ``engine.cache.client.CacheClient``)
+        and its namespace, for a provider that keeps what it learned beside the cache."""
+
+    def learn(self, output: Sequence[int]) -> None:
+        """A request of the target finished with ``output`` (whatever its speculation, alone
+        or batched; engine thread)."""
+
 
 class DraftRowConstraints:
     """What a request owns that knows its continuation (``guided_choice``, forced spans of a

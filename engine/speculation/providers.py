@@ -51,7 +51,8 @@ def load_providers(loaded: Any, settings: Settings) -> dict[str, DraftProvider]:
     mode = settings.spec
     providers: dict[str, DraftProvider] = {
         "ngram": NgramProvider(settings.spec_ngram_min, settings.spec_ngram_max),
-        "suffix": SuffixProvider(),
+        "suffix": SuffixProvider(global_tokens=settings.spec_suffix_tokens,
+                                 vocab_size=TargetView(loaded.model, loaded.tokenizer).vocab_size),
         "constraint": ConstraintProvider(),
     }
     draft_spec = settings.draft_model
@@ -89,10 +90,29 @@ def load_providers(loaded: Any, settings: Settings) -> dict[str, DraftProvider]:
 
 def bind_providers(prefix_cache: CacheClient, namespace: str,
                    providers: dict[str, DraftProvider]) -> None:
-    """Let the prefix cache check restored draft states against the draft's own model."""
+    """Let the prefix cache check restored draft states against the draft's own model, and
+    give every provider the cache and the model's namespace (what it learned is kept
+    there)."""
     for p in providers.values():
         if p.model is not None:
             prefix_cache.bind_model(draft_namespace(namespace, p), p.model)
+        try:
+            p.attach(prefix_cache, namespace)
+        except Exception:
+            log.exception("speculation %s could not use the prefix cache", p.kind)
+
+
+def learn_finished(providers: dict[str, DraftProvider], output: list[int]) -> None:
+    """A request of the model finished with ``output`` (any speculation, alone or batched):
+    every provider that learns from earlier outputs takes it (engine thread; a failure is
+    logged, never raised into the request)."""
+    if not output:
+        return
+    for p in providers.values():
+        try:
+            p.learn(output)
+        except Exception:
+            log.exception("speculation %s could not learn a finished request", p.kind)
 
 
 def spec_stats(providers: dict[str, DraftProvider]) -> dict:
