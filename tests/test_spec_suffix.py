@@ -15,8 +15,11 @@ from common import T, greedy
 from mlxkv.engine.engine import Engine, Request
 from mlxkv.engine.generate import SamplingParams
 from mlxkv.engine.settings import Settings
+from mlxkv.engine.speculation.base import DraftSource, Proposal
+from mlxkv.engine.speculation.policy import NEW_REQUEST_PROBE_AFTER, LengthController, SourceMemory
 from mlxkv.engine.speculation.suffix import SuffixProvider
 from mlxkv.engine.speculation.suffix_index import SuffixIndex, propose_path
+from mlxkv.engine.speculation.verify import SpecStream
 from support.modelgen import tiny_model
 
 
@@ -116,6 +119,52 @@ def test_the_global_index_keeps_the_newest_outputs_within_its_bound():
     assert p.learned_tokens == 6  # the first output was forgotten to stay within 10 tokens
     assert p.global_index.match([1, 2])[1] is None
     assert propose([p.global_index], [8, 9], 2, alpha=8, min_score=0.0) == [10, 11]
+
+
+class _ProbeAfter(DraftSource):
+    """Proposes nothing; after ``n`` committed tokens it sees a run worth probing."""
+
+    def __init__(self, n: int):
+        self.n, self.seen, self.asked_at = n, 0, []
+
+    def commit(self, accepted, hidden=None):
+        self.seen += len(accepted)
+
+    def worth_probing(self) -> bool:
+        return self.seen == self.n
+
+    def propose(self, pending, n):
+        self.asked_at.append(self.seen)
+        return Proposal([])
+
+
+def test_a_long_earlier_run_ends_a_pause_in_speculation_early():
+    # The source lost in the last request, so this one starts with a block of plain steps
+    # (pipelined); the block ends one token after the source sees a repeated run, and the
+    # output is plain decoding's either way.
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxkv.engine.models import load_model
+
+    model = load_model(str(tiny_model("llama"))).model
+    prompt, params = [5, 6, 7, 8, 9] * 4, greedy(max_tokens=40)
+    memory = SourceMemory()
+    memory.requests, memory.stopped, memory.due = 1, True, 200  # the block: NEW_REQUEST_PROBE_AFTER
+    runs = {}
+    for n in (5, None):
+        source = _ProbeAfter(n if n is not None else -1)
+        stream = SpecStream(model, prompt, 0, make_prompt_cache(model), params, source,
+                            LengthController(4, 12, memory=memory), kind="suffix")
+        runs[n] = ([t for t, _ in stream], source.asked_at)
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([prompt]), cache=cache)[0, -1]
+    plain = []
+    for _ in range(40):
+        plain.append(int(mx.argmax(logits).item()))
+        logits = model(mx.array([[plain[-1]]]), cache=cache)[0, -1]
+    assert runs[5][0] == runs[None][0] == plain
+    assert runs[5][1][0] <= 5 + 3 < NEW_REQUEST_PROBE_AFTER <= runs[None][1][0]
 
 
 def settings(tmp_path: Path, **values) -> Settings:

@@ -111,6 +111,12 @@ class DraftSource:
         """``accepted`` are now in the target's KV: the old pending token plus the accepted
         drafts. ``hidden``: the target hidden rows of exactly those positions."""
 
+    def worth_probing(self) -> bool:
+        """After a plain step fed the target (``commit`` told the source): whether it now
+        sees a long earlier run repeated, so that a pause in speculation should end and the
+        next round propose."""
+        return False
+
     def capture(self) -> Any:
         """State to store beside the target's cache entry (None: nothing to store; a
         :class:`KVState` goes to the prefix cache under the draft namespace)."""

@@ -5,7 +5,8 @@
 model when one is set (the demo model pairs with the demo draft model by default), MTP
 when the checkpoint carries MTP weights. A request's source: ``guided_choice`` ->
 constraints; else its ``spec`` (or the engine's): ``auto`` prefers MTP, then a draft
-model, then prompt lookup, and adapts (stopping when slower); a named source is used
+model, then the suffix source (prompt lookup only where there is no suffix provider), and
+adapts (stopping when slower); a named source is used
 with the same adaptive length. Each provider keeps a ``policy.SourceMemory`` per sampling
 regime (greedy, sampled: exact-match sources accept less when sampling), so a request
 starts from what the requests before it learned. Draft state that is a KV cache is stored
@@ -29,6 +30,7 @@ from mlxkv.engine.speculation.verify import SpecStream
 log = logging.getLogger("mlxkv.spec")
 __all__ = ["SPEC_CHOICES", "load_providers", "open_speculation"]
 SPEC_TOKENS: int = FIELD_BY_NAME["spec_tokens"].default
+AUTO_ORDER = ("mtp", "draft", "suffix", "ngram")  # what ``auto`` prefers, first available
 
 
 def _is_demo(loaded: Any) -> bool:
@@ -148,7 +150,10 @@ def choose(providers: dict[str, DraftProvider], mode: str, guided: bool) -> Draf
     if guided and "constraint" in providers:
         return providers["constraint"]
     if mode == "auto":
-        for kind in ("mtp", "draft", "ngram"):
+        # Model-free, the suffix source proposes all prompt lookup would (the longest earlier
+        # match of the text's end, in the conversation) and what earlier replies of the model
+        # wrote; its length controller turns it off where it does not pay.
+        for kind in AUTO_ORDER:
             if kind in providers:
                 return providers[kind]
         return None

@@ -33,7 +33,7 @@ import numpy as np
 
 from mlxkv.engine.logs import warn_once
 from mlxkv.engine.speculation.base import DraftProvider, DraftRowGroup, DraftSource, Proposal
-from mlxkv.engine.speculation.suffix_index import LENGTHS, SuffixIndex, propose_path
+from mlxkv.engine.speculation.suffix_index import LENGTHS, SuffixIndex, match_length, propose_path
 
 log = logging.getLogger("mlxkv.spec")
 
@@ -44,6 +44,9 @@ LEARNED_NAME = "suffix"  # the learned file's name in the cache folder's namespa
 ALPHA = 2.0  # a proposal is at most ALPHA times as deep as the match it continues
 MIN_SCORE = 0.1  # a proposal stops where its path probability falls below this
 GLOBAL_TOKENS = 32768  # output tokens the global index keeps (about 1 KiB of index each)
+# A plain stretch (speculation paused because it lost) ends early where the text's end
+# repeats an earlier run at least this long: eight tokens in a row rarely repeat by chance.
+PROBE_MATCH = 8
 
 
 class SuffixSource(DraftSource):
@@ -63,6 +66,13 @@ class SuffixSource(DraftSource):
 
     def commit(self, accepted: list[int], hidden: Any = None) -> None:
         self.local.extend(accepted)
+
+    def worth_probing(self) -> bool:
+        """The text's end repeats an earlier run of at least PROBE_MATCH tokens (in the
+        request or an earlier reply): the model is likely copying it."""
+        tokens = self.local.tokens
+        return len(tokens) >= PROBE_MATCH and match_length(
+            (self.local, self.provider.global_index), tokens[-self.provider.window:]) >= PROBE_MATCH
 
     def consume(self, tokens: Sequence[int]) -> None:
         self.local.extend(tokens)

@@ -34,7 +34,7 @@ BASE = 0x9E3779B97F4A7C15  # odd: multiplication by it is a bijection mod 2^64
 PACK = 1 << 32  # one follower, packed: token * PACK + count
 
 
-def _hashes(tokens: Iterable[int], start: int = 0) -> list[int]:
+def prefix_hashes(tokens: Iterable[int], start: int = 0) -> list[int]:
     """Prefix hashes H[0..n] of ``tokens`` (H[i+1] = H[i] * BASE + token_i + 1 mod 2^64),
     H[0] = ``start``."""
     out = [start]
@@ -129,7 +129,7 @@ class SuffixIndex:
 
     def forget(self, seq: Sequence[int]) -> None:
         """Remove a sequence added earlier (its counts go down by what it added)."""
-        prefix = _hashes(seq)
+        prefix = prefix_hashes(seq)
         for end in range(len(seq)):
             self._update(prefix, end, int(seq[end]), -1)
 
@@ -154,7 +154,7 @@ class SuffixIndex:
         """(length of the longest indexed suffix of ``context``, the counts of what followed
         it), or (0, None)."""
         tail = list(context[-self.window:])
-        length, raw = self.lookup(self.keys(_hashes(tail), len(tail)))
+        length, raw = self.lookup(self.keys(prefix_hashes(tail), len(tail)))
         return (length, counts_of(raw)) if raw is not None else (0, None)
 
 
@@ -174,12 +174,9 @@ def _add_counts(into: dict[int, int], raw: object) -> None:
             into[t] = into.get(t, 0) + c
 
 
-def best_continuation(indexes: Sequence[SuffixIndex], keys: Sequence[tuple[int, int]]
-                      ) -> tuple[int, int, float, int]:
-    """(match length, the most frequent token after it, its share, how often the context
-    was seen) over ``indexes`` for a context's ``keys`` (``SuffixIndex.keys``; every index
-    has the same lengths): the longest match wins; where several indexes match equally
-    long their counts add up. (0, -1, 0.0, 0) when nothing matches."""
+def _longest(indexes: Sequence[SuffixIndex], keys: Sequence[tuple[int, int]]) -> tuple[int, list]:
+    """(the longest match length over ``indexes``, the raw counts of each index matching
+    that long)."""
     best_len, raws = 0, []
     for ix in indexes:
         length, raw = ix.lookup(keys)
@@ -189,6 +186,27 @@ def best_continuation(indexes: Sequence[SuffixIndex], keys: Sequence[tuple[int, 
             best_len, raws = length, [raw]
         else:
             raws.append(raw)
+    return best_len, raws
+
+
+def continuations(indexes: Sequence[SuffixIndex], keys: Sequence[tuple[int, int]]
+                  ) -> tuple[int, dict[int, int]]:
+    """(match length, {token: count} of every continuation seen after it) over ``indexes``
+    (the candidates a tree would branch into; see :func:`best_continuation`)."""
+    best_len, raws = _longest(indexes, keys)
+    counts: dict[int, int] = {}
+    for raw in raws:
+        _add_counts(counts, raw)
+    return best_len, counts
+
+
+def best_continuation(indexes: Sequence[SuffixIndex], keys: Sequence[tuple[int, int]]
+                      ) -> tuple[int, int, float, int]:
+    """(match length, the most frequent token after it, its share, how often the context
+    was seen) over ``indexes`` for a context's ``keys`` (``SuffixIndex.keys``; every index
+    has the same lengths): the longest match wins; where several indexes match equally
+    long their counts add up. (0, -1, 0.0, 0) when nothing matches."""
+    best_len, raws = _longest(indexes, keys)
     if not raws:
         return 0, -1, 0.0, 0
     first = raws[0]
@@ -202,6 +220,16 @@ def best_continuation(indexes: Sequence[SuffixIndex], keys: Sequence[tuple[int, 
     return best_len, token, counts[token] / total, total
 
 
+def match_length(indexes: Sequence[SuffixIndex], context: Sequence[int]) -> int:
+    """How many of ``context``'s last tokens the longest earlier match in ``indexes`` covers
+    (0: none; the context itself is never indexed as its own match, since a context is
+    indexed only once a token follows it)."""
+    if not indexes:
+        return 0
+    tail = [int(t) for t in context[-indexes[0].window:]]
+    return best_continuation(indexes, indexes[0].keys(prefix_hashes(tail), len(tail)))[0]
+
+
 def propose_path(indexes: Sequence[SuffixIndex], context: Sequence[int], n: int, *, alpha: float,
                  min_score: float) -> tuple[list[int], list[int]]:
     """Up to ``n`` tokens to follow ``context``, and the match length each was proposed
@@ -210,7 +238,7 @@ def propose_path(indexes: Sequence[SuffixIndex], context: Sequence[int], n: int,
         return [], []
     first = indexes[0]
     tail = [int(t) for t in context[-first.window:]]
-    prefix = _hashes(tail)
+    prefix = prefix_hashes(tail)
     out: list[int] = []
     matched: list[int] = []
     score = 1.0
