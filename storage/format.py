@@ -342,23 +342,29 @@ def encode_manifest(m: Manifest, version: int = FORMAT_VERSION) -> bytes:
     return _prefix(KIND_MANIFEST, body, version)
 
 
-def decode_manifest(buf: Any) -> Manifest:
-    kind, body = _verified_body(buf)
-    if kind != KIND_MANIFEST:
-        raise FormatError(f"expected a manifest, found a {KIND_NAMES[kind]}")
+def _meta_body(buf: Any, kind: int, what: str) -> tuple[Any, bytes, int]:
+    """(metadata, body, where the data after the metadata starts) of a verified all-header
+    file of ``kind`` whose body opens with ``meta length u32 | meta (JSON)``."""
+    got, body = _verified_body(buf)
+    if got != kind:
+        raise FormatError(f"expected a {KIND_NAMES[kind]}, found a {KIND_NAMES[got]}")
     if len(body) < _MAN.size:
-        raise FormatError("manifest body too short")
+        raise FormatError(f"{what} body too short")
     (mlen,) = _MAN.unpack_from(body, 0)
-    if 4 + mlen > len(body):
-        raise FormatError(f"manifest metadata length {mlen} exceeds the body")
-    meta = load_json(body[4 : 4 + mlen], "manifest")
+    if _MAN.size + mlen > len(body):
+        raise FormatError(f"{what} metadata length {mlen} exceeds the body")
+    return load_json(body[_MAN.size: _MAN.size + mlen], what), body, _MAN.size + mlen
+
+
+def decode_manifest(buf: Any) -> Manifest:
+    meta, body, start = _meta_body(buf, KIND_MANIFEST, "manifest")
     try:
         nkeys = int(meta["n_keys"])
-        rest = len(body) - 4 - mlen - 16 * nkeys
+        rest = len(body) - start - 16 * nkeys
         if nkeys < 0 or rest < 0 or rest % 4:
             raise FormatError("manifest sizes do not add up")
-        tokens = np.frombuffer(body[4 + mlen : 4 + mlen + rest], dtype="<u4").copy()
-        kb = body[4 + mlen + rest :]
+        tokens = np.frombuffer(body[start : start + rest], dtype="<u4").copy()
+        kb = body[start + rest :]
         keys = tuple(kb[i * 16 : (i + 1) * 16] for i in range(nkeys))
         tail = bytes.fromhex(meta["tail"]) if meta["tail"] else None
         extra = tuple(bytes.fromhex(k) for k in meta.get("extra", ()))
@@ -399,21 +405,12 @@ def encode_learned(learned: Learned, version: int = FORMAT_VERSION) -> bytes:
 
 def decode_learned(buf: Any) -> Learned:
     """Parse and verify a learned file read whole; FormatError if any byte or count is off."""
-    kind, body = _verified_body(buf)
-    if kind != KIND_LEARNED:
-        raise FormatError(f"expected learned sequences, found a {KIND_NAMES[kind]}")
-    if len(body) < _MAN.size:
-        raise FormatError("learned body too short")
-    (mlen,) = _MAN.unpack_from(body, 0)
-    if _MAN.size + mlen > len(body):
-        raise FormatError(f"learned metadata length {mlen} exceeds the body")
-    meta = load_json(body[_MAN.size: _MAN.size + mlen], "learned")
+    meta, body, start = _meta_body(buf, KIND_LEARNED, "learned")
     try:
         n, total = int(meta["sequences"]), int(meta["tokens"])
         ns, schema, saved = str(meta["ns"]), str(meta["schema"]), float(meta["saved"])
     except (ValueError, KeyError, TypeError) as exc:
         raise FormatError(f"bad learned metadata: {exc}") from exc
-    start = _MAN.size + mlen
     if not (0 <= n <= total <= MAX_LEARNED_TOKENS) or start + 4 * (n + total) != len(body):
         raise FormatError(f"learned sizes do not add up ({n} sequences, {total} tokens, "
                           f"{len(body) - start} bytes)")
