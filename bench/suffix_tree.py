@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from mlxkv.engine.speculation.suffix import ALPHA, MIN_SCORE
 from mlxkv.engine.speculation.suffix_index import (
     SuffixIndex,
     continuations,
@@ -89,7 +90,7 @@ def _tree_round(indexes: Sequence[SuffixIndex], context: list[int], truth: Seque
 
 
 def simulate(prompt: Sequence[int], output: Sequence[int], learned: Sequence[Sequence[int]], *, k: int,
-             branch_depth: int = 0, branch_len: int = 3, alpha: float = 2.0, min_score: float = 0.1
+             branch_depth: int = 0, branch_len: int = 3, alpha: float = ALPHA, min_score: float = MIN_SCORE
              ) -> dict[str, Any]:
     """Rounds of the suffix source over a greedy reply ``output`` to ``prompt`` (with the
     global index holding ``learned``): the widths fed and tokens gained per round. With

@@ -42,7 +42,7 @@ log = logging.getLogger("mlxkv.spec")
 SCHEMA = "suffix-outputs-v1"
 LEARNED_NAME = "suffix"  # the learned file's name in the cache folder's namespace
 ALPHA = 2.0  # a proposal is at most ALPHA times as deep as the match it continues
-MIN_SCORE = 0.1  # a proposal stops where its path probability falls below this
+MIN_SCORE = 0.3  # a proposal stops where its path probability falls below this
 GLOBAL_TOKENS = 32768  # output tokens the global index keeps (about 1 KiB of index each)
 # A plain stretch (speculation paused because it lost) ends early where the text's end
 # repeats an earlier run at least this long: eight tokens in a row rarely repeat by chance.
