@@ -112,6 +112,21 @@ def test_the_learned_file_is_private_and_listed_and_removed_by_the_cache_command
     assert not path.exists() and not (cache / sns).exists()
 
 
+def test_cache_verify_reports_and_removes_a_damaged_learned_file(learned_cache):
+    cache, ns, _ = learned_cache
+    sns = store_namespace(ns)
+    path = cache / sns / "learned" / "suffix.lrn"
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x01
+    path.write_bytes(bytes(data))
+    assert "damaged" in cli("--cache-dir", str(cache), "--json", "stats")["learned"][sns]["suffix"]
+    assert path.exists()  # stats only looks
+    r = subprocess.run(mlxkv_cmd("cache", "--cache-dir", str(cache), "--json", "verify"), cwd=ROOT,
+                       capture_output=True, text=True, env=cli_env(), timeout=60)
+    assert r.returncode == 1 and "header hash mismatch" in json.loads(r.stdout)[sns]["learned_damaged"]["suffix"]
+    assert not path.exists()
+
+
 @pytest.mark.parametrize("damage", ["flipped-bit", "truncated", "empty"])
 def test_a_damaged_file_is_dropped_with_one_warning(learned_cache, damage, caplog):
     cache, ns, _ = learned_cache
