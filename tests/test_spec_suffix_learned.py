@@ -77,6 +77,8 @@ def test_every_finished_request_teaches_the_global_index_alone_and_batched(tmp_p
         eng.sync()
         assert any(r.stats.batched for r in rows)  # they decoded together
         assert learned_tokens(eng) == 2 * len(plain.tokens) + sum(len(r.tokens) for r in rows)
+        figures = eng.stats()["spec"]["suffix"]
+        assert figures["learned_replies"] == 5 and figures["learned_tokens"] == learned_tokens(eng)
 
 
 def test_a_new_engine_proposes_from_what_the_last_one_learned(learned_cache, tmp_path):

@@ -155,6 +155,10 @@ class DraftProvider:
         """A request of the target finished with ``output`` (whatever its speculation, alone
         or batched; engine thread)."""
 
+    def figures(self) -> dict[str, Any]:
+        """The provider's own figures for ``engine.stats()["spec"][kind]``."""
+        return {}
+
 
 class DraftRowConstraints:
     """What a request owns that knows its continuation (``guided_choice``, forced spans of a

@@ -1,16 +1,19 @@
 """Which sources a loaded target gets, which one a request uses, and the per-request
 :class:`Speculation` that ``engine.generate.Generation`` runs through the verifier.
 
-``load_providers`` runs on the engine thread at load: prompt lookup always, the draft
-model when one is set (the demo model pairs with the demo draft model by default), MTP
-when the checkpoint carries MTP weights. A request's source: ``guided_choice`` ->
-constraints; else its ``spec`` (or the engine's): ``auto`` prefers MTP, then a draft
-model, then the suffix source (prompt lookup only where there is no suffix provider), and
-adapts (stopping when slower); a named source is used
-with the same adaptive length. Each provider keeps a ``policy.SourceMemory`` per sampling
-regime (greedy, sampled: exact-match sources accept less when sampling), so a request
-starts from what the requests before it learned. Draft state that is a KV cache is stored
-in the prefix cache under the namespace ``f"{ns}+draft-{provider.checkpoint_namespace()}"``.
+``load_providers`` runs on the engine thread at load: prompt lookup and the suffix source
+always, the draft model when one is set (the demo model pairs with the demo draft model by
+default), MTP when the checkpoint carries MTP weights. A request's source:
+``guided_choice`` -> constraints; else its ``spec`` (or the engine's): ``auto`` prefers
+MTP, then a draft model, then the suffix source (prompt lookup only where there is no
+suffix provider), and adapts (stopping when slower); a named source is used with the same
+adaptive length. Each provider keeps a ``policy.SourceMemory`` per sampling regime
+(greedy, sampled: exact-match sources accept less when sampling), so a request starts
+from what the requests before it learned. Draft state that is a KV cache is stored in the
+prefix cache under the namespace ``f"{ns}+draft-{provider.checkpoint_namespace()}"``.
+Every finished request of the model is handed to every provider (``learn_finished``):
+the suffix source's global index learns from it, and is kept beside the prefix cache
+(``bind_providers`` -> ``DraftProvider.attach``).
 """
 
 from __future__ import annotations
@@ -119,10 +122,11 @@ def learn_finished(providers: dict[str, DraftProvider], output: list[int]) -> No
 
 def spec_stats(providers: dict[str, DraftProvider]) -> dict:
     """Engine-wide figures per source: requests, rounds, drafted, accepted, target forwards,
-    and what its policy learned (``learned``, per sampling regime)."""
+    what its policy learned (``learned``, per sampling regime), and the provider's own
+    (``DraftProvider.figures``: the suffix index's learned replies and tokens)."""
     out = {}
     for kind, p in providers.items():
-        totals = dict(p.__dict__.get("totals", {}))
+        totals = {**p.figures(), **p.__dict__.get("totals", {})}
         if totals.get("drafted"):
             totals["acceptance"] = round(totals["accepted"] / totals["drafted"], 4)
         memories = p.__dict__.get("policy_memory")

@@ -134,6 +134,10 @@ class SuffixProvider(DraftProvider):
     def learned_tokens(self) -> int:
         return self._learned_tokens
 
+    def figures(self) -> dict[str, Any]:
+        return {"learned_replies": len(self._learned), "learned_tokens": self._learned_tokens,
+                "learned_limit": self.global_tokens}
+
     def learned_sequences(self) -> list[np.ndarray]:
         """What the global index learned, oldest first (arrays never changed later)."""
         return list(self._learned)
