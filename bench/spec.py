@@ -2,6 +2,7 @@
 engine, the same prompts, requests interleaved off/on; median of --repeats).
 
     python -m bench.spec [--tokens 48] [--copy-tokens 128] [--repeats 2] [--json]
+                         [--no-real | --real-only] [--no-trace]
 
 Models, all built offline here (random weights unless said):
 - the copy model (``bench.models.copy_model_path()``): the bench model's shape, tokenizer
@@ -25,8 +26,9 @@ Figures (speed-ups = decode throughput with speculation / without):
   ``ngram_quote_*`` answers a question with a quote from a document in the system prompt
   (the answer so far opens the quote with its first words). ``ngram_speedup`` and the
   other ``ngram_*`` figures are those of the slower task; ``ngram_auto_*``: ``--spec auto``
-  on the same tasks (it picks prompt lookup and adapts). ``ngram_random_target_*``: the
-  file edit on the random bench model, which never copies (what prompt lookup cannot do);
+  on the same tasks (it now picks the suffix source and adapts; the keys keep their names).
+  ``ngram_random_target_*``: the file edit on the random bench model, which never copies
+  (what prompt lookup cannot do);
   ``demo_quote_ngram_*``: the demo model answering with quotes from a document in its
   system prompt (input-grounded on a trained model);
 - ``draft_*``: the demo pair (trained), the demo model answering each of its first three
@@ -38,7 +40,7 @@ Figures (speed-ups = decode throughput with speculation / without):
 - ``constraint_speedup``: ``guided_choice`` with long choices on the bench model (plain
   decoding is masked the same way, one token per forward);
 - ``auto_freeform_ratio``: ``--spec auto`` against ``off`` on sampled free-form text
-  (temperature 1, no seed: drafts are rarely accepted), prompt lookup only;
+  (temperature 1, no seed: drafts are rarely accepted), the suffix source under auto;
 - ``restored_acceptance_ratio``: a two-turn conversation on the bench pair with its draft;
   turn 2 runs in a new process from the SSD tier, then in the first process; the ratio
   of their acceptance position for position (the restored run's acceptance over the
@@ -50,25 +52,41 @@ Figures (speed-ups = decode throughput with speculation / without):
 Then the real model (SmolLM2-135M-Instruct, ``support.real_model``), its GGUF file loaded
 as a user loads it (only mlxkv runs here: speculation against plain decoding), greedy
 unless said, ``--real-tokens`` (>= 128) decoded per request:
-- ``ngram_file_edit_real_*`` and ``suffix_file_edit_real_*``: prompt lookup and the suffix
-  source against ``off``, the instruct model asked through its chat template to repeat
-  ~60 lines of ``engine/cache/prefix_cache.py`` (from ``PrefixCache.lookup``, whole
-  methods) with the method renamed ``find``, its answer so far the fence and ``def find(``
-  (as the copy model's task: the edit written, the model copies the rest); with acceptance
-  and tokens per forward. 60 lines, not more: asked to repeat ~150, the 135M model loses
-  the code within a few lines (greedy, it wrote a comment line of ``1.1.1...``; with the
-  answer started, a short function of its own), which measures repetition, not an edit.
-  The suffix source's global index learns the output of every finished suffix request,
-  so in the interleaved runs (one engine, the same request each time, after a warm-up)
-  it has seen the answer before: ``suffix_repeat_learned`` says so, and that is the
-  agent's case (a file read back and rewritten turn after turn).
-  ``suffix_file_edit_real_first_*`` is the suffix source's first request in the engine
-  (nothing learned yet) against the plain run before it: one run each, noisier;
+- ``ngram_file_edit_real_*`` and ``suffix_edit_*``: prompt lookup and the suffix source
+  against ``off``, the instruct model asked through its chat template to repeat ~60 lines
+  of ``engine/cache/prefix_cache.py`` (from ``PrefixCache.lookup``, whole methods) with the
+  method renamed ``find``, its answer so far the fence and ``def find(`` (as the copy
+  model's task: the edit written, the model copies the rest); with acceptance and tokens
+  per forward. 60 lines, not more: asked to repeat ~150, the 135M model loses the code
+  within a few lines (greedy, it wrote a comment line of ``1.1.1...``; with the answer
+  started, a short function of its own), which measures repetition, not an edit. Every
+  finished request teaches the suffix source's global index, so before each of its runs
+  here that index is emptied: ``suffix_edit_*`` is a first edit of the file (the request's
+  own text only). ``suffix_edit_learned_*``: the same edit again with its earlier replies
+  learned (an agent rewriting what it wrote);
+- ``suffix_tree_vs_path``: whether verifying a tree of candidates would pay
+  (``bench/suffix_tree.py``): the real model's forward cost by width
+  (``forward_cost_vs_step_real``) and the suffix source's rounds over two real greedy
+  replies, the edit's (the best path is nearly always right) and a story's (it often is
+  not), the best path against the best path plus runner-ups, each at its best length; the
+  better of the two replies' tree/path ratios (``_edit`` and ``_story`` beside it;
+  ``suffix_path_speedup_model`` / ``suffix_tree_speedup_model``: the edit's modelled tokens
+  per second of forward cost over plain decoding's);
+- ``suffix_agent_trace_*``: an agent's editing session (``bench/agent_trace.py``) replayed
+  through ``mlxkv serve`` over loopback, a plain and a suffix server answering each turn
+  interleaved, the history resent every turn with the model's own replies in it; the
+  decode time of the plain server over the suffix server's on turns 3 and later of both
+  episodes, with acceptance and tokens per forward. ``suffix_restart_ratio``: episode 2
+  answered by a new suffix server process started on a copy of the first one's cache
+  folder (taken after episode 1, so both know the same), its speed-up over the live
+  server's on episode 2 (``suffix_restart_speedup`` / ``suffix_restart_live_speedup``).
+  ``--no-trace`` skips it;
 - ``auto_freeform_ratio_real``: ``auto`` against ``off`` on sampled free-form text
   (temperature 1, no prefix cache);
 - ``constraint_speedup_real``: ``guided_choice`` with the long choices, ``auto`` against
   ``off``;
-- ``lossless_real``: greedy outputs equal across the modes of every greedy task.
+- ``lossless_real``: greedy outputs equal across the modes of every greedy task (the
+  agent trace's replies included: ``lossless_agent_trace``).
 ``real_model`` names the file; ``--no-real`` skips the pass.
 
 The last line of ``--json`` is one JSON object with every figure.
@@ -178,18 +196,24 @@ def _run(eng: Any, request: Any) -> Any:
     return eng.submit(request).result(timeout=3600)
 
 
-def _side_by_side(eng: Any, make: Any, repeats: int, modes: tuple[str, ...], check_same: bool) -> dict:
+def _side_by_side(eng: Any, make: Any, repeats: int, modes: tuple[str, ...], check_same: bool,
+                  before: Any = None) -> dict:
     """Interleaved runs of ``make(mode)`` in every mode: median decode throughput of each,
     the ratio of the second mode's to the first's (and, with more modes, of each), and the
-    speculation figures of the second mode's last run (of each mode's, under ``by_mode``)."""
+    speculation figures of the second mode's last run (of each mode's, under ``by_mode``).
+    ``before(mode)``, when given, runs before every request."""
     tps: dict[str, list[float]] = {m: [] for m in modes}
     cpu: dict[str, list[float]] = {m: [] for m in modes}
     tokens: dict[str, list] = {}
     specs: dict[str, Any] = {}
     for mode in modes:  # warm-up (prefill into the prefix cache, kernels, the draft's KV)
+        if before is not None:
+            before(mode)
         _run(eng, make(mode))
     for _ in range(repeats):
         for mode in modes:
+            if before is not None:
+                before(mode)
             c0 = time.process_time()
             r = _run(eng, make(mode))
             cpu[mode].append(len(r.tokens) / max(time.process_time() - c0, 1e-9))
@@ -274,6 +298,8 @@ def _real_file_edit_messages(lines: int = 60) -> list[dict]:
 
 def _real_pass(args: argparse.Namespace, real: Path, work: Path) -> dict:
     """The speculation figures on the real model's GGUF file (see the docstring)."""
+    from bench import agent_trace
+    from bench.suffix_tree import forward_costs, tree_vs_path
     from mlxkv.engine.engine import Engine, Request
     from mlxkv.engine.generate import SamplingParams
 
@@ -285,40 +311,69 @@ def _real_pass(args: argparse.Namespace, real: Path, work: Path) -> dict:
         tok = eng.loaded.tokenizer
         edit = tok.encode(tok.apply_chat_template(_real_file_edit_messages(), add_generation_prompt=True,
                                                   tokenize=False) + "```python\n    def find(")
+        suffix = eng.spec_providers["suffix"]
 
         def make(m: str) -> Any:
             return Request(prompt_tokens=edit, params=greedy, spec=m)
 
-        plain = _run(eng, make("off"))  # also fills the prefix cache and warms the kernels
-        first = _run(eng, make("suffix"))  # the suffix source's first request: nothing learned
-        detail["suffix_file_edit_first"] = {
-            "plain_tps": round(plain.stats.decode_tps, 3), "spec_tps": round(first.stats.decode_tps, 3),
-            "speedup": round(first.stats.decode_tps / plain.stats.decode_tps, 3) if plain.stats.decode_tps else 0.0,
-            "spec": first.stats.spec, "same_output": first.tokens == plain.tokens}
-        detail["file_edit"] = _side_by_side(eng, make, reps, ("off", "ngram", "suffix"), True)
+        def forget(mode: str) -> None:
+            # a first edit of this file: the suffix source knows the request's own text only
+            # (every request teaches its global index, the plain and prompt-lookup runs too)
+            if mode == "suffix":
+                eng.call(suffix.clear).result(timeout=60)
+
+        detail["file_edit"] = _side_by_side(eng, make, reps, ("off", "ngram", "suffix"), True, before=forget)
+        plain = _run(eng, make("off"))
         detail["file_edit"]["decoded_tokens"] = len(plain.tokens)
         detail["file_edit"]["reply_head"] = tok.decode(plain.tokens[:48])
         detail["file_edit"]["prompt_tokens"] = len(edit)
+        # the same edit again, its earlier replies learned (an agent rewriting a file it wrote)
+        detail["suffix_edit_learned"] = _side_by_side(eng, make, reps, ("off", "suffix"), True)
+        costs = eng.call(forward_costs, eng.loaded.model, edit).result(timeout=3600)
+        # where the best path is right nearly always (the edit) and where it often is not
+        # (a story, greedy): a tree can only gain where the path fails
+        story_tokens = tok.encode(tok.apply_chat_template(story, add_generation_prompt=True, tokenize=False))
+        told = _run(eng, Request(prompt_tokens=story_tokens, params=greedy, spec="off"))
+        detail["suffix_tree"] = {"edit": tree_vs_path(costs, edit, plain.tokens, []),
+                                 "story": tree_vs_path(costs, story_tokens, told.tokens, [])}
         detail["constraint"] = _constraint_task(
             eng, reps, messages=[{"role": "user", "content": "Which sentence describes the prefix cache?"}])
     with Engine.from_settings(_settings(real, work / "r1", prefix_cache=False)).start(timeout=600) as eng:
         detail["auto_freeform"] = _freeform_task(eng, story, n, reps)
+    trace = None
+    if not args.no_trace:
+        trace = agent_trace.measure(real, work / "trace", lambda msg: print(f"bench.spec: {msg}", file=sys.stderr,
+                                                                            flush=True))
+        detail["agent_trace"] = trace
     edit_run = detail["file_edit"]
     out: dict[str, Any] = {"real_model": str(real), "real_model_note": "mlxkv only, on the GGUF file",
                            "real_tokens": n}
     out.update(_figures("ngram_file_edit_real_", edit_run))
-    out.update(_figures("suffix_file_edit_real_", edit_run["by_mode"]["suffix"]))
-    out["suffix_repeat_learned"] = True
-    first = detail["suffix_file_edit_first"]
-    out["suffix_file_edit_real_first_speedup"] = first["speedup"]
-    out["suffix_file_edit_real_first_acceptance"] = (first["spec"] or {}).get("acceptance")
+    out.update(_figures("suffix_edit_", edit_run["by_mode"]["suffix"]))
+    out.update(_figures("suffix_edit_learned_", detail["suffix_edit_learned"]))
     out["file_edit_real_decoded_tokens"] = edit_run["decoded_tokens"]
+    tree = detail["suffix_tree"]
+    out.update({"suffix_tree_vs_path": max(t["tree_vs_path"] for t in tree.values()),
+                "suffix_tree_vs_path_edit": tree["edit"]["tree_vs_path"],
+                "suffix_tree_vs_path_story": tree["story"]["tree_vs_path"],
+                "suffix_tree_speedup_model": tree["edit"]["tree_speedup"],
+                "suffix_path_speedup_model": tree["edit"]["path_speedup"],
+                "forward_cost_vs_step_real": tree["edit"]["forward_cost_vs_step"]})
+    if trace is not None:
+        out.update({"suffix_agent_trace_speedup": trace["speedup"],
+                    "suffix_agent_trace_acceptance": trace["acceptance"],
+                    "suffix_agent_trace_tokens_per_forward": trace["tokens_per_forward"],
+                    "suffix_restart_ratio": trace["restart_ratio"],
+                    "suffix_restart_speedup": trace["restart_speedup"],
+                    "suffix_restart_live_speedup": trace["restart_live_speedup"],
+                    "lossless_agent_trace": trace["lossless"]})
     out.update({
         "constraint_speedup_real": detail["constraint"]["speedup"],
         "constraint_cpu_speedup_real": detail["constraint"]["cpu_speedup"],
         "auto_freeform_ratio_real": detail["auto_freeform"]["speedup"],
         "auto_freeform_cpu_ratio_real": detail["auto_freeform"]["cpu_speedup"],
-        "lossless_real": all(d.get("same_output", True) for d in detail.values()),
+        "lossless_real": all(d.get("same_output", True) for d in detail.values()
+                             if isinstance(d, dict)) and (trace is None or trace["lossless"]),
         "detail_real": detail})
     return out
 
@@ -388,12 +443,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--real-tokens", type=int, default=128,
                     help="tokens generated per request on the real model (at least 128)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--no-trace", action="store_true",
+                    help="skip the agent trace replayed through servers on the real model")
+    ap.add_argument("--real-only", action="store_true", help="only the pass on the real model")
     ap.add_argument("--restored-child", help=argparse.SUPPRESS)
     add_real_flag(ap)
     args = ap.parse_args(argv)
     if args.restored_child:
         return _restored_child(args)
     real = None if args.no_real else real_model_file()  # fails before the synthetic pass
+    if args.real_only:
+        return _report(_only_real(args, real), args)
 
     from bench.models import bench_model_path, copy_model_path
     from mlxkv.engine.engine import Engine, Request
@@ -429,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
             detail["draft_layer_skip"] = _side_by_side(eng, lambda m: Request(messages=story, params=greedy, spec=m),
                                                        reps, ("off", "draft"), True)
             detail["constraint"] = _constraint_task(eng, reps, prompt="Which sentence describes the prefix cache?\n")
-        # 2. auto against off on sampled free-form text (prompt lookup only, no cache)
+        # 2. auto against off on sampled free-form text (the suffix source under auto, no cache)
         with Engine.from_settings(_settings(bench, work / "c2", prefix_cache=False)).start(timeout=600) as eng:
             detail["auto_freeform"] = _freeform_task(eng, story, n, reps)
         # 3. the bench pair: draft speed-up, then a conversation restored in a new process
@@ -503,6 +563,24 @@ def main(argv: list[str] | None = None) -> int:
         "detail": detail,
     })
     results.update(real_figures)
+    return _report(results, args)
+
+
+def _only_real(args: argparse.Namespace, real: Path | None) -> dict:
+    if real is None:
+        raise SystemExit("--real-only needs the real model (drop --no-real)")
+    work = Path(tempfile.mkdtemp(prefix="mlxkv-bench-spec-"))
+    try:
+        return {"tokens": args.tokens, "repeats": args.repeats, **_real_pass(args, real, work)}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _report(results: dict, args: argparse.Namespace) -> int:
+    from mlxkv.engine.blas import blas_info
+
+    results["blas"] = blas_info()["name"]
+    results["load"] = os.getloadavg()
     if not args.json:
         for key, value in results.items():
             if key not in ("detail", "detail_real"):

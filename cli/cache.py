@@ -1,4 +1,5 @@
-"""``mlxkv cache {stats,ls,verify,gc,flush,clear}``: inspect and maintain the SSD tier.
+"""``mlxkv cache {stats,ls,verify,gc,flush,clear}``: inspect and maintain the SSD tier
+(saved conversations, and what speculation learned: the suffix index of each model).
 
 Works on the cache folder alone (no model, no mlx). The parser is in ``cli/parser.py``
 (every settings flag, ``--cache-dir`` included, and ``--json`` are accepted before or after
@@ -65,7 +66,7 @@ def _namespaces(store: Any, only: str | None) -> list[str]:
     """Namespaces with indexed files, or only saved conversations (whose blocks are gone)."""
     from mlxkv.storage.store import check_namespace
 
-    names = set(store.stats()["namespaces"])
+    names = set(store.stats()["namespaces"]) | {f.ns for f in store.learned_files()}
     for de in os.scandir(store.root):
         try:
             if de.is_dir() and de.name not in names and check_namespace(de.name) and \
@@ -122,6 +123,34 @@ def _verify(store: Any, ns: str) -> dict[str, Any]:
     return out
 
 
+def _learned(store: Any, ns: str | None = None, remove: bool = False) -> dict[str, dict[str, Any]]:
+    """The learned files (what speculation learned: the suffix index) per namespace: name ->
+    bytes and, read and verified, sequences and tokens, or the reason it cannot be used
+    (``remove``: a damaged one is deleted, as ``verify`` deletes a corrupt block)."""
+    from mlxkv.storage.learned import LearnedDamaged
+
+    out: dict[str, dict[str, Any]] = {}
+    for f in store.learned_files(ns):
+        info: dict[str, Any] = {"bytes": f.nbytes, "modified": f.mtime}
+        try:
+            got = store.get_learned(f.ns, f.name, remove=remove)
+        except LearnedDamaged as exc:
+            info.update(damaged=exc.reason, removed=exc.removed)
+        else:
+            if got is not None:
+                info.update(schema=got.schema, sequences=len(got.sequences), tokens=got.tokens)
+        out.setdefault(f.ns, {})[f.name] = info
+    return out
+
+
+def _learned_line(name: str, info: dict[str, Any]) -> str:
+    if "damaged" in info:
+        what = "removed" if info.get("removed") else "cannot be used"
+        return f"{name} index: damaged, {what} ({info['damaged']})"
+    return (f"{name} index: {info.get('tokens', 0)} tokens learned from "
+            f"{info.get('sequences', 0)} replies ({human_bytes(info['bytes'])})")
+
+
 def _scratch(layout: Any, rows: int) -> list:
     import numpy as np
 
@@ -161,32 +190,50 @@ def _run(args: argparse.Namespace, root: str) -> int:
         st = store.stats()
         res = {k: st[k] for k in ("root", "bytes", "blocks", "tails", "namespaces",
                                   "kernel", "skipped_unknown_version")}
+        learned = _learned(store)
+        res["learned"] = learned
         if not as_json:
             print(f"{st['root']}: {human_bytes(st['bytes'])} in {st['blocks']} blocks and "
                   f"{st['tails']} tails ({st['kernel']} kernel)")
-            for ns, v in sorted(st["namespaces"].items()):
-                print(f"  {ns}: {human_bytes(v['bytes'])}, {v['blocks']} blocks, "
-                      f"{v['tails']} tails")
+            for ns in sorted(set(st["namespaces"]) | set(learned)):
+                v = st["namespaces"].get(ns)
+                if v is not None:
+                    print(f"  {ns}: {human_bytes(v['bytes'])}, {v['blocks']} blocks, "
+                          f"{v['tails']} tails")
+                else:
+                    print(f"  {ns}: no blocks")
+                for name, info in sorted(learned.get(ns, {}).items()):
+                    print(f"    {_learned_line(name, info)}")
             for path, why in st["skipped_unknown_version"].items():
                 print(f"  skipped {path}: {why}")
     elif cmd == "ls":
         res = {}
         for ns in _namespaces(store, ns_only):
             mans = sorted(store.manifests(ns), key=lambda m: m.created)
-            res[ns] = [{"name": m.name, "tokens": len(m.tokens),
+            res[ns] = [{"kind": "conversation", "name": m.name, "tokens": len(m.tokens),
                         "blocks": len(m.block_keys), "checkpoint": bool(m.extra_keys),
                         "cached_tokens": store.lookup_checkpoint(ns, m.tokens).n_tokens
                         if m.extra_keys else store.longest_prefix(ns, m.tokens),
                         "created": m.created} for m in mans]
+            learned = _learned(store, ns).get(ns, {})
+            for name, info in sorted(learned.items()):  # listed after the conversations
+                res[ns].append({"kind": "learned", "name": name, **info})
             if not as_json:
                 print(f"{ns}: {len(mans)} conversations")
-                for m in res[ns]:
+                for m in res[ns][:len(mans)]:
                     when = time.strftime("%Y-%m-%d %H:%M", time.localtime(m["created"]))
                     print(f"  {m['name']:<24} {m['tokens']:>8} tokens "
                           f"({m['cached_tokens']} on disk)  {when}")
+                for name, info in sorted(learned.items()):
+                    print(f"  {_learned_line(name, info)}")
     elif cmd == "verify":
         res = {ns: _verify(store, ns) for ns in _namespaces(store, ns_only)}
-        bad = sum(v["corrupt"] + v["missing"] + v["manifests_damaged"] for v in res.values())
+        for ns, v in res.items():
+            learned = _learned(store, ns, remove=True).get(ns, {})
+            v["learned_damaged"] = {name: info["damaged"] for name, info in learned.items()
+                                    if "damaged" in info}
+        bad = sum(v["corrupt"] + v["missing"] + v["manifests_damaged"] + len(v["learned_damaged"])
+                  for v in res.values())
         if as_json:
             print(json.dumps(res))
         else:
@@ -196,6 +243,8 @@ def _run(args: argparse.Namespace, root: str) -> int:
                       f"{v['manifests_damaged']} damaged manifests")
                 for path, why in v["damaged_manifests"].items():
                     print(f"  damaged manifest (left in place): {path}: {why}")
+                for name, why in v["learned_damaged"].items():
+                    print(f"  damaged {name} index: {why}")
             print("damaged: see above" if bad else "all intact")
         return 1 if bad else 0
     elif cmd == "gc":

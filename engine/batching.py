@@ -25,7 +25,7 @@ from mlxkv.engine.requests import Counts, ErrorEvent, RequestHandle
 from mlxkv.engine.settings import Settings
 from mlxkv.engine.single import Join, SingleStream
 from mlxkv.engine.speculation.batch_verify import BatchLength
-from mlxkv.engine.speculation.providers import Speculation
+from mlxkv.engine.speculation.providers import Speculation, learn_finished
 
 log = logging.getLogger("mlxkv.engine")
 
@@ -161,15 +161,17 @@ class Batching:
                 self.between(True)
 
     def _row_ended(self, row: Row, ending: Ending) -> None:
-        """A batched row sent its last event: count it and store its state."""
+        """A batched row sent its last event: count it, store its state, and let the
+        speculation sources that learn from earlier outputs take its output."""
         if ending.reason == "cancelled":
             self.counts.cancelled += 1
         cache = self.runtime.cache
         if not (cache.enabled and ending.tokens_in_cache and ending.cache):
             cache.release(ending.cache)
-            return
-        cache.store(ending.tokens_in_cache, ending.cache, row.request.session,
-                    row.request.retain_s)
+        else:
+            cache.store(ending.tokens_in_cache, ending.cache, row.request.session,
+                        row.request.retain_s)
+        learn_finished(self.runtime.providers, list(row.emitted))
 
     def _failed(self, batch: Batch, exc: BaseException) -> None:
         """A batch step failed (a cached state that does not fit, say): every row is

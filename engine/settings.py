@@ -90,6 +90,13 @@ def _positive_int(value: Any) -> int:
     return number
 
 
+def _nonnegative_int(value: Any) -> int:
+    number = int(value)
+    if number < 0:
+        raise SettingsError(f"must be 0 or a positive integer, got {value!r}")
+    return number
+
+
 def _positive_float(value: Any) -> float:
     number = float(value)
     if not number > 0:
@@ -210,6 +217,10 @@ FIELDS: tuple[Field, ...] = (
     Field("spec_ngram_min", 2, _positive_int, "prompt lookup: shortest n-gram matched", arg_type=int,
           metavar="N"),
     Field("spec_ngram_max", 4, _positive_int, "prompt lookup: longest n-gram matched", arg_type=int,
+          metavar="N"),
+    Field("spec_suffix_tokens", 32768, _nonnegative_int,
+          "suffix speculation: output tokens of earlier requests a model's global index keeps "
+          "(the oldest are forgotten first; saved beside the SSD cache; 0: none)", arg_type=int,
           metavar="N"),
     # under a distributed launch (mlx.launch)
     Field("shard", "auto", _choice("auto", "tensor", "pipeline"),
@@ -335,6 +346,7 @@ class Settings:
     spec_tokens: int
     spec_ngram_min: int
     spec_ngram_max: int
+    spec_suffix_tokens: int
     shard: str
     dist_timeout_s: float
     host: str

@@ -32,6 +32,7 @@ from mlxkv.engine.requests import (
 )
 from mlxkv.engine.sampling import SamplingParams
 from mlxkv.engine.settings import Settings
+from mlxkv.engine.speculation.providers import learn_finished
 
 if TYPE_CHECKING:
     from mlxkv.engine.speculation.base import DraftProvider
@@ -157,9 +158,11 @@ class SingleStream:
         elif out.finish_reason == "length" and max_tokens < req.params.max_tokens:
             detail = "context"  # stopped at the end of the model's context
         handle.emit(FinishedEvent(out.finish_reason, detail))
-        # After the caller has its answer: hand the KV state to the prefix cache.
+        # After the caller has its answer: hand the KV state to the prefix cache, and the
+        # output to the speculation sources that learn from earlier outputs.
         if stores:
             self.runtime.cache.store(out.tokens_in_cache, gen.cache, req.session, req.retain_s)
+        learn_finished(self.runtime.providers, out.tokens)
 
     def generate(self, handle: RequestHandle, tokens: list[int], params: SamplingParams,
                  cache: list | None, n_cached: int, sent: list[int],

@@ -7,7 +7,8 @@ that has the marker, and only files named exactly as it names them, inside real
 folders (never through a symlink):
 
     <root>/MLXKV-CACHE  <root>/.lock  <root>/<ns>/<2 hex>/<32 hex>.blk|.tail|.ckpt
-    <root>/<ns>/manifests/<16 hex>.man  (and the ``*.<pid>.<thread>.tmp`` names of writes)
+    <root>/<ns>/manifests/<16 hex>.man  <root>/<ns>/learned/<name>.lrn
+    (and the ``*.<pid>.<thread>.tmp`` names of writes)
 
 Opening a folder (:func:`open_folder`):
 
@@ -45,6 +46,7 @@ from mlxkv.storage import diskio as dio
 from mlxkv.storage.format import (
     KIND_BLOCK,
     KIND_CHECKPOINT,
+    KIND_LEARNED,
     KIND_MANIFEST,
     KIND_TAIL,
     PREFIX_SIZE,
@@ -59,6 +61,7 @@ MARKER = "MLXKV-CACHE"
 LOCK = ".lock"
 FOLDER_FORMAT = 1
 MANIFEST_DIR = "manifests"
+LEARNED_DIR = "learned"  # what speculation sources learned in the namespace (storage.learned)
 _MAX_MARKER = 4096
 
 SHARD_RE = re.compile(r"^[0-9a-f]{2}$")
@@ -67,6 +70,8 @@ ENTRY_TMP_RE = re.compile(r"^\.[0-9a-f]{32}\.[0-9]+\.[0-9]+\.tmp$")
 MAN_RE = re.compile(r"^[0-9a-f]{16}\.man$")
 MAN_TMP_RE = re.compile(r"^[0-9a-f]{16}\.man\.[0-9]+\.[0-9]+\.tmp$")
 MARKER_TMP_RE = re.compile(r"^MLXKV-CACHE\.[0-9]+\.[0-9]+\.tmp$")
+LEARNED_RE = re.compile(r"^[a-z][a-z0-9-]{0,31}\.lrn$")
+LEARNED_TMP_RE = re.compile(r"^[a-z][a-z0-9-]{0,31}\.lrn\.[0-9]+\.[0-9]+\.tmp$")
 
 _WHAT_TO_DO = ("choose another folder with --cache-dir, or run without the SSD tier "
                "with --no-ssd-cache")
@@ -192,7 +197,8 @@ def folder_lock(root: str, shared: bool, marked: bool = True) -> Iterator[None]:
         os.close(fd)  # closing the descriptor releases the lock
 
 
-_KIND_OF_NAME = {"blk": KIND_BLOCK, "tail": KIND_TAIL, "ckpt": KIND_CHECKPOINT, "man": KIND_MANIFEST}
+_KIND_OF_NAME = {"blk": KIND_BLOCK, "tail": KIND_TAIL, "ckpt": KIND_CHECKPOINT, "man": KIND_MANIFEST,
+                 "lrn": KIND_LEARNED}
 
 
 def _parses_as_ours(path: str, kind: int | None) -> bool:
@@ -248,6 +254,8 @@ def _foreign_in_namespace(nsd: str) -> str | None:
             return sub.path
         if sub.name == MANIFEST_DIR:
             names, temps, shard = MAN_RE, MAN_TMP_RE, None
+        elif sub.name == LEARNED_DIR:
+            names, temps, shard = LEARNED_RE, LEARNED_TMP_RE, None
         elif SHARD_RE.match(sub.name):
             names, temps, shard = ENTRY_RE, ENTRY_TMP_RE, sub.name
         else:

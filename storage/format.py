@@ -25,6 +25,11 @@ ones after the last full block, as for a tail.
 Manifest body (kind 3): ``meta length u32 | meta (JSON) | token ids u32[n] | keys 16*k``.
 A manifest is all header: its header hash covers every byte, token ids and keys included.
 
+Learned sequences (kind 5: what a speculation source learned in a namespace, e.g. the
+suffix source's global index): ``meta length u32 | meta (JSON) | lengths u32[n] | token
+ids u32[sum(lengths)]``, the sequences oldest first. All header too, at most
+:data:`MAX_LEARNED_TOKENS` tokens; every length and count is checked against the body.
+
 Metadata JSON is bounded before it is parsed (:data:`MAX_META` bytes, :data:`MAX_DEPTH`
 levels of nesting), so a hostile or damaged file is a FormatError, never a RecursionError
 or a huge allocation.
@@ -48,8 +53,9 @@ KIND_BLOCK = 1
 KIND_TAIL = 2
 KIND_CHECKPOINT = 4  # whole (non-sliceable) state at one exact token position
 KIND_MANIFEST = 3
+KIND_LEARNED = 5  # token sequences a speculation source learned (one file per namespace)
 KIND_NAMES = {KIND_BLOCK: "block", KIND_TAIL: "tail", KIND_MANIFEST: "manifest",
-              KIND_CHECKPOINT: "checkpoint"}
+              KIND_CHECKPOINT: "checkpoint", KIND_LEARNED: "learned"}
 ENTRY_KINDS = (KIND_BLOCK, KIND_TAIL, KIND_CHECKPOINT)
 
 _PREFIX = struct.Struct("<8sHHI")  # magic, version, kind, header body length
@@ -61,6 +67,8 @@ MAX_HEADER = 1 << 24  # a header larger than 16 MiB is damage, not data
 MAX_MANIFEST = 1 << 28  # bytes: 64 M token ids; a larger .man file is not one of ours
 MAX_META = 1 << 20  # bytes of metadata JSON in one header
 MAX_DEPTH = 8  # nesting of metadata JSON (ours is 3 deep)
+# Tokens in one learned file: its body (4 bytes a token, plus lengths) stays under MAX_HEADER.
+MAX_LEARNED_TOKENS = 1 << 20
 
 # Bytes per element of the dtypes KV caches use; others are accepted without the check.
 DTYPE_SIZES = {
@@ -334,23 +342,29 @@ def encode_manifest(m: Manifest, version: int = FORMAT_VERSION) -> bytes:
     return _prefix(KIND_MANIFEST, body, version)
 
 
-def decode_manifest(buf: Any) -> Manifest:
-    kind, body = _verified_body(buf)
-    if kind != KIND_MANIFEST:
-        raise FormatError(f"expected a manifest, found a {KIND_NAMES[kind]}")
+def _meta_body(buf: Any, kind: int, what: str) -> tuple[Any, bytes, int]:
+    """(metadata, body, where the data after the metadata starts) of a verified all-header
+    file of ``kind`` whose body opens with ``meta length u32 | meta (JSON)``."""
+    got, body = _verified_body(buf)
+    if got != kind:
+        raise FormatError(f"expected a {KIND_NAMES[kind]}, found a {KIND_NAMES[got]}")
     if len(body) < _MAN.size:
-        raise FormatError("manifest body too short")
+        raise FormatError(f"{what} body too short")
     (mlen,) = _MAN.unpack_from(body, 0)
-    if 4 + mlen > len(body):
-        raise FormatError(f"manifest metadata length {mlen} exceeds the body")
-    meta = load_json(body[4 : 4 + mlen], "manifest")
+    if _MAN.size + mlen > len(body):
+        raise FormatError(f"{what} metadata length {mlen} exceeds the body")
+    return load_json(body[_MAN.size: _MAN.size + mlen], what), body, _MAN.size + mlen
+
+
+def decode_manifest(buf: Any) -> Manifest:
+    meta, body, start = _meta_body(buf, KIND_MANIFEST, "manifest")
     try:
         nkeys = int(meta["n_keys"])
-        rest = len(body) - 4 - mlen - 16 * nkeys
+        rest = len(body) - start - 16 * nkeys
         if nkeys < 0 or rest < 0 or rest % 4:
             raise FormatError("manifest sizes do not add up")
-        tokens = np.frombuffer(body[4 + mlen : 4 + mlen + rest], dtype="<u4").copy()
-        kb = body[4 + mlen + rest :]
+        tokens = np.frombuffer(body[start : start + rest], dtype="<u4").copy()
+        kb = body[start + rest :]
         keys = tuple(kb[i * 16 : (i + 1) * 16] for i in range(nkeys))
         tail = bytes.fromhex(meta["tail"]) if meta["tail"] else None
         extra = tuple(bytes.fromhex(k) for k in meta.get("extra", ()))
@@ -358,3 +372,52 @@ def decode_manifest(buf: Any) -> Manifest:
                         float(meta["created"]), extra)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise FormatError(f"bad manifest: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class Learned:
+    """Token sequences a speculation source learned in namespace ``ns`` (oldest first), in
+    the layout ``schema`` names."""
+
+    ns: str
+    schema: str
+    sequences: tuple[np.ndarray, ...]  # uint32 token ids, each non-empty
+    saved: float
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(s) for s in self.sequences)
+
+
+def encode_learned(learned: Learned, version: int = FORMAT_VERSION) -> bytes:
+    seqs = [np.ascontiguousarray(s, dtype="<u4") for s in learned.sequences]
+    if any(s.ndim != 1 or s.size == 0 for s in seqs):
+        raise ValueError("learned sequences must be flat and non-empty")
+    total = sum(s.size for s in seqs)
+    if total > MAX_LEARNED_TOKENS:
+        raise ValueError(f"{total} learned tokens: at most {MAX_LEARNED_TOKENS} fit one file")
+    meta = json.dumps({"ns": learned.ns, "schema": learned.schema, "sequences": len(seqs),
+                       "tokens": total, "saved": learned.saved}, separators=(",", ":")).encode()
+    lengths = np.array([s.size for s in seqs], dtype="<u4")
+    body = _MAN.pack(len(meta)) + meta + lengths.tobytes() + b"".join(s.tobytes() for s in seqs)
+    return _prefix(KIND_LEARNED, body, version)
+
+
+def decode_learned(buf: Any) -> Learned:
+    """Parse and verify a learned file read whole; FormatError if any byte or count is off."""
+    meta, body, start = _meta_body(buf, KIND_LEARNED, "learned")
+    try:
+        n, total = int(meta["sequences"]), int(meta["tokens"])
+        ns, schema, saved = str(meta["ns"]), str(meta["schema"]), float(meta["saved"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise FormatError(f"bad learned metadata: {exc}") from exc
+    if not (0 <= n <= total <= MAX_LEARNED_TOKENS) or start + 4 * (n + total) != len(body):
+        raise FormatError(f"learned sizes do not add up ({n} sequences, {total} tokens, "
+                          f"{len(body) - start} bytes)")
+    lengths = np.frombuffer(body, dtype="<u4", count=n, offset=start).astype(np.int64)
+    if n and (int(lengths.min()) < 1 or int(lengths.sum()) != total):
+        raise FormatError("learned sequence lengths do not add up to its token count")
+    tokens = np.frombuffer(body, dtype="<u4", count=total, offset=start + 4 * n)
+    ends = np.cumsum(lengths)
+    seqs = tuple(tokens[e - k: e].copy() for e, k in zip(ends.tolist(), lengths.tolist()))
+    return Learned(ns, schema, seqs, saved)

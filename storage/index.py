@@ -28,6 +28,9 @@ from mlxkv.storage.entries import (
 from mlxkv.storage.folder import (
     ENTRY_RE,
     ENTRY_TMP_RE,
+    LEARNED_DIR,
+    LEARNED_RE,
+    LEARNED_TMP_RE,
     MAN_RE,
     MAN_TMP_RE,
     MARKER,
@@ -328,23 +331,25 @@ class IndexMixin:
             ns, nsid = nsd.name, namespace_id(nsd.name)
             for sub in dio.scandir(nsd.path, unlistable):
                 manifests = sub.name == MANIFEST_DIR
-                if not (manifests or SHARD_RE.match(sub.name)) or not _real_dir(sub):
+                learned = sub.name == LEARNED_DIR
+                if not (manifests or learned or SHARD_RE.match(sub.name)) or not _real_dir(sub):
                     self._leave(sub.path, "not a folder of the cache")
                     rep["foreign"] += 1
                     continue
-                names, temps = (MAN_RE, MAN_TMP_RE) if manifests else (ENTRY_RE, ENTRY_TMP_RE)
+                names, temps = ((MAN_RE, MAN_TMP_RE) if manifests else
+                                (LEARNED_RE, LEARNED_TMP_RE) if learned else (ENTRY_RE, ENTRY_TMP_RE))
                 for de in dio.scandir(sub.path, unlistable):
                     regular = _regular(de)
                     if regular and temps.match(de.name):  # a writer died before its rename
                         rep["tmp_removed"] += self._unlink(de.path)
                         continue
                     if not regular or not names.match(de.name) or \
-                            not (manifests or de.name[:2] == sub.name):
+                            not (manifests or learned or de.name[:2] == sub.name):
                         self._leave(de.path, "not a cache file" if regular else
                                     "not a regular file")
                         rep["foreign"] += 1
                         continue
-                    if manifests:  # read on demand (manifests(), gc)
+                    if manifests or learned:  # read on demand (manifests(), gc, get_learned())
                         continue
                     seen.add(de.path)
                     if de.path not in known:

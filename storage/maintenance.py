@@ -53,6 +53,7 @@ class MaintenanceMixin:
     _spaces: dict[str, Space]
     _bytes: int
     _unlink: Callable[[str], bool]
+    _clear_learned: Callable[[str], int]
 
     @contextmanager
     def _flock(self, shared: bool) -> Iterator[None]:
@@ -154,7 +155,7 @@ class MaintenanceMixin:
 
     def clear(self, ns: str) -> dict[str, Any]:
         """Remove everything of namespace ``ns`` that is ours: its manifests (damaged ones
-        too), blocks, tails and checkpoints, then its folders once empty. Files that are
+        too), blocks, tails, checkpoints and learned files, then its folders once empty. Files that are
         not ours are left, and so is the folder holding them (``folder_removed`` False)."""
         check_namespace(ns)
         nsd = os.path.join(self.root, ns)
@@ -170,6 +171,7 @@ class MaintenanceMixin:
                 self._c["gc_removed"] += len(dead)
                 self._c["gc_bytes"] += sum(e.file_size for e in dead)
             self._remove_retired(dead)
+            learned = self._clear_learned(nsd)
             if _is_real_dir(nsd):
                 for sub in dio.scandir(nsd):  # only our own (empty) folders
                     if ((SHARD_RE.match(sub.name) or sub.name == MANIFEST_DIR)
@@ -177,7 +179,8 @@ class MaintenanceMixin:
                         dio.quiet(os.rmdir, sub.path)
                 dio.quiet(os.rmdir, nsd)
         return {"removed": len(dead), "bytes": sum(e.file_size for e in dead),
-                "manifests_removed": mans, "folder_removed": not os.path.lexists(nsd)}
+                "manifests_removed": mans, "learned_removed": learned,
+                "folder_removed": not os.path.lexists(nsd)}
 
     def remove(self, ns: str, keys: Iterable[bytes]) -> dict[str, int]:
         """Remove the blocks, tails and checkpoints of ``ns`` with these keys (index and

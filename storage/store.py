@@ -35,14 +35,17 @@ API (all byte-level; ``storage`` never imports mlx)::
         # gc leaves a namespace whole while one of its manifests cannot be read
         # (its report lists them under "unreadable_manifests")
     store.clear(ns)                 # remove a namespace whole, damaged manifests included
+    store.put_learned(ns, name, learned) / get_learned(ns, name) / learned_files(ns)
+        # what a speculation source learned in ns, one verified file each (storage.learned)
 
 Keys: block key = xxh3_128(parent key, namespace id, token ids of the block); a tail key
 hashes its parent key and its (< block_tokens) token ids. A tail is usable for any query
 that shares a prefix of its tokens (KV rows are per token), so a conversation that
 continues re-prefills only its new tokens.
 
-Files: ``<root>/<ns>/<2 hex>/<key>.blk|.tail|.ckpt`` and ``<root>/<ns>/manifests/*.man``, each
-written atomically (temp name, write, fsync, rename, fsync dir), 0600 in 0700 folders.
+Files: ``<root>/<ns>/<2 hex>/<key>.blk|.tail|.ckpt``, ``<root>/<ns>/manifests/*.man`` and
+``<root>/<ns>/learned/*.lrn``, each written atomically (temp name, write, fsync, rename,
+fsync dir), 0600 in 0700 folders.
 The folder is marked as a cache (``<root>/MLXKV-CACHE``); opening a folder that is not
 one (user files, no marker), is read-only, or is a file raises
 :class:`~storage.keys.CacheFolderError` (see ``storage.folder``). Nothing is removed but
@@ -59,7 +62,8 @@ concurrently with lookups from another thread.
 
 Modules: ``keys`` (chain keys, results), ``entries`` (index entries from file headers),
 ``index`` (lookups, scan), ``write`` (put_*), ``folder`` (marker, lock, names),
-``restore`` (get_*), ``maintenance`` (locks, evict, gc, manifests); ``BlockStore`` joins them.
+``restore`` (get_*), ``maintenance`` (locks, evict, gc, manifests), ``learned`` (learned
+files); ``BlockStore`` joins them.
 Speed: see ``storage.write`` and ``storage.restore`` (``read_threads`` defaults to
 min(4, CPUs)).
 """
@@ -89,6 +93,7 @@ from mlxkv.storage.keys import (
     check_namespace,
     namespace_id,
 )
+from mlxkv.storage.learned import LearnedMixin
 from mlxkv.storage.maintenance import MaintenanceMixin
 from mlxkv.storage.restore import ReadMixin
 from mlxkv.storage.write import WriteMixin
@@ -111,7 +116,7 @@ def reset_warnings() -> None:
         _warned.clear()
 
 
-class BlockStore(IndexMixin, WriteMixin, ReadMixin, MaintenanceMixin):
+class BlockStore(IndexMixin, WriteMixin, ReadMixin, MaintenanceMixin, LearnedMixin):
     """Content-addressed KV blocks under ``root`` (see the module docstring)."""
 
     def __init__(

@@ -131,6 +131,26 @@ def test_an_unmarked_folder_of_only_our_files_is_adopted(tmp_path):
     assert restore(store, "m", toks, F32, toks.size)[0].n_tokens == toks.size
 
 
+def test_learned_files_are_ours_to_scan_adopt_and_clear(tmp_path):
+    # what speculation learned in a namespace (storage.learned) sits beside its blocks: a
+    # scan neither counts it as foreign nor touches it (but for a killed writer's temp
+    # file), an unmarked folder holding one is adopted, and clearing the namespace removes it
+    toks, _ = old_cache(tmp_path)
+    learned = fmt.Learned("m", "suffix-outputs-v1", (np.arange(7, dtype=np.uint32),), 0.0)
+    BlockStore(tmp_path, block_tokens=BT).put_learned("m", "suffix", learned)
+    (tmp_path / MARKER).unlink()
+    temp = tmp_path / "m" / "learned" / "suffix.lrn.123.456.tmp"
+    temp.write_bytes(fmt.encode_learned(learned)[:40])  # a writer killed mid-write
+    store = BlockStore(tmp_path, block_tokens=BT)  # adopted: everything in it is ours
+    rep = store.scan()
+    assert (rep["foreign"], rep["tmp_removed"]) == (0, 1) and not temp.exists()
+    assert store.stats()["skipped"] == {}
+    assert store.get_learned("m", "suffix").sequences[0].tolist() == list(range(7))
+    assert [f.name for f in store.learned_files("m")] == ["suffix"]
+    rep = store.clear("m")
+    assert rep["learned_removed"] == 1 and rep["folder_removed"]
+
+
 @pytest.mark.parametrize("extra", ["file", "symlink", "bad-magic", "wrong-kind", "subfolder"])
 def test_an_unmarked_folder_with_anything_else_is_not_adopted(tmp_path, extra):
     toks, keys = old_cache(tmp_path)
@@ -359,7 +379,7 @@ def test_a_manifest_with_one_flipped_bit_is_reported_and_keeps_its_blocks(tmp_pa
     # clearing the namespace removes it whole, the damaged manifest included
     cleared = store.clear("m")
     assert cleared == {"removed": 5, "bytes": cleared["bytes"], "manifests_removed": 1,
-                       "folder_removed": True}
+                       "learned_removed": 0, "folder_removed": True}
     assert not (tmp_path / "m").exists() and (tmp_path / MARKER).exists()
 
 

@@ -21,6 +21,7 @@ from mlxkv.engine.speculation.draft import DraftModelSource
 from mlxkv.engine.speculation.draft_step import CompiledStep
 from mlxkv.engine.speculation.policy import LengthController
 from mlxkv.engine.speculation.sampling import TargetSampler, rejection_walk_rows
+from mlxkv.engine.speculation.suffix import SuffixProvider
 from mlxkv.engine.speculation.verify import SpecStream
 from support.modelgen import BASE_CONFIGS, init_model
 
@@ -130,6 +131,32 @@ def test_speculative_stream_samples_as_plain_decoding(pair):
                                                       sampler=make_sampler(1.0))]
     counts = _chain_counts(plain)
     assert chi2_pvalue(counts, counts.sum(1, keepdims=True) * p_t) > 0.01
+
+
+def test_suffix_source_samples_as_plain_decoding(pair):
+    # An exact-match source (one-hot q) under sampling: each drafted token is kept when the
+    # target's own draw at that position equals it, which is rejection sampling with q
+    # one-hot. The suffix source proposes from the request's text and from a global index
+    # that learned an earlier sampled reply of the same chain.
+    target = markov_model(1)
+    params = SamplingParams(temperature=1.0, max_tokens=1500)
+    p_t = transition_probs(target, params)
+    mx.random.seed(21)
+    earlier = [int(t) for t, _ in generate_step(mx.array([1, 2, 3]), target, max_tokens=400,
+                                                  sampler=make_sampler(1.0))]
+    provider = SuffixProvider(lengths=(4, 3, 2, 1), min_score=0.0)
+    provider.learn(earlier)
+    spec_tokens, stats = [], None
+    for seed in range(2):
+        mx.random.seed(seed)
+        stream = SpecStream(target, [1, 2, 3], 0, make_prompt_cache(target), params, provider.open(None, params),
+                            LengthController(4, 4, adaptive=False), kind="suffix")
+        spec_tokens.append([3] + [t for t, _ in stream])
+        stats = stream.summary()
+    assert 0 < stats["accepted"] < stats["drafted"]
+    spec = sum((_chain_counts(t) for t in spec_tokens), np.zeros((V, V)))
+    assert spec.sum() >= 2990
+    assert chi2_pvalue(spec, spec.sum(1, keepdims=True) * p_t) > 0.01
 
 
 def test_ragged_rows_stop_at_their_own_length():

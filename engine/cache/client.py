@@ -92,6 +92,14 @@ class CacheClient(Protocol):
     def verify(self, entry_id: str | None = None) -> dict[str, Any]:
         """Read and check SSD blocks (of one entry, or all)."""
 
+    def load_learned(self, ns: str, name: str, schema: str) -> list:
+        """What a speculation source saved in ``ns`` as ``name`` (token arrays, oldest
+        first; [] when nothing usable is saved)."""
+
+    def keep_learned(self, ns: str, name: str, source: Any) -> None:
+        """Save ``source`` (``engine.cache.learned.LearnedSource``) as ``name`` in ``ns``
+        whenever the cache persists."""
+
 
 CacheFactory = Callable[[Any, str], CacheClient]  # (loaded model, namespace) -> the cache
 

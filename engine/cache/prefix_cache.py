@@ -7,6 +7,7 @@
     pc.prefetch(prompt_tokens, ns, session=None)           # engine thread: SSD -> RAM
     pc.busy(True) ... pc.busy(False)                       # the engine serves / is idle
     pc.flush(timeout) ; pc.gc(ns) ; pc.stats() ; pc.close(timeout)
+    pc.load_learned(ns, name, schema) ; pc.keep_learned(ns, name, source)  # engine.cache.learned
 
 ``PrefixCache`` orchestrates the tiers; each job has its module:
 
@@ -22,6 +23,8 @@
   lookup; the RAM tier and the block store walk the same keys);
 * ``layout`` / ``template``: the versioned mapping of mlx-lm caches onto stored bytes,
   and the check of a restored cache against the model's before it is lent;
+* ``learned``: what speculation sources learned (the suffix index), one verified file per
+  source and namespace beside the blocks, saved when the cache persists;
 * ``manage`` / ``listing`` / ``info``: entries for front ends (list, pin, evict, delete,
   verify, invalidate); ``stats`` / ``events``: counters,
   events (``on_event``) and once-per-condition warnings.
@@ -48,6 +51,7 @@ from mlxkv.engine.cache import kvblocks as kb
 from mlxkv.engine.cache.arena import Arena
 from mlxkv.engine.cache.events import Events
 from mlxkv.engine.cache.info import CacheEntryDetail, CacheEntryInfo
+from mlxkv.engine.cache.learned import LearnedFiles
 from mlxkv.engine.cache.lending import Lending
 from mlxkv.engine.cache.manage import ManageMixin, folder_errors
 from mlxkv.engine.cache.misses import Divergence, SavedTokens
@@ -121,6 +125,12 @@ class NullPrefixCache:
         return None
 
     def close_session(self, session: str) -> None:
+        return None
+
+    def load_learned(self, ns: str, name: str, schema: str) -> list:
+        return []
+
+    def keep_learned(self, ns: str, name: str, source: Any) -> None:
         return None
 
     def bind_model(self, ns: str, model: Any) -> None:
@@ -197,6 +207,8 @@ class PrefixCache(ManageMixin, PrefetchMixin):
                 self.ssd_disabled_reason = str(exc)
                 self._events.warn("ssd-unusable", "prefix cache: running without the SSD "
                                   "tier (RAM only): %s", exc)
+        # what speculation sources learned, saved beside the SSD tier (none without it)
+        self.learned = LearnedFiles(self.ssd.disk, self._events) if self.ssd is not None else None
 
     @classmethod
     def from_settings(cls, settings: Settings) -> PrefixCache | NullPrefixCache:
@@ -419,6 +431,19 @@ class PrefixCache(ManageMixin, PrefetchMixin):
         self.ram.release_session(session)
         self.ram.evict()
 
+    # ------------------------------------------------------------------ learned files
+    def load_learned(self, ns: str, name: str, schema: str) -> list:
+        """What a speculation source saved in namespace ``ns`` as ``name`` (token arrays,
+        oldest first; [] when nothing usable is saved, or without an SSD tier; see
+        ``engine.cache.learned``)."""
+        return [] if self.learned is None else self.learned.load(store_namespace(ns), name, schema)
+
+    def keep_learned(self, ns: str, name: str, source: Any) -> None:
+        """Save ``source`` (an ``engine.cache.learned.LearnedSource``) as ``name`` in ``ns``
+        whenever the cache persists: flush, close, and now and then while idle."""
+        if self.learned is not None:
+            self.learned.keep(store_namespace(ns), name, source)
+
     # ------------------------------------------------------------------ durability
     def busy(self, active: bool) -> None:
         """The engine started serving (True: a prefill or decode is running) or has
@@ -431,17 +456,23 @@ class PrefixCache(ManageMixin, PrefetchMixin):
             if not active:  # nothing waits on the engine: finished prefetches, arena slots
                 self._adopt()
                 self.arena.replenish()
+                self.learned.idle()
 
     def flush(self, timeout: float | None = None) -> dict[str, int]:
         """Persist every dirty state now (up to ``timeout`` s):
         ``{durable, flushed, pending, failed, missing}``."""
-        return dict(_EMPTY_FLUSH) if self.ssd is None else self.ssd.flush(timeout)
+        if self.ssd is None:
+            return dict(_EMPTY_FLUSH)
+        self.learned.flush(timeout)
+        return self.ssd.flush(timeout)
 
     def close(self, timeout: float | None = 10.0) -> dict[str, int]:
         """Flush (bounded by ``timeout``), stop the storage threads, free RAM."""
         for pf in self._prefetching:
             pf.p.future.cancel()
         self._prefetching = []
+        if self.learned is not None:
+            self.learned.close(timeout)
         rep = dict(_EMPTY_FLUSH) if self.ssd is None else self.ssd.close(timeout)
         self.arena.clear()
         self.lending.clear()
@@ -467,5 +498,7 @@ class PrefixCache(ManageMixin, PrefetchMixin):
             "ssd_disabled_reason": self.ssd_disabled_reason,
         })
         s.update(self.ssd.stats() if self.ssd is not None else {"ssd": False})
+        if self.learned is not None:
+            s.update(self.learned.stats())
         s.update(self.arena.stats())
         return s

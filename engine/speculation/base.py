@@ -111,6 +111,12 @@ class DraftSource:
         """``accepted`` are now in the target's KV: the old pending token plus the accepted
         drafts. ``hidden``: the target hidden rows of exactly those positions."""
 
+    def worth_probing(self) -> bool:
+        """After a plain step fed the target (``commit`` told the source): whether it now
+        sees a long earlier run repeated, so that a pause in speculation should end and the
+        next round propose."""
+        return False
+
     def capture(self) -> Any:
         """State to store beside the target's cache entry (None: nothing to store; a
         :class:`KVState` goes to the prefix cache under the draft namespace)."""
@@ -140,6 +146,18 @@ class DraftProvider:
 
     def open(self, target: TargetView, sampling: SamplingParams, constraints: Any = None) -> DraftSource:
         raise NotImplementedError
+
+    def attach(self, cache: Any, namespace: str) -> None:
+        """Once, at load: the model's prefix cache (an ``engine.cache.client.CacheClient``)
+        and its namespace, for a provider that keeps what it learned beside the cache."""
+
+    def learn(self, output: Sequence[int]) -> None:
+        """A request of the target finished with ``output`` (whatever its speculation, alone
+        or batched; engine thread)."""
+
+    def figures(self) -> dict[str, Any]:
+        """The provider's own figures for ``engine.stats()["spec"][kind]``."""
+        return {}
 
 
 class DraftRowConstraints:

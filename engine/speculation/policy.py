@@ -161,6 +161,11 @@ class LengthController:
         self._in_block = off > 0
         return off
 
+    def cut_off_steps(self, unused: int) -> None:
+        """The block of plain steps ended ``unused`` steps early (the source saw a run it
+        may propose right): the next round probes."""
+        self._tokens -= max(int(unused), 0)
+
     def empty(self) -> None:
         """The source had nothing to propose: after a few such rounds in a row, stop asking
         for a while (the plain steps then run pipelined, as without speculation)."""

@@ -1,15 +1,19 @@
 """Which sources a loaded target gets, which one a request uses, and the per-request
 :class:`Speculation` that ``engine.generate.Generation`` runs through the verifier.
 
-``load_providers`` runs on the engine thread at load: prompt lookup always, the draft
-model when one is set (the demo model pairs with the demo draft model by default), MTP
-when the checkpoint carries MTP weights. A request's source: ``guided_choice`` ->
-constraints; else its ``spec`` (or the engine's): ``auto`` prefers MTP, then a draft
-model, then prompt lookup, and adapts (stopping when slower); a named source is used
-with the same adaptive length. Each provider keeps a ``policy.SourceMemory`` per sampling
-regime (greedy, sampled: exact-match sources accept less when sampling), so a request
-starts from what the requests before it learned. Draft state that is a KV cache is stored
-in the prefix cache under the namespace ``f"{ns}+draft-{provider.checkpoint_namespace()}"``.
+``load_providers`` runs on the engine thread at load: prompt lookup and the suffix source
+always, the draft model when one is set (the demo model pairs with the demo draft model by
+default), MTP when the checkpoint carries MTP weights. A request's source:
+``guided_choice`` -> constraints; else its ``spec`` (or the engine's): ``auto`` prefers
+MTP, then a draft model, then the suffix source (prompt lookup only where there is no
+suffix provider), and adapts (stopping when slower); a named source is used with the same
+adaptive length. Each provider keeps a ``policy.SourceMemory`` per sampling regime
+(greedy, sampled: exact-match sources accept less when sampling), so a request starts
+from what the requests before it learned. Draft state that is a KV cache is stored in the
+prefix cache under the namespace ``f"{ns}+draft-{provider.checkpoint_namespace()}"``.
+Every finished request of the model is handed to every provider (``learn_finished``):
+the suffix source's global index learns from it, and is kept beside the prefix cache
+(``bind_providers`` -> ``DraftProvider.attach``).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from mlxkv.engine.speculation.verify import SpecStream
 log = logging.getLogger("mlxkv.spec")
 __all__ = ["SPEC_CHOICES", "load_providers", "open_speculation"]
 SPEC_TOKENS: int = FIELD_BY_NAME["spec_tokens"].default
+AUTO_ORDER = ("mtp", "draft", "suffix", "ngram")  # what ``auto`` prefers, first available
 
 
 def _is_demo(loaded: Any) -> bool:
@@ -51,7 +56,8 @@ def load_providers(loaded: Any, settings: Settings) -> dict[str, DraftProvider]:
     mode = settings.spec
     providers: dict[str, DraftProvider] = {
         "ngram": NgramProvider(settings.spec_ngram_min, settings.spec_ngram_max),
-        "suffix": SuffixProvider(),
+        "suffix": SuffixProvider(global_tokens=settings.spec_suffix_tokens,
+                                 vocab_size=TargetView(loaded.model, loaded.tokenizer).vocab_size),
         "constraint": ConstraintProvider(),
     }
     draft_spec = settings.draft_model
@@ -89,18 +95,38 @@ def load_providers(loaded: Any, settings: Settings) -> dict[str, DraftProvider]:
 
 def bind_providers(prefix_cache: CacheClient, namespace: str,
                    providers: dict[str, DraftProvider]) -> None:
-    """Let the prefix cache check restored draft states against the draft's own model."""
+    """Let the prefix cache check restored draft states against the draft's own model, and
+    give every provider the cache and the model's namespace (what it learned is kept
+    there)."""
     for p in providers.values():
         if p.model is not None:
             prefix_cache.bind_model(draft_namespace(namespace, p), p.model)
+        try:
+            p.attach(prefix_cache, namespace)
+        except Exception:
+            log.exception("speculation %s could not use the prefix cache", p.kind)
+
+
+def learn_finished(providers: dict[str, DraftProvider], output: list[int]) -> None:
+    """A request of the model finished with ``output`` (any speculation, alone or batched):
+    every provider that learns from earlier outputs takes it (engine thread; a failure is
+    logged, never raised into the request)."""
+    if not output:
+        return
+    for p in providers.values():
+        try:
+            p.learn(output)
+        except Exception:
+            log.exception("speculation %s could not learn a finished request", p.kind)
 
 
 def spec_stats(providers: dict[str, DraftProvider]) -> dict:
     """Engine-wide figures per source: requests, rounds, drafted, accepted, target forwards,
-    and what its policy learned (``learned``, per sampling regime)."""
+    what its policy learned (``learned``, per sampling regime), and the provider's own
+    (``DraftProvider.figures``: the suffix index's learned replies and tokens)."""
     out = {}
     for kind, p in providers.items():
-        totals = dict(p.__dict__.get("totals", {}))
+        totals = {**p.figures(), **p.__dict__.get("totals", {})}
         if totals.get("drafted"):
             totals["acceptance"] = round(totals["accepted"] / totals["drafted"], 4)
         memories = p.__dict__.get("policy_memory")
@@ -128,7 +154,10 @@ def choose(providers: dict[str, DraftProvider], mode: str, guided: bool) -> Draf
     if guided and "constraint" in providers:
         return providers["constraint"]
     if mode == "auto":
-        for kind in ("mtp", "draft", "ngram"):
+        # Model-free, the suffix source proposes all prompt lookup would (the longest earlier
+        # match of the text's end, in the conversation) and what earlier replies of the model
+        # wrote; its length controller turns it off where it does not pay.
+        for kind in AUTO_ORDER:
             if kind in providers:
                 return providers[kind]
         return None

@@ -10,159 +10,74 @@ occurrence of a short fixed n-gram and gives up at the first difference; here ev
 proposed token is chosen again against the longest suffix that matches the text *with the
 tokens proposed so far*, so after a paraphrased word the proposal re-anchors on the next
 matching run instead of stopping, and where a context was followed by different tokens at
-different times the most frequent one wins.
+different times the most frequent one wins (``engine.speculation.suffix_index``).
 
-The structure is a bounded-length suffix index rather than a full suffix tree: for every
-position and every length L in :data:`LENGTHS`, the hash of the L tokens ending there maps
-to the counts of the tokens that followed them. A lookup tries the lengths longest first
-(one dictionary probe each), so a proposed token costs ``len(LENGTHS)`` probes, and adding
-a token costs as many insertions; hashes that collide only make a proposal worse, never the
-output (the verifier decides every token). A proposal stops where the most frequent
-continuation's share falls below ``min_share``, and is at most ``alpha`` times the length
-of the match it starts from (a short match predicts little).
-
-The global index of a provider (one per loaded model) learns the output of every finished
-request and forgets the oldest outputs beyond ``global_tokens`` tokens.
+Two indexes per request: its own (prompt and output, built at its prefill), and its
+provider's global index (one per loaded model, that is per prefix-cache namespace), which
+learns the output of every finished request of the model, whatever its speculation
+(``learn``: the engine calls it for single-stream and batched rows alike), and forgets the
+oldest outputs beyond ``global_tokens`` tokens. The global index is saved beside the SSD
+cache (``attach``: the prefix cache reads it back at load and writes it when it flushes,
+closes, and now and then while idle), so an agent's next turn after a restart is proposed
+from what the process before it learned.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
+from mlxkv.engine.logs import warn_once
 from mlxkv.engine.speculation.base import DraftProvider, DraftRowGroup, DraftSource, Proposal
+from mlxkv.engine.speculation.suffix_index import LENGTHS, SuffixIndex, match_length, propose_path
 
-SCHEMA = "suffix-v1"
-# Suffix lengths indexed (tokens). Long ones anchor precisely in repeated files and JSON;
-# short ones keep proposing after a paraphrase.
-LENGTHS = (32, 24, 16, 12, 8, 6, 4, 3, 2, 1)
+log = logging.getLogger("mlxkv.spec")
 
-
-class SuffixIndex:
-    """Counts of the token that followed every suffix of length in :data:`LENGTHS` of the
-    sequences added to it (``extend`` appends to the current sequence; ``end_sequence``
-    starts a new one, so no suffix spans two sequences)."""
-
-    def __init__(self, lengths: Sequence[int] = LENGTHS):
-        if not lengths or min(lengths) < 1:
-            raise ValueError(f"suffix lengths must be >= 1, got {lengths!r}")
-        self.lengths = tuple(sorted(set(int(n) for n in lengths), reverse=True))
-        self.tokens: list[int] = []  # the current sequence
-        self._follow: dict[int, dict[int, int]] = {}
-
-    def __len__(self) -> int:
-        return len(self._follow)
-
-    def _add(self, seq: Sequence[int], end: int, token: int, delta: int) -> None:
-        follow = self._follow
-        for n in self.lengths:
-            if n > end:
-                continue
-            key = hash(tuple(seq[end - n: end]))
-            counts = follow.get(key)
-            if counts is None:
-                if delta < 0:
-                    continue
-                follow[key] = {token: delta}
-                continue
-            c = counts.get(token, 0) + delta
-            if c > 0:
-                counts[token] = c
-            else:
-                counts.pop(token, None)
-                if not counts:
-                    del follow[key]
-
-    def extend(self, tokens: Sequence[int]) -> None:
-        seq = self.tokens
-        for t in tokens:
-            t = int(t)
-            self._add(seq, len(seq), t, 1)
-            seq.append(t)
-
-    def end_sequence(self) -> list[int]:
-        """Close the current sequence (returns it); the next ``extend`` starts a new one."""
-        done, self.tokens = self.tokens, []
-        return done
-
-    def forget(self, seq: Sequence[int]) -> None:
-        """Remove a sequence added earlier (its counts go down by what it added)."""
-        for end in range(len(seq)):
-            self._add(seq, end, int(seq[end]), -1)
-
-    def match(self, context: Sequence[int]) -> tuple[int, dict[int, int] | None]:
-        """(length of the longest indexed suffix of ``context``, the counts of what followed
-        it), or (0, None)."""
-        follow = self._follow
-        for n in self.lengths:
-            if n <= len(context):
-                counts = follow.get(hash(tuple(context[len(context) - n:])))
-                if counts:
-                    return n, counts
-        return 0, None
-
-
-def _best(counts: dict[int, int]) -> tuple[int, float]:
-    token = max(counts, key=counts.__getitem__)
-    return token, counts[token] / sum(counts.values())
-
-
-def propose_from(indexes: Sequence[SuffixIndex], context: list[int], n: int, *, alpha: float,
-                 min_share: float) -> list[int]:
-    """Up to ``n`` tokens to follow ``context``: each one the most frequent continuation of
-    the longest suffix (of the context and the tokens proposed before it) that any index
-    knows; the longer match wins between indexes, the first index on a tie."""
-    out: list[int] = []
-    budget = n
-    window = max(indexes[0].lengths) if indexes else 0
-    tail = list(context[-window:]) if window else []
-    while len(out) < budget:
-        best_len, best_counts = 0, None
-        for index in indexes:
-            length, counts = index.match(tail)
-            if length > best_len:
-                best_len, best_counts = length, counts
-        if best_counts is None:
-            break
-        if not out:  # a short match predicts little: the proposal grows with the match
-            budget = min(n, max(1, int(alpha * best_len)))
-        token, share = _best(best_counts)
-        if share < min_share:
-            break
-        out.append(token)
-        tail.append(token)
-        if len(tail) > window:
-            del tail[0]
-    return out
+# What the learned file holds: the outputs, oldest first, as token ids (the index is built
+# from them at load, so its own layout may change without a new schema).
+SCHEMA = "suffix-outputs-v1"
+LEARNED_NAME = "suffix"  # the learned file's name in the cache folder's namespace
+ALPHA = 2.0  # a proposal is at most ALPHA times as deep as the match it continues
+MIN_SCORE = 0.3  # a proposal stops where its path probability falls below this
+GLOBAL_TOKENS = 32768  # output tokens the global index keeps (about 1 KiB of index each)
+# A plain stretch (speculation paused because it lost) ends early where the text's end
+# repeats an earlier run at least this long: eight tokens in a row rarely repeat by chance.
+PROBE_MATCH = 8
 
 
 class SuffixSource(DraftSource):
     def __init__(self, provider: SuffixProvider):
         self.provider = provider
         self.local = SuffixIndex(provider.lengths)
-        self.prompt_len = 0
 
     def prefill(self, prompt_tokens: list[int], processed: int = 0, hidden: Any = None) -> None:
         self.local.extend(prompt_tokens[len(self.local.tokens):])
-        self.prompt_len = len(prompt_tokens)
 
     def propose(self, pending: int, n: int) -> Proposal:
-        context = self.local.tokens[-self.provider.window:] + [int(pending)]
         p = self.provider
-        return Proposal(propose_from((self.local, p.global_index), context, n, alpha=p.alpha,
-                                     min_share=p.min_share))
+        context = self.local.tokens[-p.window:] + [int(pending)]
+        tokens, _ = propose_path((self.local, p.global_index), context, n, alpha=p.alpha,
+                                 min_score=p.min_score)
+        return Proposal(tokens)
 
     def commit(self, accepted: list[int], hidden: Any = None) -> None:
         self.local.extend(accepted)
+
+    def worth_probing(self) -> bool:
+        """The text's end repeats an earlier run of at least PROBE_MATCH tokens (in the
+        request or an earlier reply): the model is likely copying it."""
+        tokens = self.local.tokens
+        return len(tokens) >= PROBE_MATCH and match_length(
+            (self.local, self.provider.global_index), tokens[-self.provider.window:]) >= PROBE_MATCH
 
     def consume(self, tokens: Sequence[int]) -> None:
         self.local.extend(tokens)
 
     def close(self) -> None:
-        output = self.local.tokens[self.prompt_len:]
-        if output:
-            self.provider.learn(output)
         self.local = SuffixIndex(self.provider.lengths)
 
 
@@ -171,40 +86,96 @@ class SuffixProvider(DraftProvider):
     weights_bytes = 0
     supports_external_tokens = True
     needs_hidden = False
+    schema = SCHEMA
 
-    def __init__(self, *, lengths: Sequence[int] = LENGTHS, alpha: float = 2.0, min_share: float = 0.3,
-                 global_tokens: int = 16384):
-        if alpha <= 0 or not 0 <= min_share <= 1 or global_tokens < 0:
-            raise ValueError("suffix speculation needs alpha > 0, 0 <= min_share <= 1, global_tokens >= 0")
+    def __init__(self, *, lengths: Sequence[int] = LENGTHS, alpha: float = ALPHA,
+                 min_score: float = MIN_SCORE, global_tokens: int = GLOBAL_TOKENS,
+                 vocab_size: int | None = None):
+        if alpha <= 0 or not 0 <= min_score <= 1 or global_tokens < 0:
+            raise ValueError("suffix speculation needs alpha > 0, 0 <= min_score <= 1, global_tokens >= 0")
         self.lengths = tuple(lengths)
         self.window = max(self.lengths)
-        self.alpha, self.min_share = float(alpha), float(min_share)
+        self.alpha, self.min_score = float(alpha), float(min_score)
         self.global_tokens = int(global_tokens)
+        self.vocab_size = vocab_size
         self.global_index = SuffixIndex(self.lengths)
-        self._learned: deque[list[int]] = deque()
+        self._learned: deque[np.ndarray] = deque()  # oldest first, never changed in place
         self._learned_tokens = 0
+        self.revision = 0  # changes whenever what the global index learned changes
 
     def checkpoint_namespace(self) -> str:
-        return f"{SCHEMA}-l{'-'.join(map(str, self.lengths))}"
+        return f"suffix-v2-l{'-'.join(map(str, self.lengths))}"
 
+    # the global index ---------------------------------------------------------------
     def learn(self, output: Sequence[int]) -> None:
         """Add a finished request's output to the global index; forget the oldest outputs
-        beyond ``global_tokens`` tokens."""
-        seq = [int(t) for t in output][-self.global_tokens:] if self.global_tokens else []
-        if not seq:
+        beyond ``global_tokens`` tokens (engine thread)."""
+        if not self.global_tokens or not len(output):
             return
-        self.global_index.extend(seq)
-        self._learned.append(self.global_index.end_sequence())
+        seq = np.asarray(output, dtype=np.uint32)[-self.global_tokens:]
+        self.global_index.extend(seq.tolist())
+        self.global_index.end_sequence()
+        self._learned.append(seq)
         self._learned_tokens += len(seq)
         while self._learned_tokens > self.global_tokens:
             old = self._learned.popleft()
             self._learned_tokens -= len(old)
-            self.global_index.forget(old)
+            self.global_index.forget(old.tolist())
+        self.revision += 1
+
+    def clear(self) -> None:
+        """Forget everything the global index learned."""
+        self.global_index = SuffixIndex(self.lengths)
+        self._learned.clear()
+        self._learned_tokens = 0
+        self.revision += 1
 
     @property
     def learned_tokens(self) -> int:
         return self._learned_tokens
 
+    def figures(self) -> dict[str, Any]:
+        return {"learned_replies": len(self._learned), "learned_tokens": self._learned_tokens,
+                "learned_limit": self.global_tokens}
+
+    def learned_sequences(self) -> list[np.ndarray]:
+        """What the global index learned, oldest first (arrays never changed later)."""
+        return list(self._learned)
+
+    def restore_learned(self, sequences: Sequence[np.ndarray]) -> int:
+        """Learn saved ``sequences`` (oldest first) again, the newest within the bound;
+        ValueError, learning nothing, when one holds a token id the model does not have.
+        Returns the tokens learned."""
+        seqs = [np.asarray(s, dtype=np.uint32) for s in sequences if len(s)]
+        if self.vocab_size is not None:
+            bad = next((s for s in seqs if int(s.max()) >= self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"token id {int(bad.max())} is outside the model's vocabulary "
+                                 f"({self.vocab_size})")
+        keep, total = [], 0
+        for s in reversed(seqs):
+            if total + len(s) > self.global_tokens:
+                break
+            keep.append(s)
+            total += len(s)
+        for s in reversed(keep):
+            self.learn(s)
+        return total
+
+    def attach(self, cache: Any, namespace: str) -> None:
+        """Learn what the cache saved for this namespace, and have the cache save what is
+        learned from now on (at its flush, close, and now and then while idle)."""
+        sequences = cache.load_learned(namespace, LEARNED_NAME, self.schema)
+        if sequences:
+            try:
+                n = self.restore_learned(sequences)
+                log.debug("suffix speculation: %d learned tokens restored", n)
+            except ValueError as e:
+                warn_once(log, "suffix-restore", "the saved suffix index of this model is not "
+                          "used: %s", e)
+        cache.keep_learned(namespace, LEARNED_NAME, self)
+
+    # sources ------------------------------------------------------------------------
     def open(self, target: Any, sampling: Any, constraints: Any = None) -> SuffixSource:
         return SuffixSource(self)
 

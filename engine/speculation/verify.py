@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Generator, Iterator, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -243,9 +243,11 @@ class SpecStream:
             off = self.controller.take_off_steps() if pipelined else 0
             if off > 0:
                 steps = min(off, left)
-                pending = yield from self._plain_block(sampler, pending, steps)
-                emitted += steps
-                self.controller.record(0, 0, (time.perf_counter() - t_round) / steps)
+                pending, ran = yield from self._plain_block(sampler, pending, steps)
+                emitted += ran
+                if ran < off:  # the source saw a long earlier run: probe now
+                    self.controller.cut_off_steps(off - ran)
+                self.controller.record(0, 0, (time.perf_counter() - t_round) / ran)
                 continue
             k = min(self.controller.next_length(), left - 1 if left > 1 else 0)
             room = rollback.room()
@@ -297,11 +299,14 @@ class SpecStream:
             pending = self._pending = nxt
             yield pending, lp[accepted]
 
-    def _plain_block(self, sampler: TargetSampler, pending: int, steps: int) -> Iterator[tuple[int, mx.array]]:
-        """``steps`` plain tokens after ``pending``, pipelined as ``generate_step`` does (the
-        next forward is queued before the current token is read), through the model's
-        compiled step as plain decoding's (``engine.decoding``). Returns the new pending
-        token (sampled, yielded, not fed)."""
+    def _plain_block(self, sampler: TargetSampler, pending: int, steps: int
+                     ) -> Generator[tuple[int, mx.array], None, tuple[int, int]]:
+        """Up to ``steps`` plain tokens after ``pending``, pipelined as ``generate_step`` does
+        (the next forward is queued before the current token is read), through the model's
+        compiled step as plain decoding's (``engine.decoding``). The block ends early, one
+        token later, when the source says a long earlier run is being repeated
+        (``DraftSource.worth_probing``). Returns the new pending token (sampled, yielded, not
+        fed) and the tokens it yielded."""
         forward = decode_step(self.model)
 
         def step(y: mx.array) -> tuple[mx.array, mx.array]:
@@ -311,8 +316,9 @@ class SpecStream:
         self._feed_plain(sampler, pending)
         t, lp = step(mx.array([pending]))
         mx.async_eval(t, lp)
-        for i in range(steps):
-            last = i + 1 == steps
+        i = 0
+        while True:
+            last = i + 1 >= steps
             if not last:
                 nt, nlp = step(t)
                 mx.async_eval(nt, nlp)
@@ -322,10 +328,13 @@ class SpecStream:
             else:
                 self._pending = None
                 self._feed_plain(sampler, tok)
+                if self.source.worth_probing():
+                    steps = i + 2  # the token already queued is the block's last
             yield tok, lp[0]
-            if not last:
-                t, lp = nt, nlp
-        return tok
+            i += 1
+            if last:
+                return tok, i
+            t, lp = nt, nlp
 
     def _feed_plain(self, sampler: TargetSampler, token: int) -> None:
         """Bookkeeping of a token fed alone (its forward is queued by the caller)."""
