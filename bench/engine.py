@@ -130,11 +130,12 @@ def bytes_per_token(model, context: int) -> dict:
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
     params = dict(tree_flatten(model.parameters()))
-    tied = not any(name.endswith("lm_head.weight") for name in params)
+    tied = not any("lm_head." in name for name in params)
     weights = 0
     for name, p in params.items():
         if "embed_tokens" in name and not tied:
-            weights += p.nbytes // p.shape[0]  # one row is looked up
+            rows = p.shape[0] * p.shape[2] if p.ndim == 3 else p.shape[0]  # chunked on the CPU
+            weights += p.nbytes // rows  # one row is looked up
         else:
             weights += p.nbytes
     cache = make_prompt_cache(model)

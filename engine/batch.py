@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlxkv.engine.batch_step import BatchStepModel
 from mlxkv.engine.generate import SamplingParams, StopMatcher, request_processors, request_sampler, stream_detokenizer
 from mlxkv.engine.mlx_lm_compat import DecodingRows, admitting, batch_speculation_available
 from mlxkv.engine.requests import (
@@ -151,8 +152,9 @@ class Batch:
         self.release = release
         self.stores = stores
         eos = sorted(int(t) for t in tokenizer.eos_token_ids)
-        # EOS ends a row inside BatchGenerator, which then hands over the row's cache.
-        self.gen = BatchGenerator(model, stop_tokens=[[t] for t in eos] or None,
+        # EOS ends a row inside BatchGenerator, which then hands over the row's cache. Its
+        # model runs the decode steps compiled (engine.batch_step).
+        self.gen = BatchGenerator(BatchStepModel(model), stop_tokens=[[t] for t in eos] or None,
                                   completion_batch_size=max_rows, prefill_batch_size=max_rows)
         self.rows: dict[int, Row] = {}
         self._samplers: dict[tuple, Any] = {}
@@ -214,7 +216,11 @@ class Batch:
             from mlxkv.engine.speculation.constraints import GuidedChoice
 
             processors.append(GuidedChoice(self.tokenizer, choices).processor(len(row.prompt)))
-        args = dict(segments=[[list(rest)]], max_tokens=[left], caches=[cache],
+        from mlx_lm.models.cache import make_prompt_cache
+
+        # An empty cache is made here: BatchGenerator's model is a step, not the model.
+        args = dict(segments=[[list(rest)]], max_tokens=[left],
+                    caches=[cache if cache is not None else make_prompt_cache(self.model)],
                     all_tokens=[list(in_cache)], samplers=[self._sampler(p)],
                     logits_processors=[processors])
         row.base = len(in_cache)

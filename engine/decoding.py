@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from mlxkv.engine.compiled_step import CompiledStep
-from mlxkv.engine.weight_layout import transpose_for_cpu
+from mlxkv.engine.weight_layout import layout_for_cpu
 
 _STEP = "_mlxkv_decode_step"
 
@@ -30,7 +30,7 @@ def decode_step(model: Any) -> CompiledStep:
     the load or the first token."""
     step = getattr(model, _STEP, None)
     if step is None:
-        transpose_for_cpu(model)
+        layout_for_cpu(model)
         step = CompiledStep(model, max_width=1, label="the model")
         object.__setattr__(model, _STEP, step)
     return step

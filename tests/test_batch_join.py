@@ -7,14 +7,16 @@ import random
 
 from common import T, greedy
 
+from mlxkv.engine.batch_step import BatchStepModel
 from mlxkv.engine.engine import Engine, ProgressEvent, Request, TokenEvent
 
 
-def passes_of(model, monkeypatch) -> list[tuple[int, int]]:
-    """Records the (rows, tokens) shape of every forward pass through ``model``'s decoder
-    stack (a single stream's prefill runs the stack and the LM head apart)."""
+def passes_of(cls, monkeypatch) -> list[tuple[int, int]]:
+    """Records the (rows, tokens) shape of every call of ``cls`` instances: a model's
+    decoder stack (a single stream's prefill runs the stack and the LM head apart), or the
+    model a batch runs (``BatchStepModel``: its decode steps are compiled, so the decoder
+    stack is called only while a step is traced)."""
     shapes: list[tuple[int, int]] = []
-    cls = type(model.model)
     forward = cls.__call__
 
     def recorded(self, inputs, *args, **kwargs):
@@ -37,7 +39,8 @@ def test_a_moved_row_and_its_joiners_decode_from_one_pass(tiny_qwen3, monkeypatc
     with Engine(str(tiny_qwen3), max_batch=1).start(timeout=T) as alone:
         ref = [alone.submit(r).result(timeout=T).tokens for r in reqs]
     with Engine(str(tiny_qwen3), max_batch=8).start(timeout=T) as e:
-        shapes = passes_of(e.loaded.model, monkeypatch)
+        alone_passes = passes_of(type(e.loaded.model.model), monkeypatch)
+        shapes = passes_of(BatchStepModel, monkeypatch)
         handles = []
 
         def after_a(ev):  # on the engine thread: B and C wait when A's next token is due
@@ -49,11 +52,12 @@ def test_a_moved_row_and_its_joiners_decode_from_one_pass(tiny_qwen3, monkeypatc
         results = [h.result(timeout=T) for h in handles]
     assert [r.tokens for r in results] == ref
     assert all(r.stats.batched for r in results)
-    prefills = [s for s in shapes if s[1] > 1]
     # A's own prefill alone (its last token in the same pass), then B's and C's together
     # (padded to the longer)
-    assert prefills == [(1, len(a)), (2, len(c) - 1)]
-    after = shapes[shapes.index(prefills[1]) + 1:]
+    assert alone_passes[0] == (1, len(a))
+    prefills = [s for s in shapes if s[1] > 1]
+    assert prefills == [(2, len(c) - 1)] and shapes[0] == prefills[0]
+    after = shapes[1:]
     # A enters decoding with them: no pass runs a row alone until the shortest has ended
     assert after[:8] == [(3, 1)] * 8
 

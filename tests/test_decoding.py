@@ -19,7 +19,7 @@ from mlxkv.engine.compiled_step import CompiledStep
 from mlxkv.engine.decoding import decode_step
 from mlxkv.engine.generate import Generation, SamplingParams
 from mlxkv.engine.models import load_model
-from mlxkv.engine.weight_layout import transpose_for_cpu
+from mlxkv.engine.weight_layout import layout_for_cpu
 from support.modelgen import TEST_MODELS, build_random_model, tiny_model, tiny_model_of_type
 from support.real_model import FIXTURES, GGUF_SHA256, real_model_path
 
@@ -128,9 +128,9 @@ def test_the_cpu_layout_computes_the_same_numbers(arch):
     path = folder(arch)
     loaded = load_model(str(path))
     ours(loaded, [3, 4, 5], SamplingParams(max_tokens=3, temperature=0.0))
-    assert transpose_for_cpu(loaded.model) == 0  # done once, at its first decoding
+    assert layout_for_cpu(loaded.model) == 0  # done once, at its first decoding
     theirs, _ = mlx_lm_load(str(path))
-    assert transpose_for_cpu(theirs) > 0
+    assert layout_for_cpu(theirs) > 0
     reference, _ = mlx_lm_load(str(path))
     x = mx.array([[(i * 7) % 200 + 3 for i in range(50)]])
     a, b = make_prompt_cache(theirs), make_prompt_cache(reference)

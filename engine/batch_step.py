@@ -1,0 +1,211 @@
+"""The decode step of rows decoded together, as one compiled MLX function.
+
+``engine.batch.Batch`` decodes its rows with mlx-lm's ``BatchGenerator``, which runs the
+model over a left-padded ``BatchKVCache`` per layer. Its step builds the same ~2,000
+primitive ops in Python as a lone request's (on the CPU, RMSNorm, RoPE and attention fall
+back to op chains), plus a mask over each row's left padding. The lone request's step is
+compiled (``engine.compiled_step``); this is the same for a batch.
+
+:class:`BatchStepModel` is the model ``BatchGenerator`` is given: a callable with the
+model's signature (``model(tokens, cache=cache)`` -> logits [B, n, V]). A one-token step
+over plain ``BatchKVCache`` layers (every decode step; a prefill pass of one token too)
+goes through :class:`CompiledBatchStep`; anything else (a prefill chunk, sliding windows,
+an architecture that does not trace) is the model's own forward pass. ``BatchGenerator``
+itself (insertion, prefill, left padding, sampling, EOS, extraction, removal) and the
+speculative rounds (which run the model itself over the same caches) are unchanged, and
+nothing private to mlx-lm is read: a ``BatchKVCache``'s buffers, write index, per-row
+offsets and left padding are its public ``state``.
+
+The compiled function runs the model over :class:`FixedBatchKV` layers holding each
+``BatchKVCache``'s buffers at full capacity (a multiple of 256 slots, grown here when a row
+joined or left and the batch cut its buffers to another size): the write index, each row's
+offset (its RoPE position) and its left padding are array inputs, the new keys go in with a
+dynamic slice update, and the mask hides each row's padding and every slot past the write
+index. One trace serves each (rows, capacity) pair. The updated buffers go back into the
+``BatchKVCache`` objects, so prefill, joins, removals, extraction for the prefix cache and
+speculative rounds see the usual caches.
+
+The first compiled step of each model is checked against the forward pass from the same
+cache over :data:`CHECK_STEPS` greedy steps (log-probabilities within :data:`TOLERANCE`,
+the same tokens for every row); a mismatch or an architecture the fixed layers cannot run
+keeps the forward pass, with one debug line.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import mlx.core as mx
+
+from mlxkv.engine.compiled_step import CHECK_STEPS, STEP, TOLERANCE, log_softmax
+from mlxkv.engine.weight_layout import layout_for_cpu
+
+log = logging.getLogger("mlxkv.engine")
+
+_STEP = "_mlxkv_batch_step"
+
+
+class FixedBatchKV:
+    """One attention layer of a batch as the compiled step sees it: the full buffers
+    [B, heads, capacity, dim], the write index ``at`` ([1]), each row's position
+    ``offset`` ([B]) and left padding ``padding`` ([B]) as arrays."""
+
+    def __init__(self, keys: mx.array, values: mx.array, at: mx.array, offset: mx.array, padding: mx.array):
+        self.keys, self.values = keys, values
+        self.at, self.offset, self.padding = at, offset, padding
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.keys = mx.slice_update(self.keys, keys.astype(self.keys.dtype), self.at, axes=(2,))
+        self.values = mx.slice_update(self.values, values.astype(self.values.dtype), self.at, axes=(2,))
+        return self.keys, self.values
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
+        if window_size is not None:
+            raise TypeError("the compiled batch step has no sliding window")
+        slots = mx.arange(self.keys.shape[2])[None]
+        causal = slots <= (self.at + mx.arange(n))[:, None]  # [n, capacity]
+        filled = slots >= self.padding[:, None]  # [B, capacity]: not a row's left padding
+        return causal[None, None] & filled[:, None, None, :]  # [B, 1, n, capacity]
+
+
+class CompiledBatchStep:
+    """``step(tokens, cache)``: ``model(tokens, cache=cache)[:, -1]`` ([B, V], unevaluated)
+    for a batch's ``BatchKVCache`` layers, through one compiled function when they allow
+    it (:meth:`fits`). ``enabled`` is None until the first compiled step was checked
+    against the forward pass, then whether it matched."""
+
+    def __init__(self, model: Any, label: str = "the model"):
+        self.model = model
+        self.label = label
+        self.enabled: bool | None = None
+        self._fn = mx.compile(self._step)
+
+    def _step(self, tokens: mx.array, at: mx.array, offset: mx.array, padding: mx.array,
+              *buffers: mx.array) -> list[mx.array]:
+        layers = [FixedBatchKV(buffers[i], buffers[i + 1], at, offset, padding)
+                  for i in range(0, len(buffers), 2)]
+        out = [self.model(tokens, cache=layers)[:, -1, :]]
+        for c in layers:
+            out += [c.keys, c.values]
+        return out
+
+    @staticmethod
+    def fits(cache: list, width: int) -> bool:
+        """One token per row (a prefill pass of rows of different lengths is wider), over
+        plain ``BatchKVCache`` layers holding keys at one write index, with room for it
+        (grown here to a multiple of STEP: joins and removals leave buffers of any size,
+        and a trace per odd capacity would pile up)."""
+        from mlx_lm.models.cache import BatchKVCache
+
+        if not cache or width != 1:
+            return False
+        for c in cache:
+            if type(c) is not BatchKVCache or c.keys is None:
+                return False
+        index = cache[0].state[4]
+        for c in cache:
+            keys, values, offset, padding, at = c.state
+            if at != index:
+                return False
+            size = keys.shape[2]
+            if size < at + width or size % STEP:
+                grow = -(-(at + width) // STEP) * STEP - at
+                keys, values = keys[..., :at, :], values[..., :at, :]
+                keys = mx.concatenate([keys, mx.zeros((*keys.shape[:2], grow, keys.shape[3]), keys.dtype)], axis=2)
+                values = mx.concatenate([values, mx.zeros((*values.shape[:2], grow, values.shape[3]), values.dtype)],
+                                        axis=2)
+                c.state = (keys, values, offset, padding, at)
+        return True
+
+    def _compiled(self, tokens: mx.array, cache: list) -> mx.array:
+        width = tokens.shape[1]
+        _, _, offset, padding, at = cache[0].state
+        out = self._fn(tokens, mx.array([at], dtype=mx.int32), offset, padding,
+                       *[b for c in cache for b in c.state[:2]])
+        # The caches now hold the step's outputs only, so the old buffers have no owner but
+        # the step's graph, which writes the new keys into them in place. Each layer keeps
+        # arrays of its own: BatchKVCache updates its left padding in place (``+=``).
+        for i, c in enumerate(cache):
+            _, _, offset, padding, at = c.state
+            c.state = (out[1 + 2 * i], out[2 + 2 * i], offset + width, padding, at + width)
+        return out[0]
+
+    def __call__(self, tokens: mx.array, cache: list) -> mx.array:
+        if self.enabled is False or not self.fits(cache, tokens.shape[1]):
+            return self.model(tokens, cache=cache)[:, -1, :]
+        if self.enabled is None:
+            return self.check(tokens, cache)
+        return self._compiled(tokens, cache)
+
+    def check(self, tokens: mx.array, cache: list, steps: int = CHECK_STEPS) -> mx.array:
+        """The first input and ``steps - 1`` greedy steps after it, both ways from the same
+        cache (slots past the write index are never read, so trimming the forward pass's
+        steps undoes them); the first input's logits, and ``enabled`` set. The cache ends
+        holding the first input, as one step leaves it."""
+        width, start = tokens.shape[1], cache[0].state[4]
+
+        def run(step: Any) -> list[mx.array]:
+            out, x = [], tokens
+            for _ in range(steps):
+                logits = step(x)
+                mx.eval(logits)
+                out.append(logits)
+                x = mx.argmax(logits, axis=-1)[:, None].astype(tokens.dtype)
+            return out
+
+        def back_to(n: int) -> None:
+            for c in cache:
+                c.trim(c.state[4] - n)
+
+        want = run(lambda x: self.model(x, cache=cache)[:, -1, :])
+        written = [c.state for c in cache]
+        back_to(start)
+        ok, got = False, want
+        try:
+            got = run(lambda x: self._compiled(x, cache) if self.fits(cache, x.shape[1])
+                      else self.model(x, cache=cache)[:, -1, :])
+            diff = max(mx.abs(log_softmax(g) - log_softmax(w)).max().item() for g, w in zip(got, want))
+            same = all(mx.array_equal(mx.argmax(g, axis=-1), mx.argmax(w, axis=-1)).item()
+                       for g, w in zip(got, want))
+            ok = all(g.shape == w.shape for g, w in zip(got, want)) and diff <= TOLERANCE and same
+            if not ok:
+                log.debug("%s: the compiled batch step differs from the forward pass (log-probabilities "
+                          "by %g, greedy tokens %s); the forward pass decodes batches", self.label, diff,
+                          "the same" if same else "differ")
+        except Exception as e:  # an architecture the fixed layers cannot run
+            log.debug("%s: the batch decode step is not compiled (%s: %s)", self.label, type(e).__name__, e)
+        self.enabled = ok
+        if not ok:  # back to what the forward pass wrote
+            for c, state in zip(cache, written):
+                c.state = state
+        back_to(start + width)
+        return got[0] if ok else want[0]
+
+
+def batch_decode_step(model: Any) -> CompiledBatchStep:
+    """The model's compiled batch step (one per model, kept on it: its traces serve every
+    batch). Made at the model's first batched decoding, after the CPU weight layout
+    (``engine.weight_layout``), which the compiled function captures."""
+    step = getattr(model, _STEP, None)
+    if step is None:
+        layout_for_cpu(model)
+        step = CompiledBatchStep(model)
+        object.__setattr__(model, _STEP, step)
+    return step
+
+
+class BatchStepModel:
+    """What ``BatchGenerator`` runs as its model: one-token steps over a batch's
+    ``BatchKVCache`` layers through the model's :class:`CompiledBatchStep`, everything else
+    through the model itself. ``BatchGenerator`` calls it only as ``model(tokens,
+    cache=...)``: :class:`engine.batch.Batch` makes every row's prompt cache itself."""
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.step = batch_decode_step(model)
+
+    def __call__(self, tokens: mx.array, cache: list | None = None) -> mx.array:
+        if cache is not None and tokens.shape[1] == 1:
+            return self.step(tokens, cache)[:, None, :]  # (the forward pass where it does not fit)
+        return self.model(tokens, cache=cache)

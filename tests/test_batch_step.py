@@ -1,0 +1,221 @@
+"""The compiled batch decode step (engine.batch_step) and the chunked CPU weight layout
+(engine.weight_layout): rows decoded together through mlx-lm's BatchGenerator with the
+compiled step give, greedy, token for token what each row gives alone (mlx-lm's own
+generate_step on its own load of the folder), on llama, qwen2, qwen3 and the real model,
+with rows joining and leaving mid-decode; the caches it leaves are mlx-lm's; a step that
+would compute other numbers, or a cache it cannot run, decodes through the forward pass."""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm import load as mlx_lm_load
+from mlx_lm.generate import BatchGenerator, generate_step
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+
+from mlxkv.engine.batch_step import BatchStepModel, CompiledBatchStep, batch_decode_step
+from mlxkv.engine.blas import blas_info
+from mlxkv.engine.models import load_model
+from mlxkv.engine.weight_layout import ChunkedEmbedding, ChunkedLinear, chunked_product, layout_for_cpu, to_chunks
+from support.modelgen import TEST_MODELS, build_random_model, tiny_model, tiny_model_of_type
+from support.real_model import FIXTURES, GGUF_SHA256, real_model_path
+
+
+def folder(arch: str):
+    return tiny_model_of_type(arch) if arch == "qwen2" else tiny_model(arch)
+
+
+def alone(path, prompt: list[int], n: int, model=None) -> list[int]:
+    """Greedy tokens of mlx-lm's generate_step on mlx-lm's own load of ``path``."""
+    model = model if model is not None else mlx_lm_load(str(path))[0]
+    return [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+
+
+def decode_together(model, prompts: list[list[int]], n: int, join: dict[int, list[int]] | None = None,
+                    leave: dict[int, int] | None = None) -> dict[int, list[int]]:
+    """Greedy tokens of each prompt decoded in one BatchGenerator over ``BatchStepModel``:
+    ``join`` maps a step to a prompt inserted then, ``leave`` a prompt's index to the step it
+    is removed at (its tokens so far kept). Returns tokens by prompt index."""
+    gen = BatchGenerator(BatchStepModel(model), stop_tokens=None, completion_batch_size=8,
+                         prefill_batch_size=8)
+    index: dict[int, int] = {}
+
+    def insert(i: int, prompt: list[int]) -> None:
+        (uid,) = gen.insert([prompt], max_tokens=[n], caches=[make_prompt_cache(model)])
+        index[uid] = i
+
+    for i, p in enumerate(prompts):
+        insert(i, p)
+    out: dict[int, list[int]] = {i: [] for i in range(len(prompts) + len(join or {}))}
+    waiting, removed = dict(join or {}), set()
+    step = 0
+    while waiting or not all(len(out[i]) >= n or i in removed for i in out):
+        assert step < 1000
+        if step in waiting:
+            insert(len(prompts) + sorted(join).index(step), waiting.pop(step))
+        for i, at in (leave or {}).items():
+            if at == step:
+                uid = next(u for u, j in index.items() if j == i)
+                cache, tokens = gen.remove([uid], return_prompt_caches=True)[uid]
+                assert all(type(c) is KVCache for c in cache) and cache[0].offset == len(tokens)
+                removed.add(i)
+        _, got = gen.next()
+        for r in got:
+            out[index[r.uid]].append(r.token)
+        step += 1
+    gen.close()
+    return out
+
+
+def prompts_for(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    return [[(i * 37 + seed * 11 + j * 5) % 200 + 3 for i in range(length)] for j, length in enumerate(lengths)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_rows_decoded_together_are_each_row_alone(arch):
+    path = folder(arch)
+    loaded = load_model(str(path))
+    reference = mlx_lm_load(str(path))[0]
+    prompts = prompts_for(1, (5, 40, 23, 240))  # left padding up to 235; decoding crosses 256 slots
+    got = decode_together(loaded.model, prompts, 24)
+    assert batch_decode_step(loaded.model).enabled is True  # it ran compiled
+    for i, p in enumerate(prompts):
+        assert got[i] == alone(path, p, 24, reference), i
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_rows_joining_and_leaving_mid_decode_are_each_row_alone(arch):
+    path = folder(arch)
+    loaded = load_model(str(path))
+    reference = mlx_lm_load(str(path))[0]
+    prompts = prompts_for(2, (30, 9, 61))
+    joiners = {4: prompts_for(3, (17,))[0], 9: prompts_for(4, (120,))[0]}
+    got = decode_together(loaded.model, prompts, 20, join=joiners, leave={1: 6})
+    assert batch_decode_step(loaded.model).enabled is True
+    for i, p in enumerate(prompts + [joiners[4], joiners[9]]):
+        want = alone(path, p, 20, reference)
+        assert got[i] == want[: len(got[i])] and len(got[i]) >= (3 if i == 1 else 20), i
+
+
+def test_the_compiled_step_computes_the_forward_passs_numbers():
+    loaded = load_model(str(folder("qwen3")))
+    model = loaded.model
+    layout_for_cpu(model)
+    caches = []
+    for p in prompts_for(5, (12, 30, 7)):
+        c = make_prompt_cache(model)
+        mx.eval(model(mx.array([p]), cache=c))
+        caches.append(c)
+    batch = [BatchKVCache.merge([c[layer] for c in caches]) for layer in range(len(caches[0]))]
+    step = CompiledBatchStep(model)
+    x = mx.array([[11], [12], [13]])
+    got = step(x, batch)  # its first use: checked against the forward pass over 3 steps
+    assert step.enabled is True
+    assert all(type(c) is BatchKVCache for c in batch) and batch[0].state[4] == 31
+    assert batch[0].state[0].shape[2] % 256 == 0  # its buffers at full capacity
+    for c in batch:
+        c.trim(1)
+    want = model(x, cache=batch)[:, -1, :]
+    assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item()
+    for c in batch:
+        c.trim(1)
+    again = step(x, batch)  # compiled now: what it wrote is what the forward pass wrote
+    assert mx.allclose(again, want, rtol=1e-5, atol=1e-5).item()
+
+
+class ScaledLogits(nn.Module):
+    """A model whose logits depend on whether its cache is mlx-lm's: a stand-in for an
+    architecture whose compiled step would compute other numbers than its forward pass."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def __call__(self, x, cache=None):
+        out = self.inner(x, cache=cache)
+        return out if cache is None or type(cache[0]) is BatchKVCache else out * 0.5
+
+
+def test_a_step_that_differs_from_the_forward_pass_is_not_used(caplog):
+    model = ScaledLogits(load_model(str(tiny_model("qwen3"))).model)
+    caches = []
+    for p in prompts_for(6, (4, 9)):
+        c = make_prompt_cache(model.inner)
+        mx.eval(model.inner(mx.array([p]), cache=c))
+        caches.append(c)
+    batch = [BatchKVCache.merge([c[layer] for c in caches]) for layer in range(len(caches[0]))]
+    step = CompiledBatchStep(model)
+    x = mx.array([[6], [7]])
+    with caplog.at_level(logging.DEBUG, logger="mlxkv.engine"):
+        got = step(x, batch)
+    assert step.enabled is False
+    assert sum("compiled batch step differs" in r.getMessage() for r in caplog.records) == 1, caplog.text
+    assert batch[0].state[4] == 10
+    for c in batch:
+        c.trim(1)
+    assert mx.array_equal(got, model(x, cache=batch)[:, -1, :]).item()
+
+
+def test_a_sliding_window_batch_decodes_through_the_forward_pass():
+    path = build_random_model(TEST_MODELS / "llama-tiny-sliding16", arch="llama", sliding_window=16,
+                              layer_types=["sliding_attention", "full_attention"])
+    loaded = load_model(str(path))
+    reference = mlx_lm_load(str(path))[0]
+    prompts = prompts_for(7, (10, 33))
+    got = decode_together(loaded.model, prompts, 12)
+    assert batch_decode_step(loaded.model).enabled is not True
+    for i, p in enumerate(prompts):
+        assert got[i] == alone(path, p, 12, reference), i
+
+
+def test_the_chunked_layout_keeps_every_product():
+    loaded = load_model(str(folder("qwen2")))  # q/k/v with a bias
+    model = loaded.model
+    before = {n: (type(m), m.weight) for n, m in model.named_modules() if type(m) in (nn.Linear, nn.Embedding)}
+    embed = model.model.embed_tokens
+    tokens = mx.array([[3, 170, 4, 199]])
+    rows, head_in = embed(tokens), mx.random.normal((5, embed.weight.shape[1]))
+    head = head_in @ embed.weight.T
+    assert layout_for_cpu(model) == len(before) and layout_for_cpu(model) == 0
+    for name, module in model.named_modules():
+        if name in before:
+            kind, weight = before[name]
+            assert type(module) is (ChunkedLinear if kind is nn.Linear else ChunkedEmbedding)
+            assert "weight" not in module.parameters() and module.weight.shape == weight.shape
+            assert mx.array_equal(module.weight, weight).item()  # the lazy view holds the same numbers
+    assert embed is model.model.embed_tokens  # changed in place
+    assert mx.array_equal(embed(tokens), rows).item()
+    assert mx.allclose(embed.as_linear(head_in), head, rtol=1e-5, atol=1e-5).item()
+
+
+@pytest.mark.skipif(not blas_info().get("active"), reason="the small-matrix kernels are OpenBLAS's")
+def test_a_chunked_product_of_rows_is_each_row_alone_bit_for_bit():
+    weight = mx.random.normal((1536, 576), key=mx.random.key(3))
+    chunks = to_chunks(weight)
+    x = mx.random.normal((8, 576), key=mx.random.key(4))
+    together = chunked_product(x, chunks)
+    for i in range(8):
+        assert mx.array_equal(together[i: i + 1], chunked_product(x[i: i + 1], chunks)).item()
+
+
+REAL = real_model_path()
+
+
+@pytest.mark.skipif(REAL is None, reason="the real model is not fetched: run `make fixtures`")
+def test_the_real_model_decodes_rows_together_as_each_alone():
+    from support.gguf_files import convert_gguf
+
+    path = convert_gguf(REAL, FIXTURES / f"smollm2-135m-instruct-f32-{GGUF_SHA256[:12]}")
+    loaded = load_model(str(path))
+    reference, _ = mlx_lm_load(str(path))
+    texts = ("What is the capital of France?", "Write a haiku about the sea.",
+             "List three prime numbers.")
+    prompts = [loaded.tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
+               for t in texts]
+    got = decode_together(loaded.model, prompts, 20)
+    assert batch_decode_step(loaded.model).enabled is True
+    for i, p in enumerate(prompts):
+        assert got[i] == alone(path, p, 20, reference), texts[i]
