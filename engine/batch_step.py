@@ -26,22 +26,19 @@ index. One trace serves each (rows, capacity) pair. The updated buffers go back 
 speculative rounds see the usual caches.
 
 The first compiled step of each model is checked against the forward pass from the same
-cache over :data:`CHECK_STEPS` greedy steps (log-probabilities within :data:`TOLERANCE`,
-the same tokens for every row); a mismatch or an architecture the fixed layers cannot run
+cache over :data:`CHECK_STEPS` greedy steps (``compiled_step.checked_run``: log-probabilities
+within its tolerance, the same tokens for every row); a mismatch or an architecture the fixed layers cannot run
 keeps the forward pass, with one debug line.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import mlx.core as mx
 
-from mlxkv.engine.compiled_step import CHECK_STEPS, STEP, TOLERANCE, log_softmax
+from mlxkv.engine.compiled_step import CHECK_STEPS, STEP, checked_run
 from mlxkv.engine.weight_layout import layout_for_cpu
-
-log = logging.getLogger("mlxkv.engine")
 
 _STEP = "_mlxkv_batch_step"
 
@@ -161,26 +158,17 @@ class CompiledBatchStep:
         want = run(lambda x: self.model(x, cache=cache)[:, -1, :])
         written = [c.state for c in cache]
         back_to(start)
-        ok, got = False, want
-        try:
-            got = run(lambda x: self._compiled(x, cache) if self.fits(cache, x.shape[1])
-                      else self.model(x, cache=cache)[:, -1, :])
-            diff = max(mx.abs(log_softmax(g) - log_softmax(w)).max().item() for g, w in zip(got, want))
-            same = all(mx.array_equal(mx.argmax(g, axis=-1), mx.argmax(w, axis=-1)).item()
-                       for g, w in zip(got, want))
-            ok = all(g.shape == w.shape for g, w in zip(got, want)) and diff <= TOLERANCE and same
-            if not ok:
-                log.debug("%s: the compiled batch step differs from the forward pass (log-probabilities "
-                          "by %g, greedy tokens %s); the forward pass decodes batches", self.label, diff,
-                          "the same" if same else "differ")
-        except Exception as e:  # an architecture the fixed layers cannot run
-            log.debug("%s: the batch decode step is not compiled (%s: %s)", self.label, type(e).__name__, e)
-        self.enabled = ok
+
+        def compiled(x: mx.array) -> mx.array:
+            return self._compiled(x, cache) if self.fits(cache, x.shape[1]) else self.model(x, cache=cache)[:, -1, :]
+
+        got = checked_run(self.label, "batch decode step", lambda: run(compiled), want)
+        self.enabled = ok = got is not None
         if not ok:  # back to what the forward pass wrote
             for c, state in zip(cache, written):
                 c.state = state
         back_to(start + width)
-        return got[0] if ok else want[0]
+        return got[0] if got is not None else want[0]
 
 
 def batch_decode_step(model: Any) -> CompiledBatchStep:

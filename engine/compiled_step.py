@@ -31,6 +31,7 @@ why); so does a machine without the C++ compiler MLX's CPU compile needs.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -64,6 +65,36 @@ class FixedKV:
 
 def log_softmax(logits: mx.array) -> mx.array:
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def agrees(got: list[mx.array], want: list[mx.array]) -> tuple[bool, float, bool]:
+    """Whether a compiled step's logits (``got``, one array per checked step) match the
+    forward pass's (``want``): the same shapes, log-probabilities within
+    :data:`TOLERANCE` and the same greedy tokens; with the largest difference and whether
+    the greedy tokens were the same, for the debug line of a failed check."""
+    diff = max(mx.abs(log_softmax(g) - log_softmax(w)).max().item() for g, w in zip(got, want))
+    same = all(mx.array_equal(mx.argmax(g, axis=-1), mx.argmax(w, axis=-1)).item() for g, w in zip(got, want))
+    ok = all(g.shape == w.shape for g, w in zip(got, want)) and diff <= TOLERANCE and same
+    return ok, diff, same
+
+
+def checked_run(label: str, step: str, run: Callable[[], list[mx.array]],
+                want: list[mx.array]) -> list[mx.array] | None:
+    """``run()`` (a compiled step's logits over the check) if it runs and :func:`agrees`
+    with ``want`` (the forward pass's), else None, with one debug line saying why;
+    ``step`` names it in that line ("decode step", "batch decode step")."""
+    try:
+        got = run()
+        ok, diff, same = agrees(got, want)
+    except Exception as e:  # an architecture the fixed layers cannot run
+        log.debug("%s: the %s is not compiled (%s: %s)", label, step, type(e).__name__, e)
+        return None
+    if not ok:
+        log.debug("%s: the compiled %s differs from the forward pass (log-probabilities by %g, "
+                  "greedy tokens %s); the forward pass decodes", label, step, diff,
+                  "the same" if same else "differ")
+        return None
+    return got
 
 
 class CompiledStep:
@@ -148,23 +179,15 @@ class CompiledStep:
         written = [(c.keys, c.values) for c in cache]
         for c in cache:
             c.trim(c.offset - start)
-        ok = False
-        try:
-            got = run(lambda x: self._compiled(x, cache) if self.fits(cache, x.shape[1])
-                      else self.model(x, cache=cache)[0, -1:])
-            diff = max(mx.abs(log_softmax(g) - log_softmax(w)).max().item() for g, w in zip(got, want))
-            same = all(mx.argmax(g).item() == mx.argmax(w).item() for g, w in zip(got, want))
-            ok = all(g.shape == w.shape for g, w in zip(got, want)) and diff <= TOLERANCE and same
-            if not ok:
-                log.debug("%s: the compiled step differs from the forward pass (log-probabilities "
-                          "by %g, greedy tokens %s); the forward pass decodes", self.label, diff,
-                          "the same" if same else "differ")
-        except Exception as e:  # an architecture the fixed layers cannot run
-            log.debug("%s: the decode step is not compiled (%s: %s)", self.label, type(e).__name__, e)
-        self.enabled = ok
+
+        def compiled(x: mx.array) -> mx.array:
+            return self._compiled(x, cache) if self.fits(cache, x.shape[1]) else self.model(x, cache=cache)[0, -1:]
+
+        got = checked_run(self.label, "decode step", lambda: run(compiled), want)
+        self.enabled = ok = got is not None
         if not ok:  # back to what the forward pass wrote
             for c, (keys, values) in zip(cache, written):
                 c.keys, c.values = keys, values
         for c in cache:
             c.offset = start + width
-        return got[0] if ok else want[0]
+        return got[0] if got is not None else want[0]

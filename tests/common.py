@@ -39,3 +39,25 @@ def greedy_tokens(model: Any, tokens: list[int], cache: list | None = None, n_ca
         if feed_last or len(out) < n_new:
             logits = model(mx.array([[t]]), cache=cache)[0, -1]
     return out, cache
+
+
+def scaled_logits(inner: Any, honest: type) -> Any:
+    """``inner`` (an mlx-lm model) wrapped so that its logits are halved unless the cache
+    it is called with is of class ``honest`` (or absent): a stand-in for an architecture
+    whose compiled step would compute other numbers than its forward pass."""
+    import mlx.nn as nn
+    from mlx_lm.models.cache import make_prompt_cache
+
+    class ScaledLogits(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def __call__(self, x: Any, cache: Any = None) -> Any:
+            out = self.inner(x, cache=cache)
+            return out if cache is None or type(cache[0]) is honest else out * 0.5
+
+        def make_cache(self) -> list:
+            return make_prompt_cache(self.inner)
+
+    return ScaledLogits()

@@ -12,6 +12,7 @@ import logging
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from common import scaled_logits
 from mlx_lm import load as mlx_lm_load
 from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
@@ -126,21 +127,8 @@ def test_the_compiled_step_computes_the_forward_passs_numbers():
     assert mx.allclose(again, want, rtol=1e-5, atol=1e-5).item()
 
 
-class ScaledLogits(nn.Module):
-    """A model whose logits depend on whether its cache is mlx-lm's: a stand-in for an
-    architecture whose compiled step would compute other numbers than its forward pass."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-
-    def __call__(self, x, cache=None):
-        out = self.inner(x, cache=cache)
-        return out if cache is None or type(cache[0]) is BatchKVCache else out * 0.5
-
-
 def test_a_step_that_differs_from_the_forward_pass_is_not_used(caplog):
-    model = ScaledLogits(load_model(str(tiny_model("qwen3"))).model)
+    model = scaled_logits(load_model(str(tiny_model("qwen3"))).model, BatchKVCache)
     caches = []
     for p in prompts_for(6, (4, 9)):
         c = make_prompt_cache(model.inner)
@@ -152,7 +140,7 @@ def test_a_step_that_differs_from_the_forward_pass_is_not_used(caplog):
     with caplog.at_level(logging.DEBUG, logger="mlxkv.engine"):
         got = step(x, batch)
     assert step.enabled is False
-    assert sum("compiled batch step differs" in r.getMessage() for r in caplog.records) == 1, caplog.text
+    assert sum("compiled batch decode step differs" in r.getMessage() for r in caplog.records) == 1, caplog.text
     assert batch[0].state[4] == 10
     for c in batch:
         c.trim(1)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import logging
 
 import mlx.core as mx
-import mlx.nn as nn
 import pytest
+from common import scaled_logits
 from mlx_lm import load as mlx_lm_load
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, make_prompt_cache
@@ -89,24 +89,8 @@ def test_a_sliding_window_model_decodes_through_the_forward_pass():
     assert any(type(c) is not KVCache for c in gen.cache)
 
 
-class ScaledLogits(nn.Module):
-    """A model whose logits depend on whether its cache is mlx-lm's: a stand-in for an
-    architecture whose compiled step would compute other numbers than its forward pass."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-
-    def __call__(self, x, cache=None):
-        out = self.inner(x, cache=cache)
-        return out if cache is None or type(cache[0]) is KVCache else out * 0.5
-
-    def make_cache(self):
-        return make_prompt_cache(self.inner)
-
-
 def test_a_step_that_differs_from_the_forward_pass_is_not_used(caplog):
-    model = ScaledLogits(load_model(str(tiny_model("qwen3"))).model)
+    model = scaled_logits(load_model(str(tiny_model("qwen3"))).model, KVCache)
     step = CompiledStep(model)
     cache = make_prompt_cache(model)
     mx.eval(model(mx.array([[3, 4, 5]]), cache=cache))
@@ -114,7 +98,7 @@ def test_a_step_that_differs_from_the_forward_pass_is_not_used(caplog):
     with caplog.at_level(logging.DEBUG, logger="mlxkv.engine"):
         got = step(x, cache)  # checked: the forward pass's logits come back
     assert step.enabled is False
-    lines = [r.getMessage() for r in caplog.records if "compiled step differs" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if "compiled decode step differs" in r.getMessage()]
     assert len(lines) == 1, caplog.text
     for c in cache:
         c.trim(1)
