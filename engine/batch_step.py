@@ -37,7 +37,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxkv.engine.compiled_step import CHECK_STEPS, STEP, checked_run
+from mlxkv.engine.compiled_step import CHECK_STEPS, STEP, checked_run, greedy_steps
 from mlxkv.engine.weight_layout import layout_for_cpu
 
 _STEP = "_mlxkv_batch_step"
@@ -142,27 +142,18 @@ class CompiledBatchStep:
         holding the first input, as one step leaves it."""
         width, start = tokens.shape[1], cache[0].state[4]
 
-        def run(step: Any) -> list[mx.array]:
-            out, x = [], tokens
-            for _ in range(steps):
-                logits = step(x)
-                mx.eval(logits)
-                out.append(logits)
-                x = mx.argmax(logits, axis=-1)[:, None].astype(tokens.dtype)
-            return out
-
         def back_to(n: int) -> None:
             for c in cache:
                 c.trim(c.state[4] - n)
 
-        want = run(lambda x: self.model(x, cache=cache)[:, -1, :])
+        want = greedy_steps(lambda x: self.model(x, cache=cache)[:, -1, :], tokens, steps)
         written = [c.state for c in cache]
         back_to(start)
 
         def compiled(x: mx.array) -> mx.array:
             return self._compiled(x, cache) if self.fits(cache, x.shape[1]) else self.model(x, cache=cache)[:, -1, :]
 
-        got = checked_run(self.label, "batch decode step", lambda: run(compiled), want)
+        got = checked_run(self.label, "batch decode step", lambda: greedy_steps(compiled, tokens, steps), want)
         self.enabled = ok = got is not None
         if not ok:  # back to what the forward pass wrote
             for c, state in zip(cache, written):

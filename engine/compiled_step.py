@@ -78,6 +78,18 @@ def agrees(got: list[mx.array], want: list[mx.array]) -> tuple[bool, float, bool
     return ok, diff, same
 
 
+def greedy_steps(step: Callable[[mx.array], mx.array], tokens: mx.array, steps: int) -> list[mx.array]:
+    """The logits of ``steps`` steps of ``step`` ([rows, V] from a [rows, width] input),
+    ``tokens`` first, then each row's greedy token: the check's input, run both ways."""
+    out, x = [], tokens
+    for _ in range(steps):
+        logits = step(x)
+        mx.eval(logits)
+        out.append(logits)
+        x = mx.argmax(logits, axis=-1)[:, None].astype(tokens.dtype)
+    return out
+
+
 def checked_run(label: str, step: str, run: Callable[[], list[mx.array]],
                 want: list[mx.array]) -> list[mx.array] | None:
     """``run()`` (a compiled step's logits over the check) if it runs and :func:`agrees`
@@ -166,16 +178,7 @@ class CompiledStep:
         holding the first input only, as one step leaves it."""
         width, start = tokens.shape[1], cache[0].offset
 
-        def run(step: Any) -> list[mx.array]:
-            out, x = [], tokens
-            for _ in range(steps):
-                logits = step(x)
-                mx.eval(logits)
-                out.append(logits)
-                x = mx.argmax(logits, axis=-1).reshape(1, 1).astype(tokens.dtype)
-            return out
-
-        want = run(lambda x: self.model(x, cache=cache)[0, -1:])
+        want = greedy_steps(lambda x: self.model(x, cache=cache)[0, -1:], tokens, steps)
         written = [(c.keys, c.values) for c in cache]
         for c in cache:
             c.trim(c.offset - start)
@@ -183,7 +186,7 @@ class CompiledStep:
         def compiled(x: mx.array) -> mx.array:
             return self._compiled(x, cache) if self.fits(cache, x.shape[1]) else self.model(x, cache=cache)[0, -1:]
 
-        got = checked_run(self.label, "decode step", lambda: run(compiled), want)
+        got = checked_run(self.label, "decode step", lambda: greedy_steps(compiled, tokens, steps), want)
         self.enabled = ok = got is not None
         if not ok:  # back to what the forward pass wrote
             for c, (keys, values) in zip(cache, written):
