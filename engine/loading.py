@@ -103,7 +103,9 @@ def load_runtime(source: ModelSource, settings: Settings, prefix_cache: CacheArg
                  cache_event: Callable[[dict], None]) -> Runtime:
     """Load everything (sending the :class:`LoadEvent` s of every stage but the last, which
     :func:`ready_event` is); the cache's events also go to ``cache_event``."""
+    from mlxkv.engine import cpu_attention
     from mlxkv.engine.blas import describe
+    from mlxkv.engine.mlx_lm_compat import install_attention
     from mlxkv.engine.speculation.providers import bind_providers
 
     started = time.perf_counter()
@@ -111,6 +113,9 @@ def load_runtime(source: ModelSource, settings: Settings, prefix_cache: CacheArg
     with source.loading():
         publish(LoadEvent(LOAD_STAGES[0], 0, total))
         loaded, namespace = source.load()
+        if settings.cpu_attention:  # this thread (the engine's) computes with the model
+            install_attention(loaded.model)
+            cpu_attention.use_on_this_thread()
         loaded.context_limit = settings.context_tokens
         providers = source.providers(loaded, settings)
         publish(LoadEvent(LOAD_STAGES[1], 1, total))

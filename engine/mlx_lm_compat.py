@@ -175,3 +175,43 @@ class DecodingRows:
 
         if self._batch.logits_processors[i]:
             self._batch._token_context[i].update_and_fetch(mx.array(list(tokens), dtype=mx.int32))
+
+
+# --------------------------------------------------------------------------- attention
+def install_attention(model: Any) -> int:
+    """Route ``model``'s attention through :func:`engine.cpu_attention.attention` on the
+    threads that opted in (``cpu_attention.use_on_this_thread``); the number of modules
+    rebound (0 when done before, or when no module of the model calls mlx-lm's shared
+    ``scaled_dot_product_attention``).
+
+    mlx-lm's architectures import ``scaled_dot_product_attention`` from
+    ``mlx_lm.models.base`` into their own module, and call it with the layer's cache. That
+    module-level name is the only place a model's attention can be reached without copying
+    the architecture; it is rebound, in each module of ``model``'s classes that holds
+    mlx-lm's own function, to :func:`_attention`, which is mlx-lm's function itself on every
+    thread that did not opt in and for every call :func:`engine.cpu_attention.applies` does
+    not cover (one query, a quantized cache, sinks, another dtype or device). So another
+    thread, library or benchmark peer in the process computes exactly what it did before."""
+    import sys
+
+    from mlx_lm.models import base
+
+    rebound = 0
+    for module in {type(m).__module__ for _, m in model.named_modules()} | {type(model).__module__}:
+        namespace = sys.modules.get(module)
+        if namespace is not None and getattr(namespace, "scaled_dot_product_attention", None) is base.scaled_dot_product_attention:
+            namespace.scaled_dot_product_attention = _attention
+            rebound += 1
+    return rebound
+
+
+def _attention(queries: Any, keys: Any, values: Any, cache: Any, scale: float, mask: Any,
+               sinks: Any = None) -> Any:
+    from mlx_lm.models import base
+
+    from mlxkv.engine import cpu_attention
+
+    if not hasattr(cache, "bits") and cpu_attention.applies(queries, keys, mask, sinks):
+        return cpu_attention.attention(queries, keys, values, scale, mask)
+    return base.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask,
+                                             sinks=sinks)

@@ -177,6 +177,9 @@ FIELDS: tuple[Field, ...] = (
           "compute in --dtype, off = quantized matmuls, auto = on for the CPU backend when the "
           "dequantized model fits in half the memory, off on Metal/CUDA",
           choices=DEQUANTIZE_CHOICES),
+    Field("cpu_attention", True, _bool,
+          "CPU backend: attention over several tokens (prefill, speculation) with a vectorised "
+          "exp, equal to MLX's kernel up to rounding and faster at long context (off: MLX's)"),
     Field("full_hash", False, _bool,
           "fingerprint weights by content (slow once) instead of size + mtime"),
     Field("temperature", 0.0, float, "sampling temperature (0 = greedy)", flag="--temp",
@@ -327,6 +330,7 @@ class Settings:
     restore_timeout_s: float
     dtype: str
     dequantize: str
+    cpu_attention: bool
     full_hash: bool
     temperature: float
     top_p: float

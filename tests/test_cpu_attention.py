@@ -1,0 +1,137 @@
+"""The CPU attention of several queries (engine.cpu_attention): MLX's numbers up to rounding
+for every mask and grouping mlx-lm's models pass, masked keys weigh exactly nothing, the
+query blocks join seamlessly; it runs only on a thread that opted in, so another thread
+computes exactly what mlx-lm computes; and the engine's greedy output on the real model
+and the demo model is the same with it as without."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import mlx.core as mx
+import pytest
+from common import T, greedy
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlxkv.engine import cpu_attention, mlx_lm_compat
+from mlxkv.engine.mlx_lm_compat import install_attention
+from mlxkv.engine.models import load_model
+from support.modelgen import tiny_model
+from support.real_model import real_model_path
+
+REAL = real_model_path()
+
+
+def _qkv(length: int, keys: int, heads: int, kv_heads: int, seed: int = 0):
+    mx.random.seed(seed)
+    q = mx.random.normal((1, heads, length, 16))
+    k = mx.random.normal((1, kv_heads, keys, 16))
+    v = mx.random.normal((1, kv_heads, keys, 16))
+    return q, k, v
+
+
+@pytest.mark.parametrize("length,keys,heads,kv_heads", [(7, 7, 4, 4), (5, 40, 6, 2), (33, 300, 8, 1), (2, 9, 3, 3)])
+@pytest.mark.parametrize("kind", ["causal", "none", "bool2d", "bool4d", "additive"])
+def test_it_computes_mlxs_attention_up_to_rounding(length, keys, heads, kv_heads, kind, monkeypatch):
+    monkeypatch.setattr(cpu_attention, "BLOCK_BYTES", 4 * heads * keys * 3)  # blocks of 3 queries
+    q, k, v = _qkv(length, keys, heads, kv_heads)
+    mask = {"causal": "causal", "none": None,
+            "bool2d": mx.random.uniform(shape=(length, keys)) > 0.4,
+            "bool4d": mx.random.uniform(shape=(1, heads, length, keys)) > 0.4,
+            "additive": mx.random.normal((1, 1, length, keys))}[kind]
+    if isinstance(mask, mx.array) and mask.dtype == mx.bool_:
+        mask[..., 0] = True  # every query sees a key
+    ours = cpu_attention.attention(q, k, v, 0.25, mask)
+    theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+    assert ours.shape == theirs.shape == (1, heads, length, 16)
+    assert mx.allclose(ours, theirs, rtol=1e-5, atol=1e-5).item(), float(mx.abs(ours - theirs).max())
+
+
+def test_masked_keys_weigh_exactly_nothing():
+    """A causal query's output does not change in any bit when the keys it may not see
+    change (their exponentials are exactly 0, not merely tiny)."""
+    q, k, v = _qkv(6, 20, 4, 2)
+    before = cpu_attention.attention(q, k, v, 0.25, "causal")
+    k2, v2 = mx.array(k), mx.array(v)
+    k2[:, :, 15:] = 1e4  # the last 5 keys: only the last query sees the first of them
+    v2[:, :, 15:] = -7.0
+    after = cpu_attention.attention(q, k2, v2, 0.25, "causal")
+    assert mx.array_equal(before[:, :, :1], after[:, :, :1]).item()
+
+
+def test_the_exponential_is_close_and_exactly_zero_far_below():
+    x = mx.concatenate([mx.linspace(-80.0, 0.0, 10_001), mx.array([-200.0, -mx.inf])])
+    got = cpu_attention._exp_shifted(x, mx.array(0.0))
+    want = mx.exp(x)
+    assert mx.allclose(got[:-2], want[:-2], rtol=2e-6, atol=0).item()
+    assert got[-2].item() == 0.0 and got[-1].item() == 0.0
+
+
+def test_only_the_calls_it_covers_take_it():
+    q, k, v = _qkv(4, 10, 4, 2)
+    cpu_attention.use_on_this_thread(True)
+    try:
+        assert cpu_attention.applies(q, k, "causal")
+        assert not cpu_attention.applies(q[:, :, :1], k, None)  # a decode step: MLX's vector kernel
+        assert not cpu_attention.applies(q, k, "causal", sinks=mx.zeros((4,)))
+        assert not cpu_attention.applies(q.astype(mx.float16), k.astype(mx.float16), "causal")
+        assert not cpu_attention.applies(q, k, mx.zeros((1, 4, 10)))  # a 3-D mask: not a shape it maps
+    finally:
+        cpu_attention.use_on_this_thread(False)
+    assert not cpu_attention.applies(q, k, "causal")
+
+
+def _prefill_logits(model, tokens):
+    cache = make_prompt_cache(model)
+    out = model(mx.array(tokens)[None], cache=cache)
+    mx.eval(out)
+    return out
+
+
+def test_installed_it_runs_on_the_opted_in_thread_only():
+    loaded = load_model(str(tiny_model("qwen3")))
+    model = loaded.model
+    tokens = list(range(3, 60))
+    reference = _prefill_logits(model, tokens)  # mlx-lm's attention (this thread never opted in)
+    install_attention(model)  # (an engine that loaded qwen3 in this process may have done it)
+    assert sys.modules[type(model).__module__].scaled_dot_product_attention is mlx_lm_compat._attention
+    assert install_attention(model) == 0  # done once per architecture module
+
+    results: dict[str, mx.array] = {}
+
+    def run(name: str, opt_in: bool) -> None:
+        cpu_attention.use_on_this_thread(opt_in)
+        results[name] = _prefill_logits(model, tokens)
+
+    for name, opt_in in (("other", False), ("engine", True)):
+        t = threading.Thread(target=run, args=(name, opt_in))
+        t.start()
+        t.join(T)
+    assert mx.array_equal(results["other"], reference).item()  # bit for bit mlx-lm's
+    assert mx.allclose(results["engine"], reference, rtol=1e-4, atol=1e-4).item()
+    assert not cpu_attention.enabled()  # this thread never opted in
+
+
+def _greedy_text(model: str, prompt: str, on: bool, tmp_path) -> list[int]:
+    from mlxkv.engine.engine import Engine, Request
+    from mlxkv.engine.settings import Settings
+
+    settings = Settings.load({"model": model, "prefix_cache": False, "cpu_attention": on, "spec": "off",
+                              "cache_dir": str(tmp_path / f"c{on}")}, env={})
+    with Engine.from_settings(settings).start(timeout=T) as eng:
+        r = eng.submit(Request(messages=[{"role": "user", "content": prompt}], params=greedy(max_tokens=24))
+                       ).result(timeout=T)
+    return r.tokens
+
+
+@pytest.mark.parametrize("which", ["demo", "real"])
+def test_the_engine_answers_the_same_with_it(which, tmp_path):
+    if which == "real" and REAL is None:
+        pytest.fail("the real model is not fetched: run `make fixtures`")
+    from mlxkv.engine.demo import DEMO_MODEL_DIR, SAMPLE_QUESTIONS
+
+    model = str(DEMO_MODEL_DIR) if which == "demo" else str(REAL)
+    prompt = SAMPLE_QUESTIONS[0] if which == "demo" else "Write a Python function that reverses a list."
+    prompt = prompt * (1 if which == "demo" else 6)  # a prompt long enough to cross query blocks
+    assert _greedy_text(model, prompt, True, tmp_path) == _greedy_text(model, prompt, False, tmp_path)
