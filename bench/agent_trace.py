@@ -146,38 +146,45 @@ def measure(model: Path, work: Path, log: Any) -> dict[str, Any]:
 
     A plain server (``--spec off``) and a suffix server (``--spec suffix``, its own cache
     folder) answer episode 1, then episode 2, turn by turn interleaved. Between the two
-    the suffix server flushes its cache (the learned index is written) and its folder is
-    copied: a new suffix server process on the copy answers episode 2 again, against the
-    plain server again. So the live and the restarted server know exactly the same (episode
-    1), and ``restart_ratio`` is the restarted server's speed-up over the live one's on
+    both flush their caches (the suffix server's learned index is written) and their
+    folders are copied: a new suffix server process on its copy answers episode 2 again,
+    against a new plain server process on the plain one's copy. So the live and the
+    restarted suffix server know exactly the same (episode 1), each is compared with a
+    plain server as warm as itself (a new process traces its compiled decode step for each
+    context size it meets and restores its prompts from the SSD tier, whichever decoding it
+    runs), and ``restart_ratio`` is the restarted pair's speed-up over the live pair's on
     episode 2."""
     import shutil
 
     from bench.server import Served, http_client
 
     httpx = http_client()
-    for d in ("plain", "suffix", "restarted"):
+    for d in ("plain", "suffix", "restarted", "plain-restarted"):
         (work / d).mkdir(parents=True, exist_ok=True)
     plain = Served("mlxkv", model, work / "plain", extra=("--spec", "off"))
     live = Served("mlxkv", model, work / "suffix", extra=("--spec", "suffix"))
     restarted = Served("mlxkv", model, work / "restarted", extra=("--spec", "suffix"))
+    plain_again = Served("mlxkv", model, work / "plain-restarted", extra=("--spec", "off"))
     try:
         log("agent trace: starting the plain and the suffix server")
         plain.start()
         live.start()
         urls = {"plain": plain.url, "suffix": live.url}
         first = replay(urls, EPISODES[0], log)
-        r = httpx.post(live.url + "/admin/cache/flush", timeout=600)
-        if r.status_code != 200:
-            raise RuntimeError(f"flush failed: HTTP {r.status_code}")
-        shutil.copytree(work / "suffix" / "kv", work / "restarted" / "kv")
+        for server, copy in ((live, "restarted"), (plain, "plain-restarted")):
+            r = httpx.post(server.url + "/admin/cache/flush", timeout=600)
+            if r.status_code != 200:
+                raise RuntimeError(f"flush failed: HTTP {r.status_code}")
+            shutil.copytree(server.cache_dir / "kv", work / copy / "kv")
         second = replay(urls, EPISODES[1], log)
         live.stop()
-        log("agent trace: a new suffix server process on the copied cache folder")
+        plain.stop()
+        log("agent trace: new suffix and plain server processes on the copied cache folders")
         restarted.start()
-        again = replay({"plain": plain.url, "suffix": restarted.url}, EPISODES[1], log)
+        plain_again.start()
+        again = replay({"plain": plain_again.url, "suffix": restarted.url}, EPISODES[1], log)
     finally:
-        for s in (plain, live, restarted):
+        for s in (plain, live, restarted, plain_again):
             if s.proc is not None:
                 s.stop()
     trace = speedup(first, "plain", "suffix")

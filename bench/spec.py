@@ -78,8 +78,9 @@ unless said, ``--real-tokens`` (>= 128) decoded per request:
   decode time of the plain server over the suffix server's on turns 3 and later of both
   episodes, with acceptance and tokens per forward. ``suffix_restart_ratio``: episode 2
   answered by a new suffix server process started on a copy of the first one's cache
-  folder (taken after episode 1, so both know the same), its speed-up over the live
-  server's on episode 2 (``suffix_restart_speedup`` / ``suffix_restart_live_speedup``).
+  folder (taken after episode 1, so both know the same) against a new plain server process
+  (as cold as it), its speed-up over the live pair's on episode 2
+  (``suffix_restart_speedup`` / ``suffix_restart_live_speedup``).
   ``--no-trace`` skips it;
 - ``auto_freeform_ratio_real``: ``auto`` against ``off`` on sampled free-form text
   (temperature 1, no prefix cache);

@@ -254,6 +254,20 @@ class SpecStream:
             if room is not None:
                 k = min(k, room - 1)
             proposal = self.source.propose(pending, k) if k > 0 else Proposal([])
+            if pipelined and not proposal.tokens and (proposal.lazy is None or proposal.lazy.shape[0] == 0):
+                # Nothing to verify: one plain step, through the compiled step as plain
+                # decoding's (a forward pass of the pending token alone is slower, and a
+                # source with nothing to say asks for it a few rounds in a row).
+                if k > 0:
+                    self.controller.empty()
+                fed = pending
+                pending, ran = yield from self._plain_block(sampler, pending, 1)
+                emitted += ran
+                self.controller.record(0, 0, time.perf_counter() - t_round)
+                if self.trace:
+                    print(f"mlxkv spec: fed=[{fed}] drafts=[] (a plain step) next={pending}", file=sys.stderr,
+                          flush=True)
+                continue
             t_drafted = time.perf_counter()
             if proposal.lazy is not None and proposal.lazy.shape[0] > 0 and k > 0 and pipelined:
                 accepted, nxt, drafts, window, lp, hidden, snapshot = self._lazy_round(
