@@ -34,6 +34,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from mlxkv.engine import cpu_attention
 from mlxkv.engine.logs import warn_once
 
 log = logging.getLogger("mlxkv.engine")
@@ -196,6 +197,8 @@ def install_attention(model: Any) -> int:
 
     from mlx_lm.models import base
 
+    global _mlx_lm_attention
+    _mlx_lm_attention = base.scaled_dot_product_attention
     rebound = 0
     for module in {type(m).__module__ for _, m in model.named_modules()} | {type(model).__module__}:
         namespace = sys.modules.get(module)
@@ -205,13 +208,11 @@ def install_attention(model: Any) -> int:
     return rebound
 
 
+_mlx_lm_attention: Any = None  # mlx-lm's own, kept by install_attention (a call per layer: no imports here)
+
+
 def _attention(queries: Any, keys: Any, values: Any, cache: Any, scale: float, mask: Any,
                sinks: Any = None) -> Any:
-    from mlx_lm.models import base
-
-    from mlxkv.engine import cpu_attention
-
     if not hasattr(cache, "bits") and cpu_attention.applies(queries, keys, mask, sinks):
         return cpu_attention.attention(queries, keys, values, scale, mask)
-    return base.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask,
-                                             sinks=sinks)
+    return _mlx_lm_attention(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)

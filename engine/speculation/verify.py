@@ -241,30 +241,28 @@ class SpecStream:
             if left <= 0:
                 return
             off = self.controller.take_off_steps() if pipelined else 0
+            proposal = None
+            if off == 0:
+                k = min(self.controller.next_length(), left - 1 if left > 1 else 0)
+                room = rollback.room()
+                if room is not None:
+                    k = min(k, room - 1)
+                proposal = self.source.propose(pending, k) if k > 0 else Proposal([])
+                if pipelined and not proposal.tokens and (proposal.lazy is None or proposal.lazy.shape[0] == 0):
+                    # Nothing to verify: one plain step, through the compiled step as plain
+                    # decoding's (a forward pass of the pending token alone is slower, and a
+                    # source with nothing to say asks for it a few rounds in a row).
+                    if k > 0:
+                        self.controller.empty()
+                    off = 1
             if off > 0:
-                steps = min(off, left)
-                pending, ran = yield from self._plain_block(sampler, pending, steps)
+                fed = pending
+                pending, ran = yield from self._plain_block(sampler, pending, min(off, left))
                 emitted += ran
                 if ran < off:  # the source saw a long earlier run: probe now
                     self.controller.cut_off_steps(off - ran)
                 self.controller.record(0, 0, (time.perf_counter() - t_round) / ran)
-                continue
-            k = min(self.controller.next_length(), left - 1 if left > 1 else 0)
-            room = rollback.room()
-            if room is not None:
-                k = min(k, room - 1)
-            proposal = self.source.propose(pending, k) if k > 0 else Proposal([])
-            if pipelined and not proposal.tokens and (proposal.lazy is None or proposal.lazy.shape[0] == 0):
-                # Nothing to verify: one plain step, through the compiled step as plain
-                # decoding's (a forward pass of the pending token alone is slower, and a
-                # source with nothing to say asks for it a few rounds in a row).
-                if k > 0:
-                    self.controller.empty()
-                fed = pending
-                pending, ran = yield from self._plain_block(sampler, pending, 1)
-                emitted += ran
-                self.controller.record(0, 0, time.perf_counter() - t_round)
-                if self.trace:
+                if self.trace and proposal is not None:
                     print(f"mlxkv spec: fed=[{fed}] drafts=[] (a plain step) next={pending}", file=sys.stderr,
                           flush=True)
                 continue
