@@ -119,28 +119,103 @@ def cache_length(cache: Sequence[Any]) -> int | None:
 def head_view(model: Any) -> Any:
     """The model as its decoder stack and LM head (an ``engine.speculation.base.TargetView``), when
     ``model(x)`` is exactly the head applied to the stack's last hidden state; else None
-    (e.g. a model that caps or scales its logits after the head). Probed once per model with
-    one token through two fresh caches, bit for bit."""
-    known = getattr(model, "_mlxkv_head_view", False)
-    if known is not False:
-        return known
-    view = None
-    try:
-        import mlx.core as mx
-        from mlx_lm.models.cache import make_prompt_cache
+    (e.g. a model that caps or scales its logits after the head). Decided once per model,
+    by :func:`probe_model`."""
+    if getattr(model, "_mlxkv_head_view", False) is False:
+        try:
+            probe_model(model)
+        except Exception:  # a model that cannot take the probe: the model as a whole
+            object.__setattr__(model, "_mlxkv_head_view", None)
+    return model._mlxkv_head_view
 
+
+class _StackRecorder:
+    """Stands in for a model's decoder stack during the probe: calls it and keeps each call's
+    arguments and output (attributes read through it reach the stack)."""
+
+    def __init__(self, stack: Any):
+        object.__setattr__(self, "stack", stack)
+        object.__setattr__(self, "calls", [])
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.stack(*args, **kwargs)
+        self.calls.append((args, kwargs, out))
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stack, name)
+
+
+def _plain_call(stack: Any, args: tuple, kwargs: dict, x: Any, cache: list) -> bool:
+    """Whether the stack was called as ``stack(x, cache=cache)`` is: the tokens, the cache,
+    every other argument at its default."""
+    import inspect
+
+    try:
+        bound = inspect.signature(stack.__call__).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return False
+    params = inspect.signature(stack.__call__).parameters
+    names = list(bound.arguments)
+    if not names or bound.arguments[names[0]] is not x:
+        return False
+    for name in names[1:]:
+        value = bound.arguments[name]
+        if name == "cache":
+            if value is not cache:
+                return False
+        elif value is not params[name].default:
+            return False
+    return "cache" in bound.arguments
+
+
+def probe_model(model: Any) -> list:
+    """One token through ``model`` with a fresh prompt cache, which it returns evaluated (what
+    the model's caches look like: ``engine.cache.template``). The same pass decides
+    :func:`head_view`: the decoder stack's output is recorded on its way to the head, and
+    the split is taken when the stack was called plainly (tokens and cache) and the head
+    on its output gives the model's logits bit for bit."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    view, holder, recorder = None, None, None
+    try:
         from mlxkv.engine.speculation.base import TargetView
 
-        candidate = TargetView(model, None)
-        x = mx.array([[0]])
-        whole = model(x, cache=make_prompt_cache(model))
-        split = candidate.forward(x, make_prompt_cache(model))[0]
-        if whole.shape == split.shape and bool(mx.array_equal(whole, split)):
-            view = candidate
+        view = TargetView(model, None)
+        holder = getattr(model, "language_model", model) if getattr(model, "model", None) is None \
+            else model
     except Exception:  # no decoder with embed_tokens, an odd head: the model as a whole
         view = None
+    try:
+        if view is not None:
+            recorder = _StackRecorder(holder["model"])
+            holder["model"] = recorder
+    except Exception:  # a stack the model does not hold by name: nothing recorded
+        recorder = None
+    x = mx.array([[0]])
+    cache = make_prompt_cache(model)
+    try:
+        whole = model(x, cache=cache)
+    finally:
+        if recorder is not None:
+            holder["model"] = recorder.stack
+    mx.eval(whole, [c.state for c in cache])
+    if view is not None:
+        try:
+            (args, kwargs, hidden), = recorder.calls
+            plain = _plain_call(recorder.stack, args, kwargs, x, cache)
+        except Exception:  # called twice or not at all: checked with a pass of its own
+            plain = False
+        try:
+            split = (view.logits(hidden) if plain else
+                     view.forward(x, make_prompt_cache(model))[0])
+            if not (whole.shape == split.shape and bool(mx.array_equal(whole, split))):
+                view = None
+        except Exception:  # a head that does not apply to the stack's output
+            view = None
     object.__setattr__(model, "_mlxkv_head_view", view)
-    return view
+    return cache
 
 
 LayerHook = Callable[[int, int, int, int], None]  # (done, chunk, layer, layers) -> None

@@ -144,6 +144,6 @@ def load_runtime(source: ModelSource, settings: Settings, prefix_cache: CacheArg
         from mlxkv.engine.generate import head_view
 
         batchable = batchable_cache(make_prompt_cache(loaded.model))
-        head_view(loaded.model)  # probed while loading, not inside the first request's TTFT
+        head_view(loaded.model)  # decided while loading (by bind_model's probe when a cache is bound)
     return Runtime(loaded, namespace, providers, CacheUse(client, namespace), batchable, info,
                    load_s)

@@ -6,10 +6,12 @@ become valid UTF-8 at once."""
 
 from __future__ import annotations
 
+import functools
 import random
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from common import T
 from mlx_lm import load
@@ -17,7 +19,9 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxkv.engine.engine import Engine, Request
-from mlxkv.engine.generate import Generation, SamplingParams, head_view, stream_detokenizer
+from mlxkv.engine.generate import (Generation, SamplingParams, head_view, probe_model,
+                                   stream_detokenizer)
+from mlxkv.engine.speculation.base import TargetView
 from mlxkv.engine.settings import Settings
 from support.modelgen import tiny_model
 
@@ -35,6 +39,7 @@ def passes(monkeypatch: pytest.MonkeyPatch, model) -> list[int]:
     cls = type(model.model)
     call = cls.__call__
 
+    @functools.wraps(call)  # the stack's signature stays readable (the probe reads it)
     def counted(self, inputs, *args, **kwargs):
         seen.append(int(inputs.shape[1]))
         return call(self, inputs, *args, **kwargs)
@@ -106,6 +111,44 @@ def test_model_with_logits_after_the_head_keeps_a_pass_for_the_last_token(qwen3,
     assert tokens == want[: len(tokens)]
 
 
+def test_one_pass_gives_the_cache_layout_and_decides_the_head(monkeypatch):
+    model, _ = load(str(tiny_model("qwen3")))  # a model nobody has probed yet
+    seen = passes(monkeypatch, model)
+    cache = probe_model(model)
+    assert seen == [1] and all(c.offset == 1 for c in cache)
+    assert head_view(model) is not None and seen == [1]  # decided by that pass
+
+
+class _StackFedOtherwise(nn.Module):
+    """A model that feeds its stack something besides the tokens (here doubled embeddings)
+    and applies the plain head to what comes out: head(stack output) is its logits, yet the
+    split forward (the stack on the tokens alone) is not the model."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model.model
+        self.head = TargetView(model, None)
+        self.args = model.args
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+    def __call__(self, inputs, cache=None):
+        h = self.model(inputs, cache=cache, input_embeddings=self.model.embed_tokens(inputs) * 2)
+        return self.head.logits(h)
+
+
+def test_a_stack_fed_more_than_the_tokens_is_checked_with_a_pass_of_its_own(monkeypatch):
+    model, _ = load(str(tiny_model("qwen3")))
+    other = _StackFedOtherwise(model)
+    seen = passes(monkeypatch, model)
+    probe_model(other)
+    assert seen == [1, 1]  # the recorded call was not a plain one: the split was run too
+    assert head_view(other) is None
+    assert other.model is model.model  # the stack is back in its place after the probe
+
+
 def test_verifier_prefill_shares_the_last_chunk(tmp_path: Path, monkeypatch):
     values = {"model": str(tiny_model("qwen3")), "cache_dir": str(tmp_path / "cache"), "spec": "ngram",
               "prefix_cache": False}
@@ -161,7 +204,7 @@ def test_eager_detokenizer_text_is_mlx_lms(qwen3):
 
 
 def test_the_head_is_probed_while_loading_not_in_the_first_request(tmp_path: Path, monkeypatch):
-    # head_view's probe (two one-token passes) runs as the engine loads, so the first
+    # head_view's probe (one one-token pass) runs as the engine loads, so the first
     # request after a start (the restart TTFT) pays only its own prefill.
     values = {"model": str(tiny_model("qwen3")), "cache_dir": str(tmp_path / "cache"), "spec": "off",
               "prefix_cache": False}

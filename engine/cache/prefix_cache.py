@@ -59,7 +59,7 @@ from mlxkv.engine.cache.prefetch import PrefetchMixin
 from mlxkv.engine.cache.ram_tier import Entry, RamTier
 from mlxkv.engine.cache.ssd import SsdTier
 from mlxkv.engine.cache.stats import Counters, Usage
-from mlxkv.engine.cache.template import Templates, probe_model
+from mlxkv.engine.cache.template import Templates
 from mlxkv.engine.cache.tokens import as_tokens, chain_keys, store_namespace
 from mlxkv.engine.cache.tokens import entry_id as eid_of
 from mlxkv.engine.settings import FIELD_BY_NAME, Settings
@@ -246,6 +246,8 @@ class PrefixCache(ManageMixin, PrefetchMixin):
         load), and the KV arena prepares restore destinations for them (sized for the state
         the SSD tier used last in ``ns``; see ``engine.cache.arena``). A model that cannot
         be probed is learned from its first stored cache."""
+        from mlxkv.engine.generate import probe_model
+
         try:
             cache = probe_model(model)
         except Exception as exc:  # noqa: BLE001  (an unusual model: fall back, never fail a load)

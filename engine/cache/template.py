@@ -9,7 +9,8 @@ breaks the model or, worse, silently attends over the wrong window.
 
 The expected signature of a namespace comes from :meth:`Templates.learn` with a cache
 the model produced: the engine's own caches as they are stored, or one made by
-:func:`probe_model` (one token through the model) when the model is bound at load.
+:func:`engine.generate.probe_model` (one token through the model, the same pass that
+decides how the model is prefilled) when the model is bound at load.
 """
 
 from __future__ import annotations
@@ -70,16 +71,6 @@ def mismatch(restored: LayerSig, expected: LayerSig) -> str | None:
         # a quantized block layer has no dims to compare; a plain one must match exactly
         return f"state shapes/dtypes {restored.dims}, the model's are {expected.dims}"
     return None
-
-
-def probe_model(model: Any) -> list:
-    """A prompt cache of ``model`` holding one token (what its caches look like)."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(model)
-    model(mx.array([[0]]), cache=cache)
-    mx.eval([c.state for c in cache])
-    return cache
 
 
 class Templates:
