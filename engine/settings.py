@@ -215,8 +215,9 @@ FIELDS: tuple[Field, ...] = (
           "speculative decoding: off, auto (the best source available, off when slower), "
           "draft, ngram (prompt lookup), suffix (the conversation's and earlier outputs' "
           "suffixes) or mtp", choices=SPEC_CHOICES),
-    Field("spec_tokens", 12, _positive_int, "most tokens a speculation round proposes", arg_type=int,
-          metavar="N"),
+    Field("spec_tokens", None, _optional(_positive_int),
+          "most tokens a speculation round proposes (default: the source's own, 32 for suffix, "
+          "12 for the others)", arg_type=int, metavar="N"),
     Field("spec_ngram_min", 2, _positive_int, "prompt lookup: shortest n-gram matched", arg_type=int,
           metavar="N"),
     Field("spec_ngram_max", 4, _positive_int, "prompt lookup: longest n-gram matched", arg_type=int,
@@ -347,7 +348,7 @@ class Settings:
     system_prompt: str | None
     blas: str
     spec: str
-    spec_tokens: int
+    spec_tokens: int | None
     spec_ngram_min: int
     spec_ngram_max: int
     spec_suffix_tokens: int

@@ -200,3 +200,18 @@ def test_batched_rows_use_suffix_speculation_and_decode_as_alone(tmp_path):
         handles = [e.submit(Request(prompt_tokens=p, params=greedy(max_tokens=16), spec="suffix")) for p in prompts]
         together = [h.result(timeout=T) for h in handles]
     assert [r.tokens for r in together] == [r.tokens for r in alone]
+
+
+def test_a_reply_repeated_whole_is_proposed_in_rounds_longer_than_a_draft_models(tmp_path):
+    # Suffix proposals cost nothing to make: by default a round proposes up to 32 tokens
+    # (a draft model's up to 12); --spec-tokens bounds every source alike.
+    params = SamplingParams(max_tokens=64, temperature=0.0)
+    longest = {}
+    for spec_tokens in (None, 8):
+        with Engine.from_settings(settings(tmp_path, prefix_cache=False, spec_tokens=spec_tokens)
+                                  ).start(timeout=T) as e:
+            plain = e.submit(Request(messages=CODE, params=params, spec="off")).result(timeout=T)
+            again = e.submit(Request(messages=CODE, params=params, spec="suffix")).result(timeout=T)
+        assert again.tokens == plain.tokens
+        longest[spec_tokens] = len(again.stats.spec["drafted_by_position"])
+    assert 12 < longest[None] <= 32 and longest[8] == 8

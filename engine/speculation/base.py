@@ -137,6 +137,9 @@ class DraftProvider:
     weights_bytes: int = 0
     supports_external_tokens: bool = False
     needs_hidden: bool = False
+    # The most tokens a round proposes unless ``--spec-tokens`` says otherwise: a drafted
+    # token costs a draft forward pass here, so a round stays short.
+    proposal_tokens: int = 12
     model: Any = None  # a provider that stores KVState: the model that KV belongs to (bind_model)
 
     def checkpoint_namespace(self) -> str:

@@ -32,7 +32,6 @@ from mlxkv.engine.speculation.verify import SpecStream
 
 log = logging.getLogger("mlxkv.spec")
 __all__ = ["SPEC_CHOICES", "load_providers", "open_speculation"]
-SPEC_TOKENS: int = FIELD_BY_NAME["spec_tokens"].default
 AUTO_ORDER = ("mtp", "draft", "suffix", "ngram")  # what ``auto`` prefers, first available
 
 
@@ -173,7 +172,7 @@ class Speculation:
     restores from and stores to the prefix cache."""
 
     def __init__(self, provider: DraftProvider, target: TargetView, params: SamplingParams, *,
-                 mode: str = "auto", constraint: Any = None, max_tokens: int = SPEC_TOKENS,
+                 mode: str = "auto", constraint: Any = None, max_tokens: int | None = None,
                  prefix_cache: CacheClient | None = None, namespace: str = "",
                  session: str | None = None, timed: bool = True):
         self.provider = provider
@@ -183,6 +182,7 @@ class Speculation:
         # Constraints propose only what the output must be: always ask for all of it. A seeded
         # sampled request keeps a fixed length, so its draws do not depend on timings.
         exact = provider.kind == "constraint"
+        max_tokens = max_tokens or provider.proposal_tokens
         adaptive = timed and not exact
         memory = source_memory(provider, params.temperature > 0) if adaptive else None
         self.controller = LengthController(initial=max_tokens if exact else min(4, max_tokens),
@@ -239,7 +239,7 @@ class Speculation:
 def open_speculation(providers: dict[str, DraftProvider] | None, loaded: Any,
                      params: SamplingParams, *, mode: str | None,
                      settings_mode: str = FIELD_BY_NAME["spec"].default, guided_choice: Any = None,
-                     json_skeleton: Any = None, max_tokens: int = SPEC_TOKENS,
+                     json_skeleton: Any = None, max_tokens: int | None = None,
                      prefix_cache: CacheClient | None = None, namespace: str = "",
                      session: str | None = None) -> tuple[Speculation | None, Any]:
     """(the request's Speculation or None, its constraint or None). The constraint returned

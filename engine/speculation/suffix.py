@@ -87,6 +87,12 @@ class SuffixProvider(DraftProvider):
     supports_external_tokens = True
     needs_hidden = False
     schema = SCHEMA
+    # A proposal costs nothing to make and stops by itself where the match is short or the
+    # path unlikely (ALPHA, MIN_SCORE): a file or a tool call repeated whole is verified in
+    # windows of up to 33 tokens, where a verified token costs least (the real model at
+    # 2,000 tokens of context, one core: 16 ms a token 17 wide, 12 ms 33 wide; a plain step
+    # 70 ms).
+    proposal_tokens = 32
 
     def __init__(self, *, lengths: Sequence[int] = LENGTHS, alpha: float = ALPHA,
                  min_score: float = MIN_SCORE, global_tokens: int = GLOBAL_TOKENS,
