@@ -63,6 +63,17 @@ def test_a_short_match_proposes_little():
     assert len(propose([ix], list(range(100, 116)), 16, alpha=2, min_score=0.0)) == 16
 
 
+def test_a_one_token_match_proposes_nothing_by_default():
+    ix = index_of(list(range(100, 140)), lengths=(16, 8, 4, 2, 1))
+    source = SuffixProvider(lengths=(16, 8, 4, 2, 1)).open(None, None)
+    source.prefill(list(range(100, 140)) + [7])
+    assert source.propose(100, 8).tokens == []  # "100" alone matched: no proposal
+    source.commit([100])
+    assert source.propose(101, 8).tokens == list(range(102, 106))  # "100 101" matched: 2 x 2
+    assert propose_path([ix], [7, 100], 8, alpha=2, min_score=0.0, min_match=2)[0] == []
+    assert propose_path([ix], [100, 101], 8, alpha=2, min_score=0.0, min_match=2)[0] == [102, 103, 104, 105]
+
+
 def test_forgetting_a_sequence_removes_what_it_added():
     ix = SuffixIndex((4, 2, 1))
     ix.extend([5, 6, 7, 8])

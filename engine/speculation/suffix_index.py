@@ -231,9 +231,10 @@ def match_length(indexes: Sequence[SuffixIndex], context: Sequence[int]) -> int:
 
 
 def propose_path(indexes: Sequence[SuffixIndex], context: Sequence[int], n: int, *, alpha: float,
-                 min_score: float) -> tuple[list[int], list[int]]:
+                 min_score: float, min_match: int = 1) -> tuple[list[int], list[int]]:
     """Up to ``n`` tokens to follow ``context``, and the match length each was proposed
-    from (see the module docstring)."""
+    from (see the module docstring); nothing when the text's own match is shorter than
+    ``min_match``."""
     if n <= 0 or not indexes:
         return [], []
     first = indexes[0]
@@ -245,7 +246,7 @@ def propose_path(indexes: Sequence[SuffixIndex], context: Sequence[int], n: int,
     budget = n
     while len(out) < budget:
         length, token, share, _ = best_continuation(indexes, first.keys(prefix, len(tail)))
-        if length == 0:
+        if length == 0 or not out and length < min_match:
             break
         if not out:  # a short match of the real text predicts little: the depth grows with it
             budget = min(n, max(1, int(alpha * length)))
