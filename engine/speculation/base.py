@@ -97,6 +97,13 @@ class DraftSource:
     """One request's source of proposals. The verifier calls ``prefill`` once, then per round
     ``propose(pending, n)`` and ``commit(accepted)``."""
 
+    # A source whose proposals end by themselves where they turn unlikely (suffix: the match
+    # length and the path's probability) is asked for up to the most tokens a round takes
+    # whenever the length controller speculates at all; the controller's length, fitted to
+    # one acceptance rate for every position, would cut a 40-token repeated tool call into
+    # rounds of 4, 8, 16 tokens as it grows.
+    sizes_itself: bool = False
+
     def prefill(self, prompt_tokens: list[int], processed: int = 0, hidden: mx.array | None = None) -> None:
         """The prompt is in the target's KV; ``processed`` of its tokens were already known to
         this source (restored state). ``hidden``: target hidden rows [T - processed, D] of

@@ -56,6 +56,8 @@ PROBE_MATCH = 8
 
 
 class SuffixSource(DraftSource):
+    sizes_itself = True
+
     def __init__(self, provider: SuffixProvider):
         self.provider = provider
         self.local = SuffixIndex(provider.lengths)

@@ -243,7 +243,10 @@ class SpecStream:
             off = self.controller.take_off_steps() if pipelined else 0
             proposal = None
             if off == 0:
-                k = min(self.controller.next_length(), left - 1 if left > 1 else 0)
+                k = self.controller.next_length()
+                if k > 0 and self.source.sizes_itself:
+                    k = self.controller.maximum
+                k = min(k, left - 1 if left > 1 else 0)
                 room = rollback.room()
                 if room is not None:
                     k = min(k, room - 1)
