@@ -152,10 +152,11 @@ def _plain_call(stack: Any, args: tuple, kwargs: dict, x: Any, cache: list) -> b
     import inspect
 
     try:
-        bound = inspect.signature(stack.__call__).bind(*args, **kwargs)
+        signature = inspect.signature(stack.__call__)
+        bound = signature.bind(*args, **kwargs)
     except (TypeError, ValueError):
         return False
-    params = inspect.signature(stack.__call__).parameters
+    params = signature.parameters
     names = list(bound.arguments)
     if not names or bound.arguments[names[0]] is not x:
         return False

@@ -8,7 +8,6 @@ import json
 import math
 import os
 import sys
-import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -409,47 +408,23 @@ def load_model(spec: str | os.PathLike, dtype: str = "auto", full_hash: bool = F
                        extra={"dequantized": dequantized})
 
 
-class _Tokenizer(threading.Thread):
-    """``mlx_lm.utils.load_tokenizer`` on a thread of its own: it is Python and JSON (the
-    GIL), while the weights it runs beside are read and evaluated by MLX (no GIL)."""
-
-    def __init__(self, path: Path, tokenizer_config: dict | None, eos: Any):
-        super().__init__(name="mlxkv-tokenizer-load", daemon=True)
-        self.args = (path, tokenizer_config, eos)
-        self.tokenizer: Any = None
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        from mlx_lm.utils import load_tokenizer
-
-        path, config, eos = self.args
-        try:
-            self.tokenizer = load_tokenizer(path, config, eos_token_ids=eos)
-        except BaseException as e:  # noqa: BLE001  (re-raised on the loading thread)
-            self.error = e
-
-    def result(self) -> Any:
-        self.join()
-        if self.error is not None:
-            raise self.error
-        return self.tokenizer
-
-
 def _load_folder(path: Path, tokenizer_config: dict | None) -> tuple[Any, dict, Any]:
     """What ``mlx_lm.utils.load`` does for a local folder (the model with its weights
     evaluated, its config, its tokenizer), with the tokenizer loaded while the weights are
     read: the two no longer add up in the time to the first token."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import mlx.core as mx
     from mlx_lm.utils import load_model as mlx_lm_load_model
+    from mlx_lm.utils import load_tokenizer
 
     model, config = mlx_lm_load_model(path, lazy=True)
-    tokenizer = _Tokenizer(path, tokenizer_config, config.get("eos_token_id", None))
-    tokenizer.start()
-    try:
+    # The tokenizer is Python and JSON (the GIL); MLX evaluates the weights without it. The
+    # pool's exit waits for the tokenizer whatever happens to the weights.
+    with ThreadPoolExecutor(1, thread_name_prefix="mlxkv-tokenizer-load") as pool:
+        tokenizer = pool.submit(load_tokenizer, path, tokenizer_config,
+                                eos_token_ids=config.get("eos_token_id", None))
         mx.eval(model.parameters())
-    except BaseException:
-        tokenizer.join()  # nothing runs on after the load has failed
-        raise
     return model, config, tokenizer.result()
 
 
