@@ -75,6 +75,17 @@ class GuidedChoice:
         return mask
 
 
+def constraint_mask(constraint: Any, output: Sequence[int], vocab: int):
+    """The additive mask [vocab] a constraint puts on the token after ``output``, or None
+    (nothing masked): its own ``mask`` where it has one (a grammar fills a bitmask), else
+    the row of its ``allowed`` tokens."""
+    mask = getattr(constraint, "mask", None)
+    if mask is not None:
+        return mask(output, vocab)
+    allowed = constraint.allowed(output)
+    return None if allowed is None else mask_row(vocab, allowed)
+
+
 def mask_row(vocab: int, allowed: Sequence[int]):
     """An additive mask [V]: 0 at ``allowed``, -inf elsewhere."""
     import mlx.core as mx
@@ -167,5 +178,8 @@ class RowConstraints(DraftRowConstraints):
         self.outputs[row].extend(tokens)
 
     def done(self, row: int) -> bool:
-        allowed = self.constraints[row].allowed(self.outputs[row])
-        return allowed is not None and set(allowed) <= set(self.constraints[row].eos)
+        constraint = self.constraints[row]
+        if hasattr(constraint, "done"):
+            return constraint.done(self.outputs[row])
+        allowed = constraint.allowed(self.outputs[row])
+        return allowed is not None and set(allowed) <= set(constraint.eos)

@@ -46,14 +46,13 @@ class TargetSampler:
         if self.processors:
             logits = process_window(self.processors, mx.array(self.history[-self._context:]), window, logits)
         if self.constraint is not None:
-            from mlxkv.engine.speculation.constraints import mask_row
+            from mlxkv.engine.speculation.constraints import constraint_mask
 
             vocab = logits.shape[-1]
-            allowed = [self.constraint.allowed(self.output + list(window[: j + 1]))
-                       for j in range(logits.shape[0])]
-            if any(a is not None for a in allowed):
-                logits = logits + mx.stack([mask_row(vocab, a) if a is not None else mx.zeros((vocab,))
-                                            for a in allowed])
+            masks = [constraint_mask(self.constraint, self.output + list(window[: j + 1]), vocab)
+                     for j in range(logits.shape[0])]
+            if any(m is not None for m in masks):
+                logits = logits + mx.stack([m if m is not None else mx.zeros((vocab,)) for m in masks])
         return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
     def sample(self, logprobs: mx.array) -> mx.array:
