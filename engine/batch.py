@@ -211,11 +211,11 @@ class Batch:
             self._settle()
             return
         processors = request_processors(p)  # BatchGenerator gives them every token it knows
-        choices = row.request.guided_choice
-        if choices:  # the mask alone decoding applies; a row's history is its whole prompt
-            from mlxkv.engine.speculation.constraints import GuidedChoice
+        from mlxkv.engine.speculation.grammar import logits_width, request_constraint
 
-            processors.append(GuidedChoice(self.tokenizer, choices).processor(len(row.prompt)))
+        constraint = request_constraint(self.tokenizer, row.request, logits_width(self.model))
+        if constraint is not None:  # the mask alone decoding applies; a row's history is its whole prompt
+            processors.append(constraint.processor(len(row.prompt)))
         from mlx_lm.models.cache import make_prompt_cache
 
         # An empty cache is made here: BatchGenerator's model is a step, not the model.

@@ -164,6 +164,10 @@ class Request:
     # ('{"name": "', '", "age": ', '}'): speculation proposes them as they come due; they
     # never force a token (the model decides every one).
     json_skeleton: tuple[str, ...] | None = None
+    # A grammar the output must follow token by token: llguidance's Lark syntax, which may
+    # embed JSON schemas (``%json {...}``); checked when the request runs
+    # (``engine.speculation.grammar.check_grammar`` checks one beforehand).
+    grammar: str | None = None
     # A retention hint (Anthropic cache_control, OpenAI prompt_cache_key): the state this
     # request leaves in the prefix cache (its whole prompt and reply) is evicted only after
     # every state without one, for this many seconds. None: no hint.
@@ -196,6 +200,11 @@ class Request:
             if self.guided_choice is not None:
                 raise ValueError("a request takes guided_choice or json_skeleton, not both")
             self.json_skeleton = parts
+        if self.grammar is not None:
+            if not isinstance(self.grammar, str) or not self.grammar.strip():
+                raise ValueError("grammar must be a non-empty string")
+            if self.guided_choice is not None or self.json_skeleton is not None:
+                raise ValueError("a request takes one of guided_choice, json_skeleton, grammar")
         if self.retain_s is not None and not (isinstance(self.retain_s, (int, float))
                                               and 0 < self.retain_s < float("inf")):
             raise ValueError(f"retain_s must be a positive number of seconds, got {self.retain_s!r}")

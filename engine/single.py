@@ -93,12 +93,14 @@ class SingleStream:
                     ) -> tuple[Speculation | None, Any]:
         """(the request's speculation or None, its constraint or None), from ``providers``
         (default: every provider of the model)."""
+        from mlxkv.engine.speculation.grammar import logits_width, request_constraint
         from mlxkv.engine.speculation.providers import open_speculation
 
         rt = self.runtime
+        constraint = request_constraint(rt.loaded.tokenizer, req, logits_width(rt.loaded.model))
         return open_speculation(
             rt.providers if providers is None else providers, rt.loaded, params, mode=req.spec,
-            settings_mode=self.settings.spec, guided_choice=req.guided_choice,
+            settings_mode=self.settings.spec, constraint=constraint,
             json_skeleton=req.json_skeleton, max_tokens=self.settings.spec_tokens,
             prefix_cache=rt.cache.client if rt.cache.enabled else None,
             namespace=rt.namespace, session=req.session)

@@ -4,7 +4,7 @@
 ``load_providers`` runs on the engine thread at load: prompt lookup and the suffix source
 always, the draft model when one is set (the demo model pairs with the demo draft model by
 default), MTP when the checkpoint carries MTP weights. A request's source:
-``guided_choice`` -> constraints; else its ``spec`` (or the engine's): ``auto`` prefers
+``guided_choice`` or a ``grammar`` -> constraints; else its ``spec`` (or the engine's): ``auto`` prefers
 MTP, then a draft model, then the suffix source (prompt lookup only where there is no
 suffix provider), and adapts (stopping when slower); a named source is used with the same
 adaptive length. Each provider keeps a ``policy.SourceMemory`` per sampling regime
@@ -238,18 +238,15 @@ class Speculation:
 
 def open_speculation(providers: dict[str, DraftProvider] | None, loaded: Any,
                      params: SamplingParams, *, mode: str | None,
-                     settings_mode: str = FIELD_BY_NAME["spec"].default, guided_choice: Any = None,
+                     settings_mode: str = FIELD_BY_NAME["spec"].default, constraint: Any = None,
                      json_skeleton: Any = None, max_tokens: int | None = None,
                      prefix_cache: CacheClient | None = None, namespace: str = "",
                      session: str | None = None) -> tuple[Speculation | None, Any]:
-    """(the request's Speculation or None, its constraint or None). The constraint returned
-    is the mask the output must satisfy (``guided_choice``); a JSON skeleton only drafts."""
-    constraint = drafting = None
-    if guided_choice:
-        from mlxkv.engine.speculation.constraints import GuidedChoice
-
-        constraint = drafting = GuidedChoice(loaded.tokenizer, guided_choice)
-    elif json_skeleton:
+    """(the request's Speculation or None, its constraint or None). ``constraint`` is the
+    mask the output must satisfy (``grammar.request_constraint``: ``guided_choice`` or a
+    grammar), returned as given; it drafts what it forces. A JSON skeleton only drafts."""
+    drafting = constraint
+    if constraint is None and json_skeleton:
         from mlxkv.engine.speculation.constraints import JsonSkeleton
 
         drafting = JsonSkeleton(loaded.tokenizer, json_skeleton)
