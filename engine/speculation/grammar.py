@@ -128,9 +128,9 @@ class GrammarConstraint:
         return ok == len(new)
 
     def _words(self, output: Sequence[int]) -> np.ndarray:
-        """Allowed tokens after ``output``: a bitmask of uint32 words (token i is bit i % 32
-        of word i // 32), EOS set exactly when the grammar accepts. A buffer reused by the
-        next call."""
+        """Allowed tokens after ``output``: llguidance's bitmask as unsigned words (a token's
+        bit in its word, lowest ids first), EOS set exactly when the grammar accepts. A
+        buffer the next call reuses."""
         from llguidance.numpy import fill_next_token_bitmask
 
         words = self._bitmask[0].view(np.uint32)
@@ -153,9 +153,9 @@ class GrammarConstraint:
         return np.flatnonzero(bits).tolist()
 
     def mask(self, output: Sequence[int], vocab: int) -> Any:
-        """An additive mask [vocab] (an mx array) for the token after ``output``: 0 where the
-        grammar allows it, -inf elsewhere (and beyond the tokenizer's ids). Each byte of the
-        bitmask picks its 8 values from a table: no per-token work in Python."""
+        """An additive mask [vocab] (an mx array) for the token after ``output``: zero where
+        the grammar allows it, -inf elsewhere (and beyond the tokenizer's ids). Each byte of
+        the bitmask picks its tokens' values from a table: no per-token work in Python."""
         import mlx.core as mx
 
         row = np.take(_BYTE_ROWS, self._words(output).view(np.uint8), axis=0).reshape(-1)
@@ -194,7 +194,7 @@ class GrammarConstraint:
         return mask
 
 
-# byte -> the additive mask of its 8 tokens (bit j set: 0, else -inf), lowest bit first
+# byte -> the additive mask of its eight tokens (bit set: 0, else -inf), lowest bit first
 _BYTE_ROWS = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little") > 0,
                       np.float32(0.0), np.float32(-np.inf)).astype(np.float32)
 
