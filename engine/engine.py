@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -335,10 +335,22 @@ class Engine:
                          timeout=timeout)
 
     def encode_chat(self, messages: list[dict[str, str]], timeout: float | None = 30.0,
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Token ids of the prompt ``Request(messages=..., tools=...)`` sends the model."""
         return self._ask("encode_chat", lambda: self.scheduler.preparer.chat_tokens(
-            messages, tools), timeout=timeout)
+            messages, tools, template_kwargs), timeout=timeout)
+
+    def chat_template(self, markers: Sequence[str] = (), timeout: float | None = 30.0
+                      ) -> tuple[str | None, list[str]]:
+        """The model's chat template (None: it has none) and which of ``markers`` are single
+        tokens of its vocabulary (what a front end needs to tell its reply format)."""
+        def read() -> tuple[str | None, list[str]]:
+            tokenizer = self.scheduler.runtime.loaded.tokenizer
+            template = getattr(tokenizer, "chat_template", None)
+            vocab = tokenizer.get_vocab()
+            return (template if isinstance(template, str) else None, [m for m in markers if m in vocab])
+        return self._ask("chat_template", read, timeout=timeout)
 
     def decode(self, tokens: list[int], timeout: float | None = 30.0) -> str:
         return self._ask("decode", lambda: self.scheduler.runtime.loaded.tokenizer.decode(

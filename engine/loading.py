@@ -11,11 +11,12 @@ import dataclasses
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from mlxkv.engine.cache.client import CacheArg, CacheClient
 from mlxkv.engine.cache_use import CacheUse
-from mlxkv.engine.requests import EngineEvent, LoadEvent
+from mlxkv.engine.requests import EngineError, EngineEvent, LoadEvent
 from mlxkv.engine.settings import Settings
 
 if TYPE_CHECKING:
@@ -98,6 +99,18 @@ def open_cache(arg: CacheArg, loaded: LoadedModel, namespace: str) -> CacheClien
     return client
 
 
+def use_chat_template(tokenizer: Any, path: str) -> None:
+    """The template in the file at ``path`` replaces the model's own chat template."""
+    try:
+        text = Path(path).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise EngineError(f"--chat-template {path}: {e}") from None
+    if not text.strip():
+        raise EngineError(f"--chat-template {path}: the file is empty")
+    tokenizer.chat_template = text
+    tokenizer.has_chat_template = True
+
+
 def load_runtime(source: ModelSource, settings: Settings, prefix_cache: CacheArg,
                  publish: Callable[[EngineEvent], None],
                  cache_event: Callable[[dict], None]) -> Runtime:
@@ -117,6 +130,8 @@ def load_runtime(source: ModelSource, settings: Settings, prefix_cache: CacheArg
             install_attention(loaded.model)
             cpu_attention.use_on_this_thread()
         loaded.context_limit = settings.context_tokens
+        if settings.chat_template:
+            use_chat_template(loaded.tokenizer, settings.chat_template)
         providers = source.providers(loaded, settings)
         publish(LoadEvent(LOAD_STAGES[1], 1, total))
         client = open_cache(prefix_cache, loaded, namespace)

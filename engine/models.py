@@ -430,13 +430,17 @@ def _load_folder(path: Path, tokenizer_config: dict | None) -> tuple[Any, dict, 
 
 def chat_prompt_tokens(tokenizer: Any, messages: list[dict[str, str]],
                        add_generation_prompt: bool = True,
-                       tools: list[dict[str, Any]] | None = None) -> list[int]:
+                       tools: list[dict[str, Any]] | None = None,
+                       template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Token ids for ``messages`` through the model's chat template (plain text join when
-    the tokenizer has none); ``tools`` (OpenAI function-tool JSON) go to the template."""
+    the tokenizer has none); ``tools`` (OpenAI function-tool JSON) and ``template_kwargs``
+    (``enable_thinking``, ...) go to the template."""
     if getattr(tokenizer, "has_chat_template", False):
         # Same path as the mlx_lm.generate CLI: render text, then encode without adding
         # special tokens again (the template already holds them).
-        extra = {"tools": tools} if tools else {}
+        extra: dict[str, Any] = dict(template_kwargs or {})
+        if tools:
+            extra["tools"] = tools
         text = tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
         return list(tokenizer.encode(text, add_special_tokens=False))

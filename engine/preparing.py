@@ -98,12 +98,13 @@ class Preparer:
         bos = tok.bos_token
         return list(tok.encode(text, add_special_tokens=bos is None or not text.startswith(bos)))
 
-    def chat_tokens(self, messages: list[dict[str, Any]],
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def chat_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Token ids of the chat template applied to ``messages`` (and ``tools``)."""
         from mlxkv.engine.models import chat_prompt_tokens
 
-        return chat_prompt_tokens(self.loaded.tokenizer, messages, tools=tools)
+        return chat_prompt_tokens(self.loaded.tokenizer, messages, tools=tools,
+                                  template_kwargs=template_kwargs)
 
     def prompt_tokens(self, req: Request) -> list[int]:
         if req.prompt_tokens is not None:
@@ -115,7 +116,7 @@ class Preparer:
         elif req.messages is not None:
             if all(blank(m.get("content")) for m in req.messages):
                 raise RequestRefused("the prompt is empty")
-            tokens = self.chat_tokens(req.messages, req.tools)
+            tokens = self.chat_tokens(req.messages, req.tools, req.template_kwargs)
         else:
             if not (req.prompt or "").strip():
                 raise RequestRefused("the prompt is empty")

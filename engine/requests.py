@@ -152,6 +152,8 @@ class Request:
     truncate: bool = False
     # Tool definitions (OpenAI function-tool JSON) handed to the chat template.
     tools: list[dict[str, Any]] | None = None
+    # Extra variables for the chat template (``enable_thinking``, ``reasoning_effort``, ...).
+    template_kwargs: dict[str, Any] | None = None
     # Report log-probabilities with each token: 0 = the token's own, N = also the N most
     # likely alternatives (at most 20). None = none.
     logprobs: int | None = None

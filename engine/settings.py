@@ -208,6 +208,9 @@ FIELDS: tuple[Field, ...] = (
           "closest cached state) stats and the inspector's misses view keep",
           arg_type=int, metavar="N"),
     Field("system_prompt", None, _optional(str), "system message for chat", metavar="TEXT"),
+    Field("chat_template", None, _optional(_path),
+          "a Jinja chat template file used instead of the model's own (as llama.cpp's "
+          "--chat-template-file); tool-call and reasoning formats follow it", metavar="FILE"),
     Field("blas", "auto", str, "CPU BLAS on Linux: auto, off, or a library path",
           metavar="auto|off|PATH"),
     # speculative decoding
@@ -256,6 +259,8 @@ FIELDS: tuple[Field, ...] = (
     Field("responses_store_bytes", 64 * 1024**2, parse_bytes,
           "serve: memory for earlier /v1/responses answers kept for previous_response_id, "
           "e.g. 64MiB (0: none kept)", metavar=SIZE),
+    Field("quiet", False, _bool, "serve: print no access line per request (route, status, "
+          "token counts, time to first token, cache outcome)"),
     Field("churn_rules", True, _bool,
           "serve: remove text agents put in their system prompts that changes with every "
           "conversation (Claude Code's billing header line), so that a new conversation reuses "
@@ -346,6 +351,7 @@ class Settings:
     max_queue: int
     lookup_history: int
     system_prompt: str | None
+    chat_template: str | None
     blas: str
     spec: str
     spec_tokens: int | None
@@ -362,6 +368,7 @@ class Settings:
     max_requests: int
     max_tokens_limit: int | None
     responses_store_bytes: int
+    quiet: bool
     churn_rules: bool
 
     def __init__(self, values: dict[str, Any], sources: dict[str, str], config_path: Path):
