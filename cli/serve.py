@@ -12,6 +12,10 @@ from mlxkv.cli.common import fail, sampling_params, start_engine
 def cmd_serve(args: argparse.Namespace, settings: Any) -> int:
     from mlxkv.server.run import bind, config_from_settings, serve, warn_if_open
 
+    if not settings.quiet:
+        from mlxkv.server import access_log
+
+        access_log.install()
     warn_if_open(settings.host, settings.api_key)
     config = config_from_settings(settings, sampling_params(settings))
     try:  # before the model loads: a port in use fails at once

@@ -12,6 +12,7 @@ cache) + ``cache_read_input_tokens`` (read from it) = the prompt."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
@@ -25,11 +26,14 @@ from mlxkv.server.bridge import WAITING, EventStream, SseResponse, collect, erro
 from mlxkv.server.chat_prompt import ChatPrompt, chat_prompt
 from mlxkv.server.claude_fields import check_cache_control, check_ignored_fields
 from mlxkv.server.context import Context, dumps, model_name, new_id, read_json, session_of, stored_count, usage_counts
+from mlxkv.server.diagnostics import fingerprint, miss_reason, requested
 from mlxkv.server.errors import ApiError, anthropic_body
-from mlxkv.server.fields import get_list, get_object, get_str, max_tokens_header, sampling
+from mlxkv.server.fields import extension_fields, get_list, get_object, get_str, max_tokens_header, sampling
 from mlxkv.server.keepalive import ANTHROPIC_PING, PROGRESS_EVERY, keep_alive
 from mlxkv.server.retention import anthropic_retain_s
-from mlxkv.server.tools import ToolCall, ToolCallParser
+from mlxkv.server.formats import CALL, REASONING, TEXT, ToolCall, split_reply
+from mlxkv.server.grammars import json_reply, reply_grammar
+from mlxkv.server.reasoning import anthropic_kwargs
 
 
 # ------------------------------------------------------------------------- the request
@@ -97,7 +101,7 @@ def claude_messages(raw: list, system: Any) -> list[dict[str, Any]]:
         if m["role"] == "system":
             out.append({"role": "system", "content": _text(m.get("content"), f"{where}.content")})
             continue
-        text, calls = [], []
+        text, calls, thinking = [], [], []
         for j, b in enumerate(_blocks(m.get("content"), f"{where}.content")):
             kind, at = b["type"], f"{where}.content[{j}]"
             if kind == "text":
@@ -106,8 +110,12 @@ def claude_messages(raw: list, system: Any) -> list[dict[str, Any]]:
                 calls.append(_tool_use(b, at))
             elif kind == "tool_result" and m["role"] == "user":
                 out.append(_tool_result(b, at))
+            elif kind == "thinking" and m["role"] == "assistant":
+                # earlier reasoning: templates that keep it render it (the cache stays hit)
+                if isinstance(b.get("thinking"), str):
+                    thinking.append(b["thinking"])
             elif kind in ("thinking", "redacted_thinking"):
-                continue  # earlier turns' reasoning: the hosted API leaves it out too
+                continue  # another model's (encrypted) reasoning: this one cannot read it
             elif kind in ("tool_use", "tool_result"):
                 turn = "assistant" if kind == "tool_use" else "user"
                 raise ApiError(400, f"{at}: {kind} blocks belong in {turn} turns", at)
@@ -116,6 +124,8 @@ def claude_messages(raw: list, system: Any) -> list[dict[str, Any]]:
                                     "tool_result and thinking only: this server runs a text model)", at)
         if text or calls or not any(b.get("type") == "tool_result" for b in _blocks(m.get("content"), where)):
             msg: dict[str, Any] = {"role": m["role"], "content": "".join(text)}
+            if thinking:
+                msg["reasoning"] = "".join(thinking)
             if calls:
                 msg["tool_calls"] = calls
             out.append(msg)
@@ -135,6 +145,33 @@ def _tool_choice(body: dict) -> str | None:
     if choice["type"] == "tool" and not isinstance(choice.get("name"), str):
         raise ApiError(400, "tool_choice.name is required with type tool", "tool_choice.name")
     return choice["type"]
+
+
+def forced_tools(body: dict) -> list[str] | bool:
+    """What ``tool_choice`` demands of the reply: True (``any``: a call of any tool), the
+    name (``tool``), or False (``auto``, ``none``)."""
+    kind = _tool_choice(body)
+    if kind == "any":
+        return True
+    if kind == "tool":
+        name = body["tool_choice"]["name"]
+        names = [t.get("name") for t in get_list(body, "tools") or () if isinstance(t, dict)]
+        if name not in names:
+            raise ApiError(400, f"tool_choice.name {name!r} is not in tools", "tool_choice.name")
+        return [name]
+    return False
+
+
+def output_schema(body: dict) -> Any:
+    """``output_config.format`` (structured outputs): its JSON schema, or None."""
+    output = get_object(body, "output_config") or {}
+    fmt = output.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise ApiError(400, "output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}",
+                       "output_config.format")
+    return fmt["schema"]
 
 
 def claude_tools(body: dict) -> list[dict[str, Any]] | None:
@@ -177,7 +214,12 @@ async def claude_prompt(body: dict, ctx: Context) -> ChatPrompt:
     check_ignored_fields(body)
     get_str(body, "model")
     msgs = claude_messages(get_list(body, "messages", required=True), body.get("system"))
-    return await chat_prompt(ctx.template, msgs, claude_tools(body), ctx.config.churn_rules)
+    forced_tools(body)  # checked on count_tokens too: the same body is a 400 on both
+    schema = output_schema(body)
+    if schema is not None:
+        json_reply(schema, "output_config.format.schema")
+    return await chat_prompt(ctx.template, msgs, claude_tools(body), ctx.config.churn_rules,
+                             anthropic_kwargs(body))
 
 
 # ------------------------------------------------------------------------- the answer
@@ -201,6 +243,11 @@ def _stop(finished: FinishedEvent, calls: bool) -> tuple[str, str | None]:
     return "end_turn", None
 
 
+def _thinking_block(text: str) -> dict[str, Any]:
+    # no signature: nothing here signs (the block is sent back and read as it is)
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
 def _tool_block(call: ToolCall) -> dict[str, Any]:
     return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name,
             "input": call.arguments}
@@ -212,7 +259,8 @@ async def count_tokens(http: HttpRequest, ctx: Context) -> Response:
     body = await read_json(http, ctx.config.max_body_bytes)
     prompt = await claude_prompt(body, ctx)
     try:
-        tokens = await run_in_threadpool(ctx.engine.encode_chat, prompt.messages, 30.0, prompt.tools)
+        tokens = await run_in_threadpool(ctx.engine.encode_chat, prompt.messages, 30.0, prompt.tools,
+                                         prompt.template_kwargs)
     except EngineError as e:
         raise ApiError(503, f"the engine is not serving: {e}") from None
     except Exception as e:  # the chat template refused the messages: 400, as for a reply
@@ -228,6 +276,7 @@ def _stores(ctx: Context) -> bool:
 
 async def messages(http: HttpRequest, ctx: Context) -> Response:
     body = await read_json(http, ctx.config.max_body_bytes)
+    requested(body)  # a malformed diagnostics field is a 400 before anything runs
     prompt = await claude_prompt(body, ctx)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
@@ -235,9 +284,14 @@ async def messages(http: HttpRequest, ctx: Context) -> Response:
     params = sampling(body, ctx.config.defaults, ctx.limits, ("max_tokens",), stop_name="stop_sequences",
                       required_max=True)
     headers = max_tokens_header(body, ctx.limits, ("max_tokens",))
+    choice = body.get("tool_choice") or {}
+    grammar = reply_grammar(prompt, forced_tools(body), output_schema(body),
+                            schema_field="output_config.format.schema",
+                            parallel=not choice.get("disable_parallel_tool_use", False))
     try:
         req = Request(messages=prompt.messages, params=params, session=session_of(http, body),
-                      tools=prompt.tools, retain_s=anthropic_retain_s(body))
+                      tools=prompt.tools, template_kwargs=prompt.template_kwargs, grammar=grammar,
+                      retain_s=anthropic_retain_s(body), **extension_fields(body))
     except ValueError as e:
         raise ApiError(400, str(e)) from None
     es = EventStream(ctx.engine, req, ctx.gate, asyncio.get_running_loop())
@@ -248,8 +302,9 @@ async def messages(http: HttpRequest, ctx: Context) -> Response:
     if isinstance(first, ErrorEvent):
         raise error_status(first, "messages")
     mid, model = new_id("msg_"), model_name(body, ctx)
+    diagnose = _Diagnose(ctx, body, mid)
     if stream:
-        reply = _Stream(es, first, mid, model, prompt.parse_calls, _stores(ctx))
+        reply = _Stream(es, first, mid, model, prompt.parser(), _stores(ctx), diagnose)
         return SseResponse(keep_alive(reply.chunks(), ctx.config.ping_interval_s, reply.keepalive), es, headers)
     events = [first]
     if not isinstance(first, (FinishedEvent, ErrorEvent)):
@@ -259,18 +314,38 @@ async def messages(http: HttpRequest, ctx: Context) -> Response:
         events += rest
     if isinstance(events[-1], ErrorEvent):
         raise ApiError(500, f"the request failed: {events[-1].message}")
-    text = "".join(e.text for e in events if isinstance(e, TokenEvent))
-    calls: list[ToolCall] = []
-    if prompt.parse_calls:
-        parser = ToolCallParser()
-        pieces = parser.feed(text) + parser.finish()
-        text, calls = "".join(p for k, p in pieces if k == "text"), parser.calls
-    content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text or not calls else []
+    text, reasoning, calls = split_reply(prompt.parser(), "".join(e.text for e in events
+                                                                  if isinstance(e, TokenEvent)))
+    content: list[dict[str, Any]] = [_thinking_block(reasoning)] if reasoning else []
+    content += [{"type": "text", "text": text}] if text or not (calls or reasoning) else []
     content += [_tool_block(c) for c in calls]
     reason, sequence = _stop(events[-1], bool(calls))
-    return JSONResponse({"id": mid, "type": "message", "role": "assistant", "model": model,
-                         "content": content, "stop_reason": reason, "stop_sequence": sequence,
-                         "usage": _usage(events)}, headers=headers)
+    prompt_n, cached, generated = usage_counts(events)
+    out = {"id": mid, "type": "message", "role": "assistant", "model": model, "content": content,
+           "stop_reason": reason, "stop_sequence": sequence, "usage": _usage(events),
+           **diagnose.fields(prompt_n, cached)}
+    diagnose.done(prompt_n + generated)
+    return JSONResponse(out, headers=headers)
+
+
+class _Diagnose:
+    """Cache diagnostics for one request (``server.diagnostics``): the reply's
+    ``diagnostics`` when the body asks for them, and this message's fingerprint for the
+    next request to name."""
+
+    def __init__(self, ctx: Context, body: dict, mid: str):
+        self.ctx, self.mid = ctx, mid
+        self.previous = requested(body)
+        self.fp = fingerprint(body)
+
+    def fields(self, prompt: int, cached: int) -> dict[str, Any]:
+        if self.previous is None:
+            return {}
+        earlier = self.ctx.messages.get(self.previous)
+        return {"diagnostics": {"cache_miss_reason": miss_reason(earlier, self.fp, prompt, cached)}}
+
+    def done(self, tokens: int) -> None:
+        self.ctx.messages.put(self.mid, dataclasses.replace(self.fp, tokens=tokens))
 
 
 def _event(kind: str, data: dict[str, Any]) -> str:
@@ -278,14 +353,16 @@ def _event(kind: str, data: dict[str, Any]) -> str:
 
 
 class _Stream:
-    """One streamed reply: its content blocks as they open and close, and the keep-alives
-    between them."""
+    """One streamed reply: its content blocks (thinking, text, tool_use) as they open and
+    close, and the keep-alives between them."""
 
-    def __init__(self, es: EventStream, first: Any, mid: str, model: str, tools: bool, stores: bool):
+    def __init__(self, es: EventStream, first: Any, mid: str, model: str, parser: Any, stores: bool,
+                 diagnose: _Diagnose):
         self.es, self.first, self.mid, self.model, self.stores = es, first, mid, model, stores
-        self.parser = ToolCallParser() if tools else None
+        self.diagnose = diagnose
+        self.parser = parser
         self.index = -1  # the content block being written
-        self.text_open = False
+        self.open: str | None = None  # its kind: TEXT or REASONING (None: none open)
 
     def keepalive(self, in_a_row: int) -> str:
         """A ``ping``; every PROGRESS_EVERY-th in a row, an empty text delta instead (in a
@@ -294,14 +371,44 @@ class _Stream:
         pings and 300 s keeps its stream."""
         if in_a_row % PROGRESS_EVERY:
             return ANTHROPIC_PING
-        if not self.text_open:
-            return self._open_text()
-        return _event("content_block_delta", {"index": self.index, "delta": {"type": "text_delta", "text": ""}})
+        if self.open is None:
+            return self._open(TEXT)
+        return self._delta(self.open, "")
 
-    def _open_text(self) -> str:
+    def _open(self, kind: str) -> str:
+        out = self._close()
         self.index += 1
-        self.text_open = True
-        return _event("content_block_start", {"index": self.index, "content_block": {"type": "text", "text": ""}})
+        self.open = kind
+        block = {"type": "text", "text": ""} if kind == TEXT else {**_thinking_block("")}
+        return out + _event("content_block_start", {"index": self.index, "content_block": block})
+
+    def _close(self) -> str:
+        if self.open is None:
+            return ""
+        self.open = None
+        return _event("content_block_stop", {"index": self.index})
+
+    def _delta(self, kind: str, text: str) -> str:
+        delta = {"type": "text_delta", "text": text} if kind == TEXT else \
+            {"type": "thinking_delta", "thinking": text}
+        return _event("content_block_delta", {"index": self.index, "delta": delta})
+
+    def _pieces(self, pieces: list[tuple[str, Any]]) -> list[str]:
+        out = []
+        for kind, piece in pieces:
+            if kind in (TEXT, REASONING):
+                if self.open != kind:
+                    out.append(self._open(kind))
+                out.append(self._delta(kind, piece))
+            elif kind == CALL:
+                out.append(self._close())
+                self.index += 1
+                block = _tool_block(piece)
+                out += [_event("content_block_start", {"index": self.index, "content_block": {**block, "input": {}}}),
+                        _event("content_block_delta", {"index": self.index, "delta": {
+                            "type": "input_json_delta", "partial_json": json.dumps(piece.arguments, ensure_ascii=False)}}),
+                        _event("content_block_stop", {"index": self.index})]
+        return [o for o in out if o]
 
     async def _events(self) -> AsyncIterator[Any]:
         first = self.first
@@ -314,8 +421,6 @@ class _Stream:
 
     async def chunks(self) -> AsyncGenerator[str, None]:
         events: list[Any] = []
-        any_call = False
-        parser = self.parser
         # The prefill's first progress says the prompt's size and how much of it was cached;
         # the uncached rest is stored once the request is answered. A stream that started
         # while its request still waited in the queue knows none of it yet: message_delta
@@ -325,14 +430,13 @@ class _Stream:
         yield _event("message_start", {"message": {
             "id": self.mid, "type": "message", "role": "assistant", "model": self.model, "content": [],
             "stop_reason": None, "stop_sequence": None,
-            "usage": {**_input_usage(total, cached, total - cached if self.stores else 0), "output_tokens": 0}}})
+            "usage": {**_input_usage(total, cached, total - cached if self.stores else 0), "output_tokens": 0},
+            **self.diagnose.fields(total, cached)}})
         async for event in self._events():
             events.append(event)
-            pieces: list[tuple[str, Any]] = []
             if isinstance(event, TokenEvent):
-                pieces = parser.feed(event.text) if parser else [("text", event.text)]
-            elif isinstance(event, FinishedEvent) and parser:
-                pieces = parser.finish()
+                for chunk in self._pieces(self.parser.feed(event.text)):
+                    yield chunk
             elif isinstance(event, ErrorEvent):
                 # refused while the stream waited in the queue (too long, say): the same 400
                 # a request that was not queued gets, inside the stream
@@ -340,29 +444,14 @@ class _Stream:
                 err = ApiError(500, f"the request failed: {event.message}") if sent else error_status(event)
                 yield _event("error", anthropic_body(err))
                 return
-            for kind, piece in pieces:
-                if kind == "text" and piece:
-                    if not self.text_open:
-                        yield self._open_text()
-                    yield _event("content_block_delta", {"index": self.index,
-                                                         "delta": {"type": "text_delta", "text": piece}})
-                elif kind == "call":
-                    if self.text_open:
-                        yield _event("content_block_stop", {"index": self.index})
-                        self.text_open = False
-                    self.index += 1
-                    any_call = True
-                    block = _tool_block(piece)
-                    yield _event("content_block_start", {"index": self.index,
-                                                         "content_block": {**block, "input": {}}})
-                    yield _event("content_block_delta", {"index": self.index, "delta": {
-                        "type": "input_json_delta",
-                        "partial_json": json.dumps(piece.arguments, ensure_ascii=False)}})
-                    yield _event("content_block_stop", {"index": self.index})
-            if isinstance(event, FinishedEvent):
-                if self.text_open:
-                    yield _event("content_block_stop", {"index": self.index})
-                reason, sequence = _stop(event, any_call)
+            elif isinstance(event, FinishedEvent):
+                for chunk in self._pieces(self.parser.finish()):
+                    yield chunk
+                if self.open is not None:
+                    yield self._close()
+                reason, sequence = _stop(event, bool(self.parser.calls))
+                prompt_n, _, generated = usage_counts(events)
+                self.diagnose.done(prompt_n + generated)
                 yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
                                                "usage": _usage(events)})
                 yield _event("message_stop", {})

@@ -33,6 +33,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mlxkv.server import anthropic_api, openai_api, responses_api
+from mlxkv.server.access_log import STREAM_KEY, AccessLog
 from mlxkv.server.bridge import cache_header, current_stream
 from mlxkv.server.context import Context, ServerConfig, dumps
 from mlxkv.server.errors import ApiError, anthropic_body, openai_body
@@ -72,6 +73,7 @@ def _route(ctx: Context, handler: Handler, open_route: bool = False) -> Callable
                 _check_key(http, ctx.config.api_key)
             current_stream.set(None)
             response = await handler(http, ctx)
+            http.scope[STREAM_KEY] = current_stream.get()  # for the access log
             header = cache_header(current_stream.get())
             if header is not None:  # a generation route: what its cache lookup found
                 response.headers["x-mlxkv-cache"] = header
@@ -99,8 +101,11 @@ async def health(http: HttpRequest, ctx: Context) -> Response:
 
 
 async def models(http: HttpRequest, ctx: Context) -> Response:
+    """The model served, under a short id (any name a request gives is served and echoed)."""
+    info = getattr(ctx.engine, "info", {}) or {}
     return JSONResponse({"object": "list", "data": [
-        {"id": ctx.model_id, "object": "model", "created": ctx.created, "owned_by": "mlxkv"}]})
+        {"id": ctx.model_id, "object": "model", "created": ctx.created, "owned_by": "mlxkv",
+         "context_length": info.get("context_tokens")}]})
 
 
 async def stats(http: HttpRequest, ctx: Context) -> Response:
@@ -144,7 +149,7 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> Starlette:
         Route("/stats", _route(ctx, stats), methods=["GET"]),
         Route("/admin/cache/flush", _route(ctx, flush), methods=["POST"]),
     ]
-    middleware = []
+    middleware = [Middleware(AccessLog)]
     if ctx.config.cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(ctx.config.cors_origins),
                                      allow_methods=["GET", "POST", "OPTIONS"],

@@ -15,6 +15,7 @@ conversations (:class:`TemplateProbe`): no list of model families to keep up to 
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +25,8 @@ from starlette.concurrency import run_in_threadpool
 from mlxkv.engine.requests import EngineError
 from mlxkv.server.churn import normalise_messages
 from mlxkv.server.errors import ApiError
-from mlxkv.server.tool_prompt import with_default_tools
+from mlxkv.server.formats import DEFAULT_SYNTAX, VOCAB_MARKERS, CallSyntax, ReplyFormat, detect
+from mlxkv.server.tool_prompt import with_default_tools, with_tool_list
 
 Encode = Callable[[list[dict[str, Any]], "list[dict[str, Any]] | None"], list[int]]
 _PROBE_TOOL = {"type": "function", "function": {
@@ -34,16 +36,30 @@ _PROBE_TOOL = {"type": "function", "function": {
 
 @dataclasses.dataclass(frozen=True)
 class TemplateCaps:
-    """What a model's chat template renders."""
+    """What a model's chat template renders, and how its replies are written."""
 
     tools: bool  # a ``tools`` list (else: the default tool format)
     system_turns: bool  # a system turn after the user's (else: merged into a user turn)
+    calls: bool = False  # an assistant turn's ``tool_calls`` and ``tool`` results
+    format: ReplyFormat = dataclasses.field(default_factory=lambda: ReplyFormat(None, None, None))
+    # an earlier call's arguments go to the template as a JSON string (it writes a dict's
+    # Python repr, not JSON, where the model wrote JSON)
+    string_arguments: bool = False
+    # the generation prompt opens the reasoning (``...<think>``), by template_kwargs
+    opens_reasoning: dict[str, bool] = dataclasses.field(default_factory=dict)
 
 
-def probe_template(encode: Encode) -> TemplateCaps:
+def _kwargs_key(kwargs: dict[str, Any] | None) -> str:
+    return json.dumps(kwargs or {}, sort_keys=True, default=str)
+
+
+def probe_template(encode: Encode, decode: Callable[[list[int]], str] | None = None,
+                   template: tuple[str | None, list[str]] = (None, [])) -> TemplateCaps:
     """The template's abilities, from the token ids ``encode(messages, tools)`` gives: a
     template that ignores a part renders the same tokens with and without it, and one that
-    refuses a part raises. An :class:`EngineError` (the engine did not answer) is raised."""
+    refuses a part raises. ``decode`` and ``template`` (its text and the reply markers its
+    vocabulary holds as tokens) tell the reply format and how calls render back. An
+    :class:`EngineError` (the engine did not answer) is raised."""
     base = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
 
     def differs(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> bool:
@@ -54,26 +70,66 @@ def probe_template(encode: Encode) -> TemplateCaps:
         except Exception:  # the template refused it (a jinja error, most often)
             return False
 
+    def loop(arguments: Any) -> str | None:
+        """A conversation with a call and its result as the template renders it (None: it
+        refuses it)."""
+        call = {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function",
+                "function": {"name": "probe_tool", "arguments": arguments}}]}
+        try:
+            return decode(encode(base + [call, {"role": "tool", "tool_call_id": "call_1",
+                                                "content": "R"}, {"role": "user", "content": "V"}],
+                                 [_PROBE_TOOL]))
+        except EngineError:
+            raise
+        except Exception:
+            return None
+
+    string_arguments = calls = False
+    if decode is not None:
+        as_dict = loop({"x": "probe"})
+        # a template that writes the value as it is wants the JSON string (a dict comes out
+        # as its Python repr, or does not concatenate at all)
+        string_arguments = as_dict is None or "{'x': 'probe'}" in as_dict
+        text = loop('{"x": "probe"}') if string_arguments else as_dict
+        calls = text is not None and "probe_tool" in text and "probe" in text.split("probe_tool", 1)[-1]
     return TemplateCaps(tools=differs(base, [_PROBE_TOOL]),
-                        system_turns=differs(base + [{"role": "system", "content": "E"}], None))
+                        system_turns=differs(base + [{"role": "system", "content": "E"}], None),
+                        calls=calls, format=detect(*template), string_arguments=string_arguments)
+
+
+def opens_reasoning(fmt: ReplyFormat, prompt_text: str) -> bool:
+    """Whether a prompt ending ``prompt_text`` leaves the reasoning open for the reply."""
+    if fmt.think is None:
+        return False
+    start, end = fmt.think
+    return prompt_text.rfind(start) > prompt_text.rfind(end)
 
 
 class TemplateProbe:
     """One engine's :class:`TemplateCaps`, probed on first use (the engine's model is loaded
-    by then) and kept."""
+    by then) and kept; whether the reasoning opens, per set of template kwargs."""
 
     def __init__(self, engine: Any):
         self._engine = engine
         self._caps: TemplateCaps | None = None
         self._lock = threading.Lock()
 
-    def caps(self, timeout: float = 30.0) -> TemplateCaps:
+    def caps(self, template_kwargs: dict[str, Any] | None = None, timeout: float = 30.0) -> TemplateCaps:
         """Blocking (it may wait for the engine thread): call it from a worker thread."""
+        engine = self._engine
         with self._lock:
             if self._caps is None:
                 self._caps = probe_template(
-                    lambda messages, tools: self._engine.encode_chat(messages, timeout, tools))
-            return self._caps
+                    lambda messages, tools: engine.encode_chat(messages, timeout, tools),
+                    lambda tokens: engine.decode(tokens, timeout),
+                    engine.chat_template(VOCAB_MARKERS, timeout))
+            caps = self._caps
+            key = _kwargs_key(template_kwargs)
+            if caps.format.think is not None and key not in caps.opens_reasoning:
+                tokens = engine.encode_chat([{"role": "user", "content": "U"}], timeout, None,
+                                            template_kwargs)
+                caps.opens_reasoning[key] = opens_reasoning(caps.format, engine.decode(tokens[-24:], timeout))
+            return caps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +141,18 @@ class ChatPrompt:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     parse_calls: bool
+    caps: TemplateCaps = dataclasses.field(default_factory=lambda: TemplateCaps(False, False))
+    template_kwargs: dict[str, Any] | None = None
+    all_tools: list[dict[str, Any]] | None = None  # the request's tools (parsers read their schemas)
+    syntax: CallSyntax = DEFAULT_SYNTAX  # the call syntax the prompt asks for
+
+    def parser(self) -> Any:
+        """A parser for the reply to this prompt: text, reasoning and tool calls apart."""
+        return self.caps.format.parser(self.all_tools, self.parse_calls, self.reasoning_open, self.syntax)
+
+    @property
+    def reasoning_open(self) -> bool:
+        return self.caps.opens_reasoning.get(_kwargs_key(self.template_kwargs), False)
 
 
 def _join(*texts: str) -> str:
@@ -92,19 +160,29 @@ def _join(*texts: str) -> str:
 
 
 def place_system_entries(messages: list[dict[str, Any]], system_turns: bool) -> list[dict[str, Any]]:
-    """``system`` messages where the template can render them. With ``system_turns`` they
-    stay where they are. Otherwise the system messages that open the conversation become one
-    system message (joined by a blank line), and every later one is merged into the adjacent
-    user turn: appended to the user turn right before it, else put in front of the user turn
-    right after it, else (between two assistant turns, or last after one) it becomes a user
-    turn of its own. Claude Code's environment section, sent after the user's prompt, thus
-    ends that prompt's turn."""
+    """``system`` messages where they keep the prompt ending on the user's words and the
+    cache hit. A system entry right after a user turn is appended to that turn, always: as a
+    turn of its own it would end the prompt (Claude Code sends its environment section after
+    the user's question, and a small model answers the environment), and appending keeps how
+    that turn renders the same as later turns are added. With ``system_turns`` the other
+    entries stay where they are. Otherwise the system messages that open the conversation
+    become one system message (joined by a blank line), and every later one is put in front
+    of the user turn right after it, else (between two assistant turns, or last after one)
+    it becomes a user turn of its own."""
     lead = 0
     while lead < len(messages) and messages[lead].get("role") == "system":
         lead += 1
     rest = messages[lead:]
-    if system_turns or (lead <= 1 and not any(m.get("role") == "system" for m in rest)):
+    if not any(m.get("role") == "system" for m in rest) and (system_turns or lead <= 1):
         return messages
+    if system_turns:
+        out = list(messages[:lead])
+        for m in rest:
+            if m.get("role") == "system" and out and out[-1].get("role") == "user":
+                out[-1] = {**out[-1], "content": _join(out[-1].get("content") or "", m.get("content") or "")}
+            else:
+                out.append(m)
+        return out
     out: list[dict[str, Any]] = []
     if lead:
         out.append({"role": "system", "content": _join(*(m.get("content") or "" for m in messages[:lead]))})
@@ -129,26 +207,57 @@ def place_system_entries(messages: list[dict[str, Any]], system_turns: bool) -> 
     return out
 
 
+def _calls_for_template(messages: list[dict[str, Any]], string_arguments: bool) -> list[dict[str, Any]]:
+    """Earlier calls' arguments in the shape the template renders as JSON (a string for
+    templates that write the value as it is), and earlier reasoning under both names
+    templates read (``reasoning_content``: Qwen3, GLM; ``thinking``: gpt-oss)."""
+    out = []
+    for m in messages:
+        if m.get("role") == "assistant" and (m.get("tool_calls") or m.get("reasoning")):
+            m = dict(m)
+            if string_arguments and m.get("tool_calls"):
+                m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": json.dumps(
+                    c["function"]["arguments"], ensure_ascii=False)}}
+                    if not isinstance(c["function"].get("arguments"), str) else c for c in m["tool_calls"]]
+            reasoning = m.pop("reasoning", None)
+            if reasoning:
+                m["reasoning_content"] = m["thinking"] = reasoning
+        out.append(m)
+    return out
+
+
 def build_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                 caps: TemplateCaps, churn_rules: bool = True) -> ChatPrompt:
+                 caps: TemplateCaps, churn_rules: bool = True,
+                 template_kwargs: dict[str, Any] | None = None) -> ChatPrompt:
     """The prompt for chat-template ``messages`` and OpenAI function ``tools`` (see the
     module docstring for the steps)."""
     if churn_rules:
         messages = normalise_messages(messages)
     template_tools = tools or None
-    if not caps.tools:
-        messages = with_default_tools(messages, tools)
+    family = caps.format.syntax
+    syntax = family if family is not None else DEFAULT_SYNTAX
+    if caps.tools:
+        messages = _calls_for_template(messages, caps.string_arguments)
+    elif caps.calls and family is not None and family.instructions:
+        # the template renders the family's calls, not the list: the list in its own words
+        messages = with_tool_list(_calls_for_template(messages, caps.string_arguments), tools,
+                                  family.instructions)
         template_tools = None
+    else:
+        messages = with_default_tools(messages, tools)
+        template_tools, syntax = None, DEFAULT_SYNTAX
     messages = place_system_entries(messages, caps.system_turns)
-    return ChatPrompt(messages, template_tools, parse_calls=bool(tools))
+    return ChatPrompt(messages, template_tools, parse_calls=bool(tools), caps=caps,
+                      template_kwargs=template_kwargs or None, all_tools=tools or None, syntax=syntax)
 
 
 async def chat_prompt(probe: TemplateProbe, messages: list[dict[str, Any]],
-                      tools: list[dict[str, Any]] | None, churn_rules: bool = True) -> ChatPrompt:
+                      tools: list[dict[str, Any]] | None, churn_rules: bool = True,
+                      template_kwargs: dict[str, Any] | None = None) -> ChatPrompt:
     """:func:`build_prompt` with the engine's template abilities (a 503 when the engine
     does not answer the probe)."""
     try:
-        caps = await run_in_threadpool(probe.caps)
+        caps = await run_in_threadpool(probe.caps, template_kwargs)
     except EngineError as e:
         raise ApiError(503, f"the engine is not serving: {e}") from None
-    return build_prompt(messages, tools, caps, churn_rules)
+    return build_prompt(messages, tools, caps, churn_rules, template_kwargs)

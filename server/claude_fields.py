@@ -5,12 +5,14 @@ changes nothing here (the README says the same):
 
 - ``metadata``: identifies the end user to the hosted API's abuse checks; a local server
   has no accounts.
-- ``thinking`` (any type): a local model reasons or not as its chat template has it; no
-  thinking blocks are returned, and those of earlier turns are left out of the prompt.
+- ``thinking``: ``disabled`` and ``enabled`` switch the template's thinking off and on
+  (``server.reasoning``); a thinking model's reasoning comes back as ``thinking`` blocks,
+  and earlier turns' blocks go back to templates that keep them. ``budget_tokens`` is not
+  enforced.
 - ``context_management``: asks the hosted API to clear old thinking or tool results on its
   side; the conversation is prefilled as the client sends it.
 - ``output_config.effort``: the hosted model's effort level; a local model has none.
-  (``output_config.format``, structured outputs, is refused: the reply is not held to it.)
+  (``output_config.format``, structured outputs, is enforced: ``server.grammars``.)
 - ``cache_control`` (on the body, blocks and tools, with ``ttl``): the prefix cache keeps
   every prompt it serves without being asked.
 - ``service_tier``: there is one tier here.
@@ -68,9 +70,6 @@ def check_ignored_fields(body: dict) -> None:
     output = get_object(body, "output_config")
     if output is not None:
         within("output_config", lambda: get_str(output, "effort"))
-        if output.get("format") is not None:
-            raise ApiError(400, "output_config.format (structured outputs) is not supported: the "
-                                "server cannot hold the reply to a schema", "output_config.format")
     check_cache_control(body, "")
     get_str(body, "service_tier")
 

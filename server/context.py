@@ -14,6 +14,7 @@ from mlxkv.engine.generate import SamplingParams
 from mlxkv.engine.requests import StatsEvent, TokenEvent
 from mlxkv.server.bridge import Gate
 from mlxkv.server.chat_prompt import TemplateProbe
+from mlxkv.server.diagnostics import MessageLog
 from mlxkv.server.errors import ApiError
 from mlxkv.server.fields import Limits, get_str, parse_body
 from mlxkv.server.response_store import ResponseStore
@@ -35,6 +36,21 @@ class ServerConfig:
     # seconds without a byte after which a stream sends a keep-alive (Anthropic ``ping``
     # event, SSE comment on the OpenAI routes): clients give up on a silent stream
     ping_interval_s: float = 10.0
+    # a request that names no max_tokens: True, its reply may run to the end of the context
+    # (within max_tokens_limit), as OpenAI's do; False, ``defaults.max_tokens`` (what
+    # ``mlxkv serve --max-tokens N`` sets)
+    open_ended: bool = False
+
+
+def short_model_id(label: str) -> str:
+    """What ``/v1/models`` lists for a model: a GGUF file or a folder by its name (not its
+    whole local path), a hub id as it is, the demo model as ``demo``."""
+    if label.startswith("demo model"):
+        return "demo"
+    if label.startswith(("/", "~", ".")) or "\\" in label:
+        name = label.rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1]
+        return name.removesuffix(".gguf") or label
+    return label
 
 
 class Context:
@@ -43,11 +59,12 @@ class Context:
         self.config = config
         self.gate = Gate(config.max_requests)
         info = getattr(engine, "info", {}) or {}
-        self.model_id = config.model_id or str(info.get("model") or engine.model_spec)
-        self.limits = Limits(config.max_tokens_limit, info.get("context_tokens"))
+        self.model_id = config.model_id or short_model_id(str(info.get("model") or engine.model_spec))
+        self.limits = Limits(config.max_tokens_limit, info.get("context_tokens"), config.open_ended)
         self.template = TemplateProbe(engine)  # what the chat template renders
         self.created = int(time.time())
         self.responses = ResponseStore(config.responses_store_bytes)
+        self.messages = MessageLog()  # Messages replies, for cache diagnostics
         self._tokenizer: Any = None
         self._tok_lock = threading.Lock()
         self._token_texts: dict[int, str] = {}

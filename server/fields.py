@@ -165,6 +165,7 @@ class Limits:
 
     max_tokens_limit: int | None = None  # None: the model's context
     context_tokens: int | None = None
+    open_ended: bool = False  # no max_tokens asked: up to ``cap`` (else the server's default)
 
     @property
     def cap(self) -> int | None:
@@ -211,6 +212,10 @@ def sampling(body: dict, defaults: Any, limits: Limits, max_names: tuple[str, ..
         "seed": get_int(body, "seed", defaults.seed, lo=SEED_RANGE[0], hi=SEED_RANGE[1]),
         "stop": get_stop(body, stop_name),
     }
+    if max_tokens is None and limits.open_ended:
+        # no max_tokens: the reply may run to the end of the context (as OpenAI's do; aider
+        # sends none and expects the model's end of turn), within the server's limit
+        max_tokens = cap
     if max_tokens is not None:
         changes["max_tokens"] = max_tokens
     if changes["top_p"] == 0.0:
@@ -219,3 +224,24 @@ def sampling(body: dict, defaults: Any, limits: Limits, max_names: tuple[str, ..
         return dataclasses.replace(defaults, **changes)
     except ValueError as e:
         raise ApiError(400, str(e)) from None
+
+
+def extension_fields(body: dict) -> dict[str, Any]:
+    """The fields beyond the APIs' own that every route takes (as ``extra_body`` in the
+    SDKs): ``guided_choice`` (the reply is exactly one of these strings, as vLLM spells
+    it) and ``spec`` (this request's speculation)."""
+    from mlxkv.engine.settings import SPEC_CHOICES
+
+    out: dict[str, Any] = {}
+    choices = get_list(body, "guided_choice")
+    if choices is not None:
+        if not choices or len(choices) > 256 or not all(isinstance(c, str) and c for c in choices):
+            raise ApiError(400, "guided_choice must be an array of 1 to 256 non-empty strings",
+                           "guided_choice")
+        out["guided_choice"] = tuple(choices)
+    spec = get_str(body, "spec")
+    if spec is not None:
+        if spec not in SPEC_CHOICES:
+            raise ApiError(400, f"spec must be one of {', '.join(SPEC_CHOICES)}; got {spec!r}", "spec")
+        out["spec"] = spec
+    return out

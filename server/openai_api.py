@@ -15,7 +15,6 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 
 from mlxkv.engine.requests import ErrorEvent, FinishedEvent, Request, TokenEvent
-from mlxkv.engine.settings import SPEC_CHOICES
 from mlxkv.server.bridge import WAITING, EventStream, SseResponse, collect, error_status, first_event
 from mlxkv.server.chat_prompt import chat_prompt
 from mlxkv.server.context import (
@@ -31,6 +30,7 @@ from mlxkv.server.context import (
 )
 from mlxkv.server.errors import ApiError, openai_body
 from mlxkv.server.fields import (
+    extension_fields,
     get_bool,
     get_int,
     get_list,
@@ -42,7 +42,9 @@ from mlxkv.server.fields import (
 )
 from mlxkv.server.keepalive import comment, keep_alive
 from mlxkv.server.retention import openai_retain_s
-from mlxkv.server.tools import ToolCall, ToolCallParser
+from mlxkv.server.formats import CALL, REASONING, TEXT, ToolCall, split_reply
+from mlxkv.server.grammars import reply_grammar
+from mlxkv.server.reasoning import openai_kwargs
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -64,6 +66,12 @@ def chat_messages(raw: list) -> list[dict[str, Any]]:
                            f"{where}.role")
         msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
                                "content": text_of(m.get("content"), f"{where}.content")}
+        if role == "assistant":
+            # the reasoning a client sends back (reasoning_content, reasoning): templates that
+            # keep it render it, and the turn's cache stays hit
+            reasoning = m.get("reasoning_content", m.get("reasoning"))
+            if isinstance(reasoning, str) and reasoning:
+                msg["reasoning"] = reasoning
         if role == "assistant" and m.get("tool_calls") is not None:
             msg["tool_calls"] = _tool_calls_in(m["tool_calls"], f"{where}.tool_calls")
         if role == "tool":
@@ -97,12 +105,51 @@ def _tool_calls_in(calls: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
+def tool_choice(body: dict) -> list[str] | bool:
+    """``tool_choice`` as what the reply must be: True (a call of any tool: ``"required"``),
+    the names allowed (``{"type": "function", "function": {"name": ...}}``), or False (the
+    model chooses: ``"auto"``, or no tools: ``"none"``)."""
+    choice = body.get("tool_choice")
+    if choice is None or choice in ("none", "auto"):
+        return False
+    if choice == "required":
+        return True
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(fn, dict) \
+            and isinstance(fn.get("name"), str):
+        names = [t.get("function", {}).get("name") for t in get_list(body, "tools") or () if isinstance(t, dict)]
+        if fn["name"] not in names:
+            raise ApiError(400, f"tool_choice names {fn['name']!r}, which is not in tools", "tool_choice")
+        return [fn["name"]]
+    raise ApiError(400, "tool_choice must be none, auto, required or {\"type\": \"function\", "
+                        "\"function\": {\"name\": ...}}", "tool_choice")
+
+
+def response_schema(body: dict) -> Any:
+    """``response_format``: None (text), ``{}`` (``json_object``: any JSON object) or the
+    ``json_schema``'s schema."""
+    fmt = get_object(body, "response_format")
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_object":
+        return {}
+    if fmt.get("type") == "json_schema":
+        spec = within("response_format", lambda: get_object(fmt, "json_schema"))
+        schema = spec.get("schema") if spec else None
+        if not isinstance(schema, dict):
+            raise ApiError(400, "response_format.json_schema.schema must be a JSON schema object",
+                           "response_format.json_schema.schema")
+        return schema
+    raise ApiError(400, "response_format.type must be text, json_object or json_schema, not "
+                        f"{fmt.get('type')!r}", "response_format.type")
+
+
 def chat_tools(body: dict) -> list[dict[str, Any]] | None:
     tools = get_list(body, "tools")
     choice = body.get("tool_choice")
-    if choice is not None and not (choice in ("none", "auto", "required") or isinstance(choice, dict)):
-        raise ApiError(400, "tool_choice must be none, auto, required or an object", "tool_choice")
     if not tools:
+        if choice not in (None, "none", "auto"):
+            raise ApiError(400, "tool_choice needs tools", "tool_choice")
         return None
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
@@ -122,24 +169,6 @@ def _common(body: dict, ctx: Context) -> tuple[int, bool]:
     include_usage = within("stream_options", lambda: get_bool(options, "include_usage"))
     get_str(body, "model")  # any model name is accepted: the server serves one
     return include_usage, stream
-
-
-def _decoding(body: dict) -> dict[str, Any]:
-    """The extension fields a request may carry: ``guided_choice`` (the reply is exactly one
-    of these strings, as vLLM spells it) and ``spec`` (this request's speculation)."""
-    out: dict[str, Any] = {}
-    choices = get_list(body, "guided_choice")
-    if choices is not None:
-        if not choices or len(choices) > 256 or not all(isinstance(c, str) and c for c in choices):
-            raise ApiError(400, "guided_choice must be an array of 1 to 256 non-empty strings",
-                           "guided_choice")
-        out["guided_choice"] = tuple(choices)
-    spec = get_str(body, "spec")
-    if spec is not None:
-        if spec not in SPEC_CHOICES:
-            raise ApiError(400, f"spec must be one of {', '.join(SPEC_CHOICES)}; got {spec!r}", "spec")
-        out["spec"] = spec
-    return out
 
 
 def _engine_request(**kw: Any) -> Request:
@@ -249,7 +278,7 @@ async def chat_completions(http: HttpRequest, ctx: Context) -> Response:
     body = await read_json(http, ctx.config.max_body_bytes)
     include_usage, stream = _common(body, ctx)
     prompt = await chat_prompt(ctx.template, chat_messages(get_list(body, "messages", required=True)),
-                               chat_tools(body), ctx.config.churn_rules)
+                               chat_tools(body), ctx.config.churn_rules, openai_kwargs(body))
     want_logprobs = get_bool(body, "logprobs")
     top = get_int(body, "top_logprobs", None, lo=0, hi=20)
     if top is not None and not want_logprobs:
@@ -257,29 +286,30 @@ async def chat_completions(http: HttpRequest, ctx: Context) -> Response:
     max_names = ("max_completion_tokens", "max_tokens")
     params = sampling(body, ctx.config.defaults, ctx.limits, max_names)
     headers = max_tokens_header(body, ctx.limits, max_names)
+    grammar = reply_grammar(prompt, tool_choice(body), response_schema(body),
+                            schema_field="response_format.json_schema.schema",
+                            parallel=get_bool(body, "parallel_tool_calls", True))
     req = _engine_request(messages=prompt.messages, params=params, session=session_of(http, body),
-                          tools=prompt.tools, logprobs=(top or 0) if want_logprobs else None,
-                          retain_s=openai_retain_s(body), **_decoding(body))
+                          tools=prompt.tools, template_kwargs=prompt.template_kwargs, grammar=grammar,
+                          logprobs=(top or 0) if want_logprobs else None,
+                          retain_s=openai_retain_s(body), **extension_fields(body))
     started = await _Run(ctx, http, req, want_logprobs, stream, "messages").start()
     if isinstance(started, Response):
         return started
     es, first = started
     rid, created, model = new_id("chatcmpl-"), int(time.time()), model_name(body, ctx)
     if stream:
-        return _sse(ctx, _chat_stream(ctx, es, first, rid, created, model, prompt.parse_calls,
+        return _sse(ctx, _chat_stream(ctx, es, first, rid, created, model, prompt.parser(),
                                       want_logprobs, include_usage), es, headers)
     events = await _rest(es, first, http)
     if events is None:
         return Response(status_code=499)
     _failed(events)
     tokens = [e for e in events if isinstance(e, TokenEvent)]
-    text = "".join(e.text for e in tokens)
-    calls: list[ToolCall] = []
-    if prompt.parse_calls:
-        parser = ToolCallParser()
-        pieces = parser.feed(text) + parser.finish()
-        text, calls = "".join(p for k, p in pieces if k == "text"), parser.calls
+    text, reasoning, calls = split_reply(prompt.parser(), "".join(e.text for e in tokens))
     message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
+    if reasoning:  # mlx_lm.server's name, and the one vLLM and DeepSeek's API use
+        message["reasoning"] = message["reasoning_content"] = reasoning
     if calls:
         message["tool_calls"] = [{k: v for k, v in _call_json(c, i).items() if k != "index"}
                                  for i, c in enumerate(calls)]
@@ -298,7 +328,7 @@ def sse(obj: Any) -> str:
 
 
 async def _chat_stream(ctx: Context, es: EventStream, first: Any, rid: str, created: int, model: str,
-                       tools: bool, want_logprobs: bool, include_usage: bool) -> AsyncGenerator[str, None]:
+                       parser: Any, want_logprobs: bool, include_usage: bool) -> AsyncGenerator[str, None]:
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
 
     def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> str:
@@ -308,7 +338,6 @@ async def _chat_stream(ctx: Context, es: EventStream, first: Any, rid: str, crea
             obj["usage"] = None
         return sse(obj)
 
-    parser = ToolCallParser() if tools else None
     events: list[Any] = []
     n_calls = 0
     yield chunk({"role": "assistant", "content": ""})
@@ -320,27 +349,37 @@ async def _chat_stream(ctx: Context, es: EventStream, first: Any, rid: str, crea
             if want_logprobs:
                 entry = _chat_logprob(ctx, event)
                 lp = {"content": [entry] if entry else []}
-            pieces = parser.feed(event.text) if parser else [("text", event.text)]
-            for kind, piece in pieces:
-                if kind == "text" and piece:
-                    yield chunk({"content": piece}, logprobs=lp)
-                    lp = None
-                elif kind == "call":
+            for kind, piece in parser.feed(event.text):
+                if kind == CALL:
                     yield chunk({"tool_calls": [_call_json(piece, n_calls)]})
                     n_calls += 1
+                else:
+                    yield chunk(_delta(kind, piece), logprobs=lp)
+                    lp = None
             if lp is not None and lp["content"]:
                 yield chunk({}, logprobs=lp)
         elif isinstance(event, ErrorEvent):
             yield sse(openai_body(_failure(events)))
             return
         elif isinstance(event, FinishedEvent):
-            for _kind, piece in parser.finish() if parser else []:
-                if piece:
-                    yield chunk({"content": piece})
+            for kind, piece in parser.finish():
+                if kind == CALL:
+                    yield chunk({"tool_calls": [_call_json(piece, n_calls)]})
+                    n_calls += 1
+                else:
+                    yield chunk(_delta(kind, piece))
             yield chunk({}, finish_reason(event, n_calls > 0))
     if include_usage:
         yield sse({**base, "choices": [], "usage": usage(events), "timings": timings(events)})
     yield "data: [DONE]\n\n"
+
+
+def _delta(kind: str, piece: str) -> dict[str, Any]:
+    """A chunk's delta of text or reasoning (under both names clients read)."""
+    if kind == REASONING:
+        return {"reasoning": piece, "reasoning_content": piece}
+    assert kind == TEXT
+    return {"content": piece}
 
 
 async def _chain(first: list[Any], es: EventStream) -> AsyncIterator[Any]:
@@ -383,7 +422,7 @@ async def completions(http: HttpRequest, ctx: Context) -> Response:
     params = sampling(body, ctx.config.defaults, ctx.limits, ("max_tokens",))
     headers = max_tokens_header(body, ctx.limits, ("max_tokens",))
     req = _engine_request(**completion_prompt(body), params=params, session=session_of(http, body),
-                          logprobs=logprobs, retain_s=openai_retain_s(body), **_decoding(body))
+                          logprobs=logprobs, retain_s=openai_retain_s(body), **extension_fields(body))
     started = await _Run(ctx, http, req, logprobs is not None, stream, "prompt").start()
     if isinstance(started, Response):
         return started

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from starlette.requests import Request as HttpRequest
@@ -34,7 +34,7 @@ from mlxkv.server.bridge import WAITING, EventStream, SseResponse, all_events, e
 from mlxkv.server.chat_prompt import chat_prompt
 from mlxkv.server.context import Context, dumps, new_id, read_json, session_of, timings, usage_counts
 from mlxkv.server.errors import ApiError
-from mlxkv.server.fields import get_bool, get_int, get_list, get_object, get_str, sampling
+from mlxkv.server.fields import extension_fields, get_bool, get_int, get_list, get_object, get_str, sampling
 from mlxkv.server.keepalive import keep_alive
 from mlxkv.server.responses_items import (
     Tools,
@@ -44,7 +44,10 @@ from mlxkv.server.responses_items import (
     to_messages,
 )
 from mlxkv.server.retention import openai_retain_s
-from mlxkv.server.tools import ToolCall, ToolCallParser
+from mlxkv.server.formats import REASONING, TEXT, ToolCall
+from mlxkv.server.formats.stream import ReplyParser
+from mlxkv.server.grammars import reply_grammar
+from mlxkv.server.reasoning import responses_kwargs
 
 _TEXT_FORMATS = ("text", "json_object", "json_schema")
 _TRUNCATIONS = ("auto", "disabled")
@@ -89,8 +92,9 @@ def _choice(body: dict, name: str, choices: tuple[str, ...]) -> str | None:
 
 
 def _reasoning(body: dict) -> dict[str, Any]:
-    """``reasoning`` is accepted and echoed: the served models take no reasoning effort and
-    write no summaries (a thinking model thinks in its reply text, as its template says)."""
+    """``reasoning`` is echoed; its ``effort`` goes to the chat template (server.reasoning).
+    No summaries are written: a thinking model's reasoning comes back whole, as a
+    ``reasoning`` item."""
     value = get_object(body, "reasoning") or {}
     for key in ("effort", "summary", "generate_summary"):
         if value.get(key) is not None and not isinstance(value[key], str):
@@ -99,21 +103,37 @@ def _reasoning(body: dict) -> dict[str, Any]:
 
 
 def _text_config(body: dict) -> dict[str, Any]:
-    """``text``: plain text only; a JSON format is refused (nothing would hold the reply to
-    it). ``verbosity`` is accepted and echoed."""
+    """``text``: its ``format`` (text, ``json_object``, ``json_schema``: the reply is held to
+    it, ``server.grammars``) and ``verbosity``, echoed."""
     value = get_object(body, "text") or {}
     fmt = value.get("format")
     if fmt is not None:
         if not isinstance(fmt, dict) or fmt.get("type") not in _TEXT_FORMATS:
             raise ApiError(400, f"text.format must be an object with type {', '.join(_TEXT_FORMATS)}",
                            "text.format")
-        if fmt["type"] != "text":
-            raise ApiError(400, f"text.format {fmt['type']!r} is not supported: this server does not "
-                                "hold replies to a JSON format (use type text)", "text.format")
+        if fmt["type"] == "json_schema" and not isinstance(fmt.get("schema"), dict):
+            raise ApiError(400, "text.format.schema must be a JSON schema object", "text.format.schema")
     verbosity = value.get("verbosity")
     if verbosity is not None and not isinstance(verbosity, str):
         raise ApiError(400, "text.verbosity must be a string", "text.verbosity")
-    return {"format": {"type": "text"}, "verbosity": verbosity or "medium"}
+    return {"format": dict(fmt) if fmt else {"type": "text"}, "verbosity": verbosity or "medium"}
+
+
+def _text_schema(text: dict[str, Any]) -> Any:
+    fmt = text["format"]
+    return {} if fmt["type"] == "json_object" else fmt["schema"] if fmt["type"] == "json_schema" else None
+
+
+def _forced(choice: Any, tools: Tools) -> list[str] | bool:
+    """What ``tool_choice`` demands: True (``required``), the named function, or False."""
+    if choice == "required":
+        return True
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        name = choice.get("name")
+        if not isinstance(name, str) or name not in {t["function"]["name"] for t in tools.chat}:
+            raise ApiError(400, f"tool_choice names {name!r}, which is not in tools", "tool_choice.name")
+        return [name]
+    return False
 
 
 @dataclasses.dataclass
@@ -135,6 +155,10 @@ class Ask:
     echo_tools: list[Any]  # as given
     echo: dict[str, Any]  # other fields the response object repeats as given
     retain_s: float | None  # prompt_cache_key / prompt_cache_retention as a retention hint
+    template_kwargs: dict[str, Any] | None = None  # reasoning switches (server.reasoning)
+    extensions: dict[str, Any] = dataclasses.field(default_factory=dict)  # guided_choice, spec
+    # the reply's parser, once the prompt is built (engine_request)
+    parser: Callable[[], Any] = dataclasses.field(default=lambda: ReplyParser(None, None))
 
 
 def read_ask(body: dict, ctx: Context) -> Ask:
@@ -200,7 +224,8 @@ def read_ask(body: dict, ctx: Context) -> Ask:
                parallel_tool_calls=get_bool(body, "parallel_tool_calls", True), params=params,
                max_output_tokens=asked, clamped=clamped, stream=get_bool(body, "stream"),
                store=get_bool(body, "store", True), echo_tools=body.get("tools") or [], echo=echo,
-               retain_s=openai_retain_s(body))
+               retain_s=openai_retain_s(body), template_kwargs=responses_kwargs(body),
+               extensions=extension_fields(body))
 
 
 async def engine_request(ask: Ask, ctx: Context, session: str | None) -> Request:
@@ -210,11 +235,16 @@ async def engine_request(ask: Ask, ctx: Context, session: str | None) -> Request
     render them)."""
     messages = to_messages(ask.items, ask.instructions)
     prompt = await chat_prompt(ctx.template, messages, ask.tools.chat if ask.use_tools else None,
-                               ctx.config.churn_rules)
+                               ctx.config.churn_rules, ask.template_kwargs)
+    ask.parser = prompt.parser
+    grammar = reply_grammar(prompt, _forced(ask.tool_choice, ask.tools) if ask.use_tools else False,
+                            _text_schema(ask.echo["text"]), schema_field="text.format.schema",
+                            parallel=ask.parallel_tool_calls)
     try:
         return Request(messages=prompt.messages, params=ask.params, session=session,
-                       tools=prompt.tools, truncate=ask.echo["truncation"] == "auto",
-                       retain_s=ask.retain_s)
+                       tools=prompt.tools, template_kwargs=prompt.template_kwargs, grammar=grammar,
+                       truncate=ask.echo["truncation"] == "auto", retain_s=ask.retain_s,
+                       **ask.extensions)
     except ValueError as e:
         raise ApiError(400, f"input: {e}", "input") from None
 
@@ -233,9 +263,11 @@ class OutputItems:
         self._open: dict[str, Any] | None = None  # the message being written
         self._open_index = -1
         self._held = ""
+        self._reasoning: dict[str, Any] | None = None  # the reasoning item being written
+        self._reasoning_index = -1
 
     def _message_events(self, text: str) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
+        out: list[dict[str, Any]] = self._close_reasoning()
         if self._open is None:
             self._open = {"id": new_id("msg_"), "type": "message", "status": "in_progress",
                           "role": "assistant", "content": []}
@@ -276,9 +308,40 @@ class OutputItems:
                 {"type": "response.content_part.done", **base, "content_index": 0, "part": dict(part)},
                 {"type": "response.output_item.done", "output_index": index, "item": _copy(item)}]
 
+    def reasoning(self, piece: str) -> list[dict[str, Any]]:
+        """Reasoning goes into a ``reasoning`` item (``reasoning_text`` content) of its own."""
+        out: list[dict[str, Any]] = []
+        if self._reasoning is None:
+            self._held = ""
+            out += self._close()
+            item = {"id": new_id("rs_"), "type": "reasoning", "summary": [],
+                    "content": [{"type": "reasoning_text", "text": ""}]}
+            self._reasoning, self._reasoning_index = item, len(self.items)
+            self.items.append(item)
+            out += [{"type": "response.output_item.added", "output_index": self._reasoning_index,
+                     "item": {**item, "content": []}},
+                    {"type": "response.content_part.added", "item_id": item["id"],
+                     "output_index": self._reasoning_index, "content_index": 0,
+                     "part": {"type": "reasoning_text", "text": ""}}]
+        self._reasoning["content"][0]["text"] += piece
+        out.append({"type": "response.reasoning_text.delta", "item_id": self._reasoning["id"],
+                    "output_index": self._reasoning_index, "content_index": 0, "delta": piece})
+        return out
+
+    def _close_reasoning(self) -> list[dict[str, Any]]:
+        item, self._reasoning = self._reasoning, None
+        if item is None:
+            return []
+        base = {"item_id": item["id"], "output_index": self._reasoning_index}
+        part = dict(item["content"][0])
+        return [{"type": "response.reasoning_text.done", **base, "content_index": 0, "text": part["text"]},
+                {"type": "response.content_part.done", **base, "content_index": 0, "part": part},
+                {"type": "response.output_item.done", "output_index": self._reasoning_index,
+                 "item": _copy(item)}]
+
     def call(self, call: ToolCall) -> list[dict[str, Any]]:
         self._held = ""
-        out = self._close()
+        out = self._close_reasoning() + self._close()
         item: dict[str, Any] = {"id": new_id("fc_"), "type": "function_call", "status": "in_progress",
                                 "call_id": call.id, "name": call.name, "arguments": ""}
         if call.name in self._tools.namespaced:
@@ -301,8 +364,9 @@ class OutputItems:
         if self._held and (self._open is not None or not self.items):
             out += self._message_events(self._held)
         self._held = ""
-        if not self.items:
+        if not any(i["type"] != "reasoning" for i in self.items):
             out += self._message_events("")
+        out += self._close_reasoning()
         return out + self._close("incomplete" if cut else "completed")
 
 
@@ -325,7 +389,7 @@ class Answer:
         self.id = new_id("resp_")
         self.created = int(time.time())
         self.output = OutputItems(ask.tools)
-        self.parser = ToolCallParser() if ask.use_tools else None
+        self.parser = ask.parser()
         self.events: list[Any] = []
 
     def obj(self, status: str, error: dict | None = None) -> dict[str, Any]:
@@ -353,11 +417,12 @@ class Answer:
         out: list[dict[str, Any]] = []
         pieces: list[tuple[str, Any]] = []
         if isinstance(event, TokenEvent):
-            pieces = self.parser.feed(event.text) if self.parser else [("text", event.text)]
-        elif isinstance(event, FinishedEvent) and self.parser:
+            pieces = self.parser.feed(event.text)
+        elif isinstance(event, FinishedEvent):
             pieces = self.parser.finish()
         for kind, piece in pieces:
-            out += self.output.text(piece) if kind == "text" else self.output.call(piece)
+            out += self.output.text(piece) if kind == TEXT else self.output.reasoning(piece) \
+                if kind == REASONING else self.output.call(piece)
         if isinstance(event, FinishedEvent):
             out += self.output.finish(event.reason == "length")
         return out

@@ -2,8 +2,9 @@
 
 ``input`` is a string or a list of items: ``message`` items (role user, assistant, system or
 developer; text parts), ``function_call`` and ``function_call_output`` items, and
-``reasoning`` items, which are accepted and left out of the prompt: they carry another
-model's reasoning, encrypted or summarised, which this model cannot read and never wrote.
+``reasoning`` items. A reasoning item's ``reasoning_text`` content (what this server returns)
+goes back to the template with the assistant turn after it, for templates that keep earlier
+reasoning; encrypted content and summaries (another model's) are left out.
 ``tools``: function tools, and the function tools inside ``namespace`` tools (offered to the
 model as ``namespace.name``). Hosted and client-side built-in tools (web search, file search,
 code interpreter, computer use, image generation, MCP, shell, apply_patch, tool search) and
@@ -113,9 +114,9 @@ def parse_tools(raw: Any) -> Tools:
 
 
 def check_tool_choice(value: Any) -> bool:
-    """Validates ``tool_choice``; False when it turns the tools off (``"none"``). Other
-    choices (``required``, a named function, allowed tools) offer the tools as ``auto``
-    does: the model is not forced to call one."""
+    """Validates ``tool_choice``; False when it turns the tools off (``"none"``).
+    ``required`` and a named function force a call (``server.grammars``); other objects
+    (allowed tools) offer the tools as ``auto`` does."""
     if value is None:
         return True
     if isinstance(value, str):
@@ -187,6 +188,15 @@ def _arguments(text: str, where: str) -> Any:
         raise ApiError(400, f"{where} is not JSON", where) from None
 
 
+def reasoning_text(item: dict) -> str:
+    """The readable reasoning of a ``reasoning`` item (its ``reasoning_text`` parts)."""
+    parts = item.get("content")
+    if not isinstance(parts, list):
+        return ""
+    return "".join(p["text"] for p in parts if isinstance(p, dict) and p.get("type") == "reasoning_text"
+                   and isinstance(p.get("text"), str))
+
+
 def _call_name(item: dict) -> str:
     space = item.get("namespace")
     return f"{space}.{item['name']}" if space else item["name"]
@@ -200,31 +210,39 @@ def to_messages(items: list[dict[str, Any]], instructions: str | None) -> list[d
     system = [instructions] if instructions else []
     out: list[dict[str, Any]] = []
     names: dict[str, str] = {}  # call_id -> function name, for the tool messages
+    reasoning = ""  # a reasoning item's text, for the assistant turn after it
     for item in items:
         kind = item.get("type", "message")
+        if kind == "reasoning":
+            reasoning += reasoning_text(item)
+            continue
         if kind == "message":
             role = "system" if item["role"] == "developer" else item["role"]
             text = _text(item["content"], "input")
             if role == "system" and not out:
                 system.append(text)
             else:
-                out.append({"role": role, "content": text})
+                msg = {"role": role, "content": text}
+                if role == "assistant" and reasoning:
+                    msg["reasoning"], reasoning = reasoning, ""
+                out.append(msg)
         elif kind == "function_call":
             name = _call_name(item)
             names[item["call_id"]] = name
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": name, "arguments": _arguments(item["arguments"], "input")}}
-            if out and out[-1]["role"] == "assistant":
+            if out and out[-1]["role"] == "assistant" and not reasoning:
                 out[-1] = {**out[-1], "tool_calls": [*out[-1].get("tool_calls", ()), call]}
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                if reasoning:
+                    out[-1]["reasoning"], reasoning = reasoning, ""
         elif kind == "function_call_output":
             msg = {"role": "tool", "tool_call_id": item["call_id"],
                    "content": _text(item["output"], "input")}
             if item["call_id"] in names:
                 msg["name"] = names[item["call_id"]]
             out.append(msg)
-        # reasoning items: left out (module docstring)
     if system:
         out.insert(0, {"role": "system", "content": "\n\n".join(system)})
     return out

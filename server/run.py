@@ -22,7 +22,8 @@ def config_from_settings(settings: Any, defaults: Any) -> ServerConfig:
                         max_body_bytes=settings.max_body_bytes, max_requests=settings.max_requests,
                         max_tokens_limit=settings.max_tokens_limit, defaults=defaults,
                         responses_store_bytes=settings.responses_store_bytes,
-                        churn_rules=settings.churn_rules)
+                        churn_rules=settings.churn_rules,
+                        open_ended=settings.sources.get("max_tokens", "default") == "default")
 
 
 def is_loopback(host: str) -> bool:

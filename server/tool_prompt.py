@@ -1,6 +1,6 @@
 """The default tool format, for models whose chat template renders no tools (SmolLM2's
 ChatML, say): tools are never dropped silently, they are written into the prompt as plain
-text the model can read, in the same ``<tool_call>`` form ``server.tools`` parses back.
+text the model can read, in the same ``<tool_call>`` form ``server.formats`` parses back (mlx-lm's json_tools parser).
 
 - The tool list goes at the end of the system prompt (a system message is added first when
   there is none): a ``# Tools`` section that says how to call a tool, then per tool its
@@ -43,9 +43,10 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def tools_text(tools: list[dict[str, Any]]) -> str:
-    """The ``# Tools`` section for OpenAI function tools."""
-    parts = [_HOW]
+def tools_text(tools: list[dict[str, Any]], how: str = _HOW) -> str:
+    """The ``# Tools`` section for OpenAI function tools; ``how``: how to call one (a
+    family's own syntax, for templates that render its calls but not the tool list)."""
+    parts = [how]
     for tool in tools:
         fn = tool["function"]
         lines = [f"## {fn['name']}"]
@@ -67,6 +68,21 @@ def _with_calls(message: dict[str, Any]) -> dict[str, Any]:
     text = message.get("content") or ""
     out = {k: v for k, v in message.items() if k != "tool_calls"}
     out["content"] = "\n".join(([text] if text else []) + lines)
+    return out
+
+
+def with_tool_list(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                   how: str = _HOW) -> list[dict[str, Any]]:
+    """``messages`` with the tool list at the end of the system prompt (none when ``tools``
+    is empty); calls and results stay for the template."""
+    out = list(messages)
+    if tools:
+        section = tools_text(tools, how)
+        if out and out[0].get("role") == "system":
+            system = out[0].get("content") or ""
+            out[0] = {**out[0], "content": f"{system}\n\n{section}" if system else section}
+        else:
+            out.insert(0, {"role": "system", "content": section})
     return out
 
 
@@ -96,11 +112,4 @@ def with_default_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any
             flush()
             out.append(_with_calls(m) if role == "assistant" else m)
     flush()
-    if tools:
-        section = tools_text(tools)
-        if out and out[0].get("role") == "system":
-            system = out[0].get("content") or ""
-            out[0] = {**out[0], "content": f"{system}\n\n{section}" if system else section}
-        else:
-            out.insert(0, {"role": "system", "content": section})
-    return out
+    return with_tool_list(out, tools)

@@ -111,14 +111,20 @@ def test_a_claude_code_request_is_served_stream_and_not(served):
     assert final.usage.cache_read_input_tokens == counted.input_tokens - 1  # the same prompt again
 
 
-def test_system_entries_render_in_place_where_the_template_takes_them(served, engine):
+def test_a_system_entry_after_the_question_ends_the_question_turn(served, engine):
+    """Claude Code's environment entry, after the user's question, is appended to the
+    question's turn even where the template renders system turns: the prompt ends on the
+    user's words and the generation prompt, never on a system turn."""
     claude = claude_of(served)
     body = claude_code_body("Say hello.", tools=False)
     counted = claude.messages.count_tokens(model="m", system=body["system"], messages=body["messages"]).input_tokens
     system = normalise(billing("1c9") + "You are a Claude agent.\n" + STATIC)
-    expected = [{"role": "system", "content": system}, {"role": "user", "content": REMINDER + "Say hello."},
-                {"role": "system", "content": ENVIRONMENT}]
-    assert counted == len(engine.encode_chat(expected, T))
+    expected = [{"role": "system", "content": system},
+                {"role": "user", "content": REMINDER + "Say hello.\n\n" + ENVIRONMENT}]
+    tokens = engine.encode_chat(expected, T)
+    assert counted == len(tokens)
+    prompt = engine.decode(tokens, T)
+    assert prompt.endswith(ENVIRONMENT + "<|im_end|>\n<|im_start|>assistant\n"), prompt[-200:]
 
 
 def test_system_entries_merge_into_the_adjacent_user_turn_where_the_template_refuses_them():
@@ -153,7 +159,10 @@ def test_system_entries_merge_into_the_adjacent_user_turn_where_the_template_ref
 
 def test_place_system_entries_rules():
     u, a, s = ({"role": r, "content": r[0]} for r in ("user", "assistant", "system"))
-    assert place_system_entries([s, u, s], True) == [s, u, s]  # the template takes them
+    # after a user turn: appended to it, whatever the template takes
+    assert place_system_entries([s, u, s], True) == [s, {"role": "user", "content": "u\n\ns"}]
+    assert place_system_entries([s, u, s, a, u], True) == [s, {"role": "user", "content": "u\n\ns"}, a, u]
+    assert place_system_entries([s, u, a, s, u], True) == [s, u, a, s, u]  # the template takes them
     assert place_system_entries([s, s, u], False) == [{"role": "system", "content": "s\n\ns"}, u]
     assert place_system_entries([u, s, s, a], False) == [{"role": "user", "content": "u\n\ns\n\ns"}, a]
     assert place_system_entries([u, a, s, u], False) == [u, a, {"role": "user", "content": "s\n\nu"}]
@@ -390,3 +399,44 @@ def test_usage_says_what_was_read_and_stored_on_every_route(served):
         streamed = [c for c in create(**body, stream=True, stream_options={"include_usage": True}) if c.usage]
         assert streamed[-1].usage.prompt_tokens_details.cached_tokens == warm.prompt_tokens - 1
 
+
+
+# ------------------------------------------------------------------ cache diagnostics
+def test_anthropic_cache_diagnostics_say_what_changed(served):
+    """``diagnostics.previous_message_id`` (beta cache-diagnosis-2026-04-07): the reply's
+    ``diagnostics.cache_miss_reason`` names what the request changed against the message it
+    follows, with the input tokens that missed for it; null when it went on unchanged."""
+    claude = claude_of(served)
+    system = "You answer briefly. " * 20
+    turn1 = [{"role": "user", "content": "First question about the weather in Paris?"}]
+    first = claude.messages.create(model="m", max_tokens=4, system=system, messages=turn1)
+    assert first.diagnostics is None  # only when asked (the SDK knows the field)
+
+    def ask(**kw):
+        body = dict(model="m", max_tokens=4, system=system, tools=[WEATHER],
+                    messages=turn1 + [{"role": "assistant", "content": first.content[0].text or "ok"},
+                                      {"role": "user", "content": "And tomorrow?"}])
+        body.update(kw)
+        previous = body.pop("previous", first.id)
+        return claude.messages.create(**body, extra_body={"diagnostics": {"previous_message_id": previous}},
+                                      extra_headers={"anthropic-beta": "cache-diagnosis-2026-04-07"})
+
+    second = claude.messages.create(model="m", max_tokens=4, system=system, tools=[WEATHER], messages=turn1)
+    same = ask(previous=second.id).model_dump()["diagnostics"]
+    assert same == {"cache_miss_reason": None}
+    changed = ask(previous=second.id, system="Another system prompt entirely. " * 20).model_dump()["diagnostics"]
+    assert changed["cache_miss_reason"]["type"] == "system_changed"
+    assert changed["cache_miss_reason"]["cache_missed_input_tokens"] > 0
+    assert ask(previous=second.id, tools=[]).model_dump()["diagnostics"]["cache_miss_reason"]["type"] == "tools_changed"
+    assert ask(previous=second.id, model="other").model_dump()["diagnostics"]["cache_miss_reason"]["type"] == \
+        "model_changed"
+    assert ask(previous="msg_unknown").model_dump()["diagnostics"]["cache_miss_reason"]["type"] == \
+        "previous_message_not_found"
+    # streamed: on message_start
+    with claude.messages.stream(model="m", max_tokens=4, system="Changed. " * 20, tools=[WEATHER], messages=turn1,
+                                extra_body={"diagnostics": {"previous_message_id": second.id}}) as s:
+        start = next(e for e in s if e.type == "message_start")
+        s.get_final_message()
+    assert start.message.model_dump()["diagnostics"]["cache_miss_reason"]["type"] == "system_changed"
+    with pytest.raises(anthropic.BadRequestError, match="diagnostics.previous_message_id"):
+        claude.messages.create(model="m", max_tokens=4, messages=turn1, extra_body={"diagnostics": {}})

@@ -50,6 +50,11 @@ def test_serve_under_load_then_drains_and_flushes_on_sigterm(tiny_qwen3, tmp_pat
     log = (tmp_path / "mlxkv.log").read_text()
     assert "prefix cache flushed" in log and "Traceback" not in log
     assert "without the SSD tier" not in log
+    # one access line per request: route, status, token counts, cache outcome; no text, no key
+    access = [line for line in log.splitlines() if " /v1/chat/completions " in line]
+    assert len(access) >= 601 and all(" 200 " in line and "prompt=" in line and "cache=" in line
+                                      for line in access), access[:3]
+    assert "drain me" not in log and KEY not in log
     assert sum(1 for p in (tmp_path / "kv").rglob("*") if p.is_file()) > 2  # states on disk
 
 

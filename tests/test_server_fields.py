@@ -72,8 +72,8 @@ MESSAGES_FIELDS = SAMPLING + [
      ["on", {"type": "deep"}, {"type": "enabled", "budget_tokens": "lots"}, {"type": "enabled", "budget_tokens": -1}]),
     (("context_management",), [{"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}, {}],
      ["clear", {"edits": "all"}, {"edits": [5]}]),
-    (("output_config",), [{"effort": "high"}, {}], ["high", {"effort": 5},
-                                                    {"format": {"type": "json_schema", "schema": {}}}]),
+    (("output_config",), [{"effort": "high"}, {}, {"format": {"type": "json_schema", "schema": {"type": "object"}}}],
+     ["high", {"effort": 5}, {"format": {"type": "xml"}}, {"format": {"type": "json_schema", "schema": {"not": {}}}}]),
     (("cache_control",), [{"type": "ephemeral"}, {"type": "ephemeral", "ttl": "5m"}],
      ["ephemeral", {"type": "ephemeral", "ttl": "1d"}]),
     (("service_tier",), ["auto"], [5]),
@@ -82,8 +82,8 @@ MESSAGES_FIELDS = SAMPLING + [
      ["get_weather", [5], [{"description": "no name"}], [{**WEATHER, "input_schema": "object"}],
       [{**WEATHER, "defer_loading": "yes"}], [{"type": "web_search_20250305", "name": "web_search"}],
       [{**WEATHER, "description": 5}], [{**WEATHER, "name": SURROGATE}]]),
-    (("tool_choice",), [{"type": "auto"}, {"type": "any"}, {"type": "none"}, {"type": "tool", "name": "get_weather"}],
-     ["auto", {"type": "sometimes"}, {"type": "tool"}]),
+    (("tool_choice",), [{"type": "auto"}, {"type": "any"}, {"type": "none"}],
+     ["auto", {"type": "sometimes"}, {"type": "tool"}, {"type": "tool", "name": "not_a_tool"}]),
     (("session_id",), ["s-1"], [5, "", "x" * 300]),
 ]
 TOOL_TURN_FIELDS = [
@@ -122,7 +122,14 @@ CHAT_FIELDS = OPENAI_COMMON + [
     (("tools",), [[{"type": "function", "function": {"name": "f"}}]],
      ["f", [5], [{"type": "function"}], [{"type": "retrieval", "function": {"name": "f"}}],
       [{"type": "function", "function": {"name": 5}}]]),
-    (("tool_choice",), ["auto", "none", "required", {"type": "function", "function": {"name": "f"}}], [5, "sometimes"]),
+    (("tool_choice",), ["auto", "none"], [5, "sometimes", "required",  # without tools: nothing to call
+                                          {"type": "function", "function": {"name": "f"}}]),
+    (("response_format",), [{"type": "text"}, {"type": "json_object"},
+                            {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object"}}}],
+     ["json", {"type": "xml"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"schema": 5}},
+      {"type": "json_schema", "json_schema": {"name": "s", "schema": {"if": {}, "then": {}}}}]),
+    (("reasoning_effort",), ["none", "low", "high"], ["extreme", 5]),
+    (("chat_template_kwargs",), [{"enable_thinking": False}, {}], ["x", {"not a name": 1}]),
 ]
 CHAT_TOOL_FIELDS = [
     (("messages", 1, "tool_calls"), [[{"id": "c1", "type": "function", "function": {"name": "g", "arguments": "{}"}}]],

@@ -29,7 +29,8 @@ from server_support import (
 
 from mlxkv.engine.engine import Engine
 from mlxkv.server.context import ServerConfig
-from mlxkv.server.tools import ToolCallParser, split_tool_calls
+from mlxkv.server.formats import DEFAULT_SYNTAX, split_reply
+from mlxkv.server.formats.stream import ReplyParser
 
 
 def serving(model: Any) -> Iterator[LoopbackServer]:
@@ -153,13 +154,14 @@ def test_tools_a_template_cannot_render_go_in_the_default_format_and_calls_come_
 
 
 def test_parser_holds_back_a_partial_tag_and_gives_back_a_bad_one():
-    p = ToolCallParser()
+    p = ReplyParser(DEFAULT_SYNTAX, None)
     out = []
     for piece in ["Hi <to", "ol_c", "all>{\"name\": \"f\", \"argu", "ments\": {\"a\": 1}}</tool_call> bye <"]:
         out += p.feed(piece)
     out += p.finish()
     assert [k for k, _ in out] == ["text", "call", "text", "text"]
     assert out[0][1] == "Hi " and out[1][1].name == "f" and out[1][1].arguments == {"a": 1}
-    assert "".join(x for k, x in out if k == "text") == "Hi  bye <"
-    text, calls = split_tool_calls("a <tool_call>not json</tool_call> b <tool_call>{\"name\"")
+    assert "".join(x for k, x in out if k == "text") == "Hi bye <"  # the space after a call is dropped
+    text, _, calls = split_reply(ReplyParser(DEFAULT_SYNTAX, None),
+                                 "a <tool_call>not json</tool_call> b <tool_call>{\"name\"")
     assert calls == [] and text == "a <tool_call>not json</tool_call> b <tool_call>{\"name\""
