@@ -87,8 +87,8 @@ from bench.models import RealModelMissing, real_model_file
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as bench.server: one BLAS thread per process
 
 CLAUDE_PROMPTS = ("What is the capital of France? Answer in one word.",
-                  "Name one primary colour. Answer in one word.",
-                  "What is seven times six? Answer with a number.")
+                  "What is 2+2?",  # Claude Code's environment entry follows it: the reply must answer this
+                  "Name one primary colour. Answer in one word.")
 CLAUDE_FOLLOW_UP = "Thanks. Now say it again in one word."
 CODEX_PROMPTS = ("What is the capital of Italy? Answer in one word.",
                  "Name one planet of the solar system. Answer in one word.")
@@ -479,7 +479,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     if step.after_restart and not any(s.after_restart and s.run for s in steps):
                         server.restart()
                     run_step(step, claude, codex, project, proxy, threads, args.timeout_s)
-                    print(f"  {step.name}: {step.run.wall_s:.0f} s"
+                    print(f"  {step.name}: {step.run.wall_s:.0f} s: {step.prompt!r} -> {(step.shown or '')[:120]!r}"
                           + (f", FAILED: {step.failure}" if step.failure else ""), file=sys.stderr, flush=True)
             finally:
                 server.stop()

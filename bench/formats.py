@@ -122,7 +122,9 @@ def _tool_loop(srv: Any, engine: Any, family: Any, turns: int) -> dict[str, Any]
     oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=600)
     caps = srv.ctx.template.caps()
     tokenizer = engine.call(lambda: engine.loaded.tokenizer).result(60)
-    reply = list(tokenizer.encode(family.call, add_special_tokens=False))
+    # what the reply leaves in the cache: the forced text's tokens, then EOS (guided_choice
+    # ends the choice with the first EOS id)
+    reply = list(tokenizer.encode(family.call, add_special_tokens=False)) + sorted(tokenizer.eos_token_ids)[:1]
     messages: list[dict[str, Any]] = [{"role": "user", "content": QUESTION}]
     previous: list[int] | None = None
     cached = allowed = prompt_total = 0
@@ -155,7 +157,8 @@ def _json_valid(oai: Any, samples: int) -> tuple[int, int]:
         for seed in range(samples):
             r = oai.chat.completions.create(
                 model="m", messages=[{"role": "user", "content": "Answer in JSON."}], temperature=1.0, seed=seed,
-                max_tokens=200, response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}})
+                max_tokens=200,
+                response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}})
             total += 1
             try:
                 jsonschema.validate(json.loads(r.choices[0].message.content), schema)

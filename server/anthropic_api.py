@@ -29,11 +29,11 @@ from mlxkv.server.context import Context, dumps, model_name, new_id, read_json, 
 from mlxkv.server.diagnostics import fingerprint, miss_reason, requested
 from mlxkv.server.errors import ApiError, anthropic_body
 from mlxkv.server.fields import extension_fields, get_list, get_object, get_str, max_tokens_header, sampling
-from mlxkv.server.keepalive import ANTHROPIC_PING, PROGRESS_EVERY, keep_alive
-from mlxkv.server.retention import anthropic_retain_s
 from mlxkv.server.formats import CALL, REASONING, TEXT, ToolCall, split_reply
 from mlxkv.server.grammars import json_reply, reply_grammar
+from mlxkv.server.keepalive import ANTHROPIC_PING, PROGRESS_EVERY, keep_alive
 from mlxkv.server.reasoning import anthropic_kwargs
+from mlxkv.server.retention import anthropic_retain_s
 
 
 # ------------------------------------------------------------------------- the request
@@ -406,7 +406,8 @@ class _Stream:
                 block = _tool_block(piece)
                 out += [_event("content_block_start", {"index": self.index, "content_block": {**block, "input": {}}}),
                         _event("content_block_delta", {"index": self.index, "delta": {
-                            "type": "input_json_delta", "partial_json": json.dumps(piece.arguments, ensure_ascii=False)}}),
+                            "type": "input_json_delta",
+                            "partial_json": json.dumps(piece.arguments, ensure_ascii=False)}}),
                         _event("content_block_stop", {"index": self.index})]
         return [o for o in out if o]
 

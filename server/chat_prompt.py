@@ -160,48 +160,54 @@ def _join(*texts: str) -> str:
 
 
 def place_system_entries(messages: list[dict[str, Any]], system_turns: bool) -> list[dict[str, Any]]:
-    """``system`` messages where they keep the prompt ending on the user's words and the
-    cache hit. A system entry right after a user turn is appended to that turn, always: as a
-    turn of its own it would end the prompt (Claude Code sends its environment section after
-    the user's question, and a small model answers the environment), and appending keeps how
-    that turn renders the same as later turns are added. With ``system_turns`` the other
-    entries stay where they are. Otherwise the system messages that open the conversation
-    become one system message (joined by a blank line), and every later one is put in front
-    of the user turn right after it, else (between two assistant turns, or last after one)
-    it becomes a user turn of its own."""
+    """``system`` messages where the prompt still ends on the user's words and the cache
+    still hits. System entries right after a user turn go into that turn, in front of the
+    user's text, always: as a turn of their own, or after the text, they would end the prompt
+    (Claude Code sends its environment section after the question, and a small model
+    answers the environment instead), and the turn renders the same as later turns are
+    added. With ``system_turns`` the other entries stay where they are. Otherwise the system
+    messages that open the conversation become one system message (joined by a blank line),
+    and every later one is put in front of the user turn right after it, else (between two
+    assistant turns, or last after one) it becomes a user turn of its own."""
     lead = 0
     while lead < len(messages) and messages[lead].get("role") == "system":
         lead += 1
     rest = messages[lead:]
     if not any(m.get("role") == "system" for m in rest) and (system_turns or lead <= 1):
         return messages
-    if system_turns:
-        out = list(messages[:lead])
-        for m in rest:
-            if m.get("role") == "system" and out and out[-1].get("role") == "user":
-                out[-1] = {**out[-1], "content": _join(out[-1].get("content") or "", m.get("content") or "")}
-            else:
-                out.append(m)
-        return out
     out: list[dict[str, Any]] = []
     if lead:
-        out.append({"role": "system", "content": _join(*(m.get("content") or "" for m in messages[:lead]))})
+        out.extend(messages[:lead]) if system_turns else out.append(
+            {"role": "system", "content": _join(*(m.get("content") or "" for m in messages[:lead]))})
+    ahead: list[str] = []  # entries right after the user turn out[user_at], for its front
+    user_at = -1
     waiting: list[str] = []  # system text for the next user turn
     for m in rest:
         role, text = m.get("role"), m.get("content") or ""
+        if role == "system" and user_at == len(out) - 1 and user_at >= 0:
+            ahead.append(text)
+            continue
+        if ahead:
+            turn = out[user_at]
+            out[user_at] = {**turn, "content": _join(*ahead, turn.get("content") or "")}
+            ahead = []
         if role == "system":
-            if out and out[-1].get("role") == "user" and not waiting:
-                out[-1] = {**out[-1], "content": _join(out[-1].get("content") or "", text)}
+            if system_turns:
+                out.append(m)
             else:
                 waiting.append(text)
-        elif role == "user" and waiting:
-            out.append({**m, "content": _join(*waiting, text)})
+            continue
+        if role == "user" and waiting:
+            m = {**m, "content": _join(*waiting, text)}
             waiting = []
-        else:
-            if waiting:
-                out.append({"role": "user", "content": _join(*waiting)})
-                waiting = []
-            out.append(m)
+        elif waiting:
+            out.append({"role": "user", "content": _join(*waiting)})
+            waiting = []
+        out.append(m)
+        user_at = len(out) - 1 if role == "user" else -1
+    if ahead:
+        turn = out[user_at]
+        out[user_at] = {**turn, "content": _join(*ahead, turn.get("content") or "")}
     if waiting:
         out.append({"role": "user", "content": _join(*waiting)})
     return out
@@ -226,6 +232,22 @@ def _calls_for_template(messages: list[dict[str, Any]], string_arguments: bool) 
     return out
 
 
+def _complete(tool: dict[str, Any]) -> dict[str, Any]:
+    """A function tool with the fields templates read whether or not the client sent them
+    (a ``description``, ``parameters`` with ``properties``): templates index them without a
+    default, and a client may leave them out."""
+    fn = dict(tool.get("function") or {})
+    if fn.get("description") is None:
+        fn["description"] = ""
+    params = fn.get("parameters")
+    if not isinstance(params, dict) or not params:
+        params = {"type": "object", "properties": {}}
+    elif params.get("type") == "object" and "properties" not in params:
+        params = {**params, "properties": {}}
+    fn["parameters"] = params
+    return {**tool, "type": tool.get("type", "function"), "function": fn}
+
+
 def build_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                  caps: TemplateCaps, churn_rules: bool = True,
                  template_kwargs: dict[str, Any] | None = None) -> ChatPrompt:
@@ -233,6 +255,7 @@ def build_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | N
     module docstring for the steps)."""
     if churn_rules:
         messages = normalise_messages(messages)
+    tools = [_complete(t) for t in tools] if tools else tools
     template_tools = tools or None
     family = caps.format.syntax
     syntax = family if family is not None else DEFAULT_SYNTAX

@@ -107,7 +107,8 @@ def _xml_params(rules: _Rules, tool: dict[str, Any], head: str, mid: str, end: s
 
 
 def _call_object(name: str, tool: dict[str, Any], args_key: str = "arguments") -> dict[str, Any]:
-    return {"type": "object", "properties": {"name": {"const": name}, args_key: _schema(tool["function"].get("parameters"))},
+    params = _schema(tool["function"].get("parameters"))
+    return {"type": "object", "properties": {"name": {"const": name}, args_key: params},
             "required": ["name", args_key], "additionalProperties": False}
 
 
@@ -115,7 +116,7 @@ def _call_rule(rules: _Rules, family: str, tool: dict[str, Any]) -> str:
     name = tool["function"]["name"]
     if family == "mlx_lm.qwen3_coder":
         params = _xml_params(rules, tool, "<parameter=", ">\n", "\n</parameter>\n")
-        return rules.add(f"{_lit(f'<tool_call>' + chr(10) + f'<function={name}>' + chr(10))} {params} "
+        return rules.add(f"{_lit('<tool_call>' + chr(10) + f'<function={name}>' + chr(10))} {params} "
                          f"{_lit('</function>' + chr(10) + '</tool_call>')}", "c")
     if family == "mlx_lm.glm47":
         params = _xml_params(rules, tool, "<arg_key>", "</arg_key>\n<arg_value>", "</arg_value>\n")

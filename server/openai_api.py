@@ -40,11 +40,11 @@ from mlxkv.server.fields import (
     sampling,
     within,
 )
-from mlxkv.server.keepalive import comment, keep_alive
-from mlxkv.server.retention import openai_retain_s
 from mlxkv.server.formats import CALL, REASONING, TEXT, ToolCall, split_reply
 from mlxkv.server.grammars import reply_grammar
+from mlxkv.server.keepalive import comment, keep_alive
 from mlxkv.server.reasoning import openai_kwargs
+from mlxkv.server.retention import openai_retain_s
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 

@@ -35,7 +35,11 @@ from mlxkv.server.chat_prompt import chat_prompt
 from mlxkv.server.context import Context, dumps, new_id, read_json, session_of, timings, usage_counts
 from mlxkv.server.errors import ApiError
 from mlxkv.server.fields import extension_fields, get_bool, get_int, get_list, get_object, get_str, sampling
+from mlxkv.server.formats import REASONING, TEXT, ToolCall
+from mlxkv.server.formats.stream import ReplyParser
+from mlxkv.server.grammars import reply_grammar
 from mlxkv.server.keepalive import keep_alive
+from mlxkv.server.reasoning import responses_kwargs
 from mlxkv.server.responses_items import (
     Tools,
     check_tool_choice,
@@ -44,10 +48,6 @@ from mlxkv.server.responses_items import (
     to_messages,
 )
 from mlxkv.server.retention import openai_retain_s
-from mlxkv.server.formats import REASONING, TEXT, ToolCall
-from mlxkv.server.formats.stream import ReplyParser
-from mlxkv.server.grammars import reply_grammar
-from mlxkv.server.reasoning import responses_kwargs
 
 _TEXT_FORMATS = ("text", "json_object", "json_schema")
 _TRUNCATIONS = ("auto", "disabled")

@@ -8,7 +8,8 @@ import pytest
 
 from mlxkv.server.formats import CALL, REASONING, TEXT, detect, split_reply
 from mlxkv.server.formats.families import parse_deepseek
-from support.formats import ARGS, FAMILIES, REASONING as THOUGHT, WEATHER_TOOL
+from support.formats import ARGS, FAMILIES, WEATHER_TOOL
+from support.formats import REASONING as THOUGHT
 
 TOOLS = [WEATHER_TOOL]
 

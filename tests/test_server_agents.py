@@ -111,20 +111,20 @@ def test_a_claude_code_request_is_served_stream_and_not(served):
     assert final.usage.cache_read_input_tokens == counted.input_tokens - 1  # the same prompt again
 
 
-def test_a_system_entry_after_the_question_ends_the_question_turn(served, engine):
-    """Claude Code's environment entry, after the user's question, is appended to the
-    question's turn even where the template renders system turns: the prompt ends on the
-    user's words and the generation prompt, never on a system turn."""
+def test_a_system_entry_after_the_question_goes_in_front_of_it(served, engine):
+    """Claude Code's environment entry, after the user's question, goes into the question's
+    turn, in front of its text, even where the template renders system turns: the prompt
+    ends on the user's words and the generation prompt."""
     claude = claude_of(served)
     body = claude_code_body("Say hello.", tools=False)
     counted = claude.messages.count_tokens(model="m", system=body["system"], messages=body["messages"]).input_tokens
     system = normalise(billing("1c9") + "You are a Claude agent.\n" + STATIC)
     expected = [{"role": "system", "content": system},
-                {"role": "user", "content": REMINDER + "Say hello.\n\n" + ENVIRONMENT}]
+                {"role": "user", "content": ENVIRONMENT + "\n\n" + REMINDER + "Say hello."}]
     tokens = engine.encode_chat(expected, T)
     assert counted == len(tokens)
     prompt = engine.decode(tokens, T)
-    assert prompt.endswith(ENVIRONMENT + "<|im_end|>\n<|im_start|>assistant\n"), prompt[-200:]
+    assert prompt.endswith("Say hello.<|im_end|>\n<|im_start|>assistant\n"), prompt[-200:]
 
 
 def test_system_entries_merge_into_the_adjacent_user_turn_where_the_template_refuses_them():
@@ -139,7 +139,7 @@ def test_system_entries_merge_into_the_adjacent_user_turn_where_the_template_ref
                     {"role": "user", "content": "again"}]
         counted = claude.messages.count_tokens(model="m", system="top", messages=messages).input_tokens
         merged = [{"role": "system", "content": "top\n\nfirst"},
-                  {"role": "user", "content": "question\n\n" + ENVIRONMENT},
+                  {"role": "user", "content": ENVIRONMENT + "\n\nquestion"},
                   {"role": "assistant", "content": "answer"},
                   {"role": "user", "content": "before the next\n\nagain"}]
         assert counted == len(engine.encode_chat(merged, T))
@@ -150,7 +150,7 @@ def test_system_entries_merge_into_the_adjacent_user_turn_where_the_template_ref
         r = oai.chat.completions.create(model="m", max_tokens=2, messages=[
             {"role": "user", "content": "question"}, {"role": "developer", "content": ENVIRONMENT}])
         assert r.usage.prompt_tokens == len(engine.encode_chat(
-            [{"role": "user", "content": "question\n\n" + ENVIRONMENT}], T))
+            [{"role": "user", "content": ENVIRONMENT + "\n\nquestion"}], T))
         # what the template still refuses (two user turns in a row) is a 400 that says so
         with pytest.raises(anthropic.BadRequestError, match="chat template refused the messages"):
             claude.messages.create(model="m", max_tokens=2, messages=[
@@ -159,12 +159,12 @@ def test_system_entries_merge_into_the_adjacent_user_turn_where_the_template_ref
 
 def test_place_system_entries_rules():
     u, a, s = ({"role": r, "content": r[0]} for r in ("user", "assistant", "system"))
-    # after a user turn: appended to it, whatever the template takes
-    assert place_system_entries([s, u, s], True) == [s, {"role": "user", "content": "u\n\ns"}]
-    assert place_system_entries([s, u, s, a, u], True) == [s, {"role": "user", "content": "u\n\ns"}, a, u]
+    # right after a user turn: in front of its text, whatever the template takes
+    assert place_system_entries([s, u, s], True) == [s, {"role": "user", "content": "s\n\nu"}]
+    assert place_system_entries([s, u, s, a, u], True) == [s, {"role": "user", "content": "s\n\nu"}, a, u]
     assert place_system_entries([s, u, a, s, u], True) == [s, u, a, s, u]  # the template takes them
     assert place_system_entries([s, s, u], False) == [{"role": "system", "content": "s\n\ns"}, u]
-    assert place_system_entries([u, s, s, a], False) == [{"role": "user", "content": "u\n\ns\n\ns"}, a]
+    assert place_system_entries([u, s, s, a], False) == [{"role": "user", "content": "s\n\ns\n\nu"}, a]
     assert place_system_entries([u, a, s, u], False) == [u, a, {"role": "user", "content": "s\n\nu"}]
     assert place_system_entries([u, a, s], False) == [u, a, {"role": "user", "content": "s"}]
     assert place_system_entries([s, u, a], False) == [s, u, a]
@@ -206,13 +206,14 @@ def _conversation_pair(srv: LoopbackServer, engine: Engine, suffixes: tuple[str,
 
 def _normalised_prompt(prompt: str) -> list[dict[str, Any]]:
     """The second conversation's prompt as the rules leave it, written out by hand: no
-    billing line, the tool list in the default format (the tiny model's template has none)."""
+    billing line, the tool list in the default format (the tiny model's template has none),
+    the environment entry in front of the user's text."""
     from mlxkv.server.tool_prompt import tools_text
 
     tools = [{"type": "function", "function": {"name": WEATHER["name"], "description": WEATHER["description"],
                                                "parameters": WEATHER["input_schema"]}}]
     return [{"role": "system", "content": "You are a Claude agent.\n" + STATIC + "\n\n" + tools_text(tools)},
-            {"role": "user", "content": REMINDER + prompt}, {"role": "system", "content": ENVIRONMENT}]
+            {"role": "user", "content": ENVIRONMENT + "\n\n" + REMINDER + prompt}]
 
 
 def test_a_new_conversation_reuses_the_prompt_it_shares_with_the_last(served, engine):
@@ -440,3 +441,27 @@ def test_anthropic_cache_diagnostics_say_what_changed(served):
     assert start.message.model_dump()["diagnostics"]["cache_miss_reason"]["type"] == "system_changed"
     with pytest.raises(anthropic.BadRequestError, match="diagnostics.previous_message_id"):
         claude.messages.create(model="m", max_tokens=4, messages=turn1, extra_body={"diagnostics": {}})
+
+
+# ------------------------------------------------------------------ no max_tokens
+def test_without_max_tokens_a_reply_runs_to_the_end_of_the_context(tiny_qwen3):
+    """aider sends no max_tokens and expects the model's end of turn: `mlxkv serve` lets such
+    a reply run to the end of the context (within --max-tokens-limit), not to a default 512;
+    `--max-tokens N` sets a default instead."""
+    from mlxkv.cli.common import sampling_params
+    from mlxkv.engine.settings import Settings
+    from mlxkv.server.run import config_from_settings
+
+    settings = Settings.load({"model": str(tiny_qwen3), "context_tokens": 900, "prefix_cache": False}, env={})
+    config = config_from_settings(settings, sampling_params(settings))
+    assert config.open_ended
+    capped = Settings.load({"model": str(tiny_qwen3), "max_tokens": 8}, env={})
+    assert not config_from_settings(capped, sampling_params(capped)).open_ended
+    with Engine.from_settings(settings).start(timeout=T) as engine, LoopbackServer(engine, config) as srv:
+        oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=T)
+        r = oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "Tell me a long story."}],
+                                        temperature=0)
+        used = r.usage.prompt_tokens + r.usage.completion_tokens
+        assert r.usage.completion_tokens > 512 and (r.choices[0].finish_reason == "stop" or used == 900), r.usage
+        text = oai.completions.create(model="m", prompt="Once upon a time", temperature=0)
+        assert text.usage.completion_tokens > 512, text.usage
