@@ -342,14 +342,17 @@ class Engine:
             messages, tools, template_kwargs), timeout=timeout)
 
     def chat_template(self, markers: Sequence[str] = (), timeout: float | None = 30.0
-                      ) -> tuple[str | None, list[str]]:
-        """The model's chat template (None: it has none) and which of ``markers`` are single
-        tokens of its vocabulary (what a front end needs to tell its reply format)."""
-        def read() -> tuple[str | None, list[str]]:
+                      ) -> tuple[str | None, list[str], str | None]:
+        """The model's chat template (None: it has none), which of ``markers`` are single
+        tokens of its vocabulary, and the tool parser its tokenizer config names (mlx-lm's
+        ``tool_parser_type``, or None): what a front end needs to tell its reply format."""
+        def read() -> tuple[str | None, list[str], str | None]:
             tokenizer = self.scheduler.runtime.loaded.tokenizer
             template = getattr(tokenizer, "chat_template", None)
             vocab = tokenizer.get_vocab()
-            return (template if isinstance(template, str) else None, [m for m in markers if m in vocab])
+            named = (getattr(tokenizer, "init_kwargs", None) or {}).get("tool_parser_type")
+            return (template if isinstance(template, str) else None, [m for m in markers if m in vocab],
+                    named if isinstance(named, str) else None)
         return self._ask("chat_template", read, timeout=timeout)
 
     def decode(self, tokens: list[int], timeout: float | None = 30.0) -> str:

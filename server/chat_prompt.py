@@ -4,12 +4,13 @@
 1. the agent churn rules on system text (``server.churn``, unless turned off);
 2. tools: to the chat template when it renders them; otherwise in the default tool format
    (``server.tool_prompt``), earlier tool calls and results with them;
-3. ``system`` entries after the start of the conversation: rendered where they stand when
-   the template renders such a turn; otherwise merged into the adjacent user turn (see
-   :func:`place_system_entries`).
+3. ``system`` entries after the start of the conversation: in front of the user's text
+   right before them, else where they stand when the template renders such a turn, else
+   merged into the next user turn (see :func:`place_system_entries`).
 
 What the template can do is found out once per engine by rendering small probe
-conversations (:class:`TemplateProbe`): no list of model families to keep up to date.
+conversations (:class:`TemplateProbe`); how its replies are written (calls, reasoning) is
+told from the template text and vocabulary (``server.formats``).
 """
 
 from __future__ import annotations
@@ -54,11 +55,12 @@ def _kwargs_key(kwargs: dict[str, Any] | None) -> str:
 
 
 def probe_template(encode: Encode, decode: Callable[[list[int]], str] | None = None,
-                   template: tuple[str | None, list[str]] = (None, [])) -> TemplateCaps:
+                   template: tuple[Any, ...] = (None, [])) -> TemplateCaps:
     """The template's abilities, from the token ids ``encode(messages, tools)`` gives: a
     template that ignores a part renders the same tokens with and without it, and one that
-    refuses a part raises. ``decode`` and ``template`` (its text and the reply markers its
-    vocabulary holds as tokens) tell the reply format and how calls render back. An
+    refuses a part raises. ``decode`` and ``template`` (``Engine.chat_template``'s answer:
+    the text, the reply markers the vocabulary holds as tokens, the tool parser the
+    tokenizer config names) tell the reply format and how calls render back. An
     :class:`EngineError` (the engine did not answer) is raised."""
     base = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
 

@@ -136,10 +136,17 @@ class _TemplateView:
         return self._vocab
 
 
-def detect(template: str | None, vocab: Collection[str] = ()) -> ReplyFormat:
+def detect(template: str | None, vocab: Collection[str] = (), named: str | None = None) -> ReplyFormat:
     """The reply format of a model with this chat template; ``vocab``: which of
-    :data:`VOCAB_MARKERS` its vocabulary holds (a whole vocabulary works too)."""
+    :data:`VOCAB_MARKERS` its vocabulary holds (a whole vocabulary works too); ``named``: the
+    mlx-lm parser its tokenizer config names (``tool_parser_type``), which comes first, as in
+    mlx-lm's loader."""
     template = template or ""
+    if named:
+        try:
+            return ReplyFormat(f"mlx_lm.{named}", mlx_lm_syntax(named), _think(template, vocab))
+        except ImportError:
+            pass  # a parser this mlx-lm does not have: found from the template instead
     if "<|channel|>" in template and "<|message|>" in template or \
             "<|channel|>" in vocab and "<|message|>" in vocab and "<|channel|>" in template:
         return ReplyFormat("mlxkv.harmony", HARMONY, None, harmony=True)
