@@ -43,19 +43,6 @@ preload()  # the system OpenBLAS before mlx.core
 # isort: on
 
 QUESTION = "What is the weather in Paris?"
-SCHEMAS = [
-    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
-                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-     "required": ["name", "age"], "additionalProperties": False},
-    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
-                                               "minItems": 1, "maxItems": 3},
-                                      "size": {"type": "number", "minimum": 0}, "ok": {"type": "boolean"}},
-     "required": ["tags", "ok"], "additionalProperties": False},
-    {"type": "object", "properties": {"items": {"type": "array", "maxItems": 3, "items": {
-        "type": "object", "properties": {"id": {"type": "integer"}, "label": {"type": "string", "maxLength": 16}},
-        "required": ["id", "label"], "additionalProperties": False}}}, "required": ["items"],
-     "additionalProperties": False},
-]
 
 
 def _common(a: list[int], b: list[int]) -> int:
@@ -153,7 +140,9 @@ def _json_valid(oai: Any, samples: int) -> tuple[int, int]:
     import jsonschema
 
     ok = total = 0
-    for i, schema in enumerate(SCHEMAS):
+    from support.formats import JSON_SCHEMAS
+
+    for i, schema in enumerate(JSON_SCHEMAS):
         for seed in range(samples):
             r = oai.chat.completions.create(
                 model="m", messages=[{"role": "user", "content": "Answer in JSON."}], temperature=1.0, seed=seed,

@@ -64,3 +64,20 @@ FAMILIES = (
            '{"name": "get_weather", "parameters": {"city": "Paris"}}'),
 )
 BY_NAME = {f.name: f for f in FAMILIES}
+
+
+# JSON schemas structured output is held to (tests and bench.formats): bounds, enums, arrays,
+# nested objects, no extra properties
+JSON_SCHEMAS = (
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
+                                               "minItems": 1, "maxItems": 3},
+                                      "size": {"type": "number", "minimum": 0}, "ok": {"type": "boolean"}},
+     "required": ["tags", "ok"], "additionalProperties": False},
+    {"type": "object", "properties": {"items": {"type": "array", "maxItems": 3, "items": {
+        "type": "object", "properties": {"id": {"type": "integer"}, "label": {"type": "string", "maxLength": 16}},
+        "required": ["id", "label"], "additionalProperties": False}}}, "required": ["items"],
+     "additionalProperties": False},
+)

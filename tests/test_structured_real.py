@@ -16,18 +16,12 @@ from server_support import LoopbackServer
 
 from mlxkv.engine.engine import Engine
 from mlxkv.server.context import ServerConfig
+from support.formats import JSON_SCHEMAS
 from support.real_model import real_model_path
 
 REAL = real_model_path()
 pytestmark = pytest.mark.skipif(REAL is None, reason="the real model is not fetched: run `make fixtures`")
-SCHEMAS = [
-    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
-                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-     "required": ["name", "age"], "additionalProperties": False},
-    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
-                                               "minItems": 1, "maxItems": 3},
-                                      "ok": {"type": "boolean"}}, "required": ["tags", "ok"]},
-]
+SCHEMAS = JSON_SCHEMAS[:2]
 ASK = [{"role": "user", "content": "Describe a person as JSON."}]
 
 
