@@ -18,7 +18,9 @@ over loopback, through the real OpenAI and Anthropic SDKs:
   its template allows (the common prefix of the previous prompt + reply tokens with the new
   prompt's tokens), summed over turns; the minimum over families (goal >= 0.95). Beside it,
   per family, what the template allows of the previous turn (a template that drops earlier
-  calls or reasoning allows less).
+  calls or reasoning allows less). Thinking families run the loop a second time with
+  replies that reason before their call and the reasoning sent back
+  (``reasoning_loop_hit_fraction_min``, and what each template allows then).
 - ``json_schema_valid_fraction``: replies held to a JSON schema (``response_format``), sampled
   at temperature 1 with ``--samples`` seeds per schema, that parse and validate (goal 1.0).
 
@@ -97,9 +99,11 @@ def _routes_reasoning(oai: Any, claude: Any, family: Any) -> dict[str, bool]:
     return out
 
 
-def _tool_loop(srv: Any, engine: Any, family: Any, turns: int) -> dict[str, Any]:
+def _tool_loop(srv: Any, engine: Any, family: Any, turns: int, reasoned: bool = False) -> dict[str, Any]:
     """A ``turns`` tool loop on chat completions: per turn the cached tokens, and what the
-    template allows (the previous prompt + reply tokens' common prefix with this prompt)."""
+    template allows (the previous prompt + reply tokens' common prefix with this prompt).
+    ``reasoned``: each reply reasons before its call, and the client sends the reasoning
+    back with the call (``reasoning_content``), as clients of thinking models do."""
     import openai
 
     from mlxkv.server.chat_prompt import build_prompt
@@ -111,8 +115,12 @@ def _tool_loop(srv: Any, engine: Any, family: Any, turns: int) -> dict[str, Any]
     tokenizer = engine.call(lambda: engine.loaded.tokenizer).result(60)
     # what the reply leaves in the cache: the forced text's tokens, then EOS (guided_choice
     # ends the choice with the first EOS id)
-    reply = list(tokenizer.encode(family.call, add_special_tokens=False)) + sorted(tokenizer.eos_token_ids)[:1]
-    messages: list[dict[str, Any]] = [{"role": "user", "content": QUESTION}]
+    text = family.reasoned_call if reasoned else family.call
+    reply = list(tokenizer.encode(text, add_special_tokens=False)) + sorted(tokenizer.eos_token_ids)[:1]
+    # the reasoned loop asks its own question: the cache must not serve it from the first
+    # loop's states (same calls, no reasoning), or it would read more than this loop allows
+    question = QUESTION.replace("?", " today?") if reasoned else QUESTION
+    messages: list[dict[str, Any]] = [{"role": "user", "content": question}]
     previous: list[int] | None = None
     cached = allowed = prompt_total = 0
     per_turn = []
@@ -120,7 +128,7 @@ def _tool_loop(srv: Any, engine: Any, family: Any, turns: int) -> dict[str, Any]
         prompt = build_prompt(chat_messages(messages), [WEATHER_TOOL], caps)
         tokens = engine.encode_chat(prompt.messages, 60, prompt.tools)
         r = oai.chat.completions.create(model="m", messages=messages, tools=[WEATHER_TOOL],
-                                        extra_body={"guided_choice": [family.call], "temperature": 0})
+                                        extra_body={"guided_choice": [text], "temperature": 0})
         assert r.usage.prompt_tokens == len(tokens), (r.usage.prompt_tokens, len(tokens))
         hit = r.usage.prompt_tokens_details.cached_tokens
         if previous is not None:
@@ -129,8 +137,11 @@ def _tool_loop(srv: Any, engine: Any, family: Any, turns: int) -> dict[str, Any]
             per_turn.append({"prompt": len(tokens), "cached": hit, "allowed": could})
         previous = tokens + reply
         (call,) = r.choices[0].message.tool_calls
-        messages += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-                     {"role": "tool", "tool_call_id": call.id, "content": f"Sunny, {20 + turn} C"}]
+        said: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]}
+        if reasoned:
+            said["reasoning_content"] = (r.choices[0].message.model_extra or {}).get("reasoning_content")
+            assert said["reasoning_content"], r.choices[0].message
+        messages += [said, {"role": "tool", "tool_call_id": call.id, "content": f"Sunny, {20 + turn} C"}]
     return {"hit_of_allowed": round(cached / allowed, 4) if allowed else 1.0,
             "allowed_of_previous": round(allowed / prompt_total, 4) if prompt_total else 1.0,
             "turns": per_turn}
@@ -192,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
             if family.thinking:
                 fig["reasoning"] = _routes_reasoning(oai, claude, family)
             fig["tool_loop"] = _tool_loop(srv, engine, family, args.turns)
+            if family.thinking:
+                fig["reasoning_loop"] = _tool_loop(srv, engine, family, args.turns, reasoned=True)
             if family is chosen[0]:
                 ok, total = _json_valid(oai, args.samples)
                 result["json_schema_valid"], result["json_schema_samples"] = ok, total
@@ -200,7 +213,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{family.name:14} parser {fig['parser']:20} calls {sum(fig['calls'].values())}/{len(fig['calls'])}"
               + (f"  reasoning {sum(fig['reasoning'].values())}/{len(fig['reasoning'])}" if "reasoning" in fig else "")
               + f"  tool loop: hit {loop['hit_of_allowed']:.3f} of allowed, template allows "
-              f"{loop['allowed_of_previous']:.3f} of the previous turn", flush=True)
+              f"{loop['allowed_of_previous']:.3f} of the previous turn"
+              + (f"; with reasoning: hit {fig['reasoning_loop']['hit_of_allowed']:.3f}, allows "
+                 f"{fig['reasoning_loop']['allowed_of_previous']:.3f}" if "reasoning_loop" in fig else ""), flush=True)
     fams = result["families"]
     thinking = [n for n in fams if "reasoning" in fams[n]]
     result["tool_call_families_parsed"] = sum(all(f["calls"].values()) for f in fams.values())
@@ -208,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     result["reasoning_families_separated"] = sum(all(fams[n]["reasoning"].values()) for n in thinking)
     result["reasoning_families"] = len(thinking)
     result["tool_loop_hit_fraction_min"] = min(f["tool_loop"]["hit_of_allowed"] for f in fams.values())
+    result["reasoning_loop_hit_fraction_min"] = min(
+        (fams[n]["reasoning_loop"]["hit_of_allowed"] for n in thinking), default=None)
     result["json_schema_valid_fraction"] = round(result["json_schema_valid"] / result["json_schema_samples"], 4)
     result["wall_s"] = round(time.perf_counter() - started, 1)
     result["load_average_end"] = os.getloadavg()[0]

@@ -30,6 +30,17 @@ class Family:
     def template_path(self) -> Path:
         return TEMPLATES / self.template
 
+    @property
+    def reasoned_call(self) -> str | None:
+        """A reply that reasons, then calls the tool (thinking families)."""
+        if self.thinking is None:
+            return None
+        if self.name == "gpt_oss":
+            return self.thinking.split("<|start|>", 1)[0] + "<|start|>assistant" + self.call
+        if self.opens_reasoning:
+            return REASONING + "\n" + self.call
+        return self.thinking.replace("Sunny.", self.call)
+
 
 FAMILIES = (
     Family("qwen3", "qwen3.jinja", "mlx_lm.json_tools",

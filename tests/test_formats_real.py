@@ -163,3 +163,25 @@ def test_a_forced_tool_choice_is_a_call_on_every_route(served):
                                        tools=[{**RESPONSES_TOOL, "parameters": STRICT}], tool_choice="required",
                                        max_output_tokens=400, temperature=1.0, extra_body={"seed": 9})
     assert {i.type for i in resp.output} == {"function_call"} and resp.output[0].name == "get_weather"
+
+
+def test_reasoning_sent_back_keeps_a_thinking_tool_loop_in_the_cache(served):
+    """A thinking model's tool loop: the client sends each turn's reasoning back with its
+    call (``reasoning_content``), and a template that reads it (MiniMax-M2's) renders the turn
+    as the model wrote it, so the next turn reads all of it from the cache."""
+    fam = served.family
+    if fam.name != "minimax_m2":
+        pytest.skip("one template that keeps earlier reasoning is enough")
+    messages = [{"role": "user", "content": "What is the weather in Paris this week?"}]
+    usages = []
+    for turn in range(2):
+        r = served.oai.chat.completions.create(model="m", messages=messages, tools=[WEATHER_TOOL],
+                                               extra_body=forced(fam.reasoned_call))
+        msg = r.choices[0].message
+        assert msg.model_extra["reasoning_content"] == REASONING and msg.tool_calls
+        usages.append(r.usage)
+        messages += [{"role": "assistant", "content": None, "reasoning_content": REASONING,
+                      "tool_calls": [msg.tool_calls[0].model_dump()]},
+                     {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "Sunny"}]
+    first, second = usages
+    assert second.prompt_tokens_details.cached_tokens >= first.prompt_tokens + first.completion_tokens - 4, usages
