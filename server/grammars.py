@@ -13,6 +13,7 @@ as text. A schema the grammar engine does not implement is a 400 that names the 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 from typing import Any
@@ -35,15 +36,24 @@ def _json(schema: Any) -> str:
     return "%json " + json.dumps({**_schema(schema), "x-guidance": _GUIDANCE}, ensure_ascii=False)
 
 
-def check(grammar: str, field: str) -> str:
-    """``grammar`` when it compiles, else a 400 naming ``field`` and what is wrong."""
+@functools.lru_cache(maxsize=256)
+def _problem(grammar: str) -> str | None:
+    """What is wrong with ``grammar`` (None: it compiles). Kept per grammar: an agent sends
+    the same tools every turn, and count_tokens and the reply check the same one."""
     from mlxkv.engine.speculation.grammar import check_grammar
 
     try:
         check_grammar(None, grammar)
     except ValueError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else "it does not compile"
-        raise ApiError(400, f"{field}: the schema cannot be enforced: {first}", field) from None
+        return str(e).strip().splitlines()[0] if str(e).strip() else "it does not compile"
+    return None
+
+
+def check(grammar: str, field: str) -> str:
+    """``grammar`` when it compiles, else a 400 naming ``field`` and what is wrong."""
+    problem = _problem(grammar)
+    if problem is not None:
+        raise ApiError(400, f"{field}: the schema cannot be enforced: {problem}", field)
     return grammar
 
 

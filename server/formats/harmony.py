@@ -18,7 +18,7 @@ import re
 from typing import Any
 
 from mlxkv.server.formats.calls import ToolCall, new_call_id
-from mlxkv.server.formats.stream import CALL, REASONING, TEXT, Piece, held_prefix
+from mlxkv.server.formats.stream import CALL, REASONING, TEXT, Piece, add_piece, held_prefix
 
 MESSAGE, START = "<|message|>", "<|start|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")
@@ -47,11 +47,7 @@ class HarmonyParser:
         if self._trim:
             text = text.lstrip()
             self._trim = not text
-        if text:
-            if out and out[-1][0] == kind:
-                out[-1] = (kind, out[-1][1] + text)
-            else:
-                out.append((kind, text))
+        add_piece(out, kind, text)
 
     def _open(self, header: str) -> None:
         channel = _CHANNEL.search(header)

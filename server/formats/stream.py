@@ -26,6 +26,16 @@ def held_prefix(buf: str, markers: list[str]) -> int:
     return best
 
 
+def add_piece(out: list[Piece], kind: str, text: str) -> None:
+    """``text`` of ``kind`` at the end of ``out``, joined to a last piece of the same kind."""
+    if not text:
+        return
+    if out and out[-1][0] == kind:
+        out[-1] = (kind, out[-1][1] + text)
+    else:
+        out.append((kind, text))
+
+
 class ReplyParser:
     """One reply's splitter. ``syntax``: where calls are (None: no calls are parsed);
     ``think``: the reasoning markers (None: no reasoning); ``reasoning_open``: the prompt
@@ -58,11 +68,7 @@ class ReplyParser:
             if not text:
                 return
             self._trim = False
-        if text:
-            if out and out[-1][0] == kind:
-                out[-1] = (kind, out[-1][1] + text)
-            else:
-                out.append((kind, text))
+        add_piece(out, kind, text)
 
     def _call_done(self, body: str, end: str, out: list[Piece]) -> None:
         assert self.syntax is not None
