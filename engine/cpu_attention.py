@@ -28,6 +28,7 @@ device but the CPU keep MLX's kernel too.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -75,6 +76,21 @@ def applies(queries: mx.array, keys: mx.array, mask: Any, sinks: Any = None) -> 
 
 # Scores of at most this many bytes at a time: the softmax's passes stay in the CPU's cache.
 BLOCK_BYTES = 512 << 10
+# With the row-softmax kernel the scores are read once per pass inside a row; a larger block
+# means fewer, larger products.
+KERNEL_BLOCK_BYTES = 32 << 20
+
+try:
+    from mlxkv.engine import _kernels
+except ImportError:  # not built (a source tree without `make ext`): the MLX graph computes it
+    _kernels = None
+
+_THREADS = max(1, min(8, os.cpu_count() or 1))
+
+
+def kernel_isa() -> str | None:
+    """The row-softmax kernel's instruction set (None: the extension is not built)."""
+    return _kernels.isa() if _kernels is not None else None
 
 
 def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
@@ -82,12 +98,15 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     ``values`` [B, Hk, S, D] (``H`` a multiple of ``Hk``: grouped queries share their KV
     head); ``mask`` None, ``"causal"`` (query ``i`` sees keys up to ``S - L + i``), or a
     boolean (True: attend) or additive array, [L, S] or [B, H or 1, L, S]. Queries go in
-    blocks whose scores take at most :data:`BLOCK_BYTES`."""
+    blocks whose scores take at most :data:`BLOCK_BYTES` (:data:`KERNEL_BLOCK_BYTES` where
+    the row-softmax kernel takes the softmax: no mask or the causal one)."""
     b, h, length, d = queries.shape
     hk, s = keys.shape[1], keys.shape[2]
     rep = h // hk
     q = (queries * mx.array(scale, dtype=queries.dtype)).reshape(b, hk, rep, length, d)
     kt = keys.swapaxes(-1, -2)  # [B, Hk, D, S]
+    if _kernels is not None and (mask is None or isinstance(mask, str)):
+        return _kernel_attention(q, kt, values, mask is not None).reshape(b, h, length, d)
     m = mask
     if isinstance(m, mx.array) and m.ndim == 4:  # [B, H or 1, L, S] -> [B, Hk or 1, rep or 1, L, S]
         m = m.reshape(m.shape[0], hk, rep, length, s) if m.shape[1] == h else m[:, :, None]
@@ -109,3 +128,22 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
         outs.append((p.reshape(b, hk, rep * n, s) @ values).reshape(b, hk, rep, n, d))
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
     return out.reshape(b, h, length, d)
+
+
+def _kernel_attention(q: mx.array, kt: mx.array, values: mx.array, causal: bool) -> mx.array:
+    """:func:`attention` for no mask or the causal one, the softmax by the row kernel
+    (``engine/softmax.h``) in place on each block's evaluated scores: [B, Hk, rep, L, D]."""
+    b, hk, rep, length, d = q.shape
+    s = kt.shape[-1]
+    step = max(1, KERNEL_BLOCK_BYTES // (4 * b * hk * rep * s))
+    outs = []
+    for i in range(0, length, step):
+        j = min(length, i + step)
+        n = j - i
+        rows = q[:, :, :, i:j].reshape(b, hk, rep * n, d)  # a group's queries share its keys
+        scores = rows @ kt  # [B, Hk, rep * n, S]: row r is query i + r % n
+        mx.eval(scores)
+        # A fresh product: C-contiguous, and nothing else holds its buffer.
+        _kernels.softmax_rows(scores, s, n, s - length + i + 1 if causal else s, _THREADS)
+        outs.append((scores @ values).reshape(b, hk, rep, n, d))
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)

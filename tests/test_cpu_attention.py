@@ -33,8 +33,16 @@ def _qkv(length: int, keys: int, heads: int, kv_heads: int, seed: int = 0):
 
 @pytest.mark.parametrize("length,keys,heads,kv_heads", [(7, 7, 4, 4), (5, 40, 6, 2), (33, 300, 8, 1), (2, 9, 3, 3)])
 @pytest.mark.parametrize("kind", ["causal", "none", "bool2d", "bool4d", "additive"])
-def test_it_computes_mlxs_attention_up_to_rounding(length, keys, heads, kv_heads, kind, monkeypatch):
+@pytest.mark.parametrize("softmax", ["kernel", "graph"])
+def test_it_computes_mlxs_attention_up_to_rounding(length, keys, heads, kv_heads, kind, softmax, monkeypatch):
+    """Both ways of taking the softmax: the row kernel (no mask, the causal one) and the MLX
+    graph (every mask; no kernel built)."""
+    if softmax == "graph":
+        monkeypatch.setattr(cpu_attention, "_kernels", None)
+    elif cpu_attention._kernels is None:
+        pytest.fail("the engine's _kernels extension is not built (make ext)")
     monkeypatch.setattr(cpu_attention, "BLOCK_BYTES", 4 * heads * keys * 3)  # blocks of 3 queries
+    monkeypatch.setattr(cpu_attention, "KERNEL_BLOCK_BYTES", 4 * heads * keys * 3)
     q, k, v = _qkv(length, keys, heads, kv_heads)
     mask = {"causal": "causal", "none": None,
             "bool2d": mx.random.uniform(shape=(length, keys)) > 0.4,
@@ -48,9 +56,12 @@ def test_it_computes_mlxs_attention_up_to_rounding(length, keys, heads, kv_heads
     assert mx.allclose(ours, theirs, rtol=1e-5, atol=1e-5).item(), float(mx.abs(ours - theirs).max())
 
 
-def test_masked_keys_weigh_exactly_nothing():
+@pytest.mark.parametrize("softmax", ["kernel", "graph"])
+def test_masked_keys_weigh_exactly_nothing(softmax, monkeypatch):
     """A causal query's output does not change in any bit when the keys it may not see
     change (their exponentials are exactly 0, not merely tiny)."""
+    if softmax == "graph":
+        monkeypatch.setattr(cpu_attention, "_kernels", None)
     q, k, v = _qkv(6, 20, 4, 2)
     before = cpu_attention.attention(q, k, v, 0.25, "causal")
     k2, v2 = mx.array(k), mx.array(v)
