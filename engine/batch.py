@@ -37,6 +37,7 @@ from mlxkv.engine.requests import (
     TokenEvent,
     stored_prompt_tokens,
 )
+from mlxkv.engine.step_budget import StepBudget
 
 
 def batchable_cache(cache: Sequence[Any]) -> bool:
@@ -137,13 +138,15 @@ class Batch:
     ``speculation(row)`` opens a row's ``engine.speculation.providers.Speculation`` (None: the row
     decodes plainly); ``spec_policy`` is the round-length controller the batch's rounds use
     (the engine keeps one per loaded model, so it carries from batch to batch); ``stores``:
-    whether ``on_end`` hands a row's state to the prefix cache (its StatsEvent says so)."""
+    whether ``on_end`` hands a row's state to the prefix cache (its StatsEvent says so);
+    ``budget``: the :class:`~engine.step_budget.StepBudget` that sizes the prefill chunk of a
+    step with decoding rows (the engine keeps one per loaded model)."""
 
     def __init__(self, model: Any, tokenizer: Any, max_rows: int,
                  should_stop: Callable[[Row], bool], stopping: Callable[[], bool],
                  on_end: Callable[[Row, Ending], None], release: Callable[[Any], None],
                  speculation: Callable[[Row], Any] | None = None, spec_policy: Any = None,
-                 stores: bool = False):
+                 stores: bool = False, budget: StepBudget | None = None):
         from mlx_lm.generate import BatchGenerator
 
         self.model, self.tokenizer = model, tokenizer
@@ -163,6 +166,8 @@ class Batch:
         self.speculation = speculation
         self.verifier: Any = None  # engine.speculation.batch_verify.BatchVerifier, once a row speculates
         self.spec_policy = spec_policy  # a BatchLength carried from batch to batch (None: fresh)
+        # The prefill chunk of a step with decoding rows (None: each request's prefill_step_size).
+        self.budget = budget
         # Rows with nothing to prefill (a request moving in, a prompt cached but for its last
         # token), held back while the rows joining with them run their last prefill pass, so
         # that all enter decoding in one pass instead of each in a pass of its own.
@@ -236,19 +241,23 @@ class Batch:
         self.rows[row.uid] = row
         self._open_spec(row)
 
-    def _release_held(self) -> None:
-        """Insert the held rows unless rows still prefilling finish in this step's pass (then
-        they split off together in the next); a longer prefill is not waited for."""
+    def _release_held(self, chunk: int) -> None:
+        """Insert the held rows unless rows still prefilling finish in this step's pass of
+        ``chunk`` tokens (then they split off together in the next); a longer prefill is not
+        waited for."""
         if not self._held:
             return
-        prefilling = [r for r in self.rows.values() if r.first_time is None
-                      and r.progress is not None and r.progress[1] - r.progress[0] > 1]
-        if prefilling and all(r.progress[1] - r.progress[0] - 1 <= r.params.prefill_step_size
-                              for r in prefilling):
+        prefilling = self._prefilling()
+        if prefilling and all(r.progress[1] - r.progress[0] - 1 <= chunk for r in prefilling):
             return
         held, self._held = self._held, []
         for row, args, _, _ in held:
             self._insert(row, args)
+
+    def _prefilling(self) -> list[Row]:
+        """The rows with more than their last prompt token still to feed."""
+        return [r for r in self.rows.values() if r.first_time is None
+                and r.progress is not None and r.progress[1] - r.progress[0] > 1]
 
     def _open_spec(self, row: Row) -> None:
         # A round rewrites BatchGenerator's private state: only on the mlx-lm versions that
@@ -302,7 +311,13 @@ class Batch:
         gone = [r for r in self.rows.values() if self.should_stop(r)]
         if gone:
             self._remove(gone, "cancelled", detail)
-        self._release_held()
+        prefilling = self._prefilling()
+        decoding = len(self.rows) + len(self._held) - len(prefilling)
+        chunk = min((r.params.prefill_step_size for r in prefilling), default=0)
+        if prefilling and self.budget is not None:
+            # The rows prefilling share the step's budget: their pass is [rows, chunk].
+            chunk = max(1, self.budget.chunk(decoding, chunk * len(prefilling)) // len(prefilling))
+        self._release_held(chunk)
         if not self.rows:
             return
         verifier = self.verifier
@@ -310,17 +325,18 @@ class Batch:
             k = verifier.length(self.gen)
             if k > 0 and self._spec_round(k):
                 return
-        prefilling = [r.params.prefill_step_size for r in self.rows.values()
-                      if r.first_time is None]
         if prefilling:
-            self.gen.prefill_step_size = min(prefilling)
+            self.gen.prefill_step_size = chunk
+        fed = sum(min(chunk, r.progress[1] - r.progress[0] - 1) for r in prefilling)
+        t = time.perf_counter()
         if verifier is not None and verifier.specs:
             decoding_only = not admitting(self.gen)
-            t = time.perf_counter()
             prompt_out, gen_out = self.gen.next()
             verifier.plain_step(self.gen, t, decoding_only)
         else:
             prompt_out, gen_out = self.gen.next()
+        if self.budget is not None and decoding > 0 and gen_out:
+            self.budget.observe(fed, time.perf_counter() - t)
         self.steps += 1
         for pr in prompt_out:
             row = self.rows.get(pr.uid)

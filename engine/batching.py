@@ -26,6 +26,7 @@ from mlxkv.engine.settings import Settings
 from mlxkv.engine.single import Join, SingleStream
 from mlxkv.engine.speculation.batch_verify import BatchLength
 from mlxkv.engine.speculation.providers import Speculation, learn_finished
+from mlxkv.engine.step_budget import StepBudget
 
 log = logging.getLogger("mlxkv.engine")
 
@@ -49,6 +50,8 @@ class Batching:
         self.batch: Batch | None = None  # the batch decoding now
         # The batches' round-length controller: one, kept from batch to batch.
         self.spec_policy = BatchLength()
+        # The prefill chunk beside decoding rows, learned from this model's steps: one, too.
+        self.budget = StepBudget(settings.batch_itl_factor)
 
     def active_rows(self) -> int:
         """Rows decoding in a batch now (0: none)."""
@@ -90,7 +93,8 @@ class Batching:
                       should_stop=lambda r: r.handle.cancelled or closed(),
                       stopping=closed, on_end=self._row_ended,
                       release=self.runtime.cache.release, speculation=self._row_speculation,
-                      spec_policy=self.spec_policy, stores=self.runtime.cache.enabled)
+                      spec_policy=self.spec_policy, stores=self.runtime.cache.enabled,
+                      budget=self.budget)
         if join.gen.speculation is not None:  # the row opens its own in the batch
             join.gen.speculation.source.close()
         self.batch = batch

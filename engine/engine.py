@@ -257,6 +257,7 @@ class Engine:
                 "namespace": self.namespace, "spec": spec_stats(self.spec_providers),
                 "running": sched.running() if sched is not None else [],
                 "lookups": sched.lookups.as_dicts() if sched is not None else [],
+                "step_budget": sched.batching.budget.figures() if sched is not None else None,
                 "cache": None if loading or rt is None else rt.cache.client.stats()}
 
     def _listing(self) -> list[CacheEntryInfo]:

@@ -97,6 +97,13 @@ def _nonnegative_int(value: Any) -> int:
     return number
 
 
+def _above_one(value: Any) -> float:
+    number = _positive_float(value)
+    if number <= 1.0:
+        raise SettingsError(f"must be above 1, got {value!r}")
+    return number
+
+
 def _positive_float(value: Any) -> float:
     number = float(value)
     if not number > 0:
@@ -200,6 +207,10 @@ FIELDS: tuple[Field, ...] = (
     Field("max_batch", 8, _positive_int,
           "requests decoded together at most (continuous batching; 1 = one at a time)",
           arg_type=int, metavar="N"),
+    Field("batch_itl_factor", 3.0, _above_one,
+          "while a prompt prefills beside decoding streams, a batch step takes at most this many "
+          "times a decode step (the prefill chunk is sized from the measured step costs)",
+          arg_type=float, metavar="X"),
     Field("max_queue", 64, _positive_int,
           "requests waiting to be served at most; more are refused at once", arg_type=int,
           metavar="N"),
@@ -348,6 +359,7 @@ class Settings:
     context_tokens: int | None
     prefill_step_size: int
     max_batch: int
+    batch_itl_factor: float
     max_queue: int
     lookup_history: int
     system_prompt: str | None
