@@ -18,7 +18,7 @@ if os.environ.get("MLXKV_NATIVE") == "1":
     [Extension("storage._blocks", ["storage/_blocks.pyx"],
                # Rebuild when the C headers change, not only the .pyx.
                depends=["storage/_blocks.pxd", "storage/xxh3.h", "storage/fileio.h"]),
-     Extension("engine._kernels", ["engine/_kernels.pyx"], depends=["engine/softmax.h"])],
+     Extension("engine._kernels", ["engine/_kernels.pyx"], depends=["engine/kernels.h"])],
     language_level=3,
     compiler_directives={"boundscheck": False, "wraparound": False, "cdivision": True},
 )
@@ -27,7 +27,7 @@ setup(
     ext_modules=[Extension(
         "mlxkv.storage._blocks", cython_ext.sources, include_dirs=["storage"],
         depends=cython_ext.depends, extra_compile_args=extra_compile_args),
-        # The attention's row softmax (engine/softmax.h picks its SIMD width at run time).
+        # The prefill's softmax and swiglu (engine/kernels.h picks its SIMD width at run time).
         Extension("mlxkv.engine._kernels", kernels_ext.sources, include_dirs=["engine"],
                   depends=kernels_ext.depends, extra_compile_args=extra_compile_args,
                   extra_link_args=[] if sys.platform == "win32" else ["-pthread"])],

@@ -1,6 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
-"""CPU kernels for the engine's attention (:mod:`engine.cpu_attention`), with the GIL
-released: :func:`softmax_rows`, a row softmax in place (``engine/softmax.h``)."""
+"""CPU kernels of the engine's prefill, with the GIL released (``engine/kernels.h``):
+:func:`softmax_rows`, the attention's row softmax in place (:mod:`engine.cpu_attention`),
+and :func:`swiglu`, ``silu(gate) * up`` in place (:func:`engine.mlx_lm_compat.install_swiglu`)."""
 
 from cpython.buffer cimport (
     PyBUF_C_CONTIGUOUS,
@@ -12,14 +13,24 @@ from cpython.buffer cimport (
 from libc.stdint cimport int64_t
 
 
-cdef extern from "softmax.h" nogil:
+cdef extern from "kernels.h" nogil:
     void mk_softmax_rows(float *s, int64_t rows, int64_t cols, int64_t group,
                          int64_t first_visible, int threads)
+    void mk_swiglu(float *g, const float *u, int64_t n, int threads)
     int mk_best_isa()
     int mk_isa
 
 
 _ISAS = ("baseline", "avx2", "avx512f")
+
+
+cdef bint _is_float32(Py_buffer *view):
+    if view.itemsize != 4 or view.format == NULL:
+        return False
+    cdef const char *f = view.format
+    if f[0] in (b'=', b'<', b'@'):  # native or little-endian order: the type follows
+        f += 1
+    return f[0] == b'f' and f[1] == 0
 
 
 def isa() -> str:
@@ -55,7 +66,7 @@ def softmax_rows(object scores, Py_ssize_t cols, Py_ssize_t group, Py_ssize_t fi
         raise ValueError("group must not be negative")
     PyObject_GetBuffer(scores, &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
     try:
-        if view.itemsize != 4 or view.format == NULL or view.format[0] not in (b'f', b'='):
+        if not _is_float32(&view):
             raise TypeError("softmax_rows needs float32 scores")
         if (view.len // 4) % cols:
             raise ValueError(f"{view.len // 4} scores are not rows of {cols}")
@@ -64,3 +75,23 @@ def softmax_rows(object scores, Py_ssize_t cols, Py_ssize_t group, Py_ssize_t fi
                             first_visible, threads)
     finally:
         PyBuffer_Release(&view)
+
+
+def swiglu(object gate, object up, int threads=1) -> None:
+    """``gate = silu(gate) * up`` in place: two C-contiguous float32 buffers of the same
+    size, ``gate`` writable."""
+    cdef Py_buffer g, u
+    PyObject_GetBuffer(gate, &g, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
+    try:
+        PyObject_GetBuffer(up, &u, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
+        try:
+            if not (_is_float32(&g) and _is_float32(&u)):
+                raise TypeError("swiglu needs float32 buffers")
+            if g.len != u.len:
+                raise ValueError(f"gate has {g.len // 4} values, up {u.len // 4}")
+            with nogil:
+                mk_swiglu(<float *>g.buf, <const float *>u.buf, g.len // 4, threads)
+        finally:
+            PyBuffer_Release(&u)
+    finally:
+        PyBuffer_Release(&g)

@@ -1,5 +1,6 @@
 """Attention of several queries at once (prefill chunks, speculative verifies) on the CPU
-backend, with a vectorised exponential.
+backend, with a vectorised exponential; and the MLP's ``silu(gate) * up`` of several
+positions (:func:`swiglu`), for the same reason.
 
 On the CPU, MLX's ``scaled_dot_product_attention`` for more than one query computes the
 scores with BLAS, a softmax, and the weighted values with BLAS. The two products are fast;
@@ -98,18 +99,18 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     ``values`` [B, Hk, S, D] (``H`` a multiple of ``Hk``: grouped queries share their KV
     head); ``mask`` None, ``"causal"`` (query ``i`` sees keys up to ``S - L + i``), or a
     boolean (True: attend) or additive array, [L, S] or [B, H or 1, L, S]. Queries go in
-    blocks whose scores take at most :data:`BLOCK_BYTES` (:data:`KERNEL_BLOCK_BYTES` where
-    the row-softmax kernel takes the softmax: no mask or the causal one)."""
+    blocks whose scores take at most :data:`KERNEL_BLOCK_BYTES` (the row-softmax kernel)
+    or :data:`BLOCK_BYTES` (the MLX graph, when the extension is not built)."""
     b, h, length, d = queries.shape
     hk, s = keys.shape[1], keys.shape[2]
     rep = h // hk
     q = (queries * mx.array(scale, dtype=queries.dtype)).reshape(b, hk, rep, length, d)
     kt = keys.swapaxes(-1, -2)  # [B, Hk, D, S]
-    if _kernels is not None and (mask is None or isinstance(mask, str)):
-        return _kernel_attention(q, kt, values, mask is not None).reshape(b, h, length, d)
     m = mask
     if isinstance(m, mx.array) and m.ndim == 4:  # [B, H or 1, L, S] -> [B, Hk or 1, rep or 1, L, S]
         m = m.reshape(m.shape[0], hk, rep, length, s) if m.shape[1] == h else m[:, :, None]
+    if _kernels is not None:
+        return _kernel_attention(q, kt, values, m).reshape(b, h, length, d)
     step = max(1, BLOCK_BYTES // (4 * b * h * s))
     outs = []
     for i in range(0, length, step):
@@ -130,11 +131,16 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     return out.reshape(b, h, length, d)
 
 
-def _kernel_attention(q: mx.array, kt: mx.array, values: mx.array, causal: bool) -> mx.array:
-    """:func:`attention` for no mask or the causal one, the softmax by the row kernel
-    (``engine/softmax.h``) in place on each block's evaluated scores: [B, Hk, rep, L, D]."""
+def _kernel_attention(q: mx.array, kt: mx.array, values: mx.array, mask: Any) -> mx.array:
+    """:func:`attention` with the softmax by the row kernel (``engine/kernels.h``), in place
+    on each block's evaluated scores: [B, Hk, rep, L, D]. ``mask``: None, ``"causal"`` (the
+    kernel's own limit per row), or an array as :func:`attention` reshaped it, applied to
+    the scores first (a masked score becomes -inf, which the kernel weighs exactly 0; a row
+    with nothing visible gets all 0 where MLX's softmax gives NaN)."""
     b, hk, rep, length, d = q.shape
     s = kt.shape[-1]
+    causal = isinstance(mask, str)
+    array = mask if isinstance(mask, mx.array) else None
     step = max(1, KERNEL_BLOCK_BYTES // (4 * b * hk * rep * s))
     outs = []
     for i in range(0, length, step):
@@ -142,8 +148,35 @@ def _kernel_attention(q: mx.array, kt: mx.array, values: mx.array, causal: bool)
         n = j - i
         rows = q[:, :, :, i:j].reshape(b, hk, rep * n, d)  # a group's queries share its keys
         scores = rows @ kt  # [B, Hk, rep * n, S]: row r is query i + r % n
+        if array is not None:
+            part = (array[..., i:j, :] if array.shape[-2] == length else array)
+            grid = scores.reshape(b, hk, rep, n, s)
+            grid = mx.where(part, grid, -mx.inf) if part.dtype == mx.bool_ else grid + part.astype(grid.dtype)
+            scores = mx.contiguous(grid.reshape(b, hk, rep * n, s))
         mx.eval(scores)
-        # A fresh product: C-contiguous, and nothing else holds its buffer.
+        # A fresh result: C-contiguous, and nothing else holds its buffer.
         _kernels.softmax_rows(scores, s, n, s - length + i + 1 if causal else s, _THREADS)
         outs.append((scores @ values).reshape(b, hk, rep, n, d))
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
+
+
+def swiglu_applies(gate: mx.array, up: mx.array) -> bool:
+    """Whether :func:`swiglu` computes ``silu(gate) * up`` (else mlx-lm's compiled one):
+    on a thread that opted in, float32 on the CPU, several positions (a prefill chunk or a
+    verify: never a traced decode step, whose positions are one), with the kernel built."""
+    return (_kernels is not None and enabled() and gate.ndim >= 2 and gate.shape[-2] > 1
+            and gate.shape == up.shape and gate.dtype == mx.float32 and up.dtype == mx.float32
+            and mx.default_device() == mx.cpu)
+
+
+def swiglu(gate: mx.array, up: mx.array) -> mx.array | None:
+    """``silu(gate) * up`` by the kernel (``engine/kernels.h``): one vectorised pass where
+    MLX's CPU backend takes ``exp`` an element at a time; equal up to rounding. None when a
+    buffer cannot be read as one block (the caller computes it the usual way)."""
+    out = gate * mx.array(1.0, dtype=gate.dtype)  # a buffer of our own to write into
+    mx.eval(out, up)
+    try:
+        _kernels.swiglu(out, up, _THREADS)
+    except BufferError:
+        return None
+    return out

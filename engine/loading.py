@@ -118,7 +118,7 @@ def load_runtime(source: ModelSource, settings: Settings, prefix_cache: CacheArg
     :func:`ready_event` is); the cache's events also go to ``cache_event``."""
     from mlxkv.engine import cpu_attention
     from mlxkv.engine.blas import describe
-    from mlxkv.engine.mlx_lm_compat import install_attention
+    from mlxkv.engine.mlx_lm_compat import install_attention, install_swiglu
     from mlxkv.engine.speculation.providers import bind_providers
 
     started = time.perf_counter()
@@ -128,6 +128,7 @@ def load_runtime(source: ModelSource, settings: Settings, prefix_cache: CacheArg
         loaded, namespace = source.load()
         if settings.cpu_attention:  # this thread (the engine's) computes with the model
             install_attention(loaded.model)
+            install_swiglu(loaded.model)
             cpu_attention.use_on_this_thread()
         loaded.context_limit = settings.context_tokens
         if settings.chat_template:

@@ -202,7 +202,8 @@ def install_attention(model: Any) -> int:
     rebound = 0
     for module in {type(m).__module__ for _, m in model.named_modules()} | {type(model).__module__}:
         namespace = sys.modules.get(module)
-        if namespace is not None and getattr(namespace, "scaled_dot_product_attention", None) is base.scaled_dot_product_attention:
+        own = getattr(namespace, "scaled_dot_product_attention", None) if namespace is not None else None
+        if own is base.scaled_dot_product_attention:
             namespace.scaled_dot_product_attention = _attention
             rebound += 1
     return rebound
@@ -216,3 +217,36 @@ def _attention(queries: Any, keys: Any, values: Any, cache: Any, scale: float, m
     if not hasattr(cache, "bits") and cpu_attention.applies(queries, keys, mask, sinks):
         return cpu_attention.attention(queries, keys, values, scale, mask)
     return _mlx_lm_attention(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def install_swiglu(model: Any) -> int:
+    """Route ``model``'s ``silu(gate) * up`` through :func:`engine.cpu_attention.swiglu` on
+    the threads that opted in, as :func:`install_attention` does for attention: the
+    architectures import ``swiglu`` from ``mlx_lm.models.activations`` into their module,
+    and that name is rebound, where it is mlx-lm's own, to :func:`_swiglu` (mlx-lm's on
+    every other thread and for every call the kernel does not cover). The number of
+    modules rebound."""
+    import sys
+
+    from mlx_lm.models import activations
+
+    global _mlx_lm_swiglu
+    _mlx_lm_swiglu = activations.swiglu
+    rebound = 0
+    for module in {type(m).__module__ for _, m in model.named_modules()} | {type(model).__module__}:
+        namespace = sys.modules.get(module)
+        if namespace is not None and getattr(namespace, "swiglu", None) is activations.swiglu:
+            namespace.swiglu = _swiglu
+            rebound += 1
+    return rebound
+
+
+_mlx_lm_swiglu: Any = None  # mlx-lm's own, kept by install_swiglu
+
+
+def _swiglu(gate: Any, up: Any) -> Any:
+    if cpu_attention.swiglu_applies(gate, up):
+        out = cpu_attention.swiglu(gate, up)
+        if out is not None:
+            return out
+    return _mlx_lm_swiglu(gate, up)

@@ -185,8 +185,8 @@ FIELDS: tuple[Field, ...] = (
           "dequantized model fits in half the memory, off on Metal/CUDA",
           choices=DEQUANTIZE_CHOICES),
     Field("cpu_attention", True, _bool,
-          "CPU backend: attention over several tokens (prefill, speculation) with a vectorised "
-          "exp, equal to MLX's kernel up to rounding and faster at long context (off: MLX's)"),
+          "CPU backend: attention and the MLP's silu over several tokens (prefill, speculation) "
+          "with vectorised kernels, equal to MLX's up to rounding and faster (off: MLX's)"),
     Field("full_hash", False, _bool,
           "fingerprint weights by content (slow once) instead of size + mtime"),
     Field("temperature", 0.0, float, "sampling temperature (0 = greedy)", flag="--temp",

@@ -15,7 +15,7 @@ from common import T, greedy
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxkv.engine import cpu_attention, mlx_lm_compat
-from mlxkv.engine.mlx_lm_compat import install_attention
+from mlxkv.engine.mlx_lm_compat import install_attention, install_swiglu
 from mlxkv.engine.models import load_model
 from support.modelgen import tiny_model
 from support.real_model import real_model_path
@@ -100,14 +100,32 @@ def _prefill_logits(model, tokens):
     return out
 
 
+def test_swiglu_takes_the_calls_it_covers_and_matches_mlx():
+    gate, up = mx.random.normal((1, 7, 40)) * 4, mx.random.normal((1, 7, 40))
+    want = mx.sigmoid(gate) * gate * up
+    cpu_attention.use_on_this_thread(True)
+    try:
+        assert cpu_attention.swiglu_applies(gate, up)
+        assert not cpu_attention.swiglu_applies(gate[:, :1], up[:, :1])  # a decode step: traced, MLX's
+        assert not cpu_attention.swiglu_applies(gate.astype(mx.float16), up.astype(mx.float16))
+        got = cpu_attention.swiglu(gate, up)
+    finally:
+        cpu_attention.use_on_this_thread(False)
+    assert not cpu_attention.swiglu_applies(gate, up)
+    assert mx.allclose(got, want, rtol=1e-5, atol=1e-6).item()
+    assert mx.allclose(gate * 1.0, gate).item()  # the gate itself is left as it was
+
+
 def test_installed_it_runs_on_the_opted_in_thread_only():
     loaded = load_model(str(tiny_model("qwen3")))
     model = loaded.model
     tokens = list(range(3, 60))
     reference = _prefill_logits(model, tokens)  # mlx-lm's attention (this thread never opted in)
     install_attention(model)  # (an engine that loaded qwen3 in this process may have done it)
+    install_swiglu(model)
     assert sys.modules[type(model).__module__].scaled_dot_product_attention is mlx_lm_compat._attention
-    assert install_attention(model) == 0  # done once per architecture module
+    assert sys.modules[type(model).__module__].swiglu is mlx_lm_compat._swiglu
+    assert install_attention(model) == 0 and install_swiglu(model) == 0  # once per architecture module
 
     results: dict[str, mx.array] = {}
 

@@ -1,6 +1,7 @@
-"""The engine's row-softmax kernel (engine/_kernels.pyx, engine/softmax.h) against numpy:
-every instruction set this CPU runs, causal groups, masked scores exactly 0, rows with
-nothing visible, one thread or several alike, and clear errors for buffers it cannot take."""
+"""The engine's CPU kernels (engine/_kernels.pyx, engine/kernels.h) against numpy: the row
+softmax (causal groups, masked scores exactly 0, rows with nothing visible, one thread or
+several alike) and silu(gate) * up, on every instruction set this CPU runs, and clear errors
+for buffers they cannot take."""
 
 from __future__ import annotations
 
@@ -101,3 +102,30 @@ def test_buffers_it_cannot_take_are_refused():
         K.softmax_rows(np.zeros((4, 4), dtype=np.float32)[:, :2], 2, 0, 2)  # not contiguous
     with pytest.raises(ValueError, match="unknown kernel"):
         K.set_isa("sse9")
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 1000, 300_001])
+def test_swiglu_is_silu_of_the_gate_times_up(isa, n):
+    rng = np.random.default_rng(n)
+    gate = (rng.standard_normal(n) * 8).astype(np.float32)
+    gate[: min(n, 4)] = np.array([0.0, -200.0, 200.0, -0.5], dtype=np.float32)[: min(n, 4)]
+    up = rng.standard_normal(n).astype(np.float32)
+    g64 = gate.astype(np.float64)
+    want = g64 / (1 + np.exp(-g64)) * up
+    got = gate.copy()
+    K.swiglu(got, up, 2)
+    assert np.allclose(got, want, rtol=3e-6, atol=1e-30), np.abs(got - want).max()
+    assert np.isfinite(got).all()
+
+
+def test_swiglu_refuses_what_it_cannot_take():
+    with pytest.raises(ValueError, match="gate has 3 values, up 4"):
+        K.swiglu(np.zeros(3, np.float32), np.zeros(4, np.float32))
+    with pytest.raises(TypeError, match="float32"):
+        K.swiglu(np.zeros(3, np.float32), np.zeros(3))
+
+
+def test_an_int32_buffer_is_not_taken_for_float32():
+    with pytest.raises(TypeError, match="float32"):
+        K.softmax_rows(np.zeros((2, 4), dtype=np.int32), 4, 0, 4)

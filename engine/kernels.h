@@ -1,4 +1,5 @@
-/* Row softmax in place, for the CPU attention of engine/cpu_attention.py.
+/* CPU kernels of the engine's prefill (engine/cpu_attention.py, engine/mlx_lm_compat.py):
+ * a row softmax in place, and silu(gate) * up in place.
  *
  * A row of scores [cols] becomes exp(x - max) / sum over its first `visible` entries and 0
  * after them (a causal mask: query r of a block sees keys up to its position). One call
@@ -10,8 +11,8 @@
  * AVX2+FMA, AVX-512F), picked once by the CPU's flags. Rows are split over up to MK_MAX_THREADS POSIX threads when there are
  * enough of them to pay for a thread start.
  */
-#ifndef MLXKV_SOFTMAX_H
-#define MLXKV_SOFTMAX_H
+#ifndef MLXKV_KERNELS_H
+#define MLXKV_KERNELS_H
 
 #include <math.h>
 #include <stdint.h>
@@ -45,12 +46,13 @@
         vi_##sfx mask, vf_##sfx a, vf_##sfx b) {                                             \
         return (vf_##sfx)((mask & (vi_##sfx)a) | (~mask & (vi_##sfx)b));                     \
     }                                                                                        \
-    /* exp(x - m) for x <= m, lane by lane; -inf (a masked score) gives exactly 0. */        \
+    /* exp(x - m), lane by lane; -inf (a masked score) gives exactly 0, +inf 2**127. */      \
     attr static inline __attribute__((always_inline)) vf_##sfx exp_##sfx(vf_##sfx x,          \
                                                                         vf_##sfx m) {        \
-        const vf_##sfx lowest = (vf_##sfx){0} - 127.0f;                                      \
+        const vf_##sfx lowest = (vf_##sfx){0} - 127.0f, highest = (vf_##sfx){0} + 127.0f;    \
         vf_##sfx y = (x - m) * MK_LOG2E;                                                     \
         y = select_##sfx(y > lowest, y, lowest); /* below 2**-126: 0 */                      \
+        y = select_##sfx(y < highest, y, highest); /* above 2**127: 2**127 (finite) */       \
         vi_##sfx ni = __builtin_convertvector(y, vi_##sfx); /* towards zero */               \
         vf_##sfx n = __builtin_convertvector(ni, vf_##sfx);                                  \
         vi_##sfx above = n > y; /* -1 where truncation went above y: floor is one less */    \
@@ -117,6 +119,28 @@
             for (; j < v; j++) x[j] *= inv;                                                  \
             if (v < cols) memset(x + v, 0, (size_t)(cols - v) * sizeof(float));              \
         }                                                                                    \
+    }                                                                                        \
+    /* g[i] = silu(g[i]) * u[i] = g * u / (1 + exp(-g)) for i in [i0, i1) */                  \
+    attr static void mk_swiglu_##sfx(float *g, const float *u, int64_t i0, int64_t i1) {     \
+        const int64_t w = W_##sfx;                                                           \
+        const vf_##sfx zero = (vf_##sfx){0}, one = zero + 1.0f;                              \
+        int64_t j = i0;                                                                      \
+        for (; j + w <= i1; j += w) {                                                        \
+            vf_##sfx gv = load_##sfx(g + j);                                                 \
+            vf_##sfx r = gv * load_##sfx(u + j) / (one + exp_##sfx(zero - gv, zero));         \
+            memcpy(g + j, &r, sizeof r);                                                     \
+        }                                                                                    \
+        if (j < i1) {                                                                        \
+            float ga[W_##sfx], ua[W_##sfx];                                                  \
+            memset(ga, 0, sizeof ga);                                                        \
+            memset(ua, 0, sizeof ua);                                                        \
+            memcpy(ga, g + j, (size_t)(i1 - j) * sizeof(float));                             \
+            memcpy(ua, u + j, (size_t)(i1 - j) * sizeof(float));                             \
+            vf_##sfx gv = load_##sfx(ga);                                                    \
+            vf_##sfx r = gv * load_##sfx(ua) / (one + exp_##sfx(zero - gv, zero));            \
+            memcpy(ga, &r, sizeof r);                                                        \
+            memcpy(g + j, ga, (size_t)(i1 - j) * sizeof(float));                             \
+        }                                                                                    \
     }
 
 MK_DEFINE_KERNEL(base, , 16)
@@ -130,6 +154,7 @@ MK_DEFINE_KERNEL(avx512, __attribute__((target("avx512f"))), 64)
 #endif
 
 typedef void (*mk_rows_fn)(float *, int64_t, int64_t, int64_t, int64_t, int64_t);
+typedef void (*mk_swiglu_fn)(float *, const float *, int64_t, int64_t);
 
 /* 0: baseline, 1: AVX2+FMA, 2: AVX-512F; -1: not picked yet. */
 static int mk_isa = -1;
@@ -143,47 +168,47 @@ static int mk_best_isa(void) {
     return 0;
 }
 
-static mk_rows_fn mk_rows_for(int isa) {
-#if MK_X86
-    if (isa == 2) return mk_rows_avx512;
-    if (isa == 1) return mk_rows_avx2;
-#endif
-    (void)isa;
-    return mk_rows_base;
-}
-
+/* One thread's share: softmax rows [i0, i1), or swiglu elements [i0, i1). */
 typedef struct {
-    mk_rows_fn fn;
+    int isa;
     float *s;
-    int64_t r0, r1, cols, group, first_visible;
+    const float *u; /* NULL: softmax */
+    int64_t i0, i1, cols, group, first_visible;
 } mk_job;
 
-#if MK_HAVE_THREADS
 static void *mk_run_job(void *arg) {
     mk_job *j = (mk_job *)arg;
-    j->fn(j->s, j->r0, j->r1, j->cols, j->group, j->first_visible);
+    mk_rows_fn rows = mk_rows_base;
+    mk_swiglu_fn swiglu = mk_swiglu_base;
+#if MK_X86
+    if (j->isa == 2) rows = mk_rows_avx512, swiglu = mk_swiglu_avx512;
+    if (j->isa == 1) rows = mk_rows_avx2, swiglu = mk_swiglu_avx2;
+#endif
+    if (j->u == NULL)
+        rows(j->s, j->i0, j->i1, j->cols, j->group, j->first_visible);
+    else
+        swiglu(j->s, j->u, j->i0, j->i1);
     return NULL;
 }
-#endif
 
-/* Rows [0, rows) of s ([rows, cols], C order) in place, over up to `threads` threads
- * (the calling one among them). */
-static void mk_softmax_rows(float *s, int64_t rows, int64_t cols, int64_t group,
-                            int64_t first_visible, int threads) {
+/* `job` over [0, count) split in `threads` shares (the calling thread runs one); `work`:
+ * the elements it touches, which decide whether threads pay for their start. */
+static void mk_parallel(mk_job job, int64_t count, int64_t work, int threads) {
     if (mk_isa < 0) mk_isa = mk_best_isa();
-    mk_rows_fn fn = mk_rows_for(mk_isa);
+    job.isa = mk_isa;
     if (threads > MK_MAX_THREADS) threads = MK_MAX_THREADS;
-    /* A thread start costs tens of microseconds: only for a few hundred thousand scores. */
-    if (threads > 1 && rows * cols / threads < (1 << 17)) threads = (int)(rows * cols >> 17);
-    if (threads > rows) threads = (int)rows;
+    /* A thread start costs tens of microseconds: only for a few hundred thousand elements. */
+    if (threads > 1 && work / threads < (1 << 17)) threads = (int)(work >> 17);
+    if (threads > count) threads = (int)count;
 #if MK_HAVE_THREADS
     if (threads > 1) {
         pthread_t tid[MK_MAX_THREADS];
         mk_job jobs[MK_MAX_THREADS];
         int started[MK_MAX_THREADS];
         for (int t = 0; t < threads; t++) {
-            jobs[t] = (mk_job){fn, s, rows * t / threads, rows * (t + 1) / threads, cols, group,
-                               first_visible};
+            jobs[t] = job;
+            jobs[t].i0 = count * t / threads;
+            jobs[t].i1 = count * (t + 1) / threads;
             started[t] = t > 0 && pthread_create(&tid[t], NULL, mk_run_job, &jobs[t]) == 0;
         }
         for (int t = 1; t < threads; t++)
@@ -194,7 +219,22 @@ static void mk_softmax_rows(float *s, int64_t rows, int64_t cols, int64_t group,
         return;
     }
 #endif
-    fn(s, 0, rows, cols, group, first_visible);
+    job.i0 = 0;
+    job.i1 = count;
+    mk_run_job(&job);
+}
+
+/* Rows [0, rows) of s ([rows, cols], C order) in place, over up to `threads` threads. */
+static void mk_softmax_rows(float *s, int64_t rows, int64_t cols, int64_t group,
+                            int64_t first_visible, int threads) {
+    mk_job job = {0, s, NULL, 0, 0, cols, group, first_visible};
+    mk_parallel(job, rows, rows * cols, threads);
+}
+
+/* g = silu(g) * u over n elements, in place, over up to `threads` threads. */
+static void mk_swiglu(float *g, const float *u, int64_t n, int threads) {
+    mk_job job = {0, g, u, 0, 0, 0, 0, 0};
+    mk_parallel(job, n, n, threads);
 }
 
 #endif
