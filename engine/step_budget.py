@@ -11,22 +11,27 @@ few seconds. :class:`StepBudget` picks the chunk so that a step with prefill sta
 speed (as far as a chunk of :data:`MIN_CHUNK` tokens allows: a prompt always advances), and
 the prompt takes whatever the rest of the step allows.
 
-The cost is learned as it is paid: every step with prefill is a point (tokens fed, seconds)
-of a line ``c0 + c1 * tokens`` fitted by least squares with exponential forgetting
-(:data:`DECAY` per step), so a machine that gets loaded or a context that grows moves the
-line; a step without prefill gives the decode step's own time. The first step with prefill
-takes :data:`PROBE_CHUNK` tokens; until two chunk sizes were seen (every other step then
-takes a larger one) the fixed part is taken as two decode steps (the decode pass and the
-chunk's pass each read the weights) and the slope as the rest of the last step per token.
+The chunk is steered by what the steps cost as they are paid, not by a model of them: each
+step with prefill that took longer than ``itl_factor`` decode steps shrinks the next chunk
+in proportion (by :data:`SHRINK` at most), one that took less grows it (by :data:`GROW` at
+most), so a context that grows (every pass reads more KV) or a machine that gets loaded
+moves the chunk within a few steps. The decode step's time is the median of the last
+steps without prefill (a trace or a store now and then does not move it), seeded by the
+request that decoded alone before a batch formed around it; before it is known the chunk
+stays at :data:`PROBE_CHUNK`, and it never goes below :data:`MIN_CHUNK`.
 A step with no decoding row is not budgeted: it feeds ``prefill_step_size`` tokens, what a
 lone prompt's prefill runs at.
 """
 
 from __future__ import annotations
 
-DECAY = 0.8  # weight of the older observations at each new one
+import statistics
+from collections import deque
+
 MIN_CHUNK = 16  # a prompt makes this much progress per step at least
-PROBE_CHUNK = 128  # the first budgeted step's chunk, before any cost was measured
+PROBE_CHUNK = 128  # the chunk before any step with prefill was measured
+DECODE_WINDOW = 16  # decode steps whose median is the decode step's time
+GROW, SHRINK = 1.5, 0.6  # the most one step moves the chunk, up and down
 
 
 class StepBudget:
@@ -38,54 +43,31 @@ class StepBudget:
             raise ValueError(f"itl_factor must be above 1, got {itl_factor}")
         self.itl_factor = float(itl_factor)
         self.min_chunk = int(min_chunk)
-        self.decode_s: float | None = None  # a step without prefill (EMA)
-        # Decayed sums of the prefill steps' (tokens, seconds): weight, n, n^2, t, n*t.
-        self._w = self._n = self._nn = self._t = self._nt = 0.0
-        self._last: tuple[int, float] | None = None
+        self._decode: deque[float] = deque(maxlen=DECODE_WINDOW)
+        self._chunk = float(PROBE_CHUNK)
         self.steps = 0  # budgeted steps so far
-        self.chunk_last = 0
+        self.last_step_s: float | None = None  # the last step with prefill
+
+    @property
+    def decode_s(self) -> float | None:
+        """A decode step's time: the median of the last :data:`DECODE_WINDOW` (None: none
+        seen yet)."""
+        return statistics.median(self._decode) if self._decode else None
 
     def observe(self, tokens: int, seconds: float) -> None:
-        """A batch step that prefilled ``tokens`` prompt tokens (0: decode only) took
-        ``seconds``."""
+        """A batch step with decoding rows that prefilled ``tokens`` prompt tokens (0: a
+        decode step) took ``seconds``."""
         if seconds <= 0:
             return
         if tokens <= 0:
-            if self.decode_s is None:
-                self.decode_s = seconds
-            else:  # one slow step (a trace, a store) moves it by a bounded amount
-                seconds = min(seconds, 3.0 * self.decode_s)
-                self.decode_s = DECAY * self.decode_s + (1 - DECAY) * seconds
+            self._decode.append(seconds)
             return
-        n = float(tokens)
-        self._w = DECAY * self._w + 1.0
-        self._n = DECAY * self._n + n
-        self._nn = DECAY * self._nn + n * n
-        self._t = DECAY * self._t + seconds
-        self._nt = DECAY * self._nt + n * seconds
-        self._last = (tokens, seconds)
-
-    def line(self) -> tuple[float, float] | None:
-        """The fitted cost of a step with prefill, (c0 s, c1 s per token); None before the
-        first such step."""
-        if self._last is None:
-            return None
-        w, n, nn, t, nt = self._w, self._n, self._nn, self._t, self._nt
-        if self._spread():
-            spread = w * nn - n * n
-            c1 = (w * nt - n * t) / spread
-            c0 = (t - c1 * n) / w
-            if c1 > 0 and c0 >= 0:
-                return c0, c1
-        # One chunk size so far: the slope past the fixed part, which is the decode pass and
-        # the chunk's pass reading the weights again (each about a decode step).
-        tokens, seconds = self._last
-        base = 2.0 * self.decode_s if self.decode_s is not None else 0.5 * seconds
-        base = min(base, 0.9 * seconds)
-        return base, (seconds - base) / tokens
-
-    def _spread(self) -> bool:
-        return self._w * self._nn - self._n * self._n > 1e-6 * max(1.0, self._nn * self._w)
+        self.last_step_s = seconds
+        alone = self.decode_s
+        if alone is None:  # nothing to aim at yet: keep the chunk
+            return
+        ratio = min(GROW, max(SHRINK, self.itl_factor * alone / seconds))
+        self._chunk = max(float(self.min_chunk), tokens * ratio)
 
     def chunk(self, decoding: int, limit: int) -> int:
         """Prompt tokens the next step feeds when ``decoding`` rows decode in it, at most
@@ -93,23 +75,11 @@ class StepBudget:
         if decoding <= 0:
             return limit
         self.steps += 1
-        fit = self.line()
-        if fit is None:
-            n = PROBE_CHUNK
-        else:
-            c0, c1 = fit
-            # The decode step's own time; without a measured one, half the fixed part of a
-            # step with prefill (the decode pass and the chunk's pass each read the weights).
-            alone = self.decode_s if self.decode_s is not None else 0.5 * c0
-            n = max(self.min_chunk, int((self.itl_factor * alone - c0) / c1) if c1 > 0 else limit)
-            if not self._spread() and self.steps % 2:
-                n += n // 2  # two chunk sizes, so that the line can be fitted
-        self.chunk_last = n = min(limit, n)
-        return n
+        return max(1, min(limit, int(self._chunk)))
 
     def figures(self) -> dict[str, float | int | None]:
         """What ``/stats`` shows of it."""
-        fit = self.line()
-        return {"itl_factor": self.itl_factor, "chunk": self.chunk_last, "steps": self.steps,
-                "decode_step_ms": None if self.decode_s is None else round(self.decode_s * 1e3, 2),
-                "prefill_ms_per_token": None if fit is None else round(fit[1] * 1e3, 3)}
+        decode, step = self.decode_s, self.last_step_s
+        return {"itl_factor": self.itl_factor, "chunk": int(self._chunk), "steps": self.steps,
+                "decode_step_ms": None if decode is None else round(decode * 1e3, 2),
+                "last_prefill_step_ms": None if step is None else round(step * 1e3, 2)}
