@@ -53,6 +53,7 @@ test: ext fixtures
 bench: ext fixtures
 	$(PY) -m bench.storage
 	$(PY) -m bench.engine
+	$(PY) -m bench.loop
 	$(PY) -m bench.prefix
 	$(PY) -m bench.tui
 	$(PY) -m bench.server

@@ -2,7 +2,8 @@
 
 1. Prefill and decode tok/s of the mlxkv Engine (submit -> events, through its thread)
    vs ``mlx_lm.stream_generate`` on mlx-lm's own load of the same bench model folder,
-   float32, greedy; and the decode as a fraction of the machine's limit: the bytes a step
+   float32, greedy, both plain (our speculation off: like with like; ``bench.spec``
+   measures its gain apart); and the decode as a fraction of the machine's limit: the bytes a step
    must read (weights + KV at the run's context) over the memory bandwidth a numpy copy
    measures in the same run (``decode_vs_bandwidth_limit``).
 2. Process start -> first token of ``mlxkv generate`` vs the ``mlx_lm.generate`` CLI on
@@ -52,14 +53,14 @@ def _now() -> tuple[float, float]:
     return time.perf_counter(), time.process_time()
 
 
-def _ours(eng, tokens: list[int], n: int) -> tuple[float, ...]:
+def _ours(eng, tokens: list[int], n: int, spec: str | None = None) -> tuple[float, ...]:
     from mlxkv.engine.engine import Request, TokenEvent
     from mlxkv.engine.generate import SamplingParams
 
     t0 = _now()
     greedy = SamplingParams(max_tokens=n, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
                             repetition_penalty=1.0)  # as stream_generate's defaults
-    handle = eng.submit(Request(prompt_tokens=tokens, params=greedy))
+    handle = eng.submit(Request(prompt_tokens=tokens, params=greedy, spec=spec))
     stamps = [_now() for ev in handle.events(timeout=600)
               if isinstance(ev, TokenEvent) and ev.token is not None]
     return _rates(t0, stamps, len(tokens), n)
@@ -72,8 +73,17 @@ def _mlx_lm(eng, peer, tokens: list[int], n: int) -> tuple[float, ...]:
         import mlx.core as mx
         from mlx_lm.generate import stream_generate
 
-        t0 = _now()
-        stamps = [_now() for _ in stream_generate(peer[0], peer[1], mx.array(tokens), max_tokens=n)]
+        from mlxkv.engine import cpu_attention
+
+        # The engine thread opted in to our CPU kernels, which the architecture module the
+        # peer shares would reach too: mlx-lm runs with MLX's own, as it does elsewhere.
+        on = cpu_attention.enabled()
+        cpu_attention.use_on_this_thread(False)
+        try:
+            t0 = _now()
+            stamps = [_now() for _ in stream_generate(peer[0], peer[1], mx.array(tokens), max_tokens=n)]
+        finally:
+            cpu_attention.use_on_this_thread(on)
         return t0, stamps
 
     t0, stamps = eng.call(run).result(600)
@@ -168,11 +178,11 @@ def throughput(reps: int, prompt_tokens: int, decode_tokens: int, model: Path | 
         rng = random.Random(0)
         ids = [i for i in range(vocab) if i not in special]
         tokens = [rng.choice(ids) for _ in range(prompt_tokens)]
-        _ours(eng, tokens[:64], 4)  # warm both paths up (our compiled step is checked here)
+        _ours(eng, tokens[:64], 4, spec="off")  # warm both paths up (our compiled step is checked here)
         _mlx_lm(eng, theirs_model, tokens[:64], 4)
         ours, theirs = [], []
         for rep in range(reps):  # interleaved, alternating who goes first
-            pair = [(lambda: _ours(eng, tokens, decode_tokens), ours),
+            pair = [(lambda: _ours(eng, tokens, decode_tokens, spec="off"), ours),
                     (lambda: _mlx_lm(eng, theirs_model, tokens, decode_tokens), theirs)]
             for fn, out in (pair if rep % 2 == 0 else pair[::-1]):
                 out.append(fn())
