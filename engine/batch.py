@@ -335,7 +335,8 @@ class Batch:
             verifier.plain_step(self.gen, t, decoding_only)
         else:
             prompt_out, gen_out = self.gen.next()
-        if self.budget is not None and decoding > 0 and gen_out:
+        if self.budget is not None and decoding > 0 and gen_out and (fed > 0 or not prompt_out):
+            # (a step where a row entered decoding is neither: its merge costs what it costs)
             self.budget.observe(fed, time.perf_counter() - t)
         self.steps += 1
         for pr in prompt_out:

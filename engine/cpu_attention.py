@@ -89,6 +89,13 @@ except ImportError:  # not built (a source tree without `make ext`): the MLX gra
 _THREADS = max(1, min(8, os.cpu_count() or 1))
 
 
+def _tracing(error: ValueError) -> bool:
+    """Whether ``error`` is MLX refusing an eval inside ``mx.compile`` or ``vmap``: the
+    kernels need evaluated buffers, so a traced call takes the MLX graph (nothing was
+    written yet)."""
+    return "function transformations" in str(error)
+
+
 def kernel_isa() -> str | None:
     """The row-softmax kernel's instruction set (None: the extension is not built)."""
     return _kernels.isa() if _kernels is not None else None
@@ -110,7 +117,11 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     if isinstance(m, mx.array) and m.ndim == 4:  # [B, H or 1, L, S] -> [B, Hk or 1, rep or 1, L, S]
         m = m.reshape(m.shape[0], hk, rep, length, s) if m.shape[1] == h else m[:, :, None]
     if _kernels is not None:
-        return _kernel_attention(q, kt, values, m).reshape(b, h, length, d)
+        try:
+            return _kernel_attention(q, kt, values, m).reshape(b, h, length, d)
+        except ValueError as e:  # traced (mx.compile of a multi-token step): the graph below
+            if not _tracing(e):
+                raise
     step = max(1, BLOCK_BYTES // (4 * b * h * s))
     outs = []
     for i in range(0, length, step):
@@ -163,7 +174,8 @@ def _kernel_attention(q: mx.array, kt: mx.array, values: mx.array, mask: Any) ->
 def swiglu_applies(gate: mx.array, up: mx.array) -> bool:
     """Whether :func:`swiglu` computes ``silu(gate) * up`` (else mlx-lm's compiled one):
     on a thread that opted in, float32 on the CPU, several positions (a prefill chunk or a
-    verify: never a traced decode step, whose positions are one), with the kernel built."""
+    verify; a traced step of several positions is found when its eval is refused), with the
+    kernel built."""
     return (_kernels is not None and enabled() and gate.ndim >= 2 and gate.shape[-2] > 1
             and gate.shape == up.shape and gate.dtype == mx.float32 and up.dtype == mx.float32
             and mx.default_device() == mx.cpu)
@@ -174,7 +186,12 @@ def swiglu(gate: mx.array, up: mx.array) -> mx.array | None:
     MLX's CPU backend takes ``exp`` an element at a time; equal up to rounding. None when a
     buffer cannot be read as one block (the caller computes it the usual way)."""
     out = gate * mx.array(1.0, dtype=gate.dtype)  # a buffer of our own to write into
-    mx.eval(out, up)
+    try:
+        mx.eval(out, up)
+    except ValueError as e:  # traced (mx.compile of a multi-token step): mlx-lm's own
+        if not _tracing(e):
+            raise
+        return None
     try:
         _kernels.swiglu(out, up, _THREADS)
     except BufferError:

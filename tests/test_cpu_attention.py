@@ -164,3 +164,26 @@ def test_the_engine_answers_the_same_with_it(which, tmp_path):
     prompt = SAMPLE_QUESTIONS[0] if which == "demo" else "Write a Python function that reverses a list."
     prompt = prompt * (1 if which == "demo" else 6)  # a prompt long enough to cross query blocks
     assert _greedy_text(model, prompt, True, tmp_path) == _greedy_text(model, prompt, False, tmp_path)
+
+
+def test_inside_mx_compile_the_kernels_give_way_to_the_graph():
+    """A compiled step of several positions (a draft model's, say) traces through attention
+    and swiglu: the kernels cannot eval there, so the MLX graph computes it, and the
+    compiled result equals the uncompiled one."""
+    q, k, v = _qkv(5, 12, 4, 2)
+    gate, up = mx.random.normal((1, 5, 24)), mx.random.normal((1, 5, 24))
+
+    def step(q, k, v, gate, up):
+        return cpu_attention.attention(q, k, v, 0.25, "causal"), mlx_lm_compat._swiglu(gate, up)
+
+    cpu_attention.use_on_this_thread(True)
+    try:
+        from mlx_lm.models import activations
+
+        mlx_lm_compat._mlx_lm_swiglu = mlx_lm_compat._mlx_lm_swiglu or activations.swiglu
+        want = step(q, k, v, gate, up)
+        got = mx.compile(step)(q, k, v, gate, up)
+    finally:
+        cpu_attention.use_on_this_thread(False)
+    for a, b in zip(want, got):
+        assert mx.allclose(a, b, rtol=1e-5, atol=1e-6).item()

@@ -90,8 +90,10 @@ def test_a_stream_keeps_decoding_while_a_long_prompt_prefills_beside_it(tiny_qwe
         b = handles[1].result(timeout=T)
     assert a.tokens == ref  # decoding beside a prefill changes nothing in its output
     assert b.stats.batched and b.stats.prompt_tokens == len(long) and len(b.tokens) == 2
-    # B's prompt went in steps: the probe (again while A itself still joins), then smaller
-    # chunks (no chunk fits 1.01 decode steps), and A got a token in each.
+    # B's prompt went in steps, where a lone prompt's chunk (2,048) would have taken it in
+    # one: the probe (again while A itself still joins), then chunks steered by the steps'
+    # times (on a tiny model a prefill pass costs little more than a decode step, so how
+    # small they get depends on the machine's noise), and A got a token in each.
     steps = [y - x for x, y in zip(b_progress, b_progress[1:]) if y > x]
-    assert steps[0] == PROBE_CHUNK and max(steps[2:]) < PROBE_CHUNK and len(steps) >= 6, steps
+    assert steps[0] == PROBE_CHUNK and len(steps) >= 4, steps
     assert len(a_tokens_before_b) >= len(steps) - 2
