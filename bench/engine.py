@@ -25,6 +25,7 @@ fraction of greedy tokens, position by position, both paths share); ``--skip-q4`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -66,6 +67,20 @@ def _ours(eng, tokens: list[int], n: int, spec: str | None = None) -> tuple[floa
     return _rates(t0, stamps, len(tokens), n)
 
 
+@contextlib.contextmanager
+def as_mlx_lm():
+    """On the engine thread, which opted in to our CPU kernels (the architecture module the
+    peer shares reaches them too): run the block with MLX's own, as mlx-lm runs elsewhere."""
+    from mlxkv.engine import cpu_attention
+
+    on = cpu_attention.enabled()
+    cpu_attention.use_on_this_thread(False)
+    try:
+        yield
+    finally:
+        cpu_attention.use_on_this_thread(on)
+
+
 def _mlx_lm(eng, peer, tokens: list[int], n: int) -> tuple[float, ...]:
     """``stream_generate`` on mlx-lm's own load of the folder (``peer``: (model, tokenizer)),
     on the engine thread (MLX streams are per thread)."""
@@ -73,17 +88,9 @@ def _mlx_lm(eng, peer, tokens: list[int], n: int) -> tuple[float, ...]:
         import mlx.core as mx
         from mlx_lm.generate import stream_generate
 
-        from mlxkv.engine import cpu_attention
-
-        # The engine thread opted in to our CPU kernels, which the architecture module the
-        # peer shares would reach too: mlx-lm runs with MLX's own, as it does elsewhere.
-        on = cpu_attention.enabled()
-        cpu_attention.use_on_this_thread(False)
-        try:
+        with as_mlx_lm():
             t0 = _now()
             stamps = [_now() for _ in stream_generate(peer[0], peer[1], mx.array(tokens), max_tokens=n)]
-        finally:
-            cpu_attention.use_on_this_thread(on)
         return t0, stamps
 
     t0, stamps = eng.call(run).result(600)

@@ -129,16 +129,12 @@ def _mlx_lm_ttft(eng, peer, tokens: list[int]) -> float:
         import mlx.core as mx
         from mlx_lm.generate import stream_generate
 
-        from mlxkv.engine import cpu_attention
+        from bench.engine import as_mlx_lm
 
-        on = cpu_attention.enabled()
-        cpu_attention.use_on_this_thread(False)  # mlx-lm as it runs: MLX's own kernels
-        try:
+        with as_mlx_lm():
             t = time.perf_counter()
             for _ in stream_generate(peer[0], peer[1], mx.array(tokens), max_tokens=1):
                 return time.perf_counter() - t
-        finally:
-            cpu_attention.use_on_this_thread(on)
     return eng.call(run).result(3600)
 
 

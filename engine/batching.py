@@ -77,11 +77,10 @@ class Batching:
         row.emitted, row.gen_start = list(join.sent), join.started
         row.first_time = join.gen.first_token_time
         row.last_time = time.perf_counter() if join.sent else None
-        first = join.gen.first_token_time
-        if first is not None and len(join.sent) > 2:
+        if row.first_time is not None and len(join.sent) > 2:
             # its time per token alone (a step's at most, when it speculated): what the budget
             # aims at while the newcomers prefill
-            self.budget.observe(0, (row.last_time - first) / (len(join.sent) - 1))
+            self.budget.observe(0, (row.last_time - row.first_time) / (len(join.sent) - 1))
         seen = job.handle.progress  # not sent twice when it moves during the prefill
         row.progress = (seen.done, seen.total) if seen is not None else None
         # The KV state must hold all but the last known token, which is fed next.

@@ -96,11 +96,6 @@ def _tracing(error: ValueError) -> bool:
     return "function transformations" in str(error)
 
 
-def kernel_isa() -> str | None:
-    """The row-softmax kernel's instruction set (None: the extension is not built)."""
-    return _kernels.isa() if _kernels is not None else None
-
-
 def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
     """``softmax(scale * q @ k.T + mask) @ v`` for ``queries`` [B, H, L, D] and ``keys`` /
     ``values`` [B, Hk, S, D] (``H`` a multiple of ``Hk``: grouped queries share their KV

@@ -193,18 +193,23 @@ def install_attention(model: Any) -> int:
     thread that did not opt in and for every call :func:`engine.cpu_attention.applies` does
     not cover (one query, a quantized cache, sinks, another dtype or device). So another
     thread, library or benchmark peer in the process computes exactly what it did before."""
-    import sys
-
     from mlx_lm.models import base
 
     global _mlx_lm_attention
     _mlx_lm_attention = base.scaled_dot_product_attention
+    return _rebind(model, "scaled_dot_product_attention", base.scaled_dot_product_attention, _attention)
+
+
+def _rebind(model: Any, name: str, theirs: Any, ours: Any) -> int:
+    """Set ``name`` to ``ours`` in every module of ``model``'s classes where it is mlx-lm's
+    ``theirs``; the number of modules changed."""
+    import sys
+
     rebound = 0
     for module in {type(m).__module__ for _, m in model.named_modules()} | {type(model).__module__}:
         namespace = sys.modules.get(module)
-        own = getattr(namespace, "scaled_dot_product_attention", None) if namespace is not None else None
-        if own is base.scaled_dot_product_attention:
-            namespace.scaled_dot_product_attention = _attention
+        if namespace is not None and getattr(namespace, name, None) is theirs:
+            setattr(namespace, name, ours)
             rebound += 1
     return rebound
 
@@ -226,19 +231,11 @@ def install_swiglu(model: Any) -> int:
     and that name is rebound, where it is mlx-lm's own, to :func:`_swiglu` (mlx-lm's on
     every other thread and for every call the kernel does not cover). The number of
     modules rebound."""
-    import sys
-
     from mlx_lm.models import activations
 
     global _mlx_lm_swiglu
     _mlx_lm_swiglu = activations.swiglu
-    rebound = 0
-    for module in {type(m).__module__ for _, m in model.named_modules()} | {type(model).__module__}:
-        namespace = sys.modules.get(module)
-        if namespace is not None and getattr(namespace, "swiglu", None) is activations.swiglu:
-            namespace.swiglu = _swiglu
-            rebound += 1
-    return rebound
+    return _rebind(model, "swiglu", activations.swiglu, _swiglu)
 
 
 _mlx_lm_swiglu: Any = None  # mlx-lm's own, kept by install_swiglu
