@@ -11,6 +11,9 @@ EXTRAS := test$(if $(filter Linux,$(UNAME)),$(comma)cpu,)
 
 STAMP  := $(VENV)/.installed
 PYINSTALLER := pyinstaller==6.22.3
+# What builds the engine's MLX primitive on Linux (support/build_native.py): nanobind at the
+# internals version of mlx's own build (a module built with another cannot take mx.array).
+NATIVE := $(if $(filter Linux,$(UNAME)),nanobind==3.1.0 cmake==3.31.6,)
 
 .PHONY: run serve test bench binary ext clean demo-model fixtures agents
 
@@ -19,11 +22,13 @@ $(STAMP): pyproject.toml setup.py
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q --upgrade cython==3.3.1 "setuptools>=77" wheel
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	$(if $(NATIVE),$(PY) -m pip install -q $(NATIVE))
 	@touch $(STAMP)
 
-# Rebuild the Cython extension in place whenever its sources change.
+# Rebuild the Cython extensions and the MLX primitive in place whenever their sources change.
 ext: $(STAMP)
 	$(PY) setup.py -q build_ext --inplace --build-temp build/temp
+	$(PY) -m support.build_native
 
 run: ext
 	$(PY) -m mlxkv

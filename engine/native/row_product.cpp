@@ -1,0 +1,576 @@
+// x @ w.T for a few rows of x on MLX's CPU backend, as one MLX primitive (RowProduct).
+//
+// A decode step multiplies one to a few rows by every weight matrix once, so it is bound
+// by how fast the weights stream from memory. BLAS's sgemm runs such a product on the
+// stream's thread alone (and for two or more rows first packs the matrix), which reads at
+// most what one core can read. This kernel reads each [out, in] weight row straight from
+// memory, once, whatever the number of rows, and splits the output columns over a small
+// pool of threads that stay awake between the products of one step (they spin briefly,
+// then sleep), so every core streams its share of the matrix.
+//
+// Each output is one dot product over `in`, summed the same way for every row of x, so a
+// row's result does not depend on how many rows share the product (a batched row computes
+// what it computes alone).
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/variant.h>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define RP_PAUSE() _mm_pause()
+#elif defined(__aarch64__)
+#define RP_PAUSE() asm volatile("yield")
+#else
+#define RP_PAUSE() ((void)0)
+#endif
+
+namespace nb = nanobind;
+namespace mx = mlx::core;
+
+namespace {
+
+constexpr int kMaxRows = 64;   // rows of x one product takes (more: the caller's matmul)
+constexpr int kRowTile = 8;    // rows of x kept in registers at once
+constexpr int kMaxThreads = 16;
+
+// ---- the kernel: y[r, o0:o1] for every row r, two weight rows at a time ------------------
+
+#define RP_DEFINE(sfx, attr, bytes)                                                         \
+  typedef float vf_##sfx __attribute__((vector_size(bytes)));                              \
+  constexpr int W_##sfx = (bytes) / 4;                                                     \
+  attr static inline vf_##sfx ld_##sfx(const float* p) {                                   \
+    vf_##sfx v;                                                                            \
+    std::memcpy(&v, p, sizeof v);                                                          \
+    return v;                                                                              \
+  }                                                                                        \
+  attr static inline float hsum_##sfx(vf_##sfx v) {                                        \
+    float s = 0.0f;                                                                        \
+    for (int k = 0; k < W_##sfx; k++) s += v[k];                                           \
+    return s;                                                                              \
+  }                                                                                        \
+  template <int R>                                                                         \
+  attr static void tile_##sfx(const float* x, const float* w, float* y, int64_t depth,     \
+                              int64_t out, int64_t o) {                                    \
+    /* weight rows o and o + 1 against R rows of x */                                      \
+    const float* w0 = w + o * depth;                                                       \
+    const float* w1 = w0 + depth;                                                          \
+    vf_##sfx a0[R], a1[R];                                                                 \
+    for (int r = 0; r < R; r++) a0[r] = a1[r] = (vf_##sfx){};                              \
+    int64_t i = 0;                                                                         \
+    for (; i + W_##sfx <= depth; i += W_##sfx) {                                           \
+      vf_##sfx v0 = ld_##sfx(w0 + i), v1 = ld_##sfx(w1 + i);                               \
+      for (int r = 0; r < R; r++) {                                                        \
+        vf_##sfx xv = ld_##sfx(x + r * depth + i);                                         \
+        a0[r] += xv * v0;                                                                  \
+        a1[r] += xv * v1;                                                                  \
+      }                                                                                    \
+    }                                                                                      \
+    for (int r = 0; r < R; r++) {                                                          \
+      float s0 = hsum_##sfx(a0[r]), s1 = hsum_##sfx(a1[r]);                                \
+      for (int64_t k = i; k < depth; k++) {                                                \
+        s0 += x[r * depth + k] * w0[k];                                                    \
+        s1 += x[r * depth + k] * w1[k];                                                    \
+      }                                                                                    \
+      y[r * out + o] = s0;                                                                 \
+      y[r * out + o + 1] = s1;                                                             \
+    }                                                                                      \
+  }                                                                                        \
+  template <int R>                                                                         \
+  attr static void tile1_##sfx(const float* x, const float* w, float* y, int64_t depth,    \
+                               int64_t out, int64_t o) {                                   \
+    const float* w0 = w + o * depth;                                                       \
+    vf_##sfx a0[R];                                                                        \
+    for (int r = 0; r < R; r++) a0[r] = (vf_##sfx){};                                      \
+    int64_t i = 0;                                                                         \
+    for (; i + W_##sfx <= depth; i += W_##sfx) {                                           \
+      vf_##sfx v0 = ld_##sfx(w0 + i);                                                      \
+      for (int r = 0; r < R; r++) a0[r] += ld_##sfx(x + r * depth + i) * v0;               \
+    }                                                                                      \
+    for (int r = 0; r < R; r++) {                                                          \
+      float s0 = hsum_##sfx(a0[r]);                                                        \
+      for (int64_t k = i; k < depth; k++) s0 += x[r * depth + k] * w0[k];                  \
+      y[r * out + o] = s0;                                                                 \
+    }                                                                                      \
+  }                                                                                        \
+  template <int R>                                                                         \
+  attr static void span_r_##sfx(const float* x, const float* w, float* y, int64_t depth,   \
+                                int64_t out, int64_t o0, int64_t o1) {                     \
+    int64_t o = o0;                                                                        \
+    for (; o + 2 <= o1; o += 2) tile_##sfx<R>(x, w, y, depth, out, o);                     \
+    if (o < o1) tile1_##sfx<R>(x, w, y, depth, out, o);                                    \
+  }                                                                                        \
+  attr static void span_##sfx(const float* x, const float* w, float* y, int64_t rows,      \
+                              int64_t depth, int64_t out, int64_t o0, int64_t o1) {        \
+    /* weight rows in blocks that stay in L1 while every tile of x's rows passes */        \
+    const int64_t block = std::max<int64_t>(2, (16384 / (depth * 4)) & ~int64_t(1));      \
+    for (int64_t b = o0; b < o1; b += block) {                                             \
+      int64_t e = std::min(o1, b + block);                                                 \
+      for (int64_t r = 0; r < rows; r += kRowTile) {                                       \
+        const float* xr = x + r * depth;                                                   \
+        float* yr = y + r * out;                                                           \
+        switch (std::min<int64_t>(kRowTile, rows - r)) {                                   \
+          case 1: span_r_##sfx<1>(xr, w, yr, depth, out, b, e); break;                     \
+          case 2: span_r_##sfx<2>(xr, w, yr, depth, out, b, e); break;                     \
+          case 3: span_r_##sfx<3>(xr, w, yr, depth, out, b, e); break;                     \
+          case 4: span_r_##sfx<4>(xr, w, yr, depth, out, b, e); break;                     \
+          case 5: span_r_##sfx<5>(xr, w, yr, depth, out, b, e); break;                     \
+          case 6: span_r_##sfx<6>(xr, w, yr, depth, out, b, e); break;                     \
+          case 7: span_r_##sfx<7>(xr, w, yr, depth, out, b, e); break;                     \
+          default: span_r_##sfx<8>(xr, w, yr, depth, out, b, e); break;                    \
+        }                                                                                  \
+      }                                                                                    \
+    }                                                                                      \
+  }
+
+#if defined(__x86_64__)
+RP_DEFINE(base, , 16)
+RP_DEFINE(avx2, __attribute__((target("avx2,fma"))), 32)
+RP_DEFINE(avx512, __attribute__((target("avx512f"))), 64)
+#else
+RP_DEFINE(base, , 16)
+#endif
+
+using SpanFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t,
+                        int64_t);
+
+SpanFn pick_span() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) return span_avx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return span_avx2;
+#endif
+  return span_base;
+}
+
+const SpanFn kSpan = pick_span();
+
+
+// ---- attention of a few queries over a KV cache's filled slots -----------------------------
+//
+// One work unit: the queries of one KV head's group (rows R = rep x L, each sees slots
+// [0, offset + l]) over one span of slots. Slots go in blocks of kBlock: the scores of a
+// block, its maximum, exp, and the weighted values, merged into the unit's running
+// (maximum, sum, accumulator) as in flash decoding; units of one head are merged after.
+
+constexpr int kBlock = 256;
+constexpr int kMaxQueryRows = 64;
+
+struct Attend {
+  const float* q;  // [R, D] the group's rows, pre-scaled
+  const float* k;  // [S, D]
+  const float* v;  // [S, D]
+  int64_t rows, depth, span0, span1;
+  const int64_t* visible;  // [R] slots row r sees (a prefix)
+  float* m;                // [R] running maximum
+  float* l;                // [R] running sum
+  float* acc;              // [R, D]
+};
+
+#define AT_DEFINE(sfx, attr)                                                                \
+  attr static inline vf_##sfx exp_##sfx(vf_##sfx x) {                                      \
+    /* exp(x) for x <= 0 as 2**n * 2**f: a degree-7 polynomial for 2**f in [0, 1) */       \
+    const float log2e = 1.4426950408889634f;                                               \
+    vf_##sfx y = x * log2e;                                                                \
+    for (int k = 0; k < W_##sfx; k++) y[k] = y[k] < -127.0f ? -127.0f : y[k];              \
+    typedef int32_t vi_t __attribute__((vector_size(sizeof(vf_##sfx))));                   \
+    vi_t ni = __builtin_convertvector(y, vi_t);                                            \
+    vf_##sfx n = __builtin_convertvector(ni, vf_##sfx);                                    \
+    vi_t above = n > y;                                                                    \
+    ni = ni + above;                                                                       \
+    n = n + __builtin_convertvector(above, vf_##sfx);                                      \
+    vf_##sfx f = y - n;                                                                    \
+    vf_##sfx p = f * 1.525273380405984e-05f + 0.00015403530393381609f;                     \
+    p = p * f + 0.0013333558146428443f;                                                    \
+    p = p * f + 0.009618129107628477f;                                                     \
+    p = p * f + 0.05550410866482158f;                                                      \
+    p = p * f + 0.2402265069591007f;                                                       \
+    p = p * f + 0.6931471805599453f;                                                       \
+    p = p * f + 1.0f;                                                                      \
+    vi_t bits = (ni + 127) << 23;                                                          \
+    vf_##sfx scale;                                                                        \
+    std::memcpy(&scale, &bits, sizeof scale);                                              \
+    return p * scale;                                                                      \
+  }                                                                                        \
+  attr static void attend_##sfx(const Attend& a) {                                         \
+    const int64_t D = a.depth, R = a.rows;                                                 \
+    float scores[kMaxQueryRows][kBlock];                                                   \
+    for (int64_t b0 = a.span0; b0 < a.span1; b0 += kBlock) {                               \
+      const int64_t b1 = std::min(a.span1, b0 + kBlock);                                   \
+      for (int64_t j = b0; j < b1; j++) {                                                  \
+        const float* kj = a.k + j * D;                                                     \
+        for (int64_t r = 0; r < R; r++) {                                                  \
+          const float* qr = a.q + r * D;                                                   \
+          vf_##sfx s = {};                                                                 \
+          int64_t i = 0;                                                                   \
+          for (; i + W_##sfx <= D; i += W_##sfx) s += ld_##sfx(qr + i) * ld_##sfx(kj + i); \
+          float t = hsum_##sfx(s);                                                         \
+          for (; i < D; i++) t += qr[i] * kj[i];                                           \
+          scores[r][j - b0] = j < a.visible[r] ? t : -INFINITY;                            \
+        }                                                                                  \
+      }                                                                                    \
+      const int64_t n = b1 - b0;                                                           \
+      for (int64_t r = 0; r < R; r++) {                                                    \
+        float* sr = scores[r];                                                             \
+        float mx = a.m[r];                                                                 \
+        for (int64_t j = 0; j < n; j++) mx = sr[j] > mx ? sr[j] : mx;                      \
+        if (mx == -INFINITY) {                                                             \
+          for (int64_t j = 0; j < n; j++) sr[j] = 0.0f;                                    \
+          continue;                                                                        \
+        }                                                                                  \
+        const float rescale = a.m[r] == -INFINITY ? 0.0f : std::exp(a.m[r] - mx);          \
+        a.m[r] = mx;                                                                       \
+        a.l[r] *= rescale;                                                                 \
+        for (int64_t i = 0; i < D; i++) a.acc[r * D + i] *= rescale;                       \
+        vf_##sfx sum = {};                                                                 \
+        int64_t j = 0;                                                                     \
+        for (; j + W_##sfx <= n; j += W_##sfx) {                                           \
+          vf_##sfx e = exp_##sfx(ld_##sfx(sr + j) - mx);                                   \
+          std::memcpy(sr + j, &e, sizeof e);                                               \
+          sum += e;                                                                        \
+        }                                                                                  \
+        float total = hsum_##sfx(sum);                                                     \
+        for (; j < n; j++) {                                                               \
+          sr[j] = sr[j] == -INFINITY ? 0.0f : std::exp(sr[j] - mx);                        \
+          total += sr[j];                                                                  \
+        }                                                                                  \
+        a.l[r] += total;                                                                   \
+      }                                                                                    \
+      for (int64_t j = b0; j < b1; j++) {                                                  \
+        const float* vj = a.v + j * D;                                                     \
+        for (int64_t r = 0; r < R; r++) {                                                  \
+          const float p = scores[r][j - b0];                                               \
+          if (p == 0.0f) continue;                                                         \
+          float* ar = a.acc + r * D;                                                       \
+          int64_t i = 0;                                                                   \
+          for (; i + W_##sfx <= D; i += W_##sfx) {                                         \
+            vf_##sfx o = ld_##sfx(ar + i) + p * ld_##sfx(vj + i);                          \
+            std::memcpy(ar + i, &o, sizeof o);                                             \
+          }                                                                                \
+          for (; i < D; i++) ar[i] += p * vj[i];                                           \
+        }                                                                                  \
+      }                                                                                    \
+    }                                                                                      \
+  }
+
+#if defined(__x86_64__)
+AT_DEFINE(base, )
+AT_DEFINE(avx2, __attribute__((target("avx2,fma"))))
+AT_DEFINE(avx512, __attribute__((target("avx512f"))))
+#else
+AT_DEFINE(base, )
+#endif
+
+using AttendFn = void (*)(const Attend&);
+
+AttendFn pick_attend() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) return attend_avx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return attend_avx2;
+#endif
+  return attend_base;
+}
+
+const AttendFn kAttend = pick_attend();
+
+// ---- the pool: workers that take a share of each product ----------------------------------
+
+struct Job {
+  const float* x;
+  const float* w;
+  float* y;
+  int64_t rows, depth, out;
+  int parts;
+};
+
+// One share of a pool's task: run(part, parts) for part in [0, parts).
+using Task = std::function<void(int, int)>;
+
+void run_part(const Job& j, int part) {
+  // output columns in even-sized shares (pairs keep the two-row tiles whole)
+  int64_t pairs = (j.out + 1) / 2;
+  int64_t o0 = std::min(j.out, 2 * (pairs * part / j.parts));
+  int64_t o1 = std::min(j.out, 2 * (pairs * (part + 1) / j.parts));
+  if (o0 < o1) kSpan(j.x, j.w, j.y, j.rows, j.depth, j.out, o0, o1);
+}
+
+class Pool {
+ public:
+  explicit Pool(int threads) : threads_(std::clamp(threads, 1, kMaxThreads)) {
+    for (int t = 1; t < threads_; t++) workers_.emplace_back([this, t] { work(t); });
+  }
+  ~Pool() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+      generation_.fetch_add(1, std::memory_order_release);
+    }
+    wake_.notify_all();
+    for (auto& w : workers_) w.join();
+  }
+  int threads() const { return threads_; }
+
+  // Runs `job` on every thread (this one included); returns once every share is done.
+  // Products of several MLX streams (each has its thread) may arrive at once: the pool
+  // takes one at a time and a product that finds it busy runs alone on its own thread
+  // (how the columns are shared out does not change any output).
+  void run(const Task& task, int min_parts = 1) {
+    std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
+    if (!busy.owns_lock() || threads_ == 1 || min_parts < threads_) {
+      task(0, 1);
+      return;
+    }
+    task_ = &task;
+    pending_.store(threads_ - 1, std::memory_order_relaxed);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      generation_.fetch_add(1, std::memory_order_release);
+    }
+    if (sleeping_.load(std::memory_order_acquire) > 0) wake_.notify_all();
+    task(0, threads_);
+    while (pending_.load(std::memory_order_acquire) > 0) RP_PAUSE();
+  }
+
+ private:
+  void work(int t) {
+    uint64_t seen = 0;
+    for (;;) {
+      uint64_t g = generation_.load(std::memory_order_acquire);
+      // spin a while (the next product of a step follows within microseconds), then sleep
+      for (int spin = 0; g == seen && spin < (1 << 16); spin++) {
+        RP_PAUSE();
+        g = generation_.load(std::memory_order_acquire);
+      }
+      if (g == seen) {
+        std::unique_lock<std::mutex> lock(mutex_);
+        sleeping_.fetch_add(1, std::memory_order_acq_rel);
+        wake_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen; });
+        sleeping_.fetch_sub(1, std::memory_order_acq_rel);
+        g = generation_.load(std::memory_order_acquire);
+      }
+      seen = g;
+      if (stop_) return;
+      (*task_)(t, threads_);
+      pending_.fetch_sub(1, std::memory_order_acq_rel);
+    }
+  }
+
+  int threads_;
+  std::vector<std::thread> workers_;
+  std::mutex busy_;  // held by the thread whose product the pool is running
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int> pending_{0};
+  std::atomic<int> sleeping_{0};
+  bool stop_ = false;
+  const Task* task_ = nullptr;
+};
+
+// Every core unless MLXKV_ROW_THREADS names a number (read once, at the first product).
+int default_threads() {
+  if (const char* env = std::getenv("MLXKV_ROW_THREADS")) {
+    int n = std::atoi(env);
+    if (n > 0) return std::min(n, kMaxThreads);
+  }
+  unsigned n = std::thread::hardware_concurrency();
+  return static_cast<int>(std::clamp<unsigned>(n ? n : 1, 1, kMaxThreads));
+}
+
+std::mutex pool_mutex;
+Pool* pool = nullptr;  // created at the first product, kept for the process's life
+
+Pool& the_pool() {
+  std::lock_guard<std::mutex> lock(pool_mutex);
+  if (!pool) pool = new Pool(default_threads());
+  return *pool;
+}
+
+// ---- the primitive ---------------------------------------------------------------------
+
+class RowProduct : public mx::Primitive {
+ public:
+  explicit RowProduct(mx::Stream stream) : mx::Primitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const mx::array& x = inputs[0];
+    const mx::array& w = inputs[1];
+    mx::array& y = outputs[0];
+    y.set_data(mx::allocator::malloc(y.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_input_array(w);
+    encoder.set_output_array(y);
+    Job job{x.data<float>(), w.data<float>(), y.data<float>(), x.shape(0), x.shape(1),
+            w.shape(0), 1};
+    encoder.dispatch([job]() {
+      Task task = [&job](int part, int parts) {
+        Job share = job;
+        share.parts = parts;
+        run_part(share, part);
+      };
+      the_pool().run(task, static_cast<int>(job.out / 2));
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("RowProduct runs on the CPU only");
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {{inputs[0].shape(0), inputs[1].shape(0)}};
+  }
+  const char* name() const override { return "RowProduct"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return dynamic_cast<const RowProduct*>(&other) != nullptr;
+  }
+};
+
+// x [..., in] @ w.T for w [out, in]: [..., out]. float32, at most kMaxRows rows, CPU stream.
+mx::array row_product(const mx::array& x_in, const mx::array& w, mx::StreamOrDevice s) {
+  if (x_in.dtype() != mx::float32 || w.dtype() != mx::float32)
+    throw std::invalid_argument("row_product takes float32 arrays");
+  if (w.ndim() != 2 || x_in.ndim() < 1 || x_in.shape(-1) != w.shape(1))
+    throw std::invalid_argument("row_product takes x [..., in] and w [out, in]");
+  auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu)
+    throw std::invalid_argument("row_product runs on the CPU stream only");
+  mx::Shape lead(x_in.shape().begin(), x_in.shape().end() - 1);
+  int rows = 1;
+  for (auto d : lead) rows *= d;
+  if (rows < 1 || rows > kMaxRows)
+    throw std::invalid_argument("row_product takes 1 to 64 rows");
+  auto x = mx::contiguous(mx::reshape(x_in, {rows, w.shape(1)}, stream), false, stream);
+  auto wc = mx::contiguous(w, false, stream);
+  auto y = mx::array({rows, w.shape(0)}, mx::float32, std::make_shared<RowProduct>(stream),
+                     {x, wc});
+  lead.push_back(w.shape(0));
+  return mx::reshape(y, lead, stream);
+}
+
+
+// softmax(q @ k.T * scale, over the slots each query sees) @ v for q [B, H, L, D] and the
+// cache's full buffers k, v [B, Hk, S, D]: query l sees slots [0, offset + l] (a decode
+// step's or a verify's queries after `offset` filled slots), H a multiple of Hk.
+class SlotAttention : public mx::Primitive {
+ public:
+  SlotAttention(mx::Stream stream, float scale) : mx::Primitive(stream), scale_(scale) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const mx::array &q = inputs[0], &k = inputs[1], &v = inputs[2], &offset = inputs[3];
+    mx::array& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    const int64_t B = q.shape(0), H = q.shape(1), L = q.shape(2), D = q.shape(3);
+    const int64_t Hk = k.shape(1), S = k.shape(2);
+    encoder.dispatch([qp = q.data<float>(), kp = k.data<float>(), vp = v.data<float>(),
+                      op = out.data<float>(), off = offset.data<int32_t>(), B, H, L, D, Hk, S,
+                      scale = scale_]() {
+      const int64_t rep = H / Hk, R = rep * L;
+      std::vector<int64_t> visible(R);
+      for (int64_t r = 0; r < R; r++) visible[r] = std::min<int64_t>(S, off[0] + r % L + 1);
+      const int64_t reach = std::min<int64_t>(S, off[0] + L);
+      // the group's rows [rep, L, D] (contiguous in q), scaled once
+      std::vector<float> qs(B * H * L * D);
+      for (size_t i = 0; i < qs.size(); i++) qs[i] = qp[i] * scale;
+      const int threads = the_pool().threads();
+      const int64_t spans = std::max<int64_t>(1, std::min<int64_t>(threads, reach / kBlock));
+      const int64_t units = B * Hk * spans;
+      std::vector<float> m(units * R, -INFINITY), l(units * R, 0.0f), acc(units * R * D, 0.0f);
+      Task task = [&](int part, int parts) {
+        for (int64_t u = part; u < units; u += parts) {
+          const int64_t head = u / spans, span = u % spans;  // head: b * Hk + kv head
+          Attend a{qs.data() + head * R * D, kp + head * S * D, vp + head * S * D, R, D,
+                   reach * span / spans, reach * (span + 1) / spans, visible.data(),
+                   m.data() + u * R, l.data() + u * R, acc.data() + u * R * D};
+          kAttend(a);
+        }
+      };
+      the_pool().run(task, static_cast<int>(units));
+      for (int64_t head = 0; head < B * Hk; head++) {
+        for (int64_t r = 0; r < R; r++) {
+          float mx = -INFINITY;
+          for (int64_t s = 0; s < spans; s++) mx = std::max(mx, m[(head * spans + s) * R + r]);
+          float total = 0.0f;
+          float* o = op + (head * R + r) * D;  // [B, Hk, rep, L, D] is [B, H, L, D]
+          std::fill(o, o + D, 0.0f);
+          for (int64_t s = 0; s < spans; s++) {
+            const int64_t u = head * spans + s;
+            if (m[u * R + r] == -INFINITY) continue;
+            const float w = std::exp(m[u * R + r] - mx);
+            total += w * l[u * R + r];
+            for (int64_t i = 0; i < D; i++) o[i] += w * acc[(u * R + r) * D + i];
+          }
+          const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+          for (int64_t i = 0; i < D; i++) o[i] *= inv;
+        }
+      }
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("SlotAttention runs on the CPU only");
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+  const char* name() const override { return "SlotAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const SlotAttention*>(&other);
+    return o != nullptr && o->scale_ == scale_;
+  }
+
+ private:
+  float scale_;
+};
+
+mx::array slot_attention(const mx::array& q, const mx::array& k, const mx::array& v,
+                         const mx::array& offset, float scale, mx::StreamOrDevice s) {
+  for (auto* a : {&q, &k, &v})
+    if (a->dtype() != mx::float32 || a->ndim() != 4)
+      throw std::invalid_argument("slot_attention takes float32 q, k, v of 4 dimensions");
+  if (k.shape() != v.shape() || q.shape(0) != k.shape(0) || q.shape(3) != k.shape(3) ||
+      q.shape(1) % k.shape(1))
+    throw std::invalid_argument("slot_attention takes q [B, H, L, D] and k, v [B, Hk, S, D]");
+  if ((q.shape(1) / k.shape(1)) * q.shape(2) > kMaxQueryRows)
+    throw std::invalid_argument("slot_attention takes at most 64 queries per KV head");
+  if (offset.size() != 1 || offset.dtype() != mx::int32)
+    throw std::invalid_argument("slot_attention takes one int32 offset");
+  auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu)
+    throw std::invalid_argument("slot_attention runs on the CPU stream only");
+  std::vector<mx::array> in = {mx::contiguous(q, false, stream), mx::contiguous(k, false, stream),
+                               mx::contiguous(v, false, stream),
+                               mx::reshape(offset, {1}, stream)};
+  return mx::array(q.shape(), mx::float32, std::make_shared<SlotAttention>(stream, scale), in);
+}
+
+}  // namespace
+
+NB_MODULE(_row_product, m) {
+  m.doc() = "x @ w.T for a few rows on MLX's CPU backend, over all cores (RowProduct)";
+  m.def("row_product", &row_product, nb::arg("x"), nb::arg("w"), nb::kw_only(),
+        nb::arg("stream") = nb::none(),
+        "x [..., in] @ w.T for w [out, in], float32, 1 to 64 rows, on the CPU.");
+  m.def("threads", [] { return the_pool().threads(); }, "Threads a product is split over.");
+  m.def("slot_attention", &slot_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"),
+        nb::arg("offset"), nb::arg("scale"), nb::kw_only(), nb::arg("stream") = nb::none(),
+        "softmax(q @ k.T * scale) @ v, query l of q [B, H, L, D] seeing slots [0, offset + l]"
+        " of k, v [B, Hk, S, D]; float32, on the CPU.");
+  m.attr("MAX_ROWS") = kMaxRows;
+}

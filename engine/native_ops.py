@@ -1,0 +1,89 @@
+"""The engine's MLX primitives for the CPU (``engine/native/row_product.cpp``, built by
+``make ext``): few-row products over every core (``row_product``, used by
+``engine.weight_layout``) and a decode step's attention over a cache's filled slots
+(``slot_attention``, used by the compiled step's caches, ``engine.compiled_step``).
+
+Optional: where the module is not built, is switched off (``MLXKV_ROW_PRODUCT=0``), or does
+not work with this mlx (a nanobind ABI apart from mlx's makes it refuse mx.array), the
+callers keep their MLX paths. It is checked once, on a small product and a small attention
+against MLX's own, on the first caller's thread (the engine's, which owns the model).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import mlx.core as mx
+
+log = logging.getLogger("mlxkv.engine")
+
+MAX_ROWS = 16  # rows up to which a row product beats sgemm at the real model's shapes
+MAX_QUERY_ROWS = 64  # queries per KV head a slot attention takes (the module's own limit)
+
+_module: Any = None
+_checked = False
+
+
+def _works(module: Any) -> str | None:
+    """Why ``module``'s primitives do not compute what MLX does on small inputs, or None."""
+    x = mx.arange(6, dtype=mx.float32).reshape(2, 3)
+    w = mx.arange(12, dtype=mx.float32).reshape(4, 3)
+    if not mx.array_equal(module.row_product(x, w, stream=mx.cpu), x @ w.T).item():
+        return "its row product differs from x @ w.T"
+    q, k = mx.ones((1, 2, 1, 4)), mx.arange(24, dtype=mx.float32).reshape(1, 1, 6, 4) / 24
+    got = module.slot_attention(q, k, k, mx.array(3, dtype=mx.int32), 0.5, stream=mx.cpu)
+    scores = mx.softmax((q * 0.5) @ k[:, :, :4].swapaxes(-1, -2), axis=-1)
+    if not mx.allclose(got, scores @ k[:, :, :4], rtol=1e-5, atol=1e-6).item():
+        return "its slot attention differs from MLX's"
+    return None
+
+
+def native() -> Any:
+    """The built module, or None (see the module doc)."""
+    global _module, _checked
+    if _checked:
+        return _module
+    _checked = True
+    if os.environ.get("MLXKV_ROW_PRODUCT", "1") == "0":
+        return None
+    try:
+        from mlxkv.engine import _row_product as module
+    except ImportError as e:
+        log.debug("the CPU primitives are not built (%s): MLX's paths", e)
+        return None
+    try:
+        why = _works(module)
+    except (TypeError, RuntimeError, ValueError) as e:
+        why = str(e)
+    if why is not None:
+        log.warning("the CPU primitives do not work with this mlx (%s): MLX's paths", why)
+        return None
+    _module = module
+    return module
+
+
+def row_product(x: mx.array, weight: mx.array) -> mx.array | None:
+    """``x @ weight.T`` by the row product when it takes it (built, float32, at most
+    :data:`MAX_ROWS` rows, the CPU), else None."""
+    module = native()
+    rows = x.size // x.shape[-1] if module is not None and x.ndim and x.shape[-1] else 0
+    if (0 < rows <= MAX_ROWS and x.dtype == mx.float32 and weight.dtype == mx.float32
+            and weight.ndim == 2 and mx.default_device() == mx.cpu):
+        return module.row_product(x, weight, stream=mx.cpu)
+    return None
+
+
+def slot_attention(queries: mx.array, keys: mx.array, values: mx.array, offset: mx.array,
+                   scale: float) -> mx.array | None:
+    """Attention of ``queries`` [B, H, L, D] over the buffers ``keys`` / ``values`` [B, Hk,
+    S, D], query ``l`` seeing slots ``[0, offset + l]``, when the primitive takes it
+    (built, float32, at most :data:`MAX_QUERY_ROWS` queries per KV head, the CPU), else None."""
+    module = native()
+    if (module is None or mx.default_device() != mx.cpu or queries.ndim != 4 or keys.ndim != 4
+            or queries.dtype != mx.float32 or keys.dtype != mx.float32 or values.dtype != mx.float32
+            or queries.shape[1] % keys.shape[1]
+            or (queries.shape[1] // keys.shape[1]) * queries.shape[2] > MAX_QUERY_ROWS):
+        return None
+    return module.slot_attention(queries, keys, values, offset, float(scale), stream=mx.cpu)

@@ -1,0 +1,85 @@
+"""The engine's CPU primitives (``engine/native/row_product.cpp``) against MLX's own
+operations: few-row products bit for bit per row, and a decode step's attention over a
+cache's filled slots, across head groupings, query counts, offsets and head sizes."""
+
+from __future__ import annotations
+
+import re
+
+import mlx.core as mx
+import pytest
+
+from mlxkv.engine import native_ops
+
+pytestmark = pytest.mark.skipif(native_ops.native() is None, reason="the CPU primitives are not built (make ext)")
+
+
+def test_a_row_product_of_rows_is_each_row_alone_bit_for_bit():
+    from mlxkv.engine._row_product import row_product
+
+    for out, depth in ((1536, 576), (49152, 576), (7, 13), (576, 1536)):  # odd shapes: the tails
+        weight = mx.random.normal((out, depth), key=mx.random.key(3))
+        x = mx.random.normal((16, depth), key=mx.random.key(4))
+        together = row_product(x, weight)
+        assert mx.allclose(together, x @ weight.T, rtol=1e-4, atol=1e-4).item()
+        for i in range(16):
+            assert mx.array_equal(together[i: i + 1], row_product(x[i: i + 1], weight)).item(), (out, i)
+    compiled = mx.compile(lambda a, b: row_product(a, b) * 2)  # a primitive inside a compiled step
+    assert mx.array_equal(compiled(x, weight), together * 2).item()
+
+
+def test_the_row_product_refuses_what_it_does_not_take():
+    from mlxkv.engine._row_product import MAX_ROWS, row_product
+
+    weight = mx.zeros((8, 4))
+    for x, why in ((mx.zeros((2, 5)), "x [..., in]"), (mx.zeros((2, 4), dtype=mx.float16), "float32"),
+                   (mx.zeros((MAX_ROWS + 1, 4)), "1 to 64 rows")):
+        with pytest.raises(ValueError, match=re.escape(why)):
+            row_product(x, weight)
+
+
+def reference_attention(q: mx.array, k: mx.array, v: mx.array, offset: int, scale: float) -> mx.array:
+    """Query ``l`` over slots ``[0, offset + l]``, by MLX's softmax on repeated heads."""
+    groups, length = q.shape[1] // k.shape[1], q.shape[2]
+    filled = offset + length
+    k, v = (mx.repeat(a[:, :, :filled], groups, axis=1) for a in (k, v))
+    scores = (q * scale) @ k.swapaxes(-1, -2)
+    visible = mx.arange(filled)[None] <= (offset + mx.arange(length))[:, None]
+    scores = mx.where(visible, scores, -mx.inf)
+    return mx.softmax(scores, axis=-1, precise=True) @ v
+
+
+@pytest.mark.parametrize("heads, kv_heads, length, depth, offset, slots", [
+    (9, 3, 1, 64, 255, 512),     # the real model's decode step: 3 queries per KV head
+    (9, 3, 1, 64, 0, 256),       # the first slot only
+    (4, 4, 5, 32, 100, 256),     # a verify pass: 5 queries each, one KV head each
+    (8, 1, 8, 64, 4000, 4352),   # 64 queries on one KV head, a long context split over threads
+    (6, 2, 3, 40, 17, 256),      # a head size not a multiple of the vector width
+])
+def test_slot_attention_is_attention_over_the_filled_slots(heads, kv_heads, length, depth, offset, slots):
+    kq, kk, kv = mx.random.split(mx.random.key(7), 3)
+    q = mx.random.normal((2, heads, length, depth), key=kq)
+    k = mx.random.normal((2, kv_heads, slots, depth), key=kk)
+    v = mx.random.normal((2, kv_heads, slots, depth), key=kv)
+    # slots past the filled ones hold garbage a mask would have hidden: they must not count
+    k[:, :, offset + length:] = 1e4
+    v[:, :, offset + length:] = float("nan")
+    scale = depth ** -0.5
+    got = native_ops.slot_attention(q, k, v, mx.array(offset, dtype=mx.int32), scale)
+    assert got is not None and got.shape == q.shape
+    want = reference_attention(q, k, v, offset, scale)
+    assert mx.allclose(got, want, rtol=1e-4, atol=1e-5).item(), mx.abs(got - want).max().item()
+    compiled = mx.compile(lambda a, b, c, o: native_ops.slot_attention(a, b, c, o, scale))
+    assert mx.array_equal(compiled(q, k, v, mx.array(offset, dtype=mx.int32)), got).item()
+
+
+def test_slot_attention_leaves_to_mlx_what_it_does_not_take():
+    q, k = mx.zeros((1, 4, 1, 8)), mx.zeros((1, 4, 256, 8))
+    at = mx.array(3, dtype=mx.int32)
+    assert native_ops.slot_attention(q.astype(mx.float16), k, k, at, 1.0) is None
+    assert native_ops.slot_attention(mx.zeros((1, 6, 1, 8)), k, k, at, 1.0) is None  # 6 heads over 4
+    assert native_ops.slot_attention(mx.zeros((1, 4, 65, 8)), k, k, at, 1.0) is None  # 65 queries a head
+    from mlxkv.engine._row_product import slot_attention
+
+    with pytest.raises(ValueError, match="one int32 offset"):
+        slot_attention(q, k, k, mx.array([3, 4], dtype=mx.int32), 1.0)
