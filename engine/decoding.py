@@ -24,9 +24,9 @@ _STEP = "_mlxkv_decode_step"
 
 def decode_step(model: Any) -> CompiledStep:
     """The model's compiled single-token step (one per model, kept on it: its traces are
-    reused by every request). Made at the model's first decoding, which also lays its
-    matrices out for one-row products on the CPU (``engine.weight_layout``): that copy of
-    every weight (~0.2 s a 100M-parameter model here) is paid where it pays back, not by
+    reused by every request). Made at the model's first decoding, which also switches its
+    matrices to few-row products on the CPU (``engine.weight_layout``): where that copies
+    the weights (the column-chunk fallback), the copy is paid where it pays back, not by
     the load or the first token."""
     step = getattr(model, _STEP, None)
     if step is None:

@@ -1,49 +1,40 @@
-"""How a model's float matrices lie in memory on the CPU backend.
+"""How a model's float matrices are multiplied on the CPU backend.
 
 mlx-lm's ``nn.Linear`` computes ``x @ weight.T`` with ``weight`` stored [out, in], and the
 tied LM head ``embed_tokens.as_linear`` does the same with the [vocab, hidden] embedding.
-On the CPU backend every matmul is one ``sgemm`` call, and a decode step's matmuls have a
-few rows (one per stream decoding). A decode step reads every weight once, so how BLAS
-walks them decides its speed.
+On the CPU backend every matmul is one ``sgemm`` call. A decode step's products have a few
+rows (one per stream decoding) and read every weight once, so they are bound by how fast
+the weights stream from memory; sgemm runs each on MLX's stream thread alone, and for two
+or more rows (and for the LM head even for one) first packs the matrix into a buffer,
+which nothing amortises at a few rows.
 
-OpenBLAS runs a product in one of two ways. A small one (rows x out x in at most
-:data:`SMALL_PRODUCT`, 10^6, with the matrix not transposed) goes to its "small-matrix"
-kernels, which read the matrix straight from memory; a larger one is first copied,
-block by block, into a packed buffer (``sgemm_itcopy``), then multiplied. For a few rows
-nothing amortises that copy: profiled on a batched decode step of the real model
-(SmolLM2-135M, 8 rows), 47% of the step was the packing copy and 11% the multiplication,
-and every product of 2 or more rows (and the 49,152 x 576 LM head even for one row) took
-that path, in mlx-lm's layout and in a plain transposed one alike.
+:func:`layout_for_cpu` changes each float ``nn.Linear`` / ``nn.Embedding`` so that its
+products of up to ``native_ops.MAX_ROWS`` rows take one of two faster paths:
 
-:func:`layout_for_cpu` therefore stores each float ``nn.Linear`` / ``nn.Embedding``
-weight as column chunks, a contiguous [n, in, c] array: chunk ``i`` holds output columns
-``i*c .. (i+1)*c`` laid out [in, c], with ``c`` the widest divisor of ``out`` for which
-:data:`ROWS` rows x c x in stays within :data:`SMALL_PRODUCT`. A product is then one
-batched matmul (``x @ chunks``, which MLX runs as ``n`` sgemm calls, each a small-matrix
-kernel for up to ``ROWS`` rows) and a copy of the small [n, rows, c] result into [rows,
-out]. Measured on the real model's matrices (cold in memory, OpenBLAS SkylakeX kernels, one
-thread): the 30 layers' products for 1 / 2 / 4 / 8 rows 52 / 101 / 115 / 119 ms stored
-[in, out] and 55 / 65 / 78 / 88 ms chunked; the LM head 26 -> 12 ms for one row and
-28 -> 21 ms for 8. Every output is the same dot product over ``in`` as before; a chunked
-product of several rows is bit for bit the product of each row alone (the same kernel
-sums each dot product in the same order), so a batched row computes what it computes
-alone. Against mlx-lm's own layout the products are equal up to the rounding of the order
-BLAS sums in (greedy output is checked token-identical), and the prefix cache's namespace
-does not change. A product of more than ``ROWS`` rows (a prefill chunk) runs ``n`` packed
-sgemm calls instead of one, measured within a few percent of one call at 512 rows.
+- **row products** (``engine/native/row_product.cpp``, an MLX primitive built by ``make
+  ext``): the weight stays as it is; a product reads each [out, in] row once, straight from
+  memory, whatever the number of rows, with the output columns split over every core by a
+  pool of threads that stay awake between the products of a step. A product of more rows
+  (a prefill chunk) is mlx-lm's own ``x @ weight.T``. Nothing is copied, so the layout is
+  instant and the weights' memory is what mlx-lm loaded.
+- **column chunks**, where the primitive is not built (no CMake or nanobind, or a mlx
+  whose nanobind ABI differs): each weight is copied once into a contiguous [n, in, c]
+  array, chunk ``i`` holding output columns ``i*c .. (i+1)*c`` laid out [in, c], with ``c``
+  the widest divisor of ``out`` for which :data:`ROWS` rows x c x in stays within
+  OpenBLAS's small-matrix limit (:data:`SMALL_PRODUCT`): a product is then one batched
+  matmul of small-matrix kernels, which read the matrix unpacked, and a copy of the small
+  [n, rows, c] result into [rows, out].
 
-The modules keep their class's behaviour and their ``weight`` (a lazy [out, in] view built
-from the chunks, for code that reads its shape); they change class in place
-(:class:`ChunkedLinear`, :class:`ChunkedEmbedding`), so whatever holds a module (a draft
-or MTP head sharing the embedding) sees the new layout and no copy of the old weight stays
-alive. The embedding lookup gathers each token's row from the chunks.
-
-The copy costs about as long as a few decode steps (0.6 s for the real model's 540 MB on a
-quiet machine, several seconds on a loaded one), so it is not made at load, where a
-one-shot ``mlxkv generate`` would wait for it before its first token, but at a model's
-first decoding (``engine.decoding.decode_step``). Not on Metal or CUDA (their
-matrix-vector kernels read [out, in] rows), not for quantized layers, and not for module
-classes other than these two exactly (a subclass may read its weight another way).
+Either way every output is one dot product over ``in``, summed the same way for every row,
+so a batched row computes bit for bit what it computes alone; against mlx-lm's layout the
+products are equal up to the rounding of the order of summation (greedy output is checked
+token-identical), and the prefix cache's namespace does not change. The modules keep their
+class's behaviour and a ``weight`` of the same shape and numbers; they change class in place
+(``RowLinear`` / ``RowEmbedding`` or ``ChunkedLinear`` / ``ChunkedEmbedding``), so whatever
+holds a module (a draft or MTP head sharing the embedding) sees the new path. Not on Metal
+or CUDA (their matrix-vector kernels read [out, in] rows), not for quantized layers, and not
+for module classes other than these two exactly (a subclass may read its weight another
+way). ``MLXKV_ROW_PRODUCT=0`` keeps the chunked path (engine.native_ops).
 """
 
 from __future__ import annotations
@@ -52,6 +43,8 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from mlxkv.engine.native_ops import native, row_product
 
 _DONE = "_mlxkv_cpu_layout"
 SMALL_PRODUCT = 10**6  # OpenBLAS's small-matrix kernels take rows * cols * depth up to this
@@ -122,28 +115,59 @@ class ChunkedEmbedding(nn.Embedding):
         return chunked_product(x, self["chunks"])
 
 
+def row_product_available() -> bool:
+    """Whether few-row products on the CPU take the row-product primitive."""
+    return native() is not None
+
+
+class RowLinear(nn.Linear):
+    """An ``nn.Linear`` whose few-row products are row products (see the module doc)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = row_product(x, self["weight"])
+        if y is None:
+            return super().__call__(x)
+        return y + self["bias"] if "bias" in self else y
+
+
+class RowEmbedding(nn.Embedding):
+    """An ``nn.Embedding`` whose tied LM head (``as_linear``) takes the row product for a
+    few rows; the lookup is the embedding's own."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        y = row_product(x, self["weight"])
+        return super().as_linear(x) if y is None else y
+
+
 _CHUNKED = {nn.Linear: ChunkedLinear, nn.Embedding: ChunkedEmbedding}
+_ROWS = {nn.Linear: RowLinear, nn.Embedding: RowEmbedding}
 
 
-def layout_for_cpu(model: Any) -> int:
-    """Store ``model``'s float Linear and Embedding weights as column chunks (see above)
-    when the default device is the CPU; the number of weights changed (0 elsewhere, or
-    when done before). One matrix at a time, so the layout needs one extra matrix of
-    memory at most."""
+def layout_for_cpu(model: Any, path: str = "auto") -> int:
+    """Give ``model``'s float Linear and Embedding modules the CPU's few-row product (see
+    above) when the default device is the CPU; the number of modules changed (0 elsewhere,
+    or when done before). ``path``: "rows", "chunks" or "auto" (rows where built). Chunks
+    are made one matrix at a time, so that layout needs one extra matrix of memory at most."""
     if mx.default_device() != mx.cpu or not isinstance(model, nn.Module) or getattr(model, _DONE, False):
         return 0  # (a model wrapped in a plain object keeps its layout: nothing to walk)
+    built = row_product_available()
+    if path == "rows" and not built:
+        raise RuntimeError("the row product is not built here (make ext)")
+    rows = path == "rows" or (path == "auto" and built)
+    kinds = _ROWS if rows else _CHUNKED
     changed = 0
     for _, module in model.named_modules():
-        kind = _CHUNKED.get(type(module))
+        kind = kinds.get(type(module))
         if kind is None or "weight" not in module:
             continue
         weight = module["weight"]
         if weight.ndim != 2 or not mx.issubdtype(weight.dtype, mx.floating):
             continue
-        chunks = to_chunks(weight)
-        del module["weight"]
-        module["chunks"] = chunks
-        module.__class__ = kind  # in place: every holder of the module sees the new layout
+        if not rows:
+            chunks = to_chunks(weight)
+            del module["weight"]
+            module["chunks"] = chunks
+        module.__class__ = kind  # in place: every holder of the module sees the new path
         changed += 1
     object.__setattr__(model, _DONE, True)
     return changed

@@ -20,9 +20,20 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 from mlxkv.engine.batch_step import BatchStepModel, CompiledBatchStep, batch_decode_step
 from mlxkv.engine.blas import blas_info
 from mlxkv.engine.models import load_model
-from mlxkv.engine.weight_layout import ChunkedEmbedding, ChunkedLinear, chunked_product, layout_for_cpu, to_chunks
+from mlxkv.engine.weight_layout import (
+    ChunkedEmbedding,
+    ChunkedLinear,
+    RowEmbedding,
+    RowLinear,
+    chunked_product,
+    layout_for_cpu,
+    row_product_available,
+    to_chunks,
+)
 from support.modelgen import TEST_MODELS, build_random_model, tiny_model, tiny_model_of_type
 from support.real_model import FIXTURES, GGUF_SHA256, real_model_path
+
+ROW_PRODUCT = pytest.mark.skipif(not row_product_available(), reason="the row product is not built (make ext)")
 
 
 def folder(arch: str):
@@ -159,7 +170,8 @@ def test_a_sliding_window_batch_decodes_through_the_forward_pass():
         assert got[i] == alone(path, p, 12, reference), i
 
 
-def test_the_chunked_layout_keeps_every_product():
+@pytest.mark.parametrize("path", ["chunks", pytest.param("rows", marks=ROW_PRODUCT)])
+def test_the_cpu_layouts_keep_every_product(path):
     loaded = load_model(str(folder("qwen2")))  # q/k/v with a bias
     model = loaded.model
     before = {n: (type(m), m.weight) for n, m in model.named_modules() if type(m) in (nn.Linear, nn.Embedding)}
@@ -167,16 +179,26 @@ def test_the_chunked_layout_keeps_every_product():
     tokens = mx.array([[3, 170, 4, 199]])
     rows, head_in = embed(tokens), mx.random.normal((5, embed.weight.shape[1]))
     head = head_in @ embed.weight.T
-    assert layout_for_cpu(model) == len(before) and layout_for_cpu(model) == 0
+    assert layout_for_cpu(model, path) == len(before) and layout_for_cpu(model, path) == 0
+    linear, embedding = (ChunkedLinear, ChunkedEmbedding) if path == "chunks" else (RowLinear, RowEmbedding)
     for name, module in model.named_modules():
         if name in before:
             kind, weight = before[name]
-            assert type(module) is (ChunkedLinear if kind is nn.Linear else ChunkedEmbedding)
-            assert "weight" not in module.parameters() and module.weight.shape == weight.shape
+            assert type(module) is (linear if kind is nn.Linear else embedding)
+            if path == "chunks":
+                assert "weight" not in module.parameters() and module.weight.shape == weight.shape
+            else:
+                assert module["weight"] is weight  # nothing copied
             assert mx.array_equal(module.weight, weight).item()  # the lazy view holds the same numbers
     assert embed is model.model.embed_tokens  # changed in place
     assert mx.array_equal(embed(tokens), rows).item()
     assert mx.allclose(embed.as_linear(head_in), head, rtol=1e-5, atol=1e-5).item()
+    x = mx.random.normal((3, 40, embed.weight.shape[1]))  # more rows than a row product takes
+    assert mx.allclose(embed.as_linear(x), x @ embed.weight.T, rtol=1e-5, atol=1e-5).item()
+    layer = model.model.layers[0].self_attn.q_proj
+    for rows in (1, 3, 16, 17):
+        x = mx.random.normal((rows, layer.weight.shape[1]))
+        assert mx.allclose(layer(x), x @ layer.weight.T + layer.bias, rtol=1e-5, atol=1e-5).item(), rows
 
 
 @pytest.mark.skipif(not blas_info().get("active"), reason="the small-matrix kernels are OpenBLAS's")
