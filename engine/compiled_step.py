@@ -36,6 +36,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxkv.engine.native_ops import slot_attention
+
 log = logging.getLogger("mlxkv.engine")
 
 STEP = 256  # buffer capacities are kept at multiples of this (KVCache.step): one trace each
@@ -55,6 +57,14 @@ class FixedKV:
         self.keys = mx.slice_update(self.keys, keys.astype(self.keys.dtype), at, axes=(2,))
         self.values = mx.slice_update(self.values, values.astype(self.values.dtype), at, axes=(2,))
         return self.keys, self.values
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array | None:
+        """The step's attention over the filled slots by the CPU primitive
+        (``engine.native_ops.slot_attention``: no mask, K and V read once over every core),
+        or None where it does not apply (the model's attention then takes the mask)."""
+        if keys is not self.keys or values is not self.values:
+            return None  # the model changed them (e.g. repeated heads): not our buffers
+        return slot_attention(queries, keys, values, self.offset, scale)
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
         if window_size is not None:

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mlxkv.engine import cpu_attention
+from mlxkv.engine.compiled_step import FixedKV
 from mlxkv.engine.logs import warn_once
 
 log = logging.getLogger("mlxkv.engine")
@@ -219,6 +220,10 @@ _mlx_lm_attention: Any = None  # mlx-lm's own, kept by install_attention (a call
 
 def _attention(queries: Any, keys: Any, values: Any, cache: Any, scale: float, mask: Any,
                sinks: Any = None) -> Any:
+    if type(cache) is FixedKV and sinks is None:  # the compiled decode step's layers
+        out = cache.attend(queries, keys, values, scale)
+        if out is not None:
+            return out
     if not hasattr(cache, "bits") and cpu_attention.applies(queries, keys, mask, sinks):
         return cpu_attention.attention(queries, keys, values, scale, mask)
     return _mlx_lm_attention(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
