@@ -1,5 +1,5 @@
 """``mlxkv`` (TUI if there is one, else chat), ``mlxkv chat``, ``mlxkv generate``,
-``mlxkv config``, ``mlxkv cache ...``, ``mlxkv --version``.
+``mlxkv config``, ``mlxkv cache ...``, ``mlxkv models``, ``mlxkv --version``.
 
 Start-up is kept light on purpose (``mlxkv generate``'s process start -> first token is
 benchmarked against mlx-lm's CLI): argparse first, then the OpenBLAS preload (before mlx is
@@ -116,6 +116,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from mlxkv.cli.cache import run_cache_command
 
         return run_cache_command(args, settings)
+    if args.command == "models":
+        from mlxkv.cli.models import cmd_models
+
+        return cmd_models(args, settings)
     if args.command in (None, "chat", "generate", "serve"):
         from mlxkv.engine.distributed.launch import run_rank
 

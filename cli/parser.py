@@ -15,7 +15,7 @@ from mlxkv import __version__ as VERSION
 PROG = "mlxkv"
 CACHE_VERBS = ("stats", "ls", "verify", "gc", "flush", "clear")
 # Sub-commands that print JSON with --json (the cache verbs all do).
-JSON_COMMANDS = ("generate", "config", "cache")
+JSON_COMMANDS = ("generate", "config", "cache", "models")
 
 
 class Parser(argparse.ArgumentParser):
@@ -50,7 +50,7 @@ def settings_flags() -> argparse.ArgumentParser:
                            help=text)
     g.add_argument("--config", default=S, metavar="FILE", help="TOML config file")
     p.add_argument("--json", action="store_true", default=S,
-                   help="print JSON (generate, config, cache)")
+                   help="print JSON (generate, config, cache, models)")
     return p
 
 
@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("config", parents=[common], help="print the effective settings")
     sub.add_parser("serve", parents=[common],
                    help="OpenAI- and Anthropic-compatible HTTP server (--host, --port, --api-key)")
+    sub.add_parser("models", parents=[common],
+                   help="list the models on this machine (Hugging Face cache, Ollama, LM Studio, "
+                        "--model-dirs) under the names --model takes")
     _add_cache_parser(sub, common)
     return parser
 

@@ -37,13 +37,22 @@ def _looks_like_path(spec: str) -> bool:
             or os.sep != "/" and os.sep in spec)
 
 
+def _starts_with_gguf_magic(path: Path) -> bool:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
 def gguf_file(path: str | os.PathLike) -> Path | None:
-    """The GGUF file ``path`` names: the file itself, or the one ``.gguf`` file of a
-    folder that has no ``config.json``; None when it is not one. A folder holding several
+    """The GGUF file ``path`` names: the file itself (a ``.gguf`` file, or any file that
+    starts with the GGUF magic: Ollama's blobs have no suffix), or the one ``.gguf`` file of
+    a folder that has no ``config.json``; None when it is not one. A folder holding several
     is an error that names them (which one is meant?)."""
     path = Path(path)
     if path.is_file():
-        return path if path.suffix.lower() == ".gguf" else None
+        return path if path.suffix.lower() == ".gguf" or _starts_with_gguf_magic(path) else None
     if not path.is_dir() or (path / "config.json").is_file():
         return None
     found = sorted(p for p in path.iterdir() if p.suffix.lower() == ".gguf" and p.is_file())
@@ -59,8 +68,15 @@ def _offline() -> bool:
 
 
 def resolve_model_path(spec: str | os.PathLike) -> Path:
-    """A local folder for ``spec``: the folder itself, or a hub id from the local Hugging
-    Face cache (downloading it when online). Raises :class:`ModelNotFoundError`."""
+    """A local folder or GGUF file for ``spec``: a store name (``ollama:qwen3:4b``,
+    ``lmstudio:...``, ``hf:ORG/NAME``: where that tool keeps it, see
+    :mod:`mlxkv.engine.model_stores`), the folder or file itself, or a hub id from the local
+    Hugging Face cache (downloading it when online). Raises :class:`ModelNotFoundError`."""
+    from mlxkv.engine.model_stores import resolve as resolve_store_name
+
+    stored = resolve_store_name(str(spec))
+    if stored is not None:
+        return stored
     text = os.path.expanduser(str(spec))
     path = Path(text)
     if path.exists():
@@ -181,7 +197,8 @@ def model_label(spec: str | os.PathLike, path: Path | None = None,
                 fingerprint: str | None = None) -> str:
     """How to show a model to a user: the embedded demo models by name and version
     (``demo model (1a2b3c4d)``: never the temporary folder a one-file binary unpacks them
-    to), anything else as it was given (a folder or a hub id)."""
+    to), anything else as it was given (a folder, a hub id, or a store name such as
+    ``ollama:qwen3:4b``: never the blob it resolved to)."""
     from mlxkv.engine.demo import DEMO_MODEL_DIR, DRAFT_MODEL_DIR
 
     where = Path(path if path is not None else os.path.expanduser(str(spec)))
@@ -385,7 +402,7 @@ def load_gguf_model(path: Path, spec: str, dtype: str = "auto", dequantize: str 
 
 def load_model(spec: str | os.PathLike, dtype: str = "auto", full_hash: bool = False,
                tokenizer_config: dict | None = None, dequantize: str = "auto") -> LoadedModel:
-    """Load ``spec`` (folder, GGUF file or hub id) with ``mlx_lm.load`` (a GGUF file with
+    """Load ``spec`` (folder, GGUF file, hub id or store name) with ``mlx_lm.load`` (a GGUF file with
     :func:`load_gguf_model`), dequantize a quantized model when ``dequantize`` says so
     (:func:`dequantize_wanted`) and apply the dtype policy. Call it on the thread that will
     run the model (MLX streams are thread-local)."""

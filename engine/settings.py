@@ -83,6 +83,22 @@ def _path(value: Any) -> str:
     return os.path.expanduser(str(value))
 
 
+def _paths(value: Any) -> tuple[str, ...] | None:
+    """Folders: a TOML list of strings, or one string of them separated by commas or the
+    OS path separator (``:``; ``;`` on Windows), as the environment and a flag give them."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        items = re.split("[," + re.escape(os.pathsep) + "]", value)
+    elif isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        items = list(value)
+    else:
+        raise SettingsError(f"not a list of folders: {value!r} (use a list of strings, or "
+                            f"folders separated by commas or {os.pathsep!r})")
+    folders = tuple(os.path.expanduser(v.strip()) for v in items if v.strip())
+    return folders or None
+
+
 def _positive_int(value: Any) -> int:
     number = int(value)
     if number <= 0:
@@ -162,11 +178,17 @@ class Field:
 SIZE = "SIZE"  # metavar of byte sizes: 2GiB, 512MB, a byte count
 
 FIELDS: tuple[Field, ...] = (
-    Field("model", str(DEMO_MODEL), str, "model folder, GGUF file or Hugging Face hub id (default: the demo model)",
+    Field("model", str(DEMO_MODEL), str,
+          "model folder, GGUF file, Hugging Face hub id, or a name `mlxkv models` lists "
+          "(ollama:NAME[:TAG], lmstudio:PUBLISHER/MODEL, hf:ORG/NAME) (default: the demo model)",
           metavar="PATH|ID"),
     Field("draft_model", None, _optional(str),
           "draft model for speculative decoding (shares the model's tokenizer; the demo model "
           "pairs with the demo draft model by default)", metavar="PATH|ID"),
+    Field("model_dirs", None, _paths,
+          "more folders to find models in (`mlxkv models`): each model folder and .gguf file "
+          "in them, beside the Hugging Face cache, Ollama's and LM Studio's; separated by "
+          "commas (a list in the config file)", metavar="DIRS"),
     Field("cache_dir", os.path.expanduser(os.path.join("~", ".cache", "mlxkv")), _path,
           "prefix cache folder (SSD tier; default ~/.cache/mlxkv)", metavar="DIR"),
     Field("prefix_cache", True, _bool, "keep and reuse the KV state of prompts"),
@@ -339,6 +361,7 @@ class Settings:
 
     model: str
     draft_model: str | None
+    model_dirs: tuple[str, ...] | None
     cache_dir: str
     prefix_cache: bool
     ram_cache_bytes: int

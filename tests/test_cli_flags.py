@@ -159,4 +159,4 @@ def test_json_where_it_does_not_apply_is_refused(tmp_path):
     r = mlxkv("chat", "--json", cache_dir=tmp_path)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip().splitlines() == ["mlxkv: error: --json applies to generate, config, "
-                                             "cache, not to chat"]
+                                             "cache, models, not to chat"]

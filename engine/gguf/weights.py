@@ -32,7 +32,7 @@ def load_tensors(header: GGUFHeader, dequantized_dtype: Any = None) -> dict[str,
 
     types = set(tensor_types(header).values())
     if types <= MLX_NATIVE:
-        arrays = mx.load(str(header.path))
+        arrays = mx.load(str(header.path), format="gguf")  # an Ollama blob has no .gguf suffix
         missing = set(header.tensors) - set(arrays)
         if missing:
             raise GGUFError(f"{header.path}: mlx's reader returned no "
