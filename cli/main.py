@@ -49,9 +49,16 @@ def _early_env(argv: Sequence[str]) -> None:
 
 
 def _settings(args: argparse.Namespace) -> Any:
+    from mlxkv.cli.common import UsageError
+    from mlxkv.engine.pool import parse_cli_model
     from mlxkv.engine.settings import FIELD_BY_NAME, Settings
 
     flags = {k: v for k, v in vars(args).items() if k in FIELD_BY_NAME}
+    given = getattr(args, "model_list", None) or []
+    if len(given) > 1 and args.command != "serve":
+        raise UsageError(f"--model is given {len(given)} times; only `mlxkv serve` serves several")
+    if given:  # demo, NAME=SPEC: the model's spec
+        flags["model"] = parse_cli_model(given[0]).spec
     return Settings.load(flags, config_path=getattr(args, "config", None))
 
 

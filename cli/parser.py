@@ -8,7 +8,7 @@ value another level parsed alone.
 from __future__ import annotations
 
 import argparse
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from mlxkv import __version__ as VERSION
 
@@ -22,6 +22,17 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         # One clear line instead of argparse's usage block.
         self.exit(2, f"{PROG}: error: {message} (see `{self.prog} --help`)\n")
+
+
+class ModelsAction(argparse.Action):
+    """``--model``: the first one given is the model (``settings.model``), and every one is
+    kept, in order, in ``model_list`` (what ``mlxkv serve`` serves)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        given = list(getattr(namespace, "model_list", None) or []) + [values]
+        namespace.model_list = given
+        setattr(namespace, self.dest, given[0])
 
 
 def settings_flags() -> argparse.ArgumentParser:
@@ -41,6 +52,9 @@ def settings_flags() -> argparse.ArgumentParser:
                            help=f"{f.help} (default: {'on' if f.default else 'off'})")
             g.add_argument(f.negative, dest=f.name, action="store_const", const=False, default=S,
                            help=f"the opposite of {f.option}")
+        elif f.name == "model":  # serve takes several: each one is kept in model_list
+            g.add_argument(f.option, dest=f.name, action=ModelsAction, metavar=f.metavar, default=S,
+                           help=f.help + "; serve: repeat it to serve several (NAME=SPEC names one)")
         else:
             g.add_argument(f.option, dest=f.name, type=f.arg_type, choices=f.choices,
                            metavar=f.metavar, default=S, help=f.help)

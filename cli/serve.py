@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from mlxkv.cli.common import fail, sampling_params, start_engine
+from mlxkv.cli.common import UsageError, after_startup, fail, sampling_params, start_engine
 
 
 def cmd_serve(args: argparse.Namespace, settings: Any) -> int:
@@ -22,21 +22,60 @@ def cmd_serve(args: argparse.Namespace, settings: Any) -> int:
         sock = bind(settings.host, settings.port)
     except OSError as e:
         return fail(f"cannot listen on {settings.host}:{settings.port}: {e.strerror or e}")
+    entries = served_entries(args, settings)
     try:
-        engine = start_engine(settings)
+        models, label = start_models(entries, settings)
     except BaseException:
         sock.close()
         raise
-    label = engine.info.get("model", settings.model)
 
     def ready(url: str) -> None:
         key = ", API key required" if config.api_key else ""
         print(f"mlxkv serve: {label} on {url} (OpenAI {url}/v1, Anthropic {url}/v1/messages{key}); "
               "Ctrl-C stops", file=sys.stderr, flush=True)
 
-    report = serve(engine, config, sock, on_ready=ready)
+    report = serve(models, config, sock, on_ready=ready)
     if report.get("durable") or report.get("pending") or report.get("failed"):
         print(f"mlxkv serve: prefix cache flushed ({report.get('durable', 0)} states on disk, "
               f"{report.get('pending', 0)} pending, {report.get('failed', 0)} failed)",
               file=sys.stderr, flush=True)
     return 0
+
+
+def served_entries(args: argparse.Namespace, settings: Any) -> list[Any]:
+    """The models to serve: every ``--model`` given (in order), else the config file's
+    ``[[models]]``, else the one model of the settings."""
+    from mlxkv.engine.pool import ModelEntry, entries_from_tables, entry_name, parse_cli_model
+
+    given = getattr(args, "model_list", None) or []
+    if given:
+        return [parse_cli_model(v) for v in given]
+    if settings.models:
+        return entries_from_tables(settings.models)
+    return [ModelEntry(entry_name(settings.model), settings.model)]
+
+
+def start_models(entries: list[Any], settings: Any) -> tuple[Any, str]:
+    """One model: its engine, started (under mlx.launch too). Several: a ``ModelPool`` with
+    the default model loaded (a broken default fails here, the others when first asked
+    for); what the ready line names."""
+    from mlxkv.engine.pool import ModelPool, check_entries
+
+    if len(entries) == 1 and not entries[0].settings and not entries[0].aliases:
+        engine = start_engine(settings.replace(model=entries[0].spec))
+        return engine, engine.info.get("model", entries[0].spec)
+    from mlxkv.engine.distributed import launched
+
+    if launched():
+        raise UsageError("under mlx.launch, serve one model (the ranks share it)")
+    check_entries(entries, settings.default_model)
+    pool = ModelPool(entries, settings, memory_bytes=settings.models_memory_bytes,
+                     idle_s=settings.model_idle_s, default=settings.default_model)
+    try:
+        pool.lease(None).release()
+    except BaseException:
+        pool.close()
+        raise
+    after_startup()
+    names = ", ".join(e.name + (" (default)" if e.name == pool.default else "") for e in entries)
+    return pool, f"{len(entries)} models: {names}"

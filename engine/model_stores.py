@@ -22,7 +22,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from mlxkv.engine.models import ModelNotFoundError
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model could not be found; the message says what was tried and what to do
+    (defined here, the lowest of the modules that raise it; ``engine.models`` has it too)."""
+
 
 STORES = ("hf", "ollama", "lmstudio", "dir")
 STORE_TITLES = {"hf": "the Hugging Face cache", "ollama": "Ollama's store",
@@ -498,3 +502,18 @@ def resolve(spec: str, env: Mapping[str, str] | None = None) -> Path | None:
              f"it holds {len(names)} other model{'s' * (len(names) != 1)}" if names else "it holds no models")
     raise ModelNotFoundError(f"model {wanted} not found in {STORE_TITLES[store]} ({_where(store, env)}); "
                              f"{found} (`mlxkv models` lists every model found)")
+
+
+def describe_spec(spec: str) -> FoundModel | None:
+    """What a ``--model`` spec names, when it is on this machine (a store name, a folder or a
+    GGUF file) without loading it: its size, context and the rest; None for a hub id that is
+    not a store name, or a path that is not there."""
+    try:
+        path = resolve(spec) or Path(os.path.expanduser(spec))
+    except Exception:  # an unknown store name: the load will say so
+        return None
+    if path.is_file():
+        return describe(_Entry(spec, "dir", path, "gguf"))
+    if path.is_dir() and (path / "config.json").is_file():
+        return describe(_Entry(spec, "dir", path, "mlx"))
+    return None

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mlxkv.engine.model_stores import ModelNotFoundError
+from mlxkv.engine.model_stores import resolve as resolve_store_name
 from mlxkv.engine.settings import DEQUANTIZE_CHOICES
 
 # Files whose bytes change what the tokenizer (and so the token ids) produce.
@@ -26,10 +28,6 @@ FINGERPRINT_VERSION = b"mlxkv-model-fingerprint-v1"
 # (and failing fast offline) does not have to import mlx-lm first.
 DEFAULT_ALLOW_PATTERNS = ["*.json", "model*.safetensors", "*.py", "tokenizer.model",
                           "*.tiktoken", "tiktoken.model", "*.txt", "*.jsonl", "*.jinja"]
-
-
-class ModelNotFoundError(FileNotFoundError):
-    """The model could not be found; the message says what was tried and what to do."""
 
 
 def _looks_like_path(spec: str) -> bool:
@@ -72,8 +70,6 @@ def resolve_model_path(spec: str | os.PathLike) -> Path:
     ``lmstudio:...``, ``hf:ORG/NAME``: where that tool keeps it, see
     :mod:`mlxkv.engine.model_stores`), the folder or file itself, or a hub id from the local
     Hugging Face cache (downloading it when online). Raises :class:`ModelNotFoundError`."""
-    from mlxkv.engine.model_stores import resolve as resolve_store_name
-
     stored = resolve_store_name(str(spec))
     if stored is not None:
         return stored

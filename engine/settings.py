@@ -99,6 +99,62 @@ def _paths(value: Any) -> tuple[str, ...] | None:
     return folders or None
 
 
+# Settings a served model's [[models]] table may set for itself (the rest, the server's and
+# the cache folder's, are the process's), and the table's own keys.
+PER_MODEL = frozenset({
+    "draft_model", "dtype", "dequantize", "cpu_attention", "full_hash", "context_tokens",
+    "prefill_step_size", "max_batch", "batch_itl_factor", "max_queue", "system_prompt",
+    "chat_template", "spec", "spec_tokens", "spec_ngram_min", "spec_ngram_max",
+    "spec_suffix_tokens", "ram_cache_bytes", "temperature", "top_p", "top_k", "min_p",
+    "repetition_penalty", "max_tokens",
+})
+MODEL_TABLE_KEYS = frozenset({"name", "path", "model", "aliases", "pin"})
+
+
+def model_tables(value: Any, where: str = "models") -> tuple[dict[str, Any], ...] | None:
+    """The config file's ``[[models]]`` tables, checked: ``path`` (or ``model``), an optional
+    ``name``, ``aliases`` (names or shell patterns), ``pin`` and per-model settings of
+    :data:`PER_MODEL`, parsed as their fields parse them. Each comes back as ``{"name": str |
+    None, "path": str, "aliases": tuple, "pin": bool, "settings": dict}``."""
+    if value is None:
+        return None
+    if isinstance(value, tuple):
+        value = list(value)
+    if not isinstance(value, list):
+        raise SettingsError(f"{where} must be a list of tables ([[models]]), got {type(value).__name__}")
+    out = []
+    for i, item in enumerate(value):
+        at = f"{where}[{i}]"
+        if not isinstance(item, dict):
+            raise SettingsError(f"{at} must be a table, got {type(item).__name__}")
+        path = item.get("path", item.get("model"))
+        if not isinstance(path, str) or not path:
+            raise SettingsError(f"{at}: path (a folder, GGUF file, hub id or store name) is required")
+        name = item.get("name")
+        if name is not None and (not isinstance(name, str) or not name):
+            raise SettingsError(f"{at}: name must be a non-empty string")
+        aliases = item.get("aliases", [])
+        if isinstance(aliases, str):
+            aliases = [aliases]
+        if not isinstance(aliases, list) or not all(isinstance(a, str) and a for a in aliases):
+            raise SettingsError(f"{at}: aliases must be a list of names")
+        pin = item.get("pin", False)
+        if not isinstance(pin, bool):
+            raise SettingsError(f"{at}: pin must be true or false")
+        own = {k: v for k, v in item.items() if k not in MODEL_TABLE_KEYS}
+        unknown = sorted(k for k in own if k not in PER_MODEL)
+        if unknown:
+            allowed = "name, path, aliases, pin, " + ", ".join(sorted(PER_MODEL))
+            raise SettingsError(f"{at}: unknown key(s) {', '.join(unknown)} (a model takes {allowed})")
+        for k, v in own.items():
+            try:
+                own[k] = FIELD_BY_NAME[k].parse(v)
+            except (SettingsError, ValueError, TypeError) as e:
+                raise SettingsError(f"{at}.{k}: {e}") from None
+        out.append({"name": name, "path": path, "aliases": tuple(aliases), "pin": pin, "settings": own})
+    return tuple(out)
+
+
 def _positive_int(value: Any) -> int:
     number = int(value)
     if number <= 0:
@@ -272,6 +328,21 @@ FIELDS: tuple[Field, ...] = (
           "(a rank died, hung or was stopped); longer than the slowest prefill chunk",
           arg_type=float, metavar="S"),
     # `mlxkv serve`
+    Field("models", None, model_tables,
+          "serve: the models served, as [[models]] tables in the config file (name, path, aliases, "
+          "pin and per-model settings such as draft_model or context_tokens); on the command "
+          "line repeat --model (NAME=SPEC names one)", flag=None),
+    Field("default_model", None, _optional(str),
+          "serve, several models: the one a request naming no model, or an unknown one, gets "
+          "(without it an unknown name is a 404 that lists the names)", metavar="NAME"),
+    Field("models_memory_bytes", None, _optional(parse_bytes),
+          "serve, several models: memory the loaded models may hold together (weights, RAM "
+          "cache tier, KV in flight), e.g. 16GiB; the least recently used one is unloaded "
+          "first (default: no budget)", metavar=SIZE),
+    Field("model_idle_s", None, _optional(_positive_float),
+          "serve, several models: unload a model (not pinned) no request used for this many "
+          "seconds, its cache flushed to the SSD tier first (default: never)", arg_type=float,
+          metavar="S"),
     Field("host", "127.0.0.1", str, "serve: address to listen on (0.0.0.0: every interface)",
           metavar="ADDR"),
     Field("port", 8000, _positive_int, "serve: TCP port", arg_type=int, metavar="N"),
@@ -395,6 +466,10 @@ class Settings:
     spec_suffix_tokens: int
     shard: str
     dist_timeout_s: float
+    models: tuple[dict[str, Any], ...] | None
+    default_model: str | None
+    models_memory_bytes: int | None
+    model_idle_s: float | None
     host: str
     port: int
     api_key: str | None

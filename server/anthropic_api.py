@@ -257,6 +257,7 @@ async def count_tokens(http: HttpRequest, ctx: Context) -> Response:
     """``POST /v1/messages/count_tokens``: the input tokens a Messages request with this body
     would send the model (the same prompt, through the chat template)."""
     body = await read_json(http, ctx.config.max_body_bytes)
+    ctx = await ctx.for_model(body)
     prompt = await claude_prompt(body, ctx)
     try:
         tokens = await run_in_threadpool(ctx.engine.encode_chat, prompt.messages, 30.0, prompt.tools,
@@ -276,6 +277,7 @@ def _stores(ctx: Context) -> bool:
 
 async def messages(http: HttpRequest, ctx: Context) -> Response:
     body = await read_json(http, ctx.config.max_body_bytes)
+    ctx = await ctx.for_model(body)
     requested(body)  # a malformed diagnostics field is a 400 before anything runs
     prompt = await claude_prompt(body, ctx)
     stream = body.get("stream", False)
@@ -294,7 +296,7 @@ async def messages(http: HttpRequest, ctx: Context) -> Response:
                       retain_s=anthropic_retain_s(body), **extension_fields(body))
     except ValueError as e:
         raise ApiError(400, str(e)) from None
-    es = EventStream(ctx.engine, req, ctx.gate, asyncio.get_running_loop())
+    es = EventStream(ctx.engine, req, ctx.gate, asyncio.get_running_loop(), ctx.lease)
     first = await first_event(es, http.receive, accepted=stream,
                               wait_s=ctx.config.ping_interval_s if stream else None)
     if first is None:

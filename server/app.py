@@ -1,7 +1,7 @@
 """The ASGI app: routes, the API key check, CORS, and errors as JSON in each API's shape.
 
     GET  /health                 liveness (no key needed)
-    GET  /v1/models              the one model served
+    GET  /v1/models              the models served (loaded or not)
     POST /v1/chat/completions    OpenAI chat (JSON or SSE)
     POST /v1/completions         OpenAI text completion (JSON or SSE)
     POST /v1/responses           OpenAI Responses (JSON or SSE; what Codex CLI speaks)
@@ -32,10 +32,11 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from mlxkv.engine.pool import UnknownModel
 from mlxkv.server import anthropic_api, openai_api, responses_api
 from mlxkv.server.access_log import STREAM_KEY, AccessLog
 from mlxkv.server.bridge import cache_header, current_stream
-from mlxkv.server.context import Context, ServerConfig, dumps
+from mlxkv.server.context import Context, ServerConfig, current_lease, dumps
 from mlxkv.server.errors import ApiError, anthropic_body, openai_body
 
 log = logging.getLogger("mlxkv.server")
@@ -72,6 +73,7 @@ def _route(ctx: Context, handler: Handler, open_route: bool = False) -> Callable
             if not open_route:
                 _check_key(http, ctx.config.api_key)
             current_stream.set(None)
+            current_lease.set(None)
             response = await handler(http, ctx)
             http.scope[STREAM_KEY] = current_stream.get()  # for the access log
             header = cache_header(current_stream.get())
@@ -86,6 +88,11 @@ def _route(ctx: Context, handler: Handler, open_route: bool = False) -> Callable
             else:
                 log.error("%s %s failed: %s: %s", http.method, http.url.path, type(e).__name__, e)
             return _error(ApiError(500, f"internal error ({type(e).__name__})"), http.url.path)
+        finally:
+            lease = current_lease.get()
+            if lease is not None:  # the request's stream holds its own while it runs
+                current_lease.set(None)
+                lease.release()
     return endpoint
 
 
@@ -93,51 +100,80 @@ async def health(http: HttpRequest, ctx: Context) -> Response:
     """Liveness: answered at once, also during a long prefill (the engine's figures are
     the ones it published last, never asked for)."""
     out: dict[str, Any] = {"status": "ok", "model": ctx.model_id}
-    snap = ctx.engine.snapshot()
+    engine = ctx.pool.engine(None)
+    snap = engine.snapshot() if engine is not None else None
     if snap is not None:
         out.update(busy=snap.get("busy"), queued=snap.get("queued"), as_of=snap.get("as_of"),
                    age_s=snap.get("age_s"))
+    if len(ctx.pool.entries) > 1:
+        out["models"] = {m["name"]: m["state"] for m in ctx.pool.describe()}
     return JSONResponse(out)
 
 
 async def models(http: HttpRequest, ctx: Context) -> Response:
-    """The model served, under a short id (any name a request gives is served and echoed)."""
-    info = getattr(ctx.engine, "info", {}) or {}
-    return JSONResponse({"object": "list", "data": [
-        {"id": ctx.model_id, "object": "model", "created": ctx.created, "owned_by": "mlxkv",
-         "context_length": info.get("context_tokens")}]})
+    """The models served, by the short ids requests name them with (and their aliases),
+    whether each is loaded, and its context (known once it was loaded)."""
+    data = []
+    for m in ctx.pool.describe():
+        engine = ctx.pool.engine(m["name"]) if m["loaded"] else None
+        info = getattr(engine, "info", {}) or {}
+        model_id = ctx.model_id if len(ctx.pool.entries) == 1 else m["name"]
+        data.append({"id": model_id, "object": "model", "created": ctx.created, "owned_by": "mlxkv",
+                     "context_length": info.get("context_tokens", ctx.pool.context_of(m["name"])),
+                     "loaded": m["loaded"], "aliases": m["aliases"], "pinned": m["pinned"]})
+    return JSONResponse({"object": "list", "data": data})
 
 
 async def stats(http: HttpRequest, ctx: Context) -> Response:
     """Engine, cache and speculation figures (while the engine is busy: as it published
     them last, ``as_of`` says when), the last requests' cache lookups (``lookups``: what
     each matched and where its prompt parted from the closest cached state), and the
-    server's own counts."""
-    figures: dict[str, Any] = await run_in_threadpool(ctx.engine.stats)
+    server's own counts: of the default model, or of the model ``?model=NAME`` names.
+    ``models``: every model served, loaded or not, its memory and its load's progress."""
+    name = http.query_params.get("model")
+    try:
+        engine = ctx.pool.engine(name)
+    except UnknownModel as e:
+        raise ApiError(404, str(e), "model", "model_not_found") from None
+    figures: dict[str, Any] = await run_in_threadpool(engine.stats) if engine is not None else {}
+    for m in ctx.pool.loaded():
+        await run_in_threadpool(ctx.pool.refresh, m[0].name)
     gate = ctx.gate
     return Response(dumps({
         "engine": {k: v for k, v in figures.items() if k not in ("cache", "spec", "lookups")},
         "cache": figures.get("cache"), "spec": figures.get("spec"),
         "lookups": figures.get("lookups", []),
+        "models": ctx.pool.describe(), "models_memory_bytes": ctx.pool.memory_bytes,
+        "model_events": list(ctx.pool.events),
         "server": {"in_flight": gate.in_flight, "limit": gate.limit, "served": gate.served,
                    "rejected": gate.rejected, "cancelled": gate.cancelled}}), media_type="application/json")
 
 
 async def flush(http: HttpRequest, ctx: Context) -> Response:
-    figures = await run_in_threadpool(ctx.engine.stats)
-    cache = figures.get("cache") or {}
-    if not cache.get("enabled") or not cache.get("ssd"):
-        raise ApiError(503, "the prefix cache is not durable here (no SSD tier: "
-                            f"{cache.get('ssd_disabled_reason') or 'turned off'})")
-    report = await run_in_threadpool(ctx.engine.cache_flush, 60.0)
+    """Persist every loaded model's prefix cache: 200 with the report (by model when there
+    are several), 503 when a cache is not durable or a write is left."""
+    reports: dict[str, dict] = {}
+    with ctx.pool.each_loaded() as leases:
+        for lease in leases:
+            figures = await run_in_threadpool(lease.engine.stats)
+            cache = figures.get("cache") or {}
+            if not cache.get("enabled") or not cache.get("ssd"):
+                raise ApiError(503, "the prefix cache is not durable here (no SSD tier: "
+                                    f"{cache.get('ssd_disabled_reason') or 'turned off'})")
+            reports[lease.entry.name] = await run_in_threadpool(lease.engine.cache_flush, 60.0)
+    if len(ctx.pool.entries) == 1:
+        report = next(iter(reports.values()), {})
+    else:
+        report = {"models": reports, **{k: sum(int(r.get(k) or 0) for r in reports.values())
+                                        for k in ("durable", "pending", "failed")}}
     if report.get("pending") or report.get("failed"):
         return JSONResponse(report, status_code=503)
     return JSONResponse(report)
 
 
-def create_app(engine: Any, config: ServerConfig | None = None) -> Starlette:
-    """The app for a started ``engine`` (its model loaded)."""
-    ctx = Context(engine, config or ServerConfig())
+def create_app(served: Any, config: ServerConfig | None = None) -> Starlette:
+    """The app for a started engine (its model loaded), or for an ``engine.pool.ModelPool``."""
+    ctx = Context(served, config or ServerConfig())
     routes = [
         Route("/health", _route(ctx, health, open_route=True), methods=["GET"]),
         Route("/v1/models", _route(ctx, models), methods=["GET"]),

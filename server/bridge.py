@@ -94,7 +94,7 @@ class EventStream:
     """One submitted request: its events, in order, on the event loop."""
 
     def __init__(self, engine: Any, request: Request, gate: Gate,
-                 loop: asyncio.AbstractEventLoop):
+                 loop: asyncio.AbstractEventLoop, lease: Any = None):
         self.queue: asyncio.Queue = asyncio.Queue()
         self._loop = loop
         self._gate = gate
@@ -102,6 +102,10 @@ class EventStream:
         self._generated = 0
         self.first_progress: Any = None  # prompt tokens and cached tokens, before the prefill
         gate.enter()
+        # the model stays loaded until the request ends (engine.pool.Lease)
+        self._lease = lease
+        if lease is not None:
+            lease.hold()
         try:
             self.handle = engine.submit(request, callback=self._on_event)
         except Exception as e:
@@ -118,6 +122,8 @@ class EventStream:
         if not self._left:
             self._left = True
             self._gate.leave(reason, self._generated)
+            if self._lease is not None:
+                self._lease.release()
 
     def _on_event(self, event: Any) -> None:  # engine thread
         if isinstance(event, TokenEvent) and event.token is not None:

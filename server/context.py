@@ -3,6 +3,8 @@ that read a request body and turn engine events into reply pieces."""
 
 from __future__ import annotations
 
+import contextvars
+import copy
 import dataclasses
 import json
 import threading
@@ -53,24 +55,22 @@ def short_model_id(label: str) -> str:
     return label
 
 
-class Context:
-    def __init__(self, engine: Any, config: ServerConfig):
+class Served:
+    """One model as the routes see it: its engine, the id replies name it by, the limits
+    of its context, what its chat template renders, and token texts for log-probabilities
+    (a tokenizer of our own: the engine's lives on the engine thread; loading one costs a
+    second, once, and only if log-probabilities are asked for)."""
+
+    def __init__(self, engine: Any, model_id: str, config: ServerConfig):
         self.engine = engine
-        self.config = config
-        self.gate = Gate(config.max_requests)
+        self.model_id = model_id
         info = getattr(engine, "info", {}) or {}
-        self.model_id = config.model_id or short_model_id(str(info.get("model") or engine.model_spec))
         self.limits = Limits(config.max_tokens_limit, info.get("context_tokens"), config.open_ended)
-        self.template = TemplateProbe(engine)  # what the chat template renders
-        self.created = int(time.time())
-        self.responses = ResponseStore(config.responses_store_bytes)
-        self.messages = MessageLog()  # Messages replies, for cache diagnostics
+        self.template = TemplateProbe(engine)
         self._tokenizer: Any = None
         self._tok_lock = threading.Lock()
         self._token_texts: dict[int, str] = {}
 
-    # token strings for log-probabilities (a tokenizer of our own: the engine's lives on the
-    # engine thread; loading one costs a second, once, and only if logprobs are asked for)
     def load_tokenizer(self) -> None:
         with self._tok_lock:
             if self._tokenizer is None:
@@ -88,6 +88,103 @@ class Context:
             if len(self._token_texts) < 1 << 20:
                 self._token_texts[token] = text
         return text
+
+
+# The lease the current HTTP request holds on its model (released when the route returns;
+# a request's EventStream holds it on its own until the reply ends).
+current_lease: contextvars.ContextVar[Any] = contextvars.ContextVar("mlxkv_current_lease", default=None)
+
+
+class Context:
+    """What every route shares (the models, the server's settings and bounds, the stores of
+    earlier replies) and, once :meth:`for_model` bound it to a request's model, that
+    model's parts (:class:`Served`): ``engine``, ``model_id``, ``limits``, ``template``,
+    ``token_text``. Unbound, those are the default model's. ``models`` is an
+    ``engine.pool.ModelPool``, or one started engine (served under every name)."""
+
+    def __init__(self, models: Any, config: ServerConfig):
+        from mlxkv.engine.pool import ModelPool
+
+        self.config = config
+        self.gate = Gate(config.max_requests)
+        if isinstance(models, ModelPool):
+            self.pool = models
+        else:
+            info = getattr(models, "info", {}) or {}
+            name = config.model_id or short_model_id(str(info.get("model") or models.model_spec))
+            self.pool = ModelPool.of_engine(models, name)
+        self.created = int(time.time())
+        self.responses = ResponseStore(config.responses_store_bytes)
+        self.messages = MessageLog()  # Messages replies, for cache diagnostics
+        self._served: dict[int, Served] = {}  # by id(engine): a reloaded model is served anew
+        self._served_lock = threading.Lock()
+        self.lease: Any = None
+        self._bound: Served | None = None
+
+    def served(self, engine: Any, name: str) -> Served:
+        with self._served_lock:
+            served = self._served.get(id(engine))
+            if served is None or served.engine is not engine:
+                model_id = self.config.model_id if len(self.pool.entries) == 1 and self.config.model_id else name
+                served = self._served[id(engine)] = Served(engine, model_id, self.config)
+            return served
+
+    def _current(self) -> Served:
+        if self._bound is not None:
+            return self._bound
+        entry = self.pool.resolve(None)
+        engine = self.pool.engine(None)
+        if engine is None:
+            from mlxkv.engine.requests import EngineError
+
+            raise EngineError(f"model {entry.name} is not loaded")
+        return self.served(engine, entry.name)
+
+    @property
+    def engine(self) -> Any:
+        return self._current().engine
+
+    @property
+    def model_id(self) -> str:
+        if self._bound is None and self.pool.engine(None) is None:
+            return self.pool.resolve(None).name
+        return self._current().model_id
+
+    @property
+    def limits(self) -> Limits:
+        return self._current().limits
+
+    @property
+    def template(self) -> TemplateProbe:
+        return self._current().template
+
+    def load_tokenizer(self) -> None:
+        self._current().load_tokenizer()
+
+    def token_text(self, token: int) -> str:
+        return self._current().token_text(token)
+
+    async def for_model(self, body: dict) -> Context:
+        """This context bound to the model the request's ``model`` names (loading it, or
+        waiting for its load, first): a 404 naming the models when none answers to it."""
+        from starlette.concurrency import run_in_threadpool
+
+        from mlxkv.engine.pool import UnknownModel
+
+        name = get_str(body, "model")
+        try:
+            lease = await run_in_threadpool(self.pool.lease, name)
+        except UnknownModel as e:
+            raise ApiError(404, str(e), "model", "model_not_found") from None
+        except Exception as e:  # its load failed: say why (the next request tries again)
+            raise ApiError(503, f"model {name or self.pool.default!r} could not be loaded: {e}", "model") from None
+        held = current_lease.get()
+        if held is not None:  # one lease per request
+            held.release()
+        current_lease.set(lease)
+        bound = copy.copy(self)
+        bound.lease, bound._bound = lease, self.served(lease.engine, lease.entry.name)
+        return bound
 
 
 async def read_json(request: Any, limit: int) -> dict[str, Any]:
@@ -109,8 +206,9 @@ async def read_json(request: Any, limit: int) -> dict[str, Any]:
 
 
 def model_name(body: dict, ctx: Context) -> str:
-    """The model a reply names: the one the client asked for (any name is served by the one
-    model; a client may check that the reply names what it sent), else the served one."""
+    """The model a reply names: the one the client asked for (a client may check that the
+    reply names what it sent, also when an alias or the default model answered it), else
+    the served one."""
     return get_str(body, "model") or ctx.model_id
 
 

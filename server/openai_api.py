@@ -167,7 +167,7 @@ def _common(body: dict, ctx: Context) -> tuple[int, bool]:
     stream = get_bool(body, "stream")
     options = get_object(body, "stream_options") or {}
     include_usage = within("stream_options", lambda: get_bool(options, "include_usage"))
-    get_str(body, "model")  # any model name is accepted: the server serves one
+    get_str(body, "model")  # a string (which model answers it: Context.for_model)
     return include_usage, stream
 
 
@@ -235,7 +235,7 @@ class _Run:
     async def start(self) -> tuple[EventStream, Any] | Response:
         if self.logprobs:
             await run_in_threadpool(self.ctx.load_tokenizer)
-        stream = EventStream(self.ctx.engine, self.req, self.ctx.gate, asyncio.get_running_loop())
+        stream = EventStream(self.ctx.engine, self.req, self.ctx.gate, asyncio.get_running_loop(), self.ctx.lease)
         first = await first_event(stream, self.http.receive, accepted=self.stream,
                                   wait_s=self.ctx.config.ping_interval_s if self.stream else None)
         if first is None:
@@ -276,6 +276,7 @@ def _sse(ctx: Context, chunks: Any, es: EventStream, headers: dict[str, str]) ->
 # ------------------------------------------------------------------- chat completions
 async def chat_completions(http: HttpRequest, ctx: Context) -> Response:
     body = await read_json(http, ctx.config.max_body_bytes)
+    ctx = await ctx.for_model(body)
     include_usage, stream = _common(body, ctx)
     prompt = await chat_prompt(ctx.template, chat_messages(get_list(body, "messages", required=True)),
                                chat_tools(body), ctx.config.churn_rules, openai_kwargs(body))
@@ -413,6 +414,7 @@ def completion_prompt(body: dict) -> dict[str, Any]:
 
 async def completions(http: HttpRequest, ctx: Context) -> Response:
     body = await read_json(http, ctx.config.max_body_bytes)
+    ctx = await ctx.for_model(body)
     include_usage, stream = _common(body, ctx)
     if get_bool(body, "echo"):
         raise ApiError(400, "echo is not supported", "echo")

@@ -446,9 +446,10 @@ def _sse(event: dict[str, Any], seq: int) -> str:
 
 async def responses(http: HttpRequest, ctx: Context) -> Response:
     body = await read_json(http, ctx.config.max_body_bytes)
+    ctx = await ctx.for_model(body)
     ask = read_ask(body, ctx)
     req = await engine_request(ask, ctx, session_of(http, body))
-    es = EventStream(ctx.engine, req, ctx.gate, asyncio.get_running_loop())
+    es = EventStream(ctx.engine, req, ctx.gate, asyncio.get_running_loop(), ctx.lease)
     # a stream starts once the prompt is taken, or after a keep-alive interval in the queue
     first = await first_event(es, http.receive, accepted=ask.stream,
                               wait_s=ctx.config.ping_interval_s if ask.stream else None)

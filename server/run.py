@@ -62,8 +62,9 @@ def bind(host: str, port: int) -> socket.socket:
 
 def serve(engine: Any, config: ServerConfig, sock: socket.socket,
           on_ready: Callable[[str], None] | None = None, flush_timeout_s: float = 60.0) -> dict:
-    """Serve on ``sock`` until SIGINT/SIGTERM (or ``server.should_exit``); then drain, flush
-    the cache and return the flush report. The engine is shut down on the way out."""
+    """Serve ``engine`` (one started engine, or an ``engine.pool.ModelPool``) on ``sock``
+    until SIGINT/SIGTERM (or ``server.should_exit``); then drain, flush the cache (every
+    loaded model's) and return the flush report. The engines are shut down on the way out."""
     host, port = sock.getsockname()[:2]
     server = build_server(engine, config, host, port)
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
@@ -79,10 +80,16 @@ def serve(engine: Any, config: ServerConfig, sock: socket.socket,
             if not server.should_exit:
                 raise
     finally:
-        try:
-            report = engine.cache_flush(timeout=flush_timeout_s)
-        except Exception as e:  # the engine may already be down: say so, lose nothing else
-            log.warning("the prefix cache could not be flushed on shutdown: %s", e)
-        engine.shutdown()
+        from mlxkv.engine.pool import ModelPool
+
+        if isinstance(engine, ModelPool):  # each loaded model flushed, then stopped
+            reports = engine.close()
+            report = {k: sum(int(r.get(k) or 0) for r in reports.values()) for k in ("durable", "pending", "failed")}
+        else:
+            try:
+                report = engine.cache_flush(timeout=flush_timeout_s)
+            except Exception as e:  # the engine may already be down: say so, lose nothing else
+                log.warning("the prefix cache could not be flushed on shutdown: %s", e)
+            engine.shutdown()
         sock.close()
     return report

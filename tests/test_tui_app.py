@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -259,14 +260,20 @@ def test_open_conversation_from_the_inspector(tmp_path: Path, data_dir: Path) ->
     drive(app, scenario)
 
 
-def test_the_model_picker_offers_downloaded_hub_models(tmp_path: Path) -> None:
-    from mlxkv.tui.app import hub_cache_models
+def test_the_model_picker_offers_the_models_of_the_stores(tmp_path: Path, tiny_llama: Path) -> None:
+    from mlxkv.tui.app import local_models
 
     hub = tmp_path / "hf" / "hub"
-    (hub / "models--mlx-community--Qwen3-0.6B-4bit").mkdir(parents=True)
+    snap = hub / "models--mlx-community--Qwen3-0.6B-4bit" / "snapshots" / "abc"
+    shutil.copytree(tiny_llama, snap)
+    (hub / "models--mlx-community--Qwen3-0.6B-4bit" / "refs").mkdir()
+    (hub / "models--mlx-community--Qwen3-0.6B-4bit" / "refs" / "main").write_text("abc")
+    (hub / "models--someone--empty").mkdir()  # no snapshot: nothing to load
     (hub / "datasets--someone--data").mkdir()
-    assert hub_cache_models({"HF_HOME": str(tmp_path / "hf")}) == ["mlx-community/Qwen3-0.6B-4bit"]
-    assert hub_cache_models({"HF_HUB_CACHE": str(tmp_path / "nowhere")}) == []
+    home = {"HOME": str(tmp_path / "home")}
+    [(label, name)] = local_models(env={**home, "HF_HOME": str(tmp_path / "hf")})
+    assert name == "hf:mlx-community/Qwen3-0.6B-4bit" and "hf, " in label and "llama" in label
+    assert local_models(env={**home, "HF_HUB_CACHE": str(tmp_path / "nowhere")}) == []
 
 
 def test_bare_mlxkv_without_a_terminal_answers_as_the_line_chat(tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,16 +83,19 @@ def _config_dir() -> Path:
     return Path(base) / "mlxkv"
 
 
-def hub_cache_models(env: dict[str, str] | None = None) -> list[str]:
-    """Hugging Face ids of the models already downloaded (they load offline)."""
-    env = os.environ if env is None else env
-    home = env.get("HF_HUB_CACHE") or os.path.join(
-        env.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface"), "hub")
-    try:
-        names = sorted(os.listdir(home))
-    except OSError:
-        return []
-    return [n[len("models--"):].replace("--", "/", 1) for n in names if n.startswith("models--")][:50]
+def local_models(model_dirs: Sequence[str] = (), env: Mapping[str, str] | None = None) -> list[tuple[str, str]]:
+    """(label, name) of the models on this machine that load: the Hugging Face cache's,
+    Ollama's, LM Studio's and ``model_dirs``' (``engine.model_stores``), each labelled with
+    its store, size, architecture and quantization; at most 50."""
+    from mlxkv.cli.common import human_bytes
+    from mlxkv.engine.model_stores import find_models
+
+    out = []
+    for m in find_models(model_dirs, env):
+        if m.loadable:
+            facts = ", ".join(x for x in (m.store, human_bytes(m.size_bytes), m.architecture, m.quantization) if x)
+            out.append((f"{m.name}  ({facts})", m.name))
+    return out[:50]
 
 
 def open_store(path: str | os.PathLike | None) -> tuple[Any, str | None]:
@@ -278,9 +281,10 @@ class MlxkvApp(App):
         choices = [("Demo model (built in, offline)", str(DEMO_MODEL))]
         if str(self.settings.model) != str(DEMO_MODEL):
             choices.append((f"From the settings: {self.settings.model}", str(self.settings.model)))
-        for spec in [*self._prefs.get("recent_models", []), *hub_cache_models()]:
+        found = local_models(self.settings.model_dirs or ())
+        for label, spec in [*((r, r) for r in self._prefs.get("recent_models", [])), *found]:
             if spec not in [c[1] for c in choices]:
-                choices.append((spec, spec))
+                choices.append((label, spec))
         from mlxkv.tui.chat import model_label
 
         self.push_screen(ModelPicker(self.bridge.info.get("model") or model_label(self.bridge.model_spec),
