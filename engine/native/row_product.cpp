@@ -300,6 +300,7 @@ struct Job {
 };
 
 // One share of a pool's task: run(part, parts) for part in [0, parts).
+constexpr int kSharesPerThread = 8;  // a product's columns in this many shares per pool thread
 using Task = std::function<void(int, int)>;
 
 void run_part(const Job& j, int part) {
@@ -344,17 +345,30 @@ class Pool {
     }
     if (sleeping_.load(std::memory_order_acquire) > 0) wake_.notify_all();
     task(0, threads_);
-    while (pending_.load(std::memory_order_acquire) > 0) RP_PAUSE();
+    for (int spin = 0; pending_.load(std::memory_order_acquire) > 0; spin++) relax(spin);
   }
 
  private:
+  // One turn of a wait: a few pauses first (the other side is microseconds away), then the
+  // core is offered to the OS at each turn, so that when more threads want the cores than
+  // there are (two models decoding at once, each with its stream's thread) a waiting thread
+  // does not hold a core the thread it waits for needs.
+  static constexpr int kSpins = 64 + 4096;  // a few ms awake after a product, then asleep
+
+  static void relax(int spin) {
+    if (spin < 64)
+      RP_PAUSE();
+    else
+      std::this_thread::yield();
+  }
+
   void work(int t) {
     uint64_t seen = 0;
     for (;;) {
       uint64_t g = generation_.load(std::memory_order_acquire);
       // spin a while (the next product of a step follows within microseconds), then sleep
-      for (int spin = 0; g == seen && spin < (1 << 16); spin++) {
-        RP_PAUSE();
+      for (int spin = 0; g == seen && spin < kSpins; spin++) {
+        relax(spin);
         g = generation_.load(std::memory_order_acquire);
       }
       if (g == seen) {
@@ -420,10 +434,15 @@ class RowProduct : public mx::Primitive {
     Job job{x.data<float>(), w.data<float>(), y.data<float>(), x.shape(0), x.shape(1),
             w.shape(0), 1};
     encoder.dispatch([job]() {
-      Task task = [&job](int part, int parts) {
-        Job share = job;
-        share.parts = parts;
-        run_part(share, part);
+      // shares smaller than one per thread, taken in turn: a thread that is descheduled
+      // (more threads want the cores than there are: two models decoding at once) leaves
+      // its shares to the others instead of holding up the product
+      Job share = job;
+      const int64_t pairs = (job.out + 1) / 2;
+      share.parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(pairs, kSharesPerThread * the_pool().threads())));
+      std::atomic<int> next{0};
+      Task task = [&share, &next](int, int) {
+        for (int p; (p = next.fetch_add(1, std::memory_order_relaxed)) < share.parts;) run_part(share, p);
       };
       the_pool().run(task, static_cast<int>(job.out / 2));
     });
