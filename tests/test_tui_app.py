@@ -316,3 +316,38 @@ def test_the_app_leaves_when_its_terminal_goes_away(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def test_switching_model_keeps_the_conversation_and_names_who_answered(tmp_path: Path, data_dir: Path) -> None:
+    """F3 to another model mid-conversation: the messages stay, the next reply comes from the
+    new model (which prefills the whole conversation), and each reply's status line and
+    label name the model that wrote it, after the conversation is opened again too."""
+    from support.modelgen import tiny_model
+
+    other = tiny_model("qwen3")
+    app = MlxkvApp(make_settings(tmp_path, max_tokens=8, temperature=0))
+
+    def statuses() -> list[str]:
+        return [str(v.query_one(".status").render()) for v in app.chat.query(MessageView) if v.role == "assistant"]
+
+    async def scenario(pilot: Any) -> None:
+        await wait_for(pilot, app.metrics.model_ready.is_set, "model")
+        demo = str(app.bridge.info["model"]).rstrip("/").rsplit("/", 1)[-1]
+        await send(pilot, "What is mlxkv?")
+        await pick_model(pilot, str(other))
+        await wait_for(pilot, lambda: app.bridge.ready.is_set() and app.bridge.model_spec == str(other)
+                       and app.bridge.info, "the other model")
+        assert [v.role for v in app.chat.query(MessageView)] == ["user", "assistant"]  # kept
+        await send(pilot, "And what does it keep?")
+        first, second = statuses()
+        assert first.startswith(f"{demo} · ") and second.startswith(f"{other.name} · ")
+        prompt = int(second.split(" · ")[1].split()[0])
+        assert prompt > 10  # the new model read the whole conversation, not the last line alone
+        cid = app.chat.conversation.id
+        await app.chat.open_conversation(cid)
+        await wait_for(pilot, lambda: len(statuses()) == 2, "the conversation again")
+        again = statuses()
+        assert again[0].startswith(f"{demo} · ") and again[1].startswith(f"{other.name} · ")
+        labels = [str(v.query_one(".role").render()) for v in app.chat.query(MessageView) if v.role == "assistant"]
+        assert labels[0].endswith(demo) and labels[1].endswith(other.name)
+    drive(app, scenario)

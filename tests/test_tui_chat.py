@@ -273,6 +273,8 @@ def test_status_line_and_code_blocks() -> None:
     line = format_status(stats, "stop")
     assert line == "412 prompt tok · 384 cached (RAM 256 · SSD 128) · TTFT 0.04 s · 96 tok at 231 tok/s"
     assert format_status({**stats, "cached_ram_tokens": 0, "cached_ssd_tokens": 0}, "cancelled").endswith("cancelled")
+    # the model that answered leads (a folder's name, not its path)
+    assert format_status({**stats, "model": "/models/SmolLM2-135M/"}, "stop") == "SmolLM2-135M · " + line
     assert "(SSD 384, read in 12 ms)" in format_status({**stats, "cached_ram_tokens": 0, "cached_ssd_tokens": 384,
                                                         "restore_ms": 12.3}, "stop")
     text = "Run:\n\n```sh\nmake run\n```\n\nthen\n\n~~~python\nprint(1)\n~~~\n"

@@ -304,19 +304,22 @@ def test_ten_thousand_entries_render_and_scroll(engine):
         await pilot.pause()
         print(f"inspector_10k_refresh_ms {(time.perf_counter() - t0) * 1e3:.1f} "
               f"(load_entries {(t1 - t0) * 1e3:.1f})")
-        assert table.row_count == 10_000 and table.keys[0] == records[0].id  # newest first
+        # grouped by model (no model loaded: by name), newest first in each
+        expected = [r.id for r in sorted(records, key=lambda r: (r.ns, -r.last_used))]
+        assert table.row_count == 10_000 and table.keys == expected and expected[0] == records[0].id
         assert records[0].id[:11] in "\n".join(str(s.text) for s in
                                                [table.render_line(y) for y in range(3)])
         await pilot.press("pagedown", "pagedown", "end")
-        assert table.cursor_key == records[-1].id
+        assert table.cursor_key == expected[-1]
         assert table.scroll_y == table.max_scroll_y > 0
         lines = [table.render_line(y).text for y in range(table.size.height)]
-        assert records[-1].id[:11] in "".join(lines)
+        assert expected[-1][:11] in "".join(lines)
         await pilot.press("home")
         assert table.cursor_key == records[0].id and table.scroll_y == 0
 
         await pilot.press("slash", *"chat-999")
-        expected = [r.id for r in records if r.session and "chat-999" in r.session]
+        expected = [r.id for r in sorted(records, key=lambda r: (r.ns, -r.last_used))
+                    if r.session and "chat-999" in r.session]
         await until(pilot, lambda: table.keys == expected, "the filter over 10,000")
         await pilot.press("escape")
         for _ in range(3):
@@ -372,3 +375,86 @@ def test_the_misses_view_shows_where_each_prompt_parted_from_the_cache(engine):
         await pilot.press("m")
         assert not screen.showing_misses and screen.focused is screen.table
     run(check, engine)
+
+
+def test_entries_grouped_by_model_with_each_models_share(tmp_path):
+    """Two real models' states in one cache folder: the inspector on the second names the
+    first's entries by the label it remembered from an earlier run, lists the loaded
+    model's entries first, and gives each model's RAM and SSD share."""
+    from mlxkv.engine.cache.tokens import store_namespace
+    from mlxkv.tui.store import ConversationStore
+
+    names = ConversationStore(tmp_path / "conversations.db")
+    cache = str(tmp_path / "cache")
+
+    def start(arch: str) -> Engine:
+        settings = Settings.load({"model": str(tiny_model(arch)), "cache_dir": cache, "block_tokens": 16,
+                                  "ram_cache_bytes": 256 << 20}, env={})
+        return Engine.from_settings(settings).start(timeout=T)
+
+    def label(eng: Engine) -> str:
+        return str(eng.stats()["model"]["model"]).rstrip("/").rsplit("/", 1)[-1]
+
+    class Named(App):  # not a Host: Textual would run Host's on_mount as well
+        def __init__(self, engine: Engine) -> None:
+            super().__init__()
+            self.engine = engine
+
+        def on_mount(self) -> None:
+            self.push_screen(InspectorScreen(self.engine, names=names))
+
+    def inspect(eng: Engine, check: Callable[..., Any]) -> None:
+        app = Named(eng)
+
+        async def main() -> None:
+            async with app.run_test(size=SIZE) as pilot:
+                await until(pilot, lambda: isinstance(app.screen, InspectorScreen), "the inspector")
+                await check(pilot, app.screen)
+        asyncio.run(main())
+
+    first = start("qwen3")
+    try:
+        ask(first, "A first model's conversation, kept on SSD, longer than the second model's two "
+                   "so that by size it would come first if the entries were not grouped by model.", "a1")
+        first.cache_flush(timeout=T)
+        first_label, first_ns = label(first), first.stats()["namespace"]
+
+        async def seen(pilot, screen: InspectorScreen) -> None:  # the first run learns its name
+            await until(pilot, lambda: first_label in screen.table.model_names.values(), "the model's name")
+        inspect(first, seen)
+    finally:
+        first.shutdown(timeout=T)
+    assert [v.rsplit("/", 1)[-1] for v in names.namespace_names().values()] == [first_label]
+
+    second = start("llama")
+    try:
+        ask(second, "The second model answers this one.", "b1")
+        ask(second, "And this one too, a second conversation.", "b2")
+        second_label = label(second)
+        assert second_label != first_label and second.stats()["namespace"] != first_ns
+        entries = second.cache_entries()
+        theirs = {e.id for e in entries if e.ns == store_namespace(first_ns)}  # on SSD, from the first run
+        mine = {e.id for e in entries} - theirs
+        assert len(mine) == 2 and len(theirs) == 1
+
+        async def check(pilot, screen: InspectorScreen) -> None:
+            await until(pilot, lambda: set(screen.table.keys) == mine | theirs, "both models' entries")
+            await until(pilot, lambda: screen.table.current_ns is not None, "the loaded model")
+            assert set(screen.table.keys[:2]) == mine  # the loaded model's group first
+            [other] = [screen.table.row(k) for k in theirs]
+            assert screen.table.model_label(other.ns) == first_label  # named from the earlier run
+            line = await until(pilot, lambda: str(screen.query_one("#fig-models").render()), "the share line")
+            assert line.startswith(f"by model: {second_label} RAM ") and first_label in line
+            shares = second.stats()["cache"]["namespaces"]
+            assert shares[other.ns]["ram_bytes"] == 0 and shares[other.ns]["ssd_bytes"] > 0
+            own = shares[screen.table.current_ns]
+            assert own["ram_bytes"] > 0  # the loaded model's states are in RAM
+            screen.table.sort_by("tokens", reverse=True)  # the largest first, inside each group
+            assert screen.table.keys[2] == other.id
+            await pilot.press("G")  # ungrouped: the largest first, whichever model
+            await until(pilot, lambda: not screen.table.grouped, "ungrouped")
+            assert screen.table.keys[0] == other.id
+        inspect(second, check)
+    finally:
+        second.shutdown(timeout=T)
+        names.close()

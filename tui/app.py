@@ -272,7 +272,7 @@ class MlxkvApp(App):
         except ImportError as e:
             self.notify(f"The cache inspector is not available: {e}", severity="warning")
             return
-        self.push_screen(InspectorScreen(self.bridge))
+        self.push_screen(InspectorScreen(self.bridge, names=self.store))
 
     def action_switch_model(self) -> None:
         from mlxkv.engine.settings import DEMO_MODEL

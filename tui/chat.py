@@ -215,8 +215,9 @@ class ChatScreen(ConversationActions, Screen):
         box = self.messages_box
         await box.remove_children()
         label = self._assistant_label()
+        # each reply under the name of the model that wrote it (a switch keeps the chat)
         views = [MessageView(m.role, m.content, message_id=m.id, stats=m.stats,
-                             label=label if m.role == "assistant" else None)
+                             label=((m.stats or {}).get("model") or label) if m.role == "assistant" else None)
                  for m in history if m.role != "system"]
         if views:
             await box.mount_all(views)

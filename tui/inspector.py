@@ -15,6 +15,11 @@ tier against their caps, dedup ratio, queue depths, last restore) come from
 (:mod:`tui.widgets.entry_table`); the detail pane loads 150 ms after the cursor stops.
 Opening an entry's conversation posts :class:`OpenConversation` for the app.
 
+Entries are grouped by model, the loaded model's first (``G`` turns the grouping off
+and on); the ``by model`` line gives each model's share of the RAM and SSD tiers. A
+model is named by its label once the inspector has seen it loaded, in this run or (with
+``names``: the conversation store) any run before; others by their namespace.
+
 ``m`` switches to the misses view (:mod:`tui.widgets.miss_table`): the last requests'
 cache lookups from the same ``stats()`` answers, each with where its prompt parted from
 the closest cached entry; ``m`` again goes back to the entries.
@@ -43,6 +48,7 @@ from mlxkv.engine.cache.tokens import store_namespace
 from mlxkv.tui.messages import CacheChanged, OpenConversation
 from mlxkv.tui.widgets.cache_figures import Figures
 from mlxkv.tui.widgets.entry_table import BlockTable, EntryTable, VirtualTable, age, human_bytes
+from mlxkv.tui.widgets.message import short_model
 from mlxkv.tui.widgets.miss_table import MissTable, describe
 from mlxkv.tui.widgets.modals import Confirm
 
@@ -55,9 +61,11 @@ PREVIEW_HEAD, PREVIEW_TAIL = 96, 256  # tokens decoded for the preview of a long
 
 
 class _Refreshed(Message):
-    def __init__(self, entries: list | None, stats: dict | None, error: str | None) -> None:
+    def __init__(self, entries: list | None, stats: dict | None, error: str | None,
+                 names: dict[str, str] | None = None) -> None:
         super().__init__()
         self.entries, self.stats, self.error = entries, stats, error
+        self.names = names or {}
 
 
 class _DetailLoaded(Message):
@@ -113,14 +121,19 @@ class InspectorScreen(Screen):
         Binding("g", "gc", "GC", id="inspector.gc"),
         Binding("o,enter", "open_conversation", "Open chat", id="inspector.open"),
         Binding("m", "toggle_misses", "Misses", show=False, id="inspector.misses"),
+        Binding("G", "toggle_groups", "Group by model", show=False, id="inspector.groups"),
         Binding("ctrl+r", "refresh", "Refresh", show=False, id="inspector.refresh"),
     ]
 
-    def __init__(self, engine: Any, *, live: bool = True, name: str | None = None,
+    def __init__(self, engine: Any, *, live: bool = True, names: Any = None, name: str | None = None,
                  id: str | None = None, classes: str | None = None) -> None:
         super().__init__(name=name, id=id, classes=classes)
         self.engine = engine
         self.live = live
+        # where models' names outlive the run (``name_namespace`` / ``namespace_names``:
+        # tui.store.ConversationStore); None: only the models seen loaded in this run
+        self.names = names
+        self._names_read = False
         self.figures = Figures()
         self.results: dict[str, Any] = {}  # the last result of each action, by name
         self.detail: CacheEntryDetail | None = None
@@ -140,6 +153,7 @@ class InspectorScreen(Screen):
                 yield Sparkline([], id="fig-sparkline")
                 yield Label("", id="fig-restore")
             yield Label("", id="fig-tiers")
+            yield Label("", id="fig-models")
             yield Label("", id="fig-queues")
         with Horizontal(id="inspector-bar"):
             yield Input(placeholder="filter: id, model, kind, tier, session", id="filter")
@@ -177,6 +191,8 @@ class InspectorScreen(Screen):
         return [
             ("Cache misses", "The last requests' cache lookups: what matched and where each "
              "prompt parted from the closest cached entry (m)", self.action_toggle_misses),
+            ("Group by model", "Group the entries by model, the loaded one first, or not (G)",
+             self.action_toggle_groups),
             ("Filter entries", "Show the entries whose text holds every word (/)", self.action_filter),
             ("Evict entry", "Drop the selected entry from RAM, keeping it on SSD (e)", self.action_evict),
             ("Delete entry", "Drop the selected entry from RAM and SSD, after asking (d)",
@@ -255,11 +271,41 @@ class InspectorScreen(Screen):
             stats = self._call("stats", timeout=CALL_TIMEOUT_S)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
-        self.post_message(_Refreshed(listed, stats, error))
+        names = self._remember_names(stats)
+        self.post_message(_Refreshed(listed, stats, error, names))
+
+    def _remember_names(self, stats: dict | None) -> dict[str, str]:
+        """(Worker thread.) The store namespace -> model label pairs to show: the loaded
+        model's from ``stats`` (kept in ``names`` when it is new there) and, the first time,
+        every one ``names`` remembers."""
+        found: dict[str, str] = {}
+        if self.names is not None and not self._names_read:
+            self._names_read = True
+            try:
+                found.update({ns: short_model(label) for ns, label in self.names.namespace_names().items()})
+            except Exception:  # a store that cannot be read names nothing; the table still works
+                pass
+        ns, label = (stats or {}).get("namespace"), ((stats or {}).get("model") or {}).get("model")
+        if ns and label:
+            try:
+                sns = store_namespace(ns)
+            except ValueError:
+                return found
+            found[sns] = short_model(str(label))
+            if self.names is not None and self.table.model_names.get(sns) != found[sns]:
+                try:
+                    self.names.name_namespace(sns, str(label))
+                except Exception:
+                    pass
+        return found
 
     @on(_Refreshed)
     def _refreshed(self, message: _Refreshed) -> None:
         self._busy = False
+        for sns, label in message.names.items():
+            self.table.set_model_name(sns, label)
+        if message.stats is not None:
+            self.table.set_current_model(self._store_ns(message.stats))
         if message.error is not None:
             self.query_one("#fig-hits", Label).update(Text(f"engine: {message.error}"))
             if message.entries is None:
@@ -285,15 +331,15 @@ class InspectorScreen(Screen):
         self.query_one("#entry-count", Label).update(
             f"{t.row_count} of {t.total_count} {what} · sort {t.sort_key} {arrow}")
 
+    @staticmethod
+    def _store_ns(stats: dict) -> str | None:
+        try:
+            return store_namespace(stats["namespace"]) if stats.get("namespace") else None
+        except ValueError:
+            return None
+
     def _show_figures(self, stats: dict) -> None:
-        ns, label = stats.get("namespace"), (stats.get("model") or {}).get("model")
-        if ns and label:
-            try:
-                # a folder's name, not its path: the column is narrow
-                self.table.set_model_name(store_namespace(ns), str(label).rstrip("/").rsplit("/", 1)[-1])
-            except ValueError:
-                pass
-        figs = self.figures.update(stats)
+        figs = self.figures.update(stats, self.table.model_label, self._store_ns(stats))
         for key, text in figs.items():
             self.query_one(f"#fig-{key}", Label).update(Text(text))
         self.query_one("#fig-sparkline", Sparkline).data = list(self.figures.history)
@@ -352,7 +398,7 @@ class InspectorScreen(Screen):
     def _show_detail(self, detail: CacheEntryDetail | None, preview: str) -> None:
         self.detail = detail
         summary = Text("no entry selected") if detail is None else _summary(
-            detail.info, self.table.model_names.get(detail.info.ns, detail.info.ns))
+            detail.info, self.table.model_label(detail.info.ns))
         self.query_one("#detail-summary", Static).update(summary)
         self.query_one("#detail-preview", Static).update(Text(preview, style="italic"))
         self.blocks.set_blocks([] if detail is None else detail.blocks)
@@ -380,6 +426,11 @@ class InspectorScreen(Screen):
             Text("no request yet") if row is None else describe(row))
         self.query_one("#detail-preview", Static).update("")
         self.blocks.set_blocks([])
+
+    def action_toggle_groups(self) -> None:
+        """Group the entries by model (the loaded one first), or not."""
+        self.table.set_grouped(not self.table.grouped)
+        self.notify("Entries grouped by model." if self.table.grouped else "Entries not grouped.")
 
     # ------------------------------------------------------------------ actions
     def _selected(self) -> CacheEntryInfo | None:

@@ -106,7 +106,13 @@ _V2 = [  # sampling settings, branches, per-reply stats; one position per messag
     "CREATE UNIQUE INDEX messages_by_conversation ON messages(conversation_id, position)",
     "CREATE INDEX conversations_by_updated ON conversations(updated DESC, id DESC)",
 ]
-MIGRATIONS: list[list[str]] = [_V1, _V2]
+_V3 = [  # the model each prefix-cache namespace belongs to, for the inspector
+    """CREATE TABLE model_namespaces (
+        ns TEXT PRIMARY KEY,
+        label TEXT NOT NULL,
+        seen REAL NOT NULL)""",
+]
+MIGRATIONS: list[list[str]] = [_V1, _V2, _V3]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -403,6 +409,22 @@ class ConversationStore:
 
     def set_model(self, cid: int, model: str | None) -> Conversation:
         return self._set(cid, "model", model)
+
+    # --- models -----------------------------------------------------------------------------
+    def name_namespace(self, ns: str, label: str) -> None:
+        """Remember that the prefix cache's namespace ``ns`` holds model ``label``'s states
+        (the inspector names the entries of models not loaded now by it)."""
+        if not (isinstance(ns, str) and ns and isinstance(label, str) and label):
+            raise ValueError("a namespace and a model label must be non-empty strings")
+        with self._tx() as db:
+            db.execute("INSERT INTO model_namespaces (ns, label, seen) VALUES (?, ?, ?) "
+                       "ON CONFLICT(ns) DO UPDATE SET label = excluded.label, seen = excluded.seen",
+                       (ns, label, self.clock()))
+
+    def namespace_names(self) -> dict[str, str]:
+        """Every namespace :meth:`name_namespace` was told of -> its model's label."""
+        with self._tx(write=False) as db:
+            return {r["ns"]: r["label"] for r in db.execute("SELECT ns, label FROM model_namespaces")}
 
     def delete(self, cid: int) -> None:
         """Delete the conversation and its messages (its branches stay, unlinked)."""

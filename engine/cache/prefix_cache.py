@@ -500,6 +500,11 @@ class PrefixCache(ManageMixin, PrefetchMixin):
             "ssd_disabled_reason": self.ssd_disabled_reason,
         })
         s.update(self.ssd.stats() if self.ssd is not None else {"ssd": False})
+        # each namespace's (each model's) share of the tiers, in bytes
+        ssd_ns = s.pop("ssd_namespaces", {})
+        ram_ns = ram.bytes_by_namespace()
+        s["namespaces"] = {ns: {"ram_bytes": ram_ns.get(ns, 0), "ssd_bytes": ssd_ns.get(ns, 0)}
+                           for ns in sorted(set(ram_ns) | set(ssd_ns))}
         if self.learned is not None:
             s.update(self.learned.stats())
         s.update(self.arena.stats())

@@ -138,6 +138,19 @@ class RamTier:
         entries' ``logical`` bytes compare to in the dedup ratio."""
         return self.row_bytes + self.checkpoint_bytes
 
+    def bytes_by_namespace(self) -> dict[str, int]:
+        """Token bytes held per store namespace (shared rows once, as ``token_bytes``)."""
+        out: dict[str, int] = {}
+        seen: set[int] = set()
+        for e in list(self.entries.values()):
+            n = e.nbytes if e.checkpoint is not None else 0
+            for run in e.runs:
+                if id(run) not in seen:
+                    seen.add(id(run))
+                    n += run.nbytes
+            out[e.ns] = out.get(e.ns, 0) + n
+        return out
+
     def __len__(self) -> int:
         return len(self.entries)
 

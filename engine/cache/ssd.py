@@ -354,6 +354,7 @@ class SsdTier:
         st = self.disk.stats()
         return {"ssd": True, "ssd_bytes": st["bytes"], "ssd_max_bytes": st.get("max_bytes"),
                 "ssd_blocks": st["blocks"],
+                "ssd_namespaces": {ns: v["bytes"] for ns, v in st.get("namespaces", {}).items()},
                 "ssd_tails": st["tails"], "ssd_checkpoints": st.get("checkpoints", 0),
                 "ssd_root": st["root"], "kernel": st["kernel"],
                 "durability": self.durability.report(), **self.durability.timings(),

@@ -6,7 +6,12 @@ answers (the engine keeps totals only)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from mlxkv.engine.cache.info import draft_base
 from mlxkv.tui.widgets.entry_table import human_bytes
+
+MODELS_SHOWN = 4  # models named on the "by model" line; the rest are counted
 
 
 def _bar(fraction: float, width: int = 8) -> str:
@@ -24,10 +29,13 @@ class Figures:
         self._prev: dict | None = None
         self.last_restore: tuple[float, float] | None = None  # (ms, bytes)
 
-    def update(self, stats: dict) -> dict[str, str]:
+    def update(self, stats: dict, label: Callable[[str], str] = str,
+               current: str | None = None) -> dict[str, str]:
+        """The figures' texts by name; ``label`` names a store namespace's model and
+        ``current`` is the loaded model's namespace (first on the "by model" line)."""
         c = stats.get("cache") or {}
         if not c.get("enabled"):
-            return {"hits": "prefix cache off", "tiers": "", "queues": "", "restore": ""}
+            return {"hits": "prefix cache off", "tiers": "", "models": "", "queues": "", "restore": ""}
         prev, self._prev = self._prev, c
         dp = c.get("prompt_tokens", 0) - (prev or {}).get("prompt_tokens", 0)
         dc = c.get("cached_tokens", 0) - (prev or {}).get("cached_tokens", 0)
@@ -60,4 +68,28 @@ class Figures:
         else:
             ms, nbytes = self.last_restore
             restore = f"last restore {ms:.0f} ms, {human_bytes(nbytes / ms * 1e3)}/s"
-        return {"hits": hits, "tiers": tiers, "queues": queues, "restore": restore}
+        return {"hits": hits, "tiers": tiers, "models": by_model(c.get("namespaces") or {}, label, current),
+                "queues": queues, "restore": restore}
+
+
+def by_model(namespaces: dict[str, dict], label: Callable[[str], str] = str,
+             current: str | None = None) -> str:
+    """Each model's share of the tiers (``stats["cache"]["namespaces"]``: store namespace
+    -> RAM and SSD bytes), a draft model's namespace counted with its target's; the loaded
+    model first, then the largest."""
+    shares: dict[str, list[int]] = {}
+    for ns, v in namespaces.items():
+        share = shares.setdefault(draft_base(ns) or ns, [0, 0])
+        share[0] += int(v.get("ram_bytes", 0))
+        share[1] += int(v.get("ssd_bytes", 0))
+    if not shares:
+        return "by model: nothing cached yet"
+    order = sorted(shares, key=lambda ns: (ns != current, -sum(shares[ns]), ns))
+
+    def name(ns: str) -> str:
+        text = label(ns)
+        return text if text != ns or len(ns) <= 16 else ns[:12] + "…"
+    parts = [f"{name(ns)} RAM {human_bytes(shares[ns][0])} · SSD {human_bytes(shares[ns][1])}"
+             for ns in order[:MODELS_SHOWN]]
+    more = len(order) - MODELS_SHOWN
+    return "by model: " + "   ".join(parts) + (f"   (+{more} more)" if more > 0 else "")

@@ -109,6 +109,7 @@ class VirtualTable(ScrollView, can_focus=True):
     columns: Sequence[Column] = ()
     default_sort: str | None = None
     default_reverse = False
+    grouped = False  # rows kept together by ``group`` (ascending), sorted within a group
 
     def __init__(self, *, name: str | None = None, id: str | None = None,
                  classes: str | None = None) -> None:
@@ -137,6 +138,15 @@ class VirtualTable(ScrollView, can_focus=True):
 
     def cell(self, column: Column, row: Any) -> str:
         return column.text(row)
+
+    def group(self, row: Any) -> Any:
+        """The group of ``row`` when :attr:`grouped` (groups in ascending order)."""
+        return 0
+
+    def set_grouped(self, grouped: bool) -> None:
+        if grouped != self.grouped:
+            self.grouped = grouped
+            self._rebuild()
 
     @property
     def row_count(self) -> int:
@@ -223,8 +233,12 @@ class VirtualTable(ScrollView, can_focus=True):
             chosen: Iterable[Any] = [rows[k] for k in keys]
         else:
             keys, chosen = list(rows), rows.values()
-        if self._sort_key is not None:
-            ordered = sorted(chosen, key=self._column(self._sort_key).sort, reverse=self._reverse)
+        if self._sort_key is not None or self.grouped:
+            ordered = chosen
+            if self._sort_key is not None:
+                ordered = sorted(ordered, key=self._column(self._sort_key).sort, reverse=self._reverse)
+            if self.grouped:  # stable: the column's order holds inside each group
+                ordered = sorted(ordered, key=self.group)
             row_key = self.row_key
             keys = [row_key(r) for r in ordered]
         self._view = keys
@@ -356,30 +370,50 @@ ENTRY_COLUMNS: tuple[Column, ...] = (
 
 class EntryTable(VirtualTable):
     """Cached states (:class:`~engine.cache.info.CacheEntryInfo`), keyed by entry id;
-    most recently used first until another column is picked. Pinned rows are bold."""
+    grouped by model (the loaded model's first, then by name), most recently used first in
+    each until another column is picked. Pinned rows are bold."""
 
     columns = ENTRY_COLUMNS
     default_sort = "last_used"
     default_reverse = True
+    grouped = True
 
     def __init__(self, *, name: str | None = None, id: str | None = None,
                  classes: str | None = None) -> None:
         super().__init__(name=name, id=id, classes=classes)
         self.model_names: dict[str, str] = {}  # store namespace -> model label
+        self.current_ns: str | None = None  # the loaded model's store namespace
 
     def set_model_name(self, ns: str, label: str) -> None:
         """Show ``label`` for the entries of namespace ``ns``."""
         if self.model_names.get(ns) != label:
             self.model_names[ns] = label
             self._hay = None
+            self._rebuild()
             self.refresh()
+
+    def set_current_model(self, ns: str | None) -> None:
+        """The loaded model's namespace: its entries come first."""
+        if ns != self.current_ns:
+            self.current_ns = ns
+            self._rebuild()
+            self.refresh()
+
+    def model_label(self, ns: str) -> str:
+        """What the model column shows for namespace ``ns``: the model's label when known
+        (a draft model's namespace: its target's, marked), else the namespace itself."""
+        name = self.model_names.get(ns)
+        if name is None and (base := draft_base(ns)) is not None:
+            name = f"{self.model_names.get(base, base)} (draft)"
+        return ns if name is None else name
+
+    def group(self, row: CacheEntryInfo) -> tuple[bool, str, str]:
+        base = draft_base(row.ns) or row.ns
+        return (base != self.current_ns, self.model_label(base), row.ns)
 
     def cell(self, column: Column, row: CacheEntryInfo) -> str:
         if column.key == "ns":
-            name = self.model_names.get(row.ns)
-            if name is None and (base := draft_base(row.ns)) is not None:
-                name = f"{self.model_names.get(base, base)} (draft)"
-            return row.ns if name is None else name
+            return self.model_label(row.ns)
         return column.text(row)
 
     def row_key(self, row: CacheEntryInfo) -> str:

@@ -45,12 +45,20 @@ def _tps(value: float) -> str:
     return f"{value:.0f}" if value >= 10 else f"{value:.1f}"
 
 
+def short_model(label: str) -> str:
+    """A model's label as the narrow places show it: a folder's name, not its path."""
+    return label.rstrip("/").rsplit("/", 1)[-1] or label
+
+
 def format_status(stats: dict[str, Any] | None, reason: str | None = None) -> str:
-    """The status line of a reply, e.g. ``412 prompt tok · 384 cached (RAM 384) ·
-    TTFT 0.04 s · 96 tok at 231 tok/s``."""
+    """The status line of a reply, e.g. ``SmolLM2-135M · 412 prompt tok · 384 cached
+    (RAM 384) · TTFT 0.04 s · 96 tok at 231 tok/s``: the model that answered first (a
+    folder's name, not its path), when the stats name it."""
     if not stats:
         return reason or ""
     parts = [f"{stats.get('prompt_tokens', 0)} prompt tok"]
+    if stats.get("model"):
+        parts.insert(0, short_model(str(stats["model"])))
     cached = int(stats.get("cached_tokens") or 0)
     ram, ssd = stats.get("cached_ram_tokens"), stats.get("cached_ssd_tokens")
     where = []
