@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -190,3 +192,18 @@ def test_chat_sigterm_flushes_the_cache_and_exits(tiny_qwen3, tmp_path):
                   "--max-tokens", "2", "--temp", "0", MLXKV_CACHE_DIR=str(tmp_path))
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout.splitlines()[-1])["stats"]["cached_tokens"] > 0
+
+
+def test_the_reference_blas_is_a_warning_that_says_how_to_fix_it():
+    """Without a system OpenBLAS on Linux, mlx's float32 matmuls on the CPU use the
+    reference BLAS it bundles: one warning says so and what to do; MLXKV_BLAS=off (a choice)
+    is silent."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("mlx brings its own BLAS off Linux")
+    args = ("generate", "--model", "demo", "--max-tokens", "2", "--prompt", "hi")
+    r = mlxkv(*args, MLXKV_BLAS="/nonexistent/libopenblas.so.0")
+    assert r.returncode == 0, r.stderr
+    [line] = [ln for ln in r.stderr.splitlines() if "reference BLAS" in ln]
+    assert line.startswith("mlxkv: warning: could not load /nonexistent/libopenblas.so.0") and "MLXKV_BLAS=off" in line
+    quiet = mlxkv(*args, MLXKV_BLAS="off")
+    assert quiet.returncode == 0 and "reference BLAS" not in quiet.stderr, quiet.stderr
