@@ -178,8 +178,9 @@ class Batching:
             cache.release(ending.cache)
         else:
             cache.store(ending.tokens_in_cache, ending.cache, row.request.session,
-                        row.request.retain_s)
-        learn_finished(self.runtime.providers, list(row.emitted))
+                        row.request.retain_s, row.request.cache_scope)
+        if row.request.cache_scope is None:  # a scope's text never reaches another request's drafts
+            learn_finished(self.runtime.providers, list(row.emitted))
 
     def _failed(self, batch: Batch, exc: BaseException) -> None:
         """A batch step failed (a cached state that does not fit, say): every row is
@@ -192,7 +193,7 @@ class Batching:
         for row in batch.abort():
             self.counts.retries += 1
             if row.n_cached > 0:
-                self.runtime.cache.drop(row.prompt, exc)
+                self.runtime.cache.drop(row.prompt, exc, row.request.cache_scope)
             handle, sent = row.handle, list(row.emitted)
             try:
                 gen = self.single.generate(handle, row.prompt, row.params, None, 0, [], sent)

@@ -25,10 +25,17 @@ class CacheUse:
         self.enabled = client.enabled  # False: NullPrefixCache, nothing worth storing
         self._busy = False  # what the cache was last told
 
-    def lookup(self, tokens: list[int], session: str | None) -> tuple[int, list | None]:
+    def namespace_of(self, scope: str | None) -> str:
+        """The namespace of a request of cache scope ``scope`` (``Request.cache_scope``)."""
+        from mlxkv.engine.cache.info import scoped_namespace
+
+        return scoped_namespace(self.namespace, scope)
+
+    def lookup(self, tokens: list[int], session: str | None, scope: str | None = None
+               ) -> tuple[int, list | None]:
         """(cached tokens, the KV cache holding them) for the prompt, or (0, None)."""
         try:
-            n, cache = self.client.lookup(tokens, self.namespace, session=session)
+            n, cache = self.client.lookup(tokens, self.namespace_of(scope), session=session)
         except Exception:
             log.exception("prefix cache lookup failed; computing the whole prompt")
             return 0, None
@@ -56,11 +63,11 @@ class CacheUse:
         except Exception:
             log.exception("prefix cache release failed")
 
-    def drop(self, tokens: list[int], exc: BaseException) -> None:
+    def drop(self, tokens: list[int], exc: BaseException, scope: str | None = None) -> None:
         """A generation that started from cached tokens of ``tokens`` failed with ``exc``:
         drop every cached state that would seed this prompt again."""
         try:
-            self.client.invalidate(tokens, self.namespace)
+            self.client.invalidate(tokens, self.namespace_of(scope))
         except Exception:
             log.exception("prefix cache invalidate failed")
         first = (str(exc).splitlines() or [""])[0][:200]
@@ -79,17 +86,17 @@ class CacheUse:
         except Exception:
             log.exception("prefix cache busy() failed")
 
-    def explain(self, tokens: list[int]) -> Any:
+    def explain(self, tokens: list[int], scope: str | None = None) -> Any:
         """The stored state closest to the prompt and where the prompt parts from it (see
         ``CacheClient.explain``); None when there is none or the cache failed (logged)."""
         try:
-            return self.client.explain(tokens, self.namespace)
+            return self.client.explain(tokens, self.namespace_of(scope))
         except Exception:
             log.exception("prefix cache explain failed")
             return None
 
     def store(self, tokens: list[int], cache: list, session: str | None,
-              retain_s: float | None = None) -> None:
+              retain_s: float | None = None, scope: str | None = None) -> None:
         """Hand the KV state of ``tokens`` to the cache, once the request is answered
         (``retain_s``: the request's retention hint); a failure is logged, never raised
         into the request."""
@@ -97,7 +104,7 @@ class CacheUse:
             import mlx.core as mx
 
             mx.eval([c.state for c in cache])
-            self.client.store(tokens, cache, self.namespace, session=session, retain_s=retain_s)
+            self.client.store(tokens, cache, self.namespace_of(scope), session=session, retain_s=retain_s)
         except Exception:
             log.exception("prefix cache store failed")
 

@@ -160,7 +160,7 @@ class Preparer:
         params = req.params
         if max_tokens != params.max_tokens:
             params = dataclasses.replace(params, max_tokens=max_tokens)
-        n_cached, cache = self.cache.lookup(tokens, req.session)
+        n_cached, cache = self.cache.lookup(tokens, req.session, req.cache_scope)
         ram_tokens, ssd_tokens = self.cache.tier_split(n_cached)
         job = self.tokens.prepared(
             Job(handle, start, tokens, params, n_cached, cache, ram_tokens, ssd_tokens))
@@ -170,7 +170,8 @@ class Preparer:
     def record(self, job: Job) -> None:
         """What the lookup found, and why no more (before the request's first event)."""
         n, total = job.n_cached, len(job.tokens)
-        near = self.cache.explain(job.tokens) if self.cache.enabled and n < total - 1 else None
+        scope = job.handle.request.cache_scope
+        near = self.cache.explain(job.tokens, scope) if self.cache.enabled and n < total - 1 else None
         tier = "ram" if job.ram_tokens else "ssd" if job.ssd_tokens else None
         r = report(job.handle.id, job.tokens, n, tier, near, self.loaded.tokenizer,
                    enabled=self.cache.enabled)

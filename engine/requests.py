@@ -174,6 +174,11 @@ class Request:
     # request leaves in the prefix cache (its whole prompt and reply) is evicted only after
     # every state without one, for this many seconds. None: no hint.
     retain_s: float | None = None
+    # The cache scope (a tenant): the states of requests of one scope are kept and found
+    # apart from every other scope's and the unscoped ones' (``cache.layout.scoped_namespace``),
+    # and their outputs teach no speculation source that drafts for other requests. None:
+    # the model's own namespace, shared by every unscoped request.
+    cache_scope: str | None = None
 
     def __post_init__(self) -> None:
         given = [x is not None for x in (self.messages, self.prompt, self.prompt_tokens)]
@@ -186,6 +191,9 @@ class Request:
                              else "the prompt is empty (no messages)")
         if self.prompt_tokens is not None and len(self.prompt_tokens) == 0:
             raise ValueError("the prompt is empty (no tokens)")
+        if self.cache_scope is not None and not (isinstance(self.cache_scope, str)
+                                                 and 0 < len(self.cache_scope) <= 1024):
+            raise ValueError("cache_scope must be a string of 1 to 1024 characters")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs}")
         if self.spec is not None and self.spec not in SPEC_CHOICES:

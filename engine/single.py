@@ -103,7 +103,8 @@ class SingleStream:
             settings_mode=self.settings.spec, constraint=constraint,
             json_skeleton=req.json_skeleton, max_tokens=self.settings.spec_tokens,
             prefix_cache=rt.cache.client if rt.cache.enabled else None,
-            namespace=rt.namespace, session=req.session)
+            namespace=rt.cache.namespace_of(req.cache_scope), session=req.session,
+            private=req.cache_scope is not None)
 
     def run(self, job: Job) -> Join | None:
         """Generate ``job`` alone and answer it; the :class:`Join` when it must move into a
@@ -118,7 +119,7 @@ class SingleStream:
             except Retry as failed:
                 self.counts.retries += 1
                 retried = True
-                self.runtime.cache.drop(tokens, failed.__cause__)
+                self.runtime.cache.drop(tokens, failed.__cause__, req.cache_scope)
                 gen = self.generate(handle, tokens, params, None, 0, [], sent)
         except Join as join:  # another request waits: go on decoding together
             return join
@@ -163,8 +164,10 @@ class SingleStream:
         # After the caller has its answer: hand the KV state to the prefix cache, and the
         # output to the speculation sources that learn from earlier outputs.
         if stores:
-            self.runtime.cache.store(out.tokens_in_cache, gen.cache, req.session, req.retain_s)
-        learn_finished(self.runtime.providers, out.tokens)
+            self.runtime.cache.store(out.tokens_in_cache, gen.cache, req.session, req.retain_s,
+                                     req.cache_scope)
+        if req.cache_scope is None:  # a scope's text never reaches another request's drafts
+            learn_finished(self.runtime.providers, out.tokens)
 
     def generate(self, handle: RequestHandle, tokens: list[int], params: SamplingParams,
                  cache: list | None, n_cached: int, sent: list[int],

@@ -34,6 +34,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxkv.engine.cache import kvblocks as kb
+from mlxkv.engine.cache.info import scope_base
 
 Sig = tuple[tuple[int, tuple[int, ...], str], ...]  # per segment: (outer, row shape, dtype)
 
@@ -130,7 +131,7 @@ class Arena:
         """Arrays for a restore of the stored segments ``flat`` with room for ``cap``
         tokens, from a free slot (the arena forgets them), or None (allocate as usual).
         A slot is used when it fits and wastes at most one ``cap`` of headroom."""
-        sp = self._spaces.get(sns)
+        sp = self._spaces.get(sns) or self._spaces.get(scope_base(sns))  # a tenant's: its model's
         if sp is None or layout_signature(flat) != sp.sig:
             return None
         for i, slot in enumerate(sp.free):

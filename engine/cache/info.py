@@ -18,8 +18,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import xxhash
+
 Kind = Literal["conversation", "prefix", "checkpoint", "draft"]
 Tier = Literal["ram", "ssd", "both"]
+
+
+SCOPE_MARK = ".t-"  # between a model's namespace and a scope's digest (a valid store name)
+
+
+def scoped_namespace(ns: str, scope: str | None) -> str:
+    """The namespace of ``scope`` (a tenant: an API key's, a request's ``cache_salt``) inside
+    the model namespace ``ns``: its states share nothing with the model's own or another
+    scope's (the chain keys start from another namespace id). None: ``ns`` itself."""
+    if not scope:
+        return ns
+    return f"{ns}{SCOPE_MARK}{xxhash.xxh3_64_hexdigest(scope.encode())}"
+
+
+def scope_base(ns: str) -> str:
+    """The model namespace a scoped namespace is inside (``ns`` itself when unscoped)."""
+    return ns.split(SCOPE_MARK, 1)[0]
 
 
 def draft_base(ns: str) -> str | None:

@@ -21,6 +21,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
+from mlxkv.engine.cache.info import scope_base
 from mlxkv.engine.cache.layout import LayoutError
 
 
@@ -93,8 +94,9 @@ class Templates:
         self._sigs[ns] = sigs
 
     def check(self, ns: str, cache: list) -> None:
-        """LayoutError unless ``cache`` fits the namespace's model (unknown: accepted)."""
-        want = self._sigs.get(ns)
+        """LayoutError unless ``cache`` fits the namespace's model (unknown: accepted). A
+        cache scope's namespace (a tenant's) is checked against its model's."""
+        want = self._sigs.get(ns) or self._sigs.get(scope_base(ns))
         if want is None:
             return
         if len(cache) != len(want):

@@ -103,6 +103,9 @@ class DraftSource:
     # one acceptance rate for every position, would cut a 40-token repeated tool call into
     # rounds of 4, 8, 16 tokens as it grows.
     sizes_itself: bool = False
+    # Proposals from this request alone: nothing learned from other requests' outputs (a
+    # request of a cache scope, a tenant, whose speed must not tell what others wrote).
+    private: bool = False
 
     def prefill(self, prompt_tokens: list[int], processed: int = 0, hidden: mx.array | None = None) -> None:
         """The prompt is in the target's KV; ``processed`` of its tokens were already known to

@@ -174,11 +174,12 @@ class Speculation:
     def __init__(self, provider: DraftProvider, target: TargetView, params: SamplingParams, *,
                  mode: str = "auto", constraint: Any = None, max_tokens: int | None = None,
                  prefix_cache: CacheClient | None = None, namespace: str = "",
-                 session: str | None = None, timed: bool = True):
+                 session: str | None = None, timed: bool = True, private: bool = False):
         self.provider = provider
         self.target = target
         self.constraint = constraint
         self.source = provider.open(target, params, constraint)
+        self.source.private = private
         # Constraints propose only what the output must be: always ask for all of it. A seeded
         # sampled request keeps a fixed length, so its draws do not depend on timings.
         exact = provider.kind == "constraint"
@@ -241,7 +242,8 @@ def open_speculation(providers: dict[str, DraftProvider] | None, loaded: Any,
                      settings_mode: str = FIELD_BY_NAME["spec"].default, constraint: Any = None,
                      json_skeleton: Any = None, max_tokens: int | None = None,
                      prefix_cache: CacheClient | None = None, namespace: str = "",
-                     session: str | None = None) -> tuple[Speculation | None, Any]:
+                     session: str | None = None, private: bool = False
+                     ) -> tuple[Speculation | None, Any]:
     """(the request's Speculation or None, its constraint or None). ``constraint`` is the
     mask the output must satisfy (``grammar.request_constraint``: ``guided_choice`` or a
     grammar), returned as given; it drafts what it forces. A JSON skeleton only drafts."""
@@ -263,5 +265,5 @@ def open_speculation(providers: dict[str, DraftProvider] | None, loaded: Any,
     view = TargetView(loaded.model, loaded.tokenizer)
     spec = Speculation(provider, view, params, mode=mode, constraint=drafting, max_tokens=max_tokens,
                        prefix_cache=prefix_cache, namespace=namespace, session=session,
-                       timed=not seeded)
+                       timed=not seeded, private=private)
     return spec, constraint

@@ -68,7 +68,7 @@ class SuffixSource(DraftSource):
     def propose(self, pending: int, n: int) -> Proposal:
         p = self.provider
         context = self.local.tokens[-p.window:] + [int(pending)]
-        tokens, _ = propose_path((self.local, p.global_index), context, n, alpha=p.alpha,
+        tokens, _ = propose_path(self._indexes(), context, n, alpha=p.alpha,
                                  min_score=p.min_score, min_match=p.min_match)
         return Proposal(tokens)
 
@@ -80,7 +80,10 @@ class SuffixSource(DraftSource):
         request or an earlier reply): the model is likely copying it."""
         tokens = self.local.tokens
         return len(tokens) >= PROBE_MATCH and match_length(
-            (self.local, self.provider.global_index), tokens[-self.provider.window:]) >= PROBE_MATCH
+            self._indexes(), tokens[-self.provider.window:]) >= PROBE_MATCH
+
+    def _indexes(self) -> tuple[SuffixIndex, ...]:
+        return (self.local,) if self.private else (self.local, self.provider.global_index)
 
     def consume(self, tokens: Sequence[int]) -> None:
         self.local.extend(tokens)

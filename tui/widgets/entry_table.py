@@ -26,7 +26,7 @@ from textual.message import Message
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from mlxkv.engine.cache.info import BlockInfo, CacheEntryInfo, draft_base
+from mlxkv.engine.cache.info import SCOPE_MARK, BlockInfo, CacheEntryInfo, draft_base, scope_base
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
@@ -404,12 +404,14 @@ class EntryTable(VirtualTable):
         (a draft model's namespace: its target's, marked), else the namespace itself."""
         name = self.model_names.get(ns)
         if name is None and (base := draft_base(ns)) is not None:
-            name = f"{self.model_names.get(base, base)} (draft)"
+            name = f"{self.model_label(base)} (draft)"
+        elif name is None and (model := scope_base(ns)) != ns:
+            name = f"{self.model_names.get(model, model)} (tenant {ns[len(model) + len(SCOPE_MARK):][:8]})"
         return ns if name is None else name
 
     def group(self, row: CacheEntryInfo) -> tuple[bool, str, str]:
-        base = draft_base(row.ns) or row.ns
-        return (base != self.current_ns, self.model_label(base), row.ns)
+        model = scope_base(draft_base(row.ns) or row.ns)
+        return (model != self.current_ns, self.model_names.get(model, model), row.ns)
 
     def cell(self, column: Column, row: CacheEntryInfo) -> str:
         if column.key == "ns":
