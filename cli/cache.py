@@ -62,8 +62,27 @@ def _block_tokens(store: Any) -> int | None:
     return None
 
 
-def _namespaces(store: Any, only: str | None) -> list[str]:
-    """Namespaces with indexed files, or only saved conversations (whose blocks are gone)."""
+def _tenant_mark(args: argparse.Namespace, settings: Any) -> str | None:
+    """What the namespaces of ``--tenant NAME`` end with (or hold before a draft's mark):
+    its key's scope in the model namespaces (``engine.cache.info.scoped_namespace``)."""
+    name = getattr(args, "tenant", None)
+    if name is None:
+        return None
+    from mlxkv.engine.cache.info import scoped_namespace
+    from mlxkv.server.tenants import Keys, key_scope
+
+    if not settings.api_key_file:
+        raise ValueError("--tenant names a key of --api-key-file: give the key file too")
+    keys = {k.name: k for k in Keys.from_file(settings.api_key_file).keys}
+    if name not in keys:
+        raise ValueError(f"--tenant {name}: no such key in {settings.api_key_file} "
+                         f"(have: {', '.join(keys)})")
+    return scoped_namespace("", key_scope(keys[name]))
+
+
+def _namespaces(store: Any, only: str | None, tenant: str | None = None) -> list[str]:
+    """Namespaces with indexed files, or only saved conversations (whose blocks are gone);
+    ``tenant``: only those of the tenant whose scope mark this is (:func:`_tenant_mark`)."""
     from mlxkv.storage.store import check_namespace
 
     names = set(store.stats()["namespaces"]) | {f.ns for f in store.learned_files()}
@@ -75,6 +94,8 @@ def _namespaces(store: Any, only: str | None) -> list[str]:
         except ValueError:  # not a namespace folder
             continue
     names = sorted(names)
+    if tenant is not None:
+        names = [n for n in names if n.endswith(tenant) or f"{tenant}_draft-" in n]
     if only is not None:
         if only not in names:
             raise KeyError(f"namespace {only!r} is not in {store.root} (have: "
@@ -169,7 +190,7 @@ def _clear(store: Any, ns: str) -> bool:
 def run_cache_command(args: argparse.Namespace, settings: Any) -> int:
     """Run one ``mlxkv cache`` verb on ``settings.cache_dir``; returns the exit status."""
     try:
-        return _run(args, os.path.expanduser(settings.cache_dir))
+        return _run(args, os.path.expanduser(settings.cache_dir), _tenant_mark(args, settings))
     except KeyError as exc:  # a namespace that is not there
         return fail(exc.args[0] if exc.args else str(exc))
     except (FileNotFoundError, ValueError, CacheFolderError) as exc:
@@ -181,7 +202,7 @@ def run_cache_command(args: argparse.Namespace, settings: Any) -> int:
 
 
 
-def _run(args: argparse.Namespace, root: str) -> int:
+def _run(args: argparse.Namespace, root: str, tenant: str | None = None) -> int:
     as_json = getattr(args, "json", False)
     ns_only = getattr(args, "ns", None)
     store = _open_store(root)
@@ -208,7 +229,7 @@ def _run(args: argparse.Namespace, root: str) -> int:
                 print(f"  skipped {path}: {why}")
     elif cmd == "ls":
         res = {}
-        for ns in _namespaces(store, ns_only):
+        for ns in _namespaces(store, ns_only, tenant):
             mans = sorted(store.manifests(ns), key=lambda m: m.created)
             res[ns] = [{"kind": "conversation", "name": m.name, "tokens": len(m.tokens),
                         "blocks": len(m.block_keys), "checkpoint": bool(m.extra_keys),
@@ -227,7 +248,7 @@ def _run(args: argparse.Namespace, root: str) -> int:
                 for name, info in sorted(learned.items()):
                     print(f"  {_learned_line(name, info)}")
     elif cmd == "verify":
-        res = {ns: _verify(store, ns) for ns in _namespaces(store, ns_only)}
+        res = {ns: _verify(store, ns) for ns in _namespaces(store, ns_only, tenant)}
         for ns, v in res.items():
             learned = _learned(store, ns, remove=True).get(ns, {})
             v["learned_damaged"] = {name: info["damaged"] for name, info in learned.items()
@@ -248,7 +269,7 @@ def _run(args: argparse.Namespace, root: str) -> int:
             print("damaged: see above" if bad else "all intact")
         return 1 if bad else 0
     elif cmd == "gc":
-        names = _namespaces(store, ns_only) if ns_only else [None]
+        names = _namespaces(store, ns_only, tenant) if ns_only else [None]
         res = {"removed": 0, "bytes": 0, "unreadable_manifests": {}}
         for ns in names:
             r = store.gc(ns, min_age_s=args.min_age)
@@ -268,7 +289,7 @@ def _run(args: argparse.Namespace, root: str) -> int:
                   f"{rep['tmp_removed']} temp files and {rep['bad_removed']} damaged files "
                   f"removed")
     elif cmd == "clear":
-        names = _namespaces(store, ns_only)
+        names = _namespaces(store, ns_only, tenant)
         res = {"namespaces": names, "deleted": bool(args.yes)}
         if args.yes:
             res["left"] = [ns for ns in names if not _clear(store, ns)]

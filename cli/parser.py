@@ -106,6 +106,9 @@ def _add_cache_parser(sub: argparse._SubParsersAction, common: argparse.Argument
         v = verbs.add_parser(name, parents=[common], help=text)
         if ns:
             v.add_argument("--ns", help="only this namespace")
+            v.add_argument("--tenant", metavar="NAME",
+                           help="only the namespaces of this key of --api-key-file (its requests "
+                                "without cache_salt or organisation headers)")
         return v
 
     verb("stats", "bytes, blocks and tails per namespace", ns=False)

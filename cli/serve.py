@@ -16,8 +16,8 @@ def cmd_serve(args: argparse.Namespace, settings: Any) -> int:
         from mlxkv.server import access_log
 
         access_log.install()
-    warn_if_open(settings.host, settings.api_key)
     config = config_from_settings(settings, sampling_params(settings))
+    warn_if_open(settings.host, config.accepted)
     try:  # before the model loads: a port in use fails at once
         sock = bind(settings.host, settings.port)
     except OSError as e:
@@ -30,7 +30,8 @@ def cmd_serve(args: argparse.Namespace, settings: Any) -> int:
         raise
 
     def ready(url: str) -> None:
-        key = ", API key required" if config.api_key else ""
+        n = len(config.accepted)
+        key = "" if not n else ", API key required" if n == 1 else f", {n} API keys, each its own cache"
         print(f"mlxkv serve: {label} on {url} (OpenAI {url}/v1, Anthropic {url}/v1/messages{key}); "
               "Ctrl-C stops", file=sys.stderr, flush=True)
 

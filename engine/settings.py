@@ -348,6 +348,9 @@ FIELDS: tuple[Field, ...] = (
     Field("port", 8000, _positive_int, "serve: TCP port", arg_type=int, metavar="N"),
     Field("api_key", None, _optional(str),
           "serve: require this key (Authorization: Bearer KEY, or x-api-key: KEY)", metavar="KEY"),
+    Field("api_key_file", None, _optional(str),
+          "serve: the keys to require, one 'NAME KEY [share=GROUP] [admin]' a line; each key's "
+          "prompt cache is its own unless keys share a GROUP", metavar="FILE"),
     Field("cors_origins", None, _optional(str),
           "serve: comma-separated origins allowed by CORS, or * (default: CORS off)",
           metavar="ORIGINS"),
@@ -473,6 +476,7 @@ class Settings:
     host: str
     port: int
     api_key: str | None
+    api_key_file: str | None
     cors_origins: str | None
     max_body_bytes: int
     max_requests: int

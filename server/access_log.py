@@ -13,6 +13,7 @@ from typing import Any
 
 log = logging.getLogger("mlxkv.access")
 STREAM_KEY = "mlxkv.stream"  # where a generation route leaves its EventStream in the scope
+KEY_SCOPE = "mlxkv.key"  # where the key check leaves the request's Key (server.tenants)
 
 
 def install(stream: Any = None) -> None:
@@ -27,8 +28,10 @@ def install(stream: Any = None) -> None:
     log.propagate = False
 
 
-def line(method: str, path: str, status: int, seconds: float, stream: Any) -> str:
-    parts = [method, path, str(status), f"{seconds:.2f}s"]
+def line(method: str, path: str, status: int, seconds: float, stream: Any,
+         key: str | None = None) -> str:
+    """``key``: the name of the request's API key (from the key file), never the key."""
+    parts = [method, path, str(status), f"{seconds:.2f}s"] + ([f"key={key}"] if key else [])
     stats = getattr(getattr(stream, "handle", None), "stats", None)
     if stats is not None:
         tiers = [f"{t} {n}" for t, n in (("ram", stats.cached_ram_tokens), ("ssd", stats.cached_ssd_tokens)) if n]
@@ -63,5 +66,7 @@ class AccessLog:
         try:
             await self.app(scope, receive, sending)
         finally:
+            key = scope.get(KEY_SCOPE)
             log.info(line(scope.get("method", "?"), scope.get("path", "?"), status or 499,
-                          time.perf_counter() - started, scope.get(STREAM_KEY)))
+                          time.perf_counter() - started, scope.get(STREAM_KEY),
+                          key.name if key is not None else None))

@@ -34,6 +34,7 @@ from mlxkv.server.grammars import json_reply, reply_grammar
 from mlxkv.server.keepalive import ANTHROPIC_PING, PROGRESS_EVERY, keep_alive
 from mlxkv.server.reasoning import anthropic_kwargs
 from mlxkv.server.retention import anthropic_retain_s
+from mlxkv.server.tenants import cache_scope
 
 
 # ------------------------------------------------------------------------- the request
@@ -293,7 +294,8 @@ async def messages(http: HttpRequest, ctx: Context) -> Response:
     try:
         req = Request(messages=prompt.messages, params=params, session=session_of(http, body),
                       tools=prompt.tools, template_kwargs=prompt.template_kwargs, grammar=grammar,
-                      retain_s=anthropic_retain_s(body), **extension_fields(body))
+                      retain_s=anthropic_retain_s(body), cache_scope=cache_scope(http, body),
+                      **extension_fields(body))
     except ValueError as e:
         raise ApiError(400, str(e)) from None
     es = EventStream(ctx.engine, req, ctx.gate, asyncio.get_running_loop(), ctx.lease)

@@ -17,7 +17,6 @@ logged as one line (``MLXKV_DEBUG=1`` logs the traceback).
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -33,7 +32,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mlxkv.engine.pool import UnknownModel
-from mlxkv.server import anthropic_api, openai_api, responses_api
+from mlxkv.server import anthropic_api, openai_api, responses_api, tenants
 from mlxkv.server.access_log import STREAM_KEY, AccessLog
 from mlxkv.server.bridge import cache_header, current_stream
 from mlxkv.server.context import Context, ServerConfig, current_lease, dumps
@@ -55,23 +54,14 @@ def _error(err: ApiError, path: str) -> JSONResponse:
     return JSONResponse(body, status_code=err.status, headers=headers)
 
 
-def _check_key(http: HttpRequest, key: str | None) -> None:
-    if key is None:
-        return
-    given = http.headers.get("x-api-key")
-    auth = http.headers.get("authorization", "")
-    if auth[:7].lower() == "bearer ":
-        given = auth[7:].strip()
-    if given is None or not hmac.compare_digest(given.encode(), key.encode()):
-        raise ApiError(401, "invalid API key" if given else
-                       "an API key is required (Authorization: Bearer KEY, or x-api-key: KEY)")
-
-
-def _route(ctx: Context, handler: Handler, open_route: bool = False) -> Callable[[HttpRequest], Awaitable[Response]]:
+def _route(ctx: Context, handler: Handler, open_route: bool = False,
+           admin: bool = False) -> Callable[[HttpRequest], Awaitable[Response]]:
+    """``handler`` behind the key check (``open_route``: none; ``admin``: an admin key's
+    routes, which show or act on every tenant's cache)."""
     async def endpoint(http: HttpRequest) -> Response:
         try:
             if not open_route:
-                _check_key(http, ctx.config.api_key)
+                tenants.check(http, ctx.config.accepted, admin=admin)
             current_stream.set(None)
             current_lease.set(None)
             response = await handler(http, ctx)
@@ -182,8 +172,8 @@ def create_app(served: Any, config: ServerConfig | None = None) -> Starlette:
         Route("/v1/responses", _route(ctx, responses_api.responses), methods=["POST"]),
         Route("/v1/messages", _route(ctx, anthropic_api.messages), methods=["POST"]),
         Route("/v1/messages/count_tokens", _route(ctx, anthropic_api.count_tokens), methods=["POST"]),
-        Route("/stats", _route(ctx, stats), methods=["GET"]),
-        Route("/admin/cache/flush", _route(ctx, flush), methods=["POST"]),
+        Route("/stats", _route(ctx, stats, admin=True), methods=["GET"]),
+        Route("/admin/cache/flush", _route(ctx, flush, admin=True), methods=["POST"]),
     ]
     middleware = [Middleware(AccessLog)]
     if ctx.config.cors_origins:

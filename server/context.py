@@ -20,6 +20,7 @@ from mlxkv.server.diagnostics import MessageLog
 from mlxkv.server.errors import ApiError
 from mlxkv.server.fields import Limits, get_str, parse_body
 from mlxkv.server.response_store import ResponseStore
+from mlxkv.server.tenants import Keys, cache_scope, scoped_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +28,7 @@ class ServerConfig:
     """The server's own settings (``mlxkv serve`` fills them from engine.settings)."""
 
     api_key: str | None = None
+    keys: Keys | None = None  # several keys (--api-key-file); None: api_key alone, if set
     cors_origins: tuple[str, ...] = ()
     max_body_bytes: int = 8 * 1024**2
     max_requests: int = 64
@@ -42,6 +44,11 @@ class ServerConfig:
     # (within max_tokens_limit), as OpenAI's do; False, ``defaults.max_tokens`` (what
     # ``mlxkv serve --max-tokens N`` sets)
     open_ended: bool = False
+
+    @property
+    def accepted(self) -> Keys:
+        """The keys requests must carry (none: every request is let in)."""
+        return self.keys if self.keys is not None else Keys.single(self.api_key)
 
 
 def short_model_id(label: str) -> str:
@@ -224,7 +231,7 @@ def session_of(request: Any, body: dict) -> str | None:
         return None
     if not isinstance(value, str) or not value or len(value) > 256:
         raise ApiError(400, "session_id must be a string of 1 to 256 characters", "session_id")
-    return value
+    return scoped_name(value, cache_scope(request, body))
 
 
 def text_of(content: Any, where: str) -> str:

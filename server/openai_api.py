@@ -45,6 +45,7 @@ from mlxkv.server.grammars import reply_grammar
 from mlxkv.server.keepalive import comment, keep_alive
 from mlxkv.server.reasoning import openai_kwargs
 from mlxkv.server.retention import openai_retain_s
+from mlxkv.server.tenants import cache_scope
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -291,6 +292,7 @@ async def chat_completions(http: HttpRequest, ctx: Context) -> Response:
                             schema_field="response_format.json_schema.schema",
                             parallel=get_bool(body, "parallel_tool_calls", True))
     req = _engine_request(messages=prompt.messages, params=params, session=session_of(http, body),
+                          cache_scope=cache_scope(http, body),
                           tools=prompt.tools, template_kwargs=prompt.template_kwargs, grammar=grammar,
                           logprobs=(top or 0) if want_logprobs else None,
                           retain_s=openai_retain_s(body), **extension_fields(body))
@@ -424,6 +426,7 @@ async def completions(http: HttpRequest, ctx: Context) -> Response:
     params = sampling(body, ctx.config.defaults, ctx.limits, ("max_tokens",))
     headers = max_tokens_header(body, ctx.limits, ("max_tokens",))
     req = _engine_request(**completion_prompt(body), params=params, session=session_of(http, body),
+                          cache_scope=cache_scope(http, body),
                           logprobs=logprobs, retain_s=openai_retain_s(body), **extension_fields(body))
     started = await _Run(ctx, http, req, logprobs is not None, stream, "prompt").start()
     if isinstance(started, Response):

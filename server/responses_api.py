@@ -48,6 +48,7 @@ from mlxkv.server.responses_items import (
     to_messages,
 )
 from mlxkv.server.retention import openai_retain_s
+from mlxkv.server.tenants import cache_scope, scoped_name
 
 _TEXT_FORMATS = ("text", "json_object", "json_schema")
 _TRUNCATIONS = ("auto", "disabled")
@@ -159,9 +160,10 @@ class Ask:
     extensions: dict[str, Any] = dataclasses.field(default_factory=dict)  # guided_choice, spec
     # the reply's parser, once the prompt is built (engine_request)
     parser: Callable[[], Any] = dataclasses.field(default=lambda: ReplyParser(None, None))
+    scope: str | None = None  # the request's cache scope (a tenant's): its stored responses
 
 
-def read_ask(body: dict, ctx: Context) -> Ask:
+def read_ask(body: dict, ctx: Context, scope: str | None = None) -> Ask:
     bad = lone_surrogate(body)
     if bad is not None:
         raise ApiError(400, f"{bad} holds a lone UTF-16 surrogate (not text)", bad)
@@ -169,7 +171,7 @@ def read_ask(body: dict, ctx: Context) -> Ask:
     previous_id = get_str(body, "previous_response_id")
     items: list[dict[str, Any]] = []
     if previous_id is not None:
-        earlier = ctx.responses.get(previous_id)
+        earlier = ctx.responses.get(scoped_name(previous_id, scope))
         if earlier is None:
             raise ApiError(400, f"previous_response_id {previous_id!r} is not known here: it was "
                                 "not stored (store: false), was evicted (responses_store_bytes), or "
@@ -225,7 +227,7 @@ def read_ask(body: dict, ctx: Context) -> Ask:
                max_output_tokens=asked, clamped=clamped, stream=get_bool(body, "stream"),
                store=get_bool(body, "store", True), echo_tools=body.get("tools") or [], echo=echo,
                retain_s=openai_retain_s(body), template_kwargs=responses_kwargs(body),
-               extensions=extension_fields(body))
+               extensions=extension_fields(body), scope=scope)
 
 
 async def engine_request(ask: Ask, ctx: Context, session: str | None) -> Request:
@@ -244,7 +246,7 @@ async def engine_request(ask: Ask, ctx: Context, session: str | None) -> Request
         return Request(messages=prompt.messages, params=ask.params, session=session,
                        tools=prompt.tools, template_kwargs=prompt.template_kwargs, grammar=grammar,
                        truncate=ask.echo["truncation"] == "auto", retain_s=ask.retain_s,
-                       **ask.extensions)
+                       cache_scope=ask.scope, **ask.extensions)
     except ValueError as e:
         raise ApiError(400, f"input: {e}", "input") from None
 
@@ -437,7 +439,8 @@ class Answer:
     def keep(self, ctx: Context) -> None:
         """Remember the conversation this response ends, for previous_response_id."""
         if self.ask.store:
-            ctx.responses.put(self.id, [*self.ask.items, *self.obj(self.status)["output"]])
+            ctx.responses.put(scoped_name(self.id, self.ask.scope),
+                              [*self.ask.items, *self.obj(self.status)["output"]])
 
 
 def _sse(event: dict[str, Any], seq: int) -> str:
@@ -447,7 +450,7 @@ def _sse(event: dict[str, Any], seq: int) -> str:
 async def responses(http: HttpRequest, ctx: Context) -> Response:
     body = await read_json(http, ctx.config.max_body_bytes)
     ctx = await ctx.for_model(body)
-    ask = read_ask(body, ctx)
+    ask = read_ask(body, ctx, cache_scope(http, body))
     req = await engine_request(ask, ctx, session_of(http, body))
     es = EventStream(ctx.engine, req, ctx.gate, asyncio.get_running_loop(), ctx.lease)
     # a stream starts once the prompt is taken, or after a keep-alive interval in the queue

@@ -12,13 +12,17 @@ from collections.abc import Callable
 from typing import Any
 
 from mlxkv.server.context import ServerConfig
+from mlxkv.server.tenants import Keys
 
 log = logging.getLogger("mlxkv.server")
 
 
 def config_from_settings(settings: Any, defaults: Any) -> ServerConfig:
     origins = tuple(o.strip() for o in (settings.cors_origins or "").split(",") if o.strip())
-    return ServerConfig(api_key=settings.api_key or None, cors_origins=origins,
+    if settings.api_key and settings.api_key_file:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    keys = Keys.from_file(settings.api_key_file) if settings.api_key_file else None
+    return ServerConfig(api_key=settings.api_key or None, keys=keys, cors_origins=origins,
                         max_body_bytes=settings.max_body_bytes, max_requests=settings.max_requests,
                         max_tokens_limit=settings.max_tokens_limit, defaults=defaults,
                         responses_store_bytes=settings.responses_store_bytes,
@@ -35,10 +39,11 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def warn_if_open(host: str, api_key: str | None) -> None:
-    if not is_loopback(host) and not api_key:
-        log.warning("serving on %s without --api-key: anyone who can reach this address can use "
-                    "the model and read its cached conversations' replies", host)
+def warn_if_open(host: str, keys: Keys | str | None) -> None:
+    if not is_loopback(host) and not keys:
+        log.warning("serving on %s without --api-key or --api-key-file: anyone who can reach this "
+                    "address can use the model, and learn from its cache's speed what others sent",
+                    host)
 
 
 def build_server(engine: Any, config: ServerConfig, host: str, port: int,
