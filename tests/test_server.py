@@ -202,6 +202,14 @@ def test_bad_input_gets_json_4xx_in_each_api_shape_and_the_server_goes_on(served
     with pytest.raises(openai.APIStatusError) as big:
         chat(oai, "x" * (BODY_LIMIT + 10))
     assert big.value.status_code == 413 and "limit" in big.value.message
+    # a body far over the limit, declared or chunked: the client reads the 413, it does not
+    # meet a connection closed under its upload
+    huge = b"x" * (40 * BODY_LIMIT)
+    r = httpx.post(url + "/v1/chat/completions", content=huge, headers={**auth, "content-type": "application/json"},
+                   timeout=T)
+    assert r.status_code == 413 and f"{len(huge)} bytes" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/chat/completions", content=iter([huge[:BODY_LIMIT]] * 40), headers=auth, timeout=T)
+    assert r.status_code == 413 and "over the limit" in r.json()["error"]["message"]
     # unknown route, wrong method: JSON too
     r = httpx.get(url + "/v1/nothing", headers=auth, timeout=T)
     assert r.status_code == 404 and r.json()["error"]["message"]

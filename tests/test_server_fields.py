@@ -225,3 +225,29 @@ def test_a_lone_surrogate_anywhere_is_a_400_that_says_where(served):
     # a pair of surrogates is one character, and fine
     assert post(served.url + "/v1/chat/completions", with_value(CHAT, ("messages", 0, "content"),
                                                                 "\ud83d\ude00")).status_code == 200
+
+
+def test_numbers_json_has_not_utf_16_and_syntax_errors_are_400s_that_say_where():
+    """Python's parser takes NaN, Infinity, 1e999 and UTF-16 bodies; JSON has none of them,
+    and a reply could not write such a number back. A syntax error names the field whose
+    value it is in."""
+    from mlxkv.server.errors import ApiError
+    from mlxkv.server.fields import parse_body
+
+    def refused(raw: bytes) -> ApiError:
+        with pytest.raises(ApiError) as e:
+            parse_body(raw)
+        assert e.value.status == 400
+        return e.value
+
+    e = refused(b'{"tools": [{"parameters": {"maximum": 1e999}}]}')
+    assert e.param == "tools[0].parameters.maximum" and "1e999 is not a number JSON has" in e.message
+    assert refused(b'{"temperature": NaN}').param == "temperature"
+    assert refused(b'{"a": {"b": -Infinity}}').param == "a.b"
+    e = refused(b'{"model": "m", "max_tokens": 0x10, "stream": true}')
+    assert e.param == "max_tokens" and "not valid JSON (in max_tokens)" in e.message
+    # the path of the value it is in, past strings holding the structure's own characters
+    e = refused(b'{"messages": [{"role": "user", "content": "a, {b]\\" x"}, 00]}')
+    assert e.param == "messages[1]" and "(in messages[1])" in e.message
+    assert "not UTF-8" in refused(json.dumps({"model": "m"}).encode("utf-16")).message
+    assert parse_body(b'{"top_p": 1e308, "x": [0.5]}') == {"top_p": 1e308, "x": [0.5]}  # finite: kept
