@@ -81,6 +81,14 @@ class Plugs:
     tokens: TokenSource = dataclasses.field(default_factory=LocalTokens)
 
 
+
+def _mlx_memory() -> dict[str, int]:
+    """MLX's allocator, process-wide: arrays alive, buffers kept for reuse, the peak."""
+    import mlx.core as mx
+
+    return {"mlx_active_bytes": int(mx.get_active_memory()), "mlx_cache_bytes": int(mx.get_cache_memory()),
+            "mlx_peak_bytes": int(mx.get_peak_memory())}
+
 class Engine:
     """Owns one model on one thread. ``prefix_cache`` is a :class:`CacheClient` (see
     ``engine.cache.PrefixCache``), or a callable ``(loaded_model, namespace) -> cache``
@@ -258,6 +266,7 @@ class Engine:
                 "running": sched.running() if sched is not None else [],
                 "lookups": sched.lookups.as_dicts() if sched is not None else [],
                 "step_budget": sched.batching.budget.figures() if sched is not None else None,
+                "memory": _mlx_memory(),
                 "cache": None if loading or rt is None else rt.cache.client.stats()}
 
     def _listing(self) -> list[CacheEntryInfo]:
