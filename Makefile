@@ -53,7 +53,7 @@ agents:
 	else echo "note: npm not found: the tests and benchmarks that run the agents are skipped"; fi
 
 test: ext fixtures
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 bench: ext fixtures
 	$(PY) -m bench.storage

@@ -269,7 +269,7 @@ def _run(args: argparse.Namespace, root: str, tenant: str | None = None) -> int:
             print("damaged: see above" if bad else "all intact")
         return 1 if bad else 0
     elif cmd == "gc":
-        names = _namespaces(store, ns_only, tenant) if ns_only else [None]
+        names = _namespaces(store, ns_only, tenant) if ns_only or tenant else [None]
         res = {"removed": 0, "bytes": 0, "unreadable_manifests": {}}
         for ns in names:
             r = store.gc(ns, min_age_s=args.min_age)

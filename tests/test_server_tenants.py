@@ -235,5 +235,11 @@ def test_cache_verbs_take_a_tenant(served):
     assert alice and bob and carol and not set(alice) & set(bob) and carol == dave
     assert set(alice) | set(bob) | set(carol) <= set(every)
     assert all(any(m["kind"] == "conversation" for ns in t.values() for m in ns) for t in (alice, bob, carol))
+    gc = subprocess.run([sys.executable, "-m", "mlxkv", "cache", "gc", "--json", "--min-age", "0", "--cache-dir",
+                         str(work / "kv"), "--api-key-file", str(work / "keys.txt"), "--tenant", "bob"],
+                        capture_output=True, text=True, timeout=T,
+                        env={**os.environ, "XDG_CONFIG_HOME": str(work / "config")})
+    assert gc.returncode == 0 and json.loads(gc.stdout)["removed"] >= 0, gc.stderr
+    assert json.loads(ls("--tenant", "alice").stdout) == alice  # bob's gc left alice's states alone
     r = ls("--tenant", "nobody")
     assert r.returncode == 1 and "no such key" in r.stderr and "alice" in r.stderr
