@@ -10,6 +10,7 @@ import logging
 from typing import Any
 
 from mlxkv.engine.cache.client import CacheClient
+from mlxkv.engine.cache.info import scoped_namespace
 from mlxkv.engine.logs import warn_once
 
 log = logging.getLogger("mlxkv.engine")
@@ -27,8 +28,6 @@ class CacheUse:
 
     def namespace_of(self, scope: str | None) -> str:
         """The namespace of a request of cache scope ``scope`` (``Request.cache_scope``)."""
-        from mlxkv.engine.cache.info import scoped_namespace
-
         return scoped_namespace(self.namespace, scope)
 
     def lookup(self, tokens: list[int], session: str | None, scope: str | None = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextvars
 import copy
 import dataclasses
+import functools
 import json
 import threading
 import time
@@ -45,7 +46,7 @@ class ServerConfig:
     # ``mlxkv serve --max-tokens N`` sets)
     open_ended: bool = False
 
-    @property
+    @functools.cached_property
     def accepted(self) -> Keys:
         """The keys requests must carry (none: every request is let in)."""
         return self.keys if self.keys is not None else Keys.single(self.api_key)

@@ -58,9 +58,6 @@ class Keys:
     def __init__(self, keys: list[Key] | tuple[Key, ...] = ()):
         self.keys = tuple(keys)
 
-    def __bool__(self) -> bool:
-        return bool(self.keys)
-
     def __len__(self) -> int:
         return len(self.keys)
 
@@ -152,7 +149,7 @@ def cache_scope(http: Any, body: dict) -> str | None:
     """The cache scope of a request: its key's, then its organisation and project headers
     and its ``cache_salt``, each scoping it further; None when none applies (the model's
     own namespace). ApiError 400 for a ``cache_salt`` that is not a string."""
-    key = http.scope.get(KEY_SCOPE) if hasattr(http, "scope") else None
+    key = http.scope.get(KEY_SCOPE)
     salt = body.get("cache_salt")
     if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= 256):
         raise ApiError(400, "cache_salt must be a string of 1 to 256 characters", "cache_salt")

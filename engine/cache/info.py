@@ -41,6 +41,11 @@ def scope_base(ns: str) -> str:
     return ns.split(SCOPE_MARK, 1)[0]
 
 
+def model_namespace(ns: str) -> str:
+    """The model namespace any namespace belongs to: a draft's target's, a scope's model's."""
+    return scope_base(draft_base(ns) or ns)
+
+
 def draft_base(ns: str) -> str | None:
     """The target namespace a draft namespace belongs to (None: not a draft's). Speculation
     keeps its draft state under f"{ns}+draft-{identity}", which the block store spells

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from mlxkv.engine.cache.info import draft_base, scope_base
+from mlxkv.engine.cache.info import model_namespace
 from mlxkv.tui.widgets.entry_table import human_bytes
 
 MODELS_SHOWN = 4  # models named on the "by model" line; the rest are counted
@@ -80,7 +80,7 @@ def by_model(namespaces: dict[str, dict], label: Callable[[str], str] = str,
     model first, then the largest."""
     shares: dict[str, list[int]] = {}
     for ns, v in namespaces.items():
-        share = shares.setdefault(scope_base(draft_base(ns) or ns), [0, 0])
+        share = shares.setdefault(model_namespace(ns), [0, 0])
         share[0] += int(v.get("ram_bytes", 0))
         share[1] += int(v.get("ssd_bytes", 0))
     if not shares:

@@ -26,7 +26,14 @@ from textual.message import Message
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from mlxkv.engine.cache.info import SCOPE_MARK, BlockInfo, CacheEntryInfo, draft_base, scope_base
+from mlxkv.engine.cache.info import (
+    SCOPE_MARK,
+    BlockInfo,
+    CacheEntryInfo,
+    draft_base,
+    model_namespace,
+    scope_base,
+)
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
@@ -410,7 +417,7 @@ class EntryTable(VirtualTable):
         return ns if name is None else name
 
     def group(self, row: CacheEntryInfo) -> tuple[bool, str, str]:
-        model = scope_base(draft_base(row.ns) or row.ns)
+        model = model_namespace(row.ns)
         return (model != self.current_ns, self.model_names.get(model, model), row.ns)
 
     def cell(self, column: Column, row: CacheEntryInfo) -> str:
