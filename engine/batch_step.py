@@ -38,6 +38,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxkv.engine.compiled_step import CHECK_STEPS, STEP, checked_run, greedy_steps
+from mlxkv.engine.traced import Traced
 from mlxkv.engine.weight_layout import layout_for_cpu
 
 _STEP = "_mlxkv_batch_step"
@@ -76,7 +77,7 @@ class CompiledBatchStep:
         self.model = model
         self.label = label
         self.enabled: bool | None = None
-        self._fn = mx.compile(self._step)
+        self._fn = Traced(self._step, f"batch decode step: {label}")
 
     def _step(self, tokens: mx.array, at: mx.array, offset: mx.array, padding: mx.array,
               *buffers: mx.array) -> list[mx.array]:
@@ -118,7 +119,8 @@ class CompiledBatchStep:
     def _compiled(self, tokens: mx.array, cache: list) -> mx.array:
         width = tokens.shape[1]
         _, _, offset, padding, at = cache[0].state
-        out = self._fn(tokens, mx.array([at], dtype=mx.int32), offset, padding,
+        out = self._fn((tokens.shape[0], cache[0].state[0].shape[2]), tokens, mx.array([at], dtype=mx.int32),
+                       offset, padding,
                        *[b for c in cache for b in c.state[:2]])
         # The caches now hold the step's outputs only, so the old buffers have no owner but
         # the step's graph, which writes the new keys into them in place. Each layer keeps

@@ -37,6 +37,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxkv.engine.native_ops import slot_attention
+from mlxkv.engine.traced import Traced
 
 log = logging.getLogger("mlxkv.engine")
 
@@ -131,7 +132,7 @@ class CompiledStep:
         self.max_width = max_width
         self.label = label
         self.enabled: bool | None = None
-        self._fn = mx.compile(self._step)
+        self._fn = Traced(self._step, f"decode step: {label}")
 
     def _step(self, tokens: mx.array, offset: mx.array, *buffers: mx.array) -> list[mx.array]:
         layers = [FixedKV(buffers[i], buffers[i + 1], offset) for i in range(0, len(buffers), 2)]
@@ -165,7 +166,7 @@ class CompiledStep:
 
     def _compiled(self, tokens: mx.array, cache: list) -> mx.array:
         width = tokens.shape[1]
-        out = self._fn(tokens, mx.array(cache[0].offset, dtype=mx.int32),
+        out = self._fn((width, cache[0].keys.shape[2]), tokens, mx.array(cache[0].offset, dtype=mx.int32),
                        *[b for c in cache for b in (c.keys, c.values)])
         # The cache now holds the step's outputs only, so the old buffers have no owner but
         # the step's graph, which then writes the new keys into them in place.

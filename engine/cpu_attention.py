@@ -35,6 +35,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxkv.engine.traced import Traced
+
 _LOG2E = 1.4426950408889634
 # 2**f on [0, 1): the Taylor series of exp(f * ln 2), to degree 7 (relative error < 1e-6)
 _C = (1.0, 0.6931471805599453, 0.2402265069591007, 0.05550410866482158, 0.009618129107628477,
@@ -64,7 +66,7 @@ def _exp_shifted(x: mx.array, row_max: mx.array) -> mx.array:
     return p * ((n.astype(mx.int32) + 127) << 23).view(mx.float32)
 
 
-_exp_compiled = mx.compile(_exp_shifted)
+_exp_compiled = Traced(_exp_shifted, "attention exp")
 
 
 def applies(queries: mx.array, keys: mx.array, mask: Any, sinks: Any = None) -> bool:
@@ -130,7 +132,7 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
         elif m is not None:
             part = m[..., i:j, :] if m.shape[-2] == length else m
             scores = mx.where(part, scores, -mx.inf) if part.dtype == mx.bool_ else scores + part.astype(scores.dtype)
-        e = _exp_compiled(scores, scores.max(axis=-1, keepdims=True))
+        e = _exp_compiled(scores.shape, scores, scores.max(axis=-1, keepdims=True))
         p = e / e.sum(axis=-1, keepdims=True)
         outs.append((p.reshape(b, hk, rep * n, s) @ values).reshape(b, hk, rep, n, d))
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)

@@ -255,6 +255,7 @@ class Engine:
 
     def _figures(self, loading: bool = False) -> dict[str, Any]:
         from mlxkv.engine.speculation.providers import spec_stats
+        from mlxkv.engine.traced import trace_figures
 
         sched, rt = self._scheduler, self.runtime
         active = sched.active() if sched is not None else 0
@@ -266,7 +267,7 @@ class Engine:
                 "running": sched.running() if sched is not None else [],
                 "lookups": sched.lookups.as_dicts() if sched is not None else [],
                 "step_budget": sched.batching.budget.figures() if sched is not None else None,
-                "memory": _mlx_memory(),
+                "memory": _mlx_memory(), "compiled": trace_figures(),
                 "cache": None if loading or rt is None else rt.cache.client.stats()}
 
     def _listing(self) -> list[CacheEntryInfo]:
