@@ -82,8 +82,9 @@ class Served:
     """One server process on a loopback port: ours (``mlxkv serve``) or mlx-lm's."""
 
     def __init__(self, kind: str, model: Path, cache_dir: Path, max_batch: int = 8,
-                 extra: tuple[str, ...] = ()):
+                 extra: tuple[str, ...] = (), preexec: Callable[[], None] | None = None):
         self.kind, self.model, self.cache_dir, self.extra = kind, model, cache_dir, extra
+        self.preexec = preexec  # run in the child before the server (e.g. joining a cgroup)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -113,7 +114,8 @@ class Served:
             if info.get("active") and info.get("path"):
                 env["LD_PRELOAD"] = info["path"]
         self.log = open(self.cache_dir / f"{self.kind}.log", "ab")
-        self.proc = subprocess.Popen(self.command(), cwd=ROOT, env=env, stdout=self.log, stderr=self.log)
+        self.proc = subprocess.Popen(self.command(), cwd=ROOT, env=env, stdout=self.log, stderr=self.log,
+                                     preexec_fn=self.preexec)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
