@@ -55,7 +55,10 @@ async def keep_alive(chunks: AsyncGenerator[str, None], interval: float | None,
             pending, in_a_row = None, 0
             yield chunk
     finally:
-        if pending is not None and not pending.done():
+        # A client that goes away while a ping is out leaves ``pending`` running, or ended
+        # (the reply finished, or failed) with nobody to read it: cancel it, and read it
+        # either way, so that asyncio has no exception to report as never retrieved.
+        if pending is not None:
             pending.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await pending
