@@ -262,8 +262,8 @@ def _freeform_task(eng: Any, story: list[dict], n: int, reps: int) -> dict:
     from mlxkv.engine.generate import SamplingParams
 
     sampled = SamplingParams(max_tokens=n, temperature=1.0)
-    return _side_by_side(eng, lambda m: Request(messages=story, params=sampled, spec=m), max(reps + 1, 6), ("off", "auto"),
-                         False)
+    return _side_by_side(eng, lambda m: Request(messages=story, params=sampled, spec=m), max(reps + 1, 6),
+                         ("off", "auto"), False)
 
 
 def _file_edit_prompt(tok: Any) -> list[int]:

@@ -174,7 +174,7 @@ def test_reasoning_sent_back_keeps_a_thinking_tool_loop_in_the_cache(served):
         pytest.skip("one template that keeps earlier reasoning is enough")
     messages = [{"role": "user", "content": "What is the weather in Paris this week?"}]
     usages = []
-    for turn in range(2):
+    for _turn in range(2):
         r = served.oai.chat.completions.create(model="m", messages=messages, tools=[WEATHER_TOOL],
                                                extra_body=forced(fam.reasoned_call))
         msg = r.choices[0].message

@@ -19,10 +19,9 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxkv.engine.engine import Engine, Request
-from mlxkv.engine.generate import (Generation, SamplingParams, head_view, probe_model,
-                                   stream_detokenizer)
-from mlxkv.engine.speculation.base import TargetView
+from mlxkv.engine.generate import Generation, SamplingParams, head_view, probe_model, stream_detokenizer
 from mlxkv.engine.settings import Settings
+from mlxkv.engine.speculation.base import TargetView
 from support.modelgen import tiny_model
 
 PROMPT = list(range(3, 13))  # 10 tokens

@@ -11,7 +11,6 @@ from mlxkv.engine.decoding import decode_step
 from mlxkv.engine.generate import Generation, SamplingParams
 from mlxkv.engine.models import load_model
 from mlxkv.engine.traced import Traced, trace_figures
-from support.modelgen import tiny_model
 
 
 def _f(x: mx.array, w: mx.array) -> mx.array:
