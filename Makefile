@@ -52,8 +52,11 @@ agents:
 	    $(CODEX) $(CLAUDE_CODE) || echo "note: npm install failed: the tests and benchmarks that run the agents are skipped"; }; \
 	else echo "note: npm not found: the tests and benchmarks that run the agents are skipped"; fi
 
+# Lint, then the tests on a worker per core (pytest-xdist); TEST_WORKERS=0 runs them in one process.
+TEST_WORKERS ?= auto
 test: ext fixtures
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=25
 
 bench: ext fixtures
 	$(PY) -m bench.storage
