@@ -118,7 +118,7 @@ class Traffic:
                     "stream_options": {"include_usage": True}}
         body.update(model="m", max_tokens=self.max_tokens, temperature=0, stream=True)
         text, ttft, prompt, cached, status = [], None, None, None, 0
-        pieces, last = 0, 0.0  # text events and the time of the last (decode tok/s, roughly)
+        out_tokens = None  # from the usage events
         try:
             t0 = time.perf_counter()
             with httpx.stream("POST", self.url + route, json=body, timeout=600) as r:
@@ -133,20 +133,24 @@ class Traffic:
                             usage = ev["message"]["usage"]
                             cached = usage.get("cache_read_input_tokens", 0)
                             prompt = usage.get("input_tokens", 0) + cached
+                        elif ev.get("type") == "message_delta":
+                            out_tokens = (ev.get("usage") or {}).get("output_tokens", out_tokens)
                         elif ev.get("type") == "content_block_delta":
                             piece = ev["delta"].get("text", "")
                     else:
                         if ev.get("usage"):
                             prompt = ev["usage"]["prompt_tokens"]
                             cached = (ev["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                            out_tokens = ev["usage"].get("completion_tokens")
                         for ch in ev.get("choices") or []:
                             piece += (ch.get("delta") or {}).get("content") or ""
-                    if piece:
-                        if ttft is None:
-                            ttft = time.perf_counter() - t0
-                        pieces, last = pieces + 1, time.perf_counter() - t0
+                    if piece and ttft is None:
+                        ttft = time.perf_counter() - t0
                     text.append(piece)
-            tps = (pieces - 1) / (last - ttft) if pieces > 1 and last > ttft else None
+            # output tokens over the whole request: a reply of a few tokens can come in one
+            # speculative round, so a rate after the first token would be no rate at all
+            total = time.perf_counter() - t0
+            tps = out_tokens / total if out_tokens and ttft is not None else None
             self._record(kind=kind, route=route, status=status, ttft_s=ttft, prompt=prompt, cached=cached,
                          tps=tps)
             return "".join(text) if status == 200 else None
@@ -264,12 +268,13 @@ def soak(model: Path, work: Path, minutes: float, log: Any) -> dict[str, Any]:
 
 
 def _percentiles(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """The requests since the last sample: how many, failed, TTFT p50/p95 and decode tok/s p50."""
+    """The requests since the last sample: how many, failed, TTFT p50/p95 and the p50 of
+    output tokens per second of whole streamed requests (TTFT included)."""
     ttft = sorted(r["ttft_s"] for r in records if r.get("ttft_s") is not None)
     tps = sorted(r["tps"] for r in records if r.get("tps"))
     return {"requests": len(records), "errors": sum(r["status"] != 200 for r in records),
             "ttft_p50_s": ttft[len(ttft) // 2] if ttft else None, "ttft_p95_s": p95(ttft) if ttft else None,
-            "tps_p50": tps[len(tps) // 2] if tps else None}
+            "request_tps_p50": tps[len(tps) // 2] if tps else None}
 
 
 def _answer(url: str, prompt: str, timeout: float = 600) -> tuple[str, int]:
@@ -438,11 +443,16 @@ class Disasters:
         before = cgroup.oom_kills() if cgroup is not None else 0
         if cgroup is not None:
             cgroup.limit(cgroup.usage() + headroom)
-            _wait(srv.proc, 120)
         else:
             mark = srv.rss_bytes() + headroom
-            while srv.proc.poll() is None and srv.rss_bytes() < mark and go.is_alive():
-                time.sleep(0.001)
+        deadline = time.monotonic() + 120
+        while srv.proc.poll() is None and time.monotonic() < deadline:
+            if cgroup is None and srv.rss_bytes() >= mark:
+                break
+            if not go.is_alive():  # the write was over before it was seen: make it allocate again
+                go = threading.Thread(target=_quietly, args=(self._long_and_flush, srv.url), daemon=True)
+                go.start()
+            time.sleep(0.001)
         by_kernel = cgroup is not None and cgroup.oom_kills() > before
         if srv.proc.poll() is None:  # it did not allocate past the mark: kill it there
             srv.proc.send_signal(signal.SIGKILL)
@@ -503,15 +513,6 @@ class Disasters:
                 "kill_restores_checked": self.checked,
                 "restart_to_serving_s": max(self.restarts),
                 "restart_to_serving_s_median": statistics.median(self.restarts)}
-
-
-def _wait(proc: subprocess.Popen, timeout: float) -> bool:
-    """Whether ``proc`` ended within ``timeout``."""
-    try:
-        proc.wait(timeout)
-        return True
-    except subprocess.TimeoutExpired:
-        return False
 
 
 def kills(model: Path, work: Path, n: int, log: Any, ooms: int = 1, stop_s: float = 60.0) -> dict[str, Any]:
@@ -584,7 +585,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out, indent=2))
     else:
         for key in ("soak_errors", "soak_rss_growth", "soak_mlx_memory_growth", "soak_hit_ttft_drift",
-                    "kill_restarts", "kill_damaged", "kill_restore_mismatch", "restart_to_serving_s"):
+                    "soak_compiled_traces", "kill_restarts", "kill_damaged", "kill_restore_mismatch",
+                    "restart_to_serving_s", "oom_kills", "sigstop_recover_s"):
             print(f"{key:<28} {out[key]}")
     failed = [k for k in ("soak_errors", "kill_damaged", "kill_restore_mismatch") if out[k]]
     if args.check and (failed or out["soak_server_exit"] != 0):
