@@ -366,7 +366,6 @@ class Disasters:
         self.moments: list[str] = []
         self.damaged = self.mismatched = self.restored = self.checked = 0
         self.out: dict[str, Any] = {}
-        self.cgroup: MemoryLimit | None = None
 
     def _say(self, lo: int, hi: int) -> str:
         return " ".join(self.rng.choices(self.words, k=self.rng.randint(lo, hi)))
@@ -407,15 +406,13 @@ class Disasters:
     def kill(self, srv: Served) -> None:
         """SIGKILL at a random moment of traffic."""
         moment = self.rng.choice(["prefill", "decode", "flush", "gc"])
-        go = threading.Thread(target=_quietly, args=(_answer, srv.url, self._say(600, 600)), daemon=True)
-        go.start()
+        go = _background(_answer, srv.url, self._say(600, 600))
         if moment == "prefill":
             time.sleep(self.rng.uniform(0.2, 1.5))
         elif moment == "decode":
             time.sleep(self.rng.uniform(2.0, 5.0))
         elif moment == "flush":
-            threading.Thread(target=_quietly, args=(httpx.post, srv.url + "/admin/cache/flush"),
-                             kwargs={"timeout": 60}, daemon=True).start()
+            _background(httpx.post, srv.url + "/admin/cache/flush", timeout=60)
             time.sleep(self.rng.uniform(0.0, 0.3))
         else:
             subprocess.Popen([sys.executable, "-m", "mlxkv", "cache", "gc", "--min-age", "0", "--cache-dir",
@@ -433,8 +430,7 @@ class Disasters:
         what it uses plus a few MiB, so the kernel kills it at its next allocations (with no
         cgroup, SIGKILL the moment its RSS passes that mark)."""
         kv = self.work / "kv"
-        go = threading.Thread(target=_quietly, args=(self._long_and_flush, srv.url), daemon=True)
-        go.start()
+        go = _background(self._long_and_flush, srv.url)
         deadline = time.monotonic() + 300
         while not _temps(kv) and go.is_alive() and time.monotonic() < deadline:
             time.sleep(0.002)
@@ -450,8 +446,7 @@ class Disasters:
             if cgroup is None and srv.rss_bytes() >= mark:
                 break
             if not go.is_alive():  # the write was over before it was seen: make it allocate again
-                go = threading.Thread(target=_quietly, args=(self._long_and_flush, srv.url), daemon=True)
-                go.start()
+                go = _background(self._long_and_flush, srv.url)
             time.sleep(0.001)
         by_kernel = cgroup is not None and cgroup.oom_kills() > before
         if srv.proc.poll() is None:  # it did not allocate past the mark: kill it there
@@ -476,9 +471,7 @@ class Disasters:
     def stopped(self, srv: Served, stop_s: float) -> None:
         """SIGSTOP for ``stop_s`` under traffic: clients time out; after SIGCONT the server
         must answer a new request promptly and settle every abandoned one."""
-        long = threading.Thread(target=_quietly, args=(_answer, srv.url, self._say(1500, 1500)),
-                                kwargs={"timeout": min(10.0, stop_s / 2)}, daemon=True)
-        long.start()
+        long = _background(_answer, srv.url, self._say(1500, 1500), timeout=min(10.0, stop_s / 2))
         time.sleep(self.rng.uniform(0.3, 1.0))
         srv.proc.send_signal(signal.SIGSTOP)
         t0 = time.monotonic()
@@ -516,8 +509,8 @@ class Disasters:
 
 
 def kills(model: Path, work: Path, n: int, log: Any, ooms: int = 1, stop_s: float = 60.0) -> dict[str, Any]:
-    """``n`` SIGKILLs, ``ooms`` OOM kills among them and one SIGSTOP of ``stop_s``, each
-    followed by a restart on the same folder (:class:`Disasters`)."""
+    """``n`` SIGKILLs, ``ooms`` OOM kills and one SIGSTOP of ``stop_s``, in a shuffled order,
+    each followed by a restart on the same folder (:class:`Disasters`)."""
     d = Disasters(model, work, log)
     plan = ["kill"] * n + ["oom"] * ooms + ["sigstop"]
     d.rng.shuffle(plan)
@@ -548,6 +541,13 @@ def _quietly(fn: Any, *args: Any, **kw: Any) -> None:
         fn(*args, **kw)
     except Exception:  # noqa: BLE001  (the server is being killed under it)
         pass
+
+
+def _background(fn: Any, *args: Any, **kw: Any) -> threading.Thread:
+    """``fn(*args, **kw)`` on a daemon thread, started, its failure ignored (:func:`_quietly`)."""
+    th = threading.Thread(target=_quietly, args=(fn, *args), kwargs=kw, daemon=True)
+    th.start()
+    return th
 
 
 def main(argv: list[str] | None = None) -> int:
