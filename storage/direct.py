@@ -6,7 +6,7 @@ block. Read direct, the device writes straight into a page-aligned staging buffe
 that work disappears. The payload is read in windows of ``WINDOW`` bytes, two at a time
 (double-buffered on a small pool of disk threads, which wait with the GIL released),
 so the disk reads window k+1 while window k is scattered into the destination and
-hashed there (``K.unpack_hash``), exactly as the buffered path does piece by piece.
+hashed there (``kernel.unpack_hash``), exactly as the buffered path does piece by piece.
 
 Whether a file is cold is asked of the kernel without reading it: ``mincore`` over a
 read-only mapping of its payload's last pages (never touched, so neither a fault nor a
@@ -33,8 +33,8 @@ import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from mlxkv.storage import diskio as dio
-from mlxkv.storage.diskio import K
+from mlxkv.storage import diskio
+from mlxkv.storage.diskio import kernel
 from mlxkv.storage.entries import Entry
 from mlxkv.storage.format import PAGE
 
@@ -68,7 +68,7 @@ def is_cold(fd: int, e: Entry) -> bool:
     """Whether none of the last pages of ``e``'s payload is in the page cache (asked
     with mincore, without reading); False where that cannot be told."""
     libc = _mincore_fns()
-    if not libc or e.payload_len < MIN_DIRECT or not hasattr(K, "set_direct"):
+    if not libc or e.payload_len < MIN_DIRECT or not hasattr(kernel, "set_direct"):
         return False
     end = e.payload_offset + e.payload_len
     start = max(e.payload_offset, (end - 1) // PAGE * PAGE - (_PROBE_PAGES - 1) * PAGE)
@@ -135,12 +135,12 @@ class DirectReader:
         None (read whole), a reason (a short read: truncated), or FALLBACK (use the
         buffered path; nothing was scattered)."""
         try:
-            fd = dio.open_ro(e.path)
+            fd = diskio.open_ro(e.path)
         except OSError:
             return FALLBACK  # the buffered path reports it
         try:
             try:
-                if not K.set_direct(fd, True, path=e.path):
+                if not kernel.set_direct(fd, True, path=e.path):
                     self.usable = False
                     return FALLBACK
             except OSError:
@@ -158,7 +158,7 @@ class DirectReader:
         def submit(i: int) -> Future:
             start, n, _ = wins[i]
             view = memoryview(bufs[i % 2])[:n]
-            return pool.submit(dio.pread_full, fd, view, e.payload_offset + start)
+            return pool.submit(diskio.pread_full, fd, view, e.payload_offset + start)
 
         fut = submit(0)
         scattered = False
@@ -177,7 +177,7 @@ class DirectReader:
                     return f"truncated payload ({e.payload_offset + start + got} bytes)"
                 with memoryview(bufs[i % 2]) as mv:
                     for off, _, sub in pieces:
-                        K.unpack_hash(mv, off - start, sub, t0, ntok, hasher=h)
+                        kernel.unpack_hash(mv, off - start, sub, t0, ntok, hasher=h)
                 scattered = True
         finally:
             if fut is not None:

@@ -14,7 +14,7 @@ import errno
 import os
 import stat
 import threading
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import xxhash
@@ -22,26 +22,35 @@ import xxhash
 from mlxkv.storage.format import PAGE
 
 try:  # the Cython kernel; the numpy reference stands in only when it is not built
-    from mlxkv.storage import _blocks as K
+    from mlxkv.storage import _blocks as kernel
 
     KERNEL = "cython"
 except ImportError:  # pragma: no cover - exercised only on an unbuilt checkout
-    from mlxkv.storage import reference as K
+    from mlxkv.storage import reference as kernel
 
     KERNEL = "reference"
 
 
-def aligned(nbytes: int) -> Any:
-    if hasattr(K, "AlignedBuffer"):
-        return K.AlignedBuffer(max(nbytes, PAGE))
+class Buffer(Protocol):
+    """A page-aligned scratch buffer (``aligned``): the buffer protocol and its size."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+
+
+def aligned(nbytes: int) -> Buffer:
+    if hasattr(kernel, "AlignedBuffer"):
+        return kernel.AlignedBuffer(max(nbytes, PAGE))
     raw = np.empty(nbytes + PAGE, dtype=np.uint8)  # reference fallback: align by offset
     off = (-raw.ctypes.data) % PAGE
-    return raw[off : off + nbytes]
+    return raw[off : off + nbytes].data
 
 
 def pwrite_full(fd: int, buf: Any, offset: int) -> None:
-    if hasattr(K, "pwrite_full"):
-        K.pwrite_full(fd, buf, offset)
+    if hasattr(kernel, "pwrite_full"):
+        kernel.pwrite_full(fd, buf, offset)
         return
     mv = memoryview(buf).cast("B")
     while mv:
@@ -50,8 +59,8 @@ def pwrite_full(fd: int, buf: Any, offset: int) -> None:
 
 
 def pread_full(fd: int, buf: Any, offset: int) -> int:
-    if hasattr(K, "pread_full"):
-        return K.pread_full(fd, buf, offset)
+    if hasattr(kernel, "pread_full"):
+        return kernel.pread_full(fd, buf, offset)
     mv = memoryview(buf).cast("B")
     got = 0
     while got < len(mv):
@@ -63,16 +72,16 @@ def pread_full(fd: int, buf: Any, offset: int) -> int:
 
 
 def unpack_hash(src: Any, off: int, segs: list, t0: int, ntok: int, seed: int) -> tuple[int, int]:
-    if hasattr(K, "unpack_hash"):
-        return K.unpack_hash(src, off, segs, t0, ntok, seed)
-    n = K.unpack(src, off, segs, t0, ntok)
-    return n, K.xxh3_64(memoryview(src).cast("B")[off : off + n], seed)
+    if hasattr(kernel, "unpack_hash"):
+        return kernel.unpack_hash(src, off, segs, t0, ntok, seed)
+    n = kernel.unpack(src, off, segs, t0, ntok)
+    return n, kernel.xxh3_64(memoryview(src).cast("B")[off : off + n], seed)
 
 
 def hasher(seed: int) -> Any:
     """Streaming XXH3-64 with ``update(buf)`` and ``digest() -> int``."""
-    if hasattr(K, "Xxh3Hasher"):
-        return K.Xxh3Hasher(seed)
+    if hasattr(kernel, "Xxh3Hasher"):
+        return kernel.Xxh3Hasher(seed)
     return _XxhashHasher(seed)
 
 
@@ -126,12 +135,12 @@ def plan(segs: list, ntok: int, chunk: int = CHUNK) -> list[tuple[int, int, list
 
 
 def fsync(fd: int) -> None:
-    (K.fsync if hasattr(K, "fsync") else os.fsync)(fd)
+    (kernel.fsync if hasattr(kernel, "fsync") else os.fsync)(fd)
 
 
 def fsync_dir(path: str) -> None:
-    if hasattr(K, "fsync_dir"):
-        K.fsync_dir(path)
+    if hasattr(kernel, "fsync_dir"):
+        kernel.fsync_dir(path)
         return
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:

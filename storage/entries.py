@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from mlxkv.storage import diskio as dio
+from mlxkv.storage import diskio
 from mlxkv.storage import format as fmt
 from mlxkv.storage.folder import ENTRY_RE, MANIFEST_DIR
 from mlxkv.storage.format import KIND_BLOCK, KIND_TAIL, PAGE, FormatError, Layout
@@ -86,8 +86,8 @@ EMPTY_SPACE = Space()  # read-only stand-in for a namespace with nothing indexed
 
 def read_entry(path: str, ns: str, nsid: bytes, kind: int) -> Entry:
     """Read and verify the header of one file: FormatError if it is not what its name
-    says (damage), OSError if it cannot be read (dio.NotAFile: not a regular file)."""
-    fd = dio.open_ro(path)
+    says (damage), OSError if it cannot be read (diskio.NotAFile: not a regular file)."""
+    fd = diskio.open_ro(path)
     try:
         st = os.fstat(fd)
         size, mtime = st.st_size, st.st_mtime

@@ -42,7 +42,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from mlxkv.storage import diskio as dio
+from mlxkv.storage import diskio
 from mlxkv.storage.format import (
     KIND_BLOCK,
     KIND_CHECKPOINT,
@@ -78,7 +78,7 @@ _WHAT_TO_DO = ("choose another folder with --cache-dir, or run without the SSD t
 
 
 def _fail(root: str, what: str) -> CacheFolderError:
-    return CacheFolderError(f"cache folder {dio.printable(root)} {what}: {_WHAT_TO_DO}")
+    return CacheFolderError(f"cache folder {diskio.printable(root)} {what}: {_WHAT_TO_DO}")
 
 
 def open_folder(root: str) -> None:
@@ -88,7 +88,7 @@ def open_folder(root: str) -> None:
         st = os.stat(root)  # the root itself may be reached through a symlink
     except FileNotFoundError:
         try:
-            os.makedirs(root, mode=dio.DIR_MODE, exist_ok=True)
+            os.makedirs(root, mode=diskio.DIR_MODE, exist_ok=True)
         except OSError as exc:
             raise _fail(root, f"cannot be created ({exc.strerror or exc})") from exc
         st = os.stat(root)
@@ -117,7 +117,7 @@ def open_folder(root: str) -> None:
 
 def _not_ours(root: str, foreign: str) -> CacheFolderError:
     return _fail(root, f"is not an mlxkv cache (no {MARKER} marker, and it holds "
-                       f"{dio.printable(foreign)})")
+                       f"{diskio.printable(foreign)})")
 
 
 def read_marker(root: str) -> dict | None:
@@ -125,7 +125,7 @@ def read_marker(root: str) -> dict | None:
     not a regular file, or from a newer layout."""
     path = os.path.join(root, MARKER)
     try:
-        fd = dio.open_ro(path)
+        fd = diskio.open_ro(path)
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -155,7 +155,7 @@ def write_marker(root: str) -> None:
     data = json.dumps({"format": FOLDER_FORMAT, "what": "mlxkv prefix cache",
                        "created": time.time()}).encode()
     try:
-        dio.atomic_write(root, os.path.join(root, MARKER), data, durable=True)
+        diskio.atomic_write(root, os.path.join(root, MARKER), data, durable=True)
     except OSError as exc:
         raise _fail(root, f"cannot be marked ({exc.strerror or exc})") from exc
 
@@ -177,9 +177,9 @@ def folder_lock(root: str, shared: bool, marked: bool = True) -> Iterator[None]:
     """flock on ``<root>/.lock`` (shared: writers; exclusive: scan/evict/gc), across
     processes. With ``marked`` the marker is checked once the lock is held."""
     path = os.path.join(root, LOCK)
-    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | dio.NOFOLLOW | getattr(os, "O_NONBLOCK", 0)
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | diskio.NOFOLLOW | getattr(os, "O_NONBLOCK", 0)
     try:
-        fd = os.open(path, flags, dio.FILE_MODE)
+        fd = os.open(path, flags, diskio.FILE_MODE)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EMLINK):
             raise _fail(root, f"has a {LOCK} that is not a regular file (remove it)") from exc
@@ -205,7 +205,7 @@ def _parses_as_ours(path: str, kind: int | None) -> bool:
     """The file's prefix is an mlxkv prefix of ``kind`` (None: a temp file of any kind,
     or empty)."""
     try:
-        fd = dio.open_ro(path)
+        fd = diskio.open_ro(path)
     except OSError:
         return False
     try:
@@ -228,7 +228,7 @@ def _parses_as_ours(path: str, kind: int | None) -> bool:
 def _first_foreign(root: str, shallow: bool) -> str | None:
     """The first thing under ``root`` that is not part of an mlxkv cache (None: all ours).
     ``shallow`` looks at the names of the root's entries only."""
-    for de in dio.scandir(root):
+    for de in diskio.scandir(root):
         if de.name == LOCK:
             if not de.is_file(follow_symlinks=False):
                 return de.path
