@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from mlxkv.storage import diskio
-from mlxkv.storage.diskio import Buffer
+from mlxkv.storage.diskio import PageBuffer
 from mlxkv.storage.folder import folder_lock
 from mlxkv.storage.keys import CacheFolderError, StoreWriteError
 
@@ -56,9 +56,9 @@ class StoreContext:
         with folder_lock(self.root, shared):
             yield
 
-    def scratch(self, which: str, nbytes: int) -> Buffer:
+    def scratch(self, which: str, nbytes: int) -> PageBuffer:
         """A page-aligned buffer of this thread, grown on demand and reused."""
-        bufs: dict[str, Buffer] = self._thread.__dict__.setdefault("bufs", {})
+        bufs: dict[str, PageBuffer] = self._thread.__dict__.setdefault("bufs", {})
         buf = bufs.get(which)
         if buf is None or buf.nbytes < nbytes:
             buf = diskio.aligned(max(nbytes, 1 << 20))

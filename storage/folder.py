@@ -41,6 +41,7 @@ import stat
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from mlxkv.storage import diskio
 from mlxkv.storage.format import (
@@ -120,7 +121,7 @@ def _not_ours(root: str, foreign: str) -> CacheFolderError:
                        f"{diskio.printable(foreign)})")
 
 
-def read_marker(root: str) -> dict | None:
+def read_marker(root: str) -> dict[str, Any] | None:
     """The marker's contents; None if there is none; CacheFolderError if it is damaged,
     not a regular file, or from a newer layout."""
     path = os.path.join(root, MARKER)
@@ -228,27 +229,27 @@ def _parses_as_ours(path: str, kind: int | None) -> bool:
 def _first_foreign(root: str, shallow: bool) -> str | None:
     """The first thing under ``root`` that is not part of an mlxkv cache (None: all ours).
     ``shallow`` looks at the names of the root's entries only."""
-    for de in diskio.scandir(root):
-        if de.name == LOCK:
-            if not de.is_file(follow_symlinks=False):
-                return de.path
-        elif MARKER_TMP_RE.match(de.name):
-            if not de.is_file(follow_symlinks=False):
-                return de.path
-        elif not (NS_RE.match(de.name) and de.is_dir(follow_symlinks=False)):
-            return de.path
+    for dirent in diskio.scandir(root):
+        if dirent.name == LOCK:
+            if not dirent.is_file(follow_symlinks=False):
+                return dirent.path
+        elif MARKER_TMP_RE.match(dirent.name):
+            if not dirent.is_file(follow_symlinks=False):
+                return dirent.path
+        elif not (NS_RE.match(dirent.name) and dirent.is_dir(follow_symlinks=False)):
+            return dirent.path
         elif not shallow:
-            bad = _foreign_in_namespace(de.path)
+            bad = _foreign_in_namespace(dirent.path)
             if bad is not None:
                 return bad
     return None
 
 
-def _foreign_in_namespace(nsd: str) -> str | None:
+def _foreign_in_namespace(ns_dir: str) -> str | None:
     try:
-        subs = list(os.scandir(nsd))
+        subs = list(os.scandir(ns_dir))
     except OSError:
-        return nsd
+        return ns_dir
     for sub in subs:
         if not sub.is_dir(follow_symlinks=False):
             return sub.path
@@ -264,11 +265,11 @@ def _foreign_in_namespace(nsd: str) -> str | None:
             files = list(os.scandir(sub.path))
         except OSError:
             return sub.path
-        for de in files:
-            temp = bool(temps.match(de.name))
-            if not (temp or names.match(de.name)) or (shard and not temp and de.name[:2] != shard):
-                return de.path
-            kind = None if temp else _KIND_OF_NAME[de.name.rsplit(".", 1)[1]]
-            if not de.is_file(follow_symlinks=False) or not _parses_as_ours(de.path, kind):
-                return de.path
+        for dirent in files:
+            temp = bool(temps.match(dirent.name))
+            if not (temp or names.match(dirent.name)) or (shard and not temp and dirent.name[:2] != shard):
+                return dirent.path
+            kind = None if temp else _KIND_OF_NAME[dirent.name.rsplit(".", 1)[1]]
+            if not dirent.is_file(follow_symlinks=False) or not _parses_as_ours(dirent.path, kind):
+                return dirent.path
     return None

@@ -13,7 +13,8 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from typing import Any
+
+import numpy.typing as npt
 
 from mlxkv.storage import diskio
 from mlxkv.storage.context import StoreContext
@@ -21,6 +22,7 @@ from mlxkv.storage.entries import (
     EMPTY_SPACE,
     MANIFEST_DIR,
     Entry,
+    EntryFile,
     Space,
     kind_of,
     read_entries,
@@ -71,7 +73,7 @@ class Index:
         self.removals = 0  # bumped when a removal starts or ends (probes compare it)
 
     # ------------------------------------------------------------------ lookups
-    def chain_keys(self, ns: str, tokens: Any) -> list[bytes]:
+    def chain_keys(self, ns: str, tokens: npt.ArrayLike) -> list[bytes]:
         """Keys of every full block of ``tokens`` in ``ns``."""
         toks = token_ids(tokens)
         nsid = namespace_id(check_namespace(ns))
@@ -81,7 +83,7 @@ class Index:
             keys.append(parent)
         return keys
 
-    def lookup(self, ns: str, tokens: Any, max_tokens: int | None = None,
+    def lookup(self, ns: str, tokens: npt.ArrayLike, max_tokens: int | None = None,
                keys: Sequence[bytes] | None = None) -> Match:
         """Longest cached prefix of ``tokens`` (at most ``max_tokens``): the index, plus
         one probe of the disk for the first key it lacks (another process's write).
@@ -143,10 +145,10 @@ class Index:
                          layout or best.layout)
         return Match(ns, n, tuple(found), None, 0, nbytes, layout)
 
-    def longest_prefix(self, ns: str, tokens: Any, max_tokens: int | None = None) -> int:
+    def longest_prefix(self, ns: str, tokens: npt.ArrayLike, max_tokens: int | None = None) -> int:
         return self.lookup(ns, tokens, max_tokens).n_tokens
 
-    def lookup_checkpoint(self, ns: str, tokens: Any, max_tokens: int | None = None,
+    def lookup_checkpoint(self, ns: str, tokens: npt.ArrayLike, max_tokens: int | None = None,
                           keys: Sequence[bytes] | None = None) -> Match:
         """The longest checkpoint at an exact prefix of ``tokens`` (at most ``max_tokens``);
         Match.n_tokens == 0 when there is none. Index only. ``keys`` as for ``lookup``."""
@@ -318,7 +320,7 @@ class Index:
         report: dict[str, float] = {
             "blocks": 0, "tails": 0, "checkpoints": 0, "added": 0, "dropped": 0,
             "tmp_removed": 0, "bad_removed": 0, "skipped": 0, "foreign": 0, "unreadable": 0}
-        todo: list[tuple[str, str, bytes, int]] = []
+        todo: list[EntryFile] = []
         seen: set[str] = set()
         unlistable: dict[str, str] = {}
         with self.lock:
@@ -356,8 +358,9 @@ class Index:
                     if manifests or learned:  # read on demand (manifests(), gc, get_learned())
                         continue
                     seen.add(dirent.path)
-                    if dirent.path not in known:
-                        todo.append((dirent.path, ns, nsid, kind_of(dirent.name)))
+                    kind = kind_of(dirent.name)  # never None: the name matched ENTRY_RE
+                    if dirent.path not in known and kind is not None:
+                        todo.append((dirent.path, ns, nsid, kind))
         for path, why in unlistable.items():
             self.context.leave(path, why)
             report["unreadable"] += 1
@@ -400,14 +403,14 @@ class Index:
         return report
 
 
-def _real_dir(dirent: os.DirEntry) -> bool:
+def _real_dir(dirent: os.DirEntry[str]) -> bool:
     try:
         return dirent.is_dir(follow_symlinks=False)
     except OSError:
         return False
 
 
-def _regular(dirent: os.DirEntry) -> bool:
+def _regular(dirent: os.DirEntry[str]) -> bool:
     try:
         return dirent.is_file(follow_symlinks=False)
     except OSError:

@@ -18,8 +18,8 @@ import os
 import stat
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
 
+import numpy.typing as npt
 import xxhash
 
 from mlxkv.storage import diskio
@@ -97,7 +97,7 @@ class Maintenance:
             self.index.remove_retired(victims)
         return {"evicted": removed, "bytes": freed}
 
-    def gc(self, ns: str | None = None, min_age_s: float = 60.0) -> dict[str, Any]:
+    def gc(self, ns: str | None = None, min_age_s: float = 60.0) -> dict[str, int | dict[str, str]]:
         """Remove blocks and tails no manifest references (older than ``min_age_s``, so a
         block another process wrote moments before its manifest survives). A manifest
         whose first block and tail are both gone (evicted) restores nothing: removed too.
@@ -146,7 +146,7 @@ class Maintenance:
         return {"removed": removed, "bytes": freed, "live_keys": live_n,
                 "manifests_removed": stale, "unreadable_manifests": held}
 
-    def clear(self, ns: str) -> dict[str, Any]:
+    def clear(self, ns: str) -> dict[str, int | bool]:
         """Remove everything of namespace ``ns`` that is ours: its manifests (damaged ones
         too), blocks, tails, checkpoints and learned files, then its folders once empty. Files that are
         not ours are left, and so is the folder holding them (``folder_removed`` False)."""
@@ -193,7 +193,7 @@ class Maintenance:
         h = xxhash.xxh3_64_hexdigest(name.encode())
         return os.path.join(self.context.root, check_namespace(ns), MANIFEST_DIR, f"{h}.man")
 
-    def put_manifest(self, ns: str, name: str, tokens: Any,
+    def put_manifest(self, ns: str, name: str, tokens: npt.ArrayLike,
                      extra_keys: Sequence[bytes] = ()) -> Manifest:
         """Name the state of ``tokens`` (its block keys and tail key) so GC keeps it."""
         if not isinstance(name, str) or not name:
@@ -263,7 +263,7 @@ def _is_real_dir(path: str) -> bool:
         return False
 
 
-def _real_entries(ns_dir: str, d: str, errors: dict[str, str] | None = None) -> list[os.DirEntry]:
+def _real_entries(ns_dir: str, d: str, errors: dict[str, str] | None = None) -> list[os.DirEntry[str]]:
     """The entries of the folder ``d`` inside the namespace folder ``ns_dir``, both reached
     without a symlink; a symlink on the way is noted in ``errors``, never followed."""
     if not os.path.lexists(d):

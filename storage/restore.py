@@ -22,21 +22,40 @@ import logging
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+import numpy.typing as npt
 
 from mlxkv.storage import diskio
 from mlxkv.storage import format as fmt
 from mlxkv.storage.context import StoreContext
 from mlxkv.storage.direct import FALLBACK, DirectReader, is_cold
-from mlxkv.storage.diskio import CHUNK, kernel
+from mlxkv.storage.diskio import CHUNK, Piece, kernel
 from mlxkv.storage.entries import Entry
-from mlxkv.storage.format import KIND_CHECKPOINT, FormatError, Layout, make_layout
+from mlxkv.storage.format import KIND_CHECKPOINT, FormatError, Layout, LayoutLike, make_layout
 from mlxkv.storage.index import Index
-from mlxkv.storage.keys import Match, Restore, Segment, check_segments
+from mlxkv.storage.keys import Match, Restore, Segment, check_segments, view
+
+if TYPE_CHECKING:
+    from mlxkv.storage.diskio import Hasher
 
 log = logging.getLogger("mlxkv.storage")
+
+# a block to restore: its entry, the first destination row, the rows it fills
+ReadJob = tuple[Entry, int, int]
+
+
+@dataclass
+class ReadPlans:
+    """What one restore computed once per row count and reuses for every block: the
+    pieces of a block (``diskio.plan``) and whether the kernel scatters straight into the
+    destinations (``_scatterable``)."""
+
+    pieces: dict[int, list[Piece]] = field(default_factory=dict)
+    scatter: dict[int, bool] = field(default_factory=dict)
+
 
 _READ_AHEAD = 8  # blocks whose pages are requested ahead of the one being verified
 _AHEAD_BYTES = 96 << 20  # payload asked of the OS ahead of the blocks being verified
@@ -66,7 +85,7 @@ class Reader:
             self.direct.close()
 
     def get_blocks(
-        self, ns: str, tokens: Any, layout: Any, segments: Sequence[Segment],
+        self, ns: str, tokens: npt.ArrayLike, layout: LayoutLike, segments: Sequence[Segment],
         n_tokens: int | Match | None = None,
     ) -> Restore:
         """Restore rows [0, n) into ``segments`` (n = a Match, a token count or the longest
@@ -81,7 +100,7 @@ class Reader:
         segs = check_segments(layout, segments, m.n_tokens, writable=True)
         block_len = self.context.block_tokens
         done = nread = nblk = corrupt = missing = 0
-        jobs: list[tuple[Entry, int, int]] = []  # entry, first destination row, rows
+        jobs: list[ReadJob] = []
         row, dropped = 0, False
         ents = self.index.entries_of(ns, m)
         for i, e in enumerate(ents):
@@ -93,7 +112,7 @@ class Reader:
             ntok = m.tail_tokens if last else block_len
             jobs.append((e, row, ntok))
             row += ntok
-        plans: dict[Any, Any] = {}
+        plans = ReadPlans()
         if self.read_threads > 1 and len(jobs) > 1:
             # Blocks scatter into disjoint rows, so several are verified at once: a restore
             # is what the engine waits on, and one core cannot reach the memory bandwidth.
@@ -128,7 +147,7 @@ class Reader:
                             m.tail_key if done == m.n_tokens else None)
         return Restore(done, m.n_tokens, nblk, nread, corrupt, missing)
 
-    def get_checkpoint(self, ns: str, match: Match, layout: Any,
+    def get_checkpoint(self, ns: str, match: Match, layout: LayoutLike,
                        segments: Sequence[Segment]) -> Restore:
         """Restore the checkpoint ``match`` (from lookup_checkpoint) into ``segments``
         ((buf, outer, 1, row_bytes) each), verified; n_tokens is 0 if it is gone/corrupt."""
@@ -139,11 +158,11 @@ class Reader:
         with self.context.lock:
             space = self.index.spaces.get(ns)
             e = space.find_child(match.checkpoint_key) if space is not None else None
-        res = None if e is None else self._read_job((e, 0, 1), layout, segs, {})
+        res = None if e is None else self._read_job((e, 0, 1), layout, segs, ReadPlans())
         ok = res is True
-        nread = e.payload_len if ok else 0
+        nread = e.payload_len if ok and e is not None else 0
         self._count_read(ok, int(ok), nread)
-        if ok:
+        if ok and e is not None:
             with self.context.lock:
                 self.index.touch(ns, (), e.key)
         return Restore(match.n_tokens if ok else 0, match.n_tokens, int(ok), nread,
@@ -156,8 +175,8 @@ class Reader:
             self.context.counters["hits" if hit else "misses"] += 1
 
     # ------------------------------------------------------------------ one block
-    def _read_job(self, job: tuple[Entry, int, int], layout: Layout, segs: list,
-                  plans: dict[Any, Any], advise: Entry | None = None) -> bool | None:
+    def _read_job(self, job: ReadJob, layout: Layout, segs: list[Segment],
+                  plans: ReadPlans, advise: Entry | None = None) -> bool | None:
         """True (verified and scattered), False (corrupt: removed) or None (vanished).
         ``advise``: a later block whose pages the OS is asked for now."""
         e, t0, ntok = job
@@ -174,8 +193,8 @@ class Reader:
         finally:
             os.close(fd)
 
-    def _read_sequential(self, jobs: list, layout: Layout, segs: list,
-                         plans: dict[Any, Any]) -> list[bool | None]:
+    def _read_sequential(self, jobs: list[ReadJob], layout: Layout, segs: list[Segment],
+                         plans: ReadPlans) -> list[bool | None]:
         """One block after another, asking the OS for the next ones' pages meanwhile."""
         out: list[bool | None] = []
         fds: list[int | None] = [None] * len(jobs)  # -1: the file had vanished
@@ -184,16 +203,18 @@ class Reader:
                 for j in range(i, min(len(jobs), i + 1 + _READ_AHEAD)):
                     if fds[j] is None:
                         fds[j] = self._open(jobs[j][0], prefetch=True)
-                if fds[i] == -1:
+                fd = fds[i]
+                assert fd is not None  # opened by the loop above
+                if fd == -1:
                     out.append(None)
                     break
                 ok: bool | None
                 try:
-                    ok = self._read_verified(e, fds[i], layout, segs, t0, ntok, plans)
+                    ok = self._read_verified(e, fd, layout, segs, t0, ntok, plans)
                 except OSError as exc:
                     self._unreadable(e, exc)
                     ok = None
-                os.close(fds[i])
+                os.close(fd)
                 fds[i] = None
                 out.append(ok)
                 if not ok:
@@ -262,8 +283,8 @@ class Reader:
             self.index.drop(e)
             self.context.counters["read_errors"] += 1
 
-    def _read_verified(self, e: Entry, fd: int, layout: Layout, segs: list, t0: int,
-                       ntok: int, plans: dict[Any, Any]) -> bool:
+    def _read_verified(self, e: Entry, fd: int, layout: Layout, segs: list[Segment], t0: int,
+                       ntok: int, plans: ReadPlans) -> bool:
         """Read, verify and scatter one block/tail into rows [t0, t0+ntok) of segs
         (OSError if the file cannot be read).
 
@@ -282,8 +303,8 @@ class Reader:
             return False
         return True
 
-    def _read_pieces(self, e: Entry, fd: int, layout: Layout, segs: list, t0: int,
-                     ntok: int, plans: dict[Any, Any]) -> str | None:
+    def _read_pieces(self, e: Entry, fd: int, layout: Layout, segs: list[Segment], t0: int,
+                     ntok: int, plans: ReadPlans) -> str | None:
         """Stream L2-sized pieces with pread (read, scatter, hash the scattered bytes while
         they are in cache); a short read is a reason."""
         direct = self._goes_direct(fd, e)  # (asked before the header read caches pages)
@@ -292,9 +313,9 @@ class Reader:
             got = diskio.pread_full(fd, head_view[: e.payload_offset], 0)
             reason = self._check_header(e, head_view[:got], layout)
         if reason is None:
-            plan = plans.get(ntok)
+            plan = plans.pieces.get(ntok)
             if plan is None:
-                plan = plans[ntok] = diskio.plan(segs, ntok)
+                plan = plans.pieces[ntok] = diskio.plan(segs, ntok)
             if direct:
                 h = diskio.hasher(fmt.content_seed(e.key))
                 reason = self._direct_reader().read(e, plan, t0, ntok, h)
@@ -303,9 +324,9 @@ class Reader:
                         reason = "content hash mismatch"
                     return reason
                 reason = None
-            scatter = plans.get(("scatter", ntok))  # the segments are the restore's own
+            scatter = plans.scatter.get(ntok)  # the segments are the restore's own
             if scatter is None:
-                scatter = plans[("scatter", ntok)] = _scatterable(segs, ntok)
+                scatter = plans.scatter[ntok] = _scatterable(segs, ntok)
             if scatter and hasattr(kernel, "preadv_hash"):
                 # one call reads and hashes every piece of the block with the GIL released
                 got, digest = kernel.preadv_hash(fd, e.payload_offset, segs, t0, ntok,
@@ -330,13 +351,13 @@ class Reader:
                     break
                 # Hash what landed in the destination, not the staging copy: a faulty
                 # scatter then fails the block instead of restoring wrong KV.
-                kernel.unpack_hash(mv, 0, sub, t0, ntok, hasher=h)
+                diskio.unpack_into(mv, 0, sub, t0, ntok, h)
             mv.release()
             if reason is None and h.digest() != e.content_hash:
                 reason = "content hash mismatch"
         return reason
 
-    def _read_tail_prefix(self, e: Entry, fd: int, layout: Layout, segs: list, t0: int,
+    def _read_tail_prefix(self, e: Entry, fd: int, layout: Layout, segs: list[Segment], t0: int,
                           ntok: int) -> str | None:
         """Verify a whole tail (or a block a prompt ends inside), then scatter only its
         first ntok rows: the content hash covers the whole payload."""
@@ -390,7 +411,7 @@ _IOV = 512  # destination ranges per preadv call (IOV_MAX is 1024 on Linux and m
 _MIN_RUN = 16 << 10  # rows of one outer slice per block at least this long: kernel scatter
 
 
-def _scatterable(segs: list, ntok: int) -> bool:
+def _scatterable(segs: list[Segment], ntok: int) -> bool:
     """Whether the kernel should scatter a warm block straight into ``segs`` (preadv into
     the destination rows): every run of rows long enough that a system call per few of
     them costs less than the copy it saves, and no two destinations overlapping."""
@@ -398,7 +419,7 @@ def _scatterable(segs: list, ntok: int) -> bool:
         return False
     spans = []
     for buf, outer, t_cap, row_bytes in segs:
-        with memoryview(buf) as mv:
+        with view(buf) as mv:
             flat = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
             spans.append((int(np.frombuffer(flat, dtype=np.uint8).ctypes.data) if flat.nbytes
                           else 0, outer * t_cap * row_bytes))
@@ -406,7 +427,8 @@ def _scatterable(segs: list, ntok: int) -> bool:
     return all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:]))
 
 
-def _read_scattered(fd: int, e: Entry, plan: list, t0: int, ntok: int, h: Any) -> str | None:
+def _read_scattered(fd: int, e: Entry, plan: list[Piece], t0: int, ntok: int,
+                    h: Hasher) -> str | None:
     """Read a warm block with preadv straight into its destination rows (the kernel's copy
     out of the page cache is the only one), hashing each piece's rows right after they
     landed (still in cache), in payload order: ``_blocks.preadv_hash`` in Python, for the
@@ -414,7 +436,7 @@ def _read_scattered(fd: int, e: Entry, plan: list, t0: int, ntok: int, h: Any) -
     for off, _, sub in plan:
         runs: list[memoryview] = []
         for buf, outer, t_cap, row_bytes in sub:
-            mv = memoryview(buf)
+            mv = view(buf)
             flat = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
             for o in range(outer):
                 start = (o * t_cap + t0) * row_bytes

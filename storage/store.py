@@ -75,11 +75,13 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import numpy.typing as npt
+
 from mlxkv.storage import diskio
 from mlxkv.storage.context import StoreContext, reset_warnings
 from mlxkv.storage.diskio import KERNEL
 from mlxkv.storage.folder import open_folder
-from mlxkv.storage.format import Learned, Manifest
+from mlxkv.storage.format import LayoutLike, Learned, Manifest
 from mlxkv.storage.index import Index
 from mlxkv.storage.keys import (
     ZERO_KEY,
@@ -173,17 +175,17 @@ class BlockStore:
         self.upkeep.retain_clock = clock
 
     # ------------------------------------------------------------------ lookups
-    def chain_keys(self, ns: str, tokens: Any) -> list[bytes]:
+    def chain_keys(self, ns: str, tokens: npt.ArrayLike) -> list[bytes]:
         return self.index.chain_keys(ns, tokens)
 
-    def lookup(self, ns: str, tokens: Any, max_tokens: int | None = None,
+    def lookup(self, ns: str, tokens: npt.ArrayLike, max_tokens: int | None = None,
                keys: Sequence[bytes] | None = None) -> Match:
         return self.index.lookup(ns, tokens, max_tokens, keys)
 
-    def longest_prefix(self, ns: str, tokens: Any, max_tokens: int | None = None) -> int:
+    def longest_prefix(self, ns: str, tokens: npt.ArrayLike, max_tokens: int | None = None) -> int:
         return self.index.lookup(ns, tokens, max_tokens).n_tokens
 
-    def lookup_checkpoint(self, ns: str, tokens: Any, max_tokens: int | None = None,
+    def lookup_checkpoint(self, ns: str, tokens: npt.ArrayLike, max_tokens: int | None = None,
                           keys: Sequence[bytes] | None = None) -> Match:
         return self.index.lookup_checkpoint(ns, tokens, max_tokens, keys)
 
@@ -195,7 +197,7 @@ class BlockStore:
 
     # ------------------------------------------------------------------ writes, reads
     def put_blocks(
-        self, ns: str, tokens: Any, layout: Any, segments: Sequence[Segment], *,
+        self, ns: str, tokens: npt.ArrayLike, layout: LayoutLike, segments: Sequence[Segment], *,
         tail: bool = True, manifest: str | None = None, durable: bool | None = None,
         pace: Callable[[], None] | None = None,
     ) -> PutResult:
@@ -203,17 +205,17 @@ class BlockStore:
                                       manifest=manifest, durable=durable, pace=pace)
 
     def put_checkpoint(
-        self, ns: str, tokens: Any, layout: Any, segments: Sequence[Segment], *,
+        self, ns: str, tokens: npt.ArrayLike, layout: LayoutLike, segments: Sequence[Segment], *,
         manifest: str | None = None, durable: bool | None = None,
     ) -> PutResult:
         return self.writer.put_checkpoint(ns, tokens, layout, segments, manifest=manifest,
                                           durable=durable)
 
-    def get_blocks(self, ns: str, tokens: Any, layout: Any, segments: Sequence[Segment],
+    def get_blocks(self, ns: str, tokens: npt.ArrayLike, layout: LayoutLike, segments: Sequence[Segment],
                    n_tokens: int | Match | None = None) -> Restore:
         return self.reader.get_blocks(ns, tokens, layout, segments, n_tokens)
 
-    def get_checkpoint(self, ns: str, match: Match, layout: Any,
+    def get_checkpoint(self, ns: str, match: Match, layout: LayoutLike,
                        segments: Sequence[Segment]) -> Restore:
         return self.reader.get_checkpoint(ns, match, layout, segments)
 
@@ -224,16 +226,16 @@ class BlockStore:
     def evict(self, max_bytes: int | None = None) -> dict[str, int]:
         return self.upkeep.evict(max_bytes)
 
-    def gc(self, ns: str | None = None, min_age_s: float = 60.0) -> dict[str, Any]:
+    def gc(self, ns: str | None = None, min_age_s: float = 60.0) -> dict[str, int | dict[str, str]]:
         return self.upkeep.gc(ns, min_age_s)
 
-    def clear(self, ns: str) -> dict[str, Any]:
+    def clear(self, ns: str) -> dict[str, int | bool]:
         return self.upkeep.clear(ns)
 
     def remove(self, ns: str, keys: Iterable[bytes]) -> dict[str, int]:
         return self.upkeep.remove(ns, keys)
 
-    def put_manifest(self, ns: str, name: str, tokens: Any,
+    def put_manifest(self, ns: str, name: str, tokens: npt.ArrayLike,
                      extra_keys: Sequence[bytes] = ()) -> Manifest:
         return self.upkeep.put_manifest(ns, name, tokens, extra_keys)
 

@@ -15,14 +15,23 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any
+
+import numpy.typing as npt
 
 from mlxkv.storage import diskio
 from mlxkv.storage import format as fmt
 from mlxkv.storage.context import StoreContext
 from mlxkv.storage.diskio import kernel
 from mlxkv.storage.entries import Entry, Space
-from mlxkv.storage.format import KIND_BLOCK, KIND_CHECKPOINT, KIND_TAIL, Layout, make_layout
+from mlxkv.storage.format import (
+    KIND_BLOCK,
+    KIND_CHECKPOINT,
+    KIND_TAIL,
+    Layout,
+    LayoutLike,
+    TokenIds,
+    make_layout,
+)
 from mlxkv.storage.index import Index
 from mlxkv.storage.keys import (
     ZERO_KEY,
@@ -42,6 +51,9 @@ from mlxkv.storage.maintenance import Maintenance
 _BATCH = 64  # temp files open at once before they are fsynced and renamed
 
 Job = tuple[int, bytes, bytes, int, int]  # kind, key, parent, t0, t1
+# a file being written: fd (-1 once closed), temp name (None once renamed), final name,
+# its index entry
+Pending = tuple[int, str | None, str, Entry]
 
 
 class Writer:
@@ -68,7 +80,7 @@ class Writer:
             pool.shutdown(wait=True)
 
     def put_blocks(
-        self, ns: str, tokens: Any, layout: Any, segments: Sequence[Segment], *,
+        self, ns: str, tokens: npt.ArrayLike, layout: LayoutLike, segments: Sequence[Segment], *,
         tail: bool = True, manifest: str | None = None, durable: bool | None = None,
         pace: Callable[[], None] | None = None,
     ) -> PutResult:
@@ -108,7 +120,7 @@ class Writer:
                          sum(e.file_size for e in written), tuple(keys))
 
     def put_checkpoint(
-        self, ns: str, tokens: Any, layout: Any, segments: Sequence[Segment], *,
+        self, ns: str, tokens: npt.ArrayLike, layout: LayoutLike, segments: Sequence[Segment], *,
         manifest: str | None = None, durable: bool | None = None,
     ) -> PutResult:
         """Persist a whole state that is only valid after exactly ``tokens`` (rotating KV
@@ -133,7 +145,7 @@ class Writer:
         return PutResult(toks.size, len(written), int(present), False,
                          sum(e.file_size for e in written), (key,))
 
-    def _persist(self, ns: str, nsid: bytes, layout: Layout, segs: list, toks: Any,
+    def _persist(self, ns: str, nsid: bytes, layout: Layout, segs: list[Segment], toks: TokenIds,
                  jobs: list[Job], durable: bool | None,
                  pace: Callable[[], None] | None = None) -> list[Entry]:
         """Write ``jobs`` under the shared folder lock; index whatever completed."""
@@ -151,7 +163,7 @@ class Writer:
         return written
 
     def _after_put(self, ns: str, keys: Sequence[bytes], child_key: bytes | None,
-                   manifest: str | None, toks: Any, extra_keys: Sequence[bytes]) -> None:
+                   manifest: str | None, toks: TokenIds, extra_keys: Sequence[bytes]) -> None:
         with self.context.lock:
             self.index.touch(ns, keys, child_key)
         if manifest is not None:
@@ -162,16 +174,16 @@ class Writer:
             except CacheFolderError as exc:  # the write itself succeeded
                 self.context.warn_once(f"folder:{exc}", "mlxkv cache: %s", exc)
 
-    def _write_files(self, ns: str, nsid: bytes, layout: Layout, segs: list, toks: Any,
+    def _write_files(self, ns: str, nsid: bytes, layout: Layout, segs: list[Segment], toks: TokenIds,
                      jobs: list[Job], durable: bool, written: list[Entry],
                      pace: Callable[[], None] | None = None) -> None:
         """Write ``jobs`` (``pace``, when given, runs before each file after the first:
         the caller's chance to let the machine breathe between slices of a big write)."""
-        pending: list[tuple[int, str | None, str, Entry]] = []  # fd, tmp, final, entry
-        writes: list[Future] = []  # the pwrite of each pending file, in order
+        pending: list[Pending] = []
+        writes: list[Future[None]] = []  # the pwrite of each pending file, in order
         dirs: set[str] = set()
         checked: set[str] = set()
-        inflight: Future | None = None
+        inflight: Future[None] | None = None
         publishing = False
         nblk = 0
         try:
@@ -230,18 +242,18 @@ class Writer:
                 wait([inflight])
             if not publishing and isinstance(exc, OSError):
                 self._publish_landed(pending, writes, written, dirs, durable)
-            for fd, tmp, _, _ in pending:
+            for fd, tmp_name, _, _ in pending:
                 if fd >= 0:
                     diskio.quiet(os.close, fd)
-                if tmp is not None:
-                    self.context.unlink(tmp)
+                if tmp_name is not None:
+                    self.context.unlink(tmp_name)
             if not isinstance(exc, OSError):
                 raise
             with self.context.lock:
                 self.context.counters["write_failures"] += 1
             raise self.context.write_failed(exc, "block") from exc
 
-    def _publish_landed(self, pending: list, writes: list[Future], written: list[Entry],
+    def _publish_landed(self, pending: list[Pending], writes: list[Future[None]], written: list[Entry],
                         dirs: set[str], durable: bool) -> None:
         """After a failed write: publish the files before it whose writes completed (a
         prefix of the chain, so it is usable); ``pending`` keeps what is left to clean."""
@@ -277,7 +289,7 @@ class Writer:
         return fd
 
     @staticmethod
-    def _publish(pending: list, written: list[Entry], durable: bool) -> None:
+    def _publish(pending: list[Pending], written: list[Entry], durable: bool) -> None:
         """fsync, close and rename a batch of temp files (fsyncs batched so the disk
         writes them back together). Entries are updated in place so a failure midway
         leaves ``pending`` describing exactly what still needs cleaning up."""
@@ -288,6 +300,7 @@ class Writer:
             os.close(fd)
             pending[i] = (-1, tmp, final, entry)
         for i, (_, tmp, final, entry) in enumerate(pending):
+            assert tmp is not None  # every file of a batch is renamed here, once
             os.rename(tmp, final)
             entry.mtime = time.time()
             written.append(entry)
