@@ -137,8 +137,8 @@ class DirectReader:
         if pool is not None:
             pool.shutdown(wait=True)
 
-    def read(self, e: Entry, plan: list[Piece], t0: int, ntok: int, h: Hasher) -> str | None:
-        """Read ``e``'s payload direct, scatter and hash it piece by piece into ``h``:
+    def read(self, e: Entry, plan: list[Piece], t0: int, ntok: int, hasher: Hasher) -> str | None:
+        """Read ``e``'s payload direct, scatter and hash it piece by piece into ``hasher``:
         None (read whole), a reason (a short read: truncated), or FALLBACK (use the
         buffered path; nothing was scattered)."""
         try:
@@ -153,12 +153,12 @@ class DirectReader:
             except OSError:
                 self.usable = False
                 return FALLBACK
-            return self._stream(fd, e, windows(plan), t0, ntok, h)
+            return self._stream(fd, e, windows(plan), t0, ntok, hasher)
         finally:
             os.close(fd)
 
     def _stream(self, fd: int, e: Entry, wins: list[Window], t0: int, ntok: int,
-                h: Hasher) -> str | None:
+                hasher: Hasher) -> str | None:
         size = max(n for _, n, _ in wins)
         bufs = [self._scratch("d0", size), self._scratch("d1", size)]
         pool = self.pool()
@@ -185,7 +185,7 @@ class DirectReader:
                     return f"truncated payload ({e.payload_offset + start + got} bytes)"
                 with memoryview(bufs[i % 2]) as mv:
                     for off, _, sub in pieces:
-                        diskio.unpack_into(mv, off - start, sub, t0, ntok, h)
+                        diskio.unpack_into(mv, off - start, sub, t0, ntok, hasher)
                 scattered = True
         finally:
             if fut is not None:

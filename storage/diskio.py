@@ -134,25 +134,25 @@ def plan(segs: Sequence[Segment], ntok: int, chunk: int = CHUNK) -> list[Piece]:
     pieces: list[Piece] = []
     off = cur_off = cur_n = 0
     cur: list[Segment] = []
-    for buf, outer, t_cap, rb in segs:
-        size = outer * ntok * rb
+    for buf, outer, t_cap, row_bytes in segs:
+        size = outer * ntok * row_bytes
         if cur and cur_n + size > chunk:
             pieces.append((cur_off, cur_n, cur))
             cur, cur_n = [], 0
         if size > chunk and outer > 1:
             flat = view(buf).cast("B") if view(buf).format != "B" or \
                 view(buf).ndim != 1 else view(buf)
-            step = max(1, chunk // (ntok * rb))
+            step = max(1, chunk // (ntok * row_bytes))
             for o0 in range(0, outer, step):
                 o1 = min(outer, o0 + step)
-                sub = (flat[o0 * t_cap * rb : o1 * t_cap * rb], o1 - o0, t_cap, rb)
-                pieces.append((off + o0 * ntok * rb, (o1 - o0) * ntok * rb, [sub]))
+                sub = (flat[o0 * t_cap * row_bytes : o1 * t_cap * row_bytes], o1 - o0, t_cap, row_bytes)
+                pieces.append((off + o0 * ntok * row_bytes, (o1 - o0) * ntok * row_bytes, [sub]))
             off += size
             cur_off = off
             continue
         if not cur:
             cur_off = off
-        cur.append((buf, outer, t_cap, rb))
+        cur.append((buf, outer, t_cap, row_bytes))
         cur_n += size
         off += size
     if cur:

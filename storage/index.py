@@ -229,8 +229,8 @@ class Index:
 
     # ------------------------------------------------------------------ index upkeep
     def path(self, ns: str, key: bytes, kind: int) -> str:
-        h = key.hex()
-        return f"{self.context.root}{os.sep}{ns}{os.sep}{h[:2]}{os.sep}{h}{EXT[kind]}"  # on every probe
+        hex_key = key.hex()
+        return f"{self.context.root}{os.sep}{ns}{os.sep}{hex_key[:2]}{os.sep}{hex_key}{EXT[kind]}"  # on every probe
 
     def add(self, space: Space, e: Entry) -> None:
         old = space.get(e.kind, e.key, e.parent)

@@ -88,19 +88,19 @@ class StorageIO:
         self.max_pending_writes = max_pending_writes
         self._slots = threading.Semaphore(max_pending_writes)
         # (future, request) per request; None stops the thread
-        self._wq: queue.SimpleQueue[tuple[Future[PutResult], WriteRequest] | None] = \
+        self._write_queue: queue.SimpleQueue[tuple[Future[PutResult], WriteRequest] | None] = \
             queue.SimpleQueue()
-        self._rq: queue.SimpleQueue[tuple[Future[Restore], ReadRequest] | None] = \
+        self._read_queue: queue.SimpleQueue[tuple[Future[Restore], ReadRequest] | None] = \
             queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
         self._abort = threading.Event()
         self._pending = 0  # writes submitted and not settled
         self._pending_reads = 0  # reads submitted and not settled (queued or running)
-        self._n = {"written": 0, "failed": 0, "read": 0, "read_failed": 0, "cancelled": 0}
-        self._writer = threading.Thread(target=self._run, args=(self._wq, self._write, True),
+        self._counts = {"written": 0, "failed": 0, "read": 0, "read_failed": 0, "cancelled": 0}
+        self._writer = threading.Thread(target=self._run, args=(self._write_queue, self._write, True),
                                         name=f"{name}-writer", daemon=True)
-        self._reader = threading.Thread(target=self._run, args=(self._rq, self._read, False),
+        self._reader = threading.Thread(target=self._run, args=(self._read_queue, self._read, False),
                                         name=f"{name}-reader", daemon=True)
         self._writer.start()
         self._reader.start()
@@ -123,7 +123,7 @@ class StorageIO:
                 self._slots.release()
                 raise StorageClosed("StorageIO is closed")
             self._pending += 1
-            self._wq.put((fut, request))
+            self._write_queue.put((fut, request))
         return fut
 
     def submit_read(self, request: ReadRequest) -> Future[Restore]:
@@ -134,7 +134,7 @@ class StorageIO:
         with self._lock:
             self._check_open()
             self._pending_reads += 1
-            self._rq.put((fut, request))
+            self._read_queue.put((fut, request))
         return fut
 
     @property
@@ -150,26 +150,30 @@ class StorageIO:
 
     def counts(self) -> dict[str, int]:
         with self._lock:
-            return {**self._n, "pending": self._pending}
+            return {**self._counts, "pending": self._pending}
 
     # ------------------------------------------------------------------ threads
-    def _write(self, s: WriteRequest) -> PutResult:
-        if s.on_start is not None:
-            s.on_start()
-        if s.checkpoint:
-            return self.store.put_checkpoint(s.ns, s.tokens, s.layout, s.segments,
-                                             manifest=s.manifest, durable=s.durable)
-        return self.store.put_blocks(s.ns, s.tokens, s.layout, s.segments, tail=s.tail,
-                                     manifest=s.manifest, durable=s.durable, pace=s.pace)
+    def _write(self, request: WriteRequest) -> PutResult:
+        if request.on_start is not None:
+            request.on_start()
+        if request.checkpoint:
+            return self.store.put_checkpoint(
+                request.ns, request.tokens, request.layout, request.segments,
+                manifest=request.manifest, durable=request.durable)
+        return self.store.put_blocks(
+            request.ns, request.tokens, request.layout, request.segments, tail=request.tail,
+            manifest=request.manifest, durable=request.durable, pace=request.pace)
 
-    def _read(self, r: ReadRequest) -> Restore:
-        if r.layout is None:
+    def _read(self, request: ReadRequest) -> Restore:
+        if request.layout is None:
             raise TypeError("a read needs the layout of what it restores")
-        if r.checkpoint:
-            if not isinstance(r.n_tokens, Match):
+        if request.checkpoint:
+            if not isinstance(request.n_tokens, Match):
                 raise ValueError("a checkpoint read needs the Match from lookup_checkpoint")
-            return self.store.get_checkpoint(r.ns, r.n_tokens, r.layout, r.segments)
-        return self.store.get_blocks(r.ns, r.tokens, r.layout, r.segments, r.n_tokens)
+            return self.store.get_checkpoint(request.ns, request.n_tokens, request.layout,
+                                             request.segments)
+        return self.store.get_blocks(request.ns, request.tokens, request.layout,
+                                     request.segments, request.n_tokens)
 
     def _run(self, q: queue.SimpleQueue[tuple[Future[_Result], _Job] | None],
              fn: Callable[[_Job], _Result], is_writer: bool) -> None:
@@ -207,7 +211,7 @@ class StorageIO:
 
     def _settled(self, is_writer: bool, what: str) -> None:
         with self._lock:
-            self._n[what] += 1
+            self._counts[what] += 1
             if is_writer:
                 self._pending -= 1
             else:
@@ -231,8 +235,8 @@ class StorageIO:
             already = self._closed
             self._closed = True
         if not already:
-            self._wq.put(None)
-            self._rq.put(None)
+            self._write_queue.put(None)
+            self._read_queue.put(None)
         self._writer.join(timeout)
         if self._writer.is_alive():
             self._abort.set()  # the running write finishes; the queued ones fail fast
@@ -240,7 +244,7 @@ class StorageIO:
         if not self._writer.is_alive():
             self.store.close()  # its write helper thread; restarts if the store is reused
         with self._lock:
-            report = {**self._n, "pending": self._pending}
+            report = {**self._counts, "pending": self._pending}
         if report["pending"]:
             log.warning("mlxkv storage: closed with %d writes not finished", report["pending"])
         return report

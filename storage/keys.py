@@ -144,15 +144,15 @@ def check_segments(layout: Layout, segments: Sequence[Segment], ntokens: int,
     out: list[Segment] = []
     for spec, seg in zip(layout, segments):
         try:
-            buf, outer, t_cap, rb = seg
+            buf, outer, t_cap, row_bytes = seg
         except (TypeError, ValueError) as exc:
             raise ValueError(f"segment {spec.name}: expected (buf, outer, t_capacity, row_bytes)") from exc
-        if int(outer) != spec.outer or int(rb) != spec.row_bytes:
-            raise ValueError(f"segment {spec.name}: outer/row_bytes ({outer}, {rb}) do not match "
+        if int(outer) != spec.outer or int(row_bytes) != spec.row_bytes:
+            raise ValueError(f"segment {spec.name}: outer/row_bytes ({outer}, {row_bytes}) do not match "
                              f"the layout ({spec.outer}, {spec.row_bytes})")
         if int(t_cap) < ntokens:
             raise ValueError(f"segment {spec.name}: t_capacity {t_cap} < {ntokens} tokens")
         if writable and view(buf).readonly:
             raise ValueError(f"segment {spec.name}: destination buffer is read-only")
-        out.append((buf, int(outer), int(t_cap), int(rb)))
+        out.append((buf, int(outer), int(t_cap), int(row_bytes)))
     return out

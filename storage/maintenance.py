@@ -190,8 +190,8 @@ class Maintenance:
 
     # ------------------------------------------------------------------ manifests
     def manifest_path(self, ns: str, name: str) -> str:
-        h = xxhash.xxh3_64_hexdigest(name.encode())
-        return os.path.join(self.context.root, check_namespace(ns), MANIFEST_DIR, f"{h}.man")
+        name_hash = xxhash.xxh3_64_hexdigest(name.encode())
+        return os.path.join(self.context.root, check_namespace(ns), MANIFEST_DIR, f"{name_hash}.man")
 
     def put_manifest(self, ns: str, name: str, tokens: npt.ArrayLike,
                      extra_keys: Sequence[bytes] = ()) -> Manifest:
@@ -201,10 +201,10 @@ class Maintenance:
         toks = token_ids(tokens)
         keys = self.index.chain_keys(ns, toks)
         block_len = self.context.block_tokens
-        tkey = None
+        tail_child_key = None
         if toks.size % block_len:
-            tkey = tail_key(keys[-1] if keys else ZERO_KEY, namespace_id(ns), toks[len(keys) * block_len :])
-        man = Manifest(name, ns, toks, tuple(keys), tkey, time.time(), tuple(extra_keys))
+            tail_child_key = tail_key(keys[-1] if keys else ZERO_KEY, namespace_id(ns), toks[len(keys) * block_len :])
+        man = Manifest(name, ns, toks, tuple(keys), tail_child_key, time.time(), tuple(extra_keys))
         path = self.manifest_path(ns, name)
         try:
             with self.context.folder_lock(shared=True):

@@ -108,13 +108,13 @@ def pack(
     _check_range([s for s in segs], t0, t1)
     out = _as_bytes(dst, True, "dst")
     n = t1 - t0
-    total = sum(o * n * rb for _, o, _, rb in segs)
+    total = sum(o * n * row_bytes for _, o, _, row_bytes in segs)
     _check_flat(out, dst_offset, total, "dst")
     pos = dst_offset
-    for arr, outer, t_cap, rb in segs:
-        if outer * n * rb == 0:
+    for arr, outer, t_cap, row_bytes in segs:
+        if outer * n * row_bytes == 0:
             continue
-        rows = arr.reshape(outer, t_cap * rb)[:, t0 * rb : t1 * rb]
+        rows = arr.reshape(outer, t_cap * row_bytes)[:, t0 * row_bytes : t1 * row_bytes]
         out[pos : pos + rows.size] = rows.reshape(-1)
         pos += rows.size
     if not hash:
@@ -143,16 +143,16 @@ def unpack(
     _check_disjoint(segs)
     _check_range(segs, dst_t0, dst_t0 + ntokens)
     inp = _as_bytes(src, False, "src")
-    total = sum(o * ntokens * rb for _, o, _, rb in segs)
+    total = sum(o * ntokens * row_bytes for _, o, _, row_bytes in segs)
     _check_flat(inp, src_offset, total, "src")
     pos = src_offset
-    for arr, outer, t_cap, rb in segs:
-        size = outer * ntokens * rb
+    for arr, outer, t_cap, row_bytes in segs:
+        size = outer * ntokens * row_bytes
         if size == 0:
             continue
-        rows = arr.reshape(outer, t_cap * rb)
-        rows[:, dst_t0 * rb : (dst_t0 + ntokens) * rb] = inp[pos : pos + size].reshape(
-            outer, ntokens * rb
+        rows = arr.reshape(outer, t_cap * row_bytes)
+        rows[:, dst_t0 * row_bytes : (dst_t0 + ntokens) * row_bytes] = inp[pos : pos + size].reshape(
+            outer, ntokens * row_bytes
         )
         pos += size
     return total

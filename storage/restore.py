@@ -99,7 +99,7 @@ class Reader:
             m = self.index.lookup(ns, tokens, n_tokens)
         segs = check_segments(layout, segments, m.n_tokens, writable=True)
         block_len = self.context.block_tokens
-        done = nread = nblk = corrupt = missing = 0
+        done = nread = n_blocks = corrupt = missing = 0
         jobs: list[ReadJob] = []
         row, dropped = 0, False
         ents = self.index.entries_of(ns, m)
@@ -136,16 +136,16 @@ class Reader:
                     corrupt += 1
                 break
             done += ntok
-            nblk += 1
+            n_blocks += 1
             nread += e.payload_len
         if dropped and done == row:
             missing += 1
-        self._count_read(done > 0, nblk, nread)
+        self._count_read(done > 0, n_blocks, nread)
         if done:
             with self.context.lock:
                 self.index.touch(ns, m.block_keys[: done // block_len],
                             m.tail_key if done == m.n_tokens else None)
-        return Restore(done, m.n_tokens, nblk, nread, corrupt, missing)
+        return Restore(done, m.n_tokens, n_blocks, nread, corrupt, missing)
 
     def get_checkpoint(self, ns: str, match: Match, layout: LayoutLike,
                        segments: Sequence[Segment]) -> Restore:
@@ -308,8 +308,8 @@ class Reader:
         """Stream L2-sized pieces with pread (read, scatter, hash the scattered bytes while
         they are in cache); a short read is a reason."""
         direct = self._goes_direct(fd, e)  # (asked before the header read caches pages)
-        hbuf = self.context.scratch("h", e.payload_offset)
-        with memoryview(hbuf) as head_view:
+        header_buf = self.context.scratch("h", e.payload_offset)
+        with memoryview(header_buf) as head_view:
             got = diskio.pread_full(fd, head_view[: e.payload_offset], 0)
             reason = self._check_header(e, head_view[:got], layout)
         if reason is None:
@@ -317,10 +317,10 @@ class Reader:
             if plan is None:
                 plan = plans.pieces[ntok] = diskio.plan(segs, ntok)
             if direct:
-                h = diskio.hasher(fmt.content_seed(e.key))
-                reason = self._direct_reader().read(e, plan, t0, ntok, h)
+                hasher = diskio.hasher(fmt.content_seed(e.key))
+                reason = self._direct_reader().read(e, plan, t0, ntok, hasher)
                 if reason != FALLBACK:
-                    if reason is None and h.digest() != e.content_hash:
+                    if reason is None and hasher.digest() != e.content_hash:
                         reason = "content hash mismatch"
                     return reason
                 reason = None
@@ -334,10 +334,10 @@ class Reader:
                 if got < e.payload_len:
                     return f"truncated payload ({e.payload_offset + got} bytes)"
                 return None if digest == e.content_hash else "content hash mismatch"
-            h = diskio.hasher(fmt.content_seed(e.key))
+            hasher = diskio.hasher(fmt.content_seed(e.key))
             if scatter:
-                reason = _read_scattered(fd, e, plan, t0, ntok, h)
-                if reason is None and h.digest() != e.content_hash:
+                reason = _read_scattered(fd, e, plan, t0, ntok, hasher)
+                if reason is None and hasher.digest() != e.content_hash:
                     reason = "content hash mismatch"
                 return reason
             stage = self.context.scratch("r", 2 * CHUNK)
@@ -351,9 +351,9 @@ class Reader:
                     break
                 # Hash what landed in the destination, not the staging copy: a faulty
                 # scatter then fails the block instead of restoring wrong KV.
-                diskio.unpack_into(mv, 0, sub, t0, ntok, h)
+                diskio.unpack_into(mv, 0, sub, t0, ntok, hasher)
             mv.release()
-            if reason is None and h.digest() != e.content_hash:
+            if reason is None and hasher.digest() != e.content_hash:
                 reason = "content hash mismatch"
         return reason
 
@@ -428,7 +428,7 @@ def _scatterable(segs: list[Segment], ntok: int) -> bool:
 
 
 def _read_scattered(fd: int, e: Entry, plan: list[Piece], t0: int, ntok: int,
-                    h: Hasher) -> str | None:
+                    hasher: Hasher) -> str | None:
     """Read a warm block with preadv straight into its destination rows (the kernel's copy
     out of the page cache is the only one), hashing each piece's rows right after they
     landed (still in cache), in payload order: ``_blocks.preadv_hash`` in Python, for the
@@ -450,7 +450,7 @@ def _read_scattered(fd: int, e: Entry, plan: list[Piece], t0: int, ntok: int,
                 return f"truncated payload ({pos + got} bytes)"
             pos += want
             for r in group:
-                h.update(r)
+                hasher.update(r)
     return None
 
 

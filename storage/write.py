@@ -104,19 +104,19 @@ class Writer:
                     jobs.append((KIND_BLOCK, k, parent, b * block_len, (b + 1) * block_len))
                 parent = k
             present = len(keys) - len(jobs)
-            tkey = None
+            tail_child_key = None
             if tail and n % block_len:
-                tkey = tail_key(parent, nsid, toks[len(keys) * block_len :])
-                if tkey not in space.tails.get(parent, {}):
-                    jobs.append((KIND_TAIL, tkey, parent, len(keys) * block_len, n))
+                tail_child_key = tail_key(parent, nsid, toks[len(keys) * block_len :])
+                if tail_child_key not in space.tails.get(parent, {}):
+                    jobs.append((KIND_TAIL, tail_child_key, parent, len(keys) * block_len, n))
         try:
             written = self._persist(ns, nsid, layout, segs, toks, jobs, durable, pace)
         finally:
             with self.context.lock:
                 self.context.counters["dedup_blocks"] += present
-        self._after_put(ns, keys, tkey, manifest, toks, ())
-        nblk = sum(1 for e in written if e.kind == KIND_BLOCK)
-        return PutResult(n, nblk, present, any(e.kind == KIND_TAIL for e in written),
+        self._after_put(ns, keys, tail_child_key, manifest, toks, ())
+        n_blocks = sum(1 for e in written if e.kind == KIND_BLOCK)
+        return PutResult(n, n_blocks, present, any(e.kind == KIND_TAIL for e in written),
                          sum(e.file_size for e in written), tuple(keys))
 
     def put_checkpoint(
@@ -185,7 +185,7 @@ class Writer:
         checked: set[str] = set()
         inflight: Future[None] | None = None
         publishing = False
-        nblk = 0
+        n_blocks = 0
         try:
             for i, (kind, key, parent, t0, t1) in enumerate(jobs):
                 if pace is not None and i:
@@ -193,32 +193,32 @@ class Writer:
                 # blocks and tails pack token rows [t0, t1); a checkpoint its one state row
                 r0, r1 = (0, 1) if kind == KIND_CHECKPOINT else (t0, t1)
                 hdr_size = fmt.block_header_size(layout, ns, t1 - t0)
-                plen = kernel.packed_size(segs, r1 - r0)
-                size = hdr_size + fmt.align(plen)
+                payload_len = kernel.packed_size(segs, r1 - r0)
+                size = hdr_size + fmt.align(payload_len)
                 final = self.index.path(ns, key, kind)
-                d = os.path.dirname(final)
-                if d not in checked:  # real folders only (never a symlink), made 0700
-                    diskio.make_dirs(self.context.root, d, dirs)
-                    checked.add(d)
-                tmp = os.path.join(d, f".{key.hex()}.{os.getpid()}.{threading.get_ident()}.tmp")
+                folder = os.path.dirname(final)
+                if folder not in checked:  # real folders only (never a symlink), made 0700
+                    diskio.make_dirs(self.context.root, folder, dirs)
+                    checked.add(folder)
+                tmp = os.path.join(folder, f".{key.hex()}.{os.getpid()}.{threading.get_ident()}.tmp")
                 # The whole file image is built in one page-aligned buffer (pack fused with
                 # the hash, then the header) and written with one (direct where possible)
                 # pwrite. Two buffers alternate: block i is written by the I/O helper
                 # thread while block i+1 is packed here, so the disk never waits on the CPU.
-                mv = memoryview(self.context.scratch(f"w{nblk % 2}", size))[:size]
-                nblk += 1
-                _, chash = kernel.pack(mv, hdr_size, segs, r0, r1, fmt.content_seed(key))
+                mv = memoryview(self.context.scratch(f"w{n_blocks % 2}", size))[:size]
+                n_blocks += 1
+                _, content_hash = kernel.pack(mv, hdr_size, segs, r0, r1, fmt.content_seed(key))
                 mv[:hdr_size] = fmt.encode_block_header(
-                    kind, key, parent, nsid, ns, layout, t0, t1, toks[t0:t1], chash, plen)
-                mv[hdr_size + plen : size] = bytes(size - hdr_size - plen)
+                    kind, key, parent, nsid, ns, layout, t0, t1, toks[t0:t1], content_hash, payload_len)
+                mv[hdr_size + payload_len : size] = bytes(size - hdr_size - payload_len)
                 if inflight is not None:
                     inflight.result()  # the other buffer is free again (or the write failed)
                 fd = self._open_write(tmp)
-                entry = Entry(kind, key, parent, ns, final, size, hdr_size, plen, chash,
+                entry = Entry(kind, key, parent, ns, final, size, hdr_size, payload_len, content_hash,
                               t0, t1, layout, toks[t0:t1].copy(),
                               0.0)
                 pending.append((fd, tmp, final, entry))
-                dirs.add(d)
+                dirs.add(folder)
                 inflight = self._io_thread().submit(diskio.pwrite_full, fd, mv, 0)
                 writes.append(inflight)
                 if len(pending) >= _BATCH:
@@ -235,8 +235,8 @@ class Writer:
             publishing = True
             self._publish(pending, written, durable)
             if durable:
-                for d in sorted(dirs, key=len, reverse=True):  # a new folder before its parent
-                    diskio.fsync_dir(d)
+                for folder in sorted(dirs, key=len, reverse=True):  # a new folder before its parent
+                    diskio.fsync_dir(folder)
         except BaseException as exc:
             if inflight is not None:  # never close or unlink under a running write
                 wait([inflight])
@@ -266,8 +266,8 @@ class Writer:
         try:
             self._publish(head, written, durable)
             if durable:
-                for d in sorted(dirs, key=len, reverse=True):
-                    diskio.fsync_dir(d)
+                for folder in sorted(dirs, key=len, reverse=True):
+                    diskio.fsync_dir(folder)
         except OSError:
             pass  # the cleanup below removes whatever was not renamed
         pending[:n] = head
