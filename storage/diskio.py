@@ -219,7 +219,7 @@ class NotAFile(OSError):
 def open_ro(path: str) -> int:
     """Open a regular file for reading: no symlink (O_NOFOLLOW), no wait on a FIFO
     (O_NONBLOCK, then fstat), and no atime update (a read would otherwise dirty the
-    inode: 10,000 journal updates on the first scan after a write)."""
+    inode: a journal update per file on the first scan after a write)."""
     global _NOATIME
     flags = os.O_RDONLY | os.O_CLOEXEC | NOFOLLOW | _NONBLOCK
     try:

@@ -1,33 +1,11 @@
 """The cache folder itself: its marker, the checks made when a store opens it, the
 cross-process lock, and the names of the files the store may create, read or remove.
 
-A cache folder holds a marker file, ``<root>/MLXKV-CACHE``: JSON ``{"format": 1, ...}``
-(the folder layout version). The store only scans, writes or removes files in a folder
-that has the marker, and only files named exactly as it names them, inside real
-folders (never through a symlink):
-
-    <root>/MLXKV-CACHE  <root>/.lock  <root>/<ns>/<2 hex>/<32 hex>.blk|.tail|.ckpt
-    <root>/<ns>/manifests/<16 hex>.man  <root>/<ns>/learned/<name>.lrn
-    (and the ``*.<pid>.<thread>.tmp`` names of writes)
-
-Opening a folder (:func:`open_folder`):
-
-- missing: it is created (0700) and marked;
-- empty: it is marked;
-- marked: the marker must parse and name a layout this code knows;
-- unmarked but not empty: it is *adopted* (marked) only if it holds nothing but the
-  layout above, written by an mlxkv from before markers: every file named as ours, a
-  regular file in a real folder, whose 16-byte prefix parses as ours (magic, a record
-  kind matching its name, a plausible header length; any format version). A temp file
-  may also be empty. Anything else (a user's files, a symlink, a FIFO, an unknown name)
-  means the folder is not ours: :class:`~storage.keys.CacheFolderError`, and nothing is
-  touched. Damage past the prefix is found later, as in any cache folder;
-- a path that is a file, a read-only folder, or a ``.lock`` that is not a regular file:
-  CacheFolderError too.
-
-The marker is written under the exclusive folder lock, so processes opening a new folder
-at once agree; it is re-checked whenever the lock is taken, so a folder whose marker
-vanished (or was replaced by a folder) is refused from then on.
+The store touches only what it can prove is its own: a folder marked with
+``<root>/MLXKV-CACHE``, and in it only files named exactly as it names them, inside real
+folders (never through a symlink). :func:`open_folder` marks a new or empty folder,
+adopts an unmarked one only if everything in it parses as ours, and raises
+:class:`~storage.keys.CacheFolderError` otherwise. The rules in full: docs/storage.md.
 """
 
 from __future__ import annotations

@@ -1,38 +1,10 @@
-"""On-disk formats of the block store: block files, tail files and manifests.
+"""On-disk formats of the block store: block, tail and checkpoint files, manifests and
+learned files.
 
-Every file starts with the same 16-byte prefix, little-endian, then the header body and
-the header hash::
-
-    magic (8) | format version u16 | kind u16 | header length u32 | body | header hash u64
-
-``header hash`` is XXH3-64 of everything before it (prefix + body, one contiguous range),
-so a flipped bit anywhere in the prefix or header is caught before a field is trusted.
-An unknown version raises :class:`UnknownVersion` (the file is skipped, never misread);
-any other damage raises :class:`FormatError` (the file is removed by the store).
-
-Block / tail / checkpoint body (kind 1 / 2 / 4)::
-
-    key 16 | parent key 16 | namespace id 16 | content hash u64 | payload offset u64 |
-    payload length u64 | t0 u32 | t1 u32 | meta length u32 | meta (JSON) | token ids u32[t1-t0]
-
-``meta`` holds the namespace name and the layer layout. The payload starts at a multiple of
-:data:`PAGE` (so it can be read and written with direct I/O) and is the segments' rows
-[t0, t1) packed by ``_blocks.pack``; its XXH3-64, seeded with :func:`content_seed` of the
-key, is ``content hash``. The file is padded to a multiple of :data:`PAGE`. A checkpoint
-holds whole states (one "row" per segment) at token position t1; its token ids are the
-ones after the last full block, as for a tail.
-
-Manifest body (kind 3): ``meta length u32 | meta (JSON) | token ids u32[n] | keys 16*k``.
-A manifest is all header: its header hash covers every byte, token ids and keys included.
-
-Learned sequences (kind 5: what a speculation source learned in a namespace, e.g. the
-suffix source's global index): ``meta length u32 | meta (JSON) | lengths u32[n] | token
-ids u32[sum(lengths)]``, the sequences oldest first. All header too, at most
-:data:`MAX_LEARNED_TOKENS` tokens; every length and count is checked against the body.
-
-Metadata JSON is bounded before it is parsed (:data:`MAX_META` bytes, :data:`MAX_DEPTH`
-levels of nesting), so a hostile or damaged file is a FormatError, never a RecursionError
-or a huge allocation.
+Every file opens with a prefix (magic, format version, kind, header length) and ends its
+header with an XXH3-64 hash of everything before it, so a damaged header is caught before
+a field is trusted: an unknown version raises :class:`UnknownVersion` (skipped, never
+misread), any other damage :class:`FormatError`. The byte layouts: docs/storage.md.
 """
 
 from __future__ import annotations

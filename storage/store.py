@@ -1,72 +1,11 @@
 """Block store: verified, deduplicated KV blocks on disk, keyed by 128-bit chain keys.
 
-API (all byte-level; ``storage`` never imports mlx)::
-
-    store = BlockStore(root, block_tokens=256, max_bytes=None, durable=True, direct_io=True)
-        # creates/marks/adopts the folder; CacheFolderError if it is not a usable cache
-    store.scan()                                   # at startup: rebuild the index from headers
-
-    # layout: one SegmentSpec per per-layer tensor (format.SegmentSpec / make_layout)
-    # segments: one (buf, outer, t_capacity, row_bytes) per spec, same order; buf is any
-    #   C-contiguous buffer of outer*t_capacity*row_bytes bytes (memoryview(mx_array) works).
-    m = store.lookup(ns, tokens, max_tokens=None)  # -> Match; the index (+ one probe, below)
-        # Match: n_tokens, block_keys, tail_key/tail_tokens, nbytes, layout (as stored:
-        # what to allocate the destination from after a restart)
-    n = store.longest_prefix(ns, tokens)           # == lookup(...).n_tokens
-    r = store.put_blocks(ns, tokens, layout, segments, tail=True, manifest=None)
-        # persists rows [0, len(tokens)) of the segments: every full block not yet on disk
-        # (existing keys are never rewritten) plus an exact tail entry for the last
-        # len(tokens) % block_tokens tokens; optional named manifest. -> PutResult
-    g = store.get_blocks(ns, tokens, layout, segments, n_tokens=m)
-        # restores rows [0, n) into the caller's (writable) segments, every block verified
-        # against its content hash. -> Restore; Restore.n_tokens may be < n when a block
-        # vanished or was corrupt (that block is removed and counted; rows past
-        # Restore.n_tokens are undefined). Never returns an unverified byte.
-    # states that cannot be cut per token (rotating windows, SSM): exact positions only;
-    # segments are (buf, outer, 1, row_bytes), each buffer stored whole
-    store.put_checkpoint(ns, tokens, layout, segments, manifest=None)   -> PutResult
-    m = store.lookup_checkpoint(ns, tokens, max_tokens=None)           -> Match (.checkpoint_key)
-    store.get_checkpoint(ns, m, layout, segments)                       -> Restore
-    store.put_manifest / get_manifest / manifests / delete_manifest   # named conversations
-    store.manifests(ns, errors={})  # + the unreadable ones: errors[path] = reason
-    store.damaged_manifests(ns)     # -> {path: reason}: what ``cache verify`` reports
-    store.evict(max_bytes) ; store.gc(ns, min_age_s) ; store.stats() ; store.close()
-    store.retain(ns, keys, ttl_s)  # evict those files only after all others, for ttl_s
-        # gc leaves a namespace whole while one of its manifests cannot be read
-        # (its report lists them under "unreadable_manifests")
-    store.clear(ns)                 # remove a namespace whole, damaged manifests included
-    store.put_learned(ns, name, learned) / get_learned(ns, name) / learned_files(ns)
-        # what a speculation source learned in ns, one verified file each (storage.learned)
-
-Keys: block key = xxh3_128(parent key, namespace id, token ids of the block); a tail key
-hashes its parent key and its (< block_tokens) token ids. A tail is usable for any query
-that shares a prefix of its tokens (KV rows are per token), so a conversation that
-continues re-prefills only its new tokens.
-
-Files: ``<root>/<ns>/<2 hex>/<key>.blk|.tail|.ckpt``, ``<root>/<ns>/manifests/*.man`` and
-``<root>/<ns>/learned/*.lrn``, each written atomically (temp name, write, fsync, rename,
-fsync dir), 0600 in 0700 folders.
-The folder is marked as a cache (``<root>/MLXKV-CACHE``); opening a folder that is not
-one (user files, no marker), is read-only, or is a file raises
-:class:`~storage.keys.CacheFolderError` (see ``storage.folder``). Nothing is removed but
-files named as ours, in real folders, that failed verification (or orphaned temp files,
-evicted and collected entries); a file that cannot be read is a miss, never removed. Several processes may
-share a root: writers hold a shared flock on ``<root>/.lock``, scan/evict/gc an exclusive
-one; readers take no lock and treat a vanished file as a miss. Each process indexes what
-it scanned and what it wrote; a lookup that reaches a chain key its index lacks opens the
-file that key maps to (one failed open on a miss), so another process's new blocks are
-found without a rescan; another process's tails are found by their exact tokens, and
-checkpoints only after ``scan()``.
-Thread-safe: one writer thread and one reader thread (see ``storage.io``) may call
-concurrently with lookups from another thread.
-
-Parts: ``context`` (settings, lock, counters shared by the parts), ``index`` (lookups,
-scan), ``write`` (put_*), ``restore`` (get_*), ``maintenance`` (evict, gc, manifests),
-``learned`` (learned files); ``keys`` (chain keys, results), ``entries`` (index entries
-from file headers) and ``folder`` (marker, lock, names) serve them. ``BlockStore`` builds
-the parts and hands each call to the one that does it.
-Speed: see ``storage.write`` and ``storage.restore`` (``read_threads`` defaults to
-min(4, CPUs)).
+A state is cut into blocks of ``block_tokens`` tokens, each stored once under a key that
+hashes its whole prefix, so every conversation sharing a prefix restores it instead of
+computing it again; no byte is restored unverified. ``BlockStore`` builds its parts
+(``index``, ``writer``, ``reader``, ``upkeep``, ``learned``, sharing a ``context``) and
+hands each call to the one that does it. Its calls, the keys, the files and the rules
+for sharing a folder between processes: docs/storage.md.
 """
 
 from __future__ import annotations
