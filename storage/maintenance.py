@@ -1,8 +1,9 @@
-"""Upkeep of the block store: the folder lock shared by processes, LRU eviction under a
-byte cap, garbage collection of what no manifest references, and the manifests.
+"""Upkeep of the block store: LRU eviction under a byte cap, garbage collection of what
+no manifest references, and the manifests.
 
-Writers hold a shared flock on ``<root>/.lock``; scan, evict and gc hold it exclusively,
-so no file is removed while another process is between writing and renaming it.
+Writers hold the folder lock (``StoreContext.folder_lock``) shared; scan, evict and gc
+hold it exclusively, so no file is removed while another process is between writing and
+renaming it.
 Readers take no lock and treat a vanished file as a miss.
 
 Manifests are verified like blocks (their header hash covers every byte). One that
