@@ -161,11 +161,11 @@ class Bench:
 
         from mlxkv.storage import _blocks as K
         from mlxkv.storage import format as fmt
-        from mlxkv.storage.io import ReadRequest, Snapshot, StorageIO
+        from mlxkv.storage.io import ReadRequest, StorageIO, WriteRequest
         from mlxkv.storage.store import BlockStore
 
         self.mx, self.K, self.fmt = mx, K, fmt
-        self.ReadRequest, self.Snapshot = ReadRequest, Snapshot
+        self.ReadRequest, self.WriteRequest = ReadRequest, WriteRequest
         self.args = args
         self.T = args.tokens
         self.R = args.repeats
@@ -257,7 +257,7 @@ class Bench:
         def ours():
             ns = self.new_ns("persist")
             ns_list.append(ns)
-            self.io.submit_write(self.Snapshot(ns, self.tokens, self.layout, self.src_segs)).result()
+            self.io.submit_write(self.WriteRequest(ns, self.tokens, self.layout, self.src_segs)).result()
 
         def cleanup_ours():
             for ns in ns_list[:-1]:
@@ -533,7 +533,7 @@ class Bench:
         ns_list = [self.new_ns("gil") for _ in range(count)]
 
         def persist_all():
-            futs = [self.io.submit_write(self.Snapshot(ns, self.tokens, self.layout, self.src_segs))
+            futs = [self.io.submit_write(self.WriteRequest(ns, self.tokens, self.layout, self.src_segs))
                     for ns in ns_list]
             for f in futs:
                 f.result()

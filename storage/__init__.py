@@ -20,7 +20,7 @@ _EXPORTS = {
     "SegmentSpec": "mlxkv.storage.format", "make_layout": "mlxkv.storage.format",
     "FormatError": "mlxkv.storage.format", "UnknownVersion": "mlxkv.storage.format",
     "Manifest": "mlxkv.storage.format",
-    "StorageIO": "mlxkv.storage.io", "Snapshot": "mlxkv.storage.io", "ReadRequest": "mlxkv.storage.io",
+    "StorageIO": "mlxkv.storage.io", "WriteRequest": "mlxkv.storage.io", "ReadRequest": "mlxkv.storage.io",
     "WriteQueueFull": "mlxkv.storage.io", "StorageClosed": "mlxkv.storage.io",
 }
 

@@ -6,7 +6,7 @@ block. Read direct, the device writes straight into a page-aligned staging buffe
 that work disappears. The payload is read in windows of ``WINDOW`` bytes, two at a time
 (double-buffered on a small pool of disk threads, which wait with the GIL released),
 so the disk reads window k+1 while window k is scattered into the destination and
-hashed there (``K.unpack_hash``), exactly as the buffered path does piece by piece.
+hashed there (``kernel.unpack_hash``), exactly as the buffered path does piece by piece.
 
 Whether a file is cold is asked of the kernel without reading it: ``mincore`` over a
 read-only mapping of its payload's last pages (never touched, so neither a fault nor a
@@ -15,12 +15,11 @@ read by someone else) keep the buffered path, which copies from memory.
 Where the filesystem refuses ``O_DIRECT`` (tmpfs, some network filesystems) or an
 aligned read fails with EINVAL, the store falls back to buffered reads for good.
 
-Opt-in (``BlockStore(direct_reads=True)``): on the virtual disk measured (Linux 6.18,
-virtio, 2 cores), a 256 MiB sequential read ran at 1.5-1.6 GB/s through the page cache
-with readahead and at 1.1-1.3 GB/s with O_DIRECT whatever the window size and depth, so
-the default cold path is buffered: readahead asked ahead of the blocks being verified,
-and ``preadv`` straight into the destination rows. The destinations themselves (MLX
-buffers) are not page-aligned, so O_DIRECT can never land in them without staging.
+Opt-in (``BlockStore(direct_reads=True)``): where the page cache's readahead reads
+sequential files at least as fast as O_DIRECT, the buffered path (readahead asked ahead
+of the blocks being verified, ``preadv`` straight into the destination rows) is the
+better default. The destinations themselves (MLX buffers) are not page-aligned, so
+O_DIRECT can never land in them without staging.
 """
 
 from __future__ import annotations
@@ -30,23 +29,27 @@ import errno
 import mmap
 import os
 import sys
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING
 
-from mlxkv.storage import diskio as dio
-from mlxkv.storage.diskio import K
+from mlxkv.storage import diskio
+from mlxkv.storage.diskio import PageBuffer, Piece, kernel
 from mlxkv.storage.entries import Entry
 from mlxkv.storage.format import PAGE
+
+if TYPE_CHECKING:
+    from mlxkv.storage.diskio import Hasher
 
 WINDOW = 4 << 20  # bytes per direct read
 MIN_DIRECT = 1 << 20  # smaller payloads: the buffered path is as fast
 FALLBACK = "fallback"  # _read_direct's answer when direct reads cannot be used here
 
 _PROBE_PAGES = 4  # the payload's last pages asked about
-_libc: Any = None
+_libc: ctypes.CDLL | bool | None = None  # False: mincore cannot be asked here
 
 
-def _mincore_fns() -> Any:
+def _mincore_fns() -> ctypes.CDLL | None:
     global _libc
     if _libc is None:
         _libc = False
@@ -61,14 +64,14 @@ def _mincore_fns() -> Any:
                 _libc = libc
             except (OSError, AttributeError):
                 pass
-    return _libc
+    return _libc if isinstance(_libc, ctypes.CDLL) else None
 
 
 def is_cold(fd: int, e: Entry) -> bool:
     """Whether none of the last pages of ``e``'s payload is in the page cache (asked
     with mincore, without reading); False where that cannot be told."""
     libc = _mincore_fns()
-    if not libc or e.payload_len < MIN_DIRECT or not hasattr(K, "set_direct"):
+    if not libc or e.payload_len < MIN_DIRECT or not hasattr(kernel, "set_direct"):
         return False
     end = e.payload_offset + e.payload_len
     start = max(e.payload_offset, (end - 1) // PAGE * PAGE - (_PROBE_PAGES - 1) * PAGE)
@@ -85,11 +88,15 @@ def is_cold(fd: int, e: Entry) -> bool:
         libc.munmap(addr, length)
 
 
-def windows(plan: list, limit: int = WINDOW) -> list[tuple[int, int, list]]:
+# (page-aligned payload offset, aligned length, the pieces inside)
+Window = tuple[int, int, list[Piece]]
+
+
+def windows(plan: list[Piece], limit: int = WINDOW) -> list[Window]:
     """Group a block's pieces (``diskio.plan``) into page-aligned payload windows of at
     most about ``limit`` bytes: (aligned start, aligned length, pieces inside)."""
-    out: list[tuple[int, int, list]] = []
-    cur: list = []
+    out: list[Window] = []
+    cur: list[Piece] = []
     start = 0
     for piece in plan:
         off, n, _ = piece
@@ -113,7 +120,7 @@ def _align_up(n: int) -> int:
 class DirectReader:
     """The direct read path of a store (see the module docstring)."""
 
-    def __init__(self, scratch: Any, threads: int = 2) -> None:
+    def __init__(self, scratch: Callable[[str, int], PageBuffer], threads: int = 2) -> None:
         self._scratch = scratch  # (name, nbytes) -> a page-aligned buffer of this thread
         self._threads = threads
         self._pool: ThreadPoolExecutor | None = None
@@ -130,42 +137,43 @@ class DirectReader:
         if pool is not None:
             pool.shutdown(wait=True)
 
-    def read(self, e: Entry, plan: list, t0: int, ntok: int, h: Any) -> str | None:
-        """Read ``e``'s payload direct, scatter and hash it piece by piece into ``h``:
+    def read(self, e: Entry, plan: list[Piece], t0: int, ntok: int, hasher: Hasher) -> str | None:
+        """Read ``e``'s payload direct, scatter and hash it piece by piece into ``hasher``:
         None (read whole), a reason (a short read: truncated), or FALLBACK (use the
         buffered path; nothing was scattered)."""
         try:
-            fd = dio.open_ro(e.path)
+            fd = diskio.open_ro(e.path)
         except OSError:
             return FALLBACK  # the buffered path reports it
         try:
             try:
-                if not K.set_direct(fd, True, path=e.path):
+                if not kernel.set_direct(fd, True, path=e.path):
                     self.usable = False
                     return FALLBACK
             except OSError:
                 self.usable = False
                 return FALLBACK
-            return self._stream(fd, e, windows(plan), t0, ntok, h)
+            return self._stream(fd, e, windows(plan), t0, ntok, hasher)
         finally:
             os.close(fd)
 
-    def _stream(self, fd: int, e: Entry, wins: list, t0: int, ntok: int, h: Any) -> str | None:
+    def _stream(self, fd: int, e: Entry, wins: list[Window], t0: int, ntok: int,
+                hasher: Hasher) -> str | None:
         size = max(n for _, n, _ in wins)
         bufs = [self._scratch("d0", size), self._scratch("d1", size)]
         pool = self.pool()
 
-        def submit(i: int) -> Future:
+        def submit(i: int) -> Future[int]:
             start, n, _ = wins[i]
-            view = memoryview(bufs[i % 2])[:n]
-            return pool.submit(dio.pread_full, fd, view, e.payload_offset + start)
+            window = memoryview(bufs[i % 2])[:n]
+            return pool.submit(diskio.pread_full, fd, window, e.payload_offset + start)
 
-        fut = submit(0)
+        fut: Future[int] | None = submit(0)
         scattered = False
         try:
             for i, (start, _, pieces) in enumerate(wins):
                 try:
-                    got = fut.result()
+                    got = fut.result() if fut is not None else 0
                 except OSError as exc:
                     if exc.errno == errno.EINVAL and not scattered:
                         self.usable = False  # alignment refused: buffered from now on
@@ -177,7 +185,7 @@ class DirectReader:
                     return f"truncated payload ({e.payload_offset + start + got} bytes)"
                 with memoryview(bufs[i % 2]) as mv:
                     for off, _, sub in pieces:
-                        K.unpack_hash(mv, off - start, sub, t0, ntok, hasher=h)
+                        diskio.unpack_into(mv, off - start, sub, t0, ntok, hasher)
                 scattered = True
         finally:
             if fut is not None:

@@ -14,45 +14,62 @@ import errno
 import os
 import stat
 import threading
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import xxhash
 
+from mlxkv.storage import reference
 from mlxkv.storage.format import PAGE
+from mlxkv.storage.keys import BufferLike, Segment, view
 
-try:  # the Cython kernel; the numpy reference stands in only when it is not built
-    from mlxkv.storage import _blocks as K
+if TYPE_CHECKING:  # the reference has a subset of the kernels: callers ask hasattr()
+    from mlxkv.storage import _blocks as kernel
 
     KERNEL = "cython"
-except ImportError:  # pragma: no cover - exercised only on an unbuilt checkout
-    from mlxkv.storage import reference as K
+else:
+    try:  # the Cython kernel; the numpy reference stands in only when it is not built
+        from mlxkv.storage import _blocks as kernel
 
-    KERNEL = "reference"
+        KERNEL = "cython"
+    except ImportError:  # pragma: no cover - exercised only on an unbuilt checkout
+        from mlxkv.storage import reference as kernel
+
+        KERNEL = "reference"
 
 
-def aligned(nbytes: int) -> Any:
-    if hasattr(K, "AlignedBuffer"):
-        return K.AlignedBuffer(max(nbytes, PAGE))
+class PageBuffer(Protocol):
+    """A page-aligned scratch buffer (``aligned``): the buffer protocol and its size."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+
+
+def aligned(nbytes: int) -> PageBuffer:
+    if hasattr(kernel, "AlignedBuffer"):
+        return kernel.AlignedBuffer(max(nbytes, PAGE))
     raw = np.empty(nbytes + PAGE, dtype=np.uint8)  # reference fallback: align by offset
     off = (-raw.ctypes.data) % PAGE
-    return raw[off : off + nbytes]
+    return raw[off : off + nbytes].data
 
 
-def pwrite_full(fd: int, buf: Any, offset: int) -> None:
-    if hasattr(K, "pwrite_full"):
-        K.pwrite_full(fd, buf, offset)
+def pwrite_full(fd: int, buf: BufferLike, offset: int) -> None:
+    if hasattr(kernel, "pwrite_full"):
+        kernel.pwrite_full(fd, buf, offset)
         return
-    mv = memoryview(buf).cast("B")
+    mv = view(buf).cast("B")
     while mv:
         n = os.pwrite(fd, mv, offset)
         mv, offset = mv[n:], offset + n
 
 
-def pread_full(fd: int, buf: Any, offset: int) -> int:
-    if hasattr(K, "pread_full"):
-        return K.pread_full(fd, buf, offset)
-    mv = memoryview(buf).cast("B")
+def pread_full(fd: int, buf: BufferLike, offset: int) -> int:
+    if hasattr(kernel, "pread_full"):
+        return kernel.pread_full(fd, buf, offset)
+    mv = view(buf).cast("B")
     got = 0
     while got < len(mv):
         n = os.preadv(fd, [mv[got:]], offset + got)
@@ -62,62 +79,80 @@ def pread_full(fd: int, buf: Any, offset: int) -> int:
     return got
 
 
-def unpack_hash(src: Any, off: int, segs: list, t0: int, ntok: int, seed: int) -> tuple[int, int]:
-    if hasattr(K, "unpack_hash"):
-        return K.unpack_hash(src, off, segs, t0, ntok, seed)
-    n = K.unpack(src, off, segs, t0, ntok)
-    return n, K.xxh3_64(memoryview(src).cast("B")[off : off + n], seed)
-
-
-def hasher(seed: int) -> Any:
-    """Streaming XXH3-64 with ``update(buf)`` and ``digest() -> int``."""
-    if hasattr(K, "Xxh3Hasher"):
-        return K.Xxh3Hasher(seed)
-    return _XxhashHasher(seed)
+def unpack_hash(src: BufferLike, off: int, segs: Sequence[Segment], t0: int, ntok: int,
+                seed: int) -> tuple[int, int]:
+    if hasattr(kernel, "unpack_hash"):
+        return kernel.unpack_hash(src, off, segs, t0, ntok, seed)
+    n = kernel.unpack(src, off, segs, t0, ntok)
+    return n, kernel.xxh3_64(view(src).cast("B")[off : off + n], seed)
 
 
 class _XxhashHasher:
     """The xxhash package's streaming state with the kernel hasher's interface."""
 
     def __init__(self, seed: int) -> None:
-        self._h = xxhash.xxh3_64(seed=seed)
+        self._state = xxhash.xxh3_64(seed=seed)
 
-    def update(self, buf: Any) -> None:
-        self._h.update(buf)
+    def update(self, buf: BufferLike) -> None:
+        self._state.update(view(buf))
 
     def digest(self) -> int:
-        return self._h.intdigest()
+        return self._state.intdigest()
+
+
+if TYPE_CHECKING:  # the second only where the kernel is not built
+    Hasher = kernel.Xxh3Hasher | _XxhashHasher
+
+
+def hasher(seed: int) -> Hasher:
+    """Streaming XXH3-64 with ``update(buf)`` and ``digest() -> int``."""
+    if hasattr(kernel, "Xxh3Hasher"):
+        return kernel.Xxh3Hasher(seed)
+    return _XxhashHasher(seed)
+
+
+def unpack_into(src: BufferLike, off: int, segs: Sequence[Segment], t0: int, ntok: int,
+                into: Hasher) -> None:
+    """``unpack``, feeding the bytes as they landed in the segments to ``into``."""
+    if isinstance(into, _XxhashHasher):  # the kernel is the reference: it takes any hasher
+        reference.unpack_hash(src, off, segs, t0, ntok, hasher=into)
+    else:
+        kernel.unpack_hash(src, off, segs, t0, ntok, hasher=into)
 
 
 CHUNK = 512 * 1024  # bytes moved per step: stays in L2, so each byte crosses DRAM once
 
 
-def plan(segs: list, ntok: int, chunk: int = CHUNK) -> list[tuple[int, int, list]]:
+# (payload offset, nbytes, the segments or sub-segments whose rows it holds)
+Piece = tuple[int, int, list[Segment]]
+
+
+def plan(segs: Sequence[Segment], ntok: int, chunk: int = CHUNK) -> list[Piece]:
     """Split a block's payload into pieces of about ``chunk`` bytes: (payload offset,
     nbytes, sub-segments). A piece is whole segments or a range of one segment's outer
     slices, so pack/unpack of a piece touches exactly its bytes of the payload."""
-    pieces: list[tuple[int, int, list]] = []
+    pieces: list[Piece] = []
     off = cur_off = cur_n = 0
-    cur: list = []
-    for buf, outer, t_cap, rb in segs:
-        size = outer * ntok * rb
+    cur: list[Segment] = []
+    for buf, outer, t_cap, row_bytes in segs:
+        size = outer * ntok * row_bytes
         if cur and cur_n + size > chunk:
             pieces.append((cur_off, cur_n, cur))
             cur, cur_n = [], 0
         if size > chunk and outer > 1:
-            flat = memoryview(buf).cast("B") if memoryview(buf).format != "B" or \
-                memoryview(buf).ndim != 1 else memoryview(buf)
-            step = max(1, chunk // (ntok * rb))
+            flat = view(buf).cast("B") if view(buf).format != "B" or \
+                view(buf).ndim != 1 else view(buf)
+            step = max(1, chunk // (ntok * row_bytes))
             for o0 in range(0, outer, step):
                 o1 = min(outer, o0 + step)
-                sub = (flat[o0 * t_cap * rb : o1 * t_cap * rb], o1 - o0, t_cap, rb)
-                pieces.append((off + o0 * ntok * rb, (o1 - o0) * ntok * rb, [sub]))
+                sub = (flat[o0 * t_cap * row_bytes : o1 * t_cap * row_bytes], o1 - o0, t_cap, row_bytes)
+                pieces.append((off + o0 * ntok * row_bytes, (o1 - o0) * ntok * row_bytes, [sub]))
             off += size
             cur_off = off
             continue
         if not cur:
             cur_off = off
-        cur.append((buf, outer, t_cap, rb))
+        cur.append((buf, outer, t_cap, row_bytes))
         cur_n += size
         off += size
     if cur:
@@ -126,12 +161,12 @@ def plan(segs: list, ntok: int, chunk: int = CHUNK) -> list[tuple[int, int, list
 
 
 def fsync(fd: int) -> None:
-    (K.fsync if hasattr(K, "fsync") else os.fsync)(fd)
+    (kernel.fsync if hasattr(kernel, "fsync") else os.fsync)(fd)
 
 
 def fsync_dir(path: str) -> None:
-    if hasattr(K, "fsync_dir"):
-        K.fsync_dir(path)
+    if hasattr(kernel, "fsync_dir"):
+        kernel.fsync_dir(path)
         return
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
@@ -140,7 +175,7 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def scandir(path: str, errors: dict[str, str] | None = None) -> list[os.DirEntry]:
+def scandir(path: str, errors: dict[str, str] | None = None) -> list[os.DirEntry[str]]:
     """The entries of a folder; [] if it is gone, or unreadable (noted in ``errors``)."""
     try:
         with os.scandir(path) as it:
@@ -158,7 +193,7 @@ def printable(path: str) -> str:
     return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
-def quiet(fn: Any, *args: Any) -> int:
+def quiet(fn: Callable[..., object], *args: object) -> int:
     """Call fn, ignoring OSError; 1 if it succeeded (for counting removals)."""
     try:
         fn(*args)
@@ -184,7 +219,7 @@ class NotAFile(OSError):
 def open_ro(path: str) -> int:
     """Open a regular file for reading: no symlink (O_NOFOLLOW), no wait on a FIFO
     (O_NONBLOCK, then fstat), and no atime update (a read would otherwise dirty the
-    inode: 10,000 journal updates on the first scan after a write)."""
+    inode: a journal update per file on the first scan after a write)."""
     global _NOATIME
     flags = os.O_RDONLY | os.O_CLOEXEC | NOFOLLOW | _NONBLOCK
     try:
@@ -291,3 +326,34 @@ def atomic_write(root: str, path: str, data: bytes, durable: bool) -> None:
     if durable:
         for p in sorted(dirs, key=len, reverse=True):
             fsync_dir(p)
+
+
+__all__ = [
+    "CHUNK",
+    "CREATE",
+    "DIR_MODE",
+    "FILE_MODE",
+    "KERNEL",
+    "NOFOLLOW",
+    "NotAFile",
+    "PageBuffer",
+    "Piece",
+    "aligned",
+    "atomic_write",
+    "create",
+    "fsync",
+    "fsync_dir",
+    "hasher",
+    "kernel",
+    "make_dirs",
+    "open_ro",
+    "plan",
+    "pread_full",
+    "printable",
+    "pwrite_full",
+    "quiet",
+    "scandir",
+    "unlink_under",
+    "unpack_hash",
+    "unpack_into",
+]

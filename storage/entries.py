@@ -7,14 +7,11 @@ import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
-import numpy as np
-
-from mlxkv.storage import diskio as dio
+from mlxkv.storage import diskio
 from mlxkv.storage import format as fmt
 from mlxkv.storage.folder import ENTRY_RE, MANIFEST_DIR
-from mlxkv.storage.format import KIND_BLOCK, KIND_TAIL, PAGE, FormatError, Layout
+from mlxkv.storage.format import KIND_BLOCK, KIND_TAIL, PAGE, FormatError, Layout, TokenIds
 from mlxkv.storage.keys import EXT, KEY_FN
 
 __all__ = ["MANIFEST_DIR", "Entry", "Space", "kind_of", "read_entries", "read_entry"]
@@ -38,7 +35,7 @@ class Entry:
     t0: int
     t1: int
     layout: Layout
-    tokens: np.ndarray | None  # its token ids (a prompt that ends inside it uses a prefix)
+    tokens: TokenIds  # its token ids (a prompt that ends inside it uses a prefix)
     mtime: float
     last_used: float = 0.0
 
@@ -86,8 +83,8 @@ EMPTY_SPACE = Space()  # read-only stand-in for a namespace with nothing indexed
 
 def read_entry(path: str, ns: str, nsid: bytes, kind: int) -> Entry:
     """Read and verify the header of one file: FormatError if it is not what its name
-    says (damage), OSError if it cannot be read (dio.NotAFile: not a regular file)."""
-    fd = dio.open_ro(path)
+    says (damage), OSError if it cannot be read (diskio.NotAFile: not a regular file)."""
+    fd = diskio.open_ro(path)
     try:
         st = os.fstat(fd)
         size, mtime = st.st_size, st.st_mtime
@@ -112,12 +109,16 @@ def read_entry(path: str, ns: str, nsid: bytes, kind: int) -> Entry:
                  hdr.tokens.copy(), mtime)
 
 
-def read_entries(todo: list) -> Iterator[tuple[str, Any]]:
+# what a scan asks read_entry for: (path, ns, namespace id, kind)
+EntryFile = tuple[str, str, bytes, int]
+
+
+def read_entries(todo: list[EntryFile]) -> Iterator[tuple[str, Entry | FormatError | OSError]]:
     """(path, Entry or the exception) per (path, ns, nsid, kind); headers are read by a
     few threads so a cold scan keeps several disk reads in flight (pread releases the GIL)."""
 
-    def some(items: list) -> list[tuple[str, Any]]:
-        out = []
+    def some(items: list[EntryFile]) -> list[tuple[str, Entry | FormatError | OSError]]:
+        out: list[tuple[str, Entry | FormatError | OSError]] = []
         for item in items:
             try:
                 out.append((item[0], read_entry(*item)))

@@ -1,33 +1,11 @@
 """The cache folder itself: its marker, the checks made when a store opens it, the
 cross-process lock, and the names of the files the store may create, read or remove.
 
-A cache folder holds a marker file, ``<root>/MLXKV-CACHE``: JSON ``{"format": 1, ...}``
-(the folder layout version). The store only scans, writes or removes files in a folder
-that has the marker, and only files named exactly as it names them, inside real
-folders (never through a symlink):
-
-    <root>/MLXKV-CACHE  <root>/.lock  <root>/<ns>/<2 hex>/<32 hex>.blk|.tail|.ckpt
-    <root>/<ns>/manifests/<16 hex>.man  <root>/<ns>/learned/<name>.lrn
-    (and the ``*.<pid>.<thread>.tmp`` names of writes)
-
-Opening a folder (:func:`open_folder`):
-
-- missing: it is created (0700) and marked;
-- empty: it is marked;
-- marked: the marker must parse and name a layout this code knows;
-- unmarked but not empty: it is *adopted* (marked) only if it holds nothing but the
-  layout above, written by an mlxkv from before markers: every file named as ours, a
-  regular file in a real folder, whose 16-byte prefix parses as ours (magic, a record
-  kind matching its name, a plausible header length; any format version). A temp file
-  may also be empty. Anything else (a user's files, a symlink, a FIFO, an unknown name)
-  means the folder is not ours: :class:`~storage.keys.CacheFolderError`, and nothing is
-  touched. Damage past the prefix is found later, as in any cache folder;
-- a path that is a file, a read-only folder, or a ``.lock`` that is not a regular file:
-  CacheFolderError too.
-
-The marker is written under the exclusive folder lock, so processes opening a new folder
-at once agree; it is re-checked whenever the lock is taken, so a folder whose marker
-vanished (or was replaced by a folder) is refused from then on.
+The store touches only what it can prove is its own: a folder marked with
+``<root>/MLXKV-CACHE``, and in it only files named exactly as it names them, inside real
+folders (never through a symlink). :func:`open_folder` marks a new or empty folder,
+adopts an unmarked one only if everything in it parses as ours, and raises
+:class:`~storage.keys.CacheFolderError` otherwise. The rules in full: docs/storage.md.
 """
 
 from __future__ import annotations
@@ -41,8 +19,9 @@ import stat
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
-from mlxkv.storage import diskio as dio
+from mlxkv.storage import diskio
 from mlxkv.storage.format import (
     KIND_BLOCK,
     KIND_CHECKPOINT,
@@ -78,7 +57,7 @@ _WHAT_TO_DO = ("choose another folder with --cache-dir, or run without the SSD t
 
 
 def _fail(root: str, what: str) -> CacheFolderError:
-    return CacheFolderError(f"cache folder {dio.printable(root)} {what}: {_WHAT_TO_DO}")
+    return CacheFolderError(f"cache folder {diskio.printable(root)} {what}: {_WHAT_TO_DO}")
 
 
 def open_folder(root: str) -> None:
@@ -88,7 +67,7 @@ def open_folder(root: str) -> None:
         st = os.stat(root)  # the root itself may be reached through a symlink
     except FileNotFoundError:
         try:
-            os.makedirs(root, mode=dio.DIR_MODE, exist_ok=True)
+            os.makedirs(root, mode=diskio.DIR_MODE, exist_ok=True)
         except OSError as exc:
             raise _fail(root, f"cannot be created ({exc.strerror or exc})") from exc
         st = os.stat(root)
@@ -117,15 +96,15 @@ def open_folder(root: str) -> None:
 
 def _not_ours(root: str, foreign: str) -> CacheFolderError:
     return _fail(root, f"is not an mlxkv cache (no {MARKER} marker, and it holds "
-                       f"{dio.printable(foreign)})")
+                       f"{diskio.printable(foreign)})")
 
 
-def read_marker(root: str) -> dict | None:
+def read_marker(root: str) -> dict[str, Any] | None:
     """The marker's contents; None if there is none; CacheFolderError if it is damaged,
     not a regular file, or from a newer layout."""
     path = os.path.join(root, MARKER)
     try:
-        fd = dio.open_ro(path)
+        fd = diskio.open_ro(path)
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -155,7 +134,7 @@ def write_marker(root: str) -> None:
     data = json.dumps({"format": FOLDER_FORMAT, "what": "mlxkv prefix cache",
                        "created": time.time()}).encode()
     try:
-        dio.atomic_write(root, os.path.join(root, MARKER), data, durable=True)
+        diskio.atomic_write(root, os.path.join(root, MARKER), data, durable=True)
     except OSError as exc:
         raise _fail(root, f"cannot be marked ({exc.strerror or exc})") from exc
 
@@ -177,9 +156,9 @@ def folder_lock(root: str, shared: bool, marked: bool = True) -> Iterator[None]:
     """flock on ``<root>/.lock`` (shared: writers; exclusive: scan/evict/gc), across
     processes. With ``marked`` the marker is checked once the lock is held."""
     path = os.path.join(root, LOCK)
-    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | dio.NOFOLLOW | getattr(os, "O_NONBLOCK", 0)
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | diskio.NOFOLLOW | getattr(os, "O_NONBLOCK", 0)
     try:
-        fd = os.open(path, flags, dio.FILE_MODE)
+        fd = os.open(path, flags, diskio.FILE_MODE)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EMLINK):
             raise _fail(root, f"has a {LOCK} that is not a regular file (remove it)") from exc
@@ -205,7 +184,7 @@ def _parses_as_ours(path: str, kind: int | None) -> bool:
     """The file's prefix is an mlxkv prefix of ``kind`` (None: a temp file of any kind,
     or empty)."""
     try:
-        fd = dio.open_ro(path)
+        fd = diskio.open_ro(path)
     except OSError:
         return False
     try:
@@ -228,27 +207,27 @@ def _parses_as_ours(path: str, kind: int | None) -> bool:
 def _first_foreign(root: str, shallow: bool) -> str | None:
     """The first thing under ``root`` that is not part of an mlxkv cache (None: all ours).
     ``shallow`` looks at the names of the root's entries only."""
-    for de in dio.scandir(root):
-        if de.name == LOCK:
-            if not de.is_file(follow_symlinks=False):
-                return de.path
-        elif MARKER_TMP_RE.match(de.name):
-            if not de.is_file(follow_symlinks=False):
-                return de.path
-        elif not (NS_RE.match(de.name) and de.is_dir(follow_symlinks=False)):
-            return de.path
+    for dirent in diskio.scandir(root):
+        if dirent.name == LOCK:
+            if not dirent.is_file(follow_symlinks=False):
+                return dirent.path
+        elif MARKER_TMP_RE.match(dirent.name):
+            if not dirent.is_file(follow_symlinks=False):
+                return dirent.path
+        elif not (NS_RE.match(dirent.name) and dirent.is_dir(follow_symlinks=False)):
+            return dirent.path
         elif not shallow:
-            bad = _foreign_in_namespace(de.path)
+            bad = _foreign_in_namespace(dirent.path)
             if bad is not None:
                 return bad
     return None
 
 
-def _foreign_in_namespace(nsd: str) -> str | None:
+def _foreign_in_namespace(ns_dir: str) -> str | None:
     try:
-        subs = list(os.scandir(nsd))
+        subs = list(os.scandir(ns_dir))
     except OSError:
-        return nsd
+        return ns_dir
     for sub in subs:
         if not sub.is_dir(follow_symlinks=False):
             return sub.path
@@ -264,11 +243,11 @@ def _foreign_in_namespace(nsd: str) -> str | None:
             files = list(os.scandir(sub.path))
         except OSError:
             return sub.path
-        for de in files:
-            temp = bool(temps.match(de.name))
-            if not (temp or names.match(de.name)) or (shard and not temp and de.name[:2] != shard):
-                return de.path
-            kind = None if temp else _KIND_OF_NAME[de.name.rsplit(".", 1)[1]]
-            if not de.is_file(follow_symlinks=False) or not _parses_as_ours(de.path, kind):
-                return de.path
+        for dirent in files:
+            temp = bool(temps.match(dirent.name))
+            if not (temp or names.match(dirent.name)) or (shard and not temp and dirent.name[:2] != shard):
+                return dirent.path
+            kind = None if temp else _KIND_OF_NAME[dirent.name.rsplit(".", 1)[1]]
+            if not dirent.is_file(follow_symlinks=False) or not _parses_as_ours(dirent.path, kind):
+                return dirent.path
     return None

@@ -1,38 +1,10 @@
-"""On-disk formats of the block store: block files, tail files and manifests.
+"""On-disk formats of the block store: block, tail and checkpoint files, manifests and
+learned files.
 
-Every file starts with the same 16-byte prefix, little-endian, then the header body and
-the header hash::
-
-    magic (8) | format version u16 | kind u16 | header length u32 | body | header hash u64
-
-``header hash`` is XXH3-64 of everything before it (prefix + body, one contiguous range),
-so a flipped bit anywhere in the prefix or header is caught before a field is trusted.
-An unknown version raises :class:`UnknownVersion` (the file is skipped, never misread);
-any other damage raises :class:`FormatError` (the file is removed by the store).
-
-Block / tail / checkpoint body (kind 1 / 2 / 4)::
-
-    key 16 | parent key 16 | namespace id 16 | content hash u64 | payload offset u64 |
-    payload length u64 | t0 u32 | t1 u32 | meta length u32 | meta (JSON) | token ids u32[t1-t0]
-
-``meta`` holds the namespace name and the layer layout. The payload starts at a multiple of
-:data:`PAGE` (so it can be read and written with direct I/O) and is the segments' rows
-[t0, t1) packed by ``_blocks.pack``; its XXH3-64, seeded with :func:`content_seed` of the
-key, is ``content hash``. The file is padded to a multiple of :data:`PAGE`. A checkpoint
-holds whole states (one "row" per segment) at token position t1; its token ids are the
-ones after the last full block, as for a tail.
-
-Manifest body (kind 3): ``meta length u32 | meta (JSON) | token ids u32[n] | keys 16*k``.
-A manifest is all header: its header hash covers every byte, token ids and keys included.
-
-Learned sequences (kind 5: what a speculation source learned in a namespace, e.g. the
-suffix source's global index): ``meta length u32 | meta (JSON) | lengths u32[n] | token
-ids u32[sum(lengths)]``, the sequences oldest first. All header too, at most
-:data:`MAX_LEARNED_TOKENS` tokens; every length and count is checked against the body.
-
-Metadata JSON is bounded before it is parsed (:data:`MAX_META` bytes, :data:`MAX_DEPTH`
-levels of nesting), so a hostile or damaged file is a FormatError, never a RecursionError
-or a huge allocation.
+Every file opens with a prefix (magic, format version, kind, header length) and ends its
+header with an XXH3-64 hash of everything before it, so a damaged header is caught before
+a field is trusted: an unknown version raises :class:`UnknownVersion` (skipped, never
+misread), any other damage :class:`FormatError`. The byte layouts: docs/storage.md.
 """
 
 from __future__ import annotations
@@ -40,10 +12,12 @@ from __future__ import annotations
 import json
 import re
 import struct
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import xxhash
 
 PAGE = 4096
@@ -114,15 +88,21 @@ class SegmentSpec:
 
 
 Layout = tuple[SegmentSpec, ...]
+# A spec as callers may give it: (name, dtype, shape, outer, row_bytes), or a dict of
+# those fields (from JSON)
+SpecLike = SegmentSpec | Mapping[str, Any] | tuple[str, str, tuple[int, ...], int, int]
+LayoutLike = Iterable[SpecLike]  # what make_layout takes
+TokenIds = npt.NDArray[np.uint32]  # token ids as stored: little-endian uint32
+ByteView = bytes | bytearray | memoryview  # bytes read from a file, or a view of them
 
 
-def make_layout(specs: Any) -> Layout:
+def make_layout(specs: Iterable[SpecLike]) -> Layout:
     """A layout from SegmentSpecs or dicts/tuples (name, dtype, shape, outer, row_bytes)."""
-    out = []
+    out: list[SegmentSpec] = []
     for s in specs:
         if isinstance(s, SegmentSpec):
             out.append(s)
-        elif isinstance(s, dict):
+        elif isinstance(s, Mapping):
             out.append(SegmentSpec(s["name"], s["dtype"], tuple(s["shape"]), s["outer"], s["row_bytes"]))
         else:
             out.append(SegmentSpec(*s))
@@ -134,7 +114,7 @@ def make_layout(specs: Any) -> Layout:
     return tuple(out)
 
 
-def layout_json(layout: Layout) -> list:
+def layout_json(layout: Layout) -> list[list[str | int | list[int]]]:
     return [[s.name, s.dtype, list(s.shape), s.outer, s.row_bytes] for s in layout]
 
 
@@ -173,7 +153,7 @@ class BlockHeader:
     token_bytes: bytes  # little-endian uint32 token ids of [t0, t1)
 
     @property
-    def tokens(self) -> np.ndarray:
+    def tokens(self) -> TokenIds:
         return np.frombuffer(self.token_bytes, dtype="<u4")
 
     @property
@@ -193,7 +173,7 @@ def block_header_size(layout: Layout, ns: str, ntokens: int) -> int:
     return align(PREFIX_SIZE + _BLOCK.size + len(meta) + 4 * ntokens + _HASH.size)
 
 
-_meta_cache: dict[tuple, bytes] = {}
+_meta_cache: dict[tuple[Layout, str], bytes] = {}
 
 
 def _meta_bytes(layout: Layout, ns: str) -> bytes:
@@ -209,7 +189,7 @@ def _meta_bytes(layout: Layout, ns: str) -> bytes:
 
 def encode_block_header(
     kind: int, key: bytes, parent: bytes, ns_id: bytes, ns: str, layout: Layout,
-    t0: int, t1: int, tokens: np.ndarray, content_hash: int, payload_len: int,
+    t0: int, t1: int, tokens: npt.ArrayLike, content_hash: int, payload_len: int,
     version: int = FORMAT_VERSION,
 ) -> bytes:
     """The header bytes of a block/tail file, zero-padded to the payload offset."""
@@ -225,7 +205,7 @@ def encode_block_header(
     return raw + bytes(size - len(raw))
 
 
-def parse_prefix(buf: Any) -> tuple[int, int, int]:
+def parse_prefix(buf: ByteView) -> tuple[int, int, int]:
     """(version, kind, header body length); FormatError/UnknownVersion if unusable."""
     if len(buf) < PREFIX_SIZE:
         raise FormatError(f"file too short for a header ({len(buf)} bytes)")
@@ -241,7 +221,7 @@ def parse_prefix(buf: Any) -> tuple[int, int, int]:
     return version, kind, hlen
 
 
-def header_span(buf: Any) -> int:
+def header_span(buf: ByteView) -> int:
     """Bytes needed to verify the header that starts ``buf`` (prefix + body + hash)."""
     return PREFIX_SIZE + parse_prefix(buf)[2] + _HASH.size
 
@@ -249,7 +229,7 @@ def header_span(buf: Any) -> int:
 _layout_cache: dict[bytes, tuple[str, Layout, int]] = {}
 
 
-def _verified_body(buf: Any) -> tuple[int, bytes]:
+def _verified_body(buf: ByteView) -> tuple[int, bytes]:
     """(kind, body bytes) after checking the header hash; ``buf`` is bytes or a view."""
     _, kind, hlen = parse_prefix(buf)
     end = PREFIX_SIZE + hlen
@@ -296,7 +276,7 @@ def _meta(raw: bytes) -> tuple[str, Layout, int]:
     return hit
 
 
-def decode_block_header(buf: Any) -> BlockHeader:
+def decode_block_header(buf: ByteView) -> BlockHeader:
     """Parse and verify a block/tail header from the start of ``buf``."""
     kind, body = _verified_body(buf)
     if kind not in ENTRY_KINDS:
@@ -323,7 +303,7 @@ class Manifest:
 
     name: str
     ns: str
-    tokens: np.ndarray
+    tokens: TokenIds
     block_keys: tuple[bytes, ...]
     tail_key: bytes | None
     created: float
@@ -342,7 +322,7 @@ def encode_manifest(m: Manifest, version: int = FORMAT_VERSION) -> bytes:
     return _prefix(KIND_MANIFEST, body, version)
 
 
-def _meta_body(buf: Any, kind: int, what: str) -> tuple[Any, bytes, int]:
+def _meta_body(buf: ByteView, kind: int, what: str) -> tuple[Any, bytes, int]:
     """(metadata, body, where the data after the metadata starts) of a verified all-header
     file of ``kind`` whose body opens with ``meta length u32 | meta (JSON)``."""
     got, body = _verified_body(buf)
@@ -356,7 +336,7 @@ def _meta_body(buf: Any, kind: int, what: str) -> tuple[Any, bytes, int]:
     return load_json(body[_MAN.size: _MAN.size + mlen], what), body, _MAN.size + mlen
 
 
-def decode_manifest(buf: Any) -> Manifest:
+def decode_manifest(buf: ByteView) -> Manifest:
     meta, body, start = _meta_body(buf, KIND_MANIFEST, "manifest")
     try:
         nkeys = int(meta["n_keys"])
@@ -364,8 +344,8 @@ def decode_manifest(buf: Any) -> Manifest:
         if nkeys < 0 or rest < 0 or rest % 4:
             raise FormatError("manifest sizes do not add up")
         tokens = np.frombuffer(body[start : start + rest], dtype="<u4").copy()
-        kb = body[start + rest :]
-        keys = tuple(kb[i * 16 : (i + 1) * 16] for i in range(nkeys))
+        key_bytes = body[start + rest :]
+        keys = tuple(key_bytes[i * 16 : (i + 1) * 16] for i in range(nkeys))
         tail = bytes.fromhex(meta["tail"]) if meta["tail"] else None
         extra = tuple(bytes.fromhex(k) for k in meta.get("extra", ()))
         return Manifest(str(meta["name"]), str(meta["ns"]), tokens, keys, tail,
@@ -381,7 +361,7 @@ class Learned:
 
     ns: str
     schema: str
-    sequences: tuple[np.ndarray, ...]  # uint32 token ids, each non-empty
+    sequences: tuple[TokenIds, ...]  # uint32 token ids, each non-empty
     saved: float
 
     @property
@@ -403,7 +383,7 @@ def encode_learned(learned: Learned, version: int = FORMAT_VERSION) -> bytes:
     return _prefix(KIND_LEARNED, body, version)
 
 
-def decode_learned(buf: Any) -> Learned:
+def decode_learned(buf: ByteView) -> Learned:
     """Parse and verify a learned file read whole; FormatError if any byte or count is off."""
     meta, body, start = _meta_body(buf, KIND_LEARNED, "learned")
     try:

@@ -6,19 +6,36 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 import numpy as np
+import numpy.typing as npt
 import xxhash
 
-from mlxkv.storage.format import KIND_BLOCK, KIND_CHECKPOINT, KIND_TAIL, Layout
+from mlxkv.storage.format import KIND_BLOCK, KIND_CHECKPOINT, KIND_TAIL, Layout, TokenIds
 
 ZERO_KEY = bytes(16)
 NS_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 EXT = {KIND_BLOCK: ".blk", KIND_TAIL: ".tail", KIND_CHECKPOINT: ".ckpt"}
 
+
+class Buffer(Protocol):
+    """Anything with the buffer protocol (``memoryview(buf)`` works)."""
+
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+
+
+# A caller's buffer. numpy declares the buffer protocol of its arrays to type checkers
+# only from Python 3.12, so arrays are named beside it.
+BufferLike = Buffer | npt.NDArray[np.generic]
+
 # (buf, outer, t_capacity, row_bytes): one per SegmentSpec of a layout
-Segment = tuple[Any, int, int, int]
+Segment = tuple[BufferLike, int, int, int]
+
+
+def view(buf: BufferLike) -> memoryview:
+    """``memoryview(buf)`` of a caller's buffer."""
+    return memoryview(buf)  # type: ignore[arg-type]  # numpy arrays: see BufferLike
 
 
 class StoreWriteError(OSError):
@@ -65,7 +82,7 @@ class Restore:
     missing: int  # blocks whose file had vanished
 
 
-def token_ids(toks: Any) -> np.ndarray:
+def token_ids(toks: npt.ArrayLike) -> TokenIds:
     """Token ids as contiguous little-endian uint32 (what keys and headers hash)."""
     arr = np.asarray(toks)
     if arr.ndim != 1:
@@ -77,12 +94,12 @@ def token_ids(toks: Any) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype="<u4")
 
 
-def usable(toks: np.ndarray, max_tokens: int | None) -> int:
+def usable(toks: TokenIds, max_tokens: int | None) -> int:
     """How many of ``toks`` a lookup may use (``max_tokens`` clamped to [0, len])."""
     return toks.size if max_tokens is None else max(0, min(toks.size, int(max_tokens)))
 
 
-def common(a: np.ndarray, b: np.ndarray) -> int:
+def common(a: TokenIds, b: TokenIds) -> int:
     """Length of the common prefix of two token arrays."""
     m = min(a.size, b.size)
     diff = np.flatnonzero(a[:m] != b[:m])
@@ -101,11 +118,11 @@ def check_namespace(ns: str) -> str:
     return ns
 
 
-KeyFn = Callable[[bytes, bytes, "np.ndarray | bytes"], bytes]
+KeyFn = Callable[[bytes, bytes, "TokenIds | bytes"], bytes]
 
 
 def _keyed(domain: bytes) -> KeyFn:
-    def key(parent: bytes, nsid: bytes, toks: np.ndarray | bytes) -> bytes:
+    def key(parent: bytes, nsid: bytes, toks: TokenIds | bytes) -> bytes:
         raw = toks if isinstance(toks, bytes) else toks.tobytes()
         return xxhash.xxh3_128_digest(b"".join((domain, parent, nsid, raw)))
 
@@ -120,22 +137,22 @@ KEY_FN = {KIND_BLOCK: block_key, KIND_TAIL: tail_key, KIND_CHECKPOINT: ckpt_key}
 
 
 def check_segments(layout: Layout, segments: Sequence[Segment], ntokens: int,
-                   writable: bool = False) -> list:
+                   writable: bool = False) -> list[Segment]:
     """Validate caller segments against ``layout``; -> [(buf, outer, t_cap, row_bytes)]."""
     if len(segments) != len(layout):
         raise ValueError(f"{len(segments)} segments for a layout of {len(layout)}")
-    out = []
+    out: list[Segment] = []
     for spec, seg in zip(layout, segments):
         try:
-            buf, outer, t_cap, rb = seg
+            buf, outer, t_cap, row_bytes = seg
         except (TypeError, ValueError) as exc:
             raise ValueError(f"segment {spec.name}: expected (buf, outer, t_capacity, row_bytes)") from exc
-        if int(outer) != spec.outer or int(rb) != spec.row_bytes:
-            raise ValueError(f"segment {spec.name}: outer/row_bytes ({outer}, {rb}) do not match "
+        if int(outer) != spec.outer or int(row_bytes) != spec.row_bytes:
+            raise ValueError(f"segment {spec.name}: outer/row_bytes ({outer}, {row_bytes}) do not match "
                              f"the layout ({spec.outer}, {spec.row_bytes})")
         if int(t_cap) < ntokens:
             raise ValueError(f"segment {spec.name}: t_capacity {t_cap} < {ntokens} tokens")
-        if writable and memoryview(buf).readonly:
+        if writable and view(buf).readonly:
             raise ValueError(f"segment {spec.name}: destination buffer is read-only")
-        out.append((buf, int(outer), int(t_cap), int(rb)))
+        out.append((buf, int(outer), int(t_cap), int(row_bytes)))
     return out

@@ -18,7 +18,7 @@ import os
 import stat
 from dataclasses import dataclass
 
-from mlxkv.storage import diskio as dio
+from mlxkv.storage import diskio
 from mlxkv.storage import format as fmt
 from mlxkv.storage.folder import LEARNED_DIR, LEARNED_RE, LEARNED_TMP_RE, folder_lock
 from mlxkv.storage.format import FormatError, Learned, UnknownVersion
@@ -33,8 +33,8 @@ class LearnedDamaged(FormatError):
     and found wrong) or left alone (not provably ours, or another namespace's)."""
 
     def __init__(self, path: str, reason: str, removed: bool):
-        super().__init__(f"{dio.printable(path)}: {reason}")
-        self.path, self.reason, self.removed = dio.printable(path), reason, removed
+        super().__init__(f"{diskio.printable(path)}: {reason}")
+        self.path, self.reason, self.removed = diskio.printable(path), reason, removed
 
 
 @dataclass(frozen=True)
@@ -48,37 +48,38 @@ class LearnedFile:
     mtime: float
 
 
-class LearnedMixin:
-    """Learned files of :class:`storage.store.BlockStore` (see the module docstring)."""
+class LearnedFiles:
+    """The learned files under a cache folder ``root`` (see the module docstring)."""
 
-    root: str
-    durable: bool
+    def __init__(self, root: str, durable: bool) -> None:
+        self.root = root
+        self.durable = durable
 
-    def _learned_path(self, ns: str, name: str) -> str:
+    def path(self, ns: str, name: str) -> str:
         if not isinstance(name, str) or not LEARNED_RE.match(f"{name}.lrn"):
             raise ValueError(f"learned file name {name!r} must be 1-32 lowercase letters, digits "
                              "or '-', starting with a letter")
         return os.path.join(self.root, check_namespace(ns), LEARNED_DIR, f"{name}.lrn")
 
-    def put_learned(self, ns: str, name: str, learned: Learned) -> int:
+    def put(self, ns: str, name: str, learned: Learned) -> int:
         """Write ``learned`` as namespace ``ns``'s file ``name`` (replacing the last one
         atomically: a crash leaves the old file or the new one, never a mix); the bytes
         written. OSError, or ``storage.keys.CacheFolderError``, when it cannot be written."""
         if learned.ns != ns:
             raise ValueError(f"sequences learned in {learned.ns!r} stored under {ns!r}")
-        path = self._learned_path(ns, name)
+        path = self.path(ns, name)
         data = fmt.encode_learned(learned)
         with folder_lock(self.root, shared=True):
-            dio.atomic_write(self.root, path, data, self.durable)
+            diskio.atomic_write(self.root, path, data, self.durable)
         return len(data)
 
-    def get_learned(self, ns: str, name: str, remove: bool = True) -> Learned | None:
+    def get(self, ns: str, name: str, remove: bool = True) -> Learned | None:
         """Namespace ``ns``'s learned file ``name``, verified; None when there is none.
         :class:`LearnedDamaged` when it cannot be used (removed if read whole and wrong,
         unless ``remove`` is False: a look that changes nothing)."""
-        path = self._learned_path(ns, name)
+        path = self.path(ns, name)
         try:
-            fd = dio.open_ro(path)
+            fd = diskio.open_ro(path)
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -97,45 +98,45 @@ class LearnedMixin:
         except UnknownVersion as exc:
             raise LearnedDamaged(path, str(exc), False) from exc
         except FormatError as exc:  # read whole and wrong: ours, and damaged
-            raise LearnedDamaged(path, str(exc), remove and dio.unlink_under(self.root, path)) from exc
+            raise LearnedDamaged(path, str(exc), remove and diskio.unlink_under(self.root, path)) from exc
         if learned.ns != ns:
             raise LearnedDamaged(path, f"learned in another namespace ({learned.ns!r})", False)
         return learned
 
-    def remove_learned(self, ns: str, name: str) -> bool:
-        return dio.unlink_under(self.root, self._learned_path(ns, name))
+    def remove(self, ns: str, name: str) -> bool:
+        return diskio.unlink_under(self.root, self.path(ns, name))
 
-    def learned_files(self, ns: str | None = None) -> list[LearnedFile]:
+    def files(self, ns: str | None = None) -> list[LearnedFile]:
         """The learned files (of ``ns``, or of every namespace), from the folder listing."""
         out = []
         names = [check_namespace(ns)] if ns is not None else [
-            de.name for de in dio.scandir(self.root) if de.is_dir(follow_symlinks=False)]
+            dirent.name for dirent in diskio.scandir(self.root) if dirent.is_dir(follow_symlinks=False)]
         for name in sorted(names):
             d = os.path.join(self.root, name, LEARNED_DIR)
             if not (_real_dir(os.path.join(self.root, name)) and _real_dir(d)):
                 continue
-            for de in dio.scandir(d):
-                if not LEARNED_RE.match(de.name):
+            for dirent in diskio.scandir(d):
+                if not LEARNED_RE.match(dirent.name):
                     continue
                 try:
-                    st = de.stat(follow_symlinks=False)
+                    st = dirent.stat(follow_symlinks=False)
                 except OSError:
                     continue
-                if de.is_file(follow_symlinks=False):
-                    out.append(LearnedFile(name, de.name[:-4], de.path, st.st_size, st.st_mtime))
+                if dirent.is_file(follow_symlinks=False):
+                    out.append(LearnedFile(name, dirent.name[:-4], dirent.path, st.st_size, st.st_mtime))
         return out
 
-    def _clear_learned(self, nsd: str) -> int:
-        """Remove the learned files of the namespace folder ``nsd`` (and their temp files),
+    def clear_namespace(self, ns_dir: str) -> int:
+        """Remove the learned files of the namespace folder ``ns_dir`` (and their temp files),
         then the folder once empty (the caller holds the exclusive folder lock)."""
-        d = os.path.join(nsd, LEARNED_DIR)
-        if not (_real_dir(nsd) and _real_dir(d)):
+        d = os.path.join(ns_dir, LEARNED_DIR)
+        if not (_real_dir(ns_dir) and _real_dir(d)):
             return 0
         removed = 0
-        for de in dio.scandir(d):
-            if LEARNED_RE.match(de.name) or LEARNED_TMP_RE.match(de.name):
-                removed += dio.unlink_under(self.root, de.path)
-        dio.quiet(os.rmdir, d)
+        for dirent in diskio.scandir(d):
+            if LEARNED_RE.match(dirent.name) or LEARNED_TMP_RE.match(dirent.name):
+                removed += diskio.unlink_under(self.root, dirent.path)
+        diskio.quiet(os.rmdir, d)
         return removed
 
 
@@ -146,4 +147,4 @@ def _real_dir(path: str) -> bool:
         return False
 
 
-__all__ = ["MAX_LEARNED_BYTES", "LearnedDamaged", "LearnedFile", "LearnedMixin"]
+__all__ = ["MAX_LEARNED_BYTES", "LearnedDamaged", "LearnedFile", "LearnedFiles"]

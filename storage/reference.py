@@ -8,23 +8,35 @@ not built. A *segment* is ``(buf, outer, t_capacity, row_bytes)`` (see ``storage
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Protocol
 
 import numpy as np
+import numpy.typing as npt
 import xxhash
 
-Segment = tuple[Any, int, int, int]
+from mlxkv.storage.keys import BufferLike, Segment, view
+
+Bytes = npt.NDArray[np.uint8]
+_Checked = tuple[Bytes, int, int, int]  # a segment as a flat byte array and its sizes
 
 
-def xxh3_64(buf: Any, seed: int = 0) -> int:
+class Hasher(Protocol):
+    """A streaming hash: ``update(buf)`` any number of times, then ``digest()``."""
+
+    def update(self, buf: BufferLike) -> None: ...
+
+    def digest(self) -> int: ...
+
+
+def xxh3_64(buf: BufferLike, seed: int = 0) -> int:
     """XXH3-64 of a contiguous buffer (the ``xxhash`` package is the definition)."""
-    return xxhash.xxh3_64_intdigest(memoryview(buf).cast("B"), seed)
+    return xxhash.xxh3_64_intdigest(view(buf).cast("B"), seed)
 
 
-def _as_bytes(buf: Any, writable: bool, what: str) -> np.ndarray:
+def _as_bytes(buf: BufferLike, writable: bool, what: str) -> Bytes:
     """A flat uint8 view of ``buf`` (no copy); ValueError if not C-contiguous / writable."""
     try:
-        mv = memoryview(buf)
+        mv = view(buf)
     except TypeError as exc:
         raise TypeError(f"{what}: object does not export a buffer: {type(buf).__name__}") from exc
     if not mv.c_contiguous:
@@ -34,7 +46,7 @@ def _as_bytes(buf: Any, writable: bool, what: str) -> np.ndarray:
     return np.frombuffer(mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv, dtype=np.uint8)
 
 
-def _check_segment(i: int, seg: Segment, writable: bool) -> tuple[np.ndarray, int, int, int]:
+def _check_segment(i: int, seg: Segment, writable: bool) -> _Checked:
     try:
         buf, outer, t_cap, row_bytes = seg
     except (TypeError, ValueError) as exc:
@@ -63,7 +75,7 @@ def packed_size(segments: Sequence[Segment], ntokens: int) -> int:
     return total
 
 
-def _check_range(segs: list, t0: int, t1: int) -> None:
+def _check_range(segs: list[_Checked], t0: int, t1: int) -> None:
     if t0 < 0 or t1 < t0:
         raise ValueError(f"bad token range [{t0}, {t1})")
     for i, (_, _, t_cap, _) in enumerate(segs):
@@ -71,7 +83,7 @@ def _check_range(segs: list, t0: int, t1: int) -> None:
             raise ValueError(f"segment {i}: token range [{t0}, {t1}) exceeds t_capacity {t_cap}")
 
 
-def _check_flat(flat: np.ndarray, offset: int, need: int, what: str) -> None:
+def _check_flat(flat: Bytes, offset: int, need: int, what: str) -> None:
     if offset < 0 or offset + need > flat.size:
         raise ValueError(
             f"{what}: {need} bytes at offset {offset} do not fit in a buffer of {flat.size} bytes"
@@ -79,7 +91,7 @@ def _check_flat(flat: np.ndarray, offset: int, need: int, what: str) -> None:
 
 
 def pack(
-    dst: Any,
+    dst: BufferLike,
     dst_offset: int,
     segments: Sequence[Segment],
     t0: int,
@@ -96,13 +108,13 @@ def pack(
     _check_range([s for s in segs], t0, t1)
     out = _as_bytes(dst, True, "dst")
     n = t1 - t0
-    total = sum(o * n * rb for _, o, _, rb in segs)
+    total = sum(o * n * row_bytes for _, o, _, row_bytes in segs)
     _check_flat(out, dst_offset, total, "dst")
     pos = dst_offset
-    for arr, outer, t_cap, rb in segs:
-        if outer * n * rb == 0:
+    for arr, outer, t_cap, row_bytes in segs:
+        if outer * n * row_bytes == 0:
             continue
-        rows = arr.reshape(outer, t_cap * rb)[:, t0 * rb : t1 * rb]
+        rows = arr.reshape(outer, t_cap * row_bytes)[:, t0 * row_bytes : t1 * row_bytes]
         out[pos : pos + rows.size] = rows.reshape(-1)
         pos += rows.size
     if not hash:
@@ -110,7 +122,7 @@ def pack(
     return total, xxh3_64(out[dst_offset : dst_offset + total], seed)
 
 
-def _check_disjoint(segs: list) -> None:
+def _check_disjoint(segs: list[_Checked]) -> None:
     """Destinations must not share bytes (a later scatter would overwrite an earlier one)."""
     spans = sorted((a.__array_interface__["data"][0], a.size, i) for i, (a, *_) in enumerate(segs) if a.size)
     for (p0, n0, i0), (p1, _, i1) in zip(spans, spans[1:]):
@@ -119,7 +131,7 @@ def _check_disjoint(segs: list) -> None:
 
 
 def unpack(
-    src: Any, src_offset: int, segments: Sequence[Segment], dst_t0: int, ntokens: int
+    src: BufferLike, src_offset: int, segments: Sequence[Segment], dst_t0: int, ntokens: int
 ) -> int:
     """Scatter a packed block from ``src`` into rows [dst_t0, dst_t0+ntokens) of each segment.
 
@@ -131,24 +143,24 @@ def unpack(
     _check_disjoint(segs)
     _check_range(segs, dst_t0, dst_t0 + ntokens)
     inp = _as_bytes(src, False, "src")
-    total = sum(o * ntokens * rb for _, o, _, rb in segs)
+    total = sum(o * ntokens * row_bytes for _, o, _, row_bytes in segs)
     _check_flat(inp, src_offset, total, "src")
     pos = src_offset
-    for arr, outer, t_cap, rb in segs:
-        size = outer * ntokens * rb
+    for arr, outer, t_cap, row_bytes in segs:
+        size = outer * ntokens * row_bytes
         if size == 0:
             continue
-        rows = arr.reshape(outer, t_cap * rb)
-        rows[:, dst_t0 * rb : (dst_t0 + ntokens) * rb] = inp[pos : pos + size].reshape(
-            outer, ntokens * rb
+        rows = arr.reshape(outer, t_cap * row_bytes)
+        rows[:, dst_t0 * row_bytes : (dst_t0 + ntokens) * row_bytes] = inp[pos : pos + size].reshape(
+            outer, ntokens * row_bytes
         )
         pos += size
     return total
 
 
 def unpack_hash(
-    src: Any, src_offset: int, segments: Sequence[Segment], dst_t0: int, ntokens: int,
-    seed: int = 0, *, hasher: Any = None,
+    src: BufferLike, src_offset: int, segments: Sequence[Segment], dst_t0: int, ntokens: int,
+    seed: int = 0, *, hasher: Hasher | None = None,
 ) -> tuple[int, int]:
     """``unpack``, then xxh3_64(seed) of the bytes as they landed in the segments:
     ``(nbytes, hash)``. With ``hasher`` (``update(buf)``, ``digest() -> int``) the landed

@@ -20,40 +20,72 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+import numpy.typing as npt
 
-from mlxkv.storage import diskio as dio
+from mlxkv.storage import diskio
 from mlxkv.storage import format as fmt
+from mlxkv.storage.context import StoreContext
 from mlxkv.storage.direct import FALLBACK, DirectReader, is_cold
-from mlxkv.storage.diskio import CHUNK, K
+from mlxkv.storage.diskio import CHUNK, Piece, kernel
 from mlxkv.storage.entries import Entry
-from mlxkv.storage.format import KIND_CHECKPOINT, FormatError, Layout, make_layout
-from mlxkv.storage.keys import Match, Restore, Segment, check_segments
+from mlxkv.storage.format import KIND_CHECKPOINT, FormatError, Layout, LayoutLike, make_layout
+from mlxkv.storage.index import Index
+from mlxkv.storage.keys import Match, Restore, Segment, check_segments, view
+
+if TYPE_CHECKING:
+    from mlxkv.storage.diskio import Hasher
 
 log = logging.getLogger("mlxkv.storage")
+
+# a block to restore: its entry, the first destination row, the rows it fills
+ReadJob = tuple[Entry, int, int]
+
+
+@dataclass
+class ReadPlans:
+    """What one restore computed once per row count and reuses for every block: the
+    pieces of a block (``diskio.plan``) and whether the kernel scatters straight into the
+    destinations (``_scatterable``)."""
+
+    pieces: dict[int, list[Piece]] = field(default_factory=dict)
+    scatter: dict[int, bool] = field(default_factory=dict)
+
 
 _READ_AHEAD = 8  # blocks whose pages are requested ahead of the one being verified
 _AHEAD_BYTES = 96 << 20  # payload asked of the OS ahead of the blocks being verified
 
 
-class ReadMixin:
-    """The read path of :class:`storage.store.BlockStore`."""
+class Reader:
+    """The read path of a block store: ``get_blocks`` and ``get_checkpoint`` of what
+    ``index`` holds, ``read_threads`` blocks at a time; ``direct_reads``: cold files are
+    read with O_DIRECT (``storage.direct``)."""
 
-    block_tokens: int
-    read_threads: int
-    _lock: threading.RLock
-    _c: dict[str, int]
-    _rpool: ThreadPoolExecutor | None
-    _unlink: Callable[[str], bool]
-    _leave: Callable[[str, str], None]
+    def __init__(self, context: StoreContext, index: Index, read_threads: int,
+                 direct_reads: bool) -> None:
+        self.context = context
+        self.index = index
+        self.read_threads = read_threads
+        self.direct_reads = direct_reads
+        self._pool: ThreadPoolExecutor | None = None  # verifies+scatters blocks in parallel
+        self.direct: DirectReader | None = None  # made on the first direct read
+
+    def close(self) -> None:
+        """Stop the helper threads (they restart on demand)."""
+        with self.context.lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        if self.direct is not None:
+            self.direct.close()
 
     def get_blocks(
-        self, ns: str, tokens: Any, layout: Any, segments: Sequence[Segment],
+        self, ns: str, tokens: npt.ArrayLike, layout: LayoutLike, segments: Sequence[Segment],
         n_tokens: int | Match | None = None,
     ) -> Restore:
         """Restore rows [0, n) into ``segments`` (n = a Match, a token count or the longest
@@ -64,23 +96,23 @@ class ReadMixin:
             if m.ns != ns:
                 raise ValueError(f"match is for namespace {m.ns!r}, not {ns!r}")
         else:
-            m = self.lookup(ns, tokens, n_tokens)
+            m = self.index.lookup(ns, tokens, n_tokens)
         segs = check_segments(layout, segments, m.n_tokens, writable=True)
-        bt = self.block_tokens
-        done = nread = nblk = corrupt = missing = 0
-        jobs: list[tuple[Entry, int, int]] = []  # entry, first destination row, rows
+        block_len = self.context.block_tokens
+        done = nread = n_blocks = corrupt = missing = 0
+        jobs: list[ReadJob] = []
         row, dropped = 0, False
-        ents = self._entries(ns, m)
+        ents = self.index.entries_of(ns, m)
         for i, e in enumerate(ents):
             if e is None:  # dropped from the index since the lookup
                 dropped = True
                 break
             # the last entry of a match with a tail part: a tail, or a block used in part
             last = m.tail_key is not None and m.tail_tokens and i == len(ents) - 1
-            ntok = m.tail_tokens if last else bt
+            ntok = m.tail_tokens if last else block_len
             jobs.append((e, row, ntok))
             row += ntok
-        plans: dict[Any, Any] = {}
+        plans = ReadPlans()
         if self.read_threads > 1 and len(jobs) > 1:
             # Blocks scatter into disjoint rows, so several are verified at once: a restore
             # is what the engine waits on, and one core cannot reach the memory bandwidth.
@@ -104,18 +136,18 @@ class ReadMixin:
                     corrupt += 1
                 break
             done += ntok
-            nblk += 1
+            n_blocks += 1
             nread += e.payload_len
         if dropped and done == row:
             missing += 1
-        self._count_read(done > 0, nblk, nread)
+        self._count_read(done > 0, n_blocks, nread)
         if done:
-            with self._lock:
-                self._touch(ns, m.block_keys[: done // bt],
+            with self.context.lock:
+                self.index.touch(ns, m.block_keys[: done // block_len],
                             m.tail_key if done == m.n_tokens else None)
-        return Restore(done, m.n_tokens, nblk, nread, corrupt, missing)
+        return Restore(done, m.n_tokens, n_blocks, nread, corrupt, missing)
 
-    def get_checkpoint(self, ns: str, match: Match, layout: Any,
+    def get_checkpoint(self, ns: str, match: Match, layout: LayoutLike,
                        segments: Sequence[Segment]) -> Restore:
         """Restore the checkpoint ``match`` (from lookup_checkpoint) into ``segments``
         ((buf, outer, 1, row_bytes) each), verified; n_tokens is 0 if it is gone/corrupt."""
@@ -123,28 +155,28 @@ class ReadMixin:
             raise ValueError("not a checkpoint match (use lookup_checkpoint)")
         layout = make_layout(layout)
         segs = check_segments(layout, segments, 1, writable=True)
-        with self._lock:
-            sp = self._spaces.get(ns)
-            e = sp.find_child(match.checkpoint_key) if sp is not None else None
-        res = None if e is None else self._read_job((e, 0, 1), layout, segs, {})
+        with self.context.lock:
+            space = self.index.spaces.get(ns)
+            e = space.find_child(match.checkpoint_key) if space is not None else None
+        res = None if e is None else self._read_job((e, 0, 1), layout, segs, ReadPlans())
         ok = res is True
-        nread = e.payload_len if ok else 0
+        nread = e.payload_len if ok and e is not None else 0
         self._count_read(ok, int(ok), nread)
-        if ok:
-            with self._lock:
-                self._touch(ns, (), e.key)
+        if ok and e is not None:
+            with self.context.lock:
+                self.index.touch(ns, (), e.key)
         return Restore(match.n_tokens if ok else 0, match.n_tokens, int(ok), nread,
                        int(res is False), int(res is None))
 
     def _count_read(self, hit: bool, blocks: int, nbytes: int) -> None:
-        with self._lock:
-            self._c["blocks_read"] += blocks
-            self._c["bytes_read"] += nbytes
-            self._c["hits" if hit else "misses"] += 1
+        with self.context.lock:
+            self.context.counters["blocks_read"] += blocks
+            self.context.counters["bytes_read"] += nbytes
+            self.context.counters["hits" if hit else "misses"] += 1
 
     # ------------------------------------------------------------------ one block
-    def _read_job(self, job: tuple[Entry, int, int], layout: Layout, segs: list,
-                  plans: dict[Any, Any], advise: Entry | None = None) -> bool | None:
+    def _read_job(self, job: ReadJob, layout: Layout, segs: list[Segment],
+                  plans: ReadPlans, advise: Entry | None = None) -> bool | None:
         """True (verified and scattered), False (corrupt: removed) or None (vanished).
         ``advise``: a later block whose pages the OS is asked for now."""
         e, t0, ntok = job
@@ -161,8 +193,8 @@ class ReadMixin:
         finally:
             os.close(fd)
 
-    def _read_sequential(self, jobs: list, layout: Layout, segs: list,
-                         plans: dict[Any, Any]) -> list[bool | None]:
+    def _read_sequential(self, jobs: list[ReadJob], layout: Layout, segs: list[Segment],
+                         plans: ReadPlans) -> list[bool | None]:
         """One block after another, asking the OS for the next ones' pages meanwhile."""
         out: list[bool | None] = []
         fds: list[int | None] = [None] * len(jobs)  # -1: the file had vanished
@@ -171,16 +203,18 @@ class ReadMixin:
                 for j in range(i, min(len(jobs), i + 1 + _READ_AHEAD)):
                     if fds[j] is None:
                         fds[j] = self._open(jobs[j][0], prefetch=True)
-                if fds[i] == -1:
+                fd = fds[i]
+                assert fd is not None  # opened by the loop above
+                if fd == -1:
                     out.append(None)
                     break
                 ok: bool | None
                 try:
-                    ok = self._read_verified(e, fds[i], layout, segs, t0, ntok, plans)
+                    ok = self._read_verified(e, fd, layout, segs, t0, ntok, plans)
                 except OSError as exc:
                     self._unreadable(e, exc)
                     ok = None
-                os.close(fds[i])
+                os.close(fd)
                 fds[i] = None
                 out.append(ok)
                 if not ok:
@@ -188,30 +222,30 @@ class ReadMixin:
         finally:
             for fd in fds:
                 if fd is not None and fd >= 0:
-                    dio.quiet(os.close, fd)
+                    diskio.quiet(os.close, fd)
         return out
 
     def _read_pool(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._rpool is None:
-                self._rpool = ThreadPoolExecutor(self.read_threads,
+        with self.context.lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.read_threads,
                                                  thread_name_prefix="mlxkv-read-io")
-            return self._rpool
+            return self._pool
 
     def _open(self, e: Entry, prefetch: bool = False) -> int:
         try:
-            fd = dio.open_ro(e.path)
+            fd = diskio.open_ro(e.path)
         except FileNotFoundError:  # evicted by another process: a miss
-            with self._lock:
-                self._drop(e)
-                self._c["vanished"] += 1
+            with self.context.lock:
+                self.index.drop(e)
+                self.context.counters["vanished"] += 1
             return -1
         except OSError as exc:  # unreadable, or no longer a regular file: a miss
             self._unreadable(e, exc)
             return -1
         if prefetch and hasattr(os, "posix_fadvise") and not self._goes_direct(fd, e):
             # start reading the next block from disk while this one is verified/unpacked
-            dio.quiet(os.posix_fadvise, fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            diskio.quiet(os.posix_fadvise, fd, 0, 0, os.POSIX_FADV_WILLNEED)
         return fd
 
     def _advise(self, e: Entry) -> None:
@@ -219,39 +253,38 @@ class ReadMixin:
         if not hasattr(os, "posix_fadvise"):
             return
         try:
-            fd = dio.open_ro(e.path)
+            fd = diskio.open_ro(e.path)
         except OSError:
             return  # the read itself reports it
         try:
             if not self._goes_direct(fd, e):
-                dio.quiet(os.posix_fadvise, fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                diskio.quiet(os.posix_fadvise, fd, 0, 0, os.POSIX_FADV_WILLNEED)
         finally:
             os.close(fd)
 
     def _direct_reader(self) -> DirectReader:
-        with self._lock:
-            d = self.__dict__.get("_direct")
-            if d is None:
-                d = self.__dict__["_direct"] = DirectReader(self._scratch)
-            return d
+        with self.context.lock:
+            if self.direct is None:
+                self.direct = DirectReader(self.context.scratch)
+            return self.direct
 
     def _goes_direct(self, fd: int, e: Entry) -> bool:
         """Whether ``e`` will be read with O_DIRECT: direct reads on, and the file cold."""
-        return getattr(self, "direct_reads", False) and self._direct_reader().usable and \
+        return self.direct_reads and self._direct_reader().usable and \
             is_cold(fd, e)
 
     def _unreadable(self, e: Entry, exc: OSError) -> None:
         """A file that cannot be read is a miss: dropped from the index until the next
         scan, never removed (a read error is not proof of damage)."""
-        self._leave(e.path, f"{exc.strerror or exc}")
-        self._warn_once(f"read:{exc.errno}", "mlxkv cache: cannot read %s: %s (a miss; "
-                        "the file is left alone)", dio.printable(e.path), exc.strerror or exc)
-        with self._lock:
-            self._drop(e)
-            self._c["read_errors"] += 1
+        self.context.leave(e.path, f"{exc.strerror or exc}")
+        self.context.warn_once(f"read:{exc.errno}", "mlxkv cache: cannot read %s: %s (a miss; "
+                        "the file is left alone)", diskio.printable(e.path), exc.strerror or exc)
+        with self.context.lock:
+            self.index.drop(e)
+            self.context.counters["read_errors"] += 1
 
-    def _read_verified(self, e: Entry, fd: int, layout: Layout, segs: list, t0: int,
-                       ntok: int, plans: dict[Any, Any]) -> bool:
+    def _read_verified(self, e: Entry, fd: int, layout: Layout, segs: list[Segment], t0: int,
+                       ntok: int, plans: ReadPlans) -> bool:
         """Read, verify and scatter one block/tail into rows [t0, t0+ntok) of segs
         (OSError if the file cannot be read).
 
@@ -270,72 +303,72 @@ class ReadMixin:
             return False
         return True
 
-    def _read_pieces(self, e: Entry, fd: int, layout: Layout, segs: list, t0: int,
-                     ntok: int, plans: dict[Any, Any]) -> str | None:
+    def _read_pieces(self, e: Entry, fd: int, layout: Layout, segs: list[Segment], t0: int,
+                     ntok: int, plans: ReadPlans) -> str | None:
         """Stream L2-sized pieces with pread (read, scatter, hash the scattered bytes while
         they are in cache); a short read is a reason."""
         direct = self._goes_direct(fd, e)  # (asked before the header read caches pages)
-        hbuf = self._scratch("h", e.payload_offset)
-        with memoryview(hbuf) as hv:
-            got = dio.pread_full(fd, hv[: e.payload_offset], 0)
-            reason = self._check_header(e, hv[:got], layout)
+        header_buf = self.context.scratch("h", e.payload_offset)
+        with memoryview(header_buf) as head_view:
+            got = diskio.pread_full(fd, head_view[: e.payload_offset], 0)
+            reason = self._check_header(e, head_view[:got], layout)
         if reason is None:
-            plan = plans.get(ntok)
+            plan = plans.pieces.get(ntok)
             if plan is None:
-                plan = plans[ntok] = dio.plan(segs, ntok)
+                plan = plans.pieces[ntok] = diskio.plan(segs, ntok)
             if direct:
-                h = dio.hasher(fmt.content_seed(e.key))
-                reason = self._direct_reader().read(e, plan, t0, ntok, h)
+                hasher = diskio.hasher(fmt.content_seed(e.key))
+                reason = self._direct_reader().read(e, plan, t0, ntok, hasher)
                 if reason != FALLBACK:
-                    if reason is None and h.digest() != e.content_hash:
+                    if reason is None and hasher.digest() != e.content_hash:
                         reason = "content hash mismatch"
                     return reason
                 reason = None
-            scatter = plans.get(("scatter", ntok))  # the segments are the restore's own
+            scatter = plans.scatter.get(ntok)  # the segments are the restore's own
             if scatter is None:
-                scatter = plans[("scatter", ntok)] = _scatterable(segs, ntok)
-            if scatter and hasattr(K, "preadv_hash"):
+                scatter = plans.scatter[ntok] = _scatterable(segs, ntok)
+            if scatter and hasattr(kernel, "preadv_hash"):
                 # one call reads and hashes every piece of the block with the GIL released
-                got, digest = K.preadv_hash(fd, e.payload_offset, segs, t0, ntok,
+                got, digest = kernel.preadv_hash(fd, e.payload_offset, segs, t0, ntok,
                                             fmt.content_seed(e.key), CHUNK, path=e.path)
                 if got < e.payload_len:
                     return f"truncated payload ({e.payload_offset + got} bytes)"
                 return None if digest == e.content_hash else "content hash mismatch"
-            h = dio.hasher(fmt.content_seed(e.key))
+            hasher = diskio.hasher(fmt.content_seed(e.key))
             if scatter:
-                reason = _read_scattered(fd, e, plan, t0, ntok, h)
-                if reason is None and h.digest() != e.content_hash:
+                reason = _read_scattered(fd, e, plan, t0, ntok, hasher)
+                if reason is None and hasher.digest() != e.content_hash:
                     reason = "content hash mismatch"
                 return reason
-            stage = self._scratch("r", 2 * CHUNK)
+            stage = self.context.scratch("r", 2 * CHUNK)
             mv = memoryview(stage)
             for off, n, sub in plan:
                 if n > len(mv):
-                    mv = memoryview(self._scratch("r", n))
-                got = dio.pread_full(fd, mv[:n], e.payload_offset + off)
+                    mv = memoryview(self.context.scratch("r", n))
+                got = diskio.pread_full(fd, mv[:n], e.payload_offset + off)
                 if got < n:
                     reason = f"truncated payload ({e.payload_offset + off + got} bytes)"
                     break
                 # Hash what landed in the destination, not the staging copy: a faulty
                 # scatter then fails the block instead of restoring wrong KV.
-                K.unpack_hash(mv, 0, sub, t0, ntok, hasher=h)
+                diskio.unpack_into(mv, 0, sub, t0, ntok, hasher)
             mv.release()
-            if reason is None and h.digest() != e.content_hash:
+            if reason is None and hasher.digest() != e.content_hash:
                 reason = "content hash mismatch"
         return reason
 
-    def _read_tail_prefix(self, e: Entry, fd: int, layout: Layout, segs: list, t0: int,
+    def _read_tail_prefix(self, e: Entry, fd: int, layout: Layout, segs: list[Segment], t0: int,
                           ntok: int) -> str | None:
         """Verify a whole tail (or a block a prompt ends inside), then scatter only its
         first ntok rows: the content hash covers the whole payload."""
-        buf = self._scratch("t", e.file_size)
+        buf = self.context.scratch("t", e.file_size)
         with memoryview(buf) as mv:
-            got = dio.pread_full(fd, mv[: e.file_size], 0)
+            got = diskio.pread_full(fd, mv[: e.file_size], 0)
             reason = self._check_header(e, mv[: min(got, e.payload_offset)], layout)
             if reason is None and got < e.payload_offset + e.payload_len:
                 reason = f"truncated ({got} of {e.file_size} bytes)"
             pay = mv[e.payload_offset : e.payload_offset + e.payload_len]
-            if reason is None and K.xxh3_64(pay, fmt.content_seed(e.key)) != e.content_hash:
+            if reason is None and kernel.xxh3_64(pay, fmt.content_seed(e.key)) != e.content_hash:
                 reason = "content hash mismatch"
             if reason is None:
                 src, off, full = [], 0, e.t1 - e.t0
@@ -343,9 +376,9 @@ class ReadMixin:
                     n = spec.outer * full * spec.row_bytes
                     src.append((pay[off : off + n], spec.outer, full, spec.row_bytes))
                     off += n
-                tmp = self._scratch("p", K.packed_size(src, ntok))
-                K.pack(tmp, 0, src, 0, ntok)
-                K.unpack(tmp, 0, segs, t0, ntok)
+                tmp = self.context.scratch("p", kernel.packed_size(src, ntok))
+                kernel.pack(tmp, 0, src, 0, ntok)
+                kernel.unpack(tmp, 0, segs, t0, ntok)
             pay.release()
         return reason
 
@@ -366,47 +399,48 @@ class ReadMixin:
 
     def _remove_corrupt(self, e: Entry, reason: str) -> None:
         """A verified mismatch (read whole, and wrong): the file is removed."""
-        if self._unlink(e.path):
+        if self.context.unlink(e.path):
             log.warning("mlxkv cache: removed corrupt %s %s: %s", fmt.KIND_NAMES[e.kind],
-                        dio.printable(e.path), reason)
-        with self._lock:
-            self._drop(e)
-            self._c["corrupt_removed"] += 1
+                        diskio.printable(e.path), reason)
+        with self.context.lock:
+            self.index.drop(e)
+            self.context.counters["corrupt_removed"] += 1
 
 
 _IOV = 512  # destination ranges per preadv call (IOV_MAX is 1024 on Linux and macOS)
 _MIN_RUN = 16 << 10  # rows of one outer slice per block at least this long: kernel scatter
 
 
-def _scatterable(segs: list, ntok: int) -> bool:
+def _scatterable(segs: list[Segment], ntok: int) -> bool:
     """Whether the kernel should scatter a warm block straight into ``segs`` (preadv into
     the destination rows): every run of rows long enough that a system call per few of
     them costs less than the copy it saves, and no two destinations overlapping."""
-    if not hasattr(os, "preadv") or any(ntok * rb < _MIN_RUN for _, _, _, rb in segs):
+    if not hasattr(os, "preadv") or any(ntok * row_bytes < _MIN_RUN for _, _, _, row_bytes in segs):
         return False
     spans = []
-    for buf, outer, t_cap, rb in segs:
-        with memoryview(buf) as mv:
+    for buf, outer, t_cap, row_bytes in segs:
+        with view(buf) as mv:
             flat = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
             spans.append((int(np.frombuffer(flat, dtype=np.uint8).ctypes.data) if flat.nbytes
-                          else 0, outer * t_cap * rb))
+                          else 0, outer * t_cap * row_bytes))
     spans.sort()
     return all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:]))
 
 
-def _read_scattered(fd: int, e: Entry, plan: list, t0: int, ntok: int, h: Any) -> str | None:
+def _read_scattered(fd: int, e: Entry, plan: list[Piece], t0: int, ntok: int,
+                    hasher: Hasher) -> str | None:
     """Read a warm block with preadv straight into its destination rows (the kernel's copy
     out of the page cache is the only one), hashing each piece's rows right after they
     landed (still in cache), in payload order: ``_blocks.preadv_hash`` in Python, for the
     numpy reference kernel, which lacks it."""
     for off, _, sub in plan:
         runs: list[memoryview] = []
-        for buf, outer, t_cap, rb in sub:
-            mv = memoryview(buf)
+        for buf, outer, t_cap, row_bytes in sub:
+            mv = view(buf)
             flat = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
             for o in range(outer):
-                start = (o * t_cap + t0) * rb
-                runs.append(flat[start : start + ntok * rb])
+                start = (o * t_cap + t0) * row_bytes
+                runs.append(flat[start : start + ntok * row_bytes])
         pos = e.payload_offset + off
         for i in range(0, len(runs), _IOV):
             group = runs[i : i + _IOV]
@@ -416,7 +450,7 @@ def _read_scattered(fd: int, e: Entry, plan: list, t0: int, ntok: int, h: Any) -
                 return f"truncated payload ({pos + got} bytes)"
             pos += want
             for r in group:
-                h.update(r)
+                hasher.update(r)
     return None
 
 

@@ -238,7 +238,7 @@ def _held_bytes(*roots) -> int:
 def test_durability_memory_is_bounded_after_many_stores(tmp_path):
     from mlxkv.engine.cache.durability import Durability
     from mlxkv.storage.format import SegmentSpec
-    from mlxkv.storage.io import Snapshot, StorageIO
+    from mlxkv.storage.io import StorageIO, WriteRequest
     from mlxkv.storage.store import BlockStore
 
     store = BlockStore(str(tmp_path), block_tokens=1 << 20, durable=False)
@@ -248,7 +248,7 @@ def test_durability_memory_is_bounded_after_many_stores(tmp_path):
     layout = (SegmentSpec("x", "uint8", (1,), 1, 1),)
     for i in range(count):
         toks = np.arange(i, i + n, dtype=np.uint32)  # a long agent context each time
-        dur.mark("ns", toks, Snapshot("ns", toks, layout, [(np.zeros(n, np.uint8), 1, n, 1)]),
+        dur.mark("ns", toks, WriteRequest("ns", toks, layout, [(np.zeros(n, np.uint8), 1, n, 1)]),
                  coalesce=False)
     assert dur.flush(60)["durable"] == count
     assert dur.state("ns", np.arange(3, 3 + n, dtype=np.uint32)) == "durable"

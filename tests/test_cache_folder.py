@@ -291,12 +291,12 @@ def test_fifos_named_like_a_block_or_a_manifest_hang_nothing(tmp_path):
     store = BlockStore(tmp_path, block_tokens=BT)
     toks = np.arange(3 * BT)
     r = put(store, toks[: 2 * BT], manifest="chat")
-    fifo_blk = Path(store._path("m", store.chain_keys("m", toks)[2], fmt.KIND_BLOCK))
+    fifo_blk = Path(store.index.path("m", store.chain_keys("m", toks)[2], fmt.KIND_BLOCK))
     fifo_blk.parent.mkdir(exist_ok=True)
     os.mkfifo(fifo_blk)
-    fifo_man = Path(store._manifest_path("m", "other"))
+    fifo_man = Path(store.upkeep.manifest_path("m", "other"))
     os.mkfifo(fifo_man)
-    victim = Path(store._path("m", r.keys[1], fmt.KIND_BLOCK))
+    victim = Path(store.index.path("m", r.keys[1], fmt.KIND_BLOCK))
     victim.unlink()
     os.mkfifo(victim)  # an indexed block replaced by a FIFO after the scan
     code, out, err = run_child('''
@@ -336,15 +336,15 @@ def test_deeply_nested_metadata_is_a_miss_with_a_reason(tmp_path):
     store = BlockStore(tmp_path, block_tokens=BT)
     toks = np.arange(2 * BT)
     r = put(store, toks, manifest="chat")
-    path = Path(store._path("m", r.keys[1], fmt.KIND_BLOCK))
-    e = store._spaces["m"].blocks[r.keys[1]]
+    path = Path(store.index.path("m", r.keys[1], fmt.KIND_BLOCK))
+    e = store.index.spaces["m"].blocks[r.keys[1]]
     meta, tok_bytes = _deep(100_000), toks[BT:].astype("<u4").tobytes()
     poff = fmt.align(fmt.PREFIX_SIZE + fmt._BLOCK.size + len(meta) + len(tok_bytes) + 8)
     body = fmt._BLOCK.pack(e.key, e.parent, namespace_id("m"), e.content_hash, poff,
                            e.payload_len, e.t0, e.t1, len(meta)) + meta + tok_bytes
     head = fmt._prefix(fmt.KIND_BLOCK, body)
     path.write_bytes(head + bytes(poff + e.payload_len - len(head)))
-    man = Path(store._manifest_path("m", "chat"))
+    man = Path(store.upkeep.manifest_path("m", "chat"))
     man.write_bytes(fmt._prefix(fmt.KIND_MANIFEST, fmt._MAN.pack(200_000) + _deep(100_000)))
     fresh = BlockStore(tmp_path, block_tokens=BT)
     rep = fresh.scan()
@@ -363,7 +363,7 @@ def test_a_manifest_with_one_flipped_bit_is_reported_and_keeps_its_blocks(tmp_pa
     put(store, keep, manifest="chat")
     loose = np.arange(900, 900 + BT)
     put(store, loose)  # referenced by no manifest
-    man = Path(store._manifest_path("m", "chat"))
+    man = Path(store.upkeep.manifest_path("m", "chat"))
     _flip(man, man.stat().st_size - 40)  # inside the block keys
     files = sorted(p for p in tmp_path.rglob("*") if p.suffix in (".blk", ".tail"))
     rep = store.gc("m", min_age_s=0)
@@ -387,7 +387,7 @@ def test_names_that_are_not_utf8_are_skipped_and_reported_printably(tmp_path):
     store = BlockStore(tmp_path, block_tokens=BT)
     toks = np.arange(BT)
     r = put(store, toks)
-    path = Path(store._path("m", r.keys[0], fmt.KIND_BLOCK))
+    path = Path(store.index.path("m", r.keys[0], fmt.KIND_BLOCK))
     raw = bytearray(path.read_bytes())
     raw[8:10] = (fmt.FORMAT_VERSION + 1).to_bytes(2, "little")  # a newer mlxkv's file
     odd = os.fsencode(path.parent) + b"/" + os.fsencode(path.stem) + b"\xff.blk"
@@ -409,7 +409,7 @@ def test_read_errors_never_remove_a_file(tmp_path, monkeypatch):
     store = BlockStore(tmp_path, block_tokens=BT)
     toks = np.arange(2 * BT)
     r = put(store, toks)
-    bad = store._path("m", r.keys[1], fmt.KIND_BLOCK)
+    bad = store.index.path("m", r.keys[1], fmt.KIND_BLOCK)
     real_pread = os.pread
 
     def failing_pread(fd, n, off):
@@ -432,4 +432,4 @@ def test_read_errors_never_remove_a_file(tmp_path, monkeypatch):
     monkeypatch.setattr(diskio, "pread_full", failing_pread_full)
     got, _ = restore(store, "m", toks, F32, toks.size)
     assert (got.n_tokens, got.corrupt) == (0, 0) and store.stats()["read_errors"] >= 1
-    assert os.path.exists(bad) and os.path.exists(store._path("m", r.keys[0], fmt.KIND_BLOCK))
+    assert os.path.exists(bad) and os.path.exists(store.index.path("m", r.keys[0], fmt.KIND_BLOCK))

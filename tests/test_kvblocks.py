@@ -144,7 +144,7 @@ def _store(tmp_path):
 
 
 def test_restore_into_unfilled_arrays_is_exact_and_stops_at_a_corrupt_block(tmp_path):
-    from mlxkv.storage.io import ReadRequest, Snapshot
+    from mlxkv.storage.io import ReadRequest, WriteRequest
 
     store, sio, layout = _store(tmp_path)
     T = 5 * BT
@@ -152,7 +152,7 @@ def test_restore_into_unfilled_arrays_is_exact_and_stops_at_a_corrupt_block(tmp_
     src = [rng.integers(0, 1 << 16, size=(1, H, T, D), dtype=np.uint16) & 0x3FFF
            for _ in range(4)]
     toks = np.arange(100, 100 + T, dtype=np.uint32)
-    sio.submit_write(Snapshot("ns", toks, layout, [(memoryview(a), H, T, 2 * D) for a in src],
+    sio.submit_write(WriteRequest("ns", toks, layout, [(memoryview(a), H, T, 2 * D) for a in src],
                               tail=False)).result(timeout=60)
     cap = kb.round_up(T + 40)
 

@@ -54,7 +54,7 @@ def _restore(root, toks, read_threads=2, direct_reads=True):
     k = np.zeros((4, n, ROW), np.uint8)
     v = np.zeros((2, n, ROW // 2), np.uint8)
     r = store.get_blocks("ns", toks, LAYOUT, [(k, 4, n, ROW), (v, 2, n, ROW // 2)])
-    reads = store.__dict__.get("_direct").reads if store.__dict__.get("_direct") else 0
+    reads = store.reader.direct.reads if store.reader.direct is not None else 0
     store.close()
     return r, k, v, reads
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mlxkv.storage import format as fmt
-from mlxkv.storage.io import ReadRequest, Snapshot, StorageClosed, StorageIO, WriteQueueFull
+from mlxkv.storage.io import ReadRequest, StorageClosed, StorageIO, WriteQueueFull, WriteRequest
 from mlxkv.storage.store import BlockStore, StoreWriteError
 
 BT = 16
@@ -35,7 +35,7 @@ def segs(arrays):
 
 def snapshot(tokens, **kw):
     arrays = kv(tokens, len(tokens))
-    return Snapshot("m", np.asarray(tokens), LAYOUT, segs(arrays), **kw), arrays
+    return WriteRequest("m", np.asarray(tokens), LAYOUT, segs(arrays), **kw), arrays
 
 
 class Gate:
@@ -181,7 +181,7 @@ def test_checkpoint_write_and_read_through_the_threads(io):
     layout = fmt.make_layout([("ssm", "float32", (12,), 2, 48)])
     state = np.arange(96, dtype=np.uint8).reshape(2, 1, 48)
     toks = np.arange(BT + 3)
-    snap = Snapshot("m", toks, layout, [(state, 2, 1, 48)], checkpoint=True)
+    snap = WriteRequest("m", toks, layout, [(state, 2, 1, 48)], checkpoint=True)
     assert io.submit_write(snap).result(WAIT).blocks_written == 1
     m = io.store.lookup_checkpoint("m", np.concatenate([toks, [5]]))
     dst = np.zeros_like(state)

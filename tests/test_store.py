@@ -244,7 +244,7 @@ def test_corrupt_payload_is_a_miss_removed_and_counted(tmp_path, threads):
     toks = np.arange(3 * BT)
     src = make_kv(F32, toks, 3 * BT)
     r = store.put_blocks("m", toks, F32, segs(F32, src))
-    victim = Path(store._path("m", r.keys[1], fmt.KIND_BLOCK))
+    victim = Path(store.index.path("m", r.keys[1], fmt.KIND_BLOCK))
     _flip(victim, fmt.block_header_size(F32, "m", BT) + 100)
     got, dst = restore(store, "m", toks, F32, 3 * BT)
     assert (got.n_tokens, got.corrupt) == (BT, 1)  # only the verified prefix is returned
@@ -257,7 +257,7 @@ def test_corrupt_header_is_removed_at_scan(tmp_path):
     store = BlockStore(tmp_path, block_tokens=BT)
     toks = np.arange(2 * BT)
     r = store.put_blocks("m", toks, F32, segs(F32, make_kv(F32, toks, 2 * BT)))
-    victim = Path(store._path("m", r.keys[0], fmt.KIND_BLOCK))
+    victim = Path(store.index.path("m", r.keys[0], fmt.KIND_BLOCK))
     _flip(victim, 60)
     store2 = BlockStore(tmp_path, block_tokens=BT)
     rep = store2.scan()
@@ -269,7 +269,7 @@ def test_unknown_version_is_skipped_with_a_reason(tmp_path):
     store = BlockStore(tmp_path, block_tokens=BT)
     toks = np.arange(BT)
     r = store.put_blocks("m", toks, F32, segs(F32, make_kv(F32, toks, BT)))
-    path = Path(store._path("m", r.keys[0], fmt.KIND_BLOCK))
+    path = Path(store.index.path("m", r.keys[0], fmt.KIND_BLOCK))
     raw = bytearray(path.read_bytes())
     raw[8:10] = (fmt.FORMAT_VERSION + 1).to_bytes(2, "little")  # a future mlxkv's file
     path.write_bytes(bytes(raw))
@@ -289,7 +289,7 @@ def test_scan_removes_temp_orphans_and_drops_vanished_files(tmp_path, threads):
     orphan.write_bytes(b"half a block")
     theirs = tmp_path / "m" / "ab" / "notes.tmp"  # not a name of ours: never removed
     theirs.write_bytes(b"someone's notes")
-    os.unlink(store._path("m", r.keys[1], fmt.KIND_BLOCK))  # another process evicted it
+    os.unlink(store.index.path("m", r.keys[1], fmt.KIND_BLOCK))  # another process evicted it
     got, _ = restore(store, "m", toks, F32, 2 * BT)
     assert (got.n_tokens, got.missing) == (BT, 1) and store.stats()["vanished"] == 1
     rep = store.scan()
@@ -398,14 +398,14 @@ def _verify_all(root: Path, ns: str) -> int:
     store.scan()
     assert not list(root.rglob("*.tmp"))
     n = 0
-    for key, e in list(store._spaces[ns].blocks.items()):
+    for key, e in list(store.index.spaces[ns].blocks.items()):
         hdr = fmt.decode_block_header(Path(e.path).read_bytes())
         assert hdr.key == key
-    for parent, tails in store._spaces[ns].tails.items():
+    for parent, tails in store.index.spaces[ns].tails.items():
         for _entry in tails.values():
-            chain = [p for p in store._spaces[ns].blocks if p == parent]
+            chain = [p for p in store.index.spaces[ns].blocks if p == parent]
             assert chain, "a tail's parent block is missing"
-    for e in [t for ts in store._spaces[ns].tails.values() for t in ts.values()]:
+    for e in [t for ts in store.index.spaces[ns].tails.values() for t in ts.values()]:
         start = int(e.tokens[0]) - 32  # the tail is the last 8 of 40 unique tokens
         toks = np.concatenate([np.arange(64), start + np.arange(40)])
         got, dst = restore(store, ns, toks, WLAYOUT, 104)
@@ -531,12 +531,12 @@ def test_lookup_never_reindexes_a_file_our_eviction_is_removing(tmp_path):
     store = BlockStore(tmp_path, block_tokens=BT)
     toks = np.arange(3 * BT)
     r = store.put_blocks("m", toks, F32, segs(F32, make_kv(F32, toks, toks.size)))
-    victim = store._spaces["m"].blocks[r.keys[2]]
-    with store._lock:
-        store._retire(victim)  # the first half of an eviction
+    victim = store.index.spaces["m"].blocks[r.keys[2]]
+    with store.index.lock:
+        store.index.retire(victim)  # the first half of an eviction
     assert Path(victim.path).exists()
     assert store.longest_prefix("m", toks) == 2 * BT
-    store._remove_retired([victim])  # the second half
+    store.index.remove_retired([victim])  # the second half
     assert not Path(victim.path).exists()
     assert store.longest_prefix("m", toks) == 2 * BT
     assert store.stats()["bytes"] == sum(p.stat().st_size for p in tmp_path.rglob("*.blk"))
@@ -568,7 +568,7 @@ def test_maintenance_lock_of_one_process_blocks_anothers_eviction_and_gc(tmp_pat
         import sys
         from mlxkv.storage.store import BlockStore
         store = BlockStore(sys.argv[1], block_tokens=16)
-        with store._flock(shared=False):  # what evict/gc/scan hold while they work
+        with store.context.folder_lock(shared=False):  # what evict/gc/scan hold while they work
             print("held", flush=True)
             sys.stdin.readline()
         print("released", flush=True)
@@ -693,7 +693,7 @@ def test_restores_never_map_files(tmp_path, monkeypatch):
     got, dst = restore(store, "m", toks, BF16, 4 * BT)
     assert got.n_tokens == toks.size
     assert_rows_equal(src, dst, toks.size)
-    _flip(Path(store._path("m", r.keys[2], fmt.KIND_BLOCK)),
+    _flip(Path(store.index.path("m", r.keys[2], fmt.KIND_BLOCK)),
           fmt.block_header_size(BF16, "m", BT) + 5)
     got, _ = restore(store, "m", toks, BF16, 4 * BT)
     assert (got.n_tokens, got.corrupt) == (2 * BT, 1)
@@ -713,7 +713,7 @@ def test_block_truncated_under_a_restore_is_a_miss_not_a_crash(tmp_path, threads
         store = BlockStore(sys.argv[1], block_tokens=BT, read_threads=int(sys.argv[2]))
         toks = np.arange(3 * BT)
         r = store.put_blocks("m", toks, BF16, segs(BF16, make_kv(BF16, toks, 3 * BT)))
-        victim = store._path("m", r.keys[1], fmt.KIND_BLOCK)
+        victim = store.index.path("m", r.keys[1], fmt.KIND_BLOCK)
         m = store.lookup("m", toks)
 
         def cut(fd):
@@ -803,7 +803,7 @@ def test_corrupt_checkpoint_is_a_miss_and_gc_keeps_referenced_ones(tmp_path):
     assert store.get_manifest("m", "chat").extra_keys == (ka,)
     assert store.gc("m", min_age_s=0)["removed"] == 1  # b: referenced by no manifest
     assert store.lookup_checkpoint("m", b).n_tokens == 0
-    path = Path(store._path("m", ka, fmt.KIND_CHECKPOINT))
+    path = Path(store.index.path("m", ka, fmt.KIND_CHECKPOINT))
     _flip(path, fmt.block_header_size(RING, "m", 4) + 10)
     m = store.lookup_checkpoint("m", a)
     got = store.get_checkpoint("m", m, RING, segs(RING, ring_state(0)))

@@ -61,7 +61,7 @@ def job_key(ns: str, tokens: np.ndarray) -> tuple[str, bytes]:
 class Job:
     ns: str  # storage namespace
     tokens: np.ndarray | None  # None once settled (only a pending write needs them)
-    snapshot: Any  # storage.io.Snapshot; None once settled
+    snapshot: Any  # storage.io.WriteRequest; None once settled
     key: tuple[str, bytes] = ("", b"")
     ntokens: int = 0
     eid: str = ""  # the entry id, for events

@@ -280,17 +280,17 @@ class SsdTier:
     def block_snapshot(self, sns: str, toks: np.ndarray, cache: list, eid: str) -> Any:
         """New array objects over the cache's evaluated buffers, byte views of them, a
         manifest so GC keeps the state, and a low writer priority."""
-        from mlxkv.storage.io import Snapshot
+        from mlxkv.storage.io import WriteRequest
 
         specs, segs, keep = dl.block_layout(cache, len(toks))
-        return Snapshot(sns, toks, tuple(specs), segs, manifest=manifest_name(eid), keep=keep,
+        return WriteRequest(sns, toks, tuple(specs), segs, manifest=manifest_name(eid), keep=keep,
                         on_start=_background_priority)
 
     def _checkpoint_snapshot(self, sns: str, toks: np.ndarray, cache: list,
                              cp: kb.Checkpoint | None, eid: str) -> Any:
-        """Snapshot(s) of a non-block cache: its non-trimmable layers as one checkpoint
+        """WriteRequest(s) of a non-block cache: its non-trimmable layers as one checkpoint
         (after its KV layers as blocks, when it has any); None if it cannot be persisted."""
-        from mlxkv.storage.io import Snapshot
+        from mlxkv.storage.io import WriteRequest
 
         block_idx, ckpt_idx = dl.split_layers(cache)
         try:
@@ -301,11 +301,11 @@ class SsdTier:
             if block_idx:
                 bspecs, bsegs, bkeep = dl.block_layout(cache, len(toks), block_idx, part=True)
                 # no manifest of its own: the checkpoint's names the blocks and tail too
-                snaps.append(Snapshot(sns, toks, tuple(bspecs), bsegs, keep=bkeep,
+                snaps.append(WriteRequest(sns, toks, tuple(bspecs), bsegs, keep=bkeep,
                                       on_start=_background_priority))
         except kb.UnsupportedCache:
             return None
-        snaps.append(Snapshot(sns, toks, tuple(specs), segs, manifest=manifest_name(eid),
+        snaps.append(WriteRequest(sns, toks, tuple(specs), segs, manifest=manifest_name(eid),
                               keep=keep, on_start=_background_priority, checkpoint=True))
         return snaps[0] if len(snaps) == 1 else tuple(snaps)
 
