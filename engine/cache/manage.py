@@ -1,5 +1,5 @@
-"""Entry management for front ends, on the prefix cache facade: list entries, pin,
-evict, delete, verify and invalidate them (engine thread).
+"""Entry management for front ends: list entries, pin, evict, delete, verify and
+invalidate them (engine thread).
 
 Entries are the states ``store()`` kept, in RAM (``ram_tier``), on SSD (a manifest named
 after the entry id, see ``upkeep``) or both; ``listing`` merges what the tiers know.
@@ -12,7 +12,12 @@ from typing import Any
 import numpy as np
 
 from mlxkv.engine.cache import listing, misses, upkeep
+from mlxkv.engine.cache.events import Events
 from mlxkv.engine.cache.info import CacheEntryDetail, CacheEntryInfo
+from mlxkv.engine.cache.lending import Lending
+from mlxkv.engine.cache.ram_tier import RamTier
+from mlxkv.engine.cache.ssd import SsdTier
+from mlxkv.engine.cache.stats import Counters, Usage
 from mlxkv.engine.cache.tokens import as_tokens, common_prefix, store_namespace
 from mlxkv.engine.cache.tokens import entry_id as eid_of
 
@@ -24,23 +29,21 @@ def folder_errors() -> tuple[type[BaseException], ...]:
     return (CacheFolderError, OSError)
 
 
-class ManageMixin:
-    """Entry management of :class:`engine.cache.prefix_cache.PrefixCache` (which sets
-    ``ram``, ``ssd``, ``lending``, ``usage``, ``counters``, ``saved_tokens``, ``_events``,
-    ``_pins`` and ``_verified``)."""
+class EntryManager:
+    """Entry management of the prefix cache: list, pin, evict, delete, verify and
+    invalidate entries. ``pins`` (pinned entry ids) is the cache's own set, shared."""
 
-    ram: Any
-    ssd: Any
-    lending: Any
-    usage: Any
-    counters: Any
-    saved_tokens: misses.SavedTokens
-    _events: Any
-    _pins: set[str]
-    _verified: dict[bytes, bool]
+    def __init__(self, ram: RamTier, ssd: SsdTier | None, lending: Lending, usage: Usage,
+                 counters: Counters, saved_tokens: misses.SavedTokens, events: Events,
+                 pins: set[str]) -> None:
+        self.ram, self.ssd, self.lending = ram, ssd, lending
+        self.usage, self.counters, self.saved_tokens = usage, counters, saved_tokens
+        self.events, self.pins = events, pins
+        self.verified: dict[bytes, bool] = {}  # block key -> last verify result
 
     # ------------------------------------------------------------------ entries
-    def _saved(self, sns: str | None) -> list[upkeep.Saved]:
+    def saved(self, sns: str | None) -> list[upkeep.Saved]:
+        """The SSD tier's saved states (of ``sns``, or all), oldest first per namespace."""
         if self.ssd is None:
             return []
         try:
@@ -52,16 +55,16 @@ class ManageMixin:
                 out += states
             return out
         except folder_errors() as exc:
-            self._events.warn("list-failed", "prefix cache: cannot list the SSD tier: %s", exc)
+            self.events.warn("list-failed", "prefix cache: cannot list the SSD tier: %s", exc)
             return []
 
     def _facts(self, sns: str | None) -> dict[str, listing.Facts]:
-        return listing.gather(self.ram, self._saved(sns), sns)
+        return listing.gather(self.ram, self.saved(sns), sns)
 
     def entries(self, ns: str | None = None) -> list[CacheEntryInfo]:
         """Every stored state (of ``ns``, or all), most recently used first."""
         infos = listing.infos(self._facts(None if ns is None else store_namespace(ns)),
-                              self.ram, self._pins, self.usage)
+                              self.ram, self.pins, self.usage)
         return sorted(infos.values(), key=lambda i: -i.last_used)
 
     def entry(self, entry_id: str) -> CacheEntryDetail | None:
@@ -69,8 +72,8 @@ class ManageMixin:
         f = facts.get(entry_id)
         if f is None:
             return None
-        info = listing.infos(facts, self.ram, self._pins, self.usage)[entry_id]
-        return listing.detail(info, f, self._verified)
+        info = listing.infos(facts, self.ram, self.pins, self.usage)[entry_id]
+        return listing.detail(info, f, self.verified)
 
     def explain(self, tokens: Any, ns: str) -> misses.Divergence | None:
         """The stored state of ``ns`` that shares the longest prefix with ``tokens`` (RAM
@@ -87,25 +90,25 @@ class ManageMixin:
             try:
                 cands += self.saved_tokens.candidates(self.ssd.disk, sns, first)
             except folder_errors() as exc:
-                self._events.warn("list-failed", "prefix cache: cannot list the SSD tier: %s",
+                self.events.warn("list-failed", "prefix cache: cannot list the SSD tier: %s",
                                   exc)
         return misses.closest(toks, sns, cands)
 
     def pin(self, entry_id: str, pinned: bool = True) -> bool:
         """Keep an entry over others in RAM (never superseded or handed over)."""
         e = self.ram.find(entry_id)
-        found = e is not None or any(s.eid == entry_id for s in self._saved(None))
+        found = e is not None or any(s.eid == entry_id for s in self.saved(None))
         if not found:
             return False
         if pinned:
-            self._pins.add(entry_id)
+            self.pins.add(entry_id)
         else:
-            self._pins.discard(entry_id)
+            self.pins.discard(entry_id)
         if e is not None:
             e.pinned = pinned
             if not pinned:
                 self.ram.evict()
-        self._events.emit("pin", id=entry_id, pinned=pinned)
+        self.events.emit("pin", id=entry_id, pinned=pinned)
         return True
 
     def evict(self, entry_id: str) -> bool:
@@ -129,33 +132,35 @@ class ManageMixin:
             found = True
         self.lending.forget(lambda r: eid_of(r.ns, r.tokens) == entry_id)
         if self.ssd is not None:
-            saved = self._saved(None)
+            saved = self.saved(None)
             mine = next((s for s in saved if s.eid == entry_id), None)
             if mine is not None:
                 if e is None:
                     self._cancel_write(mine.ns, mine.tokens)
                 others = {k for s in saved if s is not mine and s.ns == mine.ns
                           for k, _, _ in s.blocks}
-                self._remove(mine.ns, {k for k, _, _ in mine.blocks} - others, [mine.manifest])
+                self._remove(self.ssd, mine.ns, {k for k, _, _ in mine.blocks} - others,
+                             [mine.manifest])
                 found = True
-        self._pins.discard(entry_id)
+        self.pins.discard(entry_id)
         self.usage.forget(entry_id)
         self.saved_tokens.removed(entry_id)
         if found:
             self.counters.add(deleted=1)
-            self._events.emit("delete", id=entry_id)
+            self.events.emit("delete", id=entry_id)
         return found
 
     def _cancel_write(self, sns: str, toks: np.ndarray) -> None:
         if self.ssd is not None and not self.ssd.durability.cancel(sns, toks):
-            self._events.warn("delete-writing", "prefix cache: a deleted state was still being "
+            self.events.warn("delete-writing", "prefix cache: a deleted state was still being "
                               "written after 10 s; it may come back on disk")
 
-    def _remove(self, sns: str, keys: set[bytes], manifests: list[str]) -> None:
+    def _remove(self, ssd: SsdTier, sns: str, keys: set[bytes], manifests: list[str]
+                ) -> None:
         try:
-            upkeep.remove(self.ssd.disk, sns, keys, manifests)
+            upkeep.remove(ssd.disk, sns, keys, manifests)
         except folder_errors() as exc:
-            self._events.warn("remove-failed", "prefix cache: cannot remove from the SSD "
+            self.events.warn("remove-failed", "prefix cache: cannot remove from the SSD "
                               "tier: %s", exc)
 
     def invalidate(self, tokens: Any, ns: str) -> None:
@@ -170,16 +175,17 @@ class ManageMixin:
             self._cancel_write(e.ns, e.tokens)
         self.lending.forget(lambda r: r.ns == sns and common_prefix(r.tokens, toks) > 0)
         if self.ssd is not None:
-            keys = self._seeding_keys(sns, toks)
-            mans = [s.manifest for s in self._saved(sns)
+            keys = self._seeding_keys(self.ssd, sns, toks)
+            mans = [s.manifest for s in self.saved(sns)
                     if keys & {k for k, _, _ in s.blocks}]
-            self._remove(sns, keys, mans)
+            self._remove(self.ssd, sns, keys, mans)
             self.saved_tokens.forget(sns)
         self.counters.add(invalidated=1)
-        self._events.emit("invalidate", ns=ns, tokens=len(toks), ram_entries=len(dropped))
+        self.events.emit("invalidate", ns=ns, tokens=len(toks), ram_entries=len(dropped))
 
-    def _seeding_keys(self, sns: str, toks: np.ndarray) -> set[bytes]:
-        disk = self.ssd.disk
+    @staticmethod
+    def _seeding_keys(ssd: SsdTier, sns: str, toks: np.ndarray) -> set[bytes]:
+        disk = ssd.disk
         m = disk.lookup(sns, toks)
         keys = set(m.block_keys) | ({m.tail_key} if m.tail_key is not None else set())
         limit = len(toks)
@@ -198,21 +204,21 @@ class ManageMixin:
         out: dict[str, Any] = {"checked": 0, "ok": 0, "damaged": [], "manifests_damaged": 0}
         if self.ssd is None or not self.ssd.available():
             return out
-        saved = self._saved(None)
+        saved = self.saved(None)
         if entry_id is None:
             for name in sorted({s.ns for s in saved} | set(self.ssd.disk.stats()["namespaces"])):
                 out["manifests_damaged"] += upkeep.damaged_manifests(self.ssd.disk, name)
         todo = [s for s in saved if entry_id is None or s.eid == entry_id]
         for done, s in enumerate(todo, 1):
             ok, seen = upkeep.verify(self.ssd.io, s, self.ssd.restore_timeout_s)
-            self._verified.update(seen)
+            self.verified.update(seen)
             out["checked"] += 1
             if ok:
                 out["ok"] += 1
             else:
                 out["damaged"].append(s.eid)
-            self._events.emit("verify", done=done, total=len(todo), id=s.eid, ok=ok)
-        if len(self._verified) > 100_000:
-            self._verified.clear()
+            self.events.emit("verify", done=done, total=len(todo), id=s.eid, ok=ok)
+        if len(self.verified) > 100_000:
+            self.verified.clear()
         return out
 

@@ -53,9 +53,9 @@ from mlxkv.engine.cache.events import Events
 from mlxkv.engine.cache.info import CacheEntryDetail, CacheEntryInfo
 from mlxkv.engine.cache.learned import LearnedFiles
 from mlxkv.engine.cache.lending import Lending
-from mlxkv.engine.cache.manage import ManageMixin, folder_errors
+from mlxkv.engine.cache.manage import EntryManager, folder_errors
 from mlxkv.engine.cache.misses import Divergence, SavedTokens
-from mlxkv.engine.cache.prefetch import PrefetchMixin
+from mlxkv.engine.cache.prefetch import Prefetcher
 from mlxkv.engine.cache.ram_tier import Entry, RamTier
 from mlxkv.engine.cache.ssd import SsdTier
 from mlxkv.engine.cache.stats import Counters, Usage
@@ -158,9 +158,10 @@ class NullPrefixCache:
         return None
 
 
-class PrefixCache(ManageMixin, PrefetchMixin):
+class PrefixCache:
     """RAM + SSD prefix cache (see the module docstring); the front end's entry management
-    (entries, pin, evict, delete, verify, invalidate) is in ``engine.cache.manage``."""
+    (entries, pin, evict, delete, verify, invalidate) is ``manager``
+    (``engine.cache.manage``), prefetch is ``prefetcher`` (``engine.cache.prefetch``)."""
 
     enabled = True
 
@@ -189,9 +190,6 @@ class PrefixCache(ManageMixin, PrefetchMixin):
                                 else int(min_ssd_gain))
         self._sessions: set[str] = set()
         self._pins: set[str] = set()  # entry ids pinned (kept pinned when they come back)
-        self._verified: dict[bytes, bool] = {}  # block key -> last verify result
-        self._busy = False  # the engine is serving (see busy)
-        self._prefetching: list = []  # background prefetch reads (engine.cache.prefetch)
         self.ssd: SsdTier | None = None
         self.ssd_disabled_reason: str | None = None  # None: on, or off on purpose
         # restore destinations prepared ahead (by default a quarter of the RAM budget)
@@ -209,6 +207,11 @@ class PrefixCache(ManageMixin, PrefetchMixin):
                                   "tier (RAM only): %s", exc)
         # what speculation sources learned, saved beside the SSD tier (none without it)
         self.learned = LearnedFiles(self.ssd.disk, self._events) if self.ssd is not None else None
+        self.manager = EntryManager(self.ram, self.ssd, self.lending, self.usage, self.counters,
+                                    self.saved_tokens, self._events, self._pins)
+        self.prefetcher = Prefetcher(self.ram, self.ssd, self.lending, self.counters,
+                                     self._events, self._pins, self._sessions,
+                                     self.block_tokens, self._worth)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> PrefixCache | NullPrefixCache:
@@ -273,7 +276,7 @@ class PrefixCache(ManageMixin, PrefetchMixin):
         toks = as_tokens(tokens)
         sns = store_namespace(ns)
         self.lending.sweep()
-        self._adopt(toks, sns)  # a prefetch of this prompt enters RAM (waited for) first
+        self.prefetcher.adopt(toks, sns)  # a prefetch of this prompt enters RAM (waited for) first
         # hashed once, here: the RAM tier and the store both walk these keys
         keys = chain_keys(sns, toks, self.block_tokens)
         match = self.ram.lookup(sns, toks, session, keys=keys)
@@ -344,7 +347,7 @@ class PrefixCache(ManageMixin, PrefetchMixin):
         request's ``cache_control`` or ``prompt_cache_key``): for that long the state is
         evicted only after every state without one, from RAM and from the SSD tier. A
         state stored from an entry that was handed over keeps that entry's hint too."""
-        self._adopt()
+        self.prefetcher.adopt()
         until = self.lending.retention(cache)
         if retain_s is not None and retain_s > 0:
             until = max(until, self.clock() + float(retain_s))
@@ -423,6 +426,51 @@ class PrefixCache(ManageMixin, PrefetchMixin):
                 self.ssd.durability.forget(entry.ns, entry.tokens)
             self._events.emit("evict", id=entry.id, ns=entry.ns, tokens=len(entry.tokens))
 
+    # ------------------------------------------------------------------ prefetch
+    def prefetch(self, tokens: Any, ns: str, session: str | None = None) -> int:
+        """Warm the longest cached prefix of ``tokens`` into RAM, restoring it from SSD
+        when RAM holds less of it, so the request that sends ``tokens`` starts from RAM;
+        the tokens a lookup will find in RAM (see ``engine.cache.prefetch``)."""
+        return self.prefetcher.prefetch(tokens, ns, session)
+
+    def prefetch_wait(self, timeout: float | None = None) -> int:
+        """Wait (up to ``timeout`` s in all) for the prefetch reads under way and move them
+        into RAM; returns how many are still under way."""
+        return self.prefetcher.wait(timeout)
+
+    # ------------------------------------------------------------------ entries
+    def entries(self, ns: str | None = None) -> list[CacheEntryInfo]:
+        """Every stored state (of ``ns``, or all), most recently used first."""
+        return self.manager.entries(ns)
+
+    def entry(self, entry_id: str) -> CacheEntryDetail | None:
+        return self.manager.entry(entry_id)
+
+    def explain(self, tokens: Any, ns: str) -> Divergence | None:
+        """The stored state of ``ns`` that shares the longest prefix with ``tokens``, and
+        where the prompt parts from it; None when none starts like it."""
+        return self.manager.explain(tokens, ns)
+
+    def pin(self, entry_id: str, pinned: bool = True) -> bool:
+        """Keep an entry over others in RAM (never superseded or handed over)."""
+        return self.manager.pin(entry_id, pinned)
+
+    def evict(self, entry_id: str) -> bool:
+        """Drop an entry from RAM; the SSD tier keeps it (its write goes first)."""
+        return self.manager.evict(entry_id)
+
+    def delete(self, entry_id: str) -> bool:
+        """Drop an entry from every tier (blocks other entries use stay)."""
+        return self.manager.delete(entry_id)
+
+    def invalidate(self, tokens: Any, ns: str) -> None:
+        """Drop every cached state that could seed a prompt of ``tokens`` (both tiers)."""
+        self.manager.invalidate(tokens, ns)
+
+    def verify(self, entry_id: str | None = None) -> dict[str, Any]:
+        """Read back saved states (one, or all) and check every block's content hash."""
+        return self.manager.verify(entry_id)
+
     # ------------------------------------------------------------------ sessions
     def open_session(self, session: str) -> None:
         """Prefer and keep warm this session's latest entry until ``close_session``."""
@@ -452,11 +500,11 @@ class PrefixCache(ManageMixin, PrefetchMixin):
         nothing in flight (False). While busy, persistence yields to generation: the
         writer waits, bounded by a maximum delay and by memory (see
         ``engine.cache.durability``); going idle lets it write at once."""
-        self._busy = bool(active)
+        self.prefetcher.busy = bool(active)
         if self.ssd is not None:
             self.ssd.durability.busy(active)
             if not active:  # nothing waits on the engine: finished prefetches, arena slots
-                self._adopt()
+                self.prefetcher.adopt()
                 self.arena.replenish()
                 self.learned.idle()
 
@@ -470,9 +518,7 @@ class PrefixCache(ManageMixin, PrefetchMixin):
 
     def close(self, timeout: float | None = 10.0) -> dict[str, int]:
         """Flush (bounded by ``timeout``), stop the storage threads, free RAM."""
-        for pf in self._prefetching:
-            pf.p.future.cancel()
-        self._prefetching = []
+        self.prefetcher.cancel()
         if self.learned is not None:
             self.learned.close(timeout)
         rep = dict(_EMPTY_FLUSH) if self.ssd is None else self.ssd.close(timeout)
