@@ -29,12 +29,15 @@ Engine thread only.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
 from mlxkv.engine.cache import kvblocks as kb
 from mlxkv.engine.cache.info import scope_base
+
+if TYPE_CHECKING:
+    from mlxkv.storage.format import SegmentSpec
 
 Sig = tuple[tuple[int, tuple[int, ...], str], ...]  # per segment: (outer, row shape, dtype)
 
@@ -49,22 +52,23 @@ class _Space:
     free: list[list[mx.array]] = field(default_factory=list)
 
 
-def kv_signature(cache: list) -> tuple[Sig, list[mx.Dtype]] | None:
+def kv_signature(cache: kb.PromptCache) -> tuple[Sig, list[mx.Dtype]] | None:
     """The stored segments of a cache's plain KV layers, as ``engine.cache.layout`` writes
     them (None when it has none: nothing to prepare)."""
     from mlx_lm.models.cache import KVCache
 
-    sig, dtypes = [], []
+    sig: list[tuple[int, tuple[int, ...], str]] = []
+    dtypes: list[mx.Dtype] = []
     for c in cache:
         if type(c) is not KVCache or c.keys is None:
             continue
-        for a in (c.keys, c.values):
+        for a in kb.layer_arrays(c):  # keys, values
             sig.append((int(a.shape[0] * a.shape[1]), (int(a.shape[3]),), str(a.dtype)))
             dtypes.append(a.dtype)
     return (tuple(sig), dtypes) if sig else None
 
 
-def layout_signature(flat: list) -> Sig:
+def layout_signature(flat: list[SegmentSpec]) -> Sig:
     """The signature of a stored block layout (its SegmentSpecs, in order)."""
     from mlxkv.engine.cache.layout import DTYPES
 
@@ -85,7 +89,7 @@ class Arena:
         self._free_bytes = 0
 
     # ------------------------------------------------------------------ preparing
-    def prepare(self, sns: str, cache: list, tokens_hint: int = 0) -> int:
+    def prepare(self, sns: str, cache: kb.PromptCache, tokens_hint: int = 0) -> int:
         """Take the KV layout of ``cache`` (the model's own) for ``sns``, size its slot for
         ``tokens_hint`` tokens (the state most likely to be resumed) and allocate it now;
         returns the bytes now ready."""
@@ -127,7 +131,7 @@ class Arena:
         return done
 
     # ------------------------------------------------------------------ restores
-    def take(self, sns: str, flat: list, cap: int) -> list[mx.array] | None:
+    def take(self, sns: str, flat: list[SegmentSpec], cap: int) -> list[mx.array] | None:
         """Arrays for a restore of the stored segments ``flat`` with room for ``cap``
         tokens, from a free slot (the arena forgets them), or None (allocate as usual).
         A slot is used when it fits and wastes at most one ``cap`` of headroom."""
@@ -171,7 +175,7 @@ class Arena:
             sp.free.clear()
         self._free_bytes = 0
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, int | dict[str, int]]:
         return {"arena_bytes": self.nbytes, "arena_budget_bytes": self.budget_bytes,
                 "arena_hits": self.hits, "arena_misses": self.misses,
                 "arena_slots_allocated": self.allocated,

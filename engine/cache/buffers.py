@@ -35,10 +35,14 @@ import logging
 import sys
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, BinaryIO, cast
 
 import mlx.core as mx
 import numpy as np
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
 
 log = logging.getLogger("mlxkv.cache")
 
@@ -51,10 +55,16 @@ _MADV_HUGEPAGE = 14
 _HUGE = 4 << 20  # buffers that hold at least one aligned 2 MiB page
 _PAGE = 4096
 _PREFAULT_MIN = 1 << 20  # smaller buffers: the syscall costs more than their faults
-_madvise = None  # libc madvise, False once unavailable
+Madvise = Callable[[int, int, int], int]
+_madvise: Madvise | bool | None = None  # libc madvise, False once unavailable
 
 
-def _libc_madvise():
+def memory_of(a: mx.array) -> memoryview:
+    """A memoryview over an evaluated array's own buffer (no copy)."""
+    return memoryview(a)  # type: ignore[arg-type]  # mlx's stubs omit the buffer protocol
+
+
+def _libc_madvise() -> Madvise | None:
     global _madvise
     if _madvise is None:
         _madvise = False
@@ -64,10 +74,10 @@ def _libc_madvise():
                 f = libc.madvise
                 f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
                 f.restype = ctypes.c_int
-                _madvise = f
+                _madvise = cast(Madvise, f)
             except (OSError, AttributeError):
                 pass
-    return _madvise
+    return _madvise if callable(_madvise) else None
 
 
 def prefault(arrays: Sequence[mx.array], huge: bool = False) -> int:
@@ -83,7 +93,7 @@ def prefault(arrays: Sequence[mx.array], huge: bool = False) -> int:
     for a in arrays:
         if not f or a.nbytes < _PREFAULT_MIN:
             continue
-        with memoryview(a) as mv:
+        with memory_of(a) as mv:
             p = int(np.frombuffer(mv.cast("B"), dtype=np.uint8).ctypes.data)
         start = (p + _PAGE - 1) & ~(_PAGE - 1)
         end = (p + a.nbytes) & ~(_PAGE - 1)
@@ -96,7 +106,7 @@ def prefault(arrays: Sequence[mx.array], huge: bool = False) -> int:
             continue
         err = ctypes.get_errno()
         if err in (22, 38):  # EINVAL / ENOSYS: a kernel without it; stop asking
-            _madvise = f = False
+            _madvise, f = False, None
         # ENOMEM/EFAULT/EHWPOISON: the restore's writes fault (or fail) as they would anyway
     return done
 
@@ -115,7 +125,7 @@ class _Unfilled(io.RawIOBase):
     def seekable(self) -> bool:
         return True
 
-    def readinto(self, b) -> int:  # b: a writable buffer over the array, from MLX
+    def readinto(self, b: WriteableBuffer) -> int:  # b: a writable buffer over the array
         with memoryview(b) as mv:
             n = mv.nbytes
             if self._pos < len(self._h):
@@ -176,7 +186,7 @@ def unfilled_arrays(shapes: Sequence[tuple[int, ...]], dtypes: Sequence[mx.Dtype
     for f in files:
         weakref.finalize(f, gone)
     try:
-        raw = [mx.load(f, format="npy", stream=mx.cpu) for f in files]
+        raw = [_load_npy(f) for f in files]
     finally:
         del files, f  # after eval, MLX holds the only references
     try:
@@ -192,6 +202,11 @@ def unfilled_arrays(shapes: Sequence[tuple[int, ...]], dtypes: Sequence[mx.Dtype
     if populate:
         prefault(out, huge)
     return out
+
+
+def _load_npy(f: _Unfilled) -> mx.array:
+    # a raw binary stream serves as a file; an .npy file holds one array
+    return cast(mx.array, mx.load(cast(BinaryIO, f), format="npy", stream=mx.cpu))
 
 
 def give_up_unfilled(reason: str) -> None:

@@ -33,6 +33,7 @@ Future callbacks run on the writer thread, so all state is guarded by one condit
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import threading
@@ -41,10 +42,28 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 import numpy as np
 import xxhash
+
+if TYPE_CHECKING:
+    from mlxkv.storage.io import Snapshot
+
+# What one write hands the writer: a snapshot, or several written together in order.
+Snapshots: TypeAlias = "Snapshot | tuple[Snapshot, ...]"
+
+
+class Written(Protocol):
+    """What a write that landed reports (``storage.keys.PutResult``, or several)."""
+
+    @property
+    def bytes_written(self) -> int: ...
+
+
+def _log_warning(condition: str, msg: str, *args: object, logged: bool = False) -> bool:
+    log.log(logging.DEBUG if logged else logging.WARNING, msg, *args)
+    return True
 
 log = logging.getLogger("mlxkv.cache")
 
@@ -52,16 +71,18 @@ PENDING, WRITING, DURABLE, FAILED, SUPERSEDED, MISSING = (
     "pending", "writing", "durable", "failed", "superseded", "missing")
 
 
-def job_key(ns: str, tokens: np.ndarray) -> tuple[str, bytes]:
+def write_key(ns: str, tokens: np.ndarray) -> tuple[str, bytes]:
     """A state's key: its namespace and a 128-bit hash of its tokens (not the tokens)."""
     return (ns, xxhash.xxh3_128_digest(np.ascontiguousarray(tokens, dtype="<u4").tobytes()))
 
 
 @dataclass(eq=False, slots=True)
-class Job:
+class StateWrite:
+    """The write of one stored state to the SSD tier, from its store until it settles."""
+
     ns: str  # storage namespace
     tokens: np.ndarray | None  # None once settled (only a pending write needs them)
-    snapshot: Any  # storage.io.Snapshot; None once settled
+    snapshot: Snapshots | None  # None once settled
     key: tuple[str, bytes] = ("", b"")
     ntokens: int = 0
     eid: str = ""  # the entry id, for events
@@ -70,7 +91,7 @@ class Job:
     due: float = 0.0
     attempts: int = 0
     error: str | None = None
-    superseded_by: Job | None = None
+    superseded_by: StateWrite | None = None
     nbytes: int = 0  # bytes the snapshot pins until it settles
     evicted: bool = False  # the RAM tier no longer holds this state
     coalesce: bool = True  # False: an exact-position checkpoint, never covered by another
@@ -83,7 +104,7 @@ class Job:
         if state in (DURABLE, SUPERSEDED, MISSING):
             self.snapshot = self.tokens = None
 
-    def final(self) -> Job:
+    def final(self) -> StateWrite:
         j = self
         while j.state == SUPERSEDED and j.superseded_by is not None:
             j = j.superseded_by
@@ -93,10 +114,10 @@ class Job:
 class Durability:
     """Tracks dirty states and drives the writer (see the module docstring)."""
 
-    def __init__(self, submit: Callable[[Any], Future], debounce_s: float = 0.0,
+    def __init__(self, submit: Callable[[Snapshots], Future[Written]], debounce_s: float = 0.0,
                  max_inflight: int = 2, retries: int = 2, keep_settled: int = 4096,
-                 on_settled: Callable[[Job], None] | None = None,
-                 warn: Callable[..., Any] | None = None, max_delay_s: float = 5.0,
+                 on_settled: Callable[[StateWrite], None] | None = None,
+                 warn: Callable[..., object] | None = None, max_delay_s: float = 5.0,
                  pressure_bytes: int | None = None) -> None:
         self._submit = submit
         self.max_delay_s = max(0.0, float(max_delay_s))
@@ -109,14 +130,13 @@ class Durability:
         self._durable_s: deque[float] = deque(maxlen=256)  # store -> durable, recent writes
         self.yielded = 0  # writes that waited for the engine to go idle
         self._on_settled = on_settled  # called on the writer thread, lock not held
-        self._warn = warn or (lambda cond, msg, *a, logged=False: log.log(
-            logging.DEBUG if logged else logging.WARNING, msg, *a))
+        self._warn = warn or _log_warning
         self.debounce_s = max(0.0, float(debounce_s))
         self.max_inflight = max(1, int(max_inflight))
         self.retries = max(0, int(retries))
         self._cond = threading.Condition()
-        self._jobs: OrderedDict[tuple[str, bytes], Job] = OrderedDict()
-        self._queue: list[Job] = []  # pending, in submission order
+        self._jobs: OrderedDict[tuple[str, bytes], StateWrite] = OrderedDict()
+        self._queue: list[StateWrite] = []  # pending, in submission order
         self._inflight = 0
         self._timer: threading.Timer | None = None
         self._closed = False
@@ -126,25 +146,27 @@ class Durability:
                        "failed": 0, "missing": 0, "bytes_written": 0}
 
     # ------------------------------------------------------------------ engine side
-    def mark(self, ns: str, tokens: np.ndarray, snapshot: Any, coalesce: bool = True,
-             eid: str = "") -> Job:
+    def mark(self, ns: str, tokens: np.ndarray, snapshot: Snapshots, coalesce: bool = True,
+             eid: str = "") -> StateWrite:
         """Record a dirty state; returns its job. Never blocks on I/O. ``snapshot`` is one
         storage snapshot or a tuple of them (written together). ``coalesce=False``: the
         state is only valid at exactly ``tokens`` (a checkpoint), so a longer state does
         not supersede it nor it a shorter one."""
-        key = job_key(ns, tokens)
+        key = write_key(ns, tokens)
         with self._cond:
             have = self._jobs.get(key)
             if have is not None and have.state in (PENDING, WRITING, DURABLE):
                 return have  # the same state is already on its way (or on disk)
             snaps = snapshot if isinstance(snapshot, tuple) else (snapshot,)
-            job = Job(ns, tokens, snapshot, key, len(tokens), eid,
-                      due=time.monotonic() + self.debounce_s,
-                      nbytes=sum(memoryview(seg[0]).nbytes for s in snaps for seg in s.segments),
-                      coalesce=coalesce)
+            job = StateWrite(ns, tokens, snapshot, key, len(tokens), eid,
+                             due=time.monotonic() + self.debounce_s,
+                             nbytes=sum(memoryview(seg[0]).nbytes for s in snaps
+                                        for seg in s.segments),
+                             coalesce=coalesce)
             self.counts["marked"] += 1
             for old in self._queue:
-                if (coalesce and old.coalesce and old.ns == ns and len(old.tokens) < len(tokens)
+                if (coalesce and old.coalesce and old.ns == ns and old.tokens is not None
+                        and len(old.tokens) < len(tokens)
                         and np.array_equal(old.tokens, tokens[: len(old.tokens)])):
                     old.superseded_by = job
                     old.settle(SUPERSEDED)
@@ -159,13 +181,13 @@ class Durability:
 
     def state(self, ns: str, tokens: np.ndarray) -> str | None:
         with self._cond:
-            j = self._jobs.get(job_key(ns, tokens))
+            j = self._jobs.get(write_key(ns, tokens))
             return None if j is None else j.final().state
 
     def forget(self, ns: str, tokens: np.ndarray) -> None:
         """The RAM tier dropped this state: a write that already failed can never happen."""
         with self._cond:
-            j = self._jobs.get(job_key(ns, tokens))
+            j = self._jobs.get(write_key(ns, tokens))
             if j is None:
                 return
             j.evicted = True
@@ -178,7 +200,7 @@ class Durability:
     def hurry(self, ns: str, tokens: np.ndarray) -> None:
         """Write this state next (it is leaving RAM): skip its debounce."""
         with self._cond:
-            j = self._jobs.get(job_key(ns, tokens))
+            j = self._jobs.get(write_key(ns, tokens))
             if j is None or j.state != PENDING or j not in self._queue:
                 return
             self._queue.remove(j)
@@ -190,7 +212,7 @@ class Durability:
         """Forget this state: a pending write is dropped, a running one is waited for (up
         to ``timeout``). False when a write of it may still land on disk after this."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        key = job_key(ns, tokens)
+        key = write_key(ns, tokens)
         with self._cond:
             while True:
                 j = self._jobs.get(key)
@@ -232,7 +254,7 @@ class Durability:
         if pause:
             self._idle.wait(self.pace_s)
 
-    def _must_go(self, job: Job, now: float) -> bool:
+    def _must_go(self, job: StateWrite, now: float) -> bool:
         """Whether a due write goes although the engine is busy (lock held)."""
         if job.evicted or job.due <= 0.0 or now - job.marked >= self.max_delay_s:
             return True
@@ -262,15 +284,19 @@ class Durability:
             job.state = WRITING
             job.attempts += 1
             self._inflight += 1
-            for snap in job.snapshot if isinstance(job.snapshot, tuple) else (job.snapshot,):
+            snapshot = job.snapshot
+            for snap in () if snapshot is None else \
+                    snapshot if isinstance(snapshot, tuple) else (snapshot,):
                 if hasattr(snap, "pace"):
                     snap.pace = self._pace
             try:
-                fut = self._submit(job.snapshot)
+                if snapshot is None:  # (a queued write holds its snapshot until it settles)
+                    raise ValueError("a write without its snapshot")
+                fut = self._submit(snapshot)
             except Exception as exc:  # noqa: BLE001  (closed storage...: settle as a failure)
-                fut = Future()
+                fut = Future[Written]()
                 fut.set_exception(exc)
-            fut.add_done_callback(lambda f, j=job: self._done(j, f))
+            fut.add_done_callback(functools.partial(self._done, job))
         if next_due is not None and self._timer is None:
             self._timer = threading.Timer(max(0.0, next_due - now), self._tick)
             self._timer.daemon = True
@@ -281,7 +307,7 @@ class Durability:
             self._timer = None
             self._pump(force=False)
 
-    def _done(self, job: Job, fut: Future) -> None:
+    def _done(self, job: StateWrite, fut: Future[Written]) -> None:
         from mlxkv.storage.io import WriteQueueFull
         from mlxkv.storage.keys import StoreWriteError
 
@@ -393,7 +419,7 @@ class Durability:
     def wait(self, ns: str, tokens: np.ndarray, timeout: float | None = None) -> str | None:
         """Wait (up to ``timeout``) until this state's write settles; its state then."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        key = job_key(ns, tokens)
+        key = write_key(ns, tokens)
         with self._cond:
             while True:
                 j = self._jobs.get(key)

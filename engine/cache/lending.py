@@ -31,7 +31,7 @@ MAX_LENT = 8  # handed-over caches remembered for release()
 class Lent:
     """A RAM entry handed over to a request."""
 
-    cache: list  # the request's prompt cache (the very list lookup returned)
+    cache: kb.PromptCache  # the request's prompt cache (the very list lookup returned)
     ns: str
     tokens: np.ndarray
     session: str | None
@@ -42,7 +42,7 @@ class Lending:
     """Handed-over caches by id; ``keep(ns, tokens, cache, session, retained_until)``
     stores one back."""
 
-    def __init__(self, keep: Callable[[str, np.ndarray, list, str | None, float], object]
+    def __init__(self, keep: Callable[[str, np.ndarray, kb.PromptCache, str | None, float], object]
                  ) -> None:
         self._keep = keep
         self._lent: dict[int, Lent] = {}
@@ -51,7 +51,7 @@ class Lending:
     def __len__(self) -> int:
         return len(self._lent)
 
-    def remember(self, cache: list, ns: str, toks: np.ndarray, session: str | None,
+    def remember(self, cache: kb.PromptCache, ns: str, toks: np.ndarray, session: str | None,
                  retained_until: float = 0.0) -> None:
         self._lent[id(cache)] = Lent(cache, ns, toks.copy(), session, retained_until)
         while len(self._lent) > MAX_LENT:
@@ -59,13 +59,13 @@ class Lending:
             if self._orphaned(rec):
                 self._give_back(rec)
 
-    def retention(self, cache: list) -> float:
+    def retention(self, cache: kb.PromptCache) -> float:
         """The retention hint of the entry handed over as ``cache`` (0: none): the state
         stored from it holds that entry's tokens, and keeps its hint."""
         rec = self._lent.get(id(cache))
         return rec.retained_until if rec is not None and rec.cache is cache else 0.0
 
-    def stored(self, cache: list) -> None:
+    def stored(self, cache: kb.PromptCache) -> None:
         """The request stored its cache: nothing to give back."""
         rec = self._lent.get(id(cache))
         if rec is not None and rec.cache is cache:
@@ -84,7 +84,7 @@ class Lending:
         for key in [k for k, r in self._lent.items() if self._orphaned(r)]:
             self._give_back(self._lent.pop(key))
 
-    def release(self, cache: list | None) -> bool:
+    def release(self, cache: kb.PromptCache | None) -> bool:
         """The request that got ``cache`` will not store it: give back what it borrowed.
         Returns whether an entry was given back."""
         if cache is None:

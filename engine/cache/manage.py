@@ -191,7 +191,7 @@ class EntryManager:
         limit = len(toks)
         while limit > 0:
             cm = disk.lookup_checkpoint(sns, toks, max_tokens=limit)
-            if not cm.n_tokens:
+            if not cm.n_tokens or cm.checkpoint_key is None:
                 break
             keys.add(cm.checkpoint_key)
             limit = cm.n_tokens - 1

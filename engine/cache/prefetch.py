@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from mlxkv.engine.cache import kvblocks as kb
 from mlxkv.engine.cache import layout as dl
@@ -54,7 +55,7 @@ class Prefetcher:
         self.busy = False  # the engine is serving (set by PrefixCache.busy)
         self.under_way: list[_Prefetch] = []  # background block reads
 
-    def prefetch(self, tokens: object, ns: str, session: str | None = None) -> int:
+    def prefetch(self, tokens: ArrayLike, ns: str, session: str | None = None) -> int:
         """Warm the longest cached prefix of ``tokens`` into RAM, restoring it from SSD
         when RAM holds less of it (as a lookup would); the tokens a lookup will find in
         RAM. While busy the read runs in the background (see the module docstring)."""

@@ -42,27 +42,36 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from mlxkv.engine.cache import kvblocks as kb
 from mlxkv.engine.cache.arena import Arena
-from mlxkv.engine.cache.events import Events
+from mlxkv.engine.cache.events import Events, Receiver
 from mlxkv.engine.cache.info import CacheEntryDetail, CacheEntryInfo
-from mlxkv.engine.cache.learned import LearnedFiles
+from mlxkv.engine.cache.learned import LearnedFiles, LearnedSource
 from mlxkv.engine.cache.lending import Lending
 from mlxkv.engine.cache.manage import EntryManager, folder_errors
 from mlxkv.engine.cache.misses import Divergence, SavedTokens
 from mlxkv.engine.cache.prefetch import Prefetcher
-from mlxkv.engine.cache.ram_tier import Entry, RamTier
+from mlxkv.engine.cache.ram_tier import RamEntry, RamTier
 from mlxkv.engine.cache.ssd import SsdTier
-from mlxkv.engine.cache.stats import Counters, Usage
+from mlxkv.engine.cache.stats import Counters, LastLookup, Usage
 from mlxkv.engine.cache.template import Templates
 from mlxkv.engine.cache.tokens import as_tokens, chain_keys, store_namespace
 from mlxkv.engine.cache.tokens import entry_id as eid_of
 from mlxkv.engine.settings import FIELD_BY_NAME, Settings
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import mlx.nn as nn
+
+    from mlxkv.engine.cache.durability import Durability
+    from mlxkv.storage.io import Snapshot, StorageIO
+    from mlxkv.storage.store import BlockStore
 
 __all__ = ["NullPrefixCache", "PrefixCache", "default_ram_bytes", "store_namespace"]
 
@@ -86,14 +95,14 @@ class NullPrefixCache:
     """Caching off: every lookup misses, stores are dropped, listings are empty."""
 
     enabled = False
-    on_event: Callable[[dict], None] | None = None
+    on_event: Receiver | None = None
 
-    last: dict[str, Any] = {}
+    last: LastLookup = {}
 
-    def lookup(self, tokens: Any, ns: str, session: str | None = None) -> tuple[int, None]:
+    def lookup(self, tokens: ArrayLike, ns: str, session: str | None = None) -> tuple[int, None]:
         return 0, None
 
-    def prefetch(self, tokens: Any, ns: str, session: str | None = None) -> int:
+    def prefetch(self, tokens: ArrayLike, ns: str, session: str | None = None) -> int:
         return 0
 
     def busy(self, active: bool) -> None:
@@ -102,14 +111,14 @@ class NullPrefixCache:
     def gc(self, ns: str | None = None, min_age_s: float = 0.0) -> dict[str, Any]:
         return {**_EMPTY_GC, "unreadable_manifests": {}}
 
-    def store(self, tokens: Any, cache: list, ns: str, session: str | None = None,
+    def store(self, tokens: ArrayLike, cache: kb.PromptCache, ns: str, session: str | None = None,
               retain_s: float | None = None) -> None:
         return None
 
-    def explain(self, tokens: Any, ns: str) -> Divergence | None:
+    def explain(self, tokens: ArrayLike, ns: str) -> Divergence | None:
         return None
 
-    def release(self, cache: list | None) -> bool:
+    def release(self, cache: kb.PromptCache | None) -> bool:
         return False
 
     def flush(self, timeout: float | None = None) -> dict[str, int]:
@@ -127,13 +136,13 @@ class NullPrefixCache:
     def close_session(self, session: str) -> None:
         return None
 
-    def load_learned(self, ns: str, name: str, schema: str) -> list:
+    def load_learned(self, ns: str, name: str, schema: str) -> list[np.ndarray]:
         return []
 
-    def keep_learned(self, ns: str, name: str, source: Any) -> None:
+    def keep_learned(self, ns: str, name: str, source: LearnedSource) -> None:
         return None
 
-    def bind_model(self, ns: str, model: Any) -> None:
+    def bind_model(self, ns: str, model: nn.Module) -> None:
         return None
 
     def entries(self, ns: str | None = None) -> list[CacheEntryInfo]:
@@ -154,7 +163,7 @@ class NullPrefixCache:
     def verify(self, entry_id: str | None = None) -> dict[str, Any]:
         return {"checked": 0, "ok": 0, "damaged": [], "manifests_damaged": 0}
 
-    def invalidate(self, tokens: Any, ns: str) -> None:
+    def invalidate(self, tokens: ArrayLike, ns: str) -> None:
         return None
 
 
@@ -165,11 +174,12 @@ class PrefixCache:
 
     enabled = True
 
-    def __init__(self, ram_bytes: int | None = None, cache_dir: str | os.PathLike | None = None,
+    def __init__(self, ram_bytes: int | None = None,
+                 cache_dir: str | os.PathLike[str] | None = None,
                  block_tokens: int = FIELD_BY_NAME["block_tokens"].default, ssd: bool = True,
                  ssd_bytes: int | None = None,
                  durable: bool = True, debounce_s: float = 0.0, retries: int = 2,
-                 min_ssd_gain: int | None = None, on_event: Callable[[dict], None] | None = None,
+                 min_ssd_gain: int | None = None, on_event: Receiver | None = None,
                  restore_timeout_s: float | None = DEFAULT_RESTORE_TIMEOUT_S,
                  arena_bytes: int | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -225,26 +235,26 @@ class PrefixCache:
 
     # the tiers' parts, by their old names
     @property
-    def disk(self) -> Any:
+    def disk(self) -> BlockStore | None:
         return None if self.ssd is None else self.ssd.disk
 
     @property
-    def io(self) -> Any:
+    def io(self) -> StorageIO | None:
         return None if self.ssd is None else self.ssd.io
 
     @property
-    def durability(self) -> Any:
+    def durability(self) -> Durability | None:
         return None if self.ssd is None else self.ssd.durability
 
     @property
-    def on_event(self) -> Callable[[dict], None] | None:
+    def on_event(self) -> Receiver | None:
         return self._events.receiver
 
     @on_event.setter
-    def on_event(self, fn: Callable[[dict], None] | None) -> None:
+    def on_event(self, fn: Receiver | None) -> None:
         self._events.receiver = fn
 
-    def bind_model(self, ns: str, model: Any) -> None:
+    def bind_model(self, ns: str, model: nn.Module) -> None:
         """Restored states of ``ns`` must fit ``model``'s caches (one token through it, at
         load), and the KV arena prepares restore destinations for them (sized for the state
         the SSD tier used last in ``ns``; see ``engine.cache.arena``). A model that cannot
@@ -269,7 +279,8 @@ class PrefixCache:
                 log.debug("cannot read the saved states' tokens: %s", exc)
 
     # ------------------------------------------------------------------ lookup
-    def lookup(self, tokens: Any, ns: str, session: str | None = None) -> tuple[int, list | None]:
+    def lookup(self, tokens: ArrayLike, ns: str, session: str | None = None
+               ) -> tuple[int, kb.PromptCache | None]:
         """Longest cached prefix of ``tokens`` in ``ns``: ``(n, cache)``; ``(0, None)`` on a
         miss. ``cache`` holds exactly ``tokens[:n]`` and belongs to the caller."""
         t0 = time.perf_counter()
@@ -301,7 +312,7 @@ class PrefixCache:
                           restore_ms=restore_ms,
                           **({"ram_hits": 1, "ram_tokens": n} if tier == "ram" else
                              {"ssd_hits": 1, "ssd_tokens": n} if tier == "ssd" else {"misses": 1}))
-        last = {"prompt_tokens": len(toks), "cached_tokens": n, "tier": tier,
+        last: LastLookup = {"prompt_tokens": len(toks), "cached_tokens": n, "tier": tier,
                 "ram_tokens": n if tier == "ram" else 0, "ssd_tokens": n if tier == "ssd" else 0,
                 "restore_ms": restore_ms, "lookup_ms": (time.perf_counter() - t0) * 1e3}
         self.counters.set_last(last)
@@ -311,10 +322,10 @@ class PrefixCache:
         return (n, cache) if n > 0 else (0, None)
 
     @property
-    def last(self) -> dict[str, Any]:
+    def last(self) -> LastLookup:
         """The last lookup: ``cached_tokens`` and which tier served them (``tier``;
         ``ram_tokens`` / ``ssd_tokens``), ``restore_ms``, ``lookup_ms``."""
-        return self.counters.snapshot()["last"]
+        return self.counters.last_lookup()
 
     def gc(self, ns: str | None = None, min_age_s: float = 0.0) -> dict[str, Any]:
         """Remove the SSD tier's blocks that no saved state names (of ``ns``, or all),
@@ -339,7 +350,7 @@ class PrefixCache:
         return n_ssd >= n_ram + self.min_ssd_gain or (n_ram == 0 and n_ssd > 0)
 
     # ------------------------------------------------------------------ store
-    def store(self, tokens: Any, cache: list, ns: str, session: str | None = None,
+    def store(self, tokens: ArrayLike, cache: kb.PromptCache, ns: str, session: str | None = None,
               retain_s: float | None = None) -> None:
         """Keep the state of ``cache`` (which holds ``tokens``) in RAM and persist it in the
         background. Raises ValueError when the cache and the tokens disagree (a handed-over
@@ -358,7 +369,7 @@ class PrefixCache:
             raise
         self.lending.stored(cache)
 
-    def _store(self, tokens: Any, cache: list, ns: str, session: str | None,
+    def _store(self, tokens: ArrayLike, cache: kb.PromptCache, ns: str, session: str | None,
                retain_until: float) -> None:
         t0 = time.perf_counter()
         toks = as_tokens(tokens)
@@ -398,7 +409,7 @@ class PrefixCache:
         self._events.emit("store", id=eid, tokens=len(toks), ns=ns, in_ram=entry is not None,
                           persisting=persisted)
 
-    def snapshot(self, tokens: Any, cache: list, ns: str) -> Any:
+    def snapshot(self, tokens: ArrayLike, cache: kb.PromptCache, ns: str) -> Snapshot:
         """An immutable storage snapshot of a block cache holding ``tokens``."""
         if self.ssd is None:
             raise ValueError("the SSD tier is off: nothing to snapshot for")
@@ -406,18 +417,19 @@ class PrefixCache:
         return self.ssd.block_snapshot(sns, toks, cache, eid_of(sns, toks))
 
     # ------------------------------------------------------------------ handed-over entries
-    def release(self, cache: list | None) -> bool:
+    def release(self, cache: kb.PromptCache | None) -> bool:
         """The request that got ``cache`` from ``lookup`` will not ``store`` it (it failed or
         was dropped): give back what it borrowed (see ``engine.cache.lending``). Returns
         whether an entry was given back."""
         return self.lending.release(cache)
 
-    def _keep(self, sns: str, toks: np.ndarray, cache: list, session: str | None,
-              retained_until: float = 0.0) -> Any:
+    def _keep(self, sns: str, toks: np.ndarray, cache: kb.PromptCache, session: str | None,
+              retained_until: float = 0.0) -> RamEntry | None:
         return self.ram.store(sns, toks, cache, session, pinned=eid_of(sns, toks) in self._pins,
                               retain_until=retained_until)
 
-    def _on_ram_drop(self, entry: Entry, evicted: bool, superseded_by: Entry | None) -> None:
+    def _on_ram_drop(self, entry: RamEntry, evicted: bool, superseded_by: RamEntry | None
+                     ) -> None:
         # The coordinator already holds a snapshot of every dirty block state (it was taken
         # at store time), so leaving RAM never loses one: persist-before-demote holds by
         # construction. A state whose write failed for good is now gone for real.
@@ -427,7 +439,7 @@ class PrefixCache:
             self._events.emit("evict", id=entry.id, ns=entry.ns, tokens=len(entry.tokens))
 
     # ------------------------------------------------------------------ prefetch
-    def prefetch(self, tokens: Any, ns: str, session: str | None = None) -> int:
+    def prefetch(self, tokens: ArrayLike, ns: str, session: str | None = None) -> int:
         """Warm the longest cached prefix of ``tokens`` into RAM, restoring it from SSD
         when RAM holds less of it, so the request that sends ``tokens`` starts from RAM;
         the tokens a lookup will find in RAM (see ``engine.cache.prefetch``)."""
@@ -446,7 +458,7 @@ class PrefixCache:
     def entry(self, entry_id: str) -> CacheEntryDetail | None:
         return self.manager.entry(entry_id)
 
-    def explain(self, tokens: Any, ns: str) -> Divergence | None:
+    def explain(self, tokens: ArrayLike, ns: str) -> Divergence | None:
         """The stored state of ``ns`` that shares the longest prefix with ``tokens``, and
         where the prompt parts from it; None when none starts like it."""
         return self.manager.explain(tokens, ns)
@@ -463,7 +475,7 @@ class PrefixCache:
         """Drop an entry from every tier (blocks other entries use stay)."""
         return self.manager.delete(entry_id)
 
-    def invalidate(self, tokens: Any, ns: str) -> None:
+    def invalidate(self, tokens: ArrayLike, ns: str) -> None:
         """Drop every cached state that could seed a prompt of ``tokens`` (both tiers)."""
         self.manager.invalidate(tokens, ns)
 
@@ -482,13 +494,13 @@ class PrefixCache:
         self.ram.evict()
 
     # ------------------------------------------------------------------ learned files
-    def load_learned(self, ns: str, name: str, schema: str) -> list:
+    def load_learned(self, ns: str, name: str, schema: str) -> list[np.ndarray]:
         """What a speculation source saved in namespace ``ns`` as ``name`` (token arrays,
         oldest first; [] when nothing usable is saved, or without an SSD tier; see
         ``engine.cache.learned``)."""
         return [] if self.learned is None else self.learned.load(store_namespace(ns), name, schema)
 
-    def keep_learned(self, ns: str, name: str, source: Any) -> None:
+    def keep_learned(self, ns: str, name: str, source: LearnedSource) -> None:
         """Save ``source`` (an ``engine.cache.learned.LearnedSource``) as ``name`` in ``ns``
         whenever the cache persists: flush, close, and now and then while idle."""
         if self.learned is not None:
@@ -506,14 +518,16 @@ class PrefixCache:
             if not active:  # nothing waits on the engine: finished prefetches, arena slots
                 self.prefetcher.adopt()
                 self.arena.replenish()
-                self.learned.idle()
+                if self.learned is not None:  # (there is one beside every SSD tier)
+                    self.learned.idle()
 
     def flush(self, timeout: float | None = None) -> dict[str, int]:
         """Persist every dirty state now (up to ``timeout`` s):
         ``{durable, flushed, pending, failed, missing}``."""
         if self.ssd is None:
             return dict(_EMPTY_FLUSH)
-        self.learned.flush(timeout)
+        if self.learned is not None:  # (there is one beside every SSD tier)
+            self.learned.flush(timeout)
         return self.ssd.flush(timeout)
 
     def close(self, timeout: float | None = 10.0) -> dict[str, int]:

@@ -21,20 +21,26 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from mlxkv.engine.cache import kvblocks as kb
 from mlxkv.engine.cache import layout as dl
-from mlxkv.engine.cache.durability import Durability, Job
+from mlxkv.engine.cache.durability import Durability, Snapshots, StateWrite, Written
 from mlxkv.engine.cache.events import Events
 from mlxkv.engine.cache.stats import Counters
 from mlxkv.engine.cache.template import Templates
 from mlxkv.engine.cache.tokens import ZERO_KEY, ckpt_key_of, entry_id, manifest_name, tail_key_of
+
+if TYPE_CHECKING:
+    from mlxkv.engine.cache.arena import Arena
+    from mlxkv.storage.io import Snapshot
+    from mlxkv.storage.keys import Match, PutResult, Restore
 
 _lowered: set[int] = set()
 
@@ -60,8 +66,8 @@ class Restoring:
     sns: str
     toks: np.ndarray
     n_tokens: int  # what the read will restore if every block verifies
-    layers: list  # per layer (index, LayerSpec, arrays)
-    future: Future
+    layers: list[dl.RestoreLayer]
+    future: Future[Restore]
 
 
 @dataclass(frozen=True)
@@ -69,7 +75,7 @@ class _Written:
     """Several writes of one state, settled together."""
 
     bytes_written: int
-    results: tuple
+    results: tuple[PutResult, ...]
 
 
 class SsdTier:
@@ -79,13 +85,13 @@ class SsdTier:
     def __init__(self, root: str, block_tokens: int, max_bytes: int | None, durable: bool,
                  debounce_s: float, retries: int, restore_timeout_s: float | None,
                  events: Events, counters: Counters, templates: Templates,
-                 pressure_bytes: int | None = None, arena: Any = None) -> None:
+                 pressure_bytes: int | None = None, arena: Arena | None = None) -> None:
         from mlxkv.storage.io import StorageIO
         from mlxkv.storage.store import BlockStore
 
         self.events, self.counters, self.templates = events, counters, templates
         self.restore_timeout_s = restore_timeout_s
-        self.arena = arena  # engine.cache.arena.Arena: ready restore destinations
+        self.arena = arena  # ready restore destinations
         # BlockStore creates the folder, or raises CacheFolderError saying what to do.
         self.disk = BlockStore(root, block_tokens=block_tokens, max_bytes=max_bytes,
                                durable=durable)
@@ -94,7 +100,7 @@ class SsdTier:
         self.durability = Durability(self._submit, debounce_s=debounce_s, retries=retries,
                                      on_settled=self._settled, warn=events.warn,
                                      pressure_bytes=pressure_bytes)
-        self._stuck: list[Future] = []  # reads that outlived the timeout, until they end
+        self._stuck: list[Future[Restore]] = []  # reads that outlived the timeout, until they end
 
     # ------------------------------------------------------------------ restore
     def available(self) -> bool:
@@ -105,11 +111,13 @@ class SsdTier:
         return not self._stuck
 
     def lookup(self, sns: str, toks: np.ndarray, keys: list[bytes], limit: int, n_ram: int,
-               worth: Any) -> tuple[int, list | None, float]:
+               worth: Callable[[int, int], bool]
+               ) -> tuple[int, kb.PromptCache | None, float]:
         """The longest prefix the SSD holds that beats ``n_ram`` (``worth(n_ssd, n_ram)``):
         ``(n, cache, restore_ms)``; ``(0, None, ms)`` when there is none. ``keys``: the
         prompt's chain keys (the store does not hash it again)."""
-        restored, restore_ms = None, 0.0
+        restored: tuple[int, kb.PromptCache] | None = None
+        restore_ms = 0.0
         sm = self.disk.lookup(sns, toks, max_tokens=limit, keys=keys)
         # blocks of some layers only (a hybrid model's KV) come back with a checkpoint
         if sm.layout is not None and not dl.is_partial(sm.layout) and worth(sm.n_tokens, n_ram):
@@ -130,10 +138,11 @@ class SsdTier:
             return 0, None, restore_ms
         return restored[0], restored[1], restore_ms
 
-    def _taker(self, sns: str) -> Any:
-        if self.arena is None:
+    def _taker(self, sns: str) -> dl.Taker | None:
+        arena = self.arena
+        if arena is None:
             return None
-        return lambda flat, cap: self.arena.take(sns, flat, cap)
+        return lambda flat, cap: arena.take(sns, flat, cap)
 
     def latest_tokens(self, sns: str) -> int:
         """Tokens of the state the store used last in ``sns`` (0: none)."""
@@ -144,7 +153,7 @@ class SsdTier:
         self.events.warn(f"layout:{sns}", "prefix cache: a state stored in %s does not fit "
                          "this model and is not used (the prompt is recomputed): %s", sns, exc)
 
-    def _wait(self, fut: Future) -> Any:
+    def _wait(self, fut: Future[Restore]) -> Restore | None:
         """The result of a read, or None (a failure or a timeout: counted, warned once)."""
         try:
             res = fut.result(timeout=self.restore_timeout_s)
@@ -163,14 +172,14 @@ class SsdTier:
         self.counters.add(restore_bytes=res.bytes_read, ssd_corrupt=res.corrupt)
         return res
 
-    def _restore_blocks(self, sns: str, toks: np.ndarray, match: Any
-                        ) -> tuple[int, list] | None:
+    def _restore_blocks(self, sns: str, toks: np.ndarray, match: Match
+                        ) -> tuple[int, kb.PromptCache] | None:
         """Restore block ``match`` into arena slots or fresh mx arrays with headroom up to
         the prompt's length (its prefill then writes in place)."""
         pending = self.begin_blocks(sns, toks, match, kb.round_up(len(toks)))
         return None if pending is None else self.finish_blocks(pending)
 
-    def begin_blocks(self, sns: str, toks: np.ndarray, match: Any, cap: int,
+    def begin_blocks(self, sns: str, toks: np.ndarray, match: Match, cap: int,
                      populate: bool = True) -> Restoring | None:
         """Start reading block ``match`` on the reader thread into destinations with room
         for ``cap`` tokens (an arena slot, or arrays allocated now; ``populate=False``
@@ -187,7 +196,7 @@ class SsdTier:
                                               keep=arrays))
         return Restoring(sns, toks, match.n_tokens, layers, fut)
 
-    def finish_blocks(self, p: Restoring) -> tuple[int, list] | None:
+    def finish_blocks(self, p: Restoring) -> tuple[int, kb.PromptCache] | None:
         """Wait for a read begun by ``begin_blocks`` (bounded by the restore timeout) and
         build its checked cache; None when it failed, timed out or does not fit."""
         res = self._wait(p.future)
@@ -201,8 +210,8 @@ class SsdTier:
             return None
         return res.n_tokens, cache
 
-    def _restore_checkpoint(self, sns: str, toks: np.ndarray, cm: Any, keys: list[bytes]
-                            ) -> tuple[int, list] | None:
+    def _restore_checkpoint(self, sns: str, toks: np.ndarray, cm: Match, keys: list[bytes]
+                            ) -> tuple[int, kb.PromptCache] | None:
         """Restore the checkpoint ``cm`` (and, for models that also have KV layers, their
         blocks up to exactly the same position); None unless all of it verifies and fits."""
         from mlxkv.storage.io import ReadRequest
@@ -210,7 +219,7 @@ class SsdTier:
         n = cm.n_tokens
         try:
             carrays = dl.checkpoint_buffers(cm.layout)
-            blocks: list = []
+            blocks: list[dl.RestoreLayer] = []
             if dl.checkpoint_has_blocks(cm.layout):
                 bm = self.disk.lookup(sns, toks, max_tokens=n, keys=keys)
                 if bm.n_tokens != n or not dl.is_partial(bm.layout):
@@ -263,31 +272,33 @@ class SsdTier:
             held.append(tail_key_of(sns, keys[-1] if keys else ZERO_KEY, rest))
         self.disk.retain(sns, held, ttl_s)
 
-    def persist(self, sns: str, toks: np.ndarray, cache: list, block_mode: bool,
+    def persist(self, sns: str, toks: np.ndarray, cache: kb.PromptCache, block_mode: bool,
                 cp: kb.Checkpoint | None) -> bool:
         """Hand a snapshot of ``cache`` (holding ``toks``) to the writer; False when it
         cannot be persisted (kept in RAM only)."""
-        eid = entry_id(sns, toks)
+        state_id = entry_id(sns, toks)
+        snap: Snapshots | None
         if block_mode:
-            snap = self.block_snapshot(sns, toks, cache, eid)
+            snap = self.block_snapshot(sns, toks, cache, state_id)
         else:
-            snap = self._checkpoint_snapshot(sns, toks, cache, cp, eid)
+            snap = self._checkpoint_snapshot(sns, toks, cache, cp, state_id)
         if snap is None:
             return False
-        self.durability.mark(sns, toks, snap, coalesce=block_mode, eid=eid)
+        self.durability.mark(sns, toks, snap, coalesce=block_mode, eid=state_id)
         return True
 
-    def block_snapshot(self, sns: str, toks: np.ndarray, cache: list, eid: str) -> Any:
+    def block_snapshot(self, sns: str, toks: np.ndarray, cache: kb.PromptCache, state_id: str
+                       ) -> Snapshot:
         """New array objects over the cache's evaluated buffers, byte views of them, a
         manifest so GC keeps the state, and a low writer priority."""
         from mlxkv.storage.io import Snapshot
 
         specs, segs, keep = dl.block_layout(cache, len(toks))
-        return Snapshot(sns, toks, tuple(specs), segs, manifest=manifest_name(eid), keep=keep,
-                        on_start=_background_priority)
+        return Snapshot(sns, toks, tuple(specs), segs, manifest=manifest_name(state_id),
+                        keep=keep, on_start=_background_priority)
 
-    def _checkpoint_snapshot(self, sns: str, toks: np.ndarray, cache: list,
-                             cp: kb.Checkpoint | None, eid: str) -> Any:
+    def _checkpoint_snapshot(self, sns: str, toks: np.ndarray, cache: kb.PromptCache,
+                             cp: kb.Checkpoint | None, state_id: str) -> Snapshots | None:
         """Snapshot(s) of a non-block cache: its non-trimmable layers as one checkpoint
         (after its KV layers as blocks, when it has any); None if it cannot be persisted."""
         from mlxkv.storage.io import Snapshot
@@ -297,7 +308,7 @@ class SsdTier:
             if cp is None:
                 cp = kb.take_checkpoint(cache)
             specs, segs, keep = dl.checkpoint_layout(cp, ckpt_idx, bool(block_idx))
-            snaps = []
+            snaps: list[Snapshot] = []
             if block_idx:
                 bspecs, bsegs, bkeep = dl.block_layout(cache, len(toks), block_idx, part=True)
                 # no manifest of its own: the checkpoint's names the blocks and tail too
@@ -305,21 +316,21 @@ class SsdTier:
                                       on_start=_background_priority))
         except kb.UnsupportedCache:
             return None
-        snaps.append(Snapshot(sns, toks, tuple(specs), segs, manifest=manifest_name(eid),
+        snaps.append(Snapshot(sns, toks, tuple(specs), segs, manifest=manifest_name(state_id),
                               keep=keep, on_start=_background_priority, checkpoint=True))
         return snaps[0] if len(snaps) == 1 else tuple(snaps)
 
-    def _submit(self, snap: Any) -> Future:
+    def _submit(self, snap: Snapshots) -> Future[Written]:
         """Durability's submit: one snapshot, or several written in order (blocks, then the
         checkpoint that needs them) whose future settles when all have."""
         if not isinstance(snap, tuple):
             return self.io.submit_write(snap, block=False)
         futs = [self.io.submit_write(s, block=False) for s in snap]
-        out: Future = Future()
+        out: Future[Written] = Future()
         left = [len(futs)]
         lock = threading.Lock()
 
-        def done(_: Future) -> None:
+        def done(_: Future[PutResult]) -> None:
             with lock:
                 left[0] -= 1
                 if left[0]:
@@ -335,7 +346,7 @@ class SsdTier:
             f.add_done_callback(done)
         return out
 
-    def _settled(self, job: Job) -> None:
+    def _settled(self, job: StateWrite) -> None:
         """Writer thread: a write settled (durable or failed for good)."""
         if job.state == "durable":
             self.events.emit("persisted", id=job.eid, ns=job.ns, tokens=job.ntokens,
@@ -350,7 +361,7 @@ class SsdTier:
         self.io.close(timeout)
         return rep
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         st = self.disk.stats()
         return {"ssd": True, "ssd_bytes": st["bytes"], "ssd_max_bytes": st.get("max_bytes"),
                 "ssd_blocks": st["blocks"],

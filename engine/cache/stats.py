@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import Any, TypedDict
 
 COUNTERS = ("lookups", "ram_hits", "ssd_hits", "misses", "prompt_tokens", "cached_tokens",
             "ram_tokens", "ssd_tokens", "restore_ms", "restore_bytes", "ssd_restore_failures",
@@ -17,6 +17,18 @@ COUNTERS = ("lookups", "ram_hits", "ssd_hits", "misses", "prompt_tokens", "cache
 _MAX_USAGE = 4096
 
 
+class LastLookup(TypedDict, total=False):
+    """The last lookup (empty before the first): which tier served how many tokens."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    tier: str | None  # "ram", "ssd", or None (a miss)
+    ram_tokens: int
+    ssd_tokens: int
+    restore_ms: float
+    lookup_ms: float
+
+
 class Counters:
     """Thread-safe counters plus the last lookup's summary."""
 
@@ -25,18 +37,23 @@ class Counters:
         self._s: dict[str, float] = dict.fromkeys(COUNTERS, 0)
         for k in ("restore_ms", "store_ms"):
             self._s[k] = 0.0
-        self.last: dict[str, Any] = {}
+        self.last: LastLookup = {}
 
     def add(self, **kw: float) -> None:
         with self._lock:
             for k, v in kw.items():
                 self._s[k] += v
 
-    def set_last(self, last: dict[str, Any]) -> None:
+    def set_last(self, last: LastLookup) -> None:
         with self._lock:
             self.last = last
 
+    def last_lookup(self) -> LastLookup:
+        with self._lock:
+            return LastLookup(**self.last)
+
     def snapshot(self) -> dict[str, Any]:
+        """Every counter, and ``last`` (the last lookup): figures for ``stats()``."""
         with self._lock:
             s: dict[str, Any] = dict(self._s)
             s["last"] = dict(self.last)

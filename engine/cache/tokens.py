@@ -10,10 +10,10 @@ between namespaces (the store's key chain starts from the all-zero key instead).
 from __future__ import annotations
 
 import re
-from typing import Any
 
 import numpy as np
 import xxhash
+from numpy.typing import ArrayLike
 
 from mlxkv.storage.keys import ZERO_KEY, block_key, ckpt_key, namespace_id, tail_key
 
@@ -23,7 +23,7 @@ __all__ = ["ZERO_KEY", "as_tokens", "chain_keys", "ckpt_key_of", "common_prefix"
 _STORE_NS = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
-def as_tokens(tokens: Any) -> np.ndarray:
+def as_tokens(tokens: ArrayLike) -> np.ndarray:
     """Token ids as a contiguous little-endian uint32 array; ValueError naming the problem
     otherwise."""
     arr = np.asarray(tokens)
@@ -64,7 +64,8 @@ def chain_keys(sns: str, tokens: np.ndarray, block_tokens: int) -> list[bytes]:
     """Chain keys of every full block of ``tokens`` in store namespace ``sns`` (the same
     keys ``storage.store.BlockStore.chain_keys`` gives)."""
     nsid = namespace_id(sns)
-    keys, parent = [], ZERO_KEY
+    keys: list[bytes] = []
+    parent = ZERO_KEY
     for i in range(len(tokens) // block_tokens):
         parent = block_key(parent, nsid, tokens[i * block_tokens : (i + 1) * block_tokens])
         keys.append(parent)

@@ -11,11 +11,17 @@ from __future__ import annotations
 import logging
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from mlxkv.engine.cache.tokens import entry_id, manifest_name
+
+if TYPE_CHECKING:
+    from mlxkv.storage.format import Layout
+    from mlxkv.storage.io import ReadRequest, StorageIO
+    from mlxkv.storage.keys import Match, Segment
+    from mlxkv.storage.store import BlockStore
 
 log = logging.getLogger("mlxkv.cache")
 
@@ -34,7 +40,7 @@ class Saved:
     manifest: str = ""
 
 
-def saved_states(disk: Any, sns: str) -> list[Saved]:
+def saved_states(disk: BlockStore, sns: str) -> list[Saved]:
     """The states saved in ``sns`` whose first block, tail or checkpoint is on disk."""
     from mlxkv.storage.format import bytes_per_token
 
@@ -46,7 +52,7 @@ def saved_states(disk: Any, sns: str) -> list[Saved]:
         bt = disk.block_tokens
         if s.checkpoint:
             cm = disk.lookup_checkpoint(sns, toks)
-            if cm.n_tokens != len(toks):
+            if cm.n_tokens != len(toks) or cm.checkpoint_key is None:
                 continue
             s.blocks.append((cm.checkpoint_key, len(toks), cm.nbytes))
             bm = disk.lookup(sns, toks, max_tokens=len(toks))
@@ -63,33 +69,35 @@ def saved_states(disk: Any, sns: str) -> list[Saved]:
     return out
 
 
-def _add_blocks(s: Saved, m: Any, bt: int, bpt: int) -> None:
-    s.blocks.extend((k, bt, bt * bpt) for k in m.block_keys)
+def _add_blocks(s: Saved, m: Match, block_tokens: int, bytes_per_token: int) -> None:
+    s.blocks.extend((k, block_tokens, block_tokens * bytes_per_token) for k in m.block_keys)
     if m.tail_key is not None and m.tail_tokens:
-        s.blocks.append((m.tail_key, m.tail_tokens, m.tail_tokens * bpt))
+        s.blocks.append((m.tail_key, m.tail_tokens, m.tail_tokens * bytes_per_token))
 
 
-def damaged_manifests(disk: Any, sns: str) -> int:
+def damaged_manifests(disk: BlockStore, sns: str) -> int:
     """Manifest files of ``sns`` that cannot be read back (damaged, truncated)."""
     return len(disk.damaged_manifests(sns))
 
 
-def _scratch(layout: Any, rows: int) -> list:
+def _scratch(layout: Layout, rows: int) -> list[Segment]:
     return [(np.empty(s.outer * rows * s.row_bytes, np.uint8), s.outer, rows, s.row_bytes)
             for s in layout]
 
 
-def verify(io: Any, s: Saved, timeout: float | None) -> tuple[bool, dict[bytes, bool]]:
+def verify(io: StorageIO, s: Saved, timeout: float | None) -> tuple[bool, dict[bytes, bool]]:
     """Read every block of ``s`` back through the reader thread (into scratch buffers)
     and check it: (all ok, {key: verified}). A corrupt block is removed by the store."""
     from mlxkv.storage.io import ReadRequest
 
     disk, toks = io.store, s.tokens
-    ok, seen = True, {}
-    reads = []
+    ok = True
+    seen: dict[bytes, bool] = {}
+    reads: list[tuple[ReadRequest, list[bytes]]] = []
     if s.checkpoint:
         cm = disk.lookup_checkpoint(s.ns, toks)
-        if cm.n_tokens == len(toks):
+        if cm.n_tokens == len(toks) and cm.checkpoint_key is not None and \
+                cm.layout is not None:  # (a found checkpoint has both)
             reads.append((ReadRequest(s.ns, toks, cm.layout, _scratch(cm.layout, 1),
                                       n_tokens=cm, checkpoint=True), [cm.checkpoint_key]))
         else:
@@ -116,7 +124,7 @@ def verify(io: Any, s: Saved, timeout: float | None) -> tuple[bool, dict[bytes, 
     return ok, seen
 
 
-def remove(disk: Any, sns: str, keys: set[bytes], manifests: list[str]) -> int:
+def remove(disk: BlockStore, sns: str, keys: set[bytes], manifests: list[str]) -> int:
     """Remove the files of ``keys`` and the named manifests from ``sns``; files removed."""
     n = sum(bool(disk.delete_manifest(sns, name)) for name in manifests)
     if not keys:
