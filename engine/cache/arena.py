@@ -1,29 +1,11 @@
 """The KV arena: restore destinations that already exist when an SSD hit comes.
 
-Allocating the destination arrays of a restore costs more than the restore: fresh pages
-are faulted in and zeroed by the kernel (``engine.cache.buffers``). The arena takes that
-off the hit's critical path. Per bound model it keeps **slots**: one evaluated, writable,
-page-aligned array per stored segment of the model's token-indexed (KV) layers, with room
-for ``capacity`` tokens, allocated without a zero fill and pre-faulted.
-
-* **Prepared at load**: ``PrefixCache.bind_model`` sizes the first slot for the state the
-  SSD tier used last in that namespace (the conversation most likely to be resumed) plus a
-  step of headroom, within the arena's byte budget (nothing stored yet: no slot until a
-  restore shows one is wanted).
-* **Taken by a restore**: an SSD hit whose stored layout matches the slot's segments and
-  whose prompt fits reads straight into the slot's arrays. The arena then forgets them:
-  the request's cache is their only owner, so its prefill writes in place (MLX donates a
-  buffer nobody else holds) and the RAM tier can keep them as they are.
-* **Grown in steps, recycled**: a hit too long for the slot is served from fresh arrays
-  and raises the capacity by steps of ``step`` tokens; when the engine goes idle
-  (``replenish``), missing slots are allocated again. Buffers freed by an evicted entry or
-  an ended request go back to MLX's allocator, which hands the same memory out again.
-  Nothing is ever reused while an array still refers to it: the arena holds only arrays
-  it allocated and has not given out.
-
-What a slot holds before a restore is never observable: a restore reports the rows it
-wrote, and a cache's ``offset`` covers only those (tests poison the free slots).
-Engine thread only.
+Allocating and faulting in a restore's destination arrays is a large part of its cost, so
+per bound model the arena keeps ready **slots** (one writable, pre-faulted array per
+stored KV segment, with room for ``capacity`` tokens). A fitting SSD hit reads straight
+into a slot, which the arena then forgets (the request owns it); slots grow in steps and
+are replenished when the engine is idle. What a free slot holds is never observable: a
+cache's ``offset`` covers only the rows a restore wrote. Engine thread only.
 """
 
 from __future__ import annotations

@@ -1,30 +1,12 @@
 """Evaluated MLX arrays for a restore to fill, allocated without a zero fill.
 
-A restore overwrites every byte it reports, so zero-filling its destinations first is pure
-cost: on CPU, ``mx.zeros`` + ``mx.eval`` writes (and page-faults) the whole buffer before
-the restore writes it again, and that first pass costs more than the restore itself.
-MLX has no public "empty" (``mx.empty`` is ``mx.zeros``), but its ``.npy`` loader
-allocates an array and hands the array's own buffer to the file object's ``readinto``:
-:func:`unfilled_arrays` gives it a stream whose data part leaves the buffer as allocated.
-
-Fresh memory still page-faults on its first write, and a fault taken in user space (once
-per 4 KiB page, in the restore's copy loop) costs several times the zeroing the kernel does
-for it. On Linux the buffers are therefore pre-faulted with ``MADV_POPULATE_WRITE`` (5.14+):
-the kernel maps and zeroes their pages in one call, and on memory that is already mapped
-(freed buffers the allocator reuses) it only walks the page table.
-
-What the buffers hold before the restore is unspecified (freed memory of this process or
-fresh zero pages); callers must only rely on the bytes they write. Rows a restore does
-not reach are outside the cache's ``offset`` and never read.
-
-Exit safety: MLX calls ``readinto`` on its I/O thread pool and drops its last reference
-to the stream there, which needs the GIL. If the interpreter is finalizing at that moment
-the thread is torn down inside a C++ destructor and the process aborts ("terminate
-called without an active exception"). :func:`unfilled_arrays` therefore waits until
-every stream object has been released, at most ``RELEASE_TIMEOUT_S``: if MLX ever keeps
-one longer, the wait (on the engine thread) is not risked again: :func:`give_up_unfilled`
-switches every later allocation to :func:`zeroed_arrays` for the rest of the process, with
-one warning.
+A restore overwrites every byte it reports, so zero-filling its destinations first is
+wasted work. MLX has no public "empty", but its ``.npy`` loader hands the array's own
+buffer to the stream's ``readinto``: :func:`unfilled_arrays` gives it a stream that leaves
+the data part as allocated, and on Linux pre-faults the pages (``MADV_POPULATE_WRITE``).
+Callers rely only on the bytes they write. If MLX ever keeps a stream past
+``RELEASE_TIMEOUT_S`` (a risk at interpreter exit), :func:`give_up_unfilled` switches to
+:func:`zeroed_arrays` for the rest of the process.
 """
 
 from __future__ import annotations
@@ -225,7 +207,7 @@ def unfilled_usable() -> bool:
 def zeroed_arrays(shapes: Sequence[tuple[int, ...]], dtypes: Sequence[mx.Dtype]
                   ) -> list[mx.array]:
     """Evaluated zero-filled arrays (the fallback). Zeros are written as the unsigned
-    type of the same size and viewed: filling bfloat16 directly is several times slower."""
+    type of the same size and viewed: filling bfloat16 directly is slower."""
     out = []
     for s, d in zip(shapes, dtypes):
         k = _UINT.get(d.size)

@@ -1,34 +1,13 @@
 """Durability coordinator: write-behind of prefix-cache state to the SSD tier.
 
-Every ``store()`` marks its state dirty, keyed by (namespace, tokens), with an immutable
-snapshot (evaluated mx arrays and byte views of them). The coordinator hands snapshots to
-the storage writer thread without ever blocking the engine thread:
-
-* **debounce / coalesce**: a dirty state waits ``debounce_s`` before it is submitted, and a
-  waiting state whose tokens a newer state of the same namespace extends is superseded by
-  it (the newer write covers every block of the older one);
-* **bounded in flight**: at most ``max_inflight`` writes are queued at the writer; the rest
-  wait here (the storage queue's back-pressure never reaches the engine thread);
-* **retry**: a failed write is retried ``retries`` times, then reported failed;
-* **yield to decoding**: while the engine is busy (``busy(True)``: a request is being
-  prefilled or decoded) a due write waits, so persistence never taxes generation; it goes
-  anyway once it has waited ``max_delay_s``, once the states waiting pin more than
-  ``pressure_bytes``, or when the RAM tier no longer holds it (the snapshot is the only
-  copy left). A write under way while the engine is busy paces itself in slices: after
-  each block file it pauses up to ``pace_s`` (cut short when the engine goes idle or
-  memory is short). ``busy(False)`` submits what waited at once;
-* **flush(timeout)**: submits everything now and waits; it reports
-  ``{durable, flushed, pending, failed, missing}`` and never counts as durable a state whose
-  write has not returned from ``put_blocks`` with fsync.
-
-``durable_after_turn_s`` (in ``report()``'s companion ``timings()``) is the median time
-from a state's store (the end of its turn) to its write being durable.
-
-Memory: a job holds its tokens and snapshot only until it settles; a settled job is a small
-record keyed by a 128-bit hash of its tokens (what ``state()`` and the report need), and at
-most ``keep_settled`` of those are kept.
-
-Future callbacks run on the writer thread, so all state is guarded by one condition.
+Every ``store()`` marks its state dirty with an immutable snapshot; the coordinator hands
+snapshots to the storage writer thread without ever blocking the engine thread. It
+debounces and coalesces (a newer state that extends a waiting one supersedes it), bounds
+the writes in flight, retries failures, and yields to decoding while the engine is
+``busy`` (bounded by ``max_delay_s`` and ``pressure_bytes``). ``flush`` reports
+``{durable, flushed, pending, failed, missing}`` and counts as durable only writes that
+returned with fsync. Settled writes shrink to small records; future callbacks run on the
+writer thread, so all state is guarded by one condition.
 """
 
 from __future__ import annotations

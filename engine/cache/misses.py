@@ -5,7 +5,7 @@ A lookup walks the hash chain to the longest block-aligned match and then compar
 ids inside the next block, so it knows how far the prompt matched, but not which stored
 state it matched nor what that state holds after the point where they part. Both tiers
 keep every stored state's token ids beside its KV (a RAM entry its ``tokens``; an SSD
-manifest its token ids), and token ids are ~10,000 times smaller than their KV rows, so
+manifest its token ids), and token ids are far smaller than their KV rows, so
 the closest state is found by comparing token ids: each candidate that starts like the
 prompt costs one vectorised comparison, and the candidates are the namespace's RAM
 entries and the SSD tier's saved states.

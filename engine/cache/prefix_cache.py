@@ -4,37 +4,12 @@
     n, cache = pc.lookup(prompt_tokens, ns, session=None)   # engine thread
     ... prefill prompt_tokens[n:] into cache (or a fresh cache when None) and generate ...
     pc.store(tokens_in_cache, cache, ns, session=None)     # engine thread
-    pc.prefetch(prompt_tokens, ns, session=None)           # engine thread: SSD -> RAM
-    pc.busy(True) ... pc.busy(False)                       # the engine serves / is idle
-    pc.flush(timeout) ; pc.gc(ns) ; pc.stats() ; pc.close(timeout)
-    pc.load_learned(ns, name, schema) ; pc.keep_learned(ns, name, source)  # engine.cache.learned
 
-``PrefixCache`` orchestrates the tiers; each job has its module:
-
-* ``ram_tier``: byte-capped LRU of states sharing hash-chained blocks (lent copy-on-write;
-  a state a request continues exactly is handed over whole, see ``lending``);
-* ``ssd``: restores from and snapshots for the block store, write-behind through
-  ``durability`` (which yields to decoding while ``busy``), reads bounded by a timeout;
-  ``upkeep``: saved states, verify, removal;
-* ``arena``: restore destinations prepared when a model is bound (``bind_model``), so an
-  SSD hit reads into memory that already exists; ``prefetch``: SSD -> RAM ahead of the
-  request, in the background while the engine is busy;
-* ``tokens``: token ids and the chain keys both tiers share (a prompt is hashed once per
-  lookup; the RAM tier and the block store walk the same keys);
-* ``layout`` / ``template``: the versioned mapping of mlx-lm caches onto stored bytes,
-  and the check of a restored cache against the model's before it is lent;
-* ``learned``: what speculation sources learned (the suffix index), one verified file per
-  source and namespace beside the blocks, saved when the cache persists;
-* ``manage`` / ``listing`` / ``info``: entries for front ends (list, pin, evict, delete,
-  verify, invalidate); ``stats`` / ``events``: counters,
-  events (``on_event``) and once-per-condition warnings.
-
-``lookup`` returns the longest cached prefix (at most ``len(tokens) - 1``) as a new mlx-lm
-prompt cache the request owns; a state stored past the prompt serves it up to its last
-token (trimmed), from either tier. Namespaces never mix (keys and folders include them; see
-``layout.kv_namespace``). Non-trimmable caches (rotating windows, SSM state, hybrids) are
-exact checkpoints, restored only at exactly a checkpointed position, never trimmed.
-All methods run on the engine thread; ``stats`` may be called from any thread.
+``PrefixCache`` composes the parts (``ram_tier``, ``ssd`` with ``durability``, ``arena``,
+``prefetch``, ``manage``, ``learned``, ``stats`` / ``events``) and keeps the engine's
+interface (``engine.cache.client``). ``lookup`` returns the longest cached prefix (at most
+``len(tokens) - 1``) as a new mlx-lm prompt cache the caller owns; namespaces never mix;
+non-trimmable caches are exact checkpoints. Engine thread, except ``stats``.
 """
 
 from __future__ import annotations
