@@ -98,7 +98,7 @@ class _Unfilled(io.RawIOBase):
 
     def __init__(self, header: bytes) -> None:
         super().__init__()
-        self._h = header
+        self._header = header
         self._pos = 0
 
     def readable(self) -> bool:
@@ -110,9 +110,9 @@ class _Unfilled(io.RawIOBase):
     def readinto(self, b: WriteableBuffer) -> int:  # b: a writable buffer over the array
         with memoryview(b) as mv:
             n = mv.nbytes
-            if self._pos < len(self._h):
-                k = min(n, len(self._h) - self._pos)
-                mv.cast("B")[:k] = self._h[self._pos : self._pos + k]
+            if self._pos < len(self._header):
+                k = min(n, len(self._header) - self._pos)
+                mv.cast("B")[:k] = self._header[self._pos : self._pos + k]
                 self._pos += k
                 return k
         self._pos += n

@@ -64,7 +64,7 @@ class StateWrite:
     snapshot: Snapshots | None  # None once settled
     key: tuple[str, bytes] = ("", b"")
     ntokens: int = 0
-    eid: str = ""  # the entry id, for events
+    entry_id: str = ""  # the entry id, for events
     bytes_written: int = 0
     state: str = PENDING
     due: float = 0.0
@@ -126,7 +126,7 @@ class Durability:
 
     # ------------------------------------------------------------------ engine side
     def mark(self, ns: str, tokens: np.ndarray, snapshot: Snapshots, coalesce: bool = True,
-             eid: str = "") -> StateWrite:
+             entry_id: str = "") -> StateWrite:
         """Record a dirty state; returns its job. Never blocks on I/O. ``snapshot`` is one
         storage snapshot or a tuple of them (written together). ``coalesce=False``: the
         state is only valid at exactly ``tokens`` (a checkpoint), so a longer state does
@@ -137,7 +137,7 @@ class Durability:
             if have is not None and have.state in (PENDING, WRITING, DURABLE):
                 return have  # the same state is already on its way (or on disk)
             snaps = snapshot if isinstance(snapshot, tuple) else (snapshot,)
-            job = StateWrite(ns, tokens, snapshot, key, len(tokens), eid,
+            job = StateWrite(ns, tokens, snapshot, key, len(tokens), entry_id,
                              due=time.monotonic() + self.debounce_s,
                              nbytes=sum(memoryview(seg[0]).nbytes for s in snaps
                                         for seg in s.segments),
@@ -369,18 +369,18 @@ class Durability:
             return self._report(self.counts["written"] - before)
 
     def _report(self, flushed: int) -> dict[str, int]:
-        rep = {"durable": 0, "flushed": flushed, "pending": 0, "failed": 0, "missing": 0}
+        report = {"durable": 0, "flushed": flushed, "pending": 0, "failed": 0, "missing": 0}
         for j in self._jobs.values():
             s = j.final().state
             if s == DURABLE:
-                rep["durable"] += 1
+                report["durable"] += 1
             elif s in (PENDING, WRITING):
-                rep["pending"] += 1
+                report["pending"] += 1
             elif s == FAILED:
-                rep["failed"] += 1
+                report["failed"] += 1
             elif s == MISSING:
-                rep["missing"] += 1
-        return rep
+                report["missing"] += 1
+        return report
 
     def report(self) -> dict[str, int]:
         with self._cond:
@@ -417,7 +417,7 @@ class Durability:
                     "pinned_bytes": pinned}
 
     def close(self, timeout: float | None = None) -> dict[str, int]:
-        rep = self.flush(timeout)
+        report = self.flush(timeout)
         with self._cond:
             self._closed = True
             if self._timer is not None:
@@ -427,5 +427,5 @@ class Durability:
                 j.settle(MISSING)
                 self.counts["missing"] += 1
             self._queue.clear()
-            rep = self._report(rep["flushed"])
-        return rep
+            report = self._report(report["flushed"])
+        return report

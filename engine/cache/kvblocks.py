@@ -26,7 +26,7 @@ from typing import Any, TypeAlias
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
-from mlxkv.engine.cache import buffers as mxb
+from mlxkv.engine.cache import buffers
 
 log = logging.getLogger("mlxkv.cache")
 
@@ -195,17 +195,17 @@ def take_checkpoint(cache: PromptCache) -> Checkpoint:
     layers = []
     for c in cache:
         layers.append((type(c), _map_arrays(c.state, fresh)))
-    cp = Checkpoint(layers, 0)
-    arrs = cp.arrays()
+    checkpoint = Checkpoint(layers, 0)
+    arrs = checkpoint.arrays()
     mx.eval(arrs)
-    cp.nbytes = sum(a.nbytes for a in arrs)
-    return cp
+    checkpoint.nbytes = sum(a.nbytes for a in arrs)
+    return checkpoint
 
 
-def lend_checkpoint(cp: Checkpoint) -> PromptCache:
+def lend_checkpoint(checkpoint: Checkpoint) -> PromptCache:
     """A new prompt cache in the checkpoint's state, sharing its buffers (copy-on-write)."""
     out = []
-    for cls, state in cp.layers:
+    for cls, state in checkpoint.layers:
         out.append(cls.from_state(_map_arrays(state, fresh)))
     return out
 
@@ -224,24 +224,24 @@ def writable_arrays(shapes: list[tuple[int, ...]], dtypes: list[mx.Dtype],
     the pages here (see ``buffers.prefault``).
     """
     arrays = None
-    if mxb.unfilled_usable():
+    if buffers.unfilled_usable():
         try:
-            arrays = mxb.unfilled_arrays(shapes, dtypes, populate=populate, huge=huge)
+            arrays = buffers.unfilled_arrays(shapes, dtypes, populate=populate, huge=huge)
         except Exception as exc:  # noqa: BLE001  (an MLX without the .npy stream path)
-            mxb.give_up_unfilled(f"cannot allocate unfilled restore buffers ({exc})")
+            buffers.give_up_unfilled(f"cannot allocate unfilled restore buffers ({exc})")
     if arrays is None:
-        arrays = mxb.zeroed_arrays(shapes, dtypes)
+        arrays = buffers.zeroed_arrays(shapes, dtypes)
     seen: set[int] = set()
     for i, a in enumerate(arrays):
         if tuple(a.shape) != tuple(shapes[i]) or a.dtype != dtypes[i]:
             raise RuntimeError(f"allocated {a.dtype} {a.shape}, not {dtypes[i]} {shapes[i]}")
-        mv = mxb.memory_of(a)
+        mv = buffers.memory_of(a)
         n = a.size * a.itemsize
         addr = _address(mv)
         if mv.readonly or not mv.c_contiguous or mv.nbytes != n or (n and addr in seen):
             a = mx.contiguous(mx.zeros(a.shape, a.dtype) + mx.zeros(a.shape, a.dtype))
             mx.eval(a)
-            mv = mxb.memory_of(a)
+            mv = buffers.memory_of(a)
             addr = _address(mv)
             if mv.readonly or not mv.c_contiguous or mv.nbytes != n or (n and addr in seen):
                 raise RuntimeError(f"cannot allocate a writable {a.dtype} buffer of {a.shape}")
@@ -258,7 +258,7 @@ def _address(mv: memoryview) -> int:
 
 def byte_view(a: mx.array) -> memoryview:
     """A flat byte view of an evaluated, C-contiguous array (no copy)."""
-    mv = mxb.memory_of(a)
+    mv = buffers.memory_of(a)
     if not mv.c_contiguous:
         raise ValueError("array is not C-contiguous")
     return mv.cast("B")

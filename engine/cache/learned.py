@@ -67,14 +67,14 @@ class LearnedFiles:
         self._lock = threading.Lock()  # one write at a time, whichever thread runs it
         self.saves = 0
 
-    def load(self, sns: str, name: str, schema: str) -> list[np.ndarray]:
-        """The sequences saved for ``name`` in ``sns`` ([] when there are none, or when
+    def load(self, store_ns: str, name: str, schema: str) -> list[np.ndarray]:
+        """The sequences saved for ``name`` in ``store_ns`` ([] when there are none, or when
         the file cannot be used: one warning says why)."""
         from mlxkv.storage.learned import LearnedDamaged
 
-        where = f"learned:{self.disk.root}:{sns}:{name}"  # warned once per file
+        where = f"learned:{self.disk.root}:{store_ns}:{name}"  # warned once per file
         try:
-            learned = self.disk.get_learned(sns, name)
+            learned = self.disk.get_learned(store_ns, name)
         except LearnedDamaged as exc:
             self.events.warn(where, "prefix cache: the saved %s index %s is not used (%s): %s",
                              name, exc.path, "removed" if exc.removed else "left in place",
@@ -91,9 +91,9 @@ class LearnedFiles:
             return []
         return list(learned.sequences)
 
-    def keep(self, sns: str, name: str, source: LearnedSource) -> None:
-        """Save ``source`` (a :class:`LearnedSource`) as ``name`` in ``sns`` from now on."""
-        self._kept[(sns, name)] = _Kept(sns, name, source, source.revision)
+    def keep(self, store_ns: str, name: str, source: LearnedSource) -> None:
+        """Save ``source`` (a :class:`LearnedSource`) as ``name`` in ``store_ns`` from now on."""
+        self._kept[(store_ns, name)] = _Kept(store_ns, name, source, source.revision)
 
     def idle(self) -> None:
         """The engine has nothing to do: save a changed source now and then, in the

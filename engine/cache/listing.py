@@ -35,7 +35,7 @@ class BlockFacts(NamedTuple):
 class Facts:
     """What the tiers know of one entry."""
 
-    eid: str
+    entry_id: str
     ns: str
     tokens: np.ndarray
     checkpoint: bool
@@ -60,20 +60,20 @@ def ram_facts(ram: RamTier, e: RamEntry) -> Facts:
     return f
 
 
-def gather(ram: RamTier, saved: list[Saved], sns: str | None) -> dict[str, Facts]:
-    """Facts per entry id, of namespace ``sns`` (all when None)."""
+def gather(ram: RamTier, saved: list[Saved], store_ns: str | None) -> dict[str, Facts]:
+    """Facts per entry id, of namespace ``store_ns`` (all when None)."""
     out: dict[str, Facts] = {}
     for e in ram.entries.values():
-        if sns is None or e.ns == sns:
+        if store_ns is None or e.ns == store_ns:
             out[e.id] = ram_facts(ram, e)
     uses: dict[tuple[str, bytes], int] = {}
     for s in saved:
         for k, _, _ in s.blocks:
             uses[(s.ns, k)] = uses.get((s.ns, k), 0) + 1
     for s in saved:
-        f = out.get(s.eid)
+        f = out.get(s.entry_id)
         if f is None:
-            f = out[s.eid] = Facts(s.eid, s.ns, s.tokens, s.checkpoint, s.created)
+            f = out[s.entry_id] = Facts(s.entry_id, s.ns, s.tokens, s.checkpoint, s.created)
         f.saved = s
         for k, n, b in s.blocks:
             f.ssd_blocks[k] = BlockFacts(n, b, uses[(s.ns, k)])
@@ -117,13 +117,13 @@ def infos(facts: dict[str, Facts], ram: RamTier, pins: set[str], usage: Usage
                             f.ssd_blocks.get(k, unshared).shared_by) > 1)
         tier: Tier = "both" if f.ram is not None and f.saved is not None else (
             "ram" if f.ram is not None else "ssd")
-        hits, when = usage.get(f.eid)
+        hits, when = usage.get(f.entry_id)
         session = f.ram.session if f.ram is not None else None
-        pinned = f.eid in pins or (f.ram is not None and f.ram.pinned)
+        pinned = f.entry_id in pins or (f.ram is not None and f.ram.pinned)
         held = f.ram is not None and session is not None and ram.pinned.get(session) is f.ram
         retained = max(0.0, f.ram.retained_until - now) if f.ram is not None else 0.0
-        out[f.eid] = CacheEntryInfo(
-            id=f.eid, ns=f.ns, kind=_kind(f, by_ns), tokens=restorable(f), blocks=len(blocks),
+        out[f.entry_id] = CacheEntryInfo(
+            id=f.entry_id, ns=f.ns, kind=_kind(f, by_ns), tokens=restorable(f), blocks=len(blocks),
             bytes=total, unique_bytes=total - shared, shared_bytes=shared, tier=tier,
             pinned=pinned, last_used=when if when is not None else f.created, hits=hits,
             session=session, session_pinned=held, retained_s=round(retained, 1))

@@ -19,7 +19,7 @@ from mlxkv.engine.cache.ram_tier import RamTier
 from mlxkv.engine.cache.ssd import SsdTier
 from mlxkv.engine.cache.stats import Counters, Usage
 from mlxkv.engine.cache.tokens import as_tokens, common_prefix, store_namespace
-from mlxkv.engine.cache.tokens import entry_id as eid_of
+from mlxkv.engine.cache.tokens import entry_id as entry_id_of
 
 
 def folder_errors() -> tuple[type[BaseException], ...]:
@@ -42,24 +42,24 @@ class EntryManager:
         self.verified: dict[bytes, bool] = {}  # block key -> last verify result
 
     # ------------------------------------------------------------------ entries
-    def saved(self, sns: str | None) -> list[upkeep.Saved]:
-        """The SSD tier's saved states (of ``sns``, or all), oldest first per namespace."""
+    def saved(self, store_ns: str | None) -> list[upkeep.Saved]:
+        """The SSD tier's saved states (of ``store_ns``, or all), oldest first per namespace."""
         if self.ssd is None:
             return []
         try:
-            names = [sns] if sns is not None else sorted(self.ssd.disk.stats()["namespaces"])
+            names = [store_ns] if store_ns is not None else sorted(self.ssd.disk.stats()["namespaces"])
             out = []
             for name in names:
                 states = sorted(upkeep.saved_states(self.ssd.disk, name), key=lambda s: s.created)
-                self.saved_tokens.listed(name, ((s.eid, s.tokens) for s in states))
+                self.saved_tokens.listed(name, ((s.entry_id, s.tokens) for s in states))
                 out += states
             return out
         except folder_errors() as exc:
             self.events.warn("list-failed", "prefix cache: cannot list the SSD tier: %s", exc)
             return []
 
-    def _facts(self, sns: str | None) -> dict[str, listing.Facts]:
-        return listing.gather(self.ram, self.saved(sns), sns)
+    def _facts(self, store_ns: str | None) -> dict[str, listing.Facts]:
+        return listing.gather(self.ram, self.saved(store_ns), store_ns)
 
     def entries(self, ns: str | None = None) -> list[CacheEntryInfo]:
         """Every stored state (of ``ns``, or all), most recently used first."""
@@ -79,25 +79,25 @@ class EntryManager:
         """The stored state of ``ns`` that shares the longest prefix with ``tokens`` (RAM
         entries first, then the SSD tier's saved states; most recent first), and where
         the prompt parts from it; None when none starts like it."""
-        toks, sns = as_tokens(tokens), store_namespace(ns)
+        toks, store_ns = as_tokens(tokens), store_namespace(ns)
         if len(toks) == 0:
             return None
         first = toks[0]
         cands = [misses.Candidate(e.tokens, "ram", session=e.session)
                  for e in reversed(self.ram.entries.values())
-                 if e.ns == sns and len(e.tokens) and e.tokens[0] == first]
+                 if e.ns == store_ns and len(e.tokens) and e.tokens[0] == first]
         if self.ssd is not None:
             try:
-                cands += self.saved_tokens.candidates(self.ssd.disk, sns, first)
+                cands += self.saved_tokens.candidates(self.ssd.disk, store_ns, first)
             except folder_errors() as exc:
                 self.events.warn("list-failed", "prefix cache: cannot list the SSD tier: %s",
                                   exc)
-        return misses.closest(toks, sns, cands)
+        return misses.closest(toks, store_ns, cands)
 
     def pin(self, entry_id: str, pinned: bool = True) -> bool:
         """Keep an entry over others in RAM (never superseded or handed over)."""
         e = self.ram.find(entry_id)
-        found = e is not None or any(s.eid == entry_id for s in self.saved(None))
+        found = e is not None or any(s.entry_id == entry_id for s in self.saved(None))
         if not found:
             return False
         if pinned:
@@ -130,10 +130,10 @@ class EntryManager:
             self.ram.drop(e, evicted=False)
             self._cancel_write(e.ns, e.tokens)  # before listing: a running write lands first
             found = True
-        self.lending.forget(lambda r: eid_of(r.ns, r.tokens) == entry_id)
+        self.lending.forget(lambda r: entry_id_of(r.ns, r.tokens) == entry_id)
         if self.ssd is not None:
             saved = self.saved(None)
-            mine = next((s for s in saved if s.eid == entry_id), None)
+            mine = next((s for s in saved if s.entry_id == entry_id), None)
             if mine is not None:
                 if e is None:
                     self._cancel_write(mine.ns, mine.tokens)
@@ -150,15 +150,15 @@ class EntryManager:
             self.events.emit("delete", id=entry_id)
         return found
 
-    def _cancel_write(self, sns: str, toks: np.ndarray) -> None:
-        if self.ssd is not None and not self.ssd.durability.cancel(sns, toks):
+    def _cancel_write(self, store_ns: str, toks: np.ndarray) -> None:
+        if self.ssd is not None and not self.ssd.durability.cancel(store_ns, toks):
             self.events.warn("delete-writing", "prefix cache: a deleted state was still being "
                               "written after 10 s; it may come back on disk")
 
-    def _remove(self, ssd: SsdTier, sns: str, keys: set[bytes], manifests: list[str]
+    def _remove(self, ssd: SsdTier, store_ns: str, keys: set[bytes], manifests: list[str]
                 ) -> None:
         try:
-            upkeep.remove(ssd.disk, sns, keys, manifests)
+            upkeep.remove(ssd.disk, store_ns, keys, manifests)
         except folder_errors() as exc:
             self.events.warn("remove-failed", "prefix cache: cannot remove from the SSD "
                               "tier: %s", exc)
@@ -166,35 +166,35 @@ class EntryManager:
     def invalidate(self, tokens: Any, ns: str) -> None:
         """Drop every cached state that could seed a prompt of ``tokens`` (both tiers):
         a generation from such a state failed."""
-        toks, sns = as_tokens(tokens), store_namespace(ns)
+        toks, store_ns = as_tokens(tokens), store_namespace(ns)
         if len(toks) == 0:
             return
-        dropped = self.ram.seeding(sns, toks)
+        dropped = self.ram.seeding(store_ns, toks)
         for e in dropped:
             self.ram.drop(e, evicted=False)
             self._cancel_write(e.ns, e.tokens)
-        self.lending.forget(lambda r: r.ns == sns and common_prefix(r.tokens, toks) > 0)
+        self.lending.forget(lambda r: r.ns == store_ns and common_prefix(r.tokens, toks) > 0)
         if self.ssd is not None:
-            keys = self._seeding_keys(self.ssd, sns, toks)
-            mans = [s.manifest for s in self.saved(sns)
+            keys = self._seeding_keys(self.ssd, store_ns, toks)
+            mans = [s.manifest for s in self.saved(store_ns)
                     if keys & {k for k, _, _ in s.blocks}]
-            self._remove(self.ssd, sns, keys, mans)
-            self.saved_tokens.forget(sns)
+            self._remove(self.ssd, store_ns, keys, mans)
+            self.saved_tokens.forget(store_ns)
         self.counters.add(invalidated=1)
         self.events.emit("invalidate", ns=ns, tokens=len(toks), ram_entries=len(dropped))
 
     @staticmethod
-    def _seeding_keys(ssd: SsdTier, sns: str, toks: np.ndarray) -> set[bytes]:
+    def _seeding_keys(ssd: SsdTier, store_ns: str, toks: np.ndarray) -> set[bytes]:
         disk = ssd.disk
-        m = disk.lookup(sns, toks)
+        m = disk.lookup(store_ns, toks)
         keys = set(m.block_keys) | ({m.tail_key} if m.tail_key is not None else set())
         limit = len(toks)
         while limit > 0:
-            cm = disk.lookup_checkpoint(sns, toks, max_tokens=limit)
-            if not cm.n_tokens or cm.checkpoint_key is None:
+            checkpoint_match = disk.lookup_checkpoint(store_ns, toks, max_tokens=limit)
+            if not checkpoint_match.n_tokens or checkpoint_match.checkpoint_key is None:
                 break
-            keys.add(cm.checkpoint_key)
-            limit = cm.n_tokens - 1
+            keys.add(checkpoint_match.checkpoint_key)
+            limit = checkpoint_match.n_tokens - 1
         return keys
 
     def verify(self, entry_id: str | None = None) -> dict[str, Any]:
@@ -208,7 +208,7 @@ class EntryManager:
         if entry_id is None:
             for name in sorted({s.ns for s in saved} | set(self.ssd.disk.stats()["namespaces"])):
                 out["manifests_damaged"] += upkeep.damaged_manifests(self.ssd.disk, name)
-        todo = [s for s in saved if entry_id is None or s.eid == entry_id]
+        todo = [s for s in saved if entry_id is None or s.entry_id == entry_id]
         for done, s in enumerate(todo, 1):
             ok, seen = upkeep.verify(self.ssd.io, s, self.ssd.restore_timeout_s)
             self.verified.update(seen)
@@ -216,8 +216,8 @@ class EntryManager:
             if ok:
                 out["ok"] += 1
             else:
-                out["damaged"].append(s.eid)
-            self.events.emit("verify", done=done, total=len(todo), id=s.eid, ok=ok)
+                out["damaged"].append(s.entry_id)
+            self.events.emit("verify", done=done, total=len(todo), id=s.entry_id, ok=ok)
         if len(self.verified) > 100_000:
             self.verified.clear()
         return out

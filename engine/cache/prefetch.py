@@ -19,15 +19,14 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import ArrayLike
 
-from mlxkv.engine.cache import kvblocks as kb
-from mlxkv.engine.cache import layout as dl
+from mlxkv.engine.cache import kvblocks, layout
 from mlxkv.engine.cache.events import Events
 from mlxkv.engine.cache.lending import Lending
 from mlxkv.engine.cache.ram_tier import RamTier
 from mlxkv.engine.cache.ssd import Restoring, SsdTier
 from mlxkv.engine.cache.stats import Counters
 from mlxkv.engine.cache.tokens import as_tokens, chain_keys, common_prefix, store_namespace
-from mlxkv.engine.cache.tokens import entry_id as eid_of
+from mlxkv.engine.cache.tokens import entry_id as entry_id_of
 
 
 @dataclass(eq=False)
@@ -59,28 +58,28 @@ class Prefetcher:
         """Warm the longest cached prefix of ``tokens`` into RAM, restoring it from SSD
         when RAM holds less of it (as a lookup would); the tokens a lookup will find in
         RAM. While busy the read runs in the background (see the module docstring)."""
-        toks, sns = as_tokens(tokens), store_namespace(ns)
+        toks, store_ns = as_tokens(tokens), store_namespace(ns)
         limit = len(toks) - 1  # as lookup: at least one token is left to compute
         if limit <= 0:
             return 0
         self.lending.sweep()
         self.adopt()
-        keys = chain_keys(sns, toks, self.block_tokens)
-        n = self.ram.lookup(sns, toks, session, keys=keys).n  # (touches it: kept warm)
-        for pf in self.under_way:  # already on its way
-            if pf.p.sns == sns and pf.p.n_tokens > n and \
-                    common_prefix(pf.p.toks, toks) >= pf.p.n_tokens:
-                return pf.p.n_tokens
+        keys = chain_keys(store_ns, toks, self.block_tokens)
+        n = self.ram.lookup(store_ns, toks, session, keys=keys).n  # (touches it: kept warm)
+        for background in self.under_way:  # already on its way
+            if background.p.store_ns == store_ns and background.p.n_tokens > n and \
+                    common_prefix(background.p.toks, toks) >= background.p.n_tokens:
+                return background.p.n_tokens
         restored = 0
         if self.busy and self.ssd is not None and self.worth(limit, n) and \
                 self.ssd.available():
-            return self._behind(self.ssd, sns, toks, keys, limit, n, ns, session)
+            return self._behind(self.ssd, store_ns, toks, keys, limit, n, ns, session)
         if self.ssd is not None and self.worth(limit, n) and self.ssd.available():
-            n2, cache, restore_ms = self.ssd.lookup(sns, toks, keys, limit, n, self.worth)
+            n2, cache, restore_ms = self.ssd.lookup(store_ns, toks, keys, limit, n, self.worth)
             if cache is not None and n2 > n:
-                entry = self.ram.store(sns, toks[:n2], cache, session,
+                entry = self.ram.store(store_ns, toks[:n2], cache, session,
                                        keys=keys[: n2 // self.block_tokens],
-                                       pinned=eid_of(sns, toks[:n2]) in self.pins)
+                                       pinned=entry_id_of(store_ns, toks[:n2]) in self.pins)
                 if entry is not None:
                     n = restored = n2
             self.counters.add(restore_ms=restore_ms)
@@ -88,17 +87,17 @@ class Prefetcher:
         self.events.emit("prefetch", ns=ns, tokens=n, restored=restored)
         return n
 
-    def _behind(self, ssd: SsdTier, sns: str, toks: np.ndarray, keys: list[bytes], limit: int,
+    def _behind(self, ssd: SsdTier, store_ns: str, toks: np.ndarray, keys: list[bytes], limit: int,
                 n: int, ns: str, session: str | None) -> int:
         """Start a prefetch's block read on the reader thread; the tokens it will warm."""
         self.counters.add(prefetches=1)
-        found = ssd.disk.lookup(sns, toks, max_tokens=limit, keys=keys)
-        if found.layout is None or dl.is_partial(found.layout) or \
+        found = ssd.disk.lookup(store_ns, toks, max_tokens=limit, keys=keys)
+        if found.layout is None or layout.is_partial(found.layout) or \
                 not self.worth(found.n_tokens, n):
             return n  # (exact checkpoints are warmed when the engine is idle)
         # headroom for the turn that follows, so the request can take the buffers over
-        cap = kb.round_up(len(toks) + kb.KV_STEP)
-        pending = ssd.begin_blocks(sns, toks, found, cap, populate=False)
+        cap = kvblocks.round_up(len(toks) + kvblocks.KV_STEP)
+        pending = ssd.begin_blocks(store_ns, toks, found, cap, populate=False)
         if pending is None:
             return n
         self.under_way.append(_Prefetch(pending, keys, session))
@@ -111,10 +110,10 @@ class Prefetcher:
         """Wait (up to ``timeout`` s in all) for the reads under way and move them into
         RAM; returns how many are still under way."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        for pf in list(self.under_way):
+        for background in list(self.under_way):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                pf.p.future.exception(timeout=left)
+                background.p.future.exception(timeout=left)
             except Exception:  # noqa: BLE001, S112  (timed out or cancelled: the next one)
                 continue
         self.adopt()
@@ -122,39 +121,39 @@ class Prefetcher:
 
     def cancel(self) -> None:
         """Cancel every read under way and forget them (the cache closes)."""
-        for pf in self.under_way:
-            pf.p.future.cancel()
+        for background in self.under_way:
+            background.p.future.cancel()
         self.under_way = []
 
-    def adopt(self, toks: np.ndarray | None = None, sns: str | None = None) -> None:
+    def adopt(self, toks: np.ndarray | None = None, store_ns: str | None = None) -> None:
         """Move finished prefetches into RAM. With a prompt (a lookup): wait for the one
         that serves it, cancel the queued ones that do not (the lookup's own read would
         queue behind them)."""
         if not self.under_way or self.ssd is None:
             return
         keep: list[_Prefetch] = []
-        for pf in self.under_way:
-            p = pf.p
-            serves = toks is not None and p.sns == sns and common_prefix(p.toks, toks) > 0
+        for background in self.under_way:
+            p = background.p
+            serves = toks is not None and p.store_ns == store_ns and common_prefix(p.toks, toks) > 0
             if not (p.future.done() or serves):
                 if toks is not None and p.future.cancel():
                     self.counters.add(prefetches_cancelled=1)
                 else:
-                    keep.append(pf)
+                    keep.append(background)
                 continue
             got = self.ssd.finish_blocks(p)
             if got is None:
                 continue
             n, cache = got
-            size = kb.arrays_nbytes([kb.layer_arrays(c) for c in cache])
-            pinned = eid_of(p.sns, p.toks[:n]) in self.pins
+            size = kvblocks.arrays_nbytes([kvblocks.layer_arrays(c) for c in cache])
+            pinned = entry_id_of(p.store_ns, p.toks[:n]) in self.pins
             if self.ram.nbytes + size > self.ram.max_bytes and not pinned and \
-                    not (pf.session is not None and pf.session in self.sessions):
+                    not (background.session is not None and background.session in self.sessions):
                 self.counters.add(prefetches_cancelled=1)  # RAM is needed for more
                 continue
-            entry = self.ram.store(p.sns, p.toks[:n], cache, pf.session,
-                                   keys=pf.keys[: n // self.block_tokens], pinned=pinned)
+            entry = self.ram.store(p.store_ns, p.toks[:n], cache, background.session,
+                                   keys=background.keys[: n // self.block_tokens], pinned=pinned)
             if entry is not None:
                 self.counters.add(prefetched_tokens=n)
-                self.events.emit("prefetched", ns=p.sns, tokens=n)
+                self.events.emit("prefetched", ns=p.store_ns, tokens=n)
         self.under_way = keep

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from numpy.typing import ArrayLike
 
-from mlxkv.engine.cache import kvblocks as kb
+from mlxkv.engine.cache import kvblocks
 from mlxkv.engine.cache.arena import Arena
 from mlxkv.engine.cache.events import Events, Receiver
 from mlxkv.engine.cache.info import CacheEntryDetail, CacheEntryInfo
@@ -36,7 +36,7 @@ from mlxkv.engine.cache.ssd import SsdTier
 from mlxkv.engine.cache.stats import Counters, LastLookup, Usage
 from mlxkv.engine.cache.template import Templates
 from mlxkv.engine.cache.tokens import as_tokens, chain_keys, store_namespace
-from mlxkv.engine.cache.tokens import entry_id as eid_of
+from mlxkv.engine.cache.tokens import entry_id as entry_id_of
 from mlxkv.engine.settings import FIELD_BY_NAME, Settings
 
 if TYPE_CHECKING:
@@ -86,14 +86,14 @@ class NullPrefixCache:
     def gc(self, ns: str | None = None, min_age_s: float = 0.0) -> dict[str, Any]:
         return {**_EMPTY_GC, "unreadable_manifests": {}}
 
-    def store(self, tokens: ArrayLike, cache: kb.PromptCache, ns: str, session: str | None = None,
+    def store(self, tokens: ArrayLike, cache: kvblocks.PromptCache, ns: str, session: str | None = None,
               retain_s: float | None = None) -> None:
         return None
 
     def explain(self, tokens: ArrayLike, ns: str) -> Divergence | None:
         return None
 
-    def release(self, cache: kb.PromptCache | None) -> bool:
+    def release(self, cache: kvblocks.PromptCache | None) -> bool:
         return False
 
     def flush(self, timeout: float | None = None) -> dict[str, int]:
@@ -241,48 +241,48 @@ class PrefixCache:
         except Exception as exc:  # noqa: BLE001  (an unusual model: fall back, never fail a load)
             log.debug("cannot probe the model's cache layout: %s", exc)
             return
-        sns = store_namespace(ns)
-        self.templates.learn(sns, cache, replace=True)
+        store_ns = store_namespace(ns)
+        self.templates.learn(store_ns, cache, replace=True)
         if self.ssd is not None:
             try:
-                self.arena.prepare(sns, cache, self.ssd.latest_tokens(sns))
+                self.arena.prepare(store_ns, cache, self.ssd.latest_tokens(store_ns))
             except Exception as exc:  # noqa: BLE001  (no arena: restores allocate as before)
                 log.debug("cannot prepare the KV arena: %s", exc)
             try:  # what explain() compares prompts with, read now rather than in a request
-                self.saved_tokens.load(self.ssd.disk, sns)
+                self.saved_tokens.load(self.ssd.disk, store_ns)
             except folder_errors() as exc:
                 log.debug("cannot read the saved states' tokens: %s", exc)
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, tokens: ArrayLike, ns: str, session: str | None = None
-               ) -> tuple[int, kb.PromptCache | None]:
+               ) -> tuple[int, kvblocks.PromptCache | None]:
         """Longest cached prefix of ``tokens`` in ``ns``: ``(n, cache)``; ``(0, None)`` on a
         miss. ``cache`` holds exactly ``tokens[:n]`` and belongs to the caller."""
         t0 = time.perf_counter()
         toks = as_tokens(tokens)
-        sns = store_namespace(ns)
+        store_ns = store_namespace(ns)
         self.lending.sweep()
-        self.prefetcher.adopt(toks, sns)  # a prefetch of this prompt enters RAM (waited for) first
+        self.prefetcher.adopt(toks, store_ns)  # a prefetch of this prompt enters RAM (waited for) first
         # hashed once, here: the RAM tier and the store both walk these keys
-        keys = chain_keys(sns, toks, self.block_tokens)
-        match = self.ram.lookup(sns, toks, session, keys=keys)
+        keys = chain_keys(store_ns, toks, self.block_tokens)
+        match = self.ram.lookup(store_ns, toks, session, keys=keys)
         n, cache, tier, restore_ms = match.n, None, "ram" if match.n else None, 0.0
         limit = len(toks) - 1
         # The SSD tier is consulted only when it could beat the RAM hit (see _worth): a RAM
         # hit that already covers the prompt skips probing the disk.
         if self.ssd is not None and limit > 0 and self._worth(limit, n) and self.ssd.available():
-            n2, c2, restore_ms = self.ssd.lookup(sns, toks, keys, limit, n, self._worth)
+            n2, c2, restore_ms = self.ssd.lookup(store_ns, toks, keys, limit, n, self._worth)
             if c2 is not None and n2 > n:
                 n, cache, tier = n2, c2, "ssd"
         if tier == "ram":
             cache = match.lend()
             if match.moved and cache is not None:
-                self.lending.remember(cache, sns, toks[:n], session,
+                self.lending.remember(cache, store_ns, toks[:n], session,
                                       match.entry.retained_until if match.entry else 0.0)
             if match.entry is not None:
                 self.usage.hit(match.entry.id)
         elif tier == "ssd":
-            self.usage.hit(eid_of(sns, toks[:n]))
+            self.usage.hit(entry_id_of(store_ns, toks[:n]))
         self.counters.add(lookups=1, prompt_tokens=len(toks), cached_tokens=n,
                           restore_ms=restore_ms,
                           **({"ram_hits": 1, "ram_tokens": n} if tier == "ram" else
@@ -311,21 +311,21 @@ class PrefixCache:
             return {**_EMPTY_GC, "unreadable_manifests": {}}
         self.ssd.flush(10.0)
         try:
-            rep = self.ssd.disk.gc(None if ns is None else store_namespace(ns),
+            report = self.ssd.disk.gc(None if ns is None else store_namespace(ns),
                                    min_age_s=min_age_s)
         except folder_errors() as exc:
             self._events.warn("gc-failed", "prefix cache: cannot collect the SSD tier: %s", exc)
             return {**_EMPTY_GC, "unreadable_manifests": {}}
         self.saved_tokens.forget(None if ns is None else store_namespace(ns))
-        self._events.emit("gc", ns=ns, removed=rep.get("removed", 0), bytes=rep.get("bytes", 0))
-        return rep
+        self._events.emit("gc", ns=ns, removed=report.get("removed", 0), bytes=report.get("bytes", 0))
+        return report
 
     def _worth(self, n_ssd: int, n_ram: int) -> bool:
         """Restore ``n_ssd`` tokens from SSD when RAM already offers ``n_ram``?"""
         return n_ssd >= n_ram + self.min_ssd_gain or (n_ram == 0 and n_ssd > 0)
 
     # ------------------------------------------------------------------ store
-    def store(self, tokens: ArrayLike, cache: kb.PromptCache, ns: str, session: str | None = None,
+    def store(self, tokens: ArrayLike, cache: kvblocks.PromptCache, ns: str, session: str | None = None,
               retain_s: float | None = None) -> None:
         """Keep the state of ``cache`` (which holds ``tokens``) in RAM and persist it in the
         background. Raises ValueError when the cache and the tokens disagree (a handed-over
@@ -344,63 +344,63 @@ class PrefixCache:
             raise
         self.lending.stored(cache)
 
-    def _store(self, tokens: ArrayLike, cache: kb.PromptCache, ns: str, session: str | None,
+    def _store(self, tokens: ArrayLike, cache: kvblocks.PromptCache, ns: str, session: str | None,
                retain_until: float) -> None:
         t0 = time.perf_counter()
         toks = as_tokens(tokens)
         if len(toks) == 0 or not cache:
             return
         try:
-            kb.check_supported(cache)
-        except kb.UnsupportedCache:
+            kvblocks.check_supported(cache)
+        except kvblocks.UnsupportedCache:
             self.counters.add(unsupported=1)
             return
-        held = kb.cache_tokens(cache)
-        block_mode = kb.is_block_cache(cache)
+        held = kvblocks.cache_tokens(cache)
+        block_mode = kvblocks.is_block_cache(cache)
         if held is not None and held != len(toks) and not (block_mode and held > len(toks)):
             raise ValueError(f"the cache holds {held} tokens but {len(toks)} were given")
         if block_mode and held is not None and held > len(toks):
             # extra rows past len(toks) (e.g. a token computed ahead) are simply not used
-            cache = [kb.make_layer(kb.layer_spec(c), kb.layer_arrays(c), len(toks))
+            cache = [kvblocks.make_layer(kvblocks.layer_spec(c), kvblocks.layer_arrays(c), len(toks))
                      for c in cache]
-        sns = store_namespace(ns)
-        self.templates.learn(sns, cache)
-        eid = eid_of(sns, toks)
-        keys = chain_keys(sns, toks, self.block_tokens)
-        entry = self.ram.store(sns, toks, cache, session, keys=keys, pinned=eid in self._pins,
+        store_ns = store_namespace(ns)
+        self.templates.learn(store_ns, cache)
+        entry_id = entry_id_of(store_ns, toks)
+        keys = chain_keys(store_ns, toks, self.block_tokens)
+        entry = self.ram.store(store_ns, toks, cache, session, keys=keys, pinned=entry_id in self._pins,
                                retain_until=retain_until)
         persisted = False
         if self.ssd is not None:
-            cp = entry.checkpoint if entry is not None and entry.checkpoint else None
-            persisted = self.ssd.persist(sns, toks, cache, block_mode, cp)
+            checkpoint = entry.checkpoint if entry is not None and entry.checkpoint else None
+            persisted = self.ssd.persist(store_ns, toks, cache, block_mode, checkpoint)
             if persisted:
-                self.saved_tokens.saved(sns, eid, toks)
+                self.saved_tokens.saved(store_ns, entry_id, toks)
             left = retain_until - self.clock()
             if left > 0:
-                self.ssd.retain(sns, toks, keys, left)
+                self.ssd.retain(store_ns, toks, keys, left)
         self.counters.add(stores=1, store_ms=(time.perf_counter() - t0) * 1e3,
                           **({} if block_mode else {"checkpoint_stores": 1,
                                                     "checkpoints_persisted": int(persisted)}))
-        self._events.emit("store", id=eid, tokens=len(toks), ns=ns, in_ram=entry is not None,
+        self._events.emit("store", id=entry_id, tokens=len(toks), ns=ns, in_ram=entry is not None,
                           persisting=persisted)
 
-    def snapshot(self, tokens: ArrayLike, cache: kb.PromptCache, ns: str) -> Snapshot:
+    def snapshot(self, tokens: ArrayLike, cache: kvblocks.PromptCache, ns: str) -> Snapshot:
         """An immutable storage snapshot of a block cache holding ``tokens``."""
         if self.ssd is None:
             raise ValueError("the SSD tier is off: nothing to snapshot for")
-        sns, toks = store_namespace(ns), as_tokens(tokens)
-        return self.ssd.block_snapshot(sns, toks, cache, eid_of(sns, toks))
+        store_ns, toks = store_namespace(ns), as_tokens(tokens)
+        return self.ssd.block_snapshot(store_ns, toks, cache, entry_id_of(store_ns, toks))
 
     # ------------------------------------------------------------------ handed-over entries
-    def release(self, cache: kb.PromptCache | None) -> bool:
+    def release(self, cache: kvblocks.PromptCache | None) -> bool:
         """The request that got ``cache`` from ``lookup`` will not ``store`` it (it failed or
         was dropped): give back what it borrowed (see ``engine.cache.lending``). Returns
         whether an entry was given back."""
         return self.lending.release(cache)
 
-    def _keep(self, sns: str, toks: np.ndarray, cache: kb.PromptCache, session: str | None,
+    def _keep(self, store_ns: str, toks: np.ndarray, cache: kvblocks.PromptCache, session: str | None,
               retained_until: float = 0.0) -> RamEntry | None:
-        return self.ram.store(sns, toks, cache, session, pinned=eid_of(sns, toks) in self._pins,
+        return self.ram.store(store_ns, toks, cache, session, pinned=entry_id_of(store_ns, toks) in self._pins,
                               retain_until=retained_until)
 
     def _on_ram_drop(self, entry: RamEntry, evicted: bool, superseded_by: RamEntry | None
@@ -510,11 +510,11 @@ class PrefixCache:
         self.prefetcher.cancel()
         if self.learned is not None:
             self.learned.close(timeout)
-        rep = dict(_EMPTY_FLUSH) if self.ssd is None else self.ssd.close(timeout)
+        report = dict(_EMPTY_FLUSH) if self.ssd is None else self.ssd.close(timeout)
         self.arena.clear()
         self.lending.clear()
         self.ram.clear()
-        return rep
+        return report
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from mlxkv.engine.cache import kvblocks as kb
+from mlxkv.engine.cache import kvblocks
 from mlxkv.engine.cache.tokens import (
     ZERO_KEY,
     chain_keys,
@@ -43,7 +43,7 @@ class Slab:
     """Arrays holding the rows of tokens [t0, t0 + ntokens) of one stored cache."""
 
     arrays: list[list[mx.array]]  # per layer, token axis 2; row 0 is token t0
-    specs: tuple[kb.LayerSpec, ...]  # per layer
+    specs: tuple[kvblocks.LayerSpec, ...]  # per layer
     t0: int
     ntokens: int
     nbytes: int
@@ -71,9 +71,9 @@ class RamEntry:
 
     ns: str
     tokens: np.ndarray
-    specs: tuple[kb.LayerSpec, ...]  # per layer (block caches) or () for checkpoints
+    specs: tuple[kvblocks.LayerSpec, ...]  # per layer (block caches) or () for checkpoints
     runs: list[Run] = field(default_factory=list)
-    checkpoint: kb.Checkpoint | None = None
+    checkpoint: kvblocks.Checkpoint | None = None
     parent: bytes = ZERO_KEY  # index parent of the checkpoint (last full block or root)
     session: str | None = None
     pinned: bool = False  # kept over others and never handed over or superseded
@@ -99,7 +99,7 @@ class RamHit:
     """A RAM hit of ``n`` tokens; ``lend()`` builds the borrower's cache (only if used)."""
 
     n: int
-    lend: Callable[[], kb.PromptCache | None] = lambda: None
+    lend: Callable[[], kvblocks.PromptCache | None] = lambda: None
     entry: RamEntry | None = None
     moved: bool = False  # lend() hands the entry's own buffers over and forgets the entry
 
@@ -194,7 +194,7 @@ class RamTier:
         return run
 
     # ------------------------------------------------------------------ store
-    def store(self, ns: str, tokens: np.ndarray, cache: kb.PromptCache, session: str | None = None,
+    def store(self, ns: str, tokens: np.ndarray, cache: kvblocks.PromptCache, session: str | None = None,
               keys: list[bytes] | None = None, pinned: bool = False,
               retain_until: float = 0.0) -> RamEntry | None:
         """Keep ``cache`` (holding exactly ``tokens``) and return its entry (None if empty
@@ -213,7 +213,7 @@ class RamTier:
             return have
         if keys is None:
             keys = chain_keys(ns, tokens, self.block_tokens)
-        if kb.is_block_cache(cache):
+        if kvblocks.is_block_cache(cache):
             entry = self._store_blocks(ns, tokens, cache, keys)
         else:
             entry = self._store_checkpoint(ns, tokens, cache, keys)
@@ -226,36 +226,36 @@ class RamTier:
         self.evict()
         return entry if key in self.entries else None
 
-    def _store_blocks(self, ns: str, tokens: np.ndarray, cache: kb.PromptCache, keys: list[bytes]
+    def _store_blocks(self, ns: str, tokens: np.ndarray, cache: kvblocks.PromptCache, keys: list[bytes]
                       ) -> RamEntry:
-        n, bt = len(tokens), self.block_tokens
-        specs = tuple(kb.layer_spec(c) for c in cache)
-        arrays = [kb.layer_arrays(c) for c in cache]
+        n, block_tokens = len(tokens), self.block_tokens
+        specs = tuple(kvblocks.layer_spec(c) for c in cache)
+        arrays = [kvblocks.layer_arrays(c) for c in cache]
         for i, c in enumerate(cache):
             if int(c.offset) != n:
                 raise ValueError(f"layer {i} holds {c.offset} tokens but {n} tokens were given")
         k = 0
         while k < len(keys) and keys[k] in self.runs:
             k += 1
-        start = k * bt
+        start = k * block_tokens
         entry = RamEntry(ns, tokens, specs)
         runs = [self.runs[keys[i]] for i in range(k)]
         if start < n:
             if start == 0 or start * 2 < n:
                 # Most of it is new: keep the engine's buffers as they are (no copy).
-                slab_arrays = [[kb.fresh(a) for a in layer] for layer in arrays]
+                slab_arrays = [[kvblocks.fresh(a) for a in layer] for layer in arrays]
                 row_base, slab_t0 = 0, 0
             else:
                 # Most of it is shared: copy only the new rows so the rest can be freed.
-                slab_arrays = kb.compact(arrays, start, n)
+                slab_arrays = kvblocks.compact(arrays, start, n)
                 row_base, slab_t0 = start, start
             mx.eval([a for layer in slab_arrays for a in layer])
-            slab = Slab(slab_arrays, specs, slab_t0, n - slab_t0, kb.arrays_nbytes(slab_arrays))
+            slab = Slab(slab_arrays, specs, slab_t0, n - slab_t0, kvblocks.arrays_nbytes(slab_arrays))
             row = self._bytes_per_token(slab_arrays)
             parent = keys[k - 1] if k else index_root(ns)
-            for i in range(k, n // bt + (1 if n % bt else 0)):
-                t0, t1 = i * bt, min((i + 1) * bt, n)
-                if t1 - t0 == bt:
+            for i in range(k, n // block_tokens + (1 if n % block_tokens else 0)):
+                t0, t1 = i * block_tokens, min((i + 1) * block_tokens, n)
+                if t1 - t0 == block_tokens:
                     rk = keys[i]
                 else:
                     rk = tail_key_of(ns, keys[i - 1] if i else ZERO_KEY, tokens[t0:t1])
@@ -300,19 +300,19 @@ class RamTier:
             return 2
         return 1 if self.retained(e) else 0
 
-    def _store_checkpoint(self, ns: str, tokens: np.ndarray, cache: kb.PromptCache,
+    def _store_checkpoint(self, ns: str, tokens: np.ndarray, cache: kvblocks.PromptCache,
                           keys: list[bytes]
                           ) -> RamEntry:
-        n = kb.cache_tokens(cache)
+        n = kvblocks.cache_tokens(cache)
         if n is not None and n != len(tokens):
             raise ValueError(f"cache holds {n} tokens but {len(tokens)} tokens were given")
-        cp = kb.take_checkpoint(cache)
+        checkpoint = kvblocks.take_checkpoint(cache)
         parent = keys[-1] if keys else index_root(ns)
-        entry = RamEntry(ns, tokens, (), checkpoint=cp, parent=parent, nbytes=cp.nbytes,
-                      logical=cp.nbytes)
+        entry = RamEntry(ns, tokens, (), checkpoint=checkpoint, parent=parent, nbytes=checkpoint.nbytes,
+                      logical=checkpoint.nbytes)
         self.checkpoints.setdefault(parent, []).append(entry)
-        self.checkpoint_bytes += cp.nbytes
-        self.logical_bytes += cp.nbytes
+        self.checkpoint_bytes += checkpoint.nbytes
+        self.logical_bytes += checkpoint.nbytes
         return entry
 
     # ------------------------------------------------------------------ lookup
@@ -326,28 +326,28 @@ class RamTier:
         if keys is None:
             keys = chain_keys(ns, tokens, self.block_tokens)
         best = self._lookup_blocks(ns, tokens, keys, limit, session)
-        cp = self._lookup_checkpoint(ns, tokens, keys, limit)
-        if cp is not None and cp.n > best.n:
-            best = cp
+        checkpoint = self._lookup_checkpoint(ns, tokens, keys, limit)
+        if checkpoint is not None and checkpoint.n > best.n:
+            best = checkpoint
         if best.entry is not None:
             self.entries.move_to_end(best.entry.key)
         return best
 
     def _lookup_blocks(self, ns: str, tokens: np.ndarray, keys: list[bytes], limit: int,
                        session: str | None) -> RamHit:
-        bt = self.block_tokens
+        block_tokens = self.block_tokens
         m = 0
         while m < len(keys) and keys[m] in self.runs:
             m += 1
         pieces: list[Run] = [self.runs[keys[i]] for i in range(m)]
-        n = m * bt
+        n = m * block_tokens
         parent = keys[m - 1] if m else index_root(ns)
-        if m * bt < len(tokens):
-            cands = self.children.get(parent, {}).get(int(tokens[m * bt]), [])
+        if m * block_tokens < len(tokens):
+            cands = self.children.get(parent, {}).get(int(tokens[m * block_tokens]), [])
             best_c, best_run = 0, None
             prev_slab = pieces[-1].slab if pieces else None
             for run in cands:
-                c = common_prefix(run.tokens, tokens[m * bt :])
+                c = common_prefix(run.tokens, tokens[m * block_tokens :])
                 # Ties go to the run in the same slab as the prefix (a view, no copy).
                 if c > best_c or (c == best_c and best_run is not None
                                   and run.slab is prev_slab and best_run.slab is not prev_slab):
@@ -389,19 +389,19 @@ class RamTier:
             return False  # the prefill reallocates anyway: keep the entry for others
         return not (self._is_pinned(entry) and entry.session != session)
 
-    def _move(self, entry: RamEntry, n: int) -> kb.PromptCache:
+    def _move(self, entry: RamEntry, n: int) -> kvblocks.PromptCache:
         """Hand the entry's buffers to the borrower and forget the entry: the borrower then
         writes its new tokens in place (MLX donates a buffer nobody else holds) instead of
         copying the whole conversation, and its ``store`` brings the state back. A buffer
         still pinned elsewhere (e.g. by a pending SSD write) is copied on write, as ever."""
         slab = entry.runs[0].slab
-        arrays = [[kb.fresh(a) for a in layer] for layer in slab.arrays]
+        arrays = [[kvblocks.fresh(a) for a in layer] for layer in slab.arrays]
         specs = slab.specs
         self._drop(entry, evicted=False)
         self.moves += 1
-        return [kb.make_layer(spec, layer, n) for spec, layer in zip(specs, arrays)]
+        return [kvblocks.make_layer(spec, layer, n) for spec, layer in zip(specs, arrays)]
 
-    def _lend_runs(self, runs: list[Run], n: int, total_hint: int) -> kb.PromptCache:
+    def _lend_runs(self, runs: list[Run], n: int, total_hint: int) -> kvblocks.PromptCache:
         spans: list[tuple[list[list[mx.array]], int, int]] = []
         specs = runs[0].slab.specs
         left = n
@@ -415,25 +415,25 @@ class RamTier:
             else:
                 spans.append((run.slab.arrays, run.row0, take))
             left -= take
-        arrays = kb.assemble(spans, total_hint)
-        cache = [kb.make_layer(spec, layer, n) for spec, layer in zip(specs, arrays)]
+        arrays = kvblocks.assemble(spans, total_hint)
+        cache = [kvblocks.make_layer(spec, layer, n) for spec, layer in zip(specs, arrays)]
         return cache
 
     def _lookup_checkpoint(self, ns: str, tokens: np.ndarray, keys: list[bytes], limit: int
                            ) -> RamHit | None:
         if not self.checkpoints:
             return None
-        bt, root = self.block_tokens, index_root(ns)
-        for d in range(min(len(keys), limit // bt), -1, -1):
+        block_tokens, root = self.block_tokens, index_root(ns)
+        for d in range(min(len(keys), limit // block_tokens), -1, -1):
             parent = keys[d - 1] if d else root
             best: RamEntry | None = None
             for e in self.checkpoints.get(parent, ()):
                 L = len(e.tokens)
                 if L <= limit and (best is None or L > len(best.tokens)) and \
-                        np.array_equal(e.tokens[d * bt :], tokens[d * bt : L]):
+                        np.array_equal(e.tokens[d * block_tokens :], tokens[d * block_tokens : L]):
                     best = e
             if best is not None and best.checkpoint is not None:
-                return RamHit(len(best.tokens), functools.partial(kb.lend_checkpoint,
+                return RamHit(len(best.tokens), functools.partial(kvblocks.lend_checkpoint,
                                                                   best.checkpoint), best)
         return None
 

@@ -29,8 +29,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mlxkv.engine.cache import kvblocks as kb
-from mlxkv.engine.cache import layout as dl
+from mlxkv.engine.cache import kvblocks, layout
 from mlxkv.engine.cache.durability import Durability, Snapshots, StateWrite, Written
 from mlxkv.engine.cache.events import Events
 from mlxkv.engine.cache.stats import Counters
@@ -63,10 +62,10 @@ def _background_priority() -> None:
 class Restoring:
     """A block read under way (``SsdTier.begin_blocks``): its destinations stay with it."""
 
-    sns: str
+    store_ns: str
     toks: np.ndarray
     n_tokens: int  # what the read will restore if every block verifies
-    layers: list[dl.RestoreLayer]
+    layers: list[layout.RestoreLayer]
     future: Future[Restore]
 
 
@@ -110,27 +109,28 @@ class SsdTier:
             self.counters.add(ssd_skipped_stuck=1)
         return not self._stuck
 
-    def lookup(self, sns: str, toks: np.ndarray, keys: list[bytes], limit: int, n_ram: int,
+    def lookup(self, store_ns: str, toks: np.ndarray, keys: list[bytes], limit: int, n_ram: int,
                worth: Callable[[int, int], bool]
-               ) -> tuple[int, kb.PromptCache | None, float]:
+               ) -> tuple[int, kvblocks.PromptCache | None, float]:
         """The longest prefix the SSD holds that beats ``n_ram`` (``worth(n_ssd, n_ram)``):
         ``(n, cache, restore_ms)``; ``(0, None, ms)`` when there is none. ``keys``: the
         prompt's chain keys (the store does not hash it again)."""
-        restored: tuple[int, kb.PromptCache] | None = None
+        restored: tuple[int, kvblocks.PromptCache] | None = None
         restore_ms = 0.0
-        sm = self.disk.lookup(sns, toks, max_tokens=limit, keys=keys)
+        block_match = self.disk.lookup(store_ns, toks, max_tokens=limit, keys=keys)
         # blocks of some layers only (a hybrid model's KV) come back with a checkpoint
-        if sm.layout is not None and not dl.is_partial(sm.layout) and worth(sm.n_tokens, n_ram):
+        if block_match.layout is not None and not layout.is_partial(block_match.layout) \
+                and worth(block_match.n_tokens, n_ram):
             t1 = time.perf_counter()
-            restored = self._restore_blocks(sns, toks, sm)
+            restored = self._restore_blocks(store_ns, toks, block_match)
             restore_ms += (time.perf_counter() - t1) * 1e3
         if self._stuck:  # that read timed out: the reader will not serve another one soon
             return 0, None, restore_ms
         best = max(n_ram, restored[0] if restored else 0)
-        cm = self.disk.lookup_checkpoint(sns, toks, max_tokens=limit, keys=keys)
-        if cm.n_tokens and worth(cm.n_tokens, best):
+        checkpoint_match = self.disk.lookup_checkpoint(store_ns, toks, max_tokens=limit, keys=keys)
+        if checkpoint_match.n_tokens and worth(checkpoint_match.n_tokens, best):
             t1 = time.perf_counter()
-            r2 = self._restore_checkpoint(sns, toks, cm, keys)
+            r2 = self._restore_checkpoint(store_ns, toks, checkpoint_match, keys)
             restore_ms += (time.perf_counter() - t1) * 1e3
             if r2 is not None and (restored is None or r2[0] > restored[0]):
                 restored = r2
@@ -138,20 +138,20 @@ class SsdTier:
             return 0, None, restore_ms
         return restored[0], restored[1], restore_ms
 
-    def _taker(self, sns: str) -> dl.Taker | None:
+    def _taker(self, store_ns: str) -> layout.Taker | None:
         arena = self.arena
         if arena is None:
             return None
-        return lambda flat, cap: arena.take(sns, flat, cap)
+        return lambda flat, cap: arena.take(store_ns, flat, cap)
 
-    def latest_tokens(self, sns: str) -> int:
-        """Tokens of the state the store used last in ``sns`` (0: none)."""
-        return self.disk.latest_tokens(sns)
+    def latest_tokens(self, store_ns: str) -> int:
+        """Tokens of the state the store used last in ``store_ns`` (0: none)."""
+        return self.disk.latest_tokens(store_ns)
 
-    def _unusable(self, sns: str, exc: Exception) -> None:
+    def _unusable(self, store_ns: str, exc: Exception) -> None:
         self.counters.add(layout_mismatches=1)
-        self.events.warn(f"layout:{sns}", "prefix cache: a state stored in %s does not fit "
-                         "this model and is not used (the prompt is recomputed): %s", sns, exc)
+        self.events.warn(f"layout:{store_ns}", "prefix cache: a state stored in %s does not fit "
+                         "this model and is not used (the prompt is recomputed): %s", store_ns, exc)
 
     def _wait(self, fut: Future[Restore]) -> Restore | None:
         """The result of a read, or None (a failure or a timeout: counted, warned once)."""
@@ -172,14 +172,14 @@ class SsdTier:
         self.counters.add(restore_bytes=res.bytes_read, ssd_corrupt=res.corrupt)
         return res
 
-    def _restore_blocks(self, sns: str, toks: np.ndarray, match: Match
-                        ) -> tuple[int, kb.PromptCache] | None:
+    def _restore_blocks(self, store_ns: str, toks: np.ndarray, match: Match
+                        ) -> tuple[int, kvblocks.PromptCache] | None:
         """Restore block ``match`` into arena slots or fresh mx arrays with headroom up to
         the prompt's length (its prefill then writes in place)."""
-        pending = self.begin_blocks(sns, toks, match, kb.round_up(len(toks)))
+        pending = self.begin_blocks(store_ns, toks, match, kvblocks.round_up(len(toks)))
         return None if pending is None else self.finish_blocks(pending)
 
-    def begin_blocks(self, sns: str, toks: np.ndarray, match: Match, cap: int,
+    def begin_blocks(self, store_ns: str, toks: np.ndarray, match: Match, cap: int,
                      populate: bool = True) -> Restoring | None:
         """Start reading block ``match`` on the reader thread into destinations with room
         for ``cap`` tokens (an arena slot, or arrays allocated now; ``populate=False``
@@ -187,56 +187,56 @@ class SsdTier:
         from mlxkv.storage.io import ReadRequest
 
         try:
-            layers, segs, arrays = dl.block_buffers(match.layout, cap, self._taker(sns),
+            layers, segs, arrays = layout.block_buffers(match.layout, cap, self._taker(store_ns),
                                                     populate=populate)
-        except dl.LayoutError as exc:
-            self._unusable(sns, exc)
+        except layout.LayoutError as exc:
+            self._unusable(store_ns, exc)
             return None
-        fut = self.io.submit_read(ReadRequest(sns, toks, match.layout, segs, n_tokens=match,
+        fut = self.io.submit_read(ReadRequest(store_ns, toks, match.layout, segs, n_tokens=match,
                                               keep=arrays))
-        return Restoring(sns, toks, match.n_tokens, layers, fut)
+        return Restoring(store_ns, toks, match.n_tokens, layers, fut)
 
-    def finish_blocks(self, p: Restoring) -> tuple[int, kb.PromptCache] | None:
+    def finish_blocks(self, p: Restoring) -> tuple[int, kvblocks.PromptCache] | None:
         """Wait for a read begun by ``begin_blocks`` (bounded by the restore timeout) and
         build its checked cache; None when it failed, timed out or does not fit."""
         res = self._wait(p.future)
         if res is None or res.n_tokens <= 0:
             return None
-        cache = [kb.make_layer(spec, arrs, res.n_tokens) for _, spec, arrs in p.layers]
+        cache = [kvblocks.make_layer(spec, arrs, res.n_tokens) for _, spec, arrs in p.layers]
         try:
-            self.templates.check(p.sns, cache)
-        except dl.LayoutError as exc:
-            self._unusable(p.sns, exc)
+            self.templates.check(p.store_ns, cache)
+        except layout.LayoutError as exc:
+            self._unusable(p.store_ns, exc)
             return None
         return res.n_tokens, cache
 
-    def _restore_checkpoint(self, sns: str, toks: np.ndarray, cm: Match, keys: list[bytes]
-                            ) -> tuple[int, kb.PromptCache] | None:
-        """Restore the checkpoint ``cm`` (and, for models that also have KV layers, their
+    def _restore_checkpoint(self, store_ns: str, toks: np.ndarray, checkpoint_match: Match, keys: list[bytes]
+                            ) -> tuple[int, kvblocks.PromptCache] | None:
+        """Restore the checkpoint ``checkpoint_match`` (and, for models that also have KV layers, their
         blocks up to exactly the same position); None unless all of it verifies and fits."""
         from mlxkv.storage.io import ReadRequest
 
-        n = cm.n_tokens
+        n = checkpoint_match.n_tokens
         try:
-            carrays = dl.checkpoint_buffers(cm.layout)
-            blocks: list[dl.RestoreLayer] = []
-            if dl.checkpoint_has_blocks(cm.layout):
-                bm = self.disk.lookup(sns, toks, max_tokens=n, keys=keys)
-                if bm.n_tokens != n or not dl.is_partial(bm.layout):
+            carrays = layout.checkpoint_buffers(checkpoint_match.layout)
+            blocks: list[layout.RestoreLayer] = []
+            if layout.checkpoint_has_blocks(checkpoint_match.layout):
+                block_match = self.disk.lookup(store_ns, toks, max_tokens=n, keys=keys)
+                if block_match.n_tokens != n or not layout.is_partial(block_match.layout):
                     return None  # its KV layers are not all on disk: nothing to restore
-                blocks, bsegs, barrays = dl.block_buffers(bm.layout, kb.round_up(len(toks)),
-                                                          self._taker(sns))
-        except dl.LayoutError as exc:
-            self._unusable(sns, exc)
+                blocks, bsegs, barrays = layout.block_buffers(block_match.layout, kvblocks.round_up(len(toks)),
+                                                          self._taker(store_ns))
+        except layout.LayoutError as exc:
+            self._unusable(store_ns, exc)
             return None
         bfut = None
         if blocks:
-            bfut = self.io.submit_read(ReadRequest(sns, toks, bm.layout, bsegs, n_tokens=bm,
+            bfut = self.io.submit_read(ReadRequest(store_ns, toks, block_match.layout, bsegs, n_tokens=block_match,
                                                    keep=barrays))
             del bsegs, barrays
         cres = self._wait(self.io.submit_read(ReadRequest(
-            sns, toks, cm.layout, [(kb.byte_view(a), 1, 1, a.nbytes) for a in carrays],
-            n_tokens=cm, keep=carrays, checkpoint=True)))
+            store_ns, toks, checkpoint_match.layout, [(kvblocks.byte_view(a), 1, 1, a.nbytes) for a in carrays],
+            n_tokens=checkpoint_match, keep=carrays, checkpoint=True)))
         if bfut is not None:
             if self._stuck:  # the reader is stuck: the block read will not come soon
                 self._stuck.append(bfut)
@@ -247,76 +247,76 @@ class SsdTier:
         if cres is None or cres.n_tokens != n:
             return None
         try:
-            layers = dl.checkpoint_layers(cm.layout, carrays)
+            layers = layout.checkpoint_layers(checkpoint_match.layout, carrays)
             for li, spec, arrs in blocks:
-                layers[li] = kb.make_layer(spec, arrs, n)
+                layers[li] = kvblocks.make_layer(spec, arrs, n)
             if sorted(layers) != list(range(len(layers))):
-                raise dl.LayoutError("a checkpoint does not cover every layer")
+                raise layout.LayoutError("a checkpoint does not cover every layer")
             cache = [layers[i] for i in range(len(layers))]
-            if kb.cache_tokens(cache) not in (None, n):
-                raise dl.LayoutError(f"a checkpoint at {n} tokens holds another position")
-            self.templates.check(sns, cache)
-        except dl.LayoutError as exc:
-            self._unusable(sns, exc)
+            if kvblocks.cache_tokens(cache) not in (None, n):
+                raise layout.LayoutError(f"a checkpoint at {n} tokens holds another position")
+            self.templates.check(store_ns, cache)
+        except layout.LayoutError as exc:
+            self._unusable(store_ns, exc)
             return None
         return n, cache
 
     # ------------------------------------------------------------------ persist
-    def retain(self, sns: str, toks: np.ndarray, keys: list[bytes], ttl_s: float) -> None:
+    def retain(self, store_ns: str, toks: np.ndarray, keys: list[bytes], ttl_s: float) -> None:
         """Keep the files of the state of ``toks`` (``keys``: its chain keys) over others
         when the store evicts, for ``ttl_s`` seconds (a retention hint)."""
-        bt = self.disk.block_tokens
-        rest = toks[len(keys) * bt:]
-        held = list(keys) + [ckpt_key_of(sns, toks, bt)]
+        block_tokens = self.disk.block_tokens
+        rest = toks[len(keys) * block_tokens:]
+        held = list(keys) + [ckpt_key_of(store_ns, toks, block_tokens)]
         if len(rest):
-            held.append(tail_key_of(sns, keys[-1] if keys else ZERO_KEY, rest))
-        self.disk.retain(sns, held, ttl_s)
+            held.append(tail_key_of(store_ns, keys[-1] if keys else ZERO_KEY, rest))
+        self.disk.retain(store_ns, held, ttl_s)
 
-    def persist(self, sns: str, toks: np.ndarray, cache: kb.PromptCache, block_mode: bool,
-                cp: kb.Checkpoint | None) -> bool:
+    def persist(self, store_ns: str, toks: np.ndarray, cache: kvblocks.PromptCache, block_mode: bool,
+                checkpoint: kvblocks.Checkpoint | None) -> bool:
         """Hand a snapshot of ``cache`` (holding ``toks``) to the writer; False when it
         cannot be persisted (kept in RAM only)."""
-        state_id = entry_id(sns, toks)
+        state_id = entry_id(store_ns, toks)
         snap: Snapshots | None
         if block_mode:
-            snap = self.block_snapshot(sns, toks, cache, state_id)
+            snap = self.block_snapshot(store_ns, toks, cache, state_id)
         else:
-            snap = self._checkpoint_snapshot(sns, toks, cache, cp, state_id)
+            snap = self._checkpoint_snapshot(store_ns, toks, cache, checkpoint, state_id)
         if snap is None:
             return False
-        self.durability.mark(sns, toks, snap, coalesce=block_mode, eid=state_id)
+        self.durability.mark(store_ns, toks, snap, coalesce=block_mode, entry_id=state_id)
         return True
 
-    def block_snapshot(self, sns: str, toks: np.ndarray, cache: kb.PromptCache, state_id: str
+    def block_snapshot(self, store_ns: str, toks: np.ndarray, cache: kvblocks.PromptCache, state_id: str
                        ) -> Snapshot:
         """New array objects over the cache's evaluated buffers, byte views of them, a
         manifest so GC keeps the state, and a low writer priority."""
         from mlxkv.storage.io import Snapshot
 
-        specs, segs, keep = dl.block_layout(cache, len(toks))
-        return Snapshot(sns, toks, tuple(specs), segs, manifest=manifest_name(state_id),
+        specs, segs, keep = layout.block_layout(cache, len(toks))
+        return Snapshot(store_ns, toks, tuple(specs), segs, manifest=manifest_name(state_id),
                         keep=keep, on_start=_background_priority)
 
-    def _checkpoint_snapshot(self, sns: str, toks: np.ndarray, cache: kb.PromptCache,
-                             cp: kb.Checkpoint | None, state_id: str) -> Snapshots | None:
+    def _checkpoint_snapshot(self, store_ns: str, toks: np.ndarray, cache: kvblocks.PromptCache,
+                             checkpoint: kvblocks.Checkpoint | None, state_id: str) -> Snapshots | None:
         """Snapshot(s) of a non-block cache: its non-trimmable layers as one checkpoint
         (after its KV layers as blocks, when it has any); None if it cannot be persisted."""
         from mlxkv.storage.io import Snapshot
 
-        block_idx, ckpt_idx = dl.split_layers(cache)
+        block_idx, ckpt_idx = layout.split_layers(cache)
         try:
-            if cp is None:
-                cp = kb.take_checkpoint(cache)
-            specs, segs, keep = dl.checkpoint_layout(cp, ckpt_idx, bool(block_idx))
+            if checkpoint is None:
+                checkpoint = kvblocks.take_checkpoint(cache)
+            specs, segs, keep = layout.checkpoint_layout(checkpoint, ckpt_idx, bool(block_idx))
             snaps: list[Snapshot] = []
             if block_idx:
-                bspecs, bsegs, bkeep = dl.block_layout(cache, len(toks), block_idx, part=True)
+                bspecs, bsegs, bkeep = layout.block_layout(cache, len(toks), block_idx, part=True)
                 # no manifest of its own: the checkpoint's names the blocks and tail too
-                snaps.append(Snapshot(sns, toks, tuple(bspecs), bsegs, keep=bkeep,
+                snaps.append(Snapshot(store_ns, toks, tuple(bspecs), bsegs, keep=bkeep,
                                       on_start=_background_priority))
-        except kb.UnsupportedCache:
+        except kvblocks.UnsupportedCache:
             return None
-        snaps.append(Snapshot(sns, toks, tuple(specs), segs, manifest=manifest_name(state_id),
+        snaps.append(Snapshot(store_ns, toks, tuple(specs), segs, manifest=manifest_name(state_id),
                               keep=keep, on_start=_background_priority, checkpoint=True))
         return snaps[0] if len(snaps) == 1 else tuple(snaps)
 
@@ -349,7 +349,7 @@ class SsdTier:
     def _settled(self, job: StateWrite) -> None:
         """Writer thread: a write settled (durable or failed for good)."""
         if job.state == "durable":
-            self.events.emit("persisted", id=job.eid, ns=job.ns, tokens=job.ntokens,
+            self.events.emit("persisted", id=job.entry_id, ns=job.ns, tokens=job.ntokens,
                              bytes=job.bytes_written)
 
     # ------------------------------------------------------------------ lifecycle
@@ -357,9 +357,9 @@ class SsdTier:
         return self.durability.flush(timeout)
 
     def close(self, timeout: float | None) -> dict[str, int]:
-        rep = self.durability.close(timeout)
+        report = self.durability.close(timeout)
         self.io.close(timeout)
-        return rep
+        return report
 
     def stats(self) -> dict[str, object]:
         st = self.disk.stats()

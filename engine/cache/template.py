@@ -21,7 +21,7 @@ from typing import TypeAlias
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
-from mlxkv.engine.cache import kvblocks as kb
+from mlxkv.engine.cache import kvblocks
 from mlxkv.engine.cache.info import scope_base
 from mlxkv.engine.cache.layout import LayoutError
 
@@ -44,7 +44,7 @@ def _dims(a: mx.array) -> Dims:
     return (tuple(int(s) for s in a.shape[1:2] + a.shape[3:]), str(a.dtype))
 
 
-def layer_sig(c: kb.LayerCache) -> LayerSig:
+def layer_sig(c: kvblocks.LayerCache) -> LayerSig:
     """The signature of a live (filled) mlx-lm layer cache."""
     t = type(c)
     if t is KVCache:
@@ -88,7 +88,7 @@ class Templates:
     def known(self, ns: str) -> bool:
         return ns in self._sigs
 
-    def learn(self, ns: str, cache: kb.PromptCache, replace: bool = False) -> None:
+    def learn(self, ns: str, cache: kvblocks.PromptCache, replace: bool = False) -> None:
         """Take the signature of a cache the model produced (the first one wins unless
         ``replace``). Empty layers (nothing computed yet) teach nothing."""
         if ns in self._sigs and not replace:
@@ -98,7 +98,7 @@ class Templates:
             return
         self._sigs[ns] = sigs
 
-    def check(self, ns: str, cache: kb.PromptCache) -> None:
+    def check(self, ns: str, cache: kvblocks.PromptCache) -> None:
         """LayoutError unless ``cache`` fits the namespace's model (unknown: accepted). A
         cache scope's namespace (a tenant's) is checked against its model's."""
         want = self._sigs.get(ns) or self._sigs.get(scope_base(ns))

@@ -55,15 +55,15 @@ def store_namespace(ns: str) -> str:
     return f"{clean}-{xxhash.xxh3_64_hexdigest(ns.encode())}"
 
 
-def index_root(sns: str) -> bytes:
+def index_root(store_ns: str) -> bytes:
     """Parent of a namespace's first block in the RAM tier's parent-keyed indices."""
-    return namespace_id(sns)
+    return namespace_id(store_ns)
 
 
-def chain_keys(sns: str, tokens: np.ndarray, block_tokens: int) -> list[bytes]:
-    """Chain keys of every full block of ``tokens`` in store namespace ``sns`` (the same
+def chain_keys(store_ns: str, tokens: np.ndarray, block_tokens: int) -> list[bytes]:
+    """Chain keys of every full block of ``tokens`` in store namespace ``store_ns`` (the same
     keys ``storage.store.BlockStore.chain_keys`` gives)."""
-    nsid = namespace_id(sns)
+    nsid = namespace_id(store_ns)
     keys: list[bytes] = []
     parent = ZERO_KEY
     for i in range(len(tokens) // block_tokens):
@@ -72,23 +72,23 @@ def chain_keys(sns: str, tokens: np.ndarray, block_tokens: int) -> list[bytes]:
     return keys
 
 
-def tail_key_of(sns: str, parent: bytes, tokens: np.ndarray) -> bytes:
+def tail_key_of(store_ns: str, parent: bytes, tokens: np.ndarray) -> bytes:
     """Key of a partial block (``parent``: the chain key before it, ZERO_KEY for none)."""
-    return tail_key(parent, namespace_id(sns), tokens)
+    return tail_key(parent, namespace_id(store_ns), tokens)
 
 
-def ckpt_key_of(sns: str, tokens: np.ndarray, block_tokens: int) -> bytes:
+def ckpt_key_of(store_ns: str, tokens: np.ndarray, block_tokens: int) -> bytes:
     """Key of the checkpoint of exactly ``tokens`` (as the block store names it)."""
-    keys = chain_keys(sns, tokens, block_tokens)
-    return ckpt_key(keys[-1] if keys else ZERO_KEY, namespace_id(sns),
+    keys = chain_keys(store_ns, tokens, block_tokens)
+    return ckpt_key(keys[-1] if keys else ZERO_KEY, namespace_id(store_ns),
                     tokens[len(keys) * block_tokens :])
 
 
-def entry_id(sns: str, tokens: np.ndarray) -> str:
+def entry_id(store_ns: str, tokens: np.ndarray) -> str:
     """Stable id of a stored state: the same (namespace, tokens) in every process."""
-    return xxhash.xxh3_64_hexdigest(namespace_id(sns) + tokens.tobytes())
+    return xxhash.xxh3_64_hexdigest(namespace_id(store_ns) + tokens.tobytes())
 
 
-def manifest_name(eid: str) -> str:
+def manifest_name(entry_id: str) -> str:
     """The manifest that names a stored state on disk (so GC keeps what it needs)."""
-    return f"c-{eid}"
+    return f"c-{entry_id}"

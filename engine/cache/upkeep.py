@@ -30,7 +30,7 @@ log = logging.getLogger("mlxkv.cache")
 class Saved:
     """One saved state of the SSD tier."""
 
-    eid: str
+    entry_id: str
     ns: str
     tokens: np.ndarray
     checkpoint: bool
@@ -40,30 +40,30 @@ class Saved:
     manifest: str = ""
 
 
-def saved_states(disk: BlockStore, sns: str) -> list[Saved]:
-    """The states saved in ``sns`` whose first block, tail or checkpoint is on disk."""
+def saved_states(disk: BlockStore, store_ns: str) -> list[Saved]:
+    """The states saved in ``store_ns`` whose first block, tail or checkpoint is on disk."""
     from mlxkv.storage.format import bytes_per_token
 
     out = []
-    for man in disk.manifests(sns):
+    for man in disk.manifests(store_ns):
         toks = np.ascontiguousarray(man.tokens, dtype="<u4")
-        s = Saved(entry_id(sns, toks), sns, toks, bool(man.extra_keys), man.created,
+        s = Saved(entry_id(store_ns, toks), store_ns, toks, bool(man.extra_keys), man.created,
                   manifest=man.name)
-        bt = disk.block_tokens
+        block_tokens = disk.block_tokens
         if s.checkpoint:
-            cm = disk.lookup_checkpoint(sns, toks)
-            if cm.n_tokens != len(toks) or cm.checkpoint_key is None:
+            checkpoint_match = disk.lookup_checkpoint(store_ns, toks)
+            if checkpoint_match.n_tokens != len(toks) or checkpoint_match.checkpoint_key is None:
                 continue
-            s.blocks.append((cm.checkpoint_key, len(toks), cm.nbytes))
-            bm = disk.lookup(sns, toks, max_tokens=len(toks))
-            if bm.n_tokens == len(toks) and bm.layout is not None:
-                _add_blocks(s, bm, bt, bytes_per_token(bm.layout))
+            s.blocks.append((checkpoint_match.checkpoint_key, len(toks), checkpoint_match.nbytes))
+            block_match = disk.lookup(store_ns, toks, max_tokens=len(toks))
+            if block_match.n_tokens == len(toks) and block_match.layout is not None:
+                _add_blocks(s, block_match, block_tokens, bytes_per_token(block_match.layout))
             s.cached = len(toks)
         else:
-            m = disk.lookup(sns, toks)
+            m = disk.lookup(store_ns, toks)
             if m.n_tokens == 0 or m.layout is None:
                 continue
-            _add_blocks(s, m, bt, bytes_per_token(m.layout))
+            _add_blocks(s, m, block_tokens, bytes_per_token(m.layout))
             s.cached = m.n_tokens
         out.append(s)
     return out
@@ -75,9 +75,9 @@ def _add_blocks(s: Saved, m: Match, block_tokens: int, bytes_per_token: int) -> 
         s.blocks.append((m.tail_key, m.tail_tokens, m.tail_tokens * bytes_per_token))
 
 
-def damaged_manifests(disk: BlockStore, sns: str) -> int:
-    """Manifest files of ``sns`` that cannot be read back (damaged, truncated)."""
-    return len(disk.damaged_manifests(sns))
+def damaged_manifests(disk: BlockStore, store_ns: str) -> int:
+    """Manifest files of ``store_ns`` that cannot be read back (damaged, truncated)."""
+    return len(disk.damaged_manifests(store_ns))
 
 
 def _scratch(layout: Layout, rows: int) -> list[Segment]:
@@ -95,11 +95,11 @@ def verify(io: StorageIO, s: Saved, timeout: float | None) -> tuple[bool, dict[b
     seen: dict[bytes, bool] = {}
     reads: list[tuple[ReadRequest, list[bytes]]] = []
     if s.checkpoint:
-        cm = disk.lookup_checkpoint(s.ns, toks)
-        if cm.n_tokens == len(toks) and cm.checkpoint_key is not None and \
-                cm.layout is not None:  # (a found checkpoint has both)
-            reads.append((ReadRequest(s.ns, toks, cm.layout, _scratch(cm.layout, 1),
-                                      n_tokens=cm, checkpoint=True), [cm.checkpoint_key]))
+        checkpoint_match = disk.lookup_checkpoint(s.ns, toks)
+        if checkpoint_match.n_tokens == len(toks) and checkpoint_match.checkpoint_key is not None and \
+                checkpoint_match.layout is not None:  # (a found checkpoint has both)
+            reads.append((ReadRequest(s.ns, toks, checkpoint_match.layout, _scratch(checkpoint_match.layout, 1),
+                                      n_tokens=checkpoint_match, checkpoint=True), [checkpoint_match.checkpoint_key]))
         else:
             ok = False
     m = disk.lookup(s.ns, toks, max_tokens=len(toks) if s.checkpoint else None)
@@ -111,10 +111,10 @@ def verify(io: StorageIO, s: Saved, timeout: float | None) -> tuple[bool, dict[b
         try:
             res = io.submit_read(req).result(timeout=timeout)
         except FutureTimeout:
-            log.warning("prefix cache: verifying %s took longer than %s s", s.eid, timeout)
+            log.warning("prefix cache: verifying %s took longer than %s s", s.entry_id, timeout)
             return False, seen
         except Exception as exc:  # noqa: BLE001  (an unreadable or foreign layout: damage)
-            log.debug("verify %s: %s", s.eid, exc)
+            log.debug("verify %s: %s", s.entry_id, exc)
             return False, seen
         good = res.blocks_read
         for i, k in enumerate(keys):
@@ -124,12 +124,12 @@ def verify(io: StorageIO, s: Saved, timeout: float | None) -> tuple[bool, dict[b
     return ok, seen
 
 
-def remove(disk: BlockStore, sns: str, keys: set[bytes], manifests: list[str]) -> int:
-    """Remove the files of ``keys`` and the named manifests from ``sns``; files removed."""
-    n = sum(bool(disk.delete_manifest(sns, name)) for name in manifests)
+def remove(disk: BlockStore, store_ns: str, keys: set[bytes], manifests: list[str]) -> int:
+    """Remove the files of ``keys`` and the named manifests from ``store_ns``; files removed."""
+    n = sum(bool(disk.delete_manifest(store_ns, name)) for name in manifests)
     if not keys:
         return n
-    return n + int(disk.remove(sns, keys).get("removed", 0))
+    return n + int(disk.remove(store_ns, keys).get("removed", 0))
 
 
 __all__ = ["Saved", "damaged_manifests", "manifest_name", "remove", "saved_states", "verify"]
