@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, runtime_checkable
 import numpy as np
 from numpy.typing import ArrayLike
 
-from mlxkv.engine.cache.info import CacheEntryDetail, CacheEntryInfo
+from mlxkv.engine.cache.info import CacheEntryDetail, CacheEntryInfo, VerifyReport
 
 if TYPE_CHECKING:
     import mlx.nn as nn
@@ -102,7 +102,7 @@ class CacheClient(Protocol):
     def delete(self, entry_id: str) -> bool:
         """Drop an entry from every tier."""
 
-    def verify(self, entry_id: str | None = None) -> dict[str, Any]:
+    def verify(self, entry_id: str | None = None) -> VerifyReport:
         """Read and check SSD blocks (of one entry, or all)."""
 
     def load_learned(self, ns: str, name: str, schema: str) -> list[np.ndarray]:

@@ -7,13 +7,12 @@ after the entry id, see ``upkeep``) or both; ``listing`` merges what the tiers k
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
+from numpy.typing import ArrayLike
 
 from mlxkv.engine.cache import listing, misses, upkeep
 from mlxkv.engine.cache.events import Events
-from mlxkv.engine.cache.info import CacheEntryDetail, CacheEntryInfo
+from mlxkv.engine.cache.info import CacheEntryDetail, CacheEntryInfo, VerifyReport, empty_verify_report
 from mlxkv.engine.cache.lending import Lending
 from mlxkv.engine.cache.ram_tier import RamTier
 from mlxkv.engine.cache.ssd import SsdTier
@@ -75,7 +74,7 @@ class EntryManager:
         info = listing.infos(facts, self.ram, self.pins, self.usage)[entry_id]
         return listing.detail(info, f, self.verified)
 
-    def explain(self, tokens: Any, ns: str) -> misses.Divergence | None:
+    def explain(self, tokens: ArrayLike, ns: str) -> misses.Divergence | None:
         """The stored state of ``ns`` that shares the longest prefix with ``tokens`` (RAM
         entries first, then the SSD tier's saved states; most recent first), and where
         the prompt parts from it; None when none starts like it."""
@@ -163,7 +162,7 @@ class EntryManager:
             self.events.warn("remove-failed", "prefix cache: cannot remove from the SSD "
                               "tier: %s", exc)
 
-    def invalidate(self, tokens: Any, ns: str) -> None:
+    def invalidate(self, tokens: ArrayLike, ns: str) -> None:
         """Drop every cached state that could seed a prompt of ``tokens`` (both tiers):
         a generation from such a state failed."""
         toks, store_ns = as_tokens(tokens), store_namespace(ns)
@@ -197,11 +196,11 @@ class EntryManager:
             limit = checkpoint_match.n_tokens - 1
         return keys
 
-    def verify(self, entry_id: str | None = None) -> dict[str, Any]:
+    def verify(self, entry_id: str | None = None) -> VerifyReport:
         """Read back saved states (one, or all) and check every block's content hash; a
         ``verify`` event (``done`` of ``total``) follows each state checked. Nothing is
         checked while a restore is stuck on the reader thread."""
-        out: dict[str, Any] = {"checked": 0, "ok": 0, "damaged": [], "manifests_damaged": 0}
+        out = empty_verify_report()
         if self.ssd is None or not self.ssd.available():
             return out
         saved = self.saved(None)

@@ -20,12 +20,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from mlxkv.engine.cache.tokens import common_prefix
 from mlxkv.engine.cache.tokens import entry_id as entry_id_of
+
+if TYPE_CHECKING:
+    from mlxkv.storage.store import BlockStore
 
 NEXT_TOKENS = 16  # the closest state's tokens kept after the point where the prompt parts
 MAX_CANDIDATES = 4096  # states compared at most per explanation, most recent first
@@ -80,7 +83,7 @@ class SavedTokens:
     def __init__(self) -> None:
         self._by_ns: dict[str, dict[str, np.ndarray]] = {}
 
-    def load(self, disk: Any, store_ns: str) -> dict[str, np.ndarray]:
+    def load(self, disk: BlockStore, store_ns: str) -> dict[str, np.ndarray]:
         """The saved states of ``store_ns`` (id -> token ids, oldest first), their manifests
         read on first use (``PrefixCache.bind_model`` reads the model's namespace while
         the model loads, so no request waits for it)."""
@@ -92,7 +95,7 @@ class SavedTokens:
                 (np.ascontiguousarray(m.tokens, dtype="<u4") for m in mans)}
         return known
 
-    def candidates(self, disk: Any, store_ns: str, first: int) -> list[Candidate]:
+    def candidates(self, disk: BlockStore, store_ns: str, first: int) -> list[Candidate]:
         """The saved states of ``store_ns`` whose first token is ``first``, newest first."""
         return [Candidate(t, "ssd", entry_id) for entry_id, t in reversed(self.load(disk, store_ns).items())
                 if len(t) and t[0] == first]

@@ -30,10 +30,10 @@ from mlxkv.engine.cache.tokens import entry_id as entry_id_of
 
 
 @dataclass(eq=False)
-class _Prefetch:
+class _BackgroundRead:
     """A prefetch whose blocks are being read (``SsdTier.begin_blocks``)."""
 
-    p: Restoring
+    read: Restoring
     keys: list[bytes]
     session: str | None
 
@@ -52,7 +52,7 @@ class Prefetcher:
         self.block_tokens = block_tokens
         self.worth = worth
         self.busy = False  # the engine is serving (set by PrefixCache.busy)
-        self.under_way: list[_Prefetch] = []  # background block reads
+        self.under_way: list[_BackgroundRead] = []  # background block reads
 
     def prefetch(self, tokens: ArrayLike, ns: str, session: str | None = None) -> int:
         """Warm the longest cached prefix of ``tokens`` into RAM, restoring it from SSD
@@ -67,21 +67,21 @@ class Prefetcher:
         keys = chain_keys(store_ns, toks, self.block_tokens)
         n = self.ram.lookup(store_ns, toks, session, keys=keys).n  # (touches it: kept warm)
         for background in self.under_way:  # already on its way
-            if background.p.store_ns == store_ns and background.p.n_tokens > n and \
-                    common_prefix(background.p.toks, toks) >= background.p.n_tokens:
-                return background.p.n_tokens
+            if background.read.store_ns == store_ns and background.read.n_tokens > n and \
+                    common_prefix(background.read.toks, toks) >= background.read.n_tokens:
+                return background.read.n_tokens
         restored = 0
         if self.busy and self.ssd is not None and self.worth(limit, n) and \
                 self.ssd.available():
             return self._behind(self.ssd, store_ns, toks, keys, limit, n, ns, session)
         if self.ssd is not None and self.worth(limit, n) and self.ssd.available():
-            n2, cache, restore_ms = self.ssd.lookup(store_ns, toks, keys, limit, n, self.worth)
-            if cache is not None and n2 > n:
-                entry = self.ram.store(store_ns, toks[:n2], cache, session,
-                                       keys=keys[: n2 // self.block_tokens],
-                                       pinned=entry_id_of(store_ns, toks[:n2]) in self.pins)
+            ssd_n, cache, restore_ms = self.ssd.lookup(store_ns, toks, keys, limit, n, self.worth)
+            if cache is not None and ssd_n > n:
+                entry = self.ram.store(store_ns, toks[:ssd_n], cache, session,
+                                       keys=keys[: ssd_n // self.block_tokens],
+                                       pinned=entry_id_of(store_ns, toks[:ssd_n]) in self.pins)
                 if entry is not None:
-                    n = restored = n2
+                    n = restored = ssd_n
             self.counters.add(restore_ms=restore_ms)
         self.counters.add(prefetches=1, prefetched_tokens=restored)
         self.events.emit("prefetch", ns=ns, tokens=n, restored=restored)
@@ -100,7 +100,7 @@ class Prefetcher:
         pending = ssd.begin_blocks(store_ns, toks, found, cap, populate=False)
         if pending is None:
             return n
-        self.under_way.append(_Prefetch(pending, keys, session))
+        self.under_way.append(_BackgroundRead(pending, keys, session))
         self.counters.add(prefetches_background=1)
         self.events.emit("prefetch", ns=ns, tokens=found.n_tokens, restored=0,
                          background=True)
@@ -113,7 +113,7 @@ class Prefetcher:
         for background in list(self.under_way):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                background.p.future.exception(timeout=left)
+                background.read.future.exception(timeout=left)
             except Exception:  # noqa: BLE001, S112  (timed out or cancelled: the next one)
                 continue
         self.adopt()
@@ -122,7 +122,7 @@ class Prefetcher:
     def cancel(self) -> None:
         """Cancel every read under way and forget them (the cache closes)."""
         for background in self.under_way:
-            background.p.future.cancel()
+            background.read.future.cancel()
         self.under_way = []
 
     def adopt(self, toks: np.ndarray | None = None, store_ns: str | None = None) -> None:
@@ -131,29 +131,29 @@ class Prefetcher:
         queue behind them)."""
         if not self.under_way or self.ssd is None:
             return
-        keep: list[_Prefetch] = []
+        keep: list[_BackgroundRead] = []
         for background in self.under_way:
-            p = background.p
-            serves = toks is not None and p.store_ns == store_ns and common_prefix(p.toks, toks) > 0
-            if not (p.future.done() or serves):
-                if toks is not None and p.future.cancel():
+            read = background.read
+            serves = toks is not None and read.store_ns == store_ns and common_prefix(read.toks, toks) > 0
+            if not (read.future.done() or serves):
+                if toks is not None and read.future.cancel():
                     self.counters.add(prefetches_cancelled=1)
                 else:
                     keep.append(background)
                 continue
-            got = self.ssd.finish_blocks(p)
+            got = self.ssd.finish_blocks(read)
             if got is None:
                 continue
             n, cache = got
             size = kvblocks.arrays_nbytes([kvblocks.layer_arrays(c) for c in cache])
-            pinned = entry_id_of(p.store_ns, p.toks[:n]) in self.pins
+            pinned = entry_id_of(read.store_ns, read.toks[:n]) in self.pins
             if self.ram.nbytes + size > self.ram.max_bytes and not pinned and \
                     not (background.session is not None and background.session in self.sessions):
                 self.counters.add(prefetches_cancelled=1)  # RAM is needed for more
                 continue
-            entry = self.ram.store(p.store_ns, p.toks[:n], cache, background.session,
+            entry = self.ram.store(read.store_ns, read.toks[:n], cache, background.session,
                                    keys=background.keys[: n // self.block_tokens], pinned=pinned)
             if entry is not None:
                 self.counters.add(prefetched_tokens=n)
-                self.events.emit("prefetched", ns=p.store_ns, tokens=n)
+                self.events.emit("prefetched", ns=read.store_ns, tokens=n)
         self.under_way = keep

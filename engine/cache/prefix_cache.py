@@ -25,7 +25,7 @@ from numpy.typing import ArrayLike
 from mlxkv.engine.cache import kvblocks
 from mlxkv.engine.cache.arena import Arena
 from mlxkv.engine.cache.events import Events, Receiver
-from mlxkv.engine.cache.info import CacheEntryDetail, CacheEntryInfo
+from mlxkv.engine.cache.info import CacheEntryDetail, CacheEntryInfo, VerifyReport, empty_verify_report
 from mlxkv.engine.cache.learned import LearnedFiles, LearnedSource
 from mlxkv.engine.cache.lending import Lending
 from mlxkv.engine.cache.manage import EntryManager, folder_errors
@@ -135,8 +135,8 @@ class NullPrefixCache:
     def delete(self, entry_id: str) -> bool:
         return False
 
-    def verify(self, entry_id: str | None = None) -> dict[str, Any]:
-        return {"checked": 0, "ok": 0, "damaged": [], "manifests_damaged": 0}
+    def verify(self, entry_id: str | None = None) -> VerifyReport:
+        return empty_verify_report()
 
     def invalidate(self, tokens: ArrayLike, ns: str) -> None:
         return None
@@ -271,9 +271,9 @@ class PrefixCache:
         # The SSD tier is consulted only when it could beat the RAM hit (see _worth): a RAM
         # hit that already covers the prompt skips probing the disk.
         if self.ssd is not None and limit > 0 and self._worth(limit, n) and self.ssd.available():
-            n2, c2, restore_ms = self.ssd.lookup(store_ns, toks, keys, limit, n, self._worth)
-            if c2 is not None and n2 > n:
-                n, cache, tier = n2, c2, "ssd"
+            ssd_n, ssd_cache, restore_ms = self.ssd.lookup(store_ns, toks, keys, limit, n, self._worth)
+            if ssd_cache is not None and ssd_n > n:
+                n, cache, tier = ssd_n, ssd_cache, "ssd"
         if tier == "ram":
             cache = match.lend()
             if match.moved and cache is not None:
@@ -454,7 +454,7 @@ class PrefixCache:
         """Drop every cached state that could seed a prompt of ``tokens`` (both tiers)."""
         self.manager.invalidate(tokens, ns)
 
-    def verify(self, entry_id: str | None = None) -> dict[str, Any]:
+    def verify(self, entry_id: str | None = None) -> VerifyReport:
         """Read back saved states (one, or all) and check every block's content hash."""
         return self.manager.verify(entry_id)
 

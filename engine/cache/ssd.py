@@ -130,10 +130,10 @@ class SsdTier:
         checkpoint_match = self.disk.lookup_checkpoint(store_ns, toks, max_tokens=limit, keys=keys)
         if checkpoint_match.n_tokens and worth(checkpoint_match.n_tokens, best):
             t1 = time.perf_counter()
-            r2 = self._restore_checkpoint(store_ns, toks, checkpoint_match, keys)
+            from_checkpoint = self._restore_checkpoint(store_ns, toks, checkpoint_match, keys)
             restore_ms += (time.perf_counter() - t1) * 1e3
-            if r2 is not None and (restored is None or r2[0] > restored[0]):
-                restored = r2
+            if from_checkpoint is not None and (restored is None or from_checkpoint[0] > restored[0]):
+                restored = from_checkpoint
         if restored is None:
             return 0, None, restore_ms
         return restored[0], restored[1], restore_ms
