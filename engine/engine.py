@@ -62,6 +62,7 @@ from mlxkv.engine.snapshot import Publisher
 from mlxkv.engine.thread import EngineThread
 
 if TYPE_CHECKING:
+    from mlxkv.engine.cache.durability import FlushReport
     from mlxkv.engine.cache.info import CacheEntryDetail, CacheEntryInfo, VerifyReport
     from mlxkv.engine.models import LoadedModel
     from mlxkv.engine.scheduler import Scheduler
@@ -310,7 +311,7 @@ class Engine:
         """Read and check SSD blocks (of one entry, or all)."""
         return self._cache("verify", lambda c: c.verify(entry_id), timeout)
 
-    def cache_flush(self, timeout: float | None = None) -> dict:
+    def cache_flush(self, timeout: float | None = None) -> FlushReport:
         """Persist every dirty state now (the flush itself is bounded by ``timeout``)."""
         wait_s = None if timeout is None else timeout + 30.0
         return self._cache("flush", lambda c: c.flush(timeout), wait_s)

@@ -20,6 +20,7 @@ from mlxkv.engine.cache.info import CacheEntryDetail, CacheEntryInfo, VerifyRepo
 if TYPE_CHECKING:
     import mlx.nn as nn
 
+    from mlxkv.engine.cache.durability import FlushReport
     from mlxkv.engine.cache.events import Receiver
     from mlxkv.engine.cache.kvblocks import PromptCache
     from mlxkv.engine.cache.learned import LearnedSource
@@ -69,10 +70,10 @@ class CacheClient(Protocol):
     def prefetch(self, tokens: ArrayLike, ns: str, session: str | None = None) -> int:
         """Warm the cached state of ``tokens`` into RAM: the tokens now warm."""
 
-    def flush(self, timeout: float | None = None) -> dict[str, int]:
+    def flush(self, timeout: float | None = None) -> FlushReport:
         """Persist every dirty state now."""
 
-    def close(self, timeout: float | None = None) -> dict[str, int]:
+    def close(self, timeout: float | None = None) -> FlushReport:
         """Flush and stop the cache's threads."""
 
     def stats(self) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Protocol, TypeAlias, TypedDict
 
 import numpy as np
 import xxhash
@@ -31,6 +31,20 @@ if TYPE_CHECKING:
 
 # What one write hands the writer: a snapshot, or several written together in order.
 Snapshots: TypeAlias = "Snapshot | tuple[Snapshot, ...]"
+
+
+class FlushReport(TypedDict):
+    """States by where their writes stand (``flushed``: written by this flush)."""
+
+    durable: int
+    flushed: int
+    pending: int
+    failed: int
+    missing: int
+
+
+def empty_flush_report() -> FlushReport:
+    return {"durable": 0, "flushed": 0, "pending": 0, "failed": 0, "missing": 0}
 
 
 class Written(Protocol):
@@ -346,7 +360,7 @@ class Durability:
             del self._jobs[key]
 
     # ------------------------------------------------------------------ flush / close
-    def flush(self, timeout: float | None = None) -> dict[str, int]:
+    def flush(self, timeout: float | None = None) -> FlushReport:
         """Write every dirty state now; wait up to ``timeout`` seconds; report."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
@@ -368,8 +382,9 @@ class Durability:
                 self._flushing = False
             return self._report(self.counts["written"] - before)
 
-    def _report(self, flushed: int) -> dict[str, int]:
-        report = {"durable": 0, "flushed": flushed, "pending": 0, "failed": 0, "missing": 0}
+    def _report(self, flushed: int) -> FlushReport:
+        report = empty_flush_report()
+        report["flushed"] = flushed
         for j in self._jobs.values():
             s = j.final().state
             if s == DURABLE:
@@ -382,7 +397,7 @@ class Durability:
                 report["missing"] += 1
         return report
 
-    def report(self) -> dict[str, int]:
+    def report(self) -> FlushReport:
         with self._cond:
             return self._report(0)
 
@@ -416,7 +431,7 @@ class Durability:
             return {"waiting": len(self._queue), "inflight": self._inflight,
                     "pinned_bytes": pinned}
 
-    def close(self, timeout: float | None = None) -> dict[str, int]:
+    def close(self, timeout: float | None = None) -> FlushReport:
         report = self.flush(timeout)
         with self._cond:
             self._closed = True

@@ -24,6 +24,7 @@ from numpy.typing import ArrayLike
 
 from mlxkv.engine.cache import kvblocks
 from mlxkv.engine.cache.arena import Arena
+from mlxkv.engine.cache.durability import FlushReport, empty_flush_report
 from mlxkv.engine.cache.events import Events, Receiver
 from mlxkv.engine.cache.info import CacheEntryDetail, CacheEntryInfo, VerifyReport, empty_verify_report
 from mlxkv.engine.cache.learned import LearnedFiles, LearnedSource
@@ -52,7 +53,6 @@ __all__ = ["NullPrefixCache", "PrefixCache", "default_ram_bytes", "store_namespa
 
 log = logging.getLogger("mlxkv.cache")
 
-_EMPTY_FLUSH = {"durable": 0, "flushed": 0, "pending": 0, "failed": 0, "missing": 0}
 _EMPTY_GC = {"removed": 0, "bytes": 0, "live_keys": 0, "manifests_removed": 0,
              "unreadable_manifests": {}}
 DEFAULT_RESTORE_TIMEOUT_S: float = FIELD_BY_NAME["restore_timeout_s"].default
@@ -96,10 +96,10 @@ class NullPrefixCache:
     def release(self, cache: kvblocks.PromptCache | None) -> bool:
         return False
 
-    def flush(self, timeout: float | None = None) -> dict[str, int]:
-        return dict(_EMPTY_FLUSH)
+    def flush(self, timeout: float | None = None) -> FlushReport:
+        return empty_flush_report()
 
-    def close(self, timeout: float | None = None) -> dict[str, int]:
+    def close(self, timeout: float | None = None) -> FlushReport:
         return self.flush(timeout)
 
     def stats(self) -> dict[str, Any]:
@@ -496,21 +496,21 @@ class PrefixCache:
                 if self.learned is not None:  # (there is one beside every SSD tier)
                     self.learned.idle()
 
-    def flush(self, timeout: float | None = None) -> dict[str, int]:
+    def flush(self, timeout: float | None = None) -> FlushReport:
         """Persist every dirty state now (up to ``timeout`` s):
         ``{durable, flushed, pending, failed, missing}``."""
         if self.ssd is None:
-            return dict(_EMPTY_FLUSH)
+            return empty_flush_report()
         if self.learned is not None:  # (there is one beside every SSD tier)
             self.learned.flush(timeout)
         return self.ssd.flush(timeout)
 
-    def close(self, timeout: float | None = 10.0) -> dict[str, int]:
+    def close(self, timeout: float | None = 10.0) -> FlushReport:
         """Flush (bounded by ``timeout``), stop the storage threads, free RAM."""
         self.prefetcher.cancel()
         if self.learned is not None:
             self.learned.close(timeout)
-        report = dict(_EMPTY_FLUSH) if self.ssd is None else self.ssd.close(timeout)
+        report = empty_flush_report() if self.ssd is None else self.ssd.close(timeout)
         self.arena.clear()
         self.lending.clear()
         self.ram.clear()

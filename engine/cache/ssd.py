@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mlxkv.engine.cache import kvblocks, layout
-from mlxkv.engine.cache.durability import Durability, Snapshots, StateWrite, Written
+from mlxkv.engine.cache.durability import Durability, FlushReport, Snapshots, StateWrite, Written
 from mlxkv.engine.cache.events import Events
 from mlxkv.engine.cache.stats import Counters
 from mlxkv.engine.cache.template import Templates
@@ -353,10 +353,10 @@ class SsdTier:
                              bytes=job.bytes_written)
 
     # ------------------------------------------------------------------ lifecycle
-    def flush(self, timeout: float | None) -> dict[str, int]:
+    def flush(self, timeout: float | None) -> FlushReport:
         return self.durability.flush(timeout)
 
-    def close(self, timeout: float | None) -> dict[str, int]:
+    def close(self, timeout: float | None) -> FlushReport:
         report = self.durability.close(timeout)
         self.io.close(timeout)
         return report
