@@ -70,25 +70,25 @@ def prefault(arrays: Sequence[mx.array], huge: bool = False) -> int:
     and rewritten for long (the KV arena): a restore into them then takes far fewer TLB
     misses."""
     global _madvise
-    f = _libc_madvise()
+    madvise = _libc_madvise()
     done = 0
     for a in arrays:
-        if not f or a.nbytes < _PREFAULT_MIN:
+        if not madvise or a.nbytes < _PREFAULT_MIN:
             continue
         with memory_of(a) as mv:
-            p = int(np.frombuffer(mv.cast("B"), dtype=np.uint8).ctypes.data)
-        start = (p + _PAGE - 1) & ~(_PAGE - 1)
-        end = (p + a.nbytes) & ~(_PAGE - 1)
+            address = int(np.frombuffer(mv.cast("B"), dtype=np.uint8).ctypes.data)
+        start = (address + _PAGE - 1) & ~(_PAGE - 1)
+        end = (address + a.nbytes) & ~(_PAGE - 1)
         if end <= start:
             continue
         if huge and end - start >= _HUGE:
-            f(start, end - start, _MADV_HUGEPAGE)  # a hint: refused or ignored is fine
-        if f(start, end - start, _MADV_POPULATE_WRITE) == 0:
+            madvise(start, end - start, _MADV_HUGEPAGE)  # a hint: refused or ignored is fine
+        if madvise(start, end - start, _MADV_POPULATE_WRITE) == 0:
             done += end - start
             continue
         err = ctypes.get_errno()
         if err in (22, 38):  # EINVAL / ENOSYS: a kernel without it; stop asking
-            _madvise, f = False, None
+            _madvise, madvise = False, None
         # ENOMEM/EFAULT/EHWPOISON: the restore's writes fault (or fail) as they would anyway
     return done
 

@@ -417,12 +417,12 @@ class Durability:
         with self._cond:
             while True:
                 j = self._jobs.get(key)
-                st = None if j is None else j.final().state
-                if st not in (PENDING, WRITING):
-                    return st
+                state = None if j is None else j.final().state
+                if state not in (PENDING, WRITING):
+                    return state
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    return st
+                    return state
                 self._cond.wait(left)
 
     def queue_depth(self) -> dict[str, int]:

@@ -185,8 +185,9 @@ class EntryManager:
     @staticmethod
     def _seeding_keys(ssd: SsdTier, store_ns: str, toks: np.ndarray) -> set[bytes]:
         disk = ssd.disk
-        m = disk.lookup(store_ns, toks)
-        keys = set(m.block_keys) | ({m.tail_key} if m.tail_key is not None else set())
+        block_match = disk.lookup(store_ns, toks)
+        keys = set(block_match.block_keys) | (
+            {block_match.tail_key} if block_match.tail_key is not None else set())
         limit = len(toks)
         while limit > 0:
             checkpoint_match = disk.lookup_checkpoint(store_ns, toks, max_tokens=limit)

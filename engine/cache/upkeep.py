@@ -60,19 +60,19 @@ def saved_states(disk: BlockStore, store_ns: str) -> list[Saved]:
                 _add_blocks(s, block_match, block_tokens, bytes_per_token(block_match.layout))
             s.cached = len(toks)
         else:
-            m = disk.lookup(store_ns, toks)
-            if m.n_tokens == 0 or m.layout is None:
+            block_match = disk.lookup(store_ns, toks)
+            if block_match.n_tokens == 0 or block_match.layout is None:
                 continue
-            _add_blocks(s, m, block_tokens, bytes_per_token(m.layout))
-            s.cached = m.n_tokens
+            _add_blocks(s, block_match, block_tokens, bytes_per_token(block_match.layout))
+            s.cached = block_match.n_tokens
         out.append(s)
     return out
 
 
-def _add_blocks(s: Saved, m: Match, block_tokens: int, bytes_per_token: int) -> None:
-    s.blocks.extend((k, block_tokens, block_tokens * bytes_per_token) for k in m.block_keys)
-    if m.tail_key is not None and m.tail_tokens:
-        s.blocks.append((m.tail_key, m.tail_tokens, m.tail_tokens * bytes_per_token))
+def _add_blocks(s: Saved, block_match: Match, block_tokens: int, bytes_per_token: int) -> None:
+    s.blocks.extend((k, block_tokens, block_tokens * bytes_per_token) for k in block_match.block_keys)
+    if block_match.tail_key is not None and block_match.tail_tokens:
+        s.blocks.append((block_match.tail_key, block_match.tail_tokens, block_match.tail_tokens * bytes_per_token))
 
 
 def damaged_manifests(disk: BlockStore, store_ns: str) -> int:
@@ -102,11 +102,11 @@ def verify(io: StorageIO, s: Saved, timeout: float | None) -> tuple[bool, dict[b
                                       n_tokens=checkpoint_match, checkpoint=True), [checkpoint_match.checkpoint_key]))
         else:
             ok = False
-    m = disk.lookup(s.ns, toks, max_tokens=len(toks) if s.checkpoint else None)
-    if m.n_tokens and m.layout is not None:
-        keys = [*m.block_keys, *([m.tail_key] if m.tail_key is not None else [])]
-        reads.append((ReadRequest(s.ns, toks, m.layout, _scratch(m.layout, m.n_tokens),
-                                  n_tokens=m), keys))
+    block_match = disk.lookup(s.ns, toks, max_tokens=len(toks) if s.checkpoint else None)
+    if block_match.n_tokens and block_match.layout is not None:
+        keys = [*block_match.block_keys, *([block_match.tail_key] if block_match.tail_key is not None else [])]
+        reads.append((ReadRequest(s.ns, toks, block_match.layout, _scratch(block_match.layout, block_match.n_tokens),
+                                  n_tokens=block_match), keys))
     for req, keys in reads:
         try:
             res = io.submit_read(req).result(timeout=timeout)
