@@ -117,7 +117,8 @@ class Arena:
         """Arrays for a restore of the stored segments ``flat`` with room for ``cap``
         tokens, from a free slot (the arena forgets them), or None (allocate as usual).
         A slot is used when it fits and wastes at most one ``cap`` of headroom."""
-        space = self._spaces.get(store_ns) or self._spaces.get(scope_base(store_ns))  # a tenant's: its model's
+        # a tenant's namespace: its model's space
+        space = self._spaces.get(store_ns) or self._spaces.get(scope_base(store_ns))
         if space is None or layout_signature(flat) != space.sig:
             return None
         for i, slot in enumerate(space.free):

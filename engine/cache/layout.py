@@ -229,7 +229,7 @@ def block_buffers(layout: Layout | None, cap: int, take: Taker | None = None,
     arrays = None if take is None else take(flat, cap)
     if arrays is None:
         arrays = kvblocks.writable_arrays([(1, s.outer, cap, *s.shape) for s in flat],
-                                    [DTYPES[s.dtype] for s in flat], populate=populate)
+                                          [DTYPES[s.dtype] for s in flat], populate=populate)
     segs = [(kvblocks.byte_view(a), s.outer, int(a.shape[2]), s.row_bytes)
             for a, s in zip(arrays, flat)]
     layers: list[RestoreLayer] = []

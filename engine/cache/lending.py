@@ -42,8 +42,8 @@ class Lending:
     """Handed-over caches by id; ``keep(ns, tokens, cache, session, retained_until)``
     stores one back."""
 
-    def __init__(self, keep: Callable[[str, np.ndarray, kvblocks.PromptCache, str | None, float], object]
-                 ) -> None:
+    def __init__(self, keep: Callable[[str, np.ndarray, kvblocks.PromptCache, str | None, float],
+                                      object]) -> None:
         self._keep = keep
         self._lent: dict[int, Lent] = {}
         self.released = 0  # entries given back
@@ -113,7 +113,8 @@ class Lending:
             if any(int(c.offset) < n or not arrs or arrs[0].shape[2] < n
                    for c, arrs in zip(cache, arrays)):
                 raise ValueError(f"the cache no longer holds its first {n} tokens")
-            back = [kvblocks.make_layer(kvblocks.layer_spec(c), arrs, n) for c, arrs in zip(cache, arrays)]
+            back = [kvblocks.make_layer(kvblocks.layer_spec(c), arrs, n)
+                    for c, arrs in zip(cache, arrays)]
             self._keep(rec.ns, rec.tokens, back, rec.session, rec.retained_until)
         except Exception as exc:  # noqa: BLE001  (a failed computation left lazy garbage)
             log.warning("could not take back a %d-token cached state: %s", n, exc)

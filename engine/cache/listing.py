@@ -53,7 +53,8 @@ def _row_bytes(arrays: list[list[mx.array]]) -> int:
 def ram_facts(ram: RamTier, e: RamEntry) -> Facts:
     f = Facts(e.id, e.ns, e.tokens, e.checkpoint is not None, e.created, ram=e)
     if e.checkpoint is not None:
-        f.ram_blocks[ckpt_key_of(e.ns, e.tokens, ram.block_tokens)] = BlockFacts(len(e.tokens), e.nbytes, 1)
+        key = ckpt_key_of(e.ns, e.tokens, ram.block_tokens)
+        f.ram_blocks[key] = BlockFacts(len(e.tokens), e.nbytes, 1)
     for r in e.runs:
         f.ram_blocks[r.key] = BlockFacts(len(r.tokens), _row_bytes(r.slab.arrays) * len(r.tokens),
                                          r.refs)

@@ -12,7 +12,12 @@ from numpy.typing import ArrayLike
 
 from mlxkv.engine.cache import listing, misses, upkeep
 from mlxkv.engine.cache.events import Events
-from mlxkv.engine.cache.info import CacheEntryDetail, CacheEntryInfo, VerifyReport, empty_verify_report
+from mlxkv.engine.cache.info import (
+    CacheEntryDetail,
+    CacheEntryInfo,
+    VerifyReport,
+    empty_verify_report,
+)
 from mlxkv.engine.cache.lending import Lending
 from mlxkv.engine.cache.ram_tier import RamTier
 from mlxkv.engine.cache.ssd import SsdTier
@@ -46,7 +51,8 @@ class EntryManager:
         if self.ssd is None:
             return []
         try:
-            names = [store_ns] if store_ns is not None else sorted(self.ssd.disk.stats()["namespaces"])
+            names = [store_ns] if store_ns is not None else \
+                sorted(self.ssd.disk.stats()["namespaces"])
             out = []
             for name in names:
                 states = sorted(upkeep.saved_states(self.ssd.disk, name), key=lambda s: s.created)
@@ -90,7 +96,7 @@ class EntryManager:
                 cands += self.saved_tokens.candidates(self.ssd.disk, store_ns, first)
             except folder_errors() as exc:
                 self.events.warn("list-failed", "prefix cache: cannot list the SSD tier: %s",
-                                  exc)
+                                 exc)
         return misses.closest(toks, store_ns, cands)
 
     def pin(self, entry_id: str, pinned: bool = True) -> bool:
@@ -152,7 +158,7 @@ class EntryManager:
     def _cancel_write(self, store_ns: str, toks: np.ndarray) -> None:
         if self.ssd is not None and not self.ssd.durability.cancel(store_ns, toks):
             self.events.warn("delete-writing", "prefix cache: a deleted state was still being "
-                              "written after 10 s; it may come back on disk")
+                             "written after 10 s; it may come back on disk")
 
     def _remove(self, ssd: SsdTier, store_ns: str, keys: set[bytes], manifests: list[str]
                 ) -> None:
@@ -160,7 +166,7 @@ class EntryManager:
             upkeep.remove(ssd.disk, store_ns, keys, manifests)
         except folder_errors() as exc:
             self.events.warn("remove-failed", "prefix cache: cannot remove from the SSD "
-                              "tier: %s", exc)
+                             "tier: %s", exc)
 
     def invalidate(self, tokens: ArrayLike, ns: str) -> None:
         """Drop every cached state that could seed a prompt of ``tokens`` (both tiers):

@@ -55,7 +55,8 @@ class Candidate:
     session: str | None = None
 
 
-def closest(prompt: np.ndarray, store_ns: str, candidates: Iterable[Candidate]) -> Divergence | None:
+def closest(prompt: np.ndarray, store_ns: str, candidates: Iterable[Candidate]
+            ) -> Divergence | None:
     """The candidate sharing the longest prefix with ``prompt`` (at least one token); a tie
     goes to the first (RAM before SSD, most recent first). The caller passes only
     candidates that start with the prompt's first token."""
@@ -74,7 +75,8 @@ def closest(prompt: np.ndarray, store_ns: str, candidates: Iterable[Candidate]) 
         return None
     entry_id = best.entry_id or entry_id_of(store_ns, best.tokens)
     nxt = tuple(int(t) for t in best.tokens[best_n: best_n + NEXT_TOKENS])
-    return Divergence(entry_id, best.session or entry_id[:12], len(best.tokens), best_n, nxt, best.tier)
+    return Divergence(entry_id, best.session or entry_id[:12], len(best.tokens), best_n, nxt,
+                      best.tier)
 
 
 class SavedTokens:
@@ -97,7 +99,8 @@ class SavedTokens:
 
     def candidates(self, disk: BlockStore, store_ns: str, first: int) -> list[Candidate]:
         """The saved states of ``store_ns`` whose first token is ``first``, newest first."""
-        return [Candidate(t, "ssd", entry_id) for entry_id, t in reversed(self.load(disk, store_ns).items())
+        return [Candidate(t, "ssd", entry_id)
+                for entry_id, t in reversed(self.load(disk, store_ns).items())
                 if len(t) and t[0] == first]
 
     def saved(self, store_ns: str, entry_id: str, tokens: np.ndarray) -> None:

@@ -134,7 +134,8 @@ class Prefetcher:
         keep: list[_BackgroundRead] = []
         for background in self.under_way:
             read = background.read
-            serves = toks is not None and read.store_ns == store_ns and common_prefix(read.toks, toks) > 0
+            serves = toks is not None and read.store_ns == store_ns and \
+                common_prefix(read.toks, toks) > 0
             if not (read.future.done() or serves):
                 if toks is not None and read.future.cancel():
                     self.counters.add(prefetches_cancelled=1)

@@ -26,7 +26,12 @@ from mlxkv.engine.cache import kvblocks
 from mlxkv.engine.cache.arena import Arena
 from mlxkv.engine.cache.durability import FlushReport, empty_flush_report
 from mlxkv.engine.cache.events import Events, Receiver
-from mlxkv.engine.cache.info import CacheEntryDetail, CacheEntryInfo, VerifyReport, empty_verify_report
+from mlxkv.engine.cache.info import (
+    CacheEntryDetail,
+    CacheEntryInfo,
+    VerifyReport,
+    empty_verify_report,
+)
 from mlxkv.engine.cache.learned import LearnedFiles, LearnedSource
 from mlxkv.engine.cache.lending import Lending
 from mlxkv.engine.cache.manage import EntryManager, folder_errors
@@ -86,7 +91,8 @@ class NullPrefixCache:
     def gc(self, ns: str | None = None, min_age_s: float = 0.0) -> dict[str, Any]:
         return {**_EMPTY_GC, "unreadable_manifests": {}}
 
-    def store(self, tokens: ArrayLike, cache: kvblocks.PromptCache, ns: str, session: str | None = None,
+    def store(self, tokens: ArrayLike, cache: kvblocks.PromptCache, ns: str,
+              session: str | None = None,
               retain_s: float | None = None) -> None:
         return None
 
@@ -262,7 +268,8 @@ class PrefixCache:
         toks = as_tokens(tokens)
         store_ns = store_namespace(ns)
         self.lending.sweep()
-        self.prefetcher.adopt(toks, store_ns)  # a prefetch of this prompt enters RAM (waited for) first
+        # a prefetch of this prompt enters RAM (waited for) first
+        self.prefetcher.adopt(toks, store_ns)
         # hashed once, here: the RAM tier and the store both walk these keys
         keys = chain_keys(store_ns, toks, self.block_tokens)
         match = self.ram.lookup(store_ns, toks, session, keys=keys)
@@ -271,7 +278,8 @@ class PrefixCache:
         # The SSD tier is consulted only when it could beat the RAM hit (see _worth): a RAM
         # hit that already covers the prompt skips probing the disk.
         if self.ssd is not None and limit > 0 and self._worth(limit, n) and self.ssd.available():
-            ssd_n, ssd_cache, restore_ms = self.ssd.lookup(store_ns, toks, keys, limit, n, self._worth)
+            ssd_n, ssd_cache, restore_ms = self.ssd.lookup(store_ns, toks, keys, limit, n,
+                                                           self._worth)
             if ssd_cache is not None and ssd_n > n:
                 n, cache, tier = ssd_n, ssd_cache, "ssd"
         if tier == "ram":
@@ -287,9 +295,10 @@ class PrefixCache:
                           restore_ms=restore_ms,
                           **({"ram_hits": 1, "ram_tokens": n} if tier == "ram" else
                              {"ssd_hits": 1, "ssd_tokens": n} if tier == "ssd" else {"misses": 1}))
-        last: LastLookup = {"prompt_tokens": len(toks), "cached_tokens": n, "tier": tier,
-                "ram_tokens": n if tier == "ram" else 0, "ssd_tokens": n if tier == "ssd" else 0,
-                "restore_ms": restore_ms, "lookup_ms": (time.perf_counter() - t0) * 1e3}
+        last: LastLookup = {
+            "prompt_tokens": len(toks), "cached_tokens": n, "tier": tier,
+            "ram_tokens": n if tier == "ram" else 0, "ssd_tokens": n if tier == "ssd" else 0,
+            "restore_ms": restore_ms, "lookup_ms": (time.perf_counter() - t0) * 1e3}
         self.counters.set_last(last)
         self._events.emit("lookup", **last)
         if n > 0:
@@ -312,12 +321,13 @@ class PrefixCache:
         self.ssd.flush(10.0)
         try:
             report = self.ssd.disk.gc(None if ns is None else store_namespace(ns),
-                                   min_age_s=min_age_s)
+                                      min_age_s=min_age_s)
         except folder_errors() as exc:
             self._events.warn("gc-failed", "prefix cache: cannot collect the SSD tier: %s", exc)
             return {**_EMPTY_GC, "unreadable_manifests": {}}
         self.saved_tokens.forget(None if ns is None else store_namespace(ns))
-        self._events.emit("gc", ns=ns, removed=report.get("removed", 0), bytes=report.get("bytes", 0))
+        self._events.emit("gc", ns=ns, removed=report.get("removed", 0),
+                          bytes=report.get("bytes", 0))
         return report
 
     def _worth(self, n_ssd: int, n_ram: int) -> bool:
@@ -325,7 +335,8 @@ class PrefixCache:
         return n_ssd >= n_ram + self.min_ssd_gain or (n_ram == 0 and n_ssd > 0)
 
     # ------------------------------------------------------------------ store
-    def store(self, tokens: ArrayLike, cache: kvblocks.PromptCache, ns: str, session: str | None = None,
+    def store(self, tokens: ArrayLike, cache: kvblocks.PromptCache, ns: str,
+              session: str | None = None,
               retain_s: float | None = None) -> None:
         """Keep the state of ``cache`` (which holds ``tokens``) in RAM and persist it in the
         background. Raises ValueError when the cache and the tokens disagree (a handed-over
@@ -361,13 +372,15 @@ class PrefixCache:
             raise ValueError(f"the cache holds {held} tokens but {len(toks)} were given")
         if block_mode and held is not None and held > len(toks):
             # extra rows past len(toks) (e.g. a token computed ahead) are simply not used
-            cache = [kvblocks.make_layer(kvblocks.layer_spec(c), kvblocks.layer_arrays(c), len(toks))
+            cache = [kvblocks.make_layer(kvblocks.layer_spec(c), kvblocks.layer_arrays(c),
+                                         len(toks))
                      for c in cache]
         store_ns = store_namespace(ns)
         self.templates.learn(store_ns, cache)
         entry_id = entry_id_of(store_ns, toks)
         keys = chain_keys(store_ns, toks, self.block_tokens)
-        entry = self.ram.store(store_ns, toks, cache, session, keys=keys, pinned=entry_id in self._pins,
+        entry = self.ram.store(store_ns, toks, cache, session, keys=keys,
+                               pinned=entry_id in self._pins,
                                retain_until=retain_until)
         persisted = False
         if self.ssd is not None:
@@ -398,9 +411,11 @@ class PrefixCache:
         whether an entry was given back."""
         return self.lending.release(cache)
 
-    def _keep(self, store_ns: str, toks: np.ndarray, cache: kvblocks.PromptCache, session: str | None,
+    def _keep(self, store_ns: str, toks: np.ndarray, cache: kvblocks.PromptCache,
+              session: str | None,
               retained_until: float = 0.0) -> RamEntry | None:
-        return self.ram.store(store_ns, toks, cache, session, pinned=entry_id_of(store_ns, toks) in self._pins,
+        return self.ram.store(store_ns, toks, cache, session,
+                              pinned=entry_id_of(store_ns, toks) in self._pins,
                               retain_until=retained_until)
 
     def _on_ram_drop(self, entry: RamEntry, evicted: bool, superseded_by: RamEntry | None

@@ -194,7 +194,8 @@ class RamTier:
         return run
 
     # ------------------------------------------------------------------ store
-    def store(self, ns: str, tokens: np.ndarray, cache: kvblocks.PromptCache, session: str | None = None,
+    def store(self, ns: str, tokens: np.ndarray, cache: kvblocks.PromptCache,
+              session: str | None = None,
               keys: list[bytes] | None = None, pinned: bool = False,
               retain_until: float = 0.0) -> RamEntry | None:
         """Keep ``cache`` (holding exactly ``tokens``) and return its entry (None if empty
@@ -226,7 +227,8 @@ class RamTier:
         self.evict()
         return entry if key in self.entries else None
 
-    def _store_blocks(self, ns: str, tokens: np.ndarray, cache: kvblocks.PromptCache, keys: list[bytes]
+    def _store_blocks(self, ns: str, tokens: np.ndarray, cache: kvblocks.PromptCache,
+                      keys: list[bytes]
                       ) -> RamEntry:
         n, block_tokens = len(tokens), self.block_tokens
         specs = tuple(kvblocks.layer_spec(c) for c in cache)
@@ -250,7 +252,8 @@ class RamTier:
                 slab_arrays = kvblocks.compact(arrays, start, n)
                 row_base, slab_t0 = start, start
             mx.eval([a for layer in slab_arrays for a in layer])
-            slab = Slab(slab_arrays, specs, slab_t0, n - slab_t0, kvblocks.arrays_nbytes(slab_arrays))
+            slab = Slab(slab_arrays, specs, slab_t0, n - slab_t0,
+                        kvblocks.arrays_nbytes(slab_arrays))
             row = self._bytes_per_token(slab_arrays)
             parent = keys[k - 1] if k else index_root(ns)
             for i in range(k, n // block_tokens + (1 if n % block_tokens else 0)):
@@ -308,8 +311,8 @@ class RamTier:
             raise ValueError(f"cache holds {n} tokens but {len(tokens)} tokens were given")
         checkpoint = kvblocks.take_checkpoint(cache)
         parent = keys[-1] if keys else index_root(ns)
-        entry = RamEntry(ns, tokens, (), checkpoint=checkpoint, parent=parent, nbytes=checkpoint.nbytes,
-                      logical=checkpoint.nbytes)
+        entry = RamEntry(ns, tokens, (), checkpoint=checkpoint, parent=parent,
+                         nbytes=checkpoint.nbytes, logical=checkpoint.nbytes)
         self.checkpoints.setdefault(parent, []).append(entry)
         self.checkpoint_bytes += checkpoint.nbytes
         self.logical_bytes += checkpoint.nbytes

@@ -132,7 +132,8 @@ class SsdTier:
             t1 = time.perf_counter()
             from_checkpoint = self._restore_checkpoint(store_ns, toks, checkpoint_match, keys)
             restore_ms += (time.perf_counter() - t1) * 1e3
-            if from_checkpoint is not None and (restored is None or from_checkpoint[0] > restored[0]):
+            if from_checkpoint is not None and \
+                    (restored is None or from_checkpoint[0] > restored[0]):
                 restored = from_checkpoint
         if restored is None:
             return 0, None, restore_ms
@@ -188,7 +189,7 @@ class SsdTier:
 
         try:
             layers, segs, arrays = layout.block_buffers(match.layout, cap, self._taker(store_ns),
-                                                    populate=populate)
+                                                        populate=populate)
         except layout.LayoutError as exc:
             self._unusable(store_ns, exc)
             return None
@@ -210,10 +211,11 @@ class SsdTier:
             return None
         return res.n_tokens, cache
 
-    def _restore_checkpoint(self, store_ns: str, toks: np.ndarray, checkpoint_match: Match, keys: list[bytes]
-                            ) -> tuple[int, kvblocks.PromptCache] | None:
-        """Restore the checkpoint ``checkpoint_match`` (and, for models that also have KV layers, their
-        blocks up to exactly the same position); None unless all of it verifies and fits."""
+    def _restore_checkpoint(self, store_ns: str, toks: np.ndarray, checkpoint_match: Match,
+                            keys: list[bytes]) -> tuple[int, kvblocks.PromptCache] | None:
+        """Restore the checkpoint ``checkpoint_match`` (and, for models that also have KV
+        layers, their blocks up to exactly the same position); None unless all of it
+        verifies and fits."""
         from mlxkv.storage.io import ReadRequest
 
         n = checkpoint_match.n_tokens
@@ -224,18 +226,19 @@ class SsdTier:
                 block_match = self.disk.lookup(store_ns, toks, max_tokens=n, keys=keys)
                 if block_match.n_tokens != n or not layout.is_partial(block_match.layout):
                     return None  # its KV layers are not all on disk: nothing to restore
-                blocks, bsegs, barrays = layout.block_buffers(block_match.layout, kvblocks.round_up(len(toks)),
-                                                          self._taker(store_ns))
+                blocks, bsegs, barrays = layout.block_buffers(
+                    block_match.layout, kvblocks.round_up(len(toks)), self._taker(store_ns))
         except layout.LayoutError as exc:
             self._unusable(store_ns, exc)
             return None
         bfut = None
         if blocks:
-            bfut = self.io.submit_read(ReadRequest(store_ns, toks, block_match.layout, bsegs, n_tokens=block_match,
-                                                   keep=barrays))
+            bfut = self.io.submit_read(ReadRequest(store_ns, toks, block_match.layout, bsegs,
+                                                   n_tokens=block_match, keep=barrays))
             del bsegs, barrays
         cres = self._wait(self.io.submit_read(ReadRequest(
-            store_ns, toks, checkpoint_match.layout, [(kvblocks.byte_view(a), 1, 1, a.nbytes) for a in carrays],
+            store_ns, toks, checkpoint_match.layout,
+            [(kvblocks.byte_view(a), 1, 1, a.nbytes) for a in carrays],
             n_tokens=checkpoint_match, keep=carrays, checkpoint=True)))
         if bfut is not None:
             if self._stuck:  # the reader is stuck: the block read will not come soon
@@ -272,7 +275,8 @@ class SsdTier:
             held.append(tail_key_of(store_ns, keys[-1] if keys else ZERO_KEY, rest))
         self.disk.retain(store_ns, held, ttl_s)
 
-    def persist(self, store_ns: str, toks: np.ndarray, cache: kvblocks.PromptCache, block_mode: bool,
+    def persist(self, store_ns: str, toks: np.ndarray, cache: kvblocks.PromptCache,
+                block_mode: bool,
                 checkpoint: kvblocks.Checkpoint | None) -> bool:
         """Hand a snapshot of ``cache`` (holding ``toks``) to the writer; False when it
         cannot be persisted (kept in RAM only)."""
@@ -287,8 +291,8 @@ class SsdTier:
         self.durability.mark(store_ns, toks, snap, coalesce=block_mode, entry_id=state_id)
         return True
 
-    def block_snapshot(self, store_ns: str, toks: np.ndarray, cache: kvblocks.PromptCache, state_id: str
-                       ) -> Snapshot:
+    def block_snapshot(self, store_ns: str, toks: np.ndarray, cache: kvblocks.PromptCache,
+                       state_id: str) -> Snapshot:
         """New array objects over the cache's evaluated buffers, byte views of them, a
         manifest so GC keeps the state, and a low writer priority."""
         from mlxkv.storage.io import Snapshot
@@ -298,7 +302,8 @@ class SsdTier:
                         keep=keep, on_start=_background_priority)
 
     def _checkpoint_snapshot(self, store_ns: str, toks: np.ndarray, cache: kvblocks.PromptCache,
-                             checkpoint: kvblocks.Checkpoint | None, state_id: str) -> Snapshots | None:
+                             checkpoint: kvblocks.Checkpoint | None, state_id: str
+                             ) -> Snapshots | None:
         """Snapshot(s) of a non-block cache: its non-trimmable layers as one checkpoint
         (after its KV layers as blocks, when it has any); None if it cannot be persisted."""
         from mlxkv.storage.io import Snapshot

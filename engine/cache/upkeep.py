@@ -70,9 +70,11 @@ def saved_states(disk: BlockStore, store_ns: str) -> list[Saved]:
 
 
 def _add_blocks(s: Saved, block_match: Match, block_tokens: int, bytes_per_token: int) -> None:
-    s.blocks.extend((k, block_tokens, block_tokens * bytes_per_token) for k in block_match.block_keys)
-    if block_match.tail_key is not None and block_match.tail_tokens:
-        s.blocks.append((block_match.tail_key, block_match.tail_tokens, block_match.tail_tokens * bytes_per_token))
+    s.blocks.extend((k, block_tokens, block_tokens * bytes_per_token)
+                    for k in block_match.block_keys)
+    tail, tail_tokens = block_match.tail_key, block_match.tail_tokens
+    if tail is not None and tail_tokens:
+        s.blocks.append((tail, tail_tokens, tail_tokens * bytes_per_token))
 
 
 def damaged_manifests(disk: BlockStore, store_ns: str) -> int:
@@ -96,16 +98,19 @@ def verify(io: StorageIO, s: Saved, timeout: float | None) -> tuple[bool, dict[b
     reads: list[tuple[ReadRequest, list[bytes]]] = []
     if s.checkpoint:
         checkpoint_match = disk.lookup_checkpoint(s.ns, toks)
-        if checkpoint_match.n_tokens == len(toks) and checkpoint_match.checkpoint_key is not None and \
-                checkpoint_match.layout is not None:  # (a found checkpoint has both)
-            reads.append((ReadRequest(s.ns, toks, checkpoint_match.layout, _scratch(checkpoint_match.layout, 1),
-                                      n_tokens=checkpoint_match, checkpoint=True), [checkpoint_match.checkpoint_key]))
+        key, stored = checkpoint_match.checkpoint_key, checkpoint_match.layout
+        if checkpoint_match.n_tokens == len(toks) and key is not None and \
+                stored is not None:  # (a found checkpoint has both)
+            reads.append((ReadRequest(s.ns, toks, stored, _scratch(stored, 1),
+                                      n_tokens=checkpoint_match, checkpoint=True), [key]))
         else:
             ok = False
     block_match = disk.lookup(s.ns, toks, max_tokens=len(toks) if s.checkpoint else None)
-    if block_match.n_tokens and block_match.layout is not None:
-        keys = [*block_match.block_keys, *([block_match.tail_key] if block_match.tail_key is not None else [])]
-        reads.append((ReadRequest(s.ns, toks, block_match.layout, _scratch(block_match.layout, block_match.n_tokens),
+    stored = block_match.layout
+    if block_match.n_tokens and stored is not None:
+        tail = block_match.tail_key
+        keys = [*block_match.block_keys, *([tail] if tail is not None else [])]
+        reads.append((ReadRequest(s.ns, toks, stored, _scratch(stored, block_match.n_tokens),
                                   n_tokens=block_match), keys))
     for req, keys in reads:
         try:
