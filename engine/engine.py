@@ -62,7 +62,8 @@ from mlxkv.engine.snapshot import Publisher
 from mlxkv.engine.thread import EngineThread
 
 if TYPE_CHECKING:
-    from mlxkv.engine.cache.info import CacheEntryDetail, CacheEntryInfo
+    from mlxkv.engine.cache.durability import FlushReport
+    from mlxkv.engine.cache.info import CacheEntryDetail, CacheEntryInfo, VerifyReport
     from mlxkv.engine.models import LoadedModel
     from mlxkv.engine.scheduler import Scheduler
     from mlxkv.engine.speculation.base import DraftProvider
@@ -305,11 +306,12 @@ class Engine:
         """Drop an entry from every tier."""
         return self._cache("delete", lambda c: c.delete(entry_id), timeout)
 
-    def cache_verify(self, entry_id: str | None = None, timeout: float | None = 30.0) -> dict:
+    def cache_verify(self, entry_id: str | None = None, timeout: float | None = 30.0
+                     ) -> VerifyReport:
         """Read and check SSD blocks (of one entry, or all)."""
         return self._cache("verify", lambda c: c.verify(entry_id), timeout)
 
-    def cache_flush(self, timeout: float | None = None) -> dict:
+    def cache_flush(self, timeout: float | None = None) -> FlushReport:
         """Persist every dirty state now (the flush itself is bounded by ``timeout``)."""
         wait_s = None if timeout is None else timeout + 30.0
         return self._cache("flush", lambda c: c.flush(timeout), wait_s)

@@ -599,7 +599,7 @@ def test_gc_removes_what_no_manifest_names(llama, tmp_path):
     stored(pc, llama, t2, "ns")
     pc.flush(30)
     assert pc.gc("ns")["removed"] == 0
-    name = next(s.manifest for s in pc._saved("ns") if s.eid == entry_id("ns", np.array(t2, np.uint32)))
+    name = next(s.manifest for s in pc.manager.saved("ns") if s.entry_id == entry_id("ns", np.array(t2, np.uint32)))
     assert pc.disk.delete_manifest("ns", name)
     rep = pc.gc("ns")
     assert rep["removed"] == 3 and rep["bytes"] > 0  # two blocks and the tail of t2

@@ -10,15 +10,18 @@ does not load mlx.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mlxkv.engine.cache.prefix_cache import NullPrefixCache, PrefixCache
 
 _EXPORTS = {"PrefixCache": "mlxkv.engine.cache.prefix_cache",
             "NullPrefixCache": "mlxkv.engine.cache.prefix_cache"}
 
-__all__ = list(_EXPORTS)
+__all__ = ["PrefixCache", "NullPrefixCache"]  # the keys of _EXPORTS
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     mod = _EXPORTS.get(name)
     if mod is None:
         raise AttributeError(f"module 'mlxkv.engine.cache' has no attribute {name!r}")

@@ -1,30 +1,12 @@
 """Evaluated MLX arrays for a restore to fill, allocated without a zero fill.
 
-A restore overwrites every byte it reports, so zero-filling its destinations first is pure
-cost: on CPU, ``mx.zeros`` + ``mx.eval`` writes (and page-faults) the whole buffer before
-the restore writes it again, and that first pass costs more than the restore itself.
-MLX has no public "empty" (``mx.empty`` is ``mx.zeros``), but its ``.npy`` loader
-allocates an array and hands the array's own buffer to the file object's ``readinto``:
-:func:`unfilled_arrays` gives it a stream whose data part leaves the buffer as allocated.
-
-Fresh memory still page-faults on its first write, and a fault taken in user space (once
-per 4 KiB page, in the restore's copy loop) costs several times the zeroing the kernel does
-for it. On Linux the buffers are therefore pre-faulted with ``MADV_POPULATE_WRITE`` (5.14+):
-the kernel maps and zeroes their pages in one call, and on memory that is already mapped
-(freed buffers the allocator reuses) it only walks the page table.
-
-What the buffers hold before the restore is unspecified (freed memory of this process or
-fresh zero pages); callers must only rely on the bytes they write. Rows a restore does
-not reach are outside the cache's ``offset`` and never read.
-
-Exit safety: MLX calls ``readinto`` on its I/O thread pool and drops its last reference
-to the stream there, which needs the GIL. If the interpreter is finalizing at that moment
-the thread is torn down inside a C++ destructor and the process aborts ("terminate
-called without an active exception"). :func:`unfilled_arrays` therefore waits until
-every stream object has been released, at most ``RELEASE_TIMEOUT_S``: if MLX ever keeps
-one longer, the wait (on the engine thread) is not risked again: :func:`give_up_unfilled`
-switches every later allocation to :func:`zeroed_arrays` for the rest of the process, with
-one warning.
+A restore overwrites every byte it reports, so zero-filling its destinations first is
+wasted work. MLX has no public "empty", but its ``.npy`` loader hands the array's own
+buffer to the stream's ``readinto``: :func:`unfilled_arrays` gives it a stream that leaves
+the data part as allocated, and on Linux pre-faults the pages (``MADV_POPULATE_WRITE``).
+Callers rely only on the bytes they write. If MLX ever keeps a stream past
+``RELEASE_TIMEOUT_S`` (a risk at interpreter exit), :func:`give_up_unfilled` switches to
+:func:`zeroed_arrays` for the rest of the process.
 """
 
 from __future__ import annotations
@@ -35,10 +17,14 @@ import logging
 import sys
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, BinaryIO, cast
 
 import mlx.core as mx
 import numpy as np
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
 
 log = logging.getLogger("mlxkv.cache")
 
@@ -51,10 +37,16 @@ _MADV_HUGEPAGE = 14
 _HUGE = 4 << 20  # buffers that hold at least one aligned 2 MiB page
 _PAGE = 4096
 _PREFAULT_MIN = 1 << 20  # smaller buffers: the syscall costs more than their faults
-_madvise = None  # libc madvise, False once unavailable
+Madvise = Callable[[int, int, int], int]
+_madvise: Madvise | bool | None = None  # libc madvise, False once unavailable
 
 
-def _libc_madvise():
+def memory_of(a: mx.array) -> memoryview:
+    """A memoryview over an evaluated array's own buffer (no copy)."""
+    return memoryview(a)  # type: ignore[arg-type]  # mlx's stubs omit the buffer protocol
+
+
+def _libc_madvise() -> Madvise | None:
     global _madvise
     if _madvise is None:
         _madvise = False
@@ -64,10 +56,10 @@ def _libc_madvise():
                 f = libc.madvise
                 f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
                 f.restype = ctypes.c_int
-                _madvise = f
+                _madvise = cast(Madvise, f)
             except (OSError, AttributeError):
                 pass
-    return _madvise
+    return _madvise if callable(_madvise) else None
 
 
 def prefault(arrays: Sequence[mx.array], huge: bool = False) -> int:
@@ -78,25 +70,25 @@ def prefault(arrays: Sequence[mx.array], huge: bool = False) -> int:
     and rewritten for long (the KV arena): a restore into them then takes far fewer TLB
     misses."""
     global _madvise
-    f = _libc_madvise()
+    madvise = _libc_madvise()
     done = 0
     for a in arrays:
-        if not f or a.nbytes < _PREFAULT_MIN:
+        if not madvise or a.nbytes < _PREFAULT_MIN:
             continue
-        with memoryview(a) as mv:
-            p = int(np.frombuffer(mv.cast("B"), dtype=np.uint8).ctypes.data)
-        start = (p + _PAGE - 1) & ~(_PAGE - 1)
-        end = (p + a.nbytes) & ~(_PAGE - 1)
+        with memory_of(a) as mv:
+            address = int(np.frombuffer(mv.cast("B"), dtype=np.uint8).ctypes.data)
+        start = (address + _PAGE - 1) & ~(_PAGE - 1)
+        end = (address + a.nbytes) & ~(_PAGE - 1)
         if end <= start:
             continue
         if huge and end - start >= _HUGE:
-            f(start, end - start, _MADV_HUGEPAGE)  # a hint: refused or ignored is fine
-        if f(start, end - start, _MADV_POPULATE_WRITE) == 0:
+            madvise(start, end - start, _MADV_HUGEPAGE)  # a hint: refused or ignored is fine
+        if madvise(start, end - start, _MADV_POPULATE_WRITE) == 0:
             done += end - start
             continue
         err = ctypes.get_errno()
         if err in (22, 38):  # EINVAL / ENOSYS: a kernel without it; stop asking
-            _madvise = f = False
+            _madvise, madvise = False, None
         # ENOMEM/EFAULT/EHWPOISON: the restore's writes fault (or fail) as they would anyway
     return done
 
@@ -106,7 +98,7 @@ class _Unfilled(io.RawIOBase):
 
     def __init__(self, header: bytes) -> None:
         super().__init__()
-        self._h = header
+        self._header = header
         self._pos = 0
 
     def readable(self) -> bool:
@@ -115,12 +107,12 @@ class _Unfilled(io.RawIOBase):
     def seekable(self) -> bool:
         return True
 
-    def readinto(self, b) -> int:  # b: a writable buffer over the array, from MLX
+    def readinto(self, b: WriteableBuffer) -> int:  # b: a writable buffer over the array
         with memoryview(b) as mv:
             n = mv.nbytes
-            if self._pos < len(self._h):
-                k = min(n, len(self._h) - self._pos)
-                mv.cast("B")[:k] = self._h[self._pos : self._pos + k]
+            if self._pos < len(self._header):
+                k = min(n, len(self._header) - self._pos)
+                mv.cast("B")[:k] = self._header[self._pos : self._pos + k]
                 self._pos += k
                 return k
         self._pos += n
@@ -176,7 +168,7 @@ def unfilled_arrays(shapes: Sequence[tuple[int, ...]], dtypes: Sequence[mx.Dtype
     for f in files:
         weakref.finalize(f, gone)
     try:
-        raw = [mx.load(f, format="npy", stream=mx.cpu) for f in files]
+        raw = [_load_npy(f) for f in files]
     finally:
         del files, f  # after eval, MLX holds the only references
     try:
@@ -192,6 +184,11 @@ def unfilled_arrays(shapes: Sequence[tuple[int, ...]], dtypes: Sequence[mx.Dtype
     if populate:
         prefault(out, huge)
     return out
+
+
+def _load_npy(f: _Unfilled) -> mx.array:
+    # a raw binary stream serves as a file; an .npy file holds one array
+    return cast(mx.array, mx.load(cast(BinaryIO, f), format="npy", stream=mx.cpu))
 
 
 def give_up_unfilled(reason: str) -> None:
@@ -210,7 +207,7 @@ def unfilled_usable() -> bool:
 def zeroed_arrays(shapes: Sequence[tuple[int, ...]], dtypes: Sequence[mx.Dtype]
                   ) -> list[mx.array]:
     """Evaluated zero-filled arrays (the fallback). Zeros are written as the unsigned
-    type of the same size and viewed: filling bfloat16 directly is several times slower."""
+    type of the same size and viewed: filling bfloat16 directly is slower."""
     out = []
     for s, d in zip(shapes, dtypes):
         k = _UINT.get(d.size)

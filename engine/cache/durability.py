@@ -1,38 +1,18 @@
 """Durability coordinator: write-behind of prefix-cache state to the SSD tier.
 
-Every ``store()`` marks its state dirty, keyed by (namespace, tokens), with an immutable
-snapshot (evaluated mx arrays and byte views of them). The coordinator hands snapshots to
-the storage writer thread without ever blocking the engine thread:
-
-* **debounce / coalesce**: a dirty state waits ``debounce_s`` before it is submitted, and a
-  waiting state whose tokens a newer state of the same namespace extends is superseded by
-  it (the newer write covers every block of the older one);
-* **bounded in flight**: at most ``max_inflight`` writes are queued at the writer; the rest
-  wait here (the storage queue's back-pressure never reaches the engine thread);
-* **retry**: a failed write is retried ``retries`` times, then reported failed;
-* **yield to decoding**: while the engine is busy (``busy(True)``: a request is being
-  prefilled or decoded) a due write waits, so persistence never taxes generation; it goes
-  anyway once it has waited ``max_delay_s``, once the states waiting pin more than
-  ``pressure_bytes``, or when the RAM tier no longer holds it (the snapshot is the only
-  copy left). A write under way while the engine is busy paces itself in slices: after
-  each block file it pauses up to ``pace_s`` (cut short when the engine goes idle or
-  memory is short). ``busy(False)`` submits what waited at once;
-* **flush(timeout)**: submits everything now and waits; it reports
-  ``{durable, flushed, pending, failed, missing}`` and never counts as durable a state whose
-  write has not returned from ``put_blocks`` with fsync.
-
-``durable_after_turn_s`` (in ``report()``'s companion ``timings()``) is the median time
-from a state's store (the end of its turn) to its write being durable.
-
-Memory: a job holds its tokens and snapshot only until it settles; a settled job is a small
-record keyed by a 128-bit hash of its tokens (what ``state()`` and the report need), and at
-most ``keep_settled`` of those are kept.
-
-Future callbacks run on the writer thread, so all state is guarded by one condition.
+Every ``store()`` marks its state dirty with an immutable snapshot; the coordinator hands
+snapshots to the storage writer thread without ever blocking the engine thread. It
+debounces and coalesces (a newer state that extends a waiting one supersedes it), bounds
+the writes in flight, retries failures, and yields to decoding while the engine is
+``busy`` (bounded by ``max_delay_s`` and ``pressure_bytes``). ``flush`` reports
+``{durable, flushed, pending, failed, missing}`` and counts as durable only writes that
+returned with fsync. Settled writes shrink to small records; future callbacks run on the
+writer thread, so all state is guarded by one condition.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import threading
@@ -41,10 +21,47 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Protocol, TypeAlias, TypedDict
 
 import numpy as np
 import xxhash
+
+if TYPE_CHECKING:
+    from mlxkv.storage.io import WriteRequest
+    from mlxkv.storage.keys import BufferLike
+
+# What one write hands the writer: a snapshot, or several written together in order.
+WriteRequests: TypeAlias = "WriteRequest | tuple[WriteRequest, ...]"
+
+
+class FlushReport(TypedDict):
+    """States by where their writes stand (``flushed``: written by this flush)."""
+
+    durable: int
+    flushed: int
+    pending: int
+    failed: int
+    missing: int
+
+
+def empty_flush_report() -> FlushReport:
+    return {"durable": 0, "flushed": 0, "pending": 0, "failed": 0, "missing": 0}
+
+
+class Written(Protocol):
+    """What a write that landed reports (``storage.keys.PutResult``, or several)."""
+
+    @property
+    def bytes_written(self) -> int: ...
+
+
+def _nbytes(buffer: BufferLike) -> int:
+    return int(buffer.nbytes) if isinstance(buffer, np.ndarray) else memoryview(buffer).nbytes
+
+
+def _log_warning(condition: str, msg: str, *args: object, logged: bool = False) -> bool:
+    log.log(logging.DEBUG if logged else logging.WARNING, msg, *args)
+    return True
 
 log = logging.getLogger("mlxkv.cache")
 
@@ -52,25 +69,27 @@ PENDING, WRITING, DURABLE, FAILED, SUPERSEDED, MISSING = (
     "pending", "writing", "durable", "failed", "superseded", "missing")
 
 
-def job_key(ns: str, tokens: np.ndarray) -> tuple[str, bytes]:
+def write_key(ns: str, tokens: np.ndarray) -> tuple[str, bytes]:
     """A state's key: its namespace and a 128-bit hash of its tokens (not the tokens)."""
     return (ns, xxhash.xxh3_128_digest(np.ascontiguousarray(tokens, dtype="<u4").tobytes()))
 
 
 @dataclass(eq=False, slots=True)
-class Job:
+class StateWrite:
+    """The write of one stored state to the SSD tier, from its store until it settles."""
+
     ns: str  # storage namespace
     tokens: np.ndarray | None  # None once settled (only a pending write needs them)
-    snapshot: Any  # storage.io.WriteRequest; None once settled
+    snapshot: WriteRequests | None  # None once settled
     key: tuple[str, bytes] = ("", b"")
     ntokens: int = 0
-    eid: str = ""  # the entry id, for events
+    entry_id: str = ""  # the entry id, for events
     bytes_written: int = 0
     state: str = PENDING
     due: float = 0.0
     attempts: int = 0
     error: str | None = None
-    superseded_by: Job | None = None
+    superseded_by: StateWrite | None = None
     nbytes: int = 0  # bytes the snapshot pins until it settles
     evicted: bool = False  # the RAM tier no longer holds this state
     coalesce: bool = True  # False: an exact-position checkpoint, never covered by another
@@ -83,7 +102,7 @@ class Job:
         if state in (DURABLE, SUPERSEDED, MISSING):
             self.snapshot = self.tokens = None
 
-    def final(self) -> Job:
+    def final(self) -> StateWrite:
         j = self
         while j.state == SUPERSEDED and j.superseded_by is not None:
             j = j.superseded_by
@@ -93,10 +112,10 @@ class Job:
 class Durability:
     """Tracks dirty states and drives the writer (see the module docstring)."""
 
-    def __init__(self, submit: Callable[[Any], Future], debounce_s: float = 0.0,
+    def __init__(self, submit: Callable[[WriteRequests], Future[Written]], debounce_s: float = 0.0,
                  max_inflight: int = 2, retries: int = 2, keep_settled: int = 4096,
-                 on_settled: Callable[[Job], None] | None = None,
-                 warn: Callable[..., Any] | None = None, max_delay_s: float = 5.0,
+                 on_settled: Callable[[StateWrite], None] | None = None,
+                 warn: Callable[..., object] | None = None, max_delay_s: float = 5.0,
                  pressure_bytes: int | None = None) -> None:
         self._submit = submit
         self.max_delay_s = max(0.0, float(max_delay_s))
@@ -109,14 +128,13 @@ class Durability:
         self._durable_s: deque[float] = deque(maxlen=256)  # store -> durable, recent writes
         self.yielded = 0  # writes that waited for the engine to go idle
         self._on_settled = on_settled  # called on the writer thread, lock not held
-        self._warn = warn or (lambda cond, msg, *a, logged=False: log.log(
-            logging.DEBUG if logged else logging.WARNING, msg, *a))
+        self._warn = warn or _log_warning
         self.debounce_s = max(0.0, float(debounce_s))
         self.max_inflight = max(1, int(max_inflight))
         self.retries = max(0, int(retries))
         self._cond = threading.Condition()
-        self._jobs: OrderedDict[tuple[str, bytes], Job] = OrderedDict()
-        self._queue: list[Job] = []  # pending, in submission order
+        self._jobs: OrderedDict[tuple[str, bytes], StateWrite] = OrderedDict()
+        self._queue: list[StateWrite] = []  # pending, in submission order
         self._inflight = 0
         self._timer: threading.Timer | None = None
         self._closed = False
@@ -126,25 +144,26 @@ class Durability:
                        "failed": 0, "missing": 0, "bytes_written": 0}
 
     # ------------------------------------------------------------------ engine side
-    def mark(self, ns: str, tokens: np.ndarray, snapshot: Any, coalesce: bool = True,
-             eid: str = "") -> Job:
+    def mark(self, ns: str, tokens: np.ndarray, snapshot: WriteRequests, coalesce: bool = True,
+             entry_id: str = "") -> StateWrite:
         """Record a dirty state; returns its job. Never blocks on I/O. ``snapshot`` is one
         storage snapshot or a tuple of them (written together). ``coalesce=False``: the
         state is only valid at exactly ``tokens`` (a checkpoint), so a longer state does
         not supersede it nor it a shorter one."""
-        key = job_key(ns, tokens)
+        key = write_key(ns, tokens)
         with self._cond:
             have = self._jobs.get(key)
             if have is not None and have.state in (PENDING, WRITING, DURABLE):
                 return have  # the same state is already on its way (or on disk)
             snaps = snapshot if isinstance(snapshot, tuple) else (snapshot,)
-            job = Job(ns, tokens, snapshot, key, len(tokens), eid,
-                      due=time.monotonic() + self.debounce_s,
-                      nbytes=sum(memoryview(seg[0]).nbytes for s in snaps for seg in s.segments),
-                      coalesce=coalesce)
+            job = StateWrite(ns, tokens, snapshot, key, len(tokens), entry_id,
+                             due=time.monotonic() + self.debounce_s,
+                             nbytes=sum(_nbytes(seg[0]) for s in snaps for seg in s.segments),
+                             coalesce=coalesce)
             self.counts["marked"] += 1
             for old in self._queue:
-                if (coalesce and old.coalesce and old.ns == ns and len(old.tokens) < len(tokens)
+                if (coalesce and old.coalesce and old.ns == ns and old.tokens is not None
+                        and len(old.tokens) < len(tokens)
                         and np.array_equal(old.tokens, tokens[: len(old.tokens)])):
                     old.superseded_by = job
                     old.settle(SUPERSEDED)
@@ -159,13 +178,13 @@ class Durability:
 
     def state(self, ns: str, tokens: np.ndarray) -> str | None:
         with self._cond:
-            j = self._jobs.get(job_key(ns, tokens))
+            j = self._jobs.get(write_key(ns, tokens))
             return None if j is None else j.final().state
 
     def forget(self, ns: str, tokens: np.ndarray) -> None:
         """The RAM tier dropped this state: a write that already failed can never happen."""
         with self._cond:
-            j = self._jobs.get(job_key(ns, tokens))
+            j = self._jobs.get(write_key(ns, tokens))
             if j is None:
                 return
             j.evicted = True
@@ -178,7 +197,7 @@ class Durability:
     def hurry(self, ns: str, tokens: np.ndarray) -> None:
         """Write this state next (it is leaving RAM): skip its debounce."""
         with self._cond:
-            j = self._jobs.get(job_key(ns, tokens))
+            j = self._jobs.get(write_key(ns, tokens))
             if j is None or j.state != PENDING or j not in self._queue:
                 return
             self._queue.remove(j)
@@ -190,7 +209,7 @@ class Durability:
         """Forget this state: a pending write is dropped, a running one is waited for (up
         to ``timeout``). False when a write of it may still land on disk after this."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        key = job_key(ns, tokens)
+        key = write_key(ns, tokens)
         with self._cond:
             while True:
                 j = self._jobs.get(key)
@@ -232,7 +251,7 @@ class Durability:
         if pause:
             self._idle.wait(self.pace_s)
 
-    def _must_go(self, job: Job, now: float) -> bool:
+    def _must_go(self, job: StateWrite, now: float) -> bool:
         """Whether a due write goes although the engine is busy (lock held)."""
         if job.evicted or job.due <= 0.0 or now - job.marked >= self.max_delay_s:
             return True
@@ -262,15 +281,19 @@ class Durability:
             job.state = WRITING
             job.attempts += 1
             self._inflight += 1
-            for snap in job.snapshot if isinstance(job.snapshot, tuple) else (job.snapshot,):
+            snapshot = job.snapshot
+            for snap in () if snapshot is None else \
+                    snapshot if isinstance(snapshot, tuple) else (snapshot,):
                 if hasattr(snap, "pace"):
                     snap.pace = self._pace
             try:
-                fut = self._submit(job.snapshot)
+                if snapshot is None:  # (a queued write holds its snapshot until it settles)
+                    raise ValueError("a write without its snapshot")
+                fut = self._submit(snapshot)
             except Exception as exc:  # noqa: BLE001  (closed storage...: settle as a failure)
-                fut = Future()
+                fut = Future[Written]()
                 fut.set_exception(exc)
-            fut.add_done_callback(lambda f, j=job: self._done(j, f))
+            fut.add_done_callback(functools.partial(self._done, job))
         if next_due is not None and self._timer is None:
             self._timer = threading.Timer(max(0.0, next_due - now), self._tick)
             self._timer.daemon = True
@@ -281,7 +304,7 @@ class Durability:
             self._timer = None
             self._pump(force=False)
 
-    def _done(self, job: Job, fut: Future) -> None:
+    def _done(self, job: StateWrite, fut: Future[Written]) -> None:
         from mlxkv.storage.io import WriteQueueFull
         from mlxkv.storage.keys import StoreWriteError
 
@@ -341,7 +364,7 @@ class Durability:
             del self._jobs[key]
 
     # ------------------------------------------------------------------ flush / close
-    def flush(self, timeout: float | None = None) -> dict[str, int]:
+    def flush(self, timeout: float | None = None) -> FlushReport:
         """Write every dirty state now; wait up to ``timeout`` seconds; report."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
@@ -363,21 +386,22 @@ class Durability:
                 self._flushing = False
             return self._report(self.counts["written"] - before)
 
-    def _report(self, flushed: int) -> dict[str, int]:
-        rep = {"durable": 0, "flushed": flushed, "pending": 0, "failed": 0, "missing": 0}
+    def _report(self, flushed: int) -> FlushReport:
+        report = empty_flush_report()
+        report["flushed"] = flushed
         for j in self._jobs.values():
             s = j.final().state
             if s == DURABLE:
-                rep["durable"] += 1
+                report["durable"] += 1
             elif s in (PENDING, WRITING):
-                rep["pending"] += 1
+                report["pending"] += 1
             elif s == FAILED:
-                rep["failed"] += 1
+                report["failed"] += 1
             elif s == MISSING:
-                rep["missing"] += 1
-        return rep
+                report["missing"] += 1
+        return report
 
-    def report(self) -> dict[str, int]:
+    def report(self) -> FlushReport:
         with self._cond:
             return self._report(0)
 
@@ -393,16 +417,16 @@ class Durability:
     def wait(self, ns: str, tokens: np.ndarray, timeout: float | None = None) -> str | None:
         """Wait (up to ``timeout``) until this state's write settles; its state then."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        key = job_key(ns, tokens)
+        key = write_key(ns, tokens)
         with self._cond:
             while True:
                 j = self._jobs.get(key)
-                st = None if j is None else j.final().state
-                if st not in (PENDING, WRITING):
-                    return st
+                state = None if j is None else j.final().state
+                if state not in (PENDING, WRITING):
+                    return state
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    return st
+                    return state
                 self._cond.wait(left)
 
     def queue_depth(self) -> dict[str, int]:
@@ -411,8 +435,8 @@ class Durability:
             return {"waiting": len(self._queue), "inflight": self._inflight,
                     "pinned_bytes": pinned}
 
-    def close(self, timeout: float | None = None) -> dict[str, int]:
-        rep = self.flush(timeout)
+    def close(self, timeout: float | None = None) -> FlushReport:
+        report = self.flush(timeout)
         with self._cond:
             self._closed = True
             if self._timer is not None:
@@ -422,5 +446,5 @@ class Durability:
                 j.settle(MISSING)
                 self.counts["missing"] += 1
             self._queue.clear()
-            rep = self._report(rep["flushed"])
-        return rep
+            report = self._report(report["flushed"])
+        return report

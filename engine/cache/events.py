@@ -12,9 +12,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 log = logging.getLogger("mlxkv.cache")
+
+# An event as the receiver gets it: ``{"type": "cache.<kind>", ...}`` with JSON values.
+Event: TypeAlias = dict[str, Any]
+Receiver: TypeAlias = Callable[[Event], None]
 
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
@@ -25,23 +29,23 @@ class Events:
     receiver is connected (e.g. the SSD tier found unusable while the cache was built)
     are handed to the first receiver when it is."""
 
-    def __init__(self, receiver: Callable[[dict], None] | None = None) -> None:
+    def __init__(self, receiver: Receiver | None = None) -> None:
         self._receiver = receiver
-        self._early: list[dict] = []  # warnings nobody received yet (a few)
+        self._early: list[Event] = []  # warnings nobody received yet (a few)
 
     @property
-    def receiver(self) -> Callable[[dict], None] | None:
+    def receiver(self) -> Receiver | None:
         return self._receiver
 
     @receiver.setter
-    def receiver(self, fn: Callable[[dict], None] | None) -> None:
+    def receiver(self, fn: Receiver | None) -> None:
         self._receiver = fn
         early, self._early = self._early, []
         for ev in early if fn is not None else ():
             self.emit(ev["type"].removeprefix("cache."), **{k: v for k, v in ev.items()
                                                              if k != "type"})
 
-    def emit(self, kind: str, **data: Any) -> None:
+    def emit(self, kind: str, **data: object) -> None:
         fn = self._receiver
         if fn is None:
             if kind == "warning" and len(self._early) < 16:
@@ -54,7 +58,7 @@ class Events:
                 self.warn("event-receiver", "a cache event receiver failed: %s: %s",
                           type(exc).__name__, exc)
 
-    def warn(self, condition: str, msg: str, *args: Any, logged: bool = False) -> bool:
+    def warn(self, condition: str, msg: str, *args: object, logged: bool = False) -> bool:
         """Log ``msg % args`` once per ``condition`` per process (``logged``: another layer
         already told the user; only the event goes out); True the first time."""
         text = msg % args if args else msg

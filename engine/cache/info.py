@@ -16,7 +16,7 @@ Nothing here does I/O or touches mlx: :mod:`engine.cache.listing` gathers the fa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypedDict
 
 import xxhash
 
@@ -92,3 +92,17 @@ class CacheEntryDetail:
     info: CacheEntryInfo
     token_ids: list[int]
     blocks: list[BlockInfo]
+
+
+class VerifyReport(TypedDict):
+    """What ``verify`` found: states checked, whole, damaged (their ids), and manifest
+    files that cannot be read back."""
+
+    checked: int
+    ok: int
+    damaged: list[str]
+    manifests_damaged: int
+
+
+def empty_verify_report() -> VerifyReport:
+    return {"checked": 0, "ok": 0, "damaged": [], "manifests_damaged": 0}

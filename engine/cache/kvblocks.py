@@ -19,19 +19,28 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
-from mlxkv.engine.cache import buffers as mxb
+from mlxkv.engine.cache import buffers
 
 log = logging.getLogger("mlxkv.cache")
 
 # mlx-lm grows KV buffers in steps of this many tokens; lent caches get headroom in the same
 # unit so the first prefill writes in place instead of reallocating.
 KV_STEP = 256
+
+# One layer of an mlx-lm prompt cache (KVCache, QuantizedKVCache, RotatingKVCache,
+# ArraysCache): mlx-lm leaves their attributes unannotated, so they are used untyped.
+LayerCache: TypeAlias = Any
+# An mlx-lm prompt cache: one layer cache per model layer.
+PromptCache: TypeAlias = list[LayerCache]
+# A checkpointed layer's ``state``: arrays, ints and None in nested tuples and lists.
+LayerState: TypeAlias = Any
 
 BLOCK_TYPES = (KVCache, QuantizedKVCache)
 CHECKPOINT_TYPES = (KVCache, QuantizedKVCache, RotatingKVCache, ArraysCache)
@@ -41,18 +50,18 @@ class UnsupportedCache(TypeError):
     """A prompt cache with a layer type the prefix cache does not know how to keep."""
 
 
-def is_block_cache(cache: list) -> bool:
+def is_block_cache(cache: PromptCache) -> bool:
     """True when every layer is token-indexed (cut, shared and trimmed at any token)."""
     return bool(cache) and all(type(c) in BLOCK_TYPES for c in cache)
 
 
-def check_supported(cache: list) -> None:
+def check_supported(cache: PromptCache) -> None:
     for i, c in enumerate(cache):
         if type(c) not in CHECKPOINT_TYPES:
             raise UnsupportedCache(f"layer {i}: cache type {type(c).__name__} is not supported")
 
 
-def cache_tokens(cache: list) -> int | None:
+def cache_tokens(cache: PromptCache) -> int | None:
     """Tokens the cache holds, from its first offset-carrying layer (None: no such layer)."""
     for c in cache:
         if isinstance(c, (KVCache, QuantizedKVCache, RotatingKVCache)):
@@ -65,7 +74,7 @@ def fresh(a: mx.array) -> mx.array:
     return copy.copy(a)
 
 
-def _map_arrays(obj: Any, fn) -> Any:
+def _map_arrays(obj: LayerState, fn: Callable[[mx.array], mx.array]) -> LayerState:
     if isinstance(obj, mx.array):
         return fn(obj)
     if isinstance(obj, tuple):
@@ -75,7 +84,7 @@ def _map_arrays(obj: Any, fn) -> Any:
     return obj
 
 
-def _collect_arrays(obj: Any, out: list) -> list:
+def _collect_arrays(obj: LayerState, out: list[mx.array]) -> list[mx.array]:
     if isinstance(obj, mx.array):
         out.append(obj)
     elif isinstance(obj, (tuple, list)):
@@ -94,7 +103,7 @@ class LayerSpec:
     bits: int = 0
 
 
-def layer_spec(c: Any) -> LayerSpec:
+def layer_spec(c: LayerCache) -> LayerSpec:
     if type(c) is KVCache:
         return LayerSpec("kv")
     if type(c) is QuantizedKVCache:
@@ -102,7 +111,7 @@ def layer_spec(c: Any) -> LayerSpec:
     raise UnsupportedCache(f"{type(c).__name__} is not a token-indexed cache")
 
 
-def layer_arrays(c: Any) -> list[mx.array]:
+def layer_arrays(c: LayerCache) -> list[mx.array]:
     """The token-axis-2 arrays of a block layer: [K, V] or [Kq, Ks, Kb, Vq, Vs, Vb]."""
     if c.keys is None:
         return []
@@ -111,10 +120,11 @@ def layer_arrays(c: Any) -> list[mx.array]:
     return [*c.keys, *c.values]
 
 
-def make_layer(spec: LayerSpec, arrays: list[mx.array], offset: int) -> Any:
+def make_layer(spec: LayerSpec, arrays: list[mx.array], offset: int) -> LayerCache:
     """A new mlx-lm layer cache holding ``arrays`` (token axis 2) with ``offset`` tokens."""
+    c: LayerCache
     if spec.kind == "kv":
-        c = KVCache()
+        c = KVCache()  # type: ignore[no-untyped-call]  # mlx-lm leaves __init__ unannotated
         if arrays:
             c.keys, c.values = arrays
     else:
@@ -129,7 +139,8 @@ def round_up(n: int, step: int = KV_STEP) -> int:
     return (n + step - 1) // step * step
 
 
-def assemble(pieces: list[tuple[list[list[mx.array]], int, int]], total_hint: int) -> list:
+def assemble(pieces: list[tuple[list[list[mx.array]], int, int]], total_hint: int
+             ) -> list[list[mx.array]]:
     """Per-layer arrays for consecutive token ranges taken from several slabs.
 
     ``pieces``: ``(slab_arrays, row0, ntokens)`` in token order. One piece gives views
@@ -162,7 +173,7 @@ def compact(arrays: list[list[mx.array]], row0: int, row1: int) -> list[list[mx.
     return [[mx.contiguous(a[:, :, row0:row1]) for a in layer] for layer in arrays]
 
 
-def arrays_nbytes(arrays: Any) -> int:
+def arrays_nbytes(arrays: LayerState) -> int:
     return sum(a.nbytes for a in _collect_arrays(arrays, []))
 
 
@@ -171,30 +182,30 @@ def arrays_nbytes(arrays: Any) -> int:
 class Checkpoint:
     """The whole state of a prompt cache at one position (any layer types)."""
 
-    layers: list[tuple[type, Any]]  # (cache class, state with arrays as shared views)
+    layers: list[tuple[type[LayerCache], LayerState]]  # (cache class, state: shared views)
     nbytes: int
 
     def arrays(self) -> list[mx.array]:
         return _collect_arrays([s for _, s in self.layers], [])
 
 
-def take_checkpoint(cache: list) -> Checkpoint:
+def take_checkpoint(cache: PromptCache) -> Checkpoint:
     """Capture ``cache`` without copying: new array objects over the same buffers."""
     check_supported(cache)
     layers = []
     for c in cache:
         layers.append((type(c), _map_arrays(c.state, fresh)))
-    cp = Checkpoint(layers, 0)
-    arrs = cp.arrays()
+    checkpoint = Checkpoint(layers, 0)
+    arrs = checkpoint.arrays()
     mx.eval(arrs)
-    cp.nbytes = sum(a.nbytes for a in arrs)
-    return cp
+    checkpoint.nbytes = sum(a.nbytes for a in arrs)
+    return checkpoint
 
 
-def lend_checkpoint(cp: Checkpoint) -> list:
+def lend_checkpoint(checkpoint: Checkpoint) -> PromptCache:
     """A new prompt cache in the checkpoint's state, sharing its buffers (copy-on-write)."""
     out = []
-    for cls, state in cp.layers:
+    for cls, state in checkpoint.layers:
         out.append(cls.from_state(_map_arrays(state, fresh)))
     return out
 
@@ -213,24 +224,24 @@ def writable_arrays(shapes: list[tuple[int, ...]], dtypes: list[mx.Dtype],
     the pages here (see ``buffers.prefault``).
     """
     arrays = None
-    if mxb.unfilled_usable():
+    if buffers.unfilled_usable():
         try:
-            arrays = mxb.unfilled_arrays(shapes, dtypes, populate=populate, huge=huge)
+            arrays = buffers.unfilled_arrays(shapes, dtypes, populate=populate, huge=huge)
         except Exception as exc:  # noqa: BLE001  (an MLX without the .npy stream path)
-            mxb.give_up_unfilled(f"cannot allocate unfilled restore buffers ({exc})")
+            buffers.give_up_unfilled(f"cannot allocate unfilled restore buffers ({exc})")
     if arrays is None:
-        arrays = mxb.zeroed_arrays(shapes, dtypes)
+        arrays = buffers.zeroed_arrays(shapes, dtypes)
     seen: set[int] = set()
     for i, a in enumerate(arrays):
         if tuple(a.shape) != tuple(shapes[i]) or a.dtype != dtypes[i]:
             raise RuntimeError(f"allocated {a.dtype} {a.shape}, not {dtypes[i]} {shapes[i]}")
-        mv = memoryview(a)
+        mv = buffers.memory_of(a)
         n = a.size * a.itemsize
         addr = _address(mv)
         if mv.readonly or not mv.c_contiguous or mv.nbytes != n or (n and addr in seen):
             a = mx.contiguous(mx.zeros(a.shape, a.dtype) + mx.zeros(a.shape, a.dtype))
             mx.eval(a)
-            mv = memoryview(a)
+            mv = buffers.memory_of(a)
             addr = _address(mv)
             if mv.readonly or not mv.c_contiguous or mv.nbytes != n or (n and addr in seen):
                 raise RuntimeError(f"cannot allocate a writable {a.dtype} buffer of {a.shape}")
@@ -247,7 +258,7 @@ def _address(mv: memoryview) -> int:
 
 def byte_view(a: mx.array) -> memoryview:
     """A flat byte view of an evaluated, C-contiguous array (no copy)."""
-    mv = memoryview(a)
+    mv = buffers.memory_of(a)
     if not mv.c_contiguous:
         raise ValueError("array is not C-contiguous")
     return mv.cast("B")

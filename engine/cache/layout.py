@@ -24,13 +24,28 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import mlx.core as mx
 import numpy as np
 import xxhash
 
-from mlxkv.engine.cache import kvblocks as kb
+from mlxkv.engine.cache import kvblocks
+from mlxkv.engine.cache.buffers import memory_of
+
+if TYPE_CHECKING:
+    from mlx_lm.models.cache import _BaseCache
+
+    from mlxkv.storage.format import Layout, SegmentSpec
+    from mlxkv.storage.keys import Segment
+
+# A block layer to restore into: (layer index, its LayerSpec, its arrays).
+RestoreLayer: TypeAlias = "tuple[int, kvblocks.LayerSpec, list[mx.array]]"
+# What a restore may take ready arrays from: (stored segments, rows) -> arrays or None.
+Taker: TypeAlias = "Callable[[list[SegmentSpec], int], list[mx.array] | None]"
+# A checkpoint skeleton: JSON (ints, None, {"a": i} array references, {"t": [...]} tuples).
+Skeleton: TypeAlias = Any
 
 # Bump when the mapping of cache state onto segments and skeletons changes.
 KV_LAYOUT_VERSION = 2
@@ -44,7 +59,7 @@ _DTYPES = {str(d): n for n, d in DTYPES.items()}
 SKEL = "ckpt.skel"
 SKEL_WITH_BLOCKS = "ckpt.skel.blocks"
 # classes a skeleton may name (never an arbitrary attribute of the module)
-_CLASSES = {c.__name__: c for c in kb.CHECKPOINT_TYPES}
+_CLASSES: dict[str, type[kvblocks.LayerCache]] = {c.__name__: c for c in kvblocks.CHECKPOINT_TYPES}
 
 
 class LayoutError(ValueError):
@@ -60,7 +75,7 @@ def mx_dtype(name: str) -> mx.Dtype:
     return d
 
 
-def _state_fields(cls: type) -> tuple[str, ...]:
+def _state_fields(cls: type[_BaseCache]) -> tuple[str, ...]:
     """The instance attributes ``cls().state`` returns, in order (probed with sentinels,
     no source needed), or a marker when the probe fails."""
     try:
@@ -78,12 +93,12 @@ def _state_fields(cls: type) -> tuple[str, ...]:
         return (f"unprobed:{type(exc).__name__}",)
 
 
-def state_schema(classes: tuple[type, ...] | None = None) -> str:
+def state_schema(classes: tuple[type[_BaseCache], ...] | None = None) -> str:
     """Fingerprint of the positional ``state`` schema of the cache classes restored here
     (class names and field order) and of mlx-lm's major.minor version."""
     import mlx_lm
 
-    classes = kb.CHECKPOINT_TYPES if classes is None else classes
+    classes = kvblocks.CHECKPOINT_TYPES if classes is None else classes
     major_minor = ".".join(str(getattr(mlx_lm, "__version__", "0.0")).split(".")[:2])
     desc = ";".join(f"{c.__name__}({','.join(_state_fields(c))})" for c in classes)
     return xxhash.xxh3_64_hexdigest(f"mlx-lm {major_minor};{desc}".encode())
@@ -104,39 +119,42 @@ def kv_namespace(model_fingerprint: str, compute_dtype: str) -> str:
 def dtype_name(a: mx.array) -> str:
     name = _DTYPES.get(str(a.dtype))
     if name is None:
-        raise kb.UnsupportedCache(f"dtype {a.dtype} cannot be persisted")
+        raise kvblocks.UnsupportedCache(f"dtype {a.dtype} cannot be persisted")
     return name
 
 
 def _contiguous(a: mx.array) -> mx.array:
-    a = kb.fresh(a)
+    a = kvblocks.fresh(a)
     mx.eval(a)
-    if not memoryview(a).c_contiguous:
+    if not memory_of(a).c_contiguous:
         a = mx.contiguous(a)
         mx.eval(a)
     return a
 
 
-def split_layers(cache: list) -> tuple[list[int], list[int]]:
+def split_layers(cache: kvblocks.PromptCache) -> tuple[list[int], list[int]]:
     """(indices of block layers, indices of checkpoint-only layers)."""
-    blocks = [i for i, c in enumerate(cache) if type(c) in kb.BLOCK_TYPES]
+    blocks = [i for i, c in enumerate(cache) if type(c) in kvblocks.BLOCK_TYPES]
     return blocks, [i for i in range(len(cache)) if i not in set(blocks)]
 
 
 # ----------------------------------------------------------------------------- blocks
-def block_layout(cache: list, ntokens: int, indices: list[int] | None = None,
-                 part: bool = False) -> tuple[list, list, list]:
+def block_layout(cache: kvblocks.PromptCache, ntokens: int, indices: list[int] | None = None,
+                 part: bool = False
+                 ) -> tuple[list[SegmentSpec], list[Segment], list[mx.array]]:
     """(layout specs, segments, arrays to pin) of rows [0, ntokens) of the block layers
     ``indices`` (all layers when None)."""
     from mlxkv.storage.format import SegmentSpec
 
-    specs, segs, keep = [], [], []
+    specs: list[SegmentSpec] = []
+    segs: list[Segment] = []
+    keep: list[mx.array] = []
     for li in range(len(cache)) if indices is None else indices:
         c = cache[li]
-        spec = kb.layer_spec(c)
+        spec = kvblocks.layer_spec(c)
         tag = "kv" if spec.kind == "kv" else f"q{spec.bits}g{spec.group_size}"
         names = ("k", "v") if spec.kind == "kv" else ("kq", "ks", "kb", "vq", "vs", "vb")
-        for name, a in zip(names, kb.layer_arrays(c)):
+        for name, a in zip(names, kvblocks.layer_arrays(c)):
             if a.ndim != 4 or a.shape[2] < ntokens:
                 raise ValueError(f"layer {li}: unexpected KV array shape {a.shape}")
             a = _contiguous(a)
@@ -144,27 +162,28 @@ def block_layout(cache: list, ntokens: int, indices: list[int] | None = None,
             row = a.shape[3] * a.itemsize
             specs.append(SegmentSpec(f"{li}.{tag}.{name}" + (".part" if part else ""),
                                      dtype_name(a), (a.shape[3],), outer, row))
-            segs.append((kb.byte_view(a), outer, a.shape[2], row))
+            segs.append((kvblocks.byte_view(a), outer, a.shape[2], row))
             keep.append(a)
     return specs, segs, keep
 
 
-def is_partial(layout: Any) -> bool:
+def is_partial(layout: Layout | None) -> bool:
     """Whether stored blocks hold only some layers (restore them with a checkpoint only)."""
-    return bool(layout) and layout[0].name.endswith(".part")
+    return bool(layout and layout[0].name.endswith(".part"))
 
 
 _ARRAY_NAMES = {"kv": ("k", "v"), "qkv": ("kq", "ks", "kb", "vq", "vs", "vb")}
 
 
-def parse_block_layout(layout: Any) -> list[tuple[int, kb.LayerSpec, list]]:
+def parse_block_layout(layout: Layout | None
+                       ) -> list[tuple[int, kvblocks.LayerSpec, list[SegmentSpec]]]:
     """Group a stored block layout back into layers: [(index, LayerSpec, [SegmentSpec])].
     LayoutError unless every layer has exactly its arrays, in order, of whitelisted dtypes
     with the shapes block rows have (one trailing dimension)."""
     if not layout:
         raise LayoutError("an empty stored layout")
     part = is_partial(layout)
-    layers: list[tuple[int, kb.LayerSpec, list]] = []
+    layers: list[tuple[int, kvblocks.LayerSpec, list[SegmentSpec]]] = []
     for s in layout:
         parts = s.name.split(".")
         if len(parts) != (4 if part else 3) or not parts[0].isdigit() or \
@@ -175,12 +194,12 @@ def parse_block_layout(layout: Any) -> list[tuple[int, kb.LayerSpec, list]]:
             if layers and li <= layers[-1][0]:
                 raise LayoutError(f"layer {li} is out of order in a stored layout")
             if tag == "kv":
-                spec = kb.LayerSpec("kv")
+                spec = kvblocks.LayerSpec("kv")
             else:
                 m = re.fullmatch(r"q(\d+)g(\d+)", tag)
                 if m is None:
                     raise LayoutError(f"unknown layer tag {tag!r} in a stored layout")
-                spec = kb.LayerSpec("qkv", int(m.group(2)), int(m.group(1)))
+                spec = kvblocks.LayerSpec("qkv", int(m.group(2)), int(m.group(1)))
             layers.append((li, spec, []))
         mx_dtype(s.dtype)
         if len(s.shape) != 1 or s.shape[0] * DTYPES[s.dtype].size != s.row_bytes:
@@ -196,8 +215,9 @@ def parse_block_layout(layout: Any) -> list[tuple[int, kb.LayerSpec, list]]:
     return layers
 
 
-def block_buffers(layout: Any, cap: int, take: Any = None, populate: bool = True
-                  ) -> tuple[list, list, list]:
+def block_buffers(layout: Layout | None, cap: int, take: Taker | None = None,
+                  populate: bool = True
+                  ) -> tuple[list[RestoreLayer], list[Segment], list[mx.array]]:
     """(per layer (index, LayerSpec, arrays), segments, all arrays) to restore blocks of
     the stored ``layout`` into, with room for ``cap`` tokens. ``take(flat_specs, cap)``
     may supply ready arrays (the KV arena: same segments, room for at least ``cap``);
@@ -208,11 +228,12 @@ def block_buffers(layout: Any, cap: int, take: Any = None, populate: bool = True
     flat = [s for _, _, seg_specs in by_layer for s in seg_specs]
     arrays = None if take is None else take(flat, cap)
     if arrays is None:
-        arrays = kb.writable_arrays([(1, s.outer, cap, *s.shape) for s in flat],
-                                    [DTYPES[s.dtype] for s in flat], populate=populate)
-    segs = [(kb.byte_view(a), s.outer, int(a.shape[2]), s.row_bytes)
-            for a, s in zip(arrays, flat)]
-    layers, i = [], 0
+        arrays = kvblocks.writable_arrays([(1, s.outer, cap, *s.shape) for s in flat],
+                                          [DTYPES[s.dtype] for s in flat], populate=populate)
+    segs: list[Segment] = [(kvblocks.byte_view(a), s.outer, int(a.shape[2]), s.row_bytes)
+                           for a, s in zip(arrays, flat)]
+    layers: list[RestoreLayer] = []
+    i = 0
     for li, spec, seg_specs in by_layer:
         layers.append((li, spec, arrays[i : i + len(seg_specs)]))
         i += len(seg_specs)
@@ -220,7 +241,7 @@ def block_buffers(layout: Any, cap: int, take: Any = None, populate: bool = True
 
 
 # ----------------------------------------------------------------------------- checkpoints
-def _skeleton(obj: Any, arrays: list) -> Any:
+def _skeleton(obj: kvblocks.LayerState, arrays: list[mx.array]) -> Skeleton:
     if isinstance(obj, mx.array):
         arrays.append(obj)
         return {"a": len(arrays) - 1}
@@ -230,10 +251,10 @@ def _skeleton(obj: Any, arrays: list) -> Any:
         return {"t": [_skeleton(o, arrays) for o in obj]}
     if isinstance(obj, list):
         return [_skeleton(o, arrays) for o in obj]
-    raise kb.UnsupportedCache(f"cannot persist a {type(obj).__name__} in a cache state")
+    raise kvblocks.UnsupportedCache(f"cannot persist a {type(obj).__name__} in a cache state")
 
 
-def _rebuild(obj: Any, arrays: list) -> Any:
+def _rebuild(obj: Skeleton, arrays: list[mx.array]) -> kvblocks.LayerState:
     if isinstance(obj, dict):
         if "a" in obj:
             return arrays[obj["a"]]
@@ -243,14 +264,14 @@ def _rebuild(obj: Any, arrays: list) -> Any:
     return obj
 
 
-def checkpoint_layout(cp: kb.Checkpoint, indices: list[int], with_blocks: bool
-                      ) -> tuple[list, list, list]:
+def checkpoint_layout(checkpoint: kvblocks.Checkpoint, indices: list[int], with_blocks: bool
+                      ) -> tuple[list[SegmentSpec], list[Segment], list[mx.array]]:
     """(layout specs, segments, arrays to pin) of the checkpoint layers ``indices`` of
-    ``cp`` (a whole-cache checkpoint): the skeleton, then each state array whole."""
+    ``checkpoint`` (a whole-cache checkpoint): the skeleton, then each state array whole."""
     from mlxkv.storage.format import SegmentSpec
 
     arrays: list[mx.array] = []
-    layers = [[li, cp.layers[li][0].__name__, _skeleton(cp.layers[li][1], arrays)]
+    layers = [[li, checkpoint.layers[li][0].__name__, _skeleton(checkpoint.layers[li][1], arrays)]
               for li in indices]
     skel = json.dumps({"v": 1, "layers": layers}, separators=(",", ":")).encode()
     skel_a = mx.array(np.frombuffer(skel, dtype=np.uint8))
@@ -260,41 +281,43 @@ def checkpoint_layout(cp: kb.Checkpoint, indices: list[int], with_blocks: bool
     keep = [skel_a]
     for j, a in enumerate(arrays):
         if a.size == 0:
-            raise kb.UnsupportedCache("an empty array in a cache state cannot be persisted")
+            raise kvblocks.UnsupportedCache("an empty array in a cache state cannot be persisted")
         a = _contiguous(a)
         specs.append(SegmentSpec(f"ckpt.{j}", dtype_name(a), tuple(int(s) for s in a.shape),
                                  1, a.nbytes))
         keep.append(a)
-    segs = [(kb.byte_view(a), 1, 1, a.nbytes) for a in keep]
+    segs: list[Segment] = [(kvblocks.byte_view(a), 1, 1, a.nbytes) for a in keep]
     return specs, segs, keep
 
 
-def checkpoint_has_blocks(layout: Any) -> bool:
+def checkpoint_has_blocks(layout: Layout | None) -> bool:
     if not layout or layout[0].name not in (SKEL, SKEL_WITH_BLOCKS):
         raise LayoutError("not a checkpoint layout (no skeleton segment first)")
     return layout[0].name == SKEL_WITH_BLOCKS
 
 
-def checkpoint_buffers(layout: Any) -> list[mx.array]:
+def checkpoint_buffers(layout: Layout | None) -> list[mx.array]:
     """Writable destination arrays for a stored checkpoint layout (skeleton first)."""
-    checkpoint_has_blocks(layout)
-    shapes, dtypes = [], []
-    for i, s in enumerate(layout):
+    checkpoint_has_blocks(layout)  # LayoutError unless a (non-empty) checkpoint layout
+    shapes: list[tuple[int, ...]] = []
+    dtypes: list[mx.Dtype] = []
+    for i, s in enumerate(layout or ()):
         shapes.append(tuple(s.shape))
         dtypes.append(mx_dtype(s.dtype))
         if i and (dtypes[-1].size * int(np.prod(s.shape)) != s.row_bytes or s.outer != 1):
             raise LayoutError(f"segment {s.name} is not a whole state")
-    return kb.writable_arrays(shapes, dtypes)
+    return kvblocks.writable_arrays(shapes, dtypes)
 
 
-def checkpoint_layers(layout: Any, arrays: list[mx.array]) -> dict[int, Any]:
+def checkpoint_layers(layout: Layout | None, arrays: list[mx.array]
+                      ) -> dict[int, kvblocks.LayerCache]:
     """{layer index: mlx-lm layer cache} from restored checkpoint arrays; LayoutError
     when the skeleton does not describe states of the whitelisted classes."""
     try:
-        skel = json.loads(bytes(kb.byte_view(arrays[0])))
+        skel = json.loads(bytes(kvblocks.byte_view(arrays[0])))
         if not isinstance(skel, dict) or skel.get("v") != 1:
             raise LayoutError("unknown checkpoint skeleton version")
-        out: dict[int, Any] = {}
+        out: dict[int, kvblocks.LayerCache] = {}
         for li, cls_name, tree in skel["layers"]:
             cls = _CLASSES.get(cls_name)
             if cls is None:

@@ -24,11 +24,14 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from mlxkv.engine.cache.events import Events
+
+if TYPE_CHECKING:
+    from mlxkv.storage.store import BlockStore
 
 SAVE_EVERY_S = 30.0  # while idle, a changed source is saved at most this often
 
@@ -47,7 +50,7 @@ class LearnedSource(Protocol):
 class _Kept:
     ns: str  # the store's namespace folder
     name: str
-    source: Any  # a LearnedSource
+    source: LearnedSource
     saved: int  # the source's revision on disk (or being written)
     at: float = field(default_factory=time.monotonic)
 
@@ -55,23 +58,23 @@ class _Kept:
 class LearnedFiles:
     """The learned files of one block store (engine thread, but for its own writer)."""
 
-    def __init__(self, disk: Any, events: Events):
+    def __init__(self, disk: BlockStore, events: Events) -> None:
         self.disk = disk
         self.events = events
         self._kept: dict[tuple[str, str], _Kept] = {}
         self._pool: ThreadPoolExecutor | None = None
-        self._writing: Future | None = None
+        self._writing: Future[int] | None = None
         self._lock = threading.Lock()  # one write at a time, whichever thread runs it
         self.saves = 0
 
-    def load(self, sns: str, name: str, schema: str) -> list[np.ndarray]:
-        """The sequences saved for ``name`` in ``sns`` ([] when there are none, or when
+    def load(self, store_ns: str, name: str, schema: str) -> list[np.ndarray]:
+        """The sequences saved for ``name`` in ``store_ns`` ([] when there are none, or when
         the file cannot be used: one warning says why)."""
         from mlxkv.storage.learned import LearnedDamaged
 
-        where = f"learned:{self.disk.root}:{sns}:{name}"  # warned once per file
+        where = f"learned:{self.disk.root}:{store_ns}:{name}"  # warned once per file
         try:
-            learned = self.disk.get_learned(sns, name)
+            learned = self.disk.get_learned(store_ns, name)
         except LearnedDamaged as exc:
             self.events.warn(where, "prefix cache: the saved %s index %s is not used (%s): %s",
                              name, exc.path, "removed" if exc.removed else "left in place",
@@ -88,9 +91,9 @@ class LearnedFiles:
             return []
         return list(learned.sequences)
 
-    def keep(self, sns: str, name: str, source: Any) -> None:
-        """Save ``source`` (a :class:`LearnedSource`) as ``name`` in ``sns`` from now on."""
-        self._kept[(sns, name)] = _Kept(sns, name, source, source.revision)
+    def keep(self, store_ns: str, name: str, source: LearnedSource) -> None:
+        """Save ``source`` (a :class:`LearnedSource`) as ``name`` in ``store_ns`` from now on."""
+        self._kept[(store_ns, name)] = _Kept(store_ns, name, source, source.revision)
 
     def idle(self) -> None:
         """The engine has nothing to do: save a changed source now and then, in the
@@ -152,5 +155,5 @@ class LearnedFiles:
                                      "could not be saved: %s", k.name, exc)
         return written
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, int]:
         return {"learned_files": len(self._kept), "learned_saves": self.saves}

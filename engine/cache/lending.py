@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from mlxkv.engine.cache import kvblocks as kb
+from mlxkv.engine.cache import kvblocks
 
 log = logging.getLogger("mlxkv.cache")
 
@@ -31,7 +31,7 @@ MAX_LENT = 8  # handed-over caches remembered for release()
 class Lent:
     """A RAM entry handed over to a request."""
 
-    cache: list  # the request's prompt cache (the very list lookup returned)
+    cache: kvblocks.PromptCache  # the request's prompt cache (the very list lookup returned)
     ns: str
     tokens: np.ndarray
     session: str | None
@@ -42,8 +42,8 @@ class Lending:
     """Handed-over caches by id; ``keep(ns, tokens, cache, session, retained_until)``
     stores one back."""
 
-    def __init__(self, keep: Callable[[str, np.ndarray, list, str | None, float], object]
-                 ) -> None:
+    def __init__(self, keep: Callable[[str, np.ndarray, kvblocks.PromptCache, str | None, float],
+                                      object]) -> None:
         self._keep = keep
         self._lent: dict[int, Lent] = {}
         self.released = 0  # entries given back
@@ -51,7 +51,7 @@ class Lending:
     def __len__(self) -> int:
         return len(self._lent)
 
-    def remember(self, cache: list, ns: str, toks: np.ndarray, session: str | None,
+    def remember(self, cache: kvblocks.PromptCache, ns: str, toks: np.ndarray, session: str | None,
                  retained_until: float = 0.0) -> None:
         self._lent[id(cache)] = Lent(cache, ns, toks.copy(), session, retained_until)
         while len(self._lent) > MAX_LENT:
@@ -59,13 +59,13 @@ class Lending:
             if self._orphaned(rec):
                 self._give_back(rec)
 
-    def retention(self, cache: list) -> float:
+    def retention(self, cache: kvblocks.PromptCache) -> float:
         """The retention hint of the entry handed over as ``cache`` (0: none): the state
         stored from it holds that entry's tokens, and keeps its hint."""
         rec = self._lent.get(id(cache))
         return rec.retained_until if rec is not None and rec.cache is cache else 0.0
 
-    def stored(self, cache: list) -> None:
+    def stored(self, cache: kvblocks.PromptCache) -> None:
         """The request stored its cache: nothing to give back."""
         rec = self._lent.get(id(cache))
         if rec is not None and rec.cache is cache:
@@ -84,7 +84,7 @@ class Lending:
         for key in [k for k, r in self._lent.items() if self._orphaned(r)]:
             self._give_back(self._lent.pop(key))
 
-    def release(self, cache: list | None) -> bool:
+    def release(self, cache: kvblocks.PromptCache | None) -> bool:
         """The request that got ``cache`` will not store it: give back what it borrowed.
         Returns whether an entry was given back."""
         if cache is None:
@@ -106,14 +106,15 @@ class Lending:
     def _give_back(self, rec: Lent) -> bool:
         cache, n = rec.cache, len(rec.tokens)
         try:
-            if not kb.is_block_cache(cache):
+            if not kvblocks.is_block_cache(cache):
                 raise ValueError("the cache is no longer a block cache")
-            arrays = [kb.layer_arrays(c) for c in cache]
+            arrays = [kvblocks.layer_arrays(c) for c in cache]
             mx.eval([a for layer in arrays for a in layer])
             if any(int(c.offset) < n or not arrs or arrs[0].shape[2] < n
                    for c, arrs in zip(cache, arrays)):
                 raise ValueError(f"the cache no longer holds its first {n} tokens")
-            back = [kb.make_layer(kb.layer_spec(c), arrs, n) for c, arrs in zip(cache, arrays)]
+            back = [kvblocks.make_layer(kvblocks.layer_spec(c), arrs, n)
+                    for c, arrs in zip(cache, arrays)]
             self._keep(rec.ns, rec.tokens, back, rec.session, rec.retained_until)
         except Exception as exc:  # noqa: BLE001  (a failed computation left lazy garbage)
             log.warning("could not take back a %d-token cached state: %s", n, exc)

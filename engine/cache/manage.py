@@ -1,5 +1,5 @@
-"""Entry management for front ends, on the prefix cache facade: list entries, pin,
-evict, delete, verify and invalidate them (engine thread).
+"""Entry management for front ends: list entries, pin, evict, delete, verify and
+invalidate them (engine thread).
 
 Entries are the states ``store()`` kept, in RAM (``ram_tier``), on SSD (a manifest named
 after the entry id, see ``upkeep``) or both; ``listing`` merges what the tiers know.
@@ -7,14 +7,23 @@ after the entry id, see ``upkeep``) or both; ``listing`` merges what the tiers k
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
+from numpy.typing import ArrayLike
 
 from mlxkv.engine.cache import listing, misses, upkeep
-from mlxkv.engine.cache.info import CacheEntryDetail, CacheEntryInfo
+from mlxkv.engine.cache.events import Events
+from mlxkv.engine.cache.info import (
+    CacheEntryDetail,
+    CacheEntryInfo,
+    VerifyReport,
+    empty_verify_report,
+)
+from mlxkv.engine.cache.lending import Lending
+from mlxkv.engine.cache.ram_tier import RamTier
+from mlxkv.engine.cache.ssd import SsdTier
+from mlxkv.engine.cache.stats import Counters, Usage
 from mlxkv.engine.cache.tokens import as_tokens, common_prefix, store_namespace
-from mlxkv.engine.cache.tokens import entry_id as eid_of
+from mlxkv.engine.cache.tokens import entry_id as entry_id_of
 
 
 def folder_errors() -> tuple[type[BaseException], ...]:
@@ -24,44 +33,43 @@ def folder_errors() -> tuple[type[BaseException], ...]:
     return (CacheFolderError, OSError)
 
 
-class ManageMixin:
-    """Entry management of :class:`engine.cache.prefix_cache.PrefixCache` (which sets
-    ``ram``, ``ssd``, ``lending``, ``usage``, ``counters``, ``saved_tokens``, ``_events``,
-    ``_pins`` and ``_verified``)."""
+class EntryManager:
+    """Entry management of the prefix cache: list, pin, evict, delete, verify and
+    invalidate entries. ``pins`` (pinned entry ids) is the cache's own set, shared."""
 
-    ram: Any
-    ssd: Any
-    lending: Any
-    usage: Any
-    counters: Any
-    saved_tokens: misses.SavedTokens
-    _events: Any
-    _pins: set[str]
-    _verified: dict[bytes, bool]
+    def __init__(self, ram: RamTier, ssd: SsdTier | None, lending: Lending, usage: Usage,
+                 counters: Counters, saved_tokens: misses.SavedTokens, events: Events,
+                 pins: set[str]) -> None:
+        self.ram, self.ssd, self.lending = ram, ssd, lending
+        self.usage, self.counters, self.saved_tokens = usage, counters, saved_tokens
+        self.events, self.pins = events, pins
+        self.verified: dict[bytes, bool] = {}  # block key -> last verify result
 
     # ------------------------------------------------------------------ entries
-    def _saved(self, sns: str | None) -> list[upkeep.Saved]:
+    def saved(self, store_ns: str | None) -> list[upkeep.Saved]:
+        """The SSD tier's saved states (of ``store_ns``, or all), oldest first per namespace."""
         if self.ssd is None:
             return []
         try:
-            names = [sns] if sns is not None else sorted(self.ssd.disk.stats()["namespaces"])
+            names = [store_ns] if store_ns is not None else \
+                sorted(self.ssd.disk.stats()["namespaces"])
             out = []
             for name in names:
                 states = sorted(upkeep.saved_states(self.ssd.disk, name), key=lambda s: s.created)
-                self.saved_tokens.listed(name, ((s.eid, s.tokens) for s in states))
+                self.saved_tokens.listed(name, ((s.entry_id, s.tokens) for s in states))
                 out += states
             return out
         except folder_errors() as exc:
-            self._events.warn("list-failed", "prefix cache: cannot list the SSD tier: %s", exc)
+            self.events.warn("list-failed", "prefix cache: cannot list the SSD tier: %s", exc)
             return []
 
-    def _facts(self, sns: str | None) -> dict[str, listing.Facts]:
-        return listing.gather(self.ram, self._saved(sns), sns)
+    def _facts(self, store_ns: str | None) -> dict[str, listing.Facts]:
+        return listing.gather(self.ram, self.saved(store_ns), store_ns)
 
     def entries(self, ns: str | None = None) -> list[CacheEntryInfo]:
         """Every stored state (of ``ns``, or all), most recently used first."""
         infos = listing.infos(self._facts(None if ns is None else store_namespace(ns)),
-                              self.ram, self._pins, self.usage)
+                              self.ram, self.pins, self.usage)
         return sorted(infos.values(), key=lambda i: -i.last_used)
 
     def entry(self, entry_id: str) -> CacheEntryDetail | None:
@@ -69,43 +77,43 @@ class ManageMixin:
         f = facts.get(entry_id)
         if f is None:
             return None
-        info = listing.infos(facts, self.ram, self._pins, self.usage)[entry_id]
-        return listing.detail(info, f, self._verified)
+        info = listing.infos(facts, self.ram, self.pins, self.usage)[entry_id]
+        return listing.detail(info, f, self.verified)
 
-    def explain(self, tokens: Any, ns: str) -> misses.Divergence | None:
+    def explain(self, tokens: ArrayLike, ns: str) -> misses.Divergence | None:
         """The stored state of ``ns`` that shares the longest prefix with ``tokens`` (RAM
         entries first, then the SSD tier's saved states; most recent first), and where
         the prompt parts from it; None when none starts like it."""
-        toks, sns = as_tokens(tokens), store_namespace(ns)
+        toks, store_ns = as_tokens(tokens), store_namespace(ns)
         if len(toks) == 0:
             return None
         first = toks[0]
         cands = [misses.Candidate(e.tokens, "ram", session=e.session)
                  for e in reversed(self.ram.entries.values())
-                 if e.ns == sns and len(e.tokens) and e.tokens[0] == first]
+                 if e.ns == store_ns and len(e.tokens) and e.tokens[0] == first]
         if self.ssd is not None:
             try:
-                cands += self.saved_tokens.candidates(self.ssd.disk, sns, first)
+                cands += self.saved_tokens.candidates(self.ssd.disk, store_ns, first)
             except folder_errors() as exc:
-                self._events.warn("list-failed", "prefix cache: cannot list the SSD tier: %s",
-                                  exc)
-        return misses.closest(toks, sns, cands)
+                self.events.warn("list-failed", "prefix cache: cannot list the SSD tier: %s",
+                                 exc)
+        return misses.closest(toks, store_ns, cands)
 
     def pin(self, entry_id: str, pinned: bool = True) -> bool:
         """Keep an entry over others in RAM (never superseded or handed over)."""
         e = self.ram.find(entry_id)
-        found = e is not None or any(s.eid == entry_id for s in self._saved(None))
+        found = e is not None or any(s.entry_id == entry_id for s in self.saved(None))
         if not found:
             return False
         if pinned:
-            self._pins.add(entry_id)
+            self.pins.add(entry_id)
         else:
-            self._pins.discard(entry_id)
+            self.pins.discard(entry_id)
         if e is not None:
             e.pinned = pinned
             if not pinned:
                 self.ram.evict()
-        self._events.emit("pin", id=entry_id, pinned=pinned)
+        self.events.emit("pin", id=entry_id, pinned=pinned)
         return True
 
     def evict(self, entry_id: str) -> bool:
@@ -127,92 +135,96 @@ class ManageMixin:
             self.ram.drop(e, evicted=False)
             self._cancel_write(e.ns, e.tokens)  # before listing: a running write lands first
             found = True
-        self.lending.forget(lambda r: eid_of(r.ns, r.tokens) == entry_id)
+        self.lending.forget(lambda r: entry_id_of(r.ns, r.tokens) == entry_id)
         if self.ssd is not None:
-            saved = self._saved(None)
-            mine = next((s for s in saved if s.eid == entry_id), None)
+            saved = self.saved(None)
+            mine = next((s for s in saved if s.entry_id == entry_id), None)
             if mine is not None:
                 if e is None:
                     self._cancel_write(mine.ns, mine.tokens)
                 others = {k for s in saved if s is not mine and s.ns == mine.ns
                           for k, _, _ in s.blocks}
-                self._remove(mine.ns, {k for k, _, _ in mine.blocks} - others, [mine.manifest])
+                self._remove(self.ssd, mine.ns, {k for k, _, _ in mine.blocks} - others,
+                             [mine.manifest])
                 found = True
-        self._pins.discard(entry_id)
+        self.pins.discard(entry_id)
         self.usage.forget(entry_id)
         self.saved_tokens.removed(entry_id)
         if found:
             self.counters.add(deleted=1)
-            self._events.emit("delete", id=entry_id)
+            self.events.emit("delete", id=entry_id)
         return found
 
-    def _cancel_write(self, sns: str, toks: np.ndarray) -> None:
-        if self.ssd is not None and not self.ssd.durability.cancel(sns, toks):
-            self._events.warn("delete-writing", "prefix cache: a deleted state was still being "
-                              "written after 10 s; it may come back on disk")
+    def _cancel_write(self, store_ns: str, toks: np.ndarray) -> None:
+        if self.ssd is not None and not self.ssd.durability.cancel(store_ns, toks):
+            self.events.warn("delete-writing", "prefix cache: a deleted state was still being "
+                             "written after 10 s; it may come back on disk")
 
-    def _remove(self, sns: str, keys: set[bytes], manifests: list[str]) -> None:
+    def _remove(self, ssd: SsdTier, store_ns: str, keys: set[bytes], manifests: list[str]
+                ) -> None:
         try:
-            upkeep.remove(self.ssd.disk, sns, keys, manifests)
+            upkeep.remove(ssd.disk, store_ns, keys, manifests)
         except folder_errors() as exc:
-            self._events.warn("remove-failed", "prefix cache: cannot remove from the SSD "
-                              "tier: %s", exc)
+            self.events.warn("remove-failed", "prefix cache: cannot remove from the SSD "
+                             "tier: %s", exc)
 
-    def invalidate(self, tokens: Any, ns: str) -> None:
+    def invalidate(self, tokens: ArrayLike, ns: str) -> None:
         """Drop every cached state that could seed a prompt of ``tokens`` (both tiers):
         a generation from such a state failed."""
-        toks, sns = as_tokens(tokens), store_namespace(ns)
+        toks, store_ns = as_tokens(tokens), store_namespace(ns)
         if len(toks) == 0:
             return
-        dropped = self.ram.seeding(sns, toks)
+        dropped = self.ram.seeding(store_ns, toks)
         for e in dropped:
             self.ram.drop(e, evicted=False)
             self._cancel_write(e.ns, e.tokens)
-        self.lending.forget(lambda r: r.ns == sns and common_prefix(r.tokens, toks) > 0)
+        self.lending.forget(lambda r: r.ns == store_ns and common_prefix(r.tokens, toks) > 0)
         if self.ssd is not None:
-            keys = self._seeding_keys(sns, toks)
-            mans = [s.manifest for s in self._saved(sns)
+            keys = self._seeding_keys(self.ssd, store_ns, toks)
+            mans = [s.manifest for s in self.saved(store_ns)
                     if keys & {k for k, _, _ in s.blocks}]
-            self._remove(sns, keys, mans)
-            self.saved_tokens.forget(sns)
+            self._remove(self.ssd, store_ns, keys, mans)
+            self.saved_tokens.forget(store_ns)
         self.counters.add(invalidated=1)
-        self._events.emit("invalidate", ns=ns, tokens=len(toks), ram_entries=len(dropped))
+        self.events.emit("invalidate", ns=ns, tokens=len(toks), ram_entries=len(dropped))
 
-    def _seeding_keys(self, sns: str, toks: np.ndarray) -> set[bytes]:
-        disk = self.ssd.disk
-        m = disk.lookup(sns, toks)
-        keys = set(m.block_keys) | ({m.tail_key} if m.tail_key is not None else set())
+    @staticmethod
+    def _seeding_keys(ssd: SsdTier, store_ns: str, toks: np.ndarray) -> set[bytes]:
+        disk = ssd.disk
+        block_match = disk.lookup(store_ns, toks)
+        keys = set(block_match.block_keys) | (
+            {block_match.tail_key} if block_match.tail_key is not None else set())
         limit = len(toks)
         while limit > 0:
-            cm = disk.lookup_checkpoint(sns, toks, max_tokens=limit)
-            if not cm.n_tokens:
+            checkpoint_match = disk.lookup_checkpoint(store_ns, toks, max_tokens=limit)
+            if not checkpoint_match.n_tokens or checkpoint_match.checkpoint_key is None:
                 break
-            keys.add(cm.checkpoint_key)
-            limit = cm.n_tokens - 1
+            keys.add(checkpoint_match.checkpoint_key)
+            limit = checkpoint_match.n_tokens - 1
         return keys
 
-    def verify(self, entry_id: str | None = None) -> dict[str, Any]:
+    def verify(self, entry_id: str | None = None) -> VerifyReport:
         """Read back saved states (one, or all) and check every block's content hash; a
         ``verify`` event (``done`` of ``total``) follows each state checked. Nothing is
         checked while a restore is stuck on the reader thread."""
-        out: dict[str, Any] = {"checked": 0, "ok": 0, "damaged": [], "manifests_damaged": 0}
+        out = empty_verify_report()
         if self.ssd is None or not self.ssd.available():
             return out
-        saved = self._saved(None)
+        saved = self.saved(None)
         if entry_id is None:
             for name in sorted({s.ns for s in saved} | set(self.ssd.disk.stats()["namespaces"])):
                 out["manifests_damaged"] += upkeep.damaged_manifests(self.ssd.disk, name)
-        todo = [s for s in saved if entry_id is None or s.eid == entry_id]
+        todo = [s for s in saved if entry_id is None or s.entry_id == entry_id]
         for done, s in enumerate(todo, 1):
             ok, seen = upkeep.verify(self.ssd.io, s, self.ssd.restore_timeout_s)
-            self._verified.update(seen)
+            self.verified.update(seen)
             out["checked"] += 1
             if ok:
                 out["ok"] += 1
             else:
-                out["damaged"].append(s.eid)
-            self._events.emit("verify", done=done, total=len(todo), id=s.eid, ok=ok)
-        if len(self._verified) > 100_000:
-            self._verified.clear()
+                out["damaged"].append(s.entry_id)
+            self.events.emit("verify", done=done, total=len(todo), id=s.entry_id, ok=ok)
+        if len(self.verified) > 100_000:
+            self.verified.clear()
         return out
 

@@ -4,37 +4,12 @@
     n, cache = pc.lookup(prompt_tokens, ns, session=None)   # engine thread
     ... prefill prompt_tokens[n:] into cache (or a fresh cache when None) and generate ...
     pc.store(tokens_in_cache, cache, ns, session=None)     # engine thread
-    pc.prefetch(prompt_tokens, ns, session=None)           # engine thread: SSD -> RAM
-    pc.busy(True) ... pc.busy(False)                       # the engine serves / is idle
-    pc.flush(timeout) ; pc.gc(ns) ; pc.stats() ; pc.close(timeout)
-    pc.load_learned(ns, name, schema) ; pc.keep_learned(ns, name, source)  # engine.cache.learned
 
-``PrefixCache`` orchestrates the tiers; each job has its module:
-
-* ``ram_tier``: byte-capped LRU of states sharing hash-chained blocks (lent copy-on-write;
-  a state a request continues exactly is handed over whole, see ``lending``);
-* ``ssd``: restores from and snapshots for the block store, write-behind through
-  ``durability`` (which yields to decoding while ``busy``), reads bounded by a timeout;
-  ``upkeep``: saved states, verify, removal;
-* ``arena``: restore destinations prepared when a model is bound (``bind_model``), so an
-  SSD hit reads into memory that already exists; ``prefetch``: SSD -> RAM ahead of the
-  request, in the background while the engine is busy;
-* ``tokens``: token ids and the chain keys both tiers share (a prompt is hashed once per
-  lookup; the RAM tier and the block store walk the same keys);
-* ``layout`` / ``template``: the versioned mapping of mlx-lm caches onto stored bytes,
-  and the check of a restored cache against the model's before it is lent;
-* ``learned``: what speculation sources learned (the suffix index), one verified file per
-  source and namespace beside the blocks, saved when the cache persists;
-* ``manage`` / ``listing`` / ``info``: entries for front ends (list, pin, evict, delete,
-  verify, invalidate); ``stats`` / ``events``: counters,
-  events (``on_event``) and once-per-condition warnings.
-
-``lookup`` returns the longest cached prefix (at most ``len(tokens) - 1``) as a new mlx-lm
-prompt cache the request owns; a state stored past the prompt serves it up to its last
-token (trimmed), from either tier. Namespaces never mix (keys and folders include them; see
-``layout.kv_namespace``). Non-trimmable caches (rotating windows, SSM state, hybrids) are
-exact checkpoints, restored only at exactly a checkpointed position, never trimmed.
-All methods run on the engine thread; ``stats`` may be called from any thread.
+``PrefixCache`` composes the parts (``ram_tier``, ``ssd`` with ``durability``, ``arena``,
+``prefetch``, ``manage``, ``learned``, ``stats`` / ``events``) and keeps the engine's
+interface (``engine.cache.client``). ``lookup`` returns the longest cached prefix (at most
+``len(tokens) - 1``) as a new mlx-lm prompt cache the caller owns; namespaces never mix;
+non-trimmable caches are exact checkpoints. Engine thread, except ``stats``.
 """
 
 from __future__ import annotations
@@ -42,33 +17,47 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
-from mlxkv.engine.cache import kvblocks as kb
+from mlxkv.engine.cache import kvblocks
 from mlxkv.engine.cache.arena import Arena
-from mlxkv.engine.cache.events import Events
-from mlxkv.engine.cache.info import CacheEntryDetail, CacheEntryInfo
-from mlxkv.engine.cache.learned import LearnedFiles
+from mlxkv.engine.cache.durability import FlushReport, empty_flush_report
+from mlxkv.engine.cache.events import Events, Receiver
+from mlxkv.engine.cache.info import (
+    CacheEntryDetail,
+    CacheEntryInfo,
+    VerifyReport,
+    empty_verify_report,
+)
+from mlxkv.engine.cache.learned import LearnedFiles, LearnedSource
 from mlxkv.engine.cache.lending import Lending
-from mlxkv.engine.cache.manage import ManageMixin, folder_errors
+from mlxkv.engine.cache.manage import EntryManager, folder_errors
 from mlxkv.engine.cache.misses import Divergence, SavedTokens
-from mlxkv.engine.cache.prefetch import PrefetchMixin
-from mlxkv.engine.cache.ram_tier import Entry, RamTier
+from mlxkv.engine.cache.prefetch import Prefetcher
+from mlxkv.engine.cache.ram_tier import RamEntry, RamTier
 from mlxkv.engine.cache.ssd import SsdTier
-from mlxkv.engine.cache.stats import Counters, Usage
+from mlxkv.engine.cache.stats import Counters, LastLookup, Usage
 from mlxkv.engine.cache.template import Templates
 from mlxkv.engine.cache.tokens import as_tokens, chain_keys, store_namespace
-from mlxkv.engine.cache.tokens import entry_id as eid_of
+from mlxkv.engine.cache.tokens import entry_id as entry_id_of
 from mlxkv.engine.settings import FIELD_BY_NAME, Settings
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import mlx.nn as nn
+
+    from mlxkv.engine.cache.durability import Durability
+    from mlxkv.storage.io import StorageIO, WriteRequest
+    from mlxkv.storage.store import BlockStore
 
 __all__ = ["NullPrefixCache", "PrefixCache", "default_ram_bytes", "store_namespace"]
 
 log = logging.getLogger("mlxkv.cache")
 
-_EMPTY_FLUSH = {"durable": 0, "flushed": 0, "pending": 0, "failed": 0, "missing": 0}
 _EMPTY_GC = {"removed": 0, "bytes": 0, "live_keys": 0, "manifests_removed": 0,
              "unreadable_manifests": {}}
 DEFAULT_RESTORE_TIMEOUT_S: float = FIELD_BY_NAME["restore_timeout_s"].default
@@ -86,14 +75,14 @@ class NullPrefixCache:
     """Caching off: every lookup misses, stores are dropped, listings are empty."""
 
     enabled = False
-    on_event: Callable[[dict], None] | None = None
+    on_event: Receiver | None = None
 
-    last: dict[str, Any] = {}
+    last: LastLookup = {}
 
-    def lookup(self, tokens: Any, ns: str, session: str | None = None) -> tuple[int, None]:
+    def lookup(self, tokens: ArrayLike, ns: str, session: str | None = None) -> tuple[int, None]:
         return 0, None
 
-    def prefetch(self, tokens: Any, ns: str, session: str | None = None) -> int:
+    def prefetch(self, tokens: ArrayLike, ns: str, session: str | None = None) -> int:
         return 0
 
     def busy(self, active: bool) -> None:
@@ -102,20 +91,21 @@ class NullPrefixCache:
     def gc(self, ns: str | None = None, min_age_s: float = 0.0) -> dict[str, Any]:
         return {**_EMPTY_GC, "unreadable_manifests": {}}
 
-    def store(self, tokens: Any, cache: list, ns: str, session: str | None = None,
+    def store(self, tokens: ArrayLike, cache: kvblocks.PromptCache, ns: str,
+              session: str | None = None,
               retain_s: float | None = None) -> None:
         return None
 
-    def explain(self, tokens: Any, ns: str) -> Divergence | None:
+    def explain(self, tokens: ArrayLike, ns: str) -> Divergence | None:
         return None
 
-    def release(self, cache: list | None) -> bool:
+    def release(self, cache: kvblocks.PromptCache | None) -> bool:
         return False
 
-    def flush(self, timeout: float | None = None) -> dict[str, int]:
-        return dict(_EMPTY_FLUSH)
+    def flush(self, timeout: float | None = None) -> FlushReport:
+        return empty_flush_report()
 
-    def close(self, timeout: float | None = None) -> dict[str, int]:
+    def close(self, timeout: float | None = None) -> FlushReport:
         return self.flush(timeout)
 
     def stats(self) -> dict[str, Any]:
@@ -127,13 +117,13 @@ class NullPrefixCache:
     def close_session(self, session: str) -> None:
         return None
 
-    def load_learned(self, ns: str, name: str, schema: str) -> list:
+    def load_learned(self, ns: str, name: str, schema: str) -> list[np.ndarray]:
         return []
 
-    def keep_learned(self, ns: str, name: str, source: Any) -> None:
+    def keep_learned(self, ns: str, name: str, source: LearnedSource) -> None:
         return None
 
-    def bind_model(self, ns: str, model: Any) -> None:
+    def bind_model(self, ns: str, model: nn.Module) -> None:
         return None
 
     def entries(self, ns: str | None = None) -> list[CacheEntryInfo]:
@@ -151,24 +141,26 @@ class NullPrefixCache:
     def delete(self, entry_id: str) -> bool:
         return False
 
-    def verify(self, entry_id: str | None = None) -> dict[str, Any]:
-        return {"checked": 0, "ok": 0, "damaged": [], "manifests_damaged": 0}
+    def verify(self, entry_id: str | None = None) -> VerifyReport:
+        return empty_verify_report()
 
-    def invalidate(self, tokens: Any, ns: str) -> None:
+    def invalidate(self, tokens: ArrayLike, ns: str) -> None:
         return None
 
 
-class PrefixCache(ManageMixin, PrefetchMixin):
+class PrefixCache:
     """RAM + SSD prefix cache (see the module docstring); the front end's entry management
-    (entries, pin, evict, delete, verify, invalidate) is in ``engine.cache.manage``."""
+    (entries, pin, evict, delete, verify, invalidate) is ``manager``
+    (``engine.cache.manage``), prefetch is ``prefetcher`` (``engine.cache.prefetch``)."""
 
     enabled = True
 
-    def __init__(self, ram_bytes: int | None = None, cache_dir: str | os.PathLike | None = None,
+    def __init__(self, ram_bytes: int | None = None,
+                 cache_dir: str | os.PathLike[str] | None = None,
                  block_tokens: int = FIELD_BY_NAME["block_tokens"].default, ssd: bool = True,
                  ssd_bytes: int | None = None,
                  durable: bool = True, debounce_s: float = 0.0, retries: int = 2,
-                 min_ssd_gain: int | None = None, on_event: Callable[[dict], None] | None = None,
+                 min_ssd_gain: int | None = None, on_event: Receiver | None = None,
                  restore_timeout_s: float | None = DEFAULT_RESTORE_TIMEOUT_S,
                  arena_bytes: int | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -189,9 +181,6 @@ class PrefixCache(ManageMixin, PrefetchMixin):
                                 else int(min_ssd_gain))
         self._sessions: set[str] = set()
         self._pins: set[str] = set()  # entry ids pinned (kept pinned when they come back)
-        self._verified: dict[bytes, bool] = {}  # block key -> last verify result
-        self._busy = False  # the engine is serving (see busy)
-        self._prefetching: list = []  # background prefetch reads (engine.cache.prefetch)
         self.ssd: SsdTier | None = None
         self.ssd_disabled_reason: str | None = None  # None: on, or off on purpose
         # restore destinations prepared ahead (by default a quarter of the RAM budget)
@@ -209,6 +198,11 @@ class PrefixCache(ManageMixin, PrefetchMixin):
                                   "tier (RAM only): %s", exc)
         # what speculation sources learned, saved beside the SSD tier (none without it)
         self.learned = LearnedFiles(self.ssd.disk, self._events) if self.ssd is not None else None
+        self.manager = EntryManager(self.ram, self.ssd, self.lending, self.usage, self.counters,
+                                    self.saved_tokens, self._events, self._pins)
+        self.prefetcher = Prefetcher(self.ram, self.ssd, self.lending, self.counters,
+                                     self._events, self._pins, self._sessions,
+                                     self.block_tokens, self._worth)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> PrefixCache | NullPrefixCache:
@@ -222,26 +216,26 @@ class PrefixCache(ManageMixin, PrefetchMixin):
 
     # the tiers' parts, by their old names
     @property
-    def disk(self) -> Any:
+    def disk(self) -> BlockStore | None:
         return None if self.ssd is None else self.ssd.disk
 
     @property
-    def io(self) -> Any:
+    def io(self) -> StorageIO | None:
         return None if self.ssd is None else self.ssd.io
 
     @property
-    def durability(self) -> Any:
+    def durability(self) -> Durability | None:
         return None if self.ssd is None else self.ssd.durability
 
     @property
-    def on_event(self) -> Callable[[dict], None] | None:
+    def on_event(self) -> Receiver | None:
         return self._events.receiver
 
     @on_event.setter
-    def on_event(self, fn: Callable[[dict], None] | None) -> None:
+    def on_event(self, fn: Receiver | None) -> None:
         self._events.receiver = fn
 
-    def bind_model(self, ns: str, model: Any) -> None:
+    def bind_model(self, ns: str, model: nn.Module) -> None:
         """Restored states of ``ns`` must fit ``model``'s caches (one token through it, at
         load), and the KV arena prepares restore destinations for them (sized for the state
         the SSD tier used last in ``ns``; see ``engine.cache.arena``). A model that cannot
@@ -253,54 +247,58 @@ class PrefixCache(ManageMixin, PrefetchMixin):
         except Exception as exc:  # noqa: BLE001  (an unusual model: fall back, never fail a load)
             log.debug("cannot probe the model's cache layout: %s", exc)
             return
-        sns = store_namespace(ns)
-        self.templates.learn(sns, cache, replace=True)
+        store_ns = store_namespace(ns)
+        self.templates.learn(store_ns, cache, replace=True)
         if self.ssd is not None:
             try:
-                self.arena.prepare(sns, cache, self.ssd.latest_tokens(sns))
+                self.arena.prepare(store_ns, cache, self.ssd.latest_tokens(store_ns))
             except Exception as exc:  # noqa: BLE001  (no arena: restores allocate as before)
                 log.debug("cannot prepare the KV arena: %s", exc)
             try:  # what explain() compares prompts with, read now rather than in a request
-                self.saved_tokens.load(self.ssd.disk, sns)
+                self.saved_tokens.load(self.ssd.disk, store_ns)
             except folder_errors() as exc:
                 log.debug("cannot read the saved states' tokens: %s", exc)
 
     # ------------------------------------------------------------------ lookup
-    def lookup(self, tokens: Any, ns: str, session: str | None = None) -> tuple[int, list | None]:
+    def lookup(self, tokens: ArrayLike, ns: str, session: str | None = None
+               ) -> tuple[int, kvblocks.PromptCache | None]:
         """Longest cached prefix of ``tokens`` in ``ns``: ``(n, cache)``; ``(0, None)`` on a
         miss. ``cache`` holds exactly ``tokens[:n]`` and belongs to the caller."""
         t0 = time.perf_counter()
         toks = as_tokens(tokens)
-        sns = store_namespace(ns)
+        store_ns = store_namespace(ns)
         self.lending.sweep()
-        self._adopt(toks, sns)  # a prefetch of this prompt enters RAM (waited for) first
+        # a prefetch of this prompt enters RAM (waited for) first
+        self.prefetcher.adopt(toks, store_ns)
         # hashed once, here: the RAM tier and the store both walk these keys
-        keys = chain_keys(sns, toks, self.block_tokens)
-        match = self.ram.lookup(sns, toks, session, keys=keys)
+        keys = chain_keys(store_ns, toks, self.block_tokens)
+        match = self.ram.lookup(store_ns, toks, session, keys=keys)
         n, cache, tier, restore_ms = match.n, None, "ram" if match.n else None, 0.0
         limit = len(toks) - 1
         # The SSD tier is consulted only when it could beat the RAM hit (see _worth): a RAM
         # hit that already covers the prompt skips probing the disk.
         if self.ssd is not None and limit > 0 and self._worth(limit, n) and self.ssd.available():
-            n2, c2, restore_ms = self.ssd.lookup(sns, toks, keys, limit, n, self._worth)
-            if c2 is not None and n2 > n:
-                n, cache, tier = n2, c2, "ssd"
+            ssd_n, ssd_cache, restore_ms = self.ssd.lookup(store_ns, toks, keys, limit, n,
+                                                           self._worth)
+            if ssd_cache is not None and ssd_n > n:
+                n, cache, tier = ssd_n, ssd_cache, "ssd"
         if tier == "ram":
             cache = match.lend()
             if match.moved and cache is not None:
-                self.lending.remember(cache, sns, toks[:n], session,
+                self.lending.remember(cache, store_ns, toks[:n], session,
                                       match.entry.retained_until if match.entry else 0.0)
             if match.entry is not None:
                 self.usage.hit(match.entry.id)
         elif tier == "ssd":
-            self.usage.hit(eid_of(sns, toks[:n]))
+            self.usage.hit(entry_id_of(store_ns, toks[:n]))
         self.counters.add(lookups=1, prompt_tokens=len(toks), cached_tokens=n,
                           restore_ms=restore_ms,
                           **({"ram_hits": 1, "ram_tokens": n} if tier == "ram" else
                              {"ssd_hits": 1, "ssd_tokens": n} if tier == "ssd" else {"misses": 1}))
-        last = {"prompt_tokens": len(toks), "cached_tokens": n, "tier": tier,
-                "ram_tokens": n if tier == "ram" else 0, "ssd_tokens": n if tier == "ssd" else 0,
-                "restore_ms": restore_ms, "lookup_ms": (time.perf_counter() - t0) * 1e3}
+        last: LastLookup = {
+            "prompt_tokens": len(toks), "cached_tokens": n, "tier": tier,
+            "ram_tokens": n if tier == "ram" else 0, "ssd_tokens": n if tier == "ssd" else 0,
+            "restore_ms": restore_ms, "lookup_ms": (time.perf_counter() - t0) * 1e3}
         self.counters.set_last(last)
         self._events.emit("lookup", **last)
         if n > 0:
@@ -308,10 +306,10 @@ class PrefixCache(ManageMixin, PrefetchMixin):
         return (n, cache) if n > 0 else (0, None)
 
     @property
-    def last(self) -> dict[str, Any]:
+    def last(self) -> LastLookup:
         """The last lookup: ``cached_tokens`` and which tier served them (``tier``;
         ``ram_tokens`` / ``ssd_tokens``), ``restore_ms``, ``lookup_ms``."""
-        return self.counters.snapshot()["last"]
+        return self.counters.last_lookup()
 
     def gc(self, ns: str | None = None, min_age_s: float = 0.0) -> dict[str, Any]:
         """Remove the SSD tier's blocks that no saved state names (of ``ns``, or all),
@@ -322,21 +320,23 @@ class PrefixCache(ManageMixin, PrefetchMixin):
             return {**_EMPTY_GC, "unreadable_manifests": {}}
         self.ssd.flush(10.0)
         try:
-            rep = self.ssd.disk.gc(None if ns is None else store_namespace(ns),
-                                   min_age_s=min_age_s)
+            report = self.ssd.disk.gc(None if ns is None else store_namespace(ns),
+                                      min_age_s=min_age_s)
         except folder_errors() as exc:
             self._events.warn("gc-failed", "prefix cache: cannot collect the SSD tier: %s", exc)
             return {**_EMPTY_GC, "unreadable_manifests": {}}
         self.saved_tokens.forget(None if ns is None else store_namespace(ns))
-        self._events.emit("gc", ns=ns, removed=rep.get("removed", 0), bytes=rep.get("bytes", 0))
-        return rep
+        self._events.emit("gc", ns=ns, removed=report.get("removed", 0),
+                          bytes=report.get("bytes", 0))
+        return report
 
     def _worth(self, n_ssd: int, n_ram: int) -> bool:
         """Restore ``n_ssd`` tokens from SSD when RAM already offers ``n_ram``?"""
         return n_ssd >= n_ram + self.min_ssd_gain or (n_ram == 0 and n_ssd > 0)
 
     # ------------------------------------------------------------------ store
-    def store(self, tokens: Any, cache: list, ns: str, session: str | None = None,
+    def store(self, tokens: ArrayLike, cache: kvblocks.PromptCache, ns: str,
+              session: str | None = None,
               retain_s: float | None = None) -> None:
         """Keep the state of ``cache`` (which holds ``tokens``) in RAM and persist it in the
         background. Raises ValueError when the cache and the tokens disagree (a handed-over
@@ -344,7 +344,7 @@ class PrefixCache(ManageMixin, PrefetchMixin):
         request's ``cache_control`` or ``prompt_cache_key``): for that long the state is
         evicted only after every state without one, from RAM and from the SSD tier. A
         state stored from an entry that was handed over keeps that entry's hint too."""
-        self._adopt()
+        self.prefetcher.adopt()
         until = self.lending.retention(cache)
         if retain_s is not None and retain_s > 0:
             until = max(until, self.clock() + float(retain_s))
@@ -355,66 +355,71 @@ class PrefixCache(ManageMixin, PrefetchMixin):
             raise
         self.lending.stored(cache)
 
-    def _store(self, tokens: Any, cache: list, ns: str, session: str | None,
+    def _store(self, tokens: ArrayLike, cache: kvblocks.PromptCache, ns: str, session: str | None,
                retain_until: float) -> None:
         t0 = time.perf_counter()
         toks = as_tokens(tokens)
         if len(toks) == 0 or not cache:
             return
         try:
-            kb.check_supported(cache)
-        except kb.UnsupportedCache:
+            kvblocks.check_supported(cache)
+        except kvblocks.UnsupportedCache:
             self.counters.add(unsupported=1)
             return
-        held = kb.cache_tokens(cache)
-        block_mode = kb.is_block_cache(cache)
+        held = kvblocks.cache_tokens(cache)
+        block_mode = kvblocks.is_block_cache(cache)
         if held is not None and held != len(toks) and not (block_mode and held > len(toks)):
             raise ValueError(f"the cache holds {held} tokens but {len(toks)} were given")
         if block_mode and held is not None and held > len(toks):
             # extra rows past len(toks) (e.g. a token computed ahead) are simply not used
-            cache = [kb.make_layer(kb.layer_spec(c), kb.layer_arrays(c), len(toks))
+            cache = [kvblocks.make_layer(kvblocks.layer_spec(c), kvblocks.layer_arrays(c),
+                                         len(toks))
                      for c in cache]
-        sns = store_namespace(ns)
-        self.templates.learn(sns, cache)
-        eid = eid_of(sns, toks)
-        keys = chain_keys(sns, toks, self.block_tokens)
-        entry = self.ram.store(sns, toks, cache, session, keys=keys, pinned=eid in self._pins,
+        store_ns = store_namespace(ns)
+        self.templates.learn(store_ns, cache)
+        entry_id = entry_id_of(store_ns, toks)
+        keys = chain_keys(store_ns, toks, self.block_tokens)
+        entry = self.ram.store(store_ns, toks, cache, session, keys=keys,
+                               pinned=entry_id in self._pins,
                                retain_until=retain_until)
         persisted = False
         if self.ssd is not None:
-            cp = entry.checkpoint if entry is not None and entry.checkpoint else None
-            persisted = self.ssd.persist(sns, toks, cache, block_mode, cp)
+            checkpoint = entry.checkpoint if entry is not None and entry.checkpoint else None
+            persisted = self.ssd.persist(store_ns, toks, cache, block_mode, checkpoint)
             if persisted:
-                self.saved_tokens.saved(sns, eid, toks)
+                self.saved_tokens.saved(store_ns, entry_id, toks)
             left = retain_until - self.clock()
             if left > 0:
-                self.ssd.retain(sns, toks, keys, left)
+                self.ssd.retain(store_ns, toks, keys, left)
         self.counters.add(stores=1, store_ms=(time.perf_counter() - t0) * 1e3,
                           **({} if block_mode else {"checkpoint_stores": 1,
                                                     "checkpoints_persisted": int(persisted)}))
-        self._events.emit("store", id=eid, tokens=len(toks), ns=ns, in_ram=entry is not None,
+        self._events.emit("store", id=entry_id, tokens=len(toks), ns=ns, in_ram=entry is not None,
                           persisting=persisted)
 
-    def snapshot(self, tokens: Any, cache: list, ns: str) -> Any:
+    def snapshot(self, tokens: ArrayLike, cache: kvblocks.PromptCache, ns: str) -> WriteRequest:
         """An immutable storage snapshot of a block cache holding ``tokens``."""
         if self.ssd is None:
             raise ValueError("the SSD tier is off: nothing to snapshot for")
-        sns, toks = store_namespace(ns), as_tokens(tokens)
-        return self.ssd.block_snapshot(sns, toks, cache, eid_of(sns, toks))
+        store_ns, toks = store_namespace(ns), as_tokens(tokens)
+        return self.ssd.block_snapshot(store_ns, toks, cache, entry_id_of(store_ns, toks))
 
     # ------------------------------------------------------------------ handed-over entries
-    def release(self, cache: list | None) -> bool:
+    def release(self, cache: kvblocks.PromptCache | None) -> bool:
         """The request that got ``cache`` from ``lookup`` will not ``store`` it (it failed or
         was dropped): give back what it borrowed (see ``engine.cache.lending``). Returns
         whether an entry was given back."""
         return self.lending.release(cache)
 
-    def _keep(self, sns: str, toks: np.ndarray, cache: list, session: str | None,
-              retained_until: float = 0.0) -> Any:
-        return self.ram.store(sns, toks, cache, session, pinned=eid_of(sns, toks) in self._pins,
+    def _keep(self, store_ns: str, toks: np.ndarray, cache: kvblocks.PromptCache,
+              session: str | None,
+              retained_until: float = 0.0) -> RamEntry | None:
+        return self.ram.store(store_ns, toks, cache, session,
+                              pinned=entry_id_of(store_ns, toks) in self._pins,
                               retain_until=retained_until)
 
-    def _on_ram_drop(self, entry: Entry, evicted: bool, superseded_by: Entry | None) -> None:
+    def _on_ram_drop(self, entry: RamEntry, evicted: bool, superseded_by: RamEntry | None
+                     ) -> None:
         # The coordinator already holds a snapshot of every dirty block state (it was taken
         # at store time), so leaving RAM never loses one: persist-before-demote holds by
         # construction. A state whose write failed for good is now gone for real.
@@ -422,6 +427,51 @@ class PrefixCache(ManageMixin, PrefetchMixin):
             if self.ssd is not None:
                 self.ssd.durability.forget(entry.ns, entry.tokens)
             self._events.emit("evict", id=entry.id, ns=entry.ns, tokens=len(entry.tokens))
+
+    # ------------------------------------------------------------------ prefetch
+    def prefetch(self, tokens: ArrayLike, ns: str, session: str | None = None) -> int:
+        """Warm the longest cached prefix of ``tokens`` into RAM, restoring it from SSD
+        when RAM holds less of it, so the request that sends ``tokens`` starts from RAM;
+        the tokens a lookup will find in RAM (see ``engine.cache.prefetch``)."""
+        return self.prefetcher.prefetch(tokens, ns, session)
+
+    def prefetch_wait(self, timeout: float | None = None) -> int:
+        """Wait (up to ``timeout`` s in all) for the prefetch reads under way and move them
+        into RAM; returns how many are still under way."""
+        return self.prefetcher.wait(timeout)
+
+    # ------------------------------------------------------------------ entries
+    def entries(self, ns: str | None = None) -> list[CacheEntryInfo]:
+        """Every stored state (of ``ns``, or all), most recently used first."""
+        return self.manager.entries(ns)
+
+    def entry(self, entry_id: str) -> CacheEntryDetail | None:
+        return self.manager.entry(entry_id)
+
+    def explain(self, tokens: ArrayLike, ns: str) -> Divergence | None:
+        """The stored state of ``ns`` that shares the longest prefix with ``tokens``, and
+        where the prompt parts from it; None when none starts like it."""
+        return self.manager.explain(tokens, ns)
+
+    def pin(self, entry_id: str, pinned: bool = True) -> bool:
+        """Keep an entry over others in RAM (never superseded or handed over)."""
+        return self.manager.pin(entry_id, pinned)
+
+    def evict(self, entry_id: str) -> bool:
+        """Drop an entry from RAM; the SSD tier keeps it (its write goes first)."""
+        return self.manager.evict(entry_id)
+
+    def delete(self, entry_id: str) -> bool:
+        """Drop an entry from every tier (blocks other entries use stay)."""
+        return self.manager.delete(entry_id)
+
+    def invalidate(self, tokens: ArrayLike, ns: str) -> None:
+        """Drop every cached state that could seed a prompt of ``tokens`` (both tiers)."""
+        self.manager.invalidate(tokens, ns)
+
+    def verify(self, entry_id: str | None = None) -> VerifyReport:
+        """Read back saved states (one, or all) and check every block's content hash."""
+        return self.manager.verify(entry_id)
 
     # ------------------------------------------------------------------ sessions
     def open_session(self, session: str) -> None:
@@ -434,13 +484,13 @@ class PrefixCache(ManageMixin, PrefetchMixin):
         self.ram.evict()
 
     # ------------------------------------------------------------------ learned files
-    def load_learned(self, ns: str, name: str, schema: str) -> list:
+    def load_learned(self, ns: str, name: str, schema: str) -> list[np.ndarray]:
         """What a speculation source saved in namespace ``ns`` as ``name`` (token arrays,
         oldest first; [] when nothing usable is saved, or without an SSD tier; see
         ``engine.cache.learned``)."""
         return [] if self.learned is None else self.learned.load(store_namespace(ns), name, schema)
 
-    def keep_learned(self, ns: str, name: str, source: Any) -> None:
+    def keep_learned(self, ns: str, name: str, source: LearnedSource) -> None:
         """Save ``source`` (an ``engine.cache.learned.LearnedSource``) as ``name`` in ``ns``
         whenever the cache persists: flush, close, and now and then while idle."""
         if self.learned is not None:
@@ -452,34 +502,34 @@ class PrefixCache(ManageMixin, PrefetchMixin):
         nothing in flight (False). While busy, persistence yields to generation: the
         writer waits, bounded by a maximum delay and by memory (see
         ``engine.cache.durability``); going idle lets it write at once."""
-        self._busy = bool(active)
+        self.prefetcher.busy = bool(active)
         if self.ssd is not None:
             self.ssd.durability.busy(active)
             if not active:  # nothing waits on the engine: finished prefetches, arena slots
-                self._adopt()
+                self.prefetcher.adopt()
                 self.arena.replenish()
-                self.learned.idle()
+                if self.learned is not None:  # (there is one beside every SSD tier)
+                    self.learned.idle()
 
-    def flush(self, timeout: float | None = None) -> dict[str, int]:
+    def flush(self, timeout: float | None = None) -> FlushReport:
         """Persist every dirty state now (up to ``timeout`` s):
         ``{durable, flushed, pending, failed, missing}``."""
         if self.ssd is None:
-            return dict(_EMPTY_FLUSH)
-        self.learned.flush(timeout)
+            return empty_flush_report()
+        if self.learned is not None:  # (there is one beside every SSD tier)
+            self.learned.flush(timeout)
         return self.ssd.flush(timeout)
 
-    def close(self, timeout: float | None = 10.0) -> dict[str, int]:
+    def close(self, timeout: float | None = 10.0) -> FlushReport:
         """Flush (bounded by ``timeout``), stop the storage threads, free RAM."""
-        for pf in self._prefetching:
-            pf.p.future.cancel()
-        self._prefetching = []
+        self.prefetcher.cancel()
         if self.learned is not None:
             self.learned.close(timeout)
-        rep = dict(_EMPTY_FLUSH) if self.ssd is None else self.ssd.close(timeout)
+        report = empty_flush_report() if self.ssd is None else self.ssd.close(timeout)
         self.arena.clear()
         self.lending.clear()
         self.ram.clear()
-        return rep
+        return report
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:

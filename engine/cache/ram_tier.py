@@ -18,6 +18,7 @@ Everything here runs on the engine thread; nothing blocks.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from mlxkv.engine.cache import kvblocks as kb
+from mlxkv.engine.cache import kvblocks
 from mlxkv.engine.cache.tokens import (
     ZERO_KEY,
     chain_keys,
@@ -42,7 +43,7 @@ class Slab:
     """Arrays holding the rows of tokens [t0, t0 + ntokens) of one stored cache."""
 
     arrays: list[list[mx.array]]  # per layer, token axis 2; row 0 is token t0
-    specs: tuple  # kvblocks.LayerSpec per layer
+    specs: tuple[kvblocks.LayerSpec, ...]  # per layer
     t0: int
     ntokens: int
     nbytes: int
@@ -59,20 +60,20 @@ class Run:
     t0: int
     slab: Slab
     row0: int
-    owner: Entry | None = None  # the entry that stored it (for LRU touches)
+    owner: RamEntry | None = None  # the entry that stored it (for LRU touches)
     refs: int = 0
     nbytes: int = 0  # bytes of its token rows (its share of the slab, headroom excluded)
 
 
 @dataclass(eq=False)
-class Entry:
+class RamEntry:
     """One stored conversation state: its exact tokens and where they live."""
 
     ns: str
     tokens: np.ndarray
-    specs: tuple  # LayerSpec per layer (block caches) or () for checkpoints
+    specs: tuple[kvblocks.LayerSpec, ...]  # per layer (block caches) or () for checkpoints
     runs: list[Run] = field(default_factory=list)
-    checkpoint: kb.Checkpoint | None = None
+    checkpoint: kvblocks.Checkpoint | None = None
     parent: bytes = ZERO_KEY  # index parent of the checkpoint (last full block or root)
     session: str | None = None
     pinned: bool = False  # kept over others and never handed over or superseded
@@ -94,12 +95,12 @@ class Entry:
 
 
 @dataclass
-class Match:
+class RamHit:
     """A RAM hit of ``n`` tokens; ``lend()`` builds the borrower's cache (only if used)."""
 
     n: int
-    lend: Callable[[], list | None] = lambda: None
-    entry: Entry | None = None
+    lend: Callable[[], kvblocks.PromptCache | None] = lambda: None
+    entry: RamEntry | None = None
     moved: bool = False  # lend() hands the entry's own buffers over and forgets the entry
 
 
@@ -107,20 +108,20 @@ class RamTier:
     """Byte-capped LRU of entries with a shared block index (see module docstring)."""
 
     def __init__(self, max_bytes: int, block_tokens: int,
-                 on_evict: Callable[[Entry, bool, Entry | None], None] | None = None,
+                 on_evict: Callable[[RamEntry, bool, RamEntry | None], None] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if block_tokens <= 0:
             raise ValueError(f"block_tokens must be > 0, got {block_tokens}")
         self.max_bytes = int(max_bytes)
-        self.bt = int(block_tokens)
+        self.block_tokens = int(block_tokens)
         self.on_evict = on_evict
         self.clock = clock  # what retention hints are measured against
-        self.entries: OrderedDict[tuple[str, bytes], Entry] = OrderedDict()
+        self.entries: OrderedDict[tuple[str, bytes], RamEntry] = OrderedDict()
         self.runs: dict[bytes, Run] = {}
         # parent key -> first token -> runs (full blocks and tails) under it
         self.children: dict[bytes, dict[int, list[Run]]] = {}
-        self.checkpoints: dict[bytes, list[Entry]] = {}  # parent key -> checkpoint entries
-        self.pinned: dict[str, Entry] = {}  # session id -> its latest entry
+        self.checkpoints: dict[bytes, list[RamEntry]] = {}  # parent key -> checkpoint entries
+        self.pinned: dict[str, RamEntry] = {}  # session id -> its latest entry
         self.slab_bytes = 0  # buffers held, headroom past the last token included
         self.row_bytes = 0  # token rows of the indexed runs, each counted once
         self.checkpoint_bytes = 0
@@ -193,9 +194,10 @@ class RamTier:
         return run
 
     # ------------------------------------------------------------------ store
-    def store(self, ns: str, tokens: np.ndarray, cache: list, session: str | None = None,
+    def store(self, ns: str, tokens: np.ndarray, cache: kvblocks.PromptCache,
+              session: str | None = None,
               keys: list[bytes] | None = None, pinned: bool = False,
-              retain_until: float = 0.0) -> Entry | None:
+              retain_until: float = 0.0) -> RamEntry | None:
         """Keep ``cache`` (holding exactly ``tokens``) and return its entry (None if empty
         or evicted at once). ``keys``: ``chain_keys(ns, tokens)`` when already computed.
         ``retain_until``: a retention hint's end (the tier's clock; 0: none)."""
@@ -211,8 +213,8 @@ class RamTier:
             have.retained_until = max(have.retained_until, retain_until)
             return have
         if keys is None:
-            keys = chain_keys(ns, tokens, self.bt)
-        if kb.is_block_cache(cache):
+            keys = chain_keys(ns, tokens, self.block_tokens)
+        if kvblocks.is_block_cache(cache):
             entry = self._store_blocks(ns, tokens, cache, keys)
         else:
             entry = self._store_checkpoint(ns, tokens, cache, keys)
@@ -225,36 +227,38 @@ class RamTier:
         self.evict()
         return entry if key in self.entries else None
 
-    def _store_blocks(self, ns: str, tokens: np.ndarray, cache: list, keys: list[bytes]
-                      ) -> Entry:
-        n, bt = len(tokens), self.bt
-        specs = tuple(kb.layer_spec(c) for c in cache)
-        arrays = [kb.layer_arrays(c) for c in cache]
+    def _store_blocks(self, ns: str, tokens: np.ndarray, cache: kvblocks.PromptCache,
+                      keys: list[bytes]
+                      ) -> RamEntry:
+        n, block_tokens = len(tokens), self.block_tokens
+        specs = tuple(kvblocks.layer_spec(c) for c in cache)
+        arrays = [kvblocks.layer_arrays(c) for c in cache]
         for i, c in enumerate(cache):
             if int(c.offset) != n:
                 raise ValueError(f"layer {i} holds {c.offset} tokens but {n} tokens were given")
         k = 0
         while k < len(keys) and keys[k] in self.runs:
             k += 1
-        start = k * bt
-        entry = Entry(ns, tokens, specs)
+        start = k * block_tokens
+        entry = RamEntry(ns, tokens, specs)
         runs = [self.runs[keys[i]] for i in range(k)]
         if start < n:
             if start == 0 or start * 2 < n:
                 # Most of it is new: keep the engine's buffers as they are (no copy).
-                slab_arrays = [[kb.fresh(a) for a in layer] for layer in arrays]
+                slab_arrays = [[kvblocks.fresh(a) for a in layer] for layer in arrays]
                 row_base, slab_t0 = 0, 0
             else:
                 # Most of it is shared: copy only the new rows so the rest can be freed.
-                slab_arrays = kb.compact(arrays, start, n)
+                slab_arrays = kvblocks.compact(arrays, start, n)
                 row_base, slab_t0 = start, start
             mx.eval([a for layer in slab_arrays for a in layer])
-            slab = Slab(slab_arrays, specs, slab_t0, n - slab_t0, kb.arrays_nbytes(slab_arrays))
+            slab = Slab(slab_arrays, specs, slab_t0, n - slab_t0,
+                        kvblocks.arrays_nbytes(slab_arrays))
             row = self._bytes_per_token(slab_arrays)
             parent = keys[k - 1] if k else index_root(ns)
-            for i in range(k, n // bt + (1 if n % bt else 0)):
-                t0, t1 = i * bt, min((i + 1) * bt, n)
-                if t1 - t0 == bt:
+            for i in range(k, n // block_tokens + (1 if n % block_tokens else 0)):
+                t0, t1 = i * block_tokens, min((i + 1) * block_tokens, n)
+                if t1 - t0 == block_tokens:
                     rk = keys[i]
                 else:
                     rk = tail_key_of(ns, keys[i - 1] if i else ZERO_KEY, tokens[t0:t1])
@@ -273,7 +277,7 @@ class RamTier:
     def _bytes_per_token(arrays: list[list[mx.array]]) -> int:
         return sum(a.nbytes // max(1, a.shape[2]) for layer in arrays for a in layer)
 
-    def _prefixes_of(self, entry: Entry) -> list[Entry]:
+    def _prefixes_of(self, entry: RamEntry) -> list[RamEntry]:
         """Unpinned block entries whose tokens ``entry`` extends (reachable through it)."""
         out = []
         n = len(entry.tokens)
@@ -285,67 +289,68 @@ class RamTier:
                 out.append(e)
         return out
 
-    def _is_pinned(self, e: Entry) -> bool:
+    def _is_pinned(self, e: RamEntry) -> bool:
         return e.pinned or (e.session is not None and self.pinned.get(e.session) is e)
 
-    def retained(self, e: Entry) -> bool:
+    def retained(self, e: RamEntry) -> bool:
         """Whether ``e``'s retention hint still holds."""
         return e.retained_until > 0.0 and e.retained_until > self.clock()
 
-    def _keep_rank(self, e: Entry) -> int:
+    def _keep_rank(self, e: RamEntry) -> int:
         """Eviction order: entries of a lower rank go first (LRU within a rank): plain
         ones, then those a retention hint holds, then pinned ones."""
         if self._is_pinned(e):
             return 2
         return 1 if self.retained(e) else 0
 
-    def _store_checkpoint(self, ns: str, tokens: np.ndarray, cache: list, keys: list[bytes]
-                          ) -> Entry:
-        n = kb.cache_tokens(cache)
+    def _store_checkpoint(self, ns: str, tokens: np.ndarray, cache: kvblocks.PromptCache,
+                          keys: list[bytes]
+                          ) -> RamEntry:
+        n = kvblocks.cache_tokens(cache)
         if n is not None and n != len(tokens):
             raise ValueError(f"cache holds {n} tokens but {len(tokens)} tokens were given")
-        cp = kb.take_checkpoint(cache)
+        checkpoint = kvblocks.take_checkpoint(cache)
         parent = keys[-1] if keys else index_root(ns)
-        entry = Entry(ns, tokens, (), checkpoint=cp, parent=parent, nbytes=cp.nbytes,
-                      logical=cp.nbytes)
+        entry = RamEntry(ns, tokens, (), checkpoint=checkpoint, parent=parent,
+                         nbytes=checkpoint.nbytes, logical=checkpoint.nbytes)
         self.checkpoints.setdefault(parent, []).append(entry)
-        self.checkpoint_bytes += cp.nbytes
-        self.logical_bytes += cp.nbytes
+        self.checkpoint_bytes += checkpoint.nbytes
+        self.logical_bytes += checkpoint.nbytes
         return entry
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, ns: str, tokens: np.ndarray, session: str | None = None,
-               keys: list[bytes] | None = None) -> Match:
+               keys: list[bytes] | None = None) -> RamHit:
         """Longest usable prefix (at most len(tokens) - 1), lent as a new cache.
         ``keys``: ``chain_keys(ns, tokens)`` when already computed."""
         limit = len(tokens) - 1
         if limit <= 0 or not self.entries:
-            return Match(0)
+            return RamHit(0)
         if keys is None:
-            keys = chain_keys(ns, tokens, self.bt)
+            keys = chain_keys(ns, tokens, self.block_tokens)
         best = self._lookup_blocks(ns, tokens, keys, limit, session)
-        cp = self._lookup_checkpoint(ns, tokens, keys, limit)
-        if cp is not None and cp.n > best.n:
-            best = cp
+        checkpoint = self._lookup_checkpoint(ns, tokens, keys, limit)
+        if checkpoint is not None and checkpoint.n > best.n:
+            best = checkpoint
         if best.entry is not None:
             self.entries.move_to_end(best.entry.key)
         return best
 
     def _lookup_blocks(self, ns: str, tokens: np.ndarray, keys: list[bytes], limit: int,
-                       session: str | None) -> Match:
-        bt = self.bt
+                       session: str | None) -> RamHit:
+        block_tokens = self.block_tokens
         m = 0
         while m < len(keys) and keys[m] in self.runs:
             m += 1
         pieces: list[Run] = [self.runs[keys[i]] for i in range(m)]
-        n = m * bt
+        n = m * block_tokens
         parent = keys[m - 1] if m else index_root(ns)
-        if m * bt < len(tokens):
-            cands = self.children.get(parent, {}).get(int(tokens[m * bt]), [])
+        if m * block_tokens < len(tokens):
+            cands = self.children.get(parent, {}).get(int(tokens[m * block_tokens]), [])
             best_c, best_run = 0, None
             prev_slab = pieces[-1].slab if pieces else None
             for run in cands:
-                c = common_prefix(run.tokens, tokens[m * bt :])
+                c = common_prefix(run.tokens, tokens[m * block_tokens :])
                 # Ties go to the run in the same slab as the prefix (a view, no copy).
                 if c > best_c or (c == best_c and best_run is not None
                                   and run.slab is prev_slab and best_run.slab is not prev_slab):
@@ -355,7 +360,7 @@ class RamTier:
                 n += best_c
         n = min(n, limit)
         if n <= 0:
-            return Match(0)
+            return RamHit(0)
         owner = pieces[-1].owner
         if owner is not None and self.entries.get(owner.key) is not owner:
             owner = None
@@ -364,11 +369,12 @@ class RamTier:
                 and common_prefix(pinned.tokens, tokens) >= n):
             pieces, owner = list(pinned.runs), pinned
         total = len(tokens)
-        if self._movable(owner, pieces, n, total, session):
-            return Match(n, lambda: self._move(owner, n), owner, moved=True)
-        return Match(n, lambda: self._lend_runs(pieces, n, total), owner)
+        if owner is not None and self._movable(owner, pieces, n, total, session):
+            moving = owner
+            return RamHit(n, lambda: self._move(moving, n), owner, moved=True)
+        return RamHit(n, lambda: self._lend_runs(pieces, n, total), owner)
 
-    def _movable(self, entry: Entry | None, pieces: list[Run], n: int, total: int,
+    def _movable(self, entry: RamEntry | None, pieces: list[Run], n: int, total: int,
                  session: str | None) -> bool:
         """Whether ``entry`` can be handed over instead of lent: the request continues it
         exactly, nothing else shares its buffers, and they have room for the new tokens."""
@@ -386,19 +392,19 @@ class RamTier:
             return False  # the prefill reallocates anyway: keep the entry for others
         return not (self._is_pinned(entry) and entry.session != session)
 
-    def _move(self, entry: Entry, n: int) -> list:
+    def _move(self, entry: RamEntry, n: int) -> kvblocks.PromptCache:
         """Hand the entry's buffers to the borrower and forget the entry: the borrower then
         writes its new tokens in place (MLX donates a buffer nobody else holds) instead of
         copying the whole conversation, and its ``store`` brings the state back. A buffer
         still pinned elsewhere (e.g. by a pending SSD write) is copied on write, as ever."""
         slab = entry.runs[0].slab
-        arrays = [[kb.fresh(a) for a in layer] for layer in slab.arrays]
+        arrays = [[kvblocks.fresh(a) for a in layer] for layer in slab.arrays]
         specs = slab.specs
         self._drop(entry, evicted=False)
         self.moves += 1
-        return [kb.make_layer(spec, layer, n) for spec, layer in zip(specs, arrays)]
+        return [kvblocks.make_layer(spec, layer, n) for spec, layer in zip(specs, arrays)]
 
-    def _lend_runs(self, runs: list[Run], n: int, total_hint: int) -> list:
+    def _lend_runs(self, runs: list[Run], n: int, total_hint: int) -> kvblocks.PromptCache:
         spans: list[tuple[list[list[mx.array]], int, int]] = []
         specs = runs[0].slab.specs
         left = n
@@ -412,26 +418,26 @@ class RamTier:
             else:
                 spans.append((run.slab.arrays, run.row0, take))
             left -= take
-        arrays = kb.assemble(spans, total_hint)
-        cache = [kb.make_layer(spec, layer, n) for spec, layer in zip(specs, arrays)]
+        arrays = kvblocks.assemble(spans, total_hint)
+        cache = [kvblocks.make_layer(spec, layer, n) for spec, layer in zip(specs, arrays)]
         return cache
 
     def _lookup_checkpoint(self, ns: str, tokens: np.ndarray, keys: list[bytes], limit: int
-                           ) -> Match | None:
+                           ) -> RamHit | None:
         if not self.checkpoints:
             return None
-        bt, root = self.bt, index_root(ns)
-        for d in range(min(len(keys), limit // bt), -1, -1):
+        block_tokens, root = self.block_tokens, index_root(ns)
+        for d in range(min(len(keys), limit // block_tokens), -1, -1):
             parent = keys[d - 1] if d else root
-            best = None
+            best: RamEntry | None = None
             for e in self.checkpoints.get(parent, ()):
                 L = len(e.tokens)
                 if L <= limit and (best is None or L > len(best.tokens)) and \
-                        np.array_equal(e.tokens[d * bt :], tokens[d * bt : L]):
+                        np.array_equal(e.tokens[d * block_tokens :], tokens[d * block_tokens : L]):
                     best = e
-            if best is not None:
-                return Match(len(best.tokens), lambda cp=best.checkpoint: kb.lend_checkpoint(cp),
-                             best)
+            if best is not None and best.checkpoint is not None:
+                return RamHit(len(best.tokens), functools.partial(kvblocks.lend_checkpoint,
+                                                                  best.checkpoint), best)
         return None
 
     # ------------------------------------------------------------------ eviction
@@ -439,16 +445,19 @@ class RamTier:
         """Drop least recently used entries until under the byte cap: entries without a
         retention hint first, then those whose hint still holds, pinned ones last."""
         while self.nbytes > self.max_bytes and self.entries:
-            victim, rank = None, 3
+            victim: RamEntry | None = None
+            rank = 3
             for e in self.entries.values():
                 r = self._keep_rank(e)
                 if r < rank:
                     victim, rank = e, r
                     if r == 0:
                         break
+            if victim is None:  # (every entry has a rank below 3)
+                break
             self._drop(victim, evicted=True)
 
-    def _drop(self, entry: Entry, evicted: bool, superseded_by: Entry | None = None) -> None:
+    def _drop(self, entry: RamEntry, evicted: bool, superseded_by: RamEntry | None = None) -> None:
         if self.on_evict is not None:
             # persist-before-demote: the callback makes sure the state is (being) written
             self.on_evict(entry, evicted, superseded_by)
@@ -472,22 +481,22 @@ class RamTier:
         for e in list(self.entries.values()):
             self._drop(e, evicted=False)
 
-    def drop(self, entry: Entry, evicted: bool = True) -> None:
+    def drop(self, entry: RamEntry, evicted: bool = True) -> None:
         """Forget ``entry`` (``evicted``: it leaves RAM for good; the SSD tier keeps it)."""
         if self.entries.get(entry.key) is entry:
             self._drop(entry, evicted=evicted)
 
-    def find(self, eid: str) -> Entry | None:
+    def find(self, entry_id: str) -> RamEntry | None:
         for e in self.entries.values():
-            if e.id == eid:
+            if e.id == entry_id:
                 return e
         return None
 
-    def touch(self, entry: Entry) -> None:
+    def touch(self, entry: RamEntry) -> None:
         if self.entries.get(entry.key) is entry:
             self.entries.move_to_end(entry.key)
 
-    def seeding(self, ns: str, tokens: np.ndarray) -> list[Entry]:
+    def seeding(self, ns: str, tokens: np.ndarray) -> list[RamEntry]:
         """Entries of ``ns`` that could seed a prompt of ``tokens`` (share its first
         token: every run a lookup could use belongs to one of them)."""
         if len(tokens) == 0:
@@ -495,12 +504,12 @@ class RamTier:
         return [e for e in self.entries.values()
                 if e.ns == ns and len(e.tokens) and e.tokens[0] == tokens[0]]
 
-    def shared_by(self, entry: Entry) -> list[int]:
+    def shared_by(self, entry: RamEntry) -> list[int]:
         """Per run of ``entry``, how many entries use it (sharing through the index)."""
         return [r.refs for r in entry.runs]
 
     # ------------------------------------------------------------------ sessions
-    def _set_session(self, entry: Entry, session: str | None) -> None:
+    def _set_session(self, entry: RamEntry, session: str | None) -> None:
         if session is None:
             return
         entry.session = session

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import Any, TypedDict
 
 COUNTERS = ("lookups", "ram_hits", "ssd_hits", "misses", "prompt_tokens", "cached_tokens",
             "ram_tokens", "ssd_tokens", "restore_ms", "restore_bytes", "ssd_restore_failures",
@@ -17,28 +17,45 @@ COUNTERS = ("lookups", "ram_hits", "ssd_hits", "misses", "prompt_tokens", "cache
 _MAX_USAGE = 4096
 
 
+class LastLookup(TypedDict, total=False):
+    """The last lookup (empty before the first): which tier served how many tokens."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    tier: str | None  # "ram", "ssd", or None (a miss)
+    ram_tokens: int
+    ssd_tokens: int
+    restore_ms: float
+    lookup_ms: float
+
+
 class Counters:
     """Thread-safe counters plus the last lookup's summary."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._s: dict[str, float] = dict.fromkeys(COUNTERS, 0)
+        self._values: dict[str, float] = dict.fromkeys(COUNTERS, 0)
         for k in ("restore_ms", "store_ms"):
-            self._s[k] = 0.0
-        self.last: dict[str, Any] = {}
+            self._values[k] = 0.0
+        self.last: LastLookup = {}
 
     def add(self, **kw: float) -> None:
         with self._lock:
             for k, v in kw.items():
-                self._s[k] += v
+                self._values[k] += v
 
-    def set_last(self, last: dict[str, Any]) -> None:
+    def set_last(self, last: LastLookup) -> None:
         with self._lock:
             self.last = last
 
-    def snapshot(self) -> dict[str, Any]:
+    def last_lookup(self) -> LastLookup:
         with self._lock:
-            s: dict[str, Any] = dict(self._s)
+            return LastLookup(**self.last)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Every counter, and ``last`` (the last lookup): figures for ``stats()``."""
+        with self._lock:
+            s: dict[str, Any] = dict(self._values)
             s["last"] = dict(self.last)
         return s
 
@@ -47,17 +64,17 @@ class Usage:
     """Hits and last use per entry id (bounded; engine thread)."""
 
     def __init__(self) -> None:
-        self._u: OrderedDict[str, tuple[int, float]] = OrderedDict()
+        self._by_entry: OrderedDict[str, tuple[int, float]] = OrderedDict()
 
-    def hit(self, eid: str) -> None:
-        hits, _ = self._u.pop(eid, (0, 0.0))
-        self._u[eid] = (hits + 1, time.time())
-        while len(self._u) > _MAX_USAGE:
-            self._u.popitem(last=False)
+    def hit(self, entry_id: str) -> None:
+        hits, _ = self._by_entry.pop(entry_id, (0, 0.0))
+        self._by_entry[entry_id] = (hits + 1, time.time())
+        while len(self._by_entry) > _MAX_USAGE:
+            self._by_entry.popitem(last=False)
 
-    def get(self, eid: str) -> tuple[int, float | None]:
-        hits, when = self._u.get(eid, (0, None))
+    def get(self, entry_id: str) -> tuple[int, float | None]:
+        hits, when = self._by_entry.get(entry_id, (0, None))
         return hits, when
 
-    def forget(self, eid: str) -> None:
-        self._u.pop(eid, None)
+    def forget(self, entry_id: str) -> None:
+        self._by_entry.pop(entry_id, None)

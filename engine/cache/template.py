@@ -16,11 +16,12 @@ decides how the model is prefilled) when the model is bound at load.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeAlias
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
+from mlxkv.engine.cache import kvblocks
 from mlxkv.engine.cache.info import scope_base
 from mlxkv.engine.cache.layout import LayoutError
 
@@ -31,15 +32,19 @@ class LayerSig:
 
     kind: str  # "block", "rotating", "arrays", or the class name
     heads: tuple[int, ...] = ()  # KV heads of keys and values
-    dims: tuple = ()  # head sizes and dtype (plain KV), or per-array (shape, dtype)
+    dims: tuple[Dims | None, ...] = ()  # keys' and values' (plain KV), or each array's
     window: tuple[int, int] | None = None  # (max_size, keep) of a rotating cache
 
 
-def _dims(a: mx.array) -> tuple:
+# (head sizes, or an array's shape past the batch axis; dtype)
+Dims: TypeAlias = tuple[tuple[int, ...], str]
+
+
+def _dims(a: mx.array) -> Dims:
     return (tuple(int(s) for s in a.shape[1:2] + a.shape[3:]), str(a.dtype))
 
 
-def layer_sig(c: Any) -> LayerSig:
+def layer_sig(c: kvblocks.LayerCache) -> LayerSig:
     """The signature of a live (filled) mlx-lm layer cache."""
     t = type(c)
     if t is KVCache:
@@ -83,7 +88,7 @@ class Templates:
     def known(self, ns: str) -> bool:
         return ns in self._sigs
 
-    def learn(self, ns: str, cache: list, replace: bool = False) -> None:
+    def learn(self, ns: str, cache: kvblocks.PromptCache, replace: bool = False) -> None:
         """Take the signature of a cache the model produced (the first one wins unless
         ``replace``). Empty layers (nothing computed yet) teach nothing."""
         if ns in self._sigs and not replace:
@@ -93,7 +98,7 @@ class Templates:
             return
         self._sigs[ns] = sigs
 
-    def check(self, ns: str, cache: list) -> None:
+    def check(self, ns: str, cache: kvblocks.PromptCache) -> None:
         """LayoutError unless ``cache`` fits the namespace's model (unknown: accepted). A
         cache scope's namespace (a tenant's) is checked against its model's."""
         want = self._sigs.get(ns) or self._sigs.get(scope_base(ns))

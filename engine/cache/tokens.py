@@ -10,10 +10,10 @@ between namespaces (the store's key chain starts from the all-zero key instead).
 from __future__ import annotations
 
 import re
-from typing import Any
 
 import numpy as np
 import xxhash
+from numpy.typing import ArrayLike
 
 from mlxkv.storage.keys import ZERO_KEY, block_key, ckpt_key, namespace_id, tail_key
 
@@ -23,7 +23,7 @@ __all__ = ["ZERO_KEY", "as_tokens", "chain_keys", "ckpt_key_of", "common_prefix"
 _STORE_NS = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
-def as_tokens(tokens: Any) -> np.ndarray:
+def as_tokens(tokens: ArrayLike) -> np.ndarray:
     """Token ids as a contiguous little-endian uint32 array; ValueError naming the problem
     otherwise."""
     arr = np.asarray(tokens)
@@ -55,39 +55,40 @@ def store_namespace(ns: str) -> str:
     return f"{clean}-{xxhash.xxh3_64_hexdigest(ns.encode())}"
 
 
-def index_root(sns: str) -> bytes:
+def index_root(store_ns: str) -> bytes:
     """Parent of a namespace's first block in the RAM tier's parent-keyed indices."""
-    return namespace_id(sns)
+    return namespace_id(store_ns)
 
 
-def chain_keys(sns: str, tokens: np.ndarray, block_tokens: int) -> list[bytes]:
-    """Chain keys of every full block of ``tokens`` in store namespace ``sns`` (the same
+def chain_keys(store_ns: str, tokens: np.ndarray, block_tokens: int) -> list[bytes]:
+    """Chain keys of every full block of ``tokens`` in store namespace ``store_ns`` (the same
     keys ``storage.store.BlockStore.chain_keys`` gives)."""
-    nsid = namespace_id(sns)
-    keys, parent = [], ZERO_KEY
+    nsid = namespace_id(store_ns)
+    keys: list[bytes] = []
+    parent = ZERO_KEY
     for i in range(len(tokens) // block_tokens):
         parent = block_key(parent, nsid, tokens[i * block_tokens : (i + 1) * block_tokens])
         keys.append(parent)
     return keys
 
 
-def tail_key_of(sns: str, parent: bytes, tokens: np.ndarray) -> bytes:
+def tail_key_of(store_ns: str, parent: bytes, tokens: np.ndarray) -> bytes:
     """Key of a partial block (``parent``: the chain key before it, ZERO_KEY for none)."""
-    return tail_key(parent, namespace_id(sns), tokens)
+    return tail_key(parent, namespace_id(store_ns), tokens)
 
 
-def ckpt_key_of(sns: str, tokens: np.ndarray, block_tokens: int) -> bytes:
+def ckpt_key_of(store_ns: str, tokens: np.ndarray, block_tokens: int) -> bytes:
     """Key of the checkpoint of exactly ``tokens`` (as the block store names it)."""
-    keys = chain_keys(sns, tokens, block_tokens)
-    return ckpt_key(keys[-1] if keys else ZERO_KEY, namespace_id(sns),
+    keys = chain_keys(store_ns, tokens, block_tokens)
+    return ckpt_key(keys[-1] if keys else ZERO_KEY, namespace_id(store_ns),
                     tokens[len(keys) * block_tokens :])
 
 
-def entry_id(sns: str, tokens: np.ndarray) -> str:
+def entry_id(store_ns: str, tokens: np.ndarray) -> str:
     """Stable id of a stored state: the same (namespace, tokens) in every process."""
-    return xxhash.xxh3_64_hexdigest(namespace_id(sns) + tokens.tobytes())
+    return xxhash.xxh3_64_hexdigest(namespace_id(store_ns) + tokens.tobytes())
 
 
-def manifest_name(eid: str) -> str:
+def manifest_name(entry_id: str) -> str:
     """The manifest that names a stored state on disk (so GC keeps what it needs)."""
-    return f"c-{eid}"
+    return f"c-{entry_id}"

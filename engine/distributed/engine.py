@@ -41,6 +41,7 @@ from mlxkv.engine.sampling import SamplingParams
 from mlxkv.engine.settings import Settings
 
 if TYPE_CHECKING:
+    from mlxkv.engine.cache.durability import FlushReport
     from mlxkv.engine.models import LoadedModel
     from mlxkv.engine.speculation.base import DraftProvider
     from mlxkv.engine.speculation.providers import Speculation
@@ -305,12 +306,12 @@ class ShardedEngine(Engine):
         figures["distributed"] = self.distributed_info()
         return figures
 
-    def cache_flush(self, timeout: float | None = None) -> dict:
+    def cache_flush(self, timeout: float | None = None) -> FlushReport:
         """Persist every rank's dirty states (rank 0 asks the others between requests)."""
         if not self.leader:
             return super().cache_flush(timeout)
 
-        def flush_all() -> dict:
+        def flush_all() -> FlushReport:
             self.channel.send(FLUSH, arg=int(timeout * 1000) if timeout else 0)
             return self.scheduler.runtime.cache.client.flush(timeout)
         limit = None if timeout is None else timeout + 30.0
