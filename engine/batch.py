@@ -279,7 +279,7 @@ class Batch:
     def _progress(self, row: Row, done: int, total: int) -> None:
         if row.progress != (done, total):
             row.progress = (done, total)
-            row.handle._emit(ProgressEvent(done, total))
+            row.handle.emit(ProgressEvent(done, total))
 
     def step(self) -> None:
         """Cancel what was cancelled, then one decode step of the decoding rows plus one
@@ -426,7 +426,7 @@ class Batch:
         row.emitted.append(token)
         text = row.stopper.feed(row.detok.last_segment)
         lp, top = token_logprobs(logprobs, token, row.request.logprobs)
-        row.handle._emit(TokenEvent(token, text, lp, top))
+        row.handle.emit(TokenEvent(token, text, lp, top))
 
     def _remove(self, rows: list[Row], reason: str, detail: str | None) -> None:
         caches = self.gen.remove([r.uid for r in rows], return_prompt_caches=True)
@@ -449,7 +449,7 @@ class Batch:
             if row.stopper.matched is not None:
                 reason, detail = "stop", row.stopper.matched
             if tail:
-                row.handle._emit(TokenEvent(None, tail))
+                row.handle.emit(TokenEvent(None, tail))
         if reason == "length" and row.context_cut:
             detail = "context"
         ending.reason, ending.detail = reason, detail
@@ -458,7 +458,7 @@ class Batch:
         prefill_s = (first - row.gen_start) if first is not None else 0.0
         decode_s = (last - first) if first is not None and last is not None else 0.0
         n = len(row.emitted)
-        row.handle._emit(StatsEvent(
+        row.handle.emit(StatsEvent(
             prompt_tokens=len(row.prompt), cached_tokens=row.n_cached, generated_tokens=n,
             ttft_s=(first - row.started) if first is not None else 0.0,
             prefill_tps=n_new / prefill_s if prefill_s > 0 else 0.0,
@@ -468,7 +468,7 @@ class Batch:
             batched=True, spec=self.verifier.summary(row.spec) if row.spec is not None else None,
             stored_tokens=stored_prompt_tokens(len(row.prompt), row.n_cached, len(ending.tokens_in_cache),
                                                self.stores and ending.cache is not None)))
-        row.handle._emit(FinishedEvent(reason, detail))
+        row.handle.emit(FinishedEvent(reason, detail))
         row.lent = None  # unmerged, the lent cache is what ``ending`` holds: stored back
         self._ended.append((row, ending))
 

@@ -33,15 +33,17 @@ keeps the forward pass, with one debug line.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import mlx.core as mx
 
 from mlxkv.engine.compiled_step import CHECK_STEPS, STEP, checked_run, greedy_steps
+from mlxkv.engine.side_table import SideTable
 from mlxkv.engine.traced import Traced
 from mlxkv.engine.weight_layout import layout_for_cpu
 
-_STEP = "_mlxkv_batch_step"
+_STEPS: SideTable[CompiledBatchStep] = SideTable()  # each model's compiled batch step
 
 
 class FixedBatchKV:
@@ -168,11 +170,12 @@ def batch_decode_step(model: Any) -> CompiledBatchStep:
     """The model's compiled batch step (one per model, kept on it: its traces serve every
     batch). Made at the model's first batched decoding, after the CPU weight layout
     (``engine.weight_layout``), which the compiled function captures."""
-    step = getattr(model, _STEP, None)
+    step = _STEPS.get(model)
     if step is None:
         layout_for_cpu(model)
-        step = CompiledBatchStep(model)
-        object.__setattr__(model, _STEP, step)
+        # through a weak proxy: the table keeps the step only while something else keeps the model
+        step = CompiledBatchStep(weakref.proxy(model))
+        _STEPS.put(model, step)
     return step
 
 

@@ -13,13 +13,15 @@ architecture that does not trace), so greedy output is the same token for token
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from mlxkv.engine.compiled_step import CompiledStep
+from mlxkv.engine.side_table import SideTable
 from mlxkv.engine.weight_layout import layout_for_cpu
 
-_STEP = "_mlxkv_decode_step"
+_STEPS: SideTable[CompiledStep] = SideTable()  # each model's compiled step
 
 
 def decode_step(model: Any) -> CompiledStep:
@@ -28,11 +30,12 @@ def decode_step(model: Any) -> CompiledStep:
     matrices to few-row products on the CPU (``engine.weight_layout``): where that copies
     the weights (the column-chunk fallback), the copy is paid where it pays back, not by
     the load or the first token."""
-    step = getattr(model, _STEP, None)
+    step = _STEPS.get(model)
     if step is None:
         layout_for_cpu(model)
-        step = CompiledStep(model, max_width=1, label="the model")
-        object.__setattr__(model, _STEP, step)
+        # through a weak proxy: the table keeps the step only while something else keeps the model
+        step = CompiledStep(weakref.proxy(model), max_width=1, label="the model")
+        _STEPS.put(model, step)
     return step
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxkv.engine.detokenize import stream_detokenizer
 from mlxkv.engine.layer_steps import LayerSteps
@@ -25,6 +25,10 @@ from mlxkv.engine.sampling import (  # noqa: F401  (re-exported: where callers l
     request_sampler,
     with_history,
 )
+from mlxkv.engine.side_table import SideTable
+
+if TYPE_CHECKING:
+    from mlxkv.engine.speculation.base import TargetView
 
 
 @dataclass
@@ -116,17 +120,26 @@ def cache_length(cache: Sequence[Any]) -> int | None:
 
 
 
-def head_view(model: Any) -> Any:
+_HEAD_SPLITS: SideTable[bool] = SideTable()  # whether each probed model's head splits off exactly
+
+
+def head_view(model: Any) -> TargetView | None:
     """The model as its decoder stack and LM head (an ``engine.speculation.base.TargetView``), when
     ``model(x)`` is exactly the head applied to the stack's last hidden state; else None
     (e.g. a model that caps or scales its logits after the head). Decided once per model,
     by :func:`probe_model`."""
-    if getattr(model, "_mlxkv_head_view", False) is False:
+    split = _HEAD_SPLITS.get(model)
+    if split is None:
         try:
             probe_model(model)
         except Exception:  # a model that cannot take the probe: the model as a whole
-            object.__setattr__(model, "_mlxkv_head_view", None)
-    return model._mlxkv_head_view
+            _HEAD_SPLITS.put(model, False)
+        split = _HEAD_SPLITS.get(model)
+    if not split:
+        return None
+    from mlxkv.engine.speculation.base import TargetView
+
+    return TargetView(model, None)
 
 
 class _StackRecorder:
@@ -215,7 +228,7 @@ def probe_model(model: Any) -> list:
                 view = None
         except Exception:  # a head that does not apply to the stack's output
             view = None
-    object.__setattr__(model, "_mlxkv_head_view", view)
+    _HEAD_SPLITS.put(model, view is not None)
     return cache
 
 

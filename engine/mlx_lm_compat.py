@@ -50,6 +50,12 @@ class UnverifiedMlxLm(RuntimeError):
     """mlx-lm's private state was reached on a version it was not checked against."""
 
 
+def hf_tokenizer(tokenizer: Any) -> Any:
+    """The Hugging Face tokenizer an mlx-lm ``TokenizerWrapper`` wraps (its private
+    ``_tokenizer``: the wrapper has no public way to it), or ``tokenizer`` when not wrapped."""
+    return getattr(tokenizer, "_tokenizer", tokenizer)
+
+
 def installed_version() -> str:
     """The version of the mlx-lm that is imported."""
     import mlx_lm

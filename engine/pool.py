@@ -33,9 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from mlxkv.engine.settings import DEMO_MODEL, Settings, SettingsError, model_tables
+from mlxkv.engine.side_table import SideTable
 
 log = logging.getLogger("mlxkv.engine")
 
+_WEIGHTS: SideTable[dict[str, int]] = SideTable()  # each measured engine's weight bytes (measure)
 UNLOAD_FLUSH_S = 60.0  # the longest an unload waits for its cache to reach the SSD tier
 
 
@@ -206,10 +208,10 @@ def measure(engine: Any) -> dict[str, int]:
     """What a loaded model holds now, in bytes: its weights (and a draft model's), the RAM
     tier of its prefix cache, and the KV of the requests it serves (their tokens at the
     model's bytes per token). Asks the engine thread for the weights (once per engine)."""
-    weights = getattr(engine, "_pool_weights", None)
+    weights = _WEIGHTS.get(engine)
     if weights is None:
         weights = engine.call(_model_bytes, engine).result(timeout=60)
-        engine._pool_weights = weights
+        _WEIGHTS.put(engine, weights)
     figures = engine.stats()
     cache = figures.get("cache") or {}
     tokens = sum((r.get("prompt_tokens") or 0) + (r.get("generated") or 0) for r in figures.get("running") or [])
@@ -514,7 +516,7 @@ class ModelPool:
         engine = slot.engine
         # (never waits for the engine thread: the weights were measured at the load, the rest
         # is what the engine published last)
-        if slot.state == "ready" and engine is not None and getattr(engine, "_pool_weights", None) is not None:
+        if slot.state == "ready" and engine is not None and _WEIGHTS.get(engine) is not None:
             parts = measure(engine)
             with self._cond:
                 slot.parts, slot.measured = parts, sum(parts.values()) or None

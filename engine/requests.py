@@ -303,8 +303,6 @@ class RequestHandle:
         if isinstance(event, _FINAL):
             self.done.set()
 
-    _emit = emit  # the spelling engine/batch.py uses
-
     # caller side
     def cancel(self) -> None:
         """Ask the engine to stop this request (between tokens); safe from any thread."""

@@ -45,8 +45,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxkv.engine.native_ops import native, row_product
+from mlxkv.engine.side_table import SideTable
 
-_DONE = "_mlxkv_cpu_layout"
+_DONE: SideTable[bool] = SideTable()  # the models laid out already
 SMALL_PRODUCT = 10**6  # OpenBLAS's small-matrix kernels take rows * cols * depth up to this
 ROWS = 8  # rows a chunk's product keeps within SMALL_PRODUCT (the default max_batch)
 
@@ -148,7 +149,7 @@ def layout_for_cpu(model: Any, path: str = "auto") -> int:
     above) when the default device is the CPU; the number of modules changed (0 elsewhere,
     or when done before). ``path``: "rows", "chunks" or "auto" (rows where built). Chunks
     are made one matrix at a time, so that layout needs one extra matrix of memory at most."""
-    if mx.default_device() != mx.cpu or not isinstance(model, nn.Module) or getattr(model, _DONE, False):
+    if mx.default_device() != mx.cpu or not isinstance(model, nn.Module) or _DONE.get(model):
         return 0  # (a model wrapped in a plain object keeps its layout: nothing to walk)
     built = row_product_available()
     if path == "rows" and not built:
@@ -167,7 +168,7 @@ def layout_for_cpu(model: Any, path: str = "auto") -> int:
             chunks = to_chunks(weight)
             del module["weight"]
             module["chunks"] = chunks
-        module.__class__ = kind  # in place: every holder of the module sees the new path
+        module.__class__ = kind  # by design, in place: every holder of the module sees the new path
         changed += 1
-    object.__setattr__(model, _DONE, True)
+    _DONE.put(model, True)
     return changed

@@ -43,7 +43,7 @@ import mlx.core as mx
 from mlxkv.engine.mlx_lm_compat import DecodingRows, admitting
 from mlxkv.engine.speculation.rows import SourceRowGroup
 from mlxkv.engine.speculation.sampling import TargetSampler, process_window, rejection_walk_rows
-from mlxkv.engine.speculation.verify import SpecStats, _trace_enabled
+from mlxkv.engine.speculation.verify import SpecStats, trace_enabled
 
 
 def spec_round_cache(cache: list) -> bool:
@@ -210,7 +210,7 @@ class BatchVerifier:
         self.specs: dict[int, RowSpec] = {}
         self._off = 0  # plain steps left in a back-off
         self._plain_timed = False  # the last step was plain: the next plain one can be timed
-        self.trace = _trace_enabled()
+        self.trace = trace_enabled()
         self.rounds = 0
 
     # rows ---------------------------------------------------------------------------

@@ -31,7 +31,8 @@ from mlxkv.engine.speculation.policy import LengthController
 from mlxkv.engine.speculation.sampling import TargetSampler, rejection_walk_rows
 
 
-def _trace_enabled() -> bool:
+def trace_enabled() -> bool:
+    """Whether MLXKV_SPEC_TRACE asks speculation to print every round on stderr."""
     return os.environ.get("MLXKV_SPEC_TRACE", "").lower() in ("1", "true", "yes", "on")
 
 
@@ -161,7 +162,7 @@ class SpecStream:
         self.between_layers = between_layers
         self.kv_tokens: list[int] = list(self.prompt[:n_cached])
         self.stats = SpecStats(kind)
-        self.trace = _trace_enabled()
+        self.trace = trace_enabled()
         self._gen: Iterator | None = None
         self._pending: int | None = None  # the last token yielded, when it is not in the cache
 
