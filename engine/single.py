@@ -35,7 +35,7 @@ from mlxkv.engine.settings import Settings
 from mlxkv.engine.speculation.providers import learn_finished
 
 if TYPE_CHECKING:
-    from mlxkv.engine.speculation.base import DraftProvider
+    from mlxkv.engine.speculation.base import ProposalProvider
     from mlxkv.engine.speculation.providers import Speculation
 
 import logging
@@ -89,7 +89,7 @@ class SingleStream:
         self.prefill_at: PrefillAt | None = None  # inside its prefill: where
 
     def speculation(self, req: Request, params: SamplingParams,
-                    providers: dict[str, DraftProvider] | None = None
+                    providers: dict[str, ProposalProvider] | None = None
                     ) -> tuple[Speculation | None, Any]:
         """(the request's speculation or None, its constraint or None), from ``providers``
         (default: every provider of the model)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from mlxkv.engine.speculation.base import DraftProvider, DraftRowConstraints, DraftSource, Proposal
+from mlxkv.engine.speculation.base import Proposal, ProposalProvider, ProposalSource, RequestConstraints
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
@@ -130,7 +130,7 @@ class JsonSkeleton:
         return []
 
 
-class ConstraintSource(DraftSource):
+class ConstraintSource(ProposalSource):
     """Proposes what the constraint already knows, after the pending token."""
 
     def __init__(self, constraint: Any):
@@ -148,7 +148,7 @@ class ConstraintSource(DraftSource):
         self.output.extend(accepted)
 
 
-class ConstraintProvider(DraftProvider):
+class ConstraintProvider(ProposalProvider):
     kind = "constraint"
     supports_external_tokens = True
 
@@ -161,8 +161,8 @@ class ConstraintProvider(DraftProvider):
         return ConstraintSource(constraints)
 
 
-class RowConstraints(DraftRowConstraints):
-    """:class:`DraftRowConstraints` over one constraint per row of a batch."""
+class RowConstraints(RequestConstraints):
+    """:class:`RequestConstraints` over one constraint per row of a batch."""
 
     def __init__(self, constraints: Sequence[Any]):
         self.constraints = list(constraints)

@@ -17,8 +17,8 @@ from typing import Any
 import mlx.core as mx
 
 from mlxkv.engine.sampling import SamplingParams
-from mlxkv.engine.speculation.base import DraftProvider, DraftSource, KVState, Proposal
-from mlxkv.engine.speculation.draft_step import CompiledStep
+from mlxkv.engine.speculation.base import KVState, Proposal, ProposalProvider, ProposalSource
+from mlxkv.engine.speculation.draft_step import DraftModelStep
 
 SCHEMA = "draft-kv-v1"
 
@@ -47,7 +47,7 @@ def check_pair(target_tokenizer: Any, draft_tokenizer: Any, draft_model: Any, dr
                             "(sliding window or recurrent layers); use a plain-attention draft model")
 
 
-class DraftModelSource(DraftSource):
+class DraftModelSource(ProposalSource):
     def __init__(self, provider: DraftModelProvider, sampling: SamplingParams | None, vocab: int):
         from mlx_lm.models.cache import make_prompt_cache
 
@@ -152,7 +152,7 @@ class DraftModelSource(DraftSource):
         self.cache = []
 
 
-class DraftModelProvider(DraftProvider):
+class DraftModelProvider(ProposalProvider):
     kind = "draft"
     supports_external_tokens = True  # the draft feeds what it lacks lazily
     needs_hidden = False
@@ -166,7 +166,7 @@ class DraftModelProvider(DraftProvider):
         self.weights_bytes = (path.stat().st_size if path.is_file()  # a GGUF file
                               else sum(p.stat().st_size for p in path.glob("*.safetensors")))
         self.fingerprint = loaded.fingerprint
-        self.step = CompiledStep(loaded.model)  # the draft's decode step, shared by its sources
+        self.step = DraftModelStep(loaded.model)  # the draft's decode step, shared by its sources
 
     def checkpoint_namespace(self) -> str:
         return f"{SCHEMA}-{self.fingerprint}-{self.loaded.compute_dtype}"

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlxkv.engine.compiled_step import CompiledStep as _CompiledStep
+from mlxkv.engine.compiled_step import CompiledStep
 
 MAX_WIDTH = 4  # the widest input the compiled step takes (a round's missing tokens + pending)
 
 
-class CompiledStep(_CompiledStep):
+class DraftModelStep(CompiledStep):
     """The draft model's step: inputs of up to :data:`MAX_WIDTH` tokens."""
 
     def __init__(self, model: Any):

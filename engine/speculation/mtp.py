@@ -29,7 +29,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxkv.engine.sampling import SamplingParams
-from mlxkv.engine.speculation.base import DraftProvider, DraftSource, KVState, Proposal, TargetView
+from mlxkv.engine.speculation.base import KVState, Proposal, ProposalProvider, ProposalSource, TargetView
 from mlxkv.engine.speculation.mtp_weights import (
     MTP_SCHEMA,
     MTPModule,
@@ -74,7 +74,7 @@ def _copy_cache(cache: list, entries: int | None = None) -> list:
     return out
 
 
-class MTPSource(DraftSource):
+class MTPSource(ProposalSource):
     """One request's MTP drafter. Entry p of its KV cache is the pair (h_{p-1}, x_p) of
     target position p, with a zero hidden where the target's is not known (position 0, the
     first position after a restored state, positions the target took from its own cache
@@ -296,7 +296,7 @@ class MTPCacheModel:
         return self.module(e, mx.zeros(e.shape, dtype=e.dtype), cache if cache is not None else _new_cache())
 
 
-class MTPProvider(DraftProvider):
+class MTPProvider(ProposalProvider):
     """The MTP layer of one loaded target."""
 
     kind = "mtp"

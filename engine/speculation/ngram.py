@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from mlxkv.engine.speculation.base import DraftProvider, DraftRowGroup, DraftSource, Proposal
+from mlxkv.engine.speculation.base import Proposal, ProposalProvider, ProposalRowGroup, ProposalSource
 
 SCHEMA = "ngram-v1"
 
@@ -55,7 +55,7 @@ class NgramIndex:
         return []
 
 
-class NgramSource(DraftSource):
+class NgramSource(ProposalSource):
     def __init__(self, min_n: int, max_n: int):
         self.index = NgramIndex(min_n, max_n)
 
@@ -72,7 +72,7 @@ class NgramSource(DraftSource):
         self.index.extend(tokens)
 
 
-class NgramProvider(DraftProvider):
+class NgramProvider(ProposalProvider):
     kind = "ngram"
     weights_bytes = 0
     supports_external_tokens = True
@@ -88,11 +88,11 @@ class NgramProvider(DraftProvider):
     def open(self, target: Any, sampling: Any, constraints: Any = None) -> NgramSource:
         return NgramSource(self.min_n, self.max_n)
 
-    def group(self) -> DraftRowGroup:
+    def group(self) -> ProposalRowGroup:
         return NgramRowGroup()
 
 
-def NgramRowGroup() -> DraftRowGroup:  # noqa: N802  (the group type of this provider)
+def NgramRowGroup() -> ProposalRowGroup:  # noqa: N802  (the group type of this provider)
     from mlxkv.engine.speculation.rows import SourceRowGroup
 
     return SourceRowGroup()

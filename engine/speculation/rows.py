@@ -1,4 +1,4 @@
-"""Grouped rows: the :class:`DraftRowGroup` of a batch, one :class:`DraftSource` per row.
+"""Grouped rows: the :class:`ProposalRowGroup` of a batch, one :class:`ProposalSource` per row.
 
 Each row keeps its own source (an n-gram index, a draft model's KV), so rows join and
 leave between rounds without touching the others; proposals are ragged (the verifier
@@ -13,18 +13,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from mlxkv.engine.speculation.base import DraftRowConstraints, DraftRowGroup, DraftSource, Proposal
+from mlxkv.engine.speculation.base import Proposal, ProposalRowGroup, ProposalSource, RequestConstraints
 
 
-class SourceRowGroup(DraftRowGroup):
-    def __init__(self, constraints: DraftRowConstraints | None = None) -> None:
-        self.rows: list[DraftSource] = []
+class SourceRowGroup(ProposalRowGroup):
+    def __init__(self, constraints: RequestConstraints | None = None) -> None:
+        self.rows: list[ProposalSource] = []
         self.constraints = constraints
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    def append(self, rows: Sequence[DraftSource]) -> None:
+    def append(self, rows: Sequence[ProposalSource]) -> None:
         self.rows.extend(rows)
 
     def filter_rows(self, keep: Sequence[int]) -> None:

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from mlxkv.engine.logs import warn_once
-from mlxkv.engine.speculation.base import DraftProvider, DraftRowGroup, DraftSource, Proposal
+from mlxkv.engine.speculation.base import Proposal, ProposalProvider, ProposalRowGroup, ProposalSource
 from mlxkv.engine.speculation.suffix_index import LENGTHS, SuffixIndex, match_length, propose_path
 
 log = logging.getLogger("mlxkv.spec")
@@ -55,7 +55,7 @@ GLOBAL_TOKENS = 32768  # output tokens the global index keeps (about 1 KiB of in
 PROBE_MATCH = 8
 
 
-class SuffixSource(DraftSource):
+class SuffixSource(ProposalSource):
     sizes_itself = True
 
     def __init__(self, provider: SuffixProvider):
@@ -92,7 +92,7 @@ class SuffixSource(DraftSource):
         self.local = SuffixIndex(self.provider.lengths)
 
 
-class SuffixProvider(DraftProvider):
+class SuffixProvider(ProposalProvider):
     kind = "suffix"
     weights_bytes = 0
     supports_external_tokens = True
@@ -198,7 +198,7 @@ class SuffixProvider(DraftProvider):
     def open(self, target: Any, sampling: Any, constraints: Any = None) -> SuffixSource:
         return SuffixSource(self)
 
-    def group(self) -> DraftRowGroup:
+    def group(self) -> ProposalRowGroup:
         from mlxkv.engine.speculation.rows import SourceRowGroup
 
         return SourceRowGroup()

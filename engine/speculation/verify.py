@@ -26,7 +26,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxkv.engine.decoding import decode_step
-from mlxkv.engine.speculation.base import DraftSource, Proposal
+from mlxkv.engine.speculation.base import Proposal, ProposalSource
 from mlxkv.engine.speculation.policy import LengthController
 from mlxkv.engine.speculation.sampling import TargetSampler, rejection_walk_rows
 
@@ -142,7 +142,7 @@ class SpecStream:
     inside a chunk)."""
 
     def __init__(self, model: Any, prompt_tokens: Sequence[int], n_cached: int, cache: list,
-                 params: Any, source: DraftSource, controller: LengthController, *,
+                 params: Any, source: ProposalSource, controller: LengthController, *,
                  kind: str, target_view: Any = None, needs_hidden: bool = False,
                  on_progress: Callable[[int, int], None] | None = None, constraint: Any = None,
                  eos: Collection[int] = (),
@@ -321,7 +321,7 @@ class SpecStream:
         (the next forward is queued before the current token is read), through the model's
         compiled step as plain decoding's (``engine.decoding``). The block ends early, one
         token later, when the source says a long earlier run is being repeated
-        (``DraftSource.worth_probing``). Returns the new pending token (sampled, yielded, not
+        (``ProposalSource.worth_probing``). Returns the new pending token (sampled, yielded, not
         fed) and the tokens it yielded."""
         forward = decode_step(self.model)
 
