@@ -71,9 +71,9 @@ def version_problem(version: str | None = None) -> str | None:
         return None
     return (f"mlx-lm {version} is not a version mlxkv's batched speculation was checked against "
             f"({', '.join(CHECKED_VERSIONS)}): it reads BatchGenerator's private state, which may "
-            "differ there. Requests decoded together decode plainly (same output, no drafts); "
+            "differ there. Requests decoded together decode plainly (same output, no speculation); "
             "a request alone still speculates. Install a checked version "
-            f"(pip install 'mlx-lm>={CHECKED_VERSIONS[0]},<={CHECKED_VERSIONS[-1]}') to batch with drafts.")
+            f"(pip install 'mlx-lm>={CHECKED_VERSIONS[0]},<={CHECKED_VERSIONS[-1]}') to speculate in batches.")
 
 
 def require_checked(version: str | None = None) -> None:

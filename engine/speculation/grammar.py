@@ -2,7 +2,7 @@
 
 A grammar is llguidance's Lark syntax, which may embed JSON schemas (``%json {...}``): every
 token it does not allow is masked, in plain decoding and in the verifier's accept walk
-alike, and what it forces next (llguidance's fast-forward tokens) is proposed as drafts
+alike, and what it forces next (llguidance's fast-forward tokens) is proposed
 through the constraint source, as ``guided_choice``'s choices are, so a constrained reply
 speculates without changing a token. EOS is allowed exactly when the grammar accepts, and
 once the grammar is complete only EOS is.
