@@ -12,9 +12,9 @@ A row joins with the KV state of the tokens it already has (a cached prefix, or 
 of a request that was decoding alone until now) and the tokens still to feed; it leaves
 with its extracted cache, which the engine stores in the prefix cache. Engine thread only.
 
-Rows whose request speculates (``speculation(row)`` opens it, as for a lone request) draft
+Rows whose request speculates (``speculation(row)`` opens it, as for a lone request) propose
 through ``engine.speculation.batch_verify``: between plain steps a round verifies every row's
-drafts in one forward and each row emits its old pending token plus the drafts it kept,
+proposed tokens in one forward and each row emits its old pending token plus those it kept,
 one TokenEvent at a time through the same checks as a plain step (EOS, stop strings, max
 tokens). Without speculating rows a step is exactly ``BatchGenerator.next``.
 """
@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlxkv.engine.arrays import float_list, int_list
 from mlxkv.engine.batch_step import BatchStepModel
 from mlxkv.engine.generate import SamplingParams, StopMatcher, request_processors, request_sampler, stream_detokenizer
 from mlxkv.engine.mlx_lm_compat import DecodingRows, admitting, batch_speculation_available
@@ -78,8 +79,8 @@ def token_logprobs(logprobs: Any, token: int, top: int | None
     idx = mx.argpartition(-logprobs, kth=k - 1)[:k]
     vals = logprobs[idx]
     order = mx.argsort(-vals)
-    idx, vals = idx[order].tolist(), vals[order].tolist()
-    return own, tuple((int(i), float(v)) for i, v in zip(idx, vals))
+    ids, values = int_list(idx[order]), float_list(vals[order])
+    return own, tuple((int(i), float(v)) for i, v in zip(ids, values))
 
 
 @dataclass
@@ -267,7 +268,7 @@ class Batch:
         spec = self.speculation(row)
         if spec is None:
             return
-        if spec.provider.needs_hidden:  # MTP drafts from the target's hidden state: alone only
+        if spec.provider.needs_hidden:  # MTP proposes from the target's hidden state: alone only
             spec.source.close()
             return
         if self.verifier is None:
@@ -375,7 +376,7 @@ class Batch:
             self._remove(stopped, "stop", None)
 
     def _spec_round(self, k: int) -> bool:
-        """One speculative round (False: no row had drafts, nothing was fed). Each row's
+        """One speculative round (False: no row proposed, nothing was fed). Each row's
         tokens go through the checks of a plain step, one at a time; a row that ends inside
         its tokens leaves with its cache cut back to the token that ended it."""
         out = self.verifier.round(self.gen, k)

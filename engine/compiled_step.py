@@ -36,6 +36,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxkv.engine.arrays import float_item
 from mlxkv.engine.native_ops import slot_attention
 from mlxkv.engine.traced import Traced
 
@@ -83,7 +84,7 @@ def agrees(got: list[mx.array], want: list[mx.array]) -> tuple[bool, float, bool
     forward pass's (``want``): the same shapes, log-probabilities within
     :data:`TOLERANCE` and the same greedy tokens; with the largest difference and whether
     the greedy tokens were the same, for the debug line of a failed check."""
-    diff = max(mx.abs(log_softmax(g) - log_softmax(w)).max().item() for g, w in zip(got, want))
+    diff = max(float_item(mx.abs(log_softmax(g) - log_softmax(w)).max()) for g, w in zip(got, want))
     same = all(mx.array_equal(mx.argmax(g, axis=-1), mx.argmax(w, axis=-1)).item() for g, w in zip(got, want))
     ok = all(g.shape == w.shape for g, w in zip(got, want)) and diff <= TOLERANCE and same
     return ok, diff, same

@@ -132,8 +132,8 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
         elif m is not None:
             part = m[..., i:j, :] if m.shape[-2] == length else m
             scores = mx.where(part, scores, -mx.inf) if part.dtype == mx.bool_ else scores + part.astype(scores.dtype)
-        e = _exp_compiled(scores.shape, scores, scores.max(axis=-1, keepdims=True))
-        p = e / e.sum(axis=-1, keepdims=True)
+        exps = _exp_compiled(scores.shape, scores, scores.max(axis=-1, keepdims=True))
+        p = exps / exps.sum(axis=-1, keepdims=True)
         outs.append((p.reshape(b, hk, rep * n, s) @ values).reshape(b, hk, rep, n, d))
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
     return out.reshape(b, h, length, d)

@@ -14,9 +14,10 @@ architecture that does not trace), so greedy output is the same token for token
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from typing import Any
 
+from mlxkv.engine.arrays import int_item
 from mlxkv.engine.compiled_step import CompiledStep
 from mlxkv.engine.side_table import SideTable
 from mlxkv.engine.weight_layout import layout_for_cpu
@@ -40,7 +41,7 @@ def decode_step(model: Any) -> CompiledStep:
 
 
 def plain_decode(model: Any, first: Any, cache: list, sampler: Callable,
-                 processors: list[Callable] | None, max_tokens: int) -> Iterator[tuple[int, Any]]:
+                 processors: list[Callable] | None, max_tokens: int) -> Generator[tuple[int, Any], None, None]:
     """``max_tokens`` tokens after ``first`` (an unevaluated [1] token array, sampled but not
     fed yet): (token, log-probabilities [V]) pairs, as ``generate_step(first, model, ...)``
     yields them."""
@@ -72,7 +73,7 @@ def plain_decode(model: Any, first: Any, cache: list, sampler: Callable,
             mx.eval(y)
         if n == max_tokens:
             break
-        yield y.item(), logprobs
+        yield int_item(y), logprobs
         if n % 256 == 0:
             mx.clear_cache()
         y, logprobs = next_y, next_logprobs

@@ -13,7 +13,7 @@ instead; everything after the token (EOS, stop strings, text) is this same loop.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -192,7 +192,9 @@ def probe_model(model: Any) -> list:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    view, holder, recorder = None, None, None
+    view: TargetView | None = None
+    holder: Any = None  # the mlx-lm module that holds the decoder stack as "model"
+    recorder: _StackRecorder | None = None
     try:
         from mlxkv.engine.speculation.base import TargetView
 
@@ -217,6 +219,8 @@ def probe_model(model: Any) -> list:
     mx.eval(whole, [c.state for c in cache])
     if view is not None:
         try:
+            if recorder is None:
+                raise ValueError("the stack was not recorded")
             (args, kwargs, hidden), = recorder.calls
             plain = _plain_call(recorder.stack, args, kwargs, x, cache)
         except Exception:  # called twice or not at all: checked with a pass of its own
@@ -265,17 +269,18 @@ def prefill(model: Any, tokens: Sequence[int], cache: list, step: int,
         if view is not None:
             logits, h = view.forward(x, cache)
             return logits, h[0]
-        if fused:
+        if split is not None:
             return None, split.forward(x, cache)[1][0]
         return model(x, cache=cache), None
 
     def chunk(n: int) -> tuple[Any, Any]:
         """The forward pass of the next ``n`` tokens, its cache evaluated layer by layer
         when ``between_layers`` is given."""
-        steps = LayerSteps(cache, n) if between_layers is not None else None
+        hook = between_layers
+        steps = LayerSteps(cache, n) if hook is not None else None
         out = forward(mx.array([list(tokens[done: done + n])]))
-        if steps is not None:
-            steps.run(lambda layer, layers: between_layers(done, n, layer, layers))
+        if steps is not None and hook is not None:
+            steps.run(lambda layer, layers: hook(done, n, layer, layers))
         return out
 
     while total - done > (step if fused else 1):
@@ -290,7 +295,7 @@ def prefill(model: Any, tokens: Sequence[int], cache: list, step: int,
     logits, h = chunk(total - done)
     if view is not None:
         rows.append(h)
-    logits = split.logits(h[-1:]) if fused else logits[0, -1:]
+    logits = split.logits(h[-1:]) if split is not None else logits[0, -1:]
     return logits, (mx.concatenate(rows, axis=0) if view is not None else None)
 
 
@@ -345,7 +350,7 @@ class Generation:
         if layer < layers and self.should_stop():  # a finished chunk is kept as it is
             raise Cancelled
 
-    def __iter__(self) -> Iterator[Step]:
+    def __iter__(self) -> Generator[Step, None, None]:
         import mlx.core as mx
         from mlx_lm.models.cache import make_prompt_cache
 

@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from mlxkv.engine.arrays import named_parameters
 from mlxkv.engine.settings import DEMO_MODEL, Settings, SettingsError, model_tables
 from mlxkv.engine.side_table import SideTable
 
@@ -223,17 +224,16 @@ def _model_bytes(engine: Any) -> dict[str, int]:
     """On the engine thread: the bytes of the model's (and any draft model's) parameters,
     and its KV bytes per token (one token through a fresh cache)."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten
     from mlx_lm.models.cache import make_prompt_cache
 
     model = engine.runtime.loaded.model
     seen = {id(model)}
-    total = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    total = sum(v.nbytes for _, v in named_parameters(model))
     for provider in engine.runtime.providers.values():
-        draft = getattr(provider, "model", None)
-        if draft is not None and id(draft) not in seen and hasattr(draft, "parameters"):
-            seen.add(id(draft))
-            total += sum(v.nbytes for _, v in tree_flatten(draft.parameters()))
+        source_model = getattr(provider, "model", None)
+        if source_model is not None and id(source_model) not in seen and hasattr(source_model, "parameters"):
+            seen.add(id(source_model))
+            total += sum(v.nbytes for _, v in named_parameters(source_model))
     per_token = 0
     try:
         cache = make_prompt_cache(model)

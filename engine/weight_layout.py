@@ -31,7 +31,7 @@ products are equal up to the rounding of the order of summation (greedy output i
 token-identical), and the prefix cache's namespace does not change. The modules keep their
 class's behaviour and a ``weight`` of the same shape and numbers; they change class in place
 (``RowLinear`` / ``RowEmbedding`` or ``ChunkedLinear`` / ``ChunkedEmbedding``), so whatever
-holds a module (a draft or MTP head sharing the embedding) sees the new path. Not on Metal
+holds a module (a draft model or MTP head sharing the embedding) sees the new path. Not on Metal
 or CUDA (their matrix-vector kernels read [out, in] rows), not for quantized layers, and not
 for module classes other than these two exactly (a subclass may read its weight another
 way). ``MLXKV_ROW_PRODUCT=0`` keeps the chunked path (engine.native_ops).
@@ -87,7 +87,7 @@ class ChunkedLinear(nn.Linear):
     """An ``nn.Linear`` whose weight is stored as column chunks (see the module doc)."""
 
     @property
-    def weight(self) -> mx.array:
+    def weight(self) -> mx.array:  # type: ignore[override]  # mlx declares a plain attribute; here derived
         return _weight_of(self["chunks"])
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -101,7 +101,7 @@ class ChunkedEmbedding(nn.Embedding):
     each token's row from the chunks."""
 
     @property
-    def weight(self) -> mx.array:
+    def weight(self) -> mx.array:  # type: ignore[override]  # mlx declares a plain attribute; here derived
         return _weight_of(self["chunks"])
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -140,8 +140,8 @@ class RowEmbedding(nn.Embedding):
         return super().as_linear(x) if y is None else y
 
 
-_CHUNKED = {nn.Linear: ChunkedLinear, nn.Embedding: ChunkedEmbedding}
-_ROWS = {nn.Linear: RowLinear, nn.Embedding: RowEmbedding}
+_CHUNKED: dict[type[nn.Module], type[nn.Module]] = {nn.Linear: ChunkedLinear, nn.Embedding: ChunkedEmbedding}
+_ROWS: dict[type[nn.Module], type[nn.Module]] = {nn.Linear: RowLinear, nn.Embedding: RowEmbedding}
 
 
 def layout_for_cpu(model: Any, path: str = "auto") -> int:

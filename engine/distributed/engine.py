@@ -185,6 +185,7 @@ class FollowerCommands:
                         "longer stay in step")
         out = gen.outcome
         if cache.enabled and out is not None and out.tokens_in_cache:
+            assert gen.cache is not None  # made by the generation when not given
             cache.store(out.tokens_in_cache, gen.cache, session)
         cache.busy(False)
 
@@ -212,6 +213,7 @@ class LockstepTokens:
         if used == 0:
             self.engine.scheduler.runtime.cache.release(cache)
             return 0, None, 0, 0
+        assert cache is not None  # used > 0: this rank held that many tokens
         trim_prompt_cache(cache, n - used)
         ram = min(ram, used)
         return used, cache, ram, used - ram

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 from mlxkv.engine.distributed.protocol import Channel
 
@@ -97,10 +97,12 @@ class LockstepStream:
             processors = request_processors(p, gen.prompt_tokens[: gen.n_cached])
             if gen.constraint is not None:
                 processors.append(gen.constraint.processor(len(gen.prompt_tokens) - gen.n_cached))
-        return generate_step(
+        steps = generate_step(
             mx.array(gen.prompt_tokens[gen.n_cached:]), gen.model, max_tokens=p.max_tokens,
             sampler=self._sample, logits_processors=processors or None, prompt_cache=gen.cache,
             prefill_step_size=p.prefill_step_size, prompt_progress_callback=self._progress)
+        # mlx-lm annotates its yields as two arrays; the token is a Python int (``y.item()``)
+        return cast("Iterator[tuple[int, Any]]", steps)
 
     def __iter__(self) -> Iterator[tuple[int, Any]]:
         dog = self.channel.world.watchdog

@@ -37,7 +37,7 @@ class TargetView:
         inner = _inner_model(model)
         self._inner = inner
         args = getattr(getattr(model, "language_model", model), "args", None)  # VLM-style: the text model's
-        embed = getattr(inner, "embed_tokens", None)
+        embed = inner.embed_tokens  # (_inner_model checked it is there)
         self.vocab_size: int = int(getattr(args, "vocab_size", 0) or embed.weight.shape[0])
         self.hidden_size: int = int(getattr(args, "hidden_size", 0) or embed.weight.shape[-1])
 
@@ -71,7 +71,7 @@ def _inner_model(model: Any) -> Any:
 
 @dataclass
 class Proposal:
-    """Tokens a source proposes after the pending one. ``probs`` is the draft distribution q
+    """Tokens a source proposes after the pending one. ``probs`` is the proposal distribution q
     ([len(tokens), V]) of sources that sample; None marks an exact-match source."""
 
     tokens: list[int]
@@ -119,7 +119,7 @@ class ProposalSource:
 
     def commit(self, accepted: list[int], hidden: mx.array | None = None) -> None:
         """``accepted`` are now in the target's KV: the old pending token plus the accepted
-        drafts. ``hidden``: the target hidden rows of exactly those positions."""
+        proposed tokens. ``hidden``: the target hidden rows of exactly those positions."""
 
     def worth_probing(self) -> bool:
         """After a plain step fed the target (``commit`` told the source): whether it now
@@ -147,13 +147,13 @@ class ProposalProvider:
     weights_bytes: int = 0
     supports_external_tokens: bool = False
     needs_hidden: bool = False
-    # The most tokens a round proposes unless ``--spec-tokens`` says otherwise: a drafted
-    # token costs a draft forward pass here, so a round stays short.
+    # The most tokens a round proposes unless ``--spec-tokens`` says otherwise: a proposed
+    # token costs a forward pass of the source here, so a round stays short.
     proposal_tokens: int = 12
     model: Any = None  # a provider that stores KVState: the model that KV belongs to (bind_model)
 
     def checkpoint_namespace(self) -> str:
-        """The identity of the draft state this provider stores (folded into the prefix
+        """The identity of the source state this provider stores (folded into the prefix
         cache namespace of that state): a content fingerprint, or kind and schema."""
         raise NotImplementedError
 

@@ -5,7 +5,7 @@ A constraint proposes the tokens it already knows (the rest of the only choice s
 matching, or the part all remaining choices share; a skeleton's literal text) and, for
 ``guided_choice``, masks every token that no choice allows, in plain decoding and in the
 verifier's accept walk alike. It advances only with tokens the target accepted, so
-proposing never changes it. Proposals are exact-match drafts: the verifier still decides
+proposing never changes it. Proposals are exact-match: the verifier still decides
 every token.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from mlxkv.engine.arrays import int_list
 from mlxkv.engine.speculation.base import Proposal, ProposalProvider, ProposalSource, RequestConstraints
 
 
@@ -70,7 +71,7 @@ class GuidedChoice:
         import mlx.core as mx
 
         def mask(tokens: mx.array, logits: mx.array) -> mx.array:
-            output = tokens[history_before_output:].tolist() if tokens.size > history_before_output else []
+            output = int_list(tokens[history_before_output:]) if tokens.size > history_before_output else []
             return logits + mask_row(logits.shape[-1], self.allowed(output))
         return mask
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxkv.engine.arrays import int_list
 from mlxkv.engine.sampling import SamplingParams
 from mlxkv.engine.speculation.base import KVState, Proposal, ProposalProvider, ProposalSource
 from mlxkv.engine.speculation.draft_step import DraftModelStep
@@ -108,7 +109,7 @@ class DraftModelSource(ProposalSource):
         tokens, rows = [], []
         for i in range(n):
             logits = self.step_fn(x, self.cache)
-            if self.greedy:
+            if self.greedy or self.sampler is None:  # (no sampler: greedy)
                 y = mx.argmax(logits, axis=-1)
             else:
                 q = self.sampler.probs(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
@@ -134,7 +135,7 @@ class DraftModelSource(ProposalSource):
         if self._proposed is not None:
             missing, out = self._proposed
             self._proposed = None
-            self.fed.extend(missing + out.tolist()[:-1])
+            self.fed.extend(missing + int_list(out)[:-1])
 
     def commit(self, accepted: list[int], hidden: Any = None) -> None:
         self.target.extend(accepted)

@@ -78,8 +78,10 @@ def load_providers(loaded: Any, settings: Settings) -> dict[str, ProposalProvide
         try:
             from mlxkv.engine.speculation import mtp  # noqa: F401
         except ImportError:
-            mtp = None
-        if mtp is not None:
+            mtp_found = False
+        else:
+            mtp_found = True
+        if mtp_found:
             try:
                 provider = mtp.load_mtp_provider(loaded)
             except Exception as e:
@@ -94,7 +96,7 @@ def load_providers(loaded: Any, settings: Settings) -> dict[str, ProposalProvide
 
 def bind_providers(prefix_cache: CacheClient, namespace: str,
                    providers: dict[str, ProposalProvider]) -> None:
-    """Let the prefix cache check restored draft states against the draft's own model, and
+    """Let the prefix cache check restored source states against the source's own model, and
     give every provider the cache and the model's namespace (what it learned is kept
     there)."""
     for p in providers.values():
@@ -120,7 +122,7 @@ def learn_finished(providers: dict[str, ProposalProvider], output: list[int]) ->
 
 
 def spec_stats(providers: dict[str, ProposalProvider]) -> dict:
-    """Engine-wide figures per source: requests, rounds, drafted, accepted, target forwards,
+    """Engine-wide figures per source: requests, rounds, drafted (proposed), accepted, target forwards,
     what its policy learned (``learned``, per sampling regime), and the provider's own
     (``ProposalProvider.figures``: the suffix index's learned replies and tokens)."""
     out = {}
@@ -169,7 +171,7 @@ def choose(providers: dict[str, ProposalProvider], mode: str, guided: bool) -> P
 
 
 class Speculation:
-    """One request's speculation: its source, its length controller, and the draft state it
+    """One request's speculation: its source, its length controller, and the source state it
     restores from and stores to the prefix cache."""
 
     def __init__(self, provider: ProposalProvider, target: TargetView, params: SamplingParams, *,
@@ -197,13 +199,13 @@ class Speculation:
         self.restored_tokens = 0
 
     def restore(self, prompt: list[int]) -> None:
-        """Start the draft from its cached state of ``prompt``'s prefix, when it has one."""
+        """Start the source from its cached state of ``prompt``'s prefix, when it has one."""
         if self.prefix_cache is None or self.state_namespace is None:
             return
         try:
             n, cache = self.prefix_cache.lookup(prompt, self.state_namespace, session=self.session)
         except Exception:
-            log.exception("draft state lookup failed; the draft starts from the prompt")
+            log.exception("source state lookup failed; the source starts from the prompt")
             return
         if cache is not None and n > 0:
             self.source.restore(KVState(list(prompt[:n]), cache))
@@ -233,7 +235,7 @@ class Speculation:
                 mx.eval([c.state for c in state.cache])
                 self.prefix_cache.store(state.tokens, state.cache, self.state_namespace, session=self.session)
         except Exception:
-            log.exception("storing the draft state failed")
+            log.exception("storing the source state failed")
         finally:
             self.source.close()
         return summary
@@ -248,24 +250,24 @@ def open_speculation(providers: dict[str, ProposalProvider] | None, loaded: Any,
                      ) -> tuple[Speculation | None, Any]:
     """(the request's Speculation or None, its constraint or None). ``constraint`` is the
     mask the output must satisfy (``grammar.request_constraint``: ``guided_choice`` or a
-    grammar), returned as given; it drafts what it forces. A JSON skeleton only drafts."""
-    drafting = constraint
+    grammar), returned as given; it proposes what it forces. A JSON skeleton only proposes."""
+    proposing = constraint
     if constraint is None and json_skeleton:
         from mlxkv.engine.speculation.constraints import JsonSkeleton
 
-        drafting = JsonSkeleton(loaded.tokenizer, json_skeleton)
+        proposing = JsonSkeleton(loaded.tokenizer, json_skeleton)
     if not providers:
         return None, constraint
     mode = mode or settings_mode
     seeded = params.seed is not None and params.temperature > 0
-    if seeded and mode == "auto" and drafting is None:
+    if seeded and mode == "auto" and proposing is None:
         # A seeded sampled request reproduces plain decoding draw for draw: auto leaves it alone.
         return None, constraint
-    provider = choose(providers, mode, drafting is not None)
+    provider = choose(providers, mode, proposing is not None)
     if provider is None:
         return None, constraint
     view = TargetView(loaded.model, loaded.tokenizer)
-    spec = Speculation(provider, view, params, mode=mode, constraint=drafting, max_tokens=max_tokens,
+    spec = Speculation(provider, view, params, mode=mode, constraint=proposing, max_tokens=max_tokens,
                        prefix_cache=prefix_cache, namespace=namespace, session=session,
                        timed=not seeded, private=private)
     return spec, constraint

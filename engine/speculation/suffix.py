@@ -126,7 +126,7 @@ class SuffixProvider(ProposalProvider):
         return f"suffix-v2-l{'-'.join(map(str, self.lengths))}"
 
     # the global index ---------------------------------------------------------------
-    def learn(self, output: Sequence[int]) -> None:
+    def learn(self, output: Sequence[int] | np.ndarray) -> None:
         """Add a finished request's output to the global index; forget the oldest outputs
         beyond ``global_tokens`` tokens (engine thread)."""
         if not self.global_tokens or not len(output):
