@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from mlxkv.engine.arrays import float_list, int_list
 from mlxkv.engine.batch_step import BatchStepModel
@@ -39,6 +39,10 @@ from mlxkv.engine.requests import (
     stored_prompt_tokens,
 )
 from mlxkv.engine.step_budget import StepBudget
+
+if TYPE_CHECKING:
+    import mlx.nn as nn
+    from mlx_lm.generate import BatchGenerator
 
 
 def batchable_cache(cache: Sequence[Any]) -> bool:
@@ -107,13 +111,17 @@ class Row:
     base: int = 0  # tokens already in the KV state it joined with
     progress: tuple[int, int] | None = None
     detok: Any = None
-    stopper: StopMatcher | None = None
+    stopper: StopMatcher = field(default_factory=lambda: StopMatcher(()))  # the request's, once it joins
     merged: bool = False
     spec: Any = None  # engine.speculation.batch_verify.RowSpec of a speculating row
 
     @property
     def request(self) -> Any:
         return self.handle.request
+
+    def prompt_left(self) -> int:
+        """Prompt tokens still to feed before its last one (0 when none are being fed)."""
+        return self.progress[1] - self.progress[0] - 1 if self.progress is not None else 0
 
     @property
     def prompt_tokens_new(self) -> int:
@@ -158,8 +166,11 @@ class Batch:
         eos = sorted(int(t) for t in tokenizer.eos_token_ids)
         # EOS ends a row inside BatchGenerator, which then hands over the row's cache. Its
         # model runs the decode steps compiled (engine.batch_step).
-        self.gen = BatchGenerator(BatchStepModel(model), stop_tokens=[[t] for t in eos] or None,
-                                  completion_batch_size=max_rows, prefill_batch_size=max_rows)
+        # (BatchGenerator annotates its model as nn.Module; it only calls it and reads its layers)
+        stepper = cast("nn.Module", BatchStepModel(model))
+        self._gen: BatchGenerator | None = BatchGenerator(
+            stepper, stop_tokens=[[t] for t in eos] or None, completion_batch_size=max_rows,
+            prefill_batch_size=max_rows)
         self.rows: dict[int, Row] = {}
         self._samplers: dict[tuple, Any] = {}
         self._ended: list[tuple[Row, Ending]] = []  # rows whose on_end is still due
@@ -249,7 +260,7 @@ class Batch:
         if not self._held:
             return
         prefilling = self._prefilling()
-        if prefilling and all(r.progress[1] - r.progress[0] - 1 <= chunk for r in prefilling):
+        if prefilling and all(r.prompt_left() <= chunk for r in prefilling):
             return
         held, self._held = self._held, []
         for row, args, _, _ in held:
@@ -257,8 +268,7 @@ class Batch:
 
     def _prefilling(self) -> list[Row]:
         """The rows with more than their last prompt token still to feed."""
-        return [r for r in self.rows.values() if r.first_time is None
-                and r.progress is not None and r.progress[1] - r.progress[0] > 1]
+        return [r for r in self.rows.values() if r.first_time is None and r.prompt_left() > 0]
 
     def _open_spec(self, row: Row) -> None:
         # A round rewrites BatchGenerator's private state: only on the mlx-lm versions that
@@ -305,9 +315,9 @@ class Batch:
         detail = "shutdown" if self.stopping() else None
         for held in [h for h in self._held if self.should_stop(h[0])]:
             self._held.remove(held)
-            row, _, in_cache, cache = held
-            row.lent = None
-            self._finish(row, "cancelled", detail,
+            waiting, _, in_cache, cache = held
+            waiting.lent = None
+            self._finish(waiting, "cancelled", detail,
                          Ending("cancelled", detail, in_cache if cache else [], cache))
         gone = [r for r in self.rows.values() if self.should_stop(r)]
         if gone:
@@ -328,7 +338,7 @@ class Batch:
                 return
         if prefilling:
             self.gen.prefill_step_size = chunk
-        fed = sum(min(chunk, r.progress[1] - r.progress[0] - 1) for r in prefilling)
+        fed = sum(min(chunk, r.prompt_left()) for r in prefilling)
         t = time.perf_counter()
         if verifier is not None and verifier.specs:
             decoding_only = not admitting(self.gen)
@@ -485,11 +495,17 @@ class Batch:
         self.close()
         return rows
 
+    @property
+    def gen(self) -> BatchGenerator:
+        """mlx-lm's generator of the rows (until :meth:`close`)."""
+        assert self._gen is not None, "the batch is closed"
+        return self._gen
+
     def close(self) -> None:
         """Give back what the generator holds (on Apple silicon: the wired-memory limit it
         raised); on the engine thread, once no row is left."""
         if self.verifier is not None:
             self.verifier.close()
-        gen, self.gen = self.gen, None
+        gen, self._gen = self._gen, None
         if gen is not None:
             gen.close()

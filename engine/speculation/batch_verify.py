@@ -270,12 +270,12 @@ class BatchVerifier:
             return 0
         # As alone: only ``auto`` stops speculating when it is slower; a source the request
         # named keeps proposing (one such row keeps the rounds going for the batch).
-        rows = [s.speculation.controller for s in self.specs.values()]
-        self.controller.may_stop = all(c.may_stop for c in rows)
+        controllers = [s.speculation.controller for s in self.specs.values()]
+        self.controller.may_stop = all(c.may_stop for c in controllers)
         # Rows that all ask for a fixed length (constraints: the whole forced span) get it.
-        self.controller.adaptive = any(c.adaptive for c in rows)
+        self.controller.adaptive = any(c.adaptive for c in controllers)
         if not self.controller.adaptive:
-            self.controller.initial = max(c.initial for c in rows)
+            self.controller.initial = max(c.initial for c in controllers)
         if self._off > 0:
             self._off -= 1
             return 0
@@ -331,7 +331,7 @@ class BatchVerifier:
             lp = self._logprobs(rows, logits, windows)
             targets = self._sample(rows, lp)
             rej = [i for i in range(n) if probs[i] is not None and proposed[i]
-                   and self._spec_at(rows, i) is not None and self._spec_at(rows, i).sampler is not None]
+                   and self._sampler_at(rows, i) is not None]
             if rej:
                 acc, nxt = self._rejection(rows, lp, rej, proposed, probs, width)
                 mx.eval(targets, acc, nxt)
@@ -395,6 +395,11 @@ class BatchVerifier:
     def _spec_at(self, rows: DecodingRows, i: int) -> RowSpec | None:
         return self.specs.get(rows.uids[i])
 
+    def _sampler_at(self, rows: DecodingRows, i: int) -> TargetSampler | None:
+        """Row ``i``'s sampler for rejection sampling (None: it decodes greedily or plainly)."""
+        spec = self._spec_at(rows, i)
+        return spec.sampler if spec is not None else None
+
     @staticmethod
     def _logprobs(rows: DecodingRows, logits: mx.array, windows: list[list[int]]) -> mx.array:
         """logits [B, W, V] -> each row's processed, normalised log-probabilities, position j
@@ -417,7 +422,9 @@ class BatchVerifier:
     def _rejection(self, batch: DecodingRows, lp: mx.array, rows: list[int], proposed: list[list[int]],
                    probs: list[Any], width: int) -> tuple[mx.array, mx.array]:
         k = width - 1
-        p = mx.stack([self._spec_at(batch, i).sampler.probs(lp[i]) for i in rows])
+        samplers = [self._sampler_at(batch, i) for i in rows]
+        assert all(s is not None for s in samplers)  # the rows that sample, chosen on it
+        p = mx.stack([s.probs(lp[i]) for s, i in zip(samplers, rows) if s is not None])
         qs, ds = [], []
         for i in rows:
             q = probs[i][: len(proposed[i])].astype(mx.float32)
@@ -454,7 +461,7 @@ class BatchVerifier:
 
         shifts = [common - k for k in kept]
         roll = any(shifts)
-        shift = mx.array(shifts, dtype=mx.int32) if roll else None
+        shift = mx.array(shifts, dtype=mx.int32)
         for c in cache:
             c.trim(width - common)
             if roll:
