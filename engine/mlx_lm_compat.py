@@ -1,31 +1,14 @@
 """Every use of mlx-lm's private state, in one module, checked against named versions.
 
 Speculation over a batch (``engine.speculation.batch_verify``) works on mlx-lm's
-``BatchGenerator`` between two of its steps. Its public API inserts rows, steps and removes
-them; it has no way to read or replace what a round needs:
-
-- the decoding rows at all (``BatchGenerator._generation_batch``), and whether rows still
-  wait for or are in their prefill (``_unprocessed_sequences``, ``_prompt_batch``): a round
-  runs only when every row decodes;
-- each row's pending token, sampled and not fed yet, and its log-probabilities
-  (``GenerationBatch._next_tokens``, ``_next_logprobs``): a round feeds it first and leaves
-  the verified next token there, so the next plain step goes on from it;
-- each row's count of generated tokens and its EOS matcher (``_num_tokens``, ``_matchers``):
-  tokens a round emits count against ``max_tokens`` and end the row at EOS exactly as a
-  plain step's do;
-- the token history its logits processors see (``_token_context``): a round's kept tokens
-  join it, so a repetition penalty or a constraint sees what a plain step would show it.
-
-mlx-lm's caches need nothing private here: the write index of a ``BatchKVCache`` is the
-length of ``keys_and_values()`` and its public ``filter`` drops the columns every row pads.
-The streaming detokenizer is our own (``engine.detokenize``), not a patched mlx-lm one.
-
-Those private names were read in mlx-lm's source and exercised by the batch tests on every
-version in :data:`CHECKED_VERSIONS` (the same code in all of them). On any other version
-:func:`version_problem` says so, :func:`batch_speculation_available` is False with one
-warning, and rows in a batch decode plainly; everything else (a lone request, plain or
-speculative, and batching itself) uses mlx-lm's public API only and runs as before. Reaching
-the internals anyway (:class:`DecodingRows`) raises :class:`UnverifiedMlxLm`.
+``BatchGenerator`` between two of its steps, and its public API cannot read or replace what
+a round needs: the decoding rows and whether any still prefill, each row's pending token and
+log-probabilities, its generated count and EOS matcher, and the token history its logits
+processors see. :class:`DecodingRows` reaches them (and the wrapped Hugging Face tokenizer
+is read here too). Those names were checked in mlx-lm's source and by the batch tests on
+every version in :data:`CHECKED_VERSIONS`; on any other, :func:`batch_speculation_available`
+is False with one warning and batched rows decode plainly, and reaching the internals
+anyway raises :class:`UnverifiedMlxLm`. Everything else uses mlx-lm's public API only.
 """
 
 from __future__ import annotations

@@ -291,7 +291,7 @@ def _physical_memory() -> int:
 def dequantize_wanted(setting: str, dequantized_bytes: int) -> bool:
     """Whether to dequantize a quantized model at load (``--dequantize``): "on", "off", or
     "auto": on the CPU backend when the dequantized weights take at most half the machine's
-    memory (mlx's CPU quantized matmul is 10x and more slower than the float32 matmul on
+    memory (mlx's CPU quantized matmul is many times slower than the float32 matmul on
     BLAS), never on Metal or CUDA (whose quantized kernels are fast and read fewer bytes)."""
     import mlx.core as mx
 
