@@ -26,11 +26,15 @@ from mlxkv.engine.cache.client import CacheClient
 from mlxkv.engine.logs import warn_once
 from mlxkv.engine.sampling import SamplingParams
 from mlxkv.engine.settings import FIELD_BY_NAME, SPEC_CHOICES, Settings
+from mlxkv.engine.side_table import SideTable
 from mlxkv.engine.speculation.base import KVState, ProposalProvider, TargetView
 from mlxkv.engine.speculation.policy import LengthController, SourceMemory
 from mlxkv.engine.speculation.verify import SpecStream
 
 log = logging.getLogger("mlxkv.spec")
+
+_TOTALS: SideTable[dict[str, int]] = SideTable()  # each provider's request figures, summed
+_MEMORIES: SideTable[dict[str, SourceMemory]] = SideTable()  # each provider's memory per sampling regime
 __all__ = ["SPEC_CHOICES", "load_providers", "open_speculation"]
 AUTO_ORDER = ("mtp", "draft", "suffix", "ngram")  # what ``auto`` prefers, first available
 
@@ -127,10 +131,10 @@ def spec_stats(providers: dict[str, ProposalProvider]) -> dict:
     (``ProposalProvider.figures``: the suffix index's learned replies and tokens)."""
     out = {}
     for kind, p in providers.items():
-        totals = {**p.figures(), **p.__dict__.get("totals", {})}
+        totals = {**p.figures(), **(_TOTALS.get(p) or {})}
         if totals.get("drafted"):
             totals["acceptance"] = round(totals["accepted"] / totals["drafted"], 4)
-        memories = p.__dict__.get("policy_memory")
+        memories = _MEMORIES.get(p)
         if memories:
             totals["learned"] = {regime: m.as_dict() for regime, m in memories.items()}
         out[kind] = totals
@@ -140,7 +144,10 @@ def spec_stats(providers: dict[str, ProposalProvider]) -> dict:
 def source_memory(provider: ProposalProvider, sampled: bool) -> SourceMemory:
     """The provider's memory for greedy or sampled requests (created on first use; lives as
     long as the loaded provider)."""
-    memories = provider.__dict__.setdefault("policy_memory", {})
+    memories = _MEMORIES.get(provider)
+    if memories is None:
+        memories = {}
+        _MEMORIES.put(provider, memories)
     return memories.setdefault("sampled" if sampled else "greedy", SourceMemory())
 
 
@@ -222,7 +229,10 @@ class Speculation:
     def finish(self, stream: SpecStream, tokens_in_cache: list[int]) -> dict:
         summary = stream.summary()
         summary["restored_draft_tokens"] = self.restored_tokens
-        totals = self.provider.__dict__.setdefault("totals", {})
+        totals = _TOTALS.get(self.provider)
+        if totals is None:
+            totals = {}
+            _TOTALS.put(self.provider, totals)
         for key in ("rounds", "drafted", "accepted", "target_forwards"):
             totals[key] = totals.get(key, 0) + summary[key]
         totals["requests"] = totals.get("requests", 0) + 1
