@@ -26,13 +26,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
-from mlxkv.engine.arrays import float_list, int_list
+from mlxkv.engine.arrays import float_item, float_list, int_list
 from mlxkv.engine.batch_step import BatchStepModel
 from mlxkv.engine.generate import SamplingParams, StopMatcher, request_processors, request_sampler, stream_detokenizer
 from mlxkv.engine.mlx_lm_compat import DecodingRows, admitting, batch_speculation_available
 from mlxkv.engine.requests import (
     FinishedEvent,
     ProgressEvent,
+    Request,
     RequestHandle,
     StatsEvent,
     TokenEvent,
@@ -41,8 +42,11 @@ from mlxkv.engine.requests import (
 from mlxkv.engine.step_budget import StepBudget
 
 if TYPE_CHECKING:
+    import mlx.core as mx
     import mlx.nn as nn
     from mlx_lm.generate import BatchGenerator
+
+    from mlxkv.engine.speculation.batch_verify import BatchLength, BatchVerifier, RowSpec
 
 
 def batchable_cache(cache: Sequence[Any]) -> bool:
@@ -66,7 +70,7 @@ def movable(cache: Sequence[Any], known: int) -> bool:
     return held <= known - 1 or all(c.is_trimmable() for c in cache)
 
 
-def token_logprobs(logprobs: Any, token: int, top: int | None
+def token_logprobs(logprobs: mx.array, token: int, top: int | None
                    ) -> tuple[float | None, tuple[tuple[int, float], ...] | None]:
     """As a single-stream step reports them: the log-probability of ``token`` in the
     normalized vector ``logprobs`` ([V]) and its ``top`` most likely (token,
@@ -76,7 +80,7 @@ def token_logprobs(logprobs: Any, token: int, top: int | None
         return None, None
     import mlx.core as mx
 
-    own = float(logprobs[token].item())
+    own = float_item(logprobs[token])
     if top <= 0:
         return own, None
     k = min(top, logprobs.shape[-1])
@@ -113,10 +117,10 @@ class Row:
     detok: Any = None
     stopper: StopMatcher = field(default_factory=lambda: StopMatcher(()))  # the request's, once it joins
     merged: bool = False
-    spec: Any = None  # engine.speculation.batch_verify.RowSpec of a speculating row
+    spec: RowSpec | None = None  # a speculating row's
 
     @property
-    def request(self) -> Any:
+    def request(self) -> Request:
         return self.handle.request
 
     def prompt_left(self) -> int:
@@ -154,7 +158,7 @@ class Batch:
     def __init__(self, model: Any, tokenizer: Any, max_rows: int,
                  should_stop: Callable[[Row], bool], stopping: Callable[[], bool],
                  on_end: Callable[[Row, Ending], None], release: Callable[[Any], None],
-                 speculation: Callable[[Row], Any] | None = None, spec_policy: Any = None,
+                 speculation: Callable[[Row], Any] | None = None, spec_policy: BatchLength | None = None,
                  stores: bool = False, budget: StepBudget | None = None):
         from mlx_lm.generate import BatchGenerator
 
@@ -176,7 +180,7 @@ class Batch:
         self._ended: list[tuple[Row, Ending]] = []  # rows whose on_end is still due
         self.steps = 0
         self.speculation = speculation
-        self.verifier: Any = None  # engine.speculation.batch_verify.BatchVerifier, once a row speculates
+        self.verifier: BatchVerifier | None = None  # once a row speculates
         self.spec_policy = spec_policy  # a BatchLength carried from batch to batch (None: fresh)
         # The prefill chunk of a step with decoding rows (None: each request's prefill_step_size).
         self.budget = budget
@@ -188,7 +192,7 @@ class Batch:
     def __len__(self) -> int:
         return len(self.rows) + len(self._held)
 
-    def handles(self) -> list[Any]:
+    def handles(self) -> list[RequestHandle]:
         """The requests of every row (held ones too)."""
         return [r.handle for r in self.rows.values()] + [h[0].handle for h in self._held]
 
@@ -307,6 +311,7 @@ class Batch:
             row, ending = self._ended.pop(0)
             if row.spec is not None:
                 spec, row.spec = row.spec, None
+                assert self.verifier is not None  # made with the row's spec
                 self.verifier.drop(row.uid)
                 self.verifier.finish(spec, ending.tokens_in_cache)
             self.on_end(row, ending)
@@ -334,7 +339,7 @@ class Batch:
         verifier = self.verifier
         if verifier is not None and verifier.specs:
             k = verifier.length(self.gen)
-            if k > 0 and self._spec_round(k):
+            if k > 0 and self._spec_round(verifier, k):
                 return
         if prefilling:
             self.gen.prefill_step_size = chunk
@@ -385,11 +390,11 @@ class Batch:
         if stopped:
             self._remove(stopped, "stop", None)
 
-    def _spec_round(self, k: int) -> bool:
+    def _spec_round(self, verifier: BatchVerifier, k: int) -> bool:
         """One speculative round (False: no row proposed, nothing was fed). Each row's
         tokens go through the checks of a plain step, one at a time; a row that ends inside
         its tokens leaves with its cache cut back to the token that ended it."""
-        out = self.verifier.round(self.gen, k)
+        out = verifier.round(self.gen, k)
         if out is None:
             return False
         self.steps += 1
@@ -432,7 +437,7 @@ class Batch:
                 self._finish(row, reason, detail, Ending(reason, detail, tokens, cache))
         return True
 
-    def _token(self, row: Row, token: int, logprobs: Any) -> None:
+    def _token(self, row: Row, token: int, logprobs: mx.array) -> None:
         row.detok.add_token(token)
         row.emitted.append(token)
         text = row.stopper.feed(row.detok.last_segment)
@@ -476,7 +481,8 @@ class Batch:
             decode_tps=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
             queue_s=row.queue_s, load_s=row.load_s,
             cached_ram_tokens=row.cached_ram_tokens, cached_ssd_tokens=row.cached_ssd_tokens,
-            batched=True, spec=self.verifier.summary(row.spec) if row.spec is not None else None,
+            batched=True,
+            spec=self.verifier.summary(row.spec) if row.spec is not None and self.verifier is not None else None,
             stored_tokens=stored_prompt_tokens(len(row.prompt), row.n_cached, len(ending.tokens_in_cache),
                                                self.stores and ending.cache is not None)))
         row.handle.emit(FinishedEvent(reason, detail))

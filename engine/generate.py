@@ -17,6 +17,7 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from mlxkv.engine.arrays import float_item
 from mlxkv.engine.detokenize import stream_detokenizer
 from mlxkv.engine.layer_steps import LayerSteps
 from mlxkv.engine.sampling import (  # noqa: F401  (re-exported: where callers look for them)
@@ -28,6 +29,8 @@ from mlxkv.engine.sampling import (  # noqa: F401  (re-exported: where callers l
 from mlxkv.engine.side_table import SideTable
 
 if TYPE_CHECKING:
+    import mlx.core as mx
+
     from mlxkv.engine.speculation.base import TargetView
 
 
@@ -479,8 +482,8 @@ def _plain_steps(model: Any, tokens: Sequence[int], cache: list, p: SamplingPara
         rest.close()
 
 
-def _logprob_of(logprobs: Any, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...] | None]:
+def _logprob_of(logprobs: mx.array, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...] | None]:
     """(the token's log-probability, its ``top`` most likely alternatives or None for 0)."""
     from mlxkv.engine.speculation.sampling import top_logprobs
 
-    return float(logprobs[token].item()), (top_logprobs(logprobs, top) if top else None)
+    return float_item(logprobs[token]), (top_logprobs(logprobs, top) if top else None)

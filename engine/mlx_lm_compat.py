@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxkv.engine import cpu_attention
 from mlxkv.engine.compiled_step import FixedKV
 from mlxkv.engine.logs import warn_once
+
+if TYPE_CHECKING:
+    from mlx_lm.generate import BatchGenerator
 
 log = logging.getLogger("mlxkv.engine")
 
@@ -77,7 +80,7 @@ def batch_speculation_available(version: str | None = None) -> bool:
     return False
 
 
-def admitting(gen: Any) -> bool:
+def admitting(gen: BatchGenerator) -> bool:
     """Whether ``gen`` (a BatchGenerator) holds rows that wait for or are in their prefill."""
     require_checked()
     return bool(len(gen._prompt_batch) or gen._unprocessed_sequences)
@@ -88,7 +91,7 @@ class DecodingRows:
     each row's KV holds ``tokens[i]``, its pending token is sampled and not fed yet. What a
     speculative round reads and rewrites goes through here, nowhere else."""
 
-    def __init__(self, gen: Any):
+    def __init__(self, gen: BatchGenerator):
         require_checked()
         self._batch = gen._generation_batch
 

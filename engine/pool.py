@@ -30,11 +30,14 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxkv.engine.arrays import named_parameters
 from mlxkv.engine.settings import DEMO_MODEL, Settings, SettingsError, model_tables
 from mlxkv.engine.side_table import SideTable
+
+if TYPE_CHECKING:
+    from mlxkv.engine.engine import Engine
 
 log = logging.getLogger("mlxkv.engine")
 
@@ -205,7 +208,7 @@ def _on_disk(spec: str) -> Any:
     return describe_spec(spec)
 
 
-def measure(engine: Any) -> dict[str, int]:
+def measure(engine: Engine) -> dict[str, int]:
     """What a loaded model holds now, in bytes: its weights (and a draft model's), the RAM
     tier of its prefix cache, and the KV of the requests it serves (their tokens at the
     model's bytes per token). Asks the engine thread for the weights (once per engine)."""
@@ -220,16 +223,18 @@ def measure(engine: Any) -> dict[str, int]:
             "kv_in_flight": tokens * weights["kv_per_token"]}
 
 
-def _model_bytes(engine: Any) -> dict[str, int]:
+def _model_bytes(engine: Engine) -> dict[str, int]:
     """On the engine thread: the bytes of the model's (and any draft model's) parameters,
     and its KV bytes per token (one token through a fresh cache)."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    model = engine.runtime.loaded.model
+    runtime = engine.runtime
+    assert runtime is not None  # on the engine thread, the model loaded
+    model = runtime.loaded.model
     seen = {id(model)}
     total = sum(v.nbytes for _, v in named_parameters(model))
-    for provider in engine.runtime.providers.values():
+    for provider in runtime.providers.values():
         source_model = getattr(provider, "model", None)
         if source_model is not None and id(source_model) not in seen and hasattr(source_model, "parameters"):
             seen.add(id(source_model))

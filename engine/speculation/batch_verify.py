@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
@@ -24,6 +24,12 @@ from mlxkv.engine.mlx_lm_compat import DecodingRows, admitting
 from mlxkv.engine.speculation.rows import SourceRowGroup
 from mlxkv.engine.speculation.sampling import TargetSampler, process_window, rejection_walk_rows
 from mlxkv.engine.speculation.verify import SpecStats, trace_enabled
+
+if TYPE_CHECKING:
+    from mlx_lm.generate import BatchGenerator
+
+    from mlxkv.engine.sampling import SamplingParams
+    from mlxkv.engine.speculation.providers import Speculation
 
 
 def spec_round_cache(cache: list) -> bool:
@@ -40,7 +46,7 @@ class RowSpec:
     source state stored with the conversation), figures, and how far its source has followed
     the row's tokens."""
 
-    speculation: Any
+    speculation: Speculation
     prompt: list[int]
     stats: SpecStats
     sampler: TargetSampler | None = None  # the target's p for rejection sampling (temperature > 0)
@@ -194,7 +200,7 @@ class BatchVerifier:
         self.rounds = 0
 
     # rows ---------------------------------------------------------------------------
-    def add(self, uid: int, speculation: Any, prompt: list[int], params: Any) -> RowSpec:
+    def add(self, uid: int, speculation: Speculation, prompt: list[int], params: SamplingParams) -> RowSpec:
         sampler = TargetSampler(params, []) if params.temperature > 0 else None
         spec = RowSpec(speculation, list(prompt), SpecStats(speculation.provider.kind), sampler)
         self.specs[uid] = spec
@@ -259,7 +265,7 @@ class BatchVerifier:
                 self.specs[u].stats.draft_s += dt
 
     # policy -------------------------------------------------------------------------
-    def length(self, gen: Any) -> int:
+    def length(self, gen: BatchGenerator) -> int:
         """Tokens to ask the sources for this step (0: a plain step)."""
         if not self.specs:
             return 0
@@ -285,7 +291,7 @@ class BatchVerifier:
             return 0
         return self.controller.next_length()
 
-    def plain_step(self, gen: Any, started: float, decoding_only: bool) -> None:
+    def plain_step(self, gen: BatchGenerator, started: float, decoding_only: bool) -> None:
         """A plain batched step (``BatchGenerator.next``) began at ``started``. Steps run
         pipelined: each waits for the previous one's forward and only queues its own, so a
         step after another plain step is timed as it returns; the first after a round waits
@@ -301,7 +307,7 @@ class BatchVerifier:
         self._plain_timed = decoding_only
 
     # the round ----------------------------------------------------------------------
-    def round(self, gen: Any, k: int) -> list[RoundRow] | None:
+    def round(self, gen: BatchGenerator, k: int) -> list[RoundRow] | None:
         """One speculative round over the generation batch of ``gen`` (a BatchGenerator):
         per row of that batch (in its order) what it emits; None when no row had anything
         to propose (nothing was fed: take a plain step)."""

@@ -12,10 +12,16 @@ every token.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxkv.engine.arrays import int_list
 from mlxkv.engine.speculation.base import Proposal, ProposalProvider, ProposalSource, RequestConstraints
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+
+    from mlxkv.engine.sampling import SamplingParams
+    from mlxkv.engine.speculation.base import TargetView
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
@@ -68,7 +74,6 @@ class GuidedChoice:
     def processor(self, history_before_output: int):
         """A logits processor for ``generate_step``: its token history starts with
         ``history_before_output`` prompt tokens, then the output."""
-        import mlx.core as mx
 
         def mask(tokens: mx.array, logits: mx.array) -> mx.array:
             output = int_list(tokens[history_before_output:]) if tokens.size > history_before_output else []
@@ -139,13 +144,13 @@ class ConstraintSource(ProposalSource):
         self.output: list[int] = []  # accepted output so far (the target's committed tokens)
         self.n_prompt = 0
 
-    def prefill(self, prompt_tokens: list[int], processed: int = 0, hidden: Any = None) -> None:
+    def prefill(self, prompt_tokens: list[int], processed: int = 0, hidden: mx.array | None = None) -> None:
         self.n_prompt = len(prompt_tokens)
 
     def propose(self, pending: int, n: int) -> Proposal:
         return Proposal(self.constraint.forced(self.output + [pending])[:n])
 
-    def commit(self, accepted: list[int], hidden: Any = None) -> None:
+    def commit(self, accepted: list[int], hidden: mx.array | None = None) -> None:
         self.output.extend(accepted)
 
 
@@ -156,7 +161,7 @@ class ConstraintProvider(ProposalProvider):
     def checkpoint_namespace(self) -> str:
         return "constraint-v1"
 
-    def open(self, target: Any, sampling: Any, constraints: Any = None) -> ConstraintSource:
+    def open(self, target: TargetView, sampling: SamplingParams, constraints: Any = None) -> ConstraintSource:
         if constraints is None:
             raise ValueError("the constraint source needs a constraint")
         return ConstraintSource(constraints)

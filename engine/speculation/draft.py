@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
@@ -20,6 +20,10 @@ from mlxkv.engine.arrays import int_list
 from mlxkv.engine.sampling import SamplingParams
 from mlxkv.engine.speculation.base import KVState, Proposal, ProposalProvider, ProposalSource
 from mlxkv.engine.speculation.draft_step import DraftModelStep
+
+if TYPE_CHECKING:
+    from mlxkv.engine.models import LoadedModel
+    from mlxkv.engine.speculation.base import TargetView
 
 SCHEMA = "draft-kv-v1"
 
@@ -71,7 +75,7 @@ class DraftModelSource(ProposalSource):
         if isinstance(state, KVState) and state.cache is not None:
             self.cache, self.fed = state.cache, list(state.tokens)
 
-    def prefill(self, prompt_tokens: list[int], processed: int = 0, hidden: Any = None) -> None:
+    def prefill(self, prompt_tokens: list[int], processed: int = 0, hidden: mx.array | None = None) -> None:
         self.target = list(prompt_tokens)
         self._sync()
         self._feed_missing(keep_last=0)
@@ -137,7 +141,7 @@ class DraftModelSource(ProposalSource):
             self._proposed = None
             self.fed.extend(missing + int_list(out)[:-1])
 
-    def commit(self, accepted: list[int], hidden: Any = None) -> None:
+    def commit(self, accepted: list[int], hidden: mx.array | None = None) -> None:
         self.target.extend(accepted)
         self._sync()
 
@@ -158,7 +162,7 @@ class DraftModelProvider(ProposalProvider):
     supports_external_tokens = True  # the draft feeds what it lacks lazily
     needs_hidden = False
 
-    def __init__(self, loaded: Any, target_loaded: Any):
+    def __init__(self, loaded: LoadedModel, target_loaded: LoadedModel):
         self.loaded = loaded
         self.model = loaded.model
         self.label = loaded.label
@@ -172,7 +176,7 @@ class DraftModelProvider(ProposalProvider):
     def checkpoint_namespace(self) -> str:
         return f"{SCHEMA}-{self.fingerprint}-{self.loaded.compute_dtype}"
 
-    def open(self, target: Any, sampling: Any, constraints: Any = None) -> DraftModelSource:
+    def open(self, target: TargetView, sampling: SamplingParams, constraints: Any = None) -> DraftModelSource:
         return DraftModelSource(self, sampling, int(target.vocab_size))
 
     def group(self) -> Any:
@@ -181,7 +185,7 @@ class DraftModelProvider(ProposalProvider):
         return SourceRowGroup()
 
 
-def load_draft_provider(spec: str, target_loaded: Any, dtype: str = "auto") -> DraftModelProvider:
+def load_draft_provider(spec: str, target_loaded: LoadedModel, dtype: str = "auto") -> DraftModelProvider:
     from mlxkv.engine.models import ModelNotFoundError, load_model
 
     try:

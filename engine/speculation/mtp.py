@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
@@ -39,6 +39,9 @@ from mlxkv.engine.speculation.mtp_weights import (
     build_mtp_module,
     read_mtp_weights,
 )
+
+if TYPE_CHECKING:
+    from mlxkv.engine.models import LoadedModel
 
 log = logging.getLogger("mlxkv.spec")
 
@@ -316,7 +319,7 @@ class MTPProvider(ProposalProvider):
     def checkpoint_namespace(self) -> str:
         return f"{MTP_SCHEMA}-{self.fingerprint}"
 
-    def open(self, target: TargetView, sampling: Any, constraints: Any = None) -> MTPSource:
+    def open(self, target: TargetView, sampling: SamplingParams, constraints: Any = None) -> MTPSource:
         return MTPSource(self, target, sampling)
 
 
@@ -329,7 +332,7 @@ def _declared_layers(config: dict) -> int:
     return 0
 
 
-def load_mtp_provider(loaded: Any) -> MTPProvider | None:
+def load_mtp_provider(loaded: LoadedModel) -> MTPProvider | None:
     """The MTP provider of ``loaded`` (an ``engine.models.LoadedModel``), or None when its
     checkpoint has no ``mtp.*`` weights. Raises :class:`MTPWeightsError` (a ValueError)
     when they are there but cannot be used. Call on the engine thread."""

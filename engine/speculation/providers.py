@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mlxkv.engine.cache.client import CacheClient
 from mlxkv.engine.logs import warn_once
@@ -31,7 +31,21 @@ from mlxkv.engine.speculation.base import KVState, ProposalProvider, TargetView
 from mlxkv.engine.speculation.policy import LengthController, SourceMemory
 from mlxkv.engine.speculation.verify import SpecStream
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from mlxkv.engine.generate import Generation
+    from mlxkv.engine.models import LoadedModel
+
 log = logging.getLogger("mlxkv.spec")
+
+
+class Summarized(Protocol):
+    """What :meth:`Speculation.finish` reads of a stream (a ``SpecStream``, or a batch row's
+    figures)."""
+
+    def summary(self) -> dict: ...
+
 
 _TOTALS: SideTable[dict[str, int]] = SideTable()  # each provider's request figures, summed
 _MEMORIES: SideTable[dict[str, SourceMemory]] = SideTable()  # each provider's memory per sampling regime
@@ -39,7 +53,7 @@ __all__ = ["SPEC_CHOICES", "load_providers", "open_speculation"]
 AUTO_ORDER = ("mtp", "draft", "suffix", "ngram")  # what ``auto`` prefers, first available
 
 
-def _is_demo(loaded: Any) -> bool:
+def _is_demo(loaded: LoadedModel) -> bool:
     from mlxkv.engine.demo import DEMO_MODEL_DIR
 
     try:
@@ -48,7 +62,7 @@ def _is_demo(loaded: Any) -> bool:
         return False
 
 
-def load_providers(loaded: Any, settings: Settings) -> dict[str, ProposalProvider]:
+def load_providers(loaded: LoadedModel, settings: Settings) -> dict[str, ProposalProvider]:
     """The providers of the loaded target (kind -> provider). A ``--draft-model`` that
     cannot pair with the target raises (the user asked for it); the demo draft that pairs
     by default, or MTP weights that do not load, are skipped with a warning."""
@@ -218,7 +232,8 @@ class Speculation:
             self.source.restore(KVState(list(prompt[:n]), cache))
             self.restored_tokens = n
 
-    def stream(self, gen: Any, progress: Any) -> SpecStream:
+    def stream(self, gen: Generation, progress: Callable[[int, int], None]) -> SpecStream:
+        assert gen.cache is not None  # made by the generation before its stream
         self.restore(gen.prompt_tokens)
         return SpecStream(gen.model, gen.prompt_tokens, gen.n_cached, gen.cache, gen.params, self.source,
                           self.controller, kind=self.provider.kind, target_view=self.target,
@@ -226,7 +241,7 @@ class Speculation:
                           constraint=self.constraint, eos=gen.tokenizer.eos_token_ids,
                           between_layers=gen.between_layers)
 
-    def finish(self, stream: SpecStream, tokens_in_cache: list[int]) -> dict:
+    def finish(self, stream: Summarized, tokens_in_cache: list[int]) -> dict:
         summary = stream.summary()
         summary["restored_draft_tokens"] = self.restored_tokens
         totals = _TOTALS.get(self.provider)
@@ -251,7 +266,7 @@ class Speculation:
         return summary
 
 
-def open_speculation(providers: dict[str, ProposalProvider] | None, loaded: Any,
+def open_speculation(providers: dict[str, ProposalProvider] | None, loaded: LoadedModel,
                      params: SamplingParams, *, mode: str | None,
                      settings_mode: str = FIELD_BY_NAME["spec"].default, constraint: Any = None,
                      json_skeleton: Any = None, max_tokens: int | None = None,

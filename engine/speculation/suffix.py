@@ -27,13 +27,19 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from mlxkv.engine.logs import warn_once
 from mlxkv.engine.speculation.base import Proposal, ProposalProvider, ProposalRowGroup, ProposalSource
 from mlxkv.engine.speculation.suffix_index import LENGTHS, SuffixIndex, match_length, propose_path
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+
+    from mlxkv.engine.sampling import SamplingParams
+    from mlxkv.engine.speculation.base import TargetView
 
 log = logging.getLogger("mlxkv.spec")
 
@@ -60,7 +66,7 @@ class SuffixSource(ProposalSource):
         self.provider = provider
         self.local = SuffixIndex(provider.lengths)
 
-    def prefill(self, prompt_tokens: list[int], processed: int = 0, hidden: Any = None) -> None:
+    def prefill(self, prompt_tokens: list[int], processed: int = 0, hidden: mx.array | None = None) -> None:
         self.local.extend(prompt_tokens[len(self.local.tokens):])
 
     def propose(self, pending: int, n: int) -> Proposal:
@@ -70,7 +76,7 @@ class SuffixSource(ProposalSource):
                                  min_score=p.min_score, min_match=p.min_match)
         return Proposal(tokens)
 
-    def commit(self, accepted: list[int], hidden: Any = None) -> None:
+    def commit(self, accepted: list[int], hidden: mx.array | None = None) -> None:
         self.local.extend(accepted)
 
     def worth_probing(self) -> bool:
@@ -191,7 +197,7 @@ class SuffixProvider(ProposalProvider):
         cache.keep_learned(namespace, LEARNED_NAME, self)
 
     # sources ------------------------------------------------------------------------
-    def open(self, target: Any, sampling: Any, constraints: Any = None) -> SuffixSource:
+    def open(self, target: TargetView, sampling: SamplingParams, constraints: Any = None) -> SuffixSource:
         return SuffixSource(self)
 
     def group(self) -> ProposalRowGroup:
