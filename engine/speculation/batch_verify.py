@@ -5,9 +5,10 @@ A round starts and ends in the state mlx-lm's ``BatchGenerator`` keeps between i
 steps and rounds mix freely; that private state is reached only through
 ``engine.mlx_lm_compat.DecodingRows``. Each row's source proposes after its pending token,
 one forward checks every row's window, each row keeps what exact match or rejection
-sampling accepts, and the shared ``BatchKVCache`` is settled to one length
-(:meth:`BatchVerifier._settle_cache`). :class:`BatchLength` sets a round's length and goes
-back to plain steps while rounds do not pay.
+sampling accepts, and the shared ``BatchKVCache`` is settled to one length (a row that
+kept fewer tokens is rolled right: its rejected tail becomes left padding).
+:class:`BatchLength` sets a round's length and goes back to plain steps while rounds do
+not pay.
 """
 
 from __future__ import annotations
