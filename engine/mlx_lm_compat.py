@@ -14,7 +14,7 @@ anyway raises :class:`UnverifiedMlxLm`. Everything else uses mlx-lm's public API
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from mlxkv.engine import cpu_attention
@@ -22,6 +22,7 @@ from mlxkv.engine.compiled_step import FixedKV
 from mlxkv.engine.logs import warn_once
 
 if TYPE_CHECKING:
+    import mlx.core as mx
     from mlx_lm.generate import BatchGenerator
 
 log = logging.getLogger("mlxkv.engine")
@@ -121,22 +122,22 @@ class DecodingRows:
         """Per row, its logits processors (an empty list: none)."""
         return self._batch.logits_processors
 
-    def samplers(self) -> list[Any]:
+    def samplers(self) -> list[Callable[[mx.array], mx.array]]:
         """Per row, the sampler a plain step uses (the generator's default for rows without one)."""
         b = self._batch
         return [s if s is not None else b.fallback_sampler for s in (b.samplers or [None] * len(b.uids))]
 
     @property
-    def pending(self) -> Any:
+    def pending(self) -> mx.array:
         """The rows' pending tokens ([B], maybe not evaluated yet)."""
         return self._batch._next_tokens
 
     @property
-    def pending_logprobs(self) -> list[Any]:
+    def pending_logprobs(self) -> list[mx.array]:
         """Per row, the log-probabilities ([V]) its pending token was sampled from."""
         return self._batch._next_logprobs
 
-    def set_pending(self, tokens: Sequence[int], logprobs: list[Any]) -> None:
+    def set_pending(self, tokens: Sequence[int], logprobs: list[mx.array]) -> None:
         """Make ``tokens`` the rows' pending tokens (the next plain step feeds them)."""
         import mlx.core as mx
 
@@ -158,8 +159,8 @@ class DecodingRows:
             reason = "stop"
         return reason
 
-    def history(self, i: int) -> Any:
-        """The token history row ``i``'s logits processors see (an mx.array)."""
+    def history(self, i: int) -> mx.array:
+        """The token history row ``i``'s logits processors see."""
         return self._batch._token_context[i].tokens
 
     def extend_history(self, i: int, tokens: Sequence[int]) -> None:

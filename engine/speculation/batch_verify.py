@@ -317,7 +317,7 @@ class BatchVerifier:
             mx.eval(rows.pending, rows.pending_logprobs)
             t0 = time.perf_counter()
             self._sync(rows)
-            pending = [int(t) for t in rows.pending.tolist()]
+            pending = [int(t) for t in int_list(rows.pending)]
             n = len(rows)
             pos = {u: i for i, u in enumerate(rows.uids)}
             limits = [max(0, min(k, rows.max_tokens[pos[u]] - rows.generated(pos[u]) - 1)) for u in self.uids]
