@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from mlxkv.engine.arrays import int_list, int_rows
 from mlxkv.engine.mlx_lm_compat import DecodingRows, admitting
+from mlxkv.engine.speculation.base import ProposalSource
 from mlxkv.engine.speculation.rows import SourceRowGroup
 from mlxkv.engine.speculation.sampling import TargetSampler, process_window, rejection_walk_rows
 from mlxkv.engine.speculation.verify import SpecStats, trace_enabled
@@ -55,7 +56,7 @@ class RowSpec:
     done: bool = field(default=False)
 
     @property
-    def source(self) -> Any:
+    def source(self) -> ProposalSource:
         return self.speculation.source
 
     def summary(self, proposal_length: int) -> dict:
@@ -80,7 +81,7 @@ class RoundRow:
     """What one row got from a round: the tokens it emits now (its old pending token and
     the proposed tokens it kept, each with its log-probabilities)."""
 
-    emitted: list[tuple[int, Any]]
+    emitted: list[tuple[int, mx.array]]  # (token, its log-probabilities)
 
 
 class BatchLength:
@@ -323,7 +324,7 @@ class BatchVerifier:
             limits = [max(0, min(k, rows.max_tokens[pos[u]] - rows.generated(pos[u]) - 1)) for u in self.uids]
             proposals = self.group.proposals([pending[pos[u]] for u in self.uids], k, limits)
             proposed: list[list[int]] = [[] for _ in range(n)]
-            probs: list[Any] = [None] * n
+            probs: list[mx.array | None] = [None] * n
             for u, p, lim in zip(self.uids, proposals, limits):
                 proposed[pos[u]] = [int(x) for x in p.tokens[:lim]]
                 probs[pos[u]] = p.probs
@@ -427,14 +428,16 @@ class BatchVerifier:
         return mx.stack([s(lp[i]) for i, s in enumerate(samplers)])
 
     def _rejection(self, batch: DecodingRows, lp: mx.array, rows: list[int], proposed: list[list[int]],
-                   probs: list[Any], width: int) -> tuple[mx.array, mx.array]:
+                   probs: list[mx.array | None], width: int) -> tuple[mx.array, mx.array]:
         k = width - 1
         samplers = [self._sampler_at(batch, i) for i in rows]
         assert all(s is not None for s in samplers)  # the rows that sample, chosen on it
         p = mx.stack([s.probs(lp[i]) for s, i in zip(samplers, rows) if s is not None])
         qs, ds = [], []
         for i in rows:
-            q = probs[i][: len(proposed[i])].astype(mx.float32)
+            q_row = probs[i]
+            assert q_row is not None  # the rows chosen for rejection sampling handed theirs
+            q = q_row[: len(proposed[i])].astype(mx.float32)
             if q.shape[-1] != p.shape[-1]:
                 q = q[:, : p.shape[-1]] if q.shape[-1] > p.shape[-1] else mx.pad(
                     q, [(0, 0), (0, p.shape[-1] - q.shape[-1])])

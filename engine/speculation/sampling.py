@@ -12,7 +12,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from mlxkv.engine.arrays import float_list, int_list
-from mlxkv.engine.sampling import request_processors, request_sampler
+from mlxkv.engine.sampling import SamplingParams, request_processors, request_sampler
 
 
 class TargetSampler:
@@ -20,7 +20,7 @@ class TargetSampler:
     every token the target has been fed before the window (prompt and output); processors
     see it plus the window's tokens up to that position, as ``generate_step`` would."""
 
-    def __init__(self, params: Any, history: Sequence[int], constraint: Any = None):
+    def __init__(self, params: SamplingParams, history: Sequence[int], constraint: Any = None):
         self.temperature = float(params.temperature)
         self.greedy = self.temperature == 0
         self.sampler = request_sampler(params)

@@ -27,6 +27,7 @@ import mlx.core as mx
 
 from mlxkv.engine.arrays import int_item, int_list
 from mlxkv.engine.decoding import decode_step
+from mlxkv.engine.sampling import SamplingParams
 from mlxkv.engine.speculation.base import Proposal, ProposalSource
 from mlxkv.engine.speculation.policy import LengthController
 from mlxkv.engine.speculation.sampling import TargetSampler, rejection_walk_rows
@@ -143,7 +144,7 @@ class SpecStream:
     inside a chunk)."""
 
     def __init__(self, model: Any, prompt_tokens: Sequence[int], n_cached: int, cache: list,
-                 params: Any, source: ProposalSource, controller: LengthController, *,
+                 params: SamplingParams, source: ProposalSource, controller: LengthController, *,
                  kind: str, target_view: Any = None, needs_hidden: bool = False,
                  on_progress: Callable[[int, int], None] | None = None, constraint: Any = None,
                  eos: Collection[int] = (),
