@@ -147,13 +147,13 @@ class CompiledBatchStep:
 
 
 def batch_decode_step(model: Any) -> CompiledBatchStep:
-    """The model's compiled batch step (one per model, kept on it: its traces serve every
+    """The model's compiled batch step (one per model, kept beside it: its traces serve every
     batch). Made at the model's first batched decoding, after the CPU weight layout
     (``engine.weight_layout``), which the compiled function captures."""
     step = _STEPS.get(model)
     if step is None:
         layout_for_cpu(model)
-        # through a weak proxy: the table keeps the step only while something else keeps the model
+        # the step holds the model weakly: its table entry must not keep the model alive
         step = CompiledBatchStep(weakref.proxy(model))
         _STEPS.put(model, step)
     return step

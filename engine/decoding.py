@@ -26,7 +26,7 @@ _STEPS: SideTable[CompiledStep] = SideTable()  # each model's compiled step
 
 
 def decode_step(model: Any) -> CompiledStep:
-    """The model's compiled single-token step (one per model, kept on it: its traces are
+    """The model's compiled single-token step (one per model, kept beside it: its traces are
     reused by every request). Made at the model's first decoding, which also switches its
     matrices to few-row products on the CPU (``engine.weight_layout``): where that copies
     the weights (the column-chunk fallback), the copy is paid where it pays back, not by
@@ -34,7 +34,7 @@ def decode_step(model: Any) -> CompiledStep:
     step = _STEPS.get(model)
     if step is None:
         layout_for_cpu(model)
-        # through a weak proxy: the table keeps the step only while something else keeps the model
+        # the step holds the model weakly: its table entry must not keep the model alive
         step = CompiledStep(weakref.proxy(model), max_width=1, label="the model")
         _STEPS.put(model, step)
     return step
