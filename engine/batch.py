@@ -12,9 +12,9 @@ A row joins with the KV state of the tokens it already has (a cached prefix, or 
 of a request that was decoding alone until now) and the tokens still to feed; it leaves
 with its extracted cache, which the engine stores in the prefix cache. Engine thread only.
 
-Rows whose request speculates (``speculation(row)`` opens it, as for a lone request) draft
+Rows whose request speculates (``speculation(row)`` opens it, as for a lone request) propose
 through ``engine.speculation.batch_verify``: between plain steps a round verifies every row's
-drafts in one forward and each row emits its old pending token plus the drafts it kept,
+proposed tokens in one forward and each row emits its old pending token plus those it kept,
 one TokenEvent at a time through the same checks as a plain step (EOS, stop strings, max
 tokens). Without speculating rows a step is exactly ``BatchGenerator.next``.
 """
@@ -24,20 +24,29 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
+from mlxkv.engine.arrays import float_item, float_list, int_list
 from mlxkv.engine.batch_step import BatchStepModel
 from mlxkv.engine.generate import SamplingParams, StopMatcher, request_processors, request_sampler, stream_detokenizer
 from mlxkv.engine.mlx_lm_compat import DecodingRows, admitting, batch_speculation_available
 from mlxkv.engine.requests import (
     FinishedEvent,
     ProgressEvent,
+    Request,
     RequestHandle,
     StatsEvent,
     TokenEvent,
     stored_prompt_tokens,
 )
 from mlxkv.engine.step_budget import StepBudget
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.generate import BatchGenerator
+
+    from mlxkv.engine.speculation.batch_verify import BatchLength, BatchVerifier, RowSpec
 
 
 def batchable_cache(cache: Sequence[Any]) -> bool:
@@ -61,7 +70,7 @@ def movable(cache: Sequence[Any], known: int) -> bool:
     return held <= known - 1 or all(c.is_trimmable() for c in cache)
 
 
-def token_logprobs(logprobs: Any, token: int, top: int | None
+def token_logprobs(logprobs: mx.array, token: int, top: int | None
                    ) -> tuple[float | None, tuple[tuple[int, float], ...] | None]:
     """As a single-stream step reports them: the log-probability of ``token`` in the
     normalized vector ``logprobs`` ([V]) and its ``top`` most likely (token,
@@ -71,15 +80,15 @@ def token_logprobs(logprobs: Any, token: int, top: int | None
         return None, None
     import mlx.core as mx
 
-    own = float(logprobs[token].item())
+    own = float_item(logprobs[token])
     if top <= 0:
         return own, None
     k = min(top, logprobs.shape[-1])
     idx = mx.argpartition(-logprobs, kth=k - 1)[:k]
     vals = logprobs[idx]
     order = mx.argsort(-vals)
-    idx, vals = idx[order].tolist(), vals[order].tolist()
-    return own, tuple((int(i), float(v)) for i, v in zip(idx, vals))
+    ids, values = int_list(idx[order]), float_list(vals[order])
+    return own, tuple((int(i), float(v)) for i, v in zip(ids, values))
 
 
 @dataclass
@@ -106,13 +115,17 @@ class Row:
     base: int = 0  # tokens already in the KV state it joined with
     progress: tuple[int, int] | None = None
     detok: Any = None
-    stopper: StopMatcher | None = None
+    stopper: StopMatcher = field(default_factory=lambda: StopMatcher(()))  # the request's, once it joins
     merged: bool = False
-    spec: Any = None  # engine.speculation.batch_verify.RowSpec of a speculating row
+    spec: RowSpec | None = None  # a speculating row's
 
     @property
-    def request(self) -> Any:
+    def request(self) -> Request:
         return self.handle.request
+
+    def prompt_left(self) -> int:
+        """Prompt tokens still to feed before its last one (0 when none are being fed)."""
+        return self.progress[1] - self.progress[0] - 1 if self.progress is not None else 0
 
     @property
     def prompt_tokens_new(self) -> int:
@@ -145,7 +158,7 @@ class Batch:
     def __init__(self, model: Any, tokenizer: Any, max_rows: int,
                  should_stop: Callable[[Row], bool], stopping: Callable[[], bool],
                  on_end: Callable[[Row, Ending], None], release: Callable[[Any], None],
-                 speculation: Callable[[Row], Any] | None = None, spec_policy: Any = None,
+                 speculation: Callable[[Row], Any] | None = None, spec_policy: BatchLength | None = None,
                  stores: bool = False, budget: StepBudget | None = None):
         from mlx_lm.generate import BatchGenerator
 
@@ -157,14 +170,17 @@ class Batch:
         eos = sorted(int(t) for t in tokenizer.eos_token_ids)
         # EOS ends a row inside BatchGenerator, which then hands over the row's cache. Its
         # model runs the decode steps compiled (engine.batch_step).
-        self.gen = BatchGenerator(BatchStepModel(model), stop_tokens=[[t] for t in eos] or None,
-                                  completion_batch_size=max_rows, prefill_batch_size=max_rows)
+        # (BatchGenerator annotates its model as nn.Module; it only calls it and reads its layers)
+        stepper = cast("nn.Module", BatchStepModel(model))
+        self._gen: BatchGenerator | None = BatchGenerator(
+            stepper, stop_tokens=[[t] for t in eos] or None, completion_batch_size=max_rows,
+            prefill_batch_size=max_rows)
         self.rows: dict[int, Row] = {}
         self._samplers: dict[tuple, Any] = {}
         self._ended: list[tuple[Row, Ending]] = []  # rows whose on_end is still due
         self.steps = 0
         self.speculation = speculation
-        self.verifier: Any = None  # engine.speculation.batch_verify.BatchVerifier, once a row speculates
+        self.verifier: BatchVerifier | None = None  # once a row speculates
         self.spec_policy = spec_policy  # a BatchLength carried from batch to batch (None: fresh)
         # The prefill chunk of a step with decoding rows (None: each request's prefill_step_size).
         self.budget = budget
@@ -176,7 +192,7 @@ class Batch:
     def __len__(self) -> int:
         return len(self.rows) + len(self._held)
 
-    def handles(self) -> list[Any]:
+    def handles(self) -> list[RequestHandle]:
         """The requests of every row (held ones too)."""
         return [r.handle for r in self.rows.values()] + [h[0].handle for h in self._held]
 
@@ -248,7 +264,7 @@ class Batch:
         if not self._held:
             return
         prefilling = self._prefilling()
-        if prefilling and all(r.progress[1] - r.progress[0] - 1 <= chunk for r in prefilling):
+        if prefilling and all(r.prompt_left() <= chunk for r in prefilling):
             return
         held, self._held = self._held, []
         for row, args, _, _ in held:
@@ -256,8 +272,7 @@ class Batch:
 
     def _prefilling(self) -> list[Row]:
         """The rows with more than their last prompt token still to feed."""
-        return [r for r in self.rows.values() if r.first_time is None
-                and r.progress is not None and r.progress[1] - r.progress[0] > 1]
+        return [r for r in self.rows.values() if r.first_time is None and r.prompt_left() > 0]
 
     def _open_spec(self, row: Row) -> None:
         # A round rewrites BatchGenerator's private state: only on the mlx-lm versions that
@@ -267,7 +282,7 @@ class Batch:
         spec = self.speculation(row)
         if spec is None:
             return
-        if spec.provider.needs_hidden:  # MTP drafts from the target's hidden state: alone only
+        if spec.provider.needs_hidden:  # MTP proposes from the target's hidden state: alone only
             spec.source.close()
             return
         if self.verifier is None:
@@ -279,7 +294,7 @@ class Batch:
     def _progress(self, row: Row, done: int, total: int) -> None:
         if row.progress != (done, total):
             row.progress = (done, total)
-            row.handle._emit(ProgressEvent(done, total))
+            row.handle.emit(ProgressEvent(done, total))
 
     def step(self) -> None:
         """Cancel what was cancelled, then one decode step of the decoding rows plus one
@@ -296,6 +311,7 @@ class Batch:
             row, ending = self._ended.pop(0)
             if row.spec is not None:
                 spec, row.spec = row.spec, None
+                assert self.verifier is not None  # made with the row's spec
                 self.verifier.drop(row.uid)
                 self.verifier.finish(spec, ending.tokens_in_cache)
             self.on_end(row, ending)
@@ -304,9 +320,9 @@ class Batch:
         detail = "shutdown" if self.stopping() else None
         for held in [h for h in self._held if self.should_stop(h[0])]:
             self._held.remove(held)
-            row, _, in_cache, cache = held
-            row.lent = None
-            self._finish(row, "cancelled", detail,
+            waiting, _, in_cache, cache = held
+            waiting.lent = None
+            self._finish(waiting, "cancelled", detail,
                          Ending("cancelled", detail, in_cache if cache else [], cache))
         gone = [r for r in self.rows.values() if self.should_stop(r)]
         if gone:
@@ -323,11 +339,11 @@ class Batch:
         verifier = self.verifier
         if verifier is not None and verifier.specs:
             k = verifier.length(self.gen)
-            if k > 0 and self._spec_round(k):
+            if k > 0 and self._spec_round(verifier, k):
                 return
         if prefilling:
             self.gen.prefill_step_size = chunk
-        fed = sum(min(chunk, r.progress[1] - r.progress[0] - 1) for r in prefilling)
+        fed = sum(min(chunk, r.prompt_left()) for r in prefilling)
         t = time.perf_counter()
         if verifier is not None and verifier.specs:
             decoding_only = not admitting(self.gen)
@@ -374,11 +390,11 @@ class Batch:
         if stopped:
             self._remove(stopped, "stop", None)
 
-    def _spec_round(self, k: int) -> bool:
-        """One speculative round (False: no row had drafts, nothing was fed). Each row's
+    def _spec_round(self, verifier: BatchVerifier, k: int) -> bool:
+        """One speculative round (False: no row proposed, nothing was fed). Each row's
         tokens go through the checks of a plain step, one at a time; a row that ends inside
         its tokens leaves with its cache cut back to the token that ended it."""
-        out = self.verifier.round(self.gen, k)
+        out = verifier.round(self.gen, k)
         if out is None:
             return False
         self.steps += 1
@@ -421,12 +437,12 @@ class Batch:
                 self._finish(row, reason, detail, Ending(reason, detail, tokens, cache))
         return True
 
-    def _token(self, row: Row, token: int, logprobs: Any) -> None:
+    def _token(self, row: Row, token: int, logprobs: mx.array) -> None:
         row.detok.add_token(token)
         row.emitted.append(token)
         text = row.stopper.feed(row.detok.last_segment)
         lp, top = token_logprobs(logprobs, token, row.request.logprobs)
-        row.handle._emit(TokenEvent(token, text, lp, top))
+        row.handle.emit(TokenEvent(token, text, lp, top))
 
     def _remove(self, rows: list[Row], reason: str, detail: str | None) -> None:
         caches = self.gen.remove([r.uid for r in rows], return_prompt_caches=True)
@@ -449,7 +465,7 @@ class Batch:
             if row.stopper.matched is not None:
                 reason, detail = "stop", row.stopper.matched
             if tail:
-                row.handle._emit(TokenEvent(None, tail))
+                row.handle.emit(TokenEvent(None, tail))
         if reason == "length" and row.context_cut:
             detail = "context"
         ending.reason, ending.detail = reason, detail
@@ -458,17 +474,18 @@ class Batch:
         prefill_s = (first - row.gen_start) if first is not None else 0.0
         decode_s = (last - first) if first is not None and last is not None else 0.0
         n = len(row.emitted)
-        row.handle._emit(StatsEvent(
+        row.handle.emit(StatsEvent(
             prompt_tokens=len(row.prompt), cached_tokens=row.n_cached, generated_tokens=n,
             ttft_s=(first - row.started) if first is not None else 0.0,
             prefill_tps=n_new / prefill_s if prefill_s > 0 else 0.0,
             decode_tps=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
             queue_s=row.queue_s, load_s=row.load_s,
             cached_ram_tokens=row.cached_ram_tokens, cached_ssd_tokens=row.cached_ssd_tokens,
-            batched=True, spec=self.verifier.summary(row.spec) if row.spec is not None else None,
+            batched=True,
+            spec=self.verifier.summary(row.spec) if row.spec is not None and self.verifier is not None else None,
             stored_tokens=stored_prompt_tokens(len(row.prompt), row.n_cached, len(ending.tokens_in_cache),
                                                self.stores and ending.cache is not None)))
-        row.handle._emit(FinishedEvent(reason, detail))
+        row.handle.emit(FinishedEvent(reason, detail))
         row.lent = None  # unmerged, the lent cache is what ``ending`` holds: stored back
         self._ended.append((row, ending))
 
@@ -484,11 +501,17 @@ class Batch:
         self.close()
         return rows
 
+    @property
+    def gen(self) -> BatchGenerator:
+        """mlx-lm's generator of the rows (until :meth:`close`)."""
+        assert self._gen is not None, "the batch is closed"
+        return self._gen
+
     def close(self) -> None:
         """Give back what the generator holds (on Apple silicon: the wired-memory limit it
         raised); on the engine thread, once no row is left."""
         if self.verifier is not None:
             self.verifier.close()
-        gen, self.gen = self.gen, None
+        gen, self._gen = self._gen, None
         if gen is not None:
             gen.close()

@@ -1,47 +1,29 @@
 """The decode step of rows decoded together, as one compiled MLX function.
 
-``engine.batch.Batch`` decodes its rows with mlx-lm's ``BatchGenerator``, which runs the
-model over a left-padded ``BatchKVCache`` per layer. Its step builds the same ~2,000
-primitive ops in Python as a lone request's (on the CPU, RMSNorm, RoPE and attention fall
-back to op chains), plus a mask over each row's left padding. The lone request's step is
-compiled (``engine.compiled_step``); this is the same for a batch.
-
-:class:`BatchStepModel` is the model ``BatchGenerator`` is given: a callable with the
-model's signature (``model(tokens, cache=cache)`` -> logits [B, n, V]). A one-token step
-over plain ``BatchKVCache`` layers (every decode step; a prefill pass of one token too)
-goes through :class:`CompiledBatchStep`; anything else (a prefill chunk, sliding windows,
-an architecture that does not trace) is the model's own forward pass. ``BatchGenerator``
-itself (insertion, prefill, left padding, sampling, EOS, extraction, removal) and the
-speculative rounds (which run the model itself over the same caches) are unchanged, and
-nothing private to mlx-lm is read: a ``BatchKVCache``'s buffers, write index, per-row
-offsets and left padding are its public ``state``.
-
-The compiled function runs the model over :class:`FixedBatchKV` layers holding each
-``BatchKVCache``'s buffers at full capacity (a multiple of 256 slots, grown here when a row
-joined or left and the batch cut its buffers to another size): the write index, each row's
-offset (its RoPE position) and its left padding are array inputs, the new keys go in with a
-dynamic slice update, and the mask hides each row's padding and every slot past the write
-index. One trace serves each (rows, capacity) pair. The updated buffers go back into the
-``BatchKVCache`` objects, so prefill, joins, removals, extraction for the prefix cache and
-speculative rounds see the usual caches.
-
-The first compiled step of each model is checked against the forward pass from the same
-cache over :data:`CHECK_STEPS` greedy steps (``compiled_step.checked_run``: log-probabilities
-within its tolerance, the same tokens for every row); a mismatch or an architecture the fixed layers cannot run
-keeps the forward pass, with one debug line.
+A batch step, like a lone request's (``engine.compiled_step``), is dominated by building
+and dispatching many small ops in Python. :class:`BatchStepModel` is the model mlx-lm's
+``BatchGenerator`` runs: one-token steps over plain ``BatchKVCache`` layers go through
+:class:`CompiledBatchStep`, anything else is the model's own forward pass. The compiled
+function runs over :class:`FixedBatchKV` layers holding each cache's buffers at full
+capacity, with the write index, row offsets and left padding as array inputs, and hands
+the updated buffers back, so everything else sees the usual caches; only their public
+``state`` is read. The first compiled step of each model is checked against the forward
+pass (:data:`CHECK_STEPS` greedy steps); a mismatch keeps the forward pass.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import mlx.core as mx
 
 from mlxkv.engine.compiled_step import CHECK_STEPS, STEP, checked_run, greedy_steps
+from mlxkv.engine.side_table import SideTable
 from mlxkv.engine.traced import Traced
 from mlxkv.engine.weight_layout import layout_for_cpu
 
-_STEP = "_mlxkv_batch_step"
+_STEPS: SideTable[CompiledBatchStep] = SideTable()  # each model's compiled batch step
 
 
 class FixedBatchKV:
@@ -165,14 +147,15 @@ class CompiledBatchStep:
 
 
 def batch_decode_step(model: Any) -> CompiledBatchStep:
-    """The model's compiled batch step (one per model, kept on it: its traces serve every
+    """The model's compiled batch step (one per model, kept beside it: its traces serve every
     batch). Made at the model's first batched decoding, after the CPU weight layout
     (``engine.weight_layout``), which the compiled function captures."""
-    step = getattr(model, _STEP, None)
+    step = _STEPS.get(model)
     if step is None:
         layout_for_cpu(model)
-        step = CompiledBatchStep(model)
-        object.__setattr__(model, _STEP, step)
+        # the step holds the model weakly: its table entry must not keep the model alive
+        step = CompiledBatchStep(weakref.proxy(model))
+        _STEPS.put(model, step)
     return step
 
 

@@ -76,16 +76,17 @@ class Batching:
         row = self._row(job)
         row.emitted, row.gen_start = list(join.sent), join.started
         row.first_time = join.gen.first_token_time
-        row.last_time = time.perf_counter() if join.sent else None
-        if row.first_time is not None and len(join.sent) > 2:
+        row.last_time = last = time.perf_counter() if join.sent else None
+        if row.first_time is not None and last is not None and len(join.sent) > 2:
             # its time per token alone (a step's at most, when it speculated): what the budget
             # aims at while the newcomers prefill
-            self.budget.observe(0, (row.last_time - row.first_time) / (len(join.sent) - 1))
+            self.budget.observe(0, (last - row.first_time) / (len(join.sent) - 1))
         seen = job.handle.progress  # not sent twice when it moves during the prefill
         row.progress = (seen.done, seen.total) if seen is not None else None
         # The KV state must hold all but the last known token, which is fed next.
         history = job.tokens + list(join.sent)
         cache = join.gen.cache
+        assert cache is not None  # the generation ran: it made its cache
         held = cache_length(cache) or 0
         keep = min(held, len(history) - 1)
         if held > keep:
@@ -131,7 +132,7 @@ class Batching:
     def _row_speculation(self, row: Row) -> Speculation | None:
         """A batched row's speculation, opened as for the request alone (None: plain). Under
         ``auto`` a batch drafts only with prompt lookup and constraints: a draft model still
-        drafts row by row there (k small forwards per row and round), which a plain batched
+        proposes row by row there (k small forwards per row and round), which a plain batched
         step beats."""
         req = row.request
         providers = self.runtime.providers
@@ -179,7 +180,7 @@ class Batching:
         else:
             cache.store(ending.tokens_in_cache, ending.cache, row.request.session,
                         row.request.retain_s, row.request.cache_scope)
-        if row.request.cache_scope is None:  # a scope's text never reaches another request's drafts
+        if row.request.cache_scope is None:  # a scope's text never reaches another request's proposals
             learn_finished(self.runtime.providers, list(row.emitted))
 
     def _failed(self, batch: Batch, exc: BaseException) -> None:

@@ -9,8 +9,8 @@ it. ``MLXKV_BLAS=off`` disables it; ``MLXKV_BLAS=/path/libopenblas.so.0`` picks 
 
 OpenBLAS picks its kernels by the CPU's model number, and a CPU it has no entry for (a
 virtual machine's generic "Intel Xeon Processor", a newer model than the library) gets
-its slowest x86-64 kernels ("Prescott"): float32 matmuls ran 4x slower than the AVX-512
-kernels on such a machine. Unless ``OPENBLAS_CORETYPE`` is set, :func:`preload` names the
+its slowest x86-64 kernels ("Prescott"), several times slower than the AVX-512 kernels
+on such a machine. Unless ``OPENBLAS_CORETYPE`` is set, :func:`preload` names the
 kernel family the CPU's instruction set supports (the flags Linux reports), which is what
 OpenBLAS itself picks on a CPU it knows.
 """

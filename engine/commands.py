@@ -34,7 +34,8 @@ class Call:
     """``fn(*args)`` to run on the engine thread; its result (or error) goes to ``future``."""
 
     def __init__(self, fn: Callable[..., Any], args: tuple):
-        self.fn, self.args, self.future = fn, args, Future()
+        self.fn, self.args = fn, args
+        self.future: Future[Any] = Future()
 
     def run(self) -> None:
         if self.future.set_running_or_notify_cancel():

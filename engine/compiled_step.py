@@ -1,31 +1,15 @@
 """A model's decode step as one compiled MLX function (the target's plain decoding and a
 draft model's steps both run through it).
 
-A small model's step is dominated by per-operation dispatch, not arithmetic: on the CPU
-backend the fast RMSNorm, RoPE and attention kernels fall back to chains of primitive ops
-(a step of the 30-layer real model builds ~2,000 of them in Python, RoPE's frequencies
-again in every layer). ``mx.compile`` traces the step once and fuses the element-wise
-chains, so a step neither builds its graph in Python nor dispatches each small op.
-
-A compiled function must not depend on Python state that changes from call to call, and
-mlx-lm's ``KVCache`` does: its offset is a Python int (a new trace per position) and it
-returns keys sliced to the offset. So the step runs the model over :class:`FixedKV`
-layers holding the ``KVCache``'s own buffers at their full capacity: the offset is an
-array input (RoPE takes it as one), the new keys and values go in with a dynamic slice
-update, and the attention mask hides every slot at or after the offset. The function
-returns the last position's logits and the updated buffers, which go back into the
-``KVCache`` objects, so everything else (trim, capture, the prefix cache, speculation, a
-move into a batch) sees the usual caches. A trace serves one buffer capacity (a multiple
-of 256, grown here as needed) and one input width (1..``max_width`` tokens); tracing
-again costs a few milliseconds on a small model, some tens on the real one.
-
-The first compiled step of each model (its first request's second token, so the first
-token and the load never wait for it) is checked against the model's own forward pass
-from the same cache over :data:`CHECK_STEPS` greedy steps: every step's log-probabilities
-within :data:`TOLERANCE` and the same greedy token. An architecture whose forward pass
-the fixed layers cannot run (it reads the offset as a Python number, or its cache is not
-a plain ``KVCache``) or whose logits differ keeps the forward pass (one debug line says
-why); so does a machine without the C++ compiler MLX's CPU compile needs.
+A small model's step is dominated by per-operation dispatch, not arithmetic; ``mx.compile``
+traces it once and fuses the element-wise chains. A compiled function must not depend on
+Python state that changes per call, and mlx-lm's ``KVCache`` does (its offset), so the step
+runs the model over :class:`FixedKV` layers holding the cache's buffers at full capacity
+(a multiple of :data:`STEP`), the offset an array input and the mask hiding unfilled
+slots; the updated buffers go back into the ``KVCache`` objects. The first compiled step
+of each model is checked against its forward pass over :data:`CHECK_STEPS` greedy steps
+(within :data:`TOLERANCE`, the same tokens); an architecture that does not fit, or
+differs, keeps the forward pass with one debug line.
 """
 
 from __future__ import annotations
@@ -36,6 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxkv.engine.arrays import float_item
 from mlxkv.engine.native_ops import slot_attention
 from mlxkv.engine.traced import Traced
 
@@ -83,7 +68,7 @@ def agrees(got: list[mx.array], want: list[mx.array]) -> tuple[bool, float, bool
     forward pass's (``want``): the same shapes, log-probabilities within
     :data:`TOLERANCE` and the same greedy tokens; with the largest difference and whether
     the greedy tokens were the same, for the debug line of a failed check."""
-    diff = max(mx.abs(log_softmax(g) - log_softmax(w)).max().item() for g, w in zip(got, want))
+    diff = max(float_item(mx.abs(log_softmax(g) - log_softmax(w)).max()) for g, w in zip(got, want))
     same = all(mx.array_equal(mx.argmax(g, axis=-1), mx.argmax(w, axis=-1)).item() for g, w in zip(got, want))
     ok = all(g.shape == w.shape for g, w in zip(got, want)) and diff <= TOLERANCE and same
     return ok, diff, same

@@ -2,35 +2,21 @@
 backend, with a vectorised exponential; and the MLP's ``silu(gate) * up`` of several
 positions (:func:`swiglu`), for the same reason.
 
-On the CPU, MLX's ``scaled_dot_product_attention`` for more than one query computes the
-scores with BLAS, a softmax, and the weighted values with BLAS. The two products are fast;
-the softmax is not: its ``exp`` runs one element at a time, about 10 ns each. For 88 new
-tokens after 1,330 cached ones (a chat's next turn) on a 16-head model that is 2 M
-exponentials, 20 ms of the 27 ms a layer's attention takes; the share grows with the
-context, and it is what made long prompts prefill at a fraction of the speed of short ones.
-
-:func:`attention` computes the same thing (the queries scaled first, the scores with the
-same products, the causal mask, the row maximum subtracted, the sum, the division, the
-same product with the values) but takes ``exp(x)`` as ``2**n * 2**f`` (``n`` whole, ``f``
-in [0, 1)): a degree-7 polynomial for ``2**f`` and the exponent bits for ``2**n``, fused by
-``mx.compile`` into one vectorised pass (5 ms for the 2 M above). It differs from MLX's
-``exp`` by at most a few units in the last place (about 1e-6 relative), the same order as
-summing the products in another order, so the attention output equals MLX's up to rounding,
-not bit for bit; masked scores give exactly 0.
-
-:func:`use_on_this_thread` switches it on for the calling thread only (the engine thread,
-on the CPU backend): the model code reaches it through
-:func:`engine.mlx_lm_compat.install_attention`, which wraps mlx-lm's
-``scaled_dot_product_attention`` so that every other caller (another thread, another
-library in the process, a benchmark's mlx-lm peer) keeps MLX's own. One query (a decode
-step), a quantized KV cache, attention sinks, another dtype than float32 and every
-device but the CPU keep MLX's kernel too.
+MLX's CPU softmax takes ``exp`` one element at a time, which dominates attention over a
+long context. :func:`attention` computes the same products, mask and normalisation but
+takes ``exp(x)`` as ``2**n * 2**f`` (a polynomial for the fraction, exponent bits for the
+whole part) fused by ``mx.compile`` into one vectorised pass; it equals MLX's output up to
+rounding, and masked scores give exactly 0. :func:`use_on_this_thread` switches it on for
+the calling thread only (the engine thread, reached through
+``engine.mlx_lm_compat.install_attention``); one query, a quantized KV cache, attention
+sinks, another dtype than float32 and every other device keep MLX's kernel.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+from types import ModuleType
 from typing import Any
 
 import mlx.core as mx
@@ -83,6 +69,7 @@ BLOCK_BYTES = 512 << 10
 # means fewer, larger products.
 KERNEL_BLOCK_BYTES = 32 << 20
 
+_kernels: ModuleType | None  # the built extension (its interface: engine/_kernels.pyi), or None
 try:
     from mlxkv.engine import _kernels
 except ImportError:  # not built (a source tree without `make ext`): the MLX graph computes it
@@ -132,8 +119,8 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
         elif m is not None:
             part = m[..., i:j, :] if m.shape[-2] == length else m
             scores = mx.where(part, scores, -mx.inf) if part.dtype == mx.bool_ else scores + part.astype(scores.dtype)
-        e = _exp_compiled(scores.shape, scores, scores.max(axis=-1, keepdims=True))
-        p = e / e.sum(axis=-1, keepdims=True)
+        exps = _exp_compiled(scores.shape, scores, scores.max(axis=-1, keepdims=True))
+        p = exps / exps.sum(axis=-1, keepdims=True)
         outs.append((p.reshape(b, hk, rep * n, s) @ values).reshape(b, hk, rep, n, d))
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
     return out.reshape(b, h, length, d)
@@ -163,6 +150,7 @@ def _kernel_attention(q: mx.array, kt: mx.array, values: mx.array, mask: Any) ->
             scores = mx.contiguous(grid.reshape(b, hk, rep * n, s))
         mx.eval(scores)
         # A fresh result: C-contiguous, and nothing else holds its buffer.
+        assert _kernels is not None  # the caller checked it is built
         _kernels.softmax_rows(scores, s, n, s - length + i + 1 if causal else s, _THREADS)
         outs.append((scores @ values).reshape(b, hk, rep, n, d))
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
@@ -189,6 +177,7 @@ def swiglu(gate: mx.array, up: mx.array) -> mx.array | None:
         if not _tracing(e):
             raise
         return None
+    assert _kernels is not None  # swiglu_applies checked it is built
     try:
         _kernels.swiglu(out, up, _THREADS)
     except BufferError:

@@ -13,31 +13,35 @@ architecture that does not trace), so greedy output is the same token for token
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Generator
 from typing import Any
 
+from mlxkv.engine.arrays import int_item
 from mlxkv.engine.compiled_step import CompiledStep
+from mlxkv.engine.side_table import SideTable
 from mlxkv.engine.weight_layout import layout_for_cpu
 
-_STEP = "_mlxkv_decode_step"
+_STEPS: SideTable[CompiledStep] = SideTable()  # each model's compiled step
 
 
 def decode_step(model: Any) -> CompiledStep:
-    """The model's compiled single-token step (one per model, kept on it: its traces are
+    """The model's compiled single-token step (one per model, kept beside it: its traces are
     reused by every request). Made at the model's first decoding, which also switches its
     matrices to few-row products on the CPU (``engine.weight_layout``): where that copies
     the weights (the column-chunk fallback), the copy is paid where it pays back, not by
     the load or the first token."""
-    step = getattr(model, _STEP, None)
+    step = _STEPS.get(model)
     if step is None:
         layout_for_cpu(model)
-        step = CompiledStep(model, max_width=1, label="the model")
-        object.__setattr__(model, _STEP, step)
+        # the step holds the model weakly: its table entry must not keep the model alive
+        step = CompiledStep(weakref.proxy(model), max_width=1, label="the model")
+        _STEPS.put(model, step)
     return step
 
 
 def plain_decode(model: Any, first: Any, cache: list, sampler: Callable,
-                 processors: list[Callable] | None, max_tokens: int) -> Iterator[tuple[int, Any]]:
+                 processors: list[Callable] | None, max_tokens: int) -> Generator[tuple[int, Any], None, None]:
     """``max_tokens`` tokens after ``first`` (an unevaluated [1] token array, sampled but not
     fed yet): (token, log-probabilities [V]) pairs, as ``generate_step(first, model, ...)``
     yields them."""
@@ -69,7 +73,7 @@ def plain_decode(model: Any, first: Any, cache: list, sampler: Callable,
             mx.eval(y)
         if n == max_tokens:
             break
-        yield y.item(), logprobs
+        yield int_item(y), logprobs
         if n % 256 == 0:
             mx.clear_cache()
         y, logprobs = next_y, next_logprobs

@@ -66,13 +66,13 @@ if TYPE_CHECKING:
     from mlxkv.engine.cache.info import CacheEntryDetail, CacheEntryInfo, VerifyReport
     from mlxkv.engine.models import LoadedModel
     from mlxkv.engine.scheduler import Scheduler
-    from mlxkv.engine.speculation.base import DraftProvider
+    from mlxkv.engine.speculation.base import ProposalProvider
 
 T = TypeVar("T")
 
 
 @dataclasses.dataclass
-class Plugs:
+class EngineSources:
     """What an engine runs on, each behind a declared interface: the model's source, the
     source of the engine thread's commands and the source of a generation's tokens. The
     defaults are one process; a sharded engine plugs in its own."""
@@ -100,7 +100,7 @@ class Engine:
     def __init__(self, model: str, *, dtype: str | None = None, full_hash: bool | None = None,
                  prefix_cache: CacheArg = None, name: str = "mlxkv-engine",
                  settings: Settings | None = None, max_batch: int | None = None,
-                 max_queue: int | None = None, plugs: Plugs | None = None):
+                 max_queue: int | None = None, sources: EngineSources | None = None):
         if (max_batch is not None and int(max_batch) < 1) or (
                 max_queue is not None and int(max_queue) < 1):
             raise ValueError(f"max_batch and max_queue must be at least 1, got {max_batch} "
@@ -113,8 +113,8 @@ class Engine:
         self.settings = settings.replace(**changed) if changed else settings
         self.model_spec = self.settings.model
         self.max_batch, self.max_queue = self.settings.max_batch, self.settings.max_queue
-        self.plugs = plugs if plugs is not None else Plugs()
-        self._model = self.plugs.model or LocalModel(self.model_spec, self.settings.dtype,
+        self.sources = sources if sources is not None else EngineSources()
+        self._model = self.sources.model or LocalModel(self.model_spec, self.settings.dtype,
                                                      self.settings.full_hash,
                                                      self.settings.dequantize)
         self._prefix_arg = prefix_cache
@@ -169,7 +169,7 @@ class Engine:
         return self.runtime.load_s if self.runtime is not None else 0.0
 
     @property
-    def spec_providers(self) -> dict[str, DraftProvider]:
+    def spec_providers(self) -> dict[str, ProposalProvider]:
         return self.runtime.providers if self.runtime is not None else {}
 
     @property
@@ -278,14 +278,14 @@ class Engine:
         return self._ask(f"cache {what}", lambda: fn(self.scheduler.runtime.cache.client),
                          timeout=timeout)
 
-    def cache_entries(self, ns: str | None = None, timeout: float | None = 30.0
+    def cache_entries(self, namespace: str | None = None, timeout: float | None = 30.0
                       ) -> list[CacheEntryInfo]:
-        """Cached states (``CacheEntryInfo``), of namespace ``ns`` or all. All of them,
+        """Cached states (``CacheEntryInfo``), of model namespace ``namespace`` or all. All of them,
         while the engine thread is busy, are the listing it published last (made again
         whenever the cache changed, at most about once a second), so this never waits for
         a prefill."""
-        if ns is not None:
-            return self._cache("entries", lambda c: c.entries(ns), timeout)
+        if namespace is not None:
+            return self._cache("entries", lambda c: c.entries(namespace), timeout)
         return self._publisher.entries(
             lambda: self._ask("cache entries", self._publisher.list_now, timeout=timeout))
 
@@ -386,7 +386,7 @@ class Engine:
         runtime = load_runtime(self._model, self.settings, self._prefix_arg,
                                self._listeners.publish, self._listeners.cache_event)
         self._scheduler = Scheduler(runtime, self.settings, self._commands, self._counts,
-                                    self.plugs.commands, self.plugs.tokens,
+                                    self.sources.commands, self.sources.tokens,
                                     self._thread.load_wait, self.max_batch, self._publisher)
         self.runtime = runtime
         self._listeners.publish(ready_event())

@@ -13,10 +13,11 @@ instead; everything after the token (EOS, stop strings, text) is this same loop.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from mlxkv.engine.arrays import float_item
 from mlxkv.engine.detokenize import stream_detokenizer
 from mlxkv.engine.layer_steps import LayerSteps
 from mlxkv.engine.sampling import (  # noqa: F401  (re-exported: where callers look for them)
@@ -25,6 +26,12 @@ from mlxkv.engine.sampling import (  # noqa: F401  (re-exported: where callers l
     request_sampler,
     with_history,
 )
+from mlxkv.engine.side_table import SideTable
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+
+    from mlxkv.engine.speculation.base import TargetView
 
 
 @dataclass
@@ -116,17 +123,26 @@ def cache_length(cache: Sequence[Any]) -> int | None:
 
 
 
-def head_view(model: Any) -> Any:
+_HEAD_SPLITS: SideTable[bool] = SideTable()  # whether each probed model's head splits off exactly
+
+
+def head_view(model: Any) -> TargetView | None:
     """The model as its decoder stack and LM head (an ``engine.speculation.base.TargetView``), when
     ``model(x)`` is exactly the head applied to the stack's last hidden state; else None
     (e.g. a model that caps or scales its logits after the head). Decided once per model,
     by :func:`probe_model`."""
-    if getattr(model, "_mlxkv_head_view", False) is False:
+    split = _HEAD_SPLITS.get(model)
+    if split is None:
         try:
             probe_model(model)
         except Exception:  # a model that cannot take the probe: the model as a whole
-            object.__setattr__(model, "_mlxkv_head_view", None)
-    return model._mlxkv_head_view
+            _HEAD_SPLITS.put(model, False)
+        split = _HEAD_SPLITS.get(model)
+    if not split:
+        return None
+    from mlxkv.engine.speculation.base import TargetView
+
+    return TargetView(model, None)
 
 
 class _StackRecorder:
@@ -179,7 +195,9 @@ def probe_model(model: Any) -> list:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    view, holder, recorder = None, None, None
+    view: TargetView | None = None
+    holder: Any = None  # the mlx-lm module that holds the decoder stack as "model"
+    recorder: _StackRecorder | None = None
     try:
         from mlxkv.engine.speculation.base import TargetView
 
@@ -204,6 +222,8 @@ def probe_model(model: Any) -> list:
     mx.eval(whole, [c.state for c in cache])
     if view is not None:
         try:
+            if recorder is None:
+                raise ValueError("the stack was not recorded")
             (args, kwargs, hidden), = recorder.calls
             plain = _plain_call(recorder.stack, args, kwargs, x, cache)
         except Exception:  # called twice or not at all: checked with a pass of its own
@@ -215,7 +235,7 @@ def probe_model(model: Any) -> list:
                 view = None
         except Exception:  # a head that does not apply to the stack's output
             view = None
-    object.__setattr__(model, "_mlxkv_head_view", view)
+    _HEAD_SPLITS.put(model, view is not None)
     return cache
 
 
@@ -252,17 +272,18 @@ def prefill(model: Any, tokens: Sequence[int], cache: list, step: int,
         if view is not None:
             logits, h = view.forward(x, cache)
             return logits, h[0]
-        if fused:
+        if split is not None:
             return None, split.forward(x, cache)[1][0]
         return model(x, cache=cache), None
 
     def chunk(n: int) -> tuple[Any, Any]:
         """The forward pass of the next ``n`` tokens, its cache evaluated layer by layer
         when ``between_layers`` is given."""
-        steps = LayerSteps(cache, n) if between_layers is not None else None
+        hook = between_layers
+        steps = LayerSteps(cache, n) if hook is not None else None
         out = forward(mx.array([list(tokens[done: done + n])]))
-        if steps is not None:
-            steps.run(lambda layer, layers: between_layers(done, n, layer, layers))
+        if steps is not None and hook is not None:
+            steps.run(lambda layer, layers: hook(done, n, layer, layers))
         return out
 
     while total - done > (step if fused else 1):
@@ -277,7 +298,7 @@ def prefill(model: Any, tokens: Sequence[int], cache: list, step: int,
     logits, h = chunk(total - done)
     if view is not None:
         rows.append(h)
-    logits = split.logits(h[-1:]) if fused else logits[0, -1:]
+    logits = split.logits(h[-1:]) if split is not None else logits[0, -1:]
     return logits, (mx.concatenate(rows, axis=0) if view is not None else None)
 
 
@@ -332,7 +353,7 @@ class Generation:
         if layer < layers and self.should_stop():  # a finished chunk is kept as it is
             raise Cancelled
 
-    def __iter__(self) -> Iterator[Step]:
+    def __iter__(self) -> Generator[Step, None, None]:
         import mlx.core as mx
         from mlx_lm.models.cache import make_prompt_cache
 
@@ -461,8 +482,8 @@ def _plain_steps(model: Any, tokens: Sequence[int], cache: list, p: SamplingPara
         rest.close()
 
 
-def _logprob_of(logprobs: Any, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...] | None]:
+def _logprob_of(logprobs: mx.array, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...] | None]:
     """(the token's log-probability, its ``top`` most likely alternatives or None for 0)."""
     from mlxkv.engine.speculation.sampling import top_logprobs
 
-    return float(logprobs[token].item()), (top_logprobs(logprobs, top) if top else None)
+    return float_item(logprobs[token]), (top_logprobs(logprobs, top) if top else None)

@@ -21,7 +21,7 @@ from mlxkv.engine.settings import Settings
 
 if TYPE_CHECKING:
     from mlxkv.engine.models import LoadedModel
-    from mlxkv.engine.speculation.base import DraftProvider
+    from mlxkv.engine.speculation.base import ProposalProvider
 
 LOAD_STAGES = ("model", "prefix cache", "ready")
 
@@ -35,7 +35,7 @@ class ModelSource(Protocol):
     def loading(self) -> AbstractContextManager[None]:
         """The whole load (model, providers, prefix cache) runs inside this."""
 
-    def providers(self, loaded: LoadedModel, settings: Settings) -> dict[str, DraftProvider]:
+    def providers(self, loaded: LoadedModel, settings: Settings) -> dict[str, ProposalProvider]:
         """The speculation providers of ``loaded`` (kind -> provider)."""
 
     def describe(self, loaded: LoadedModel) -> dict[str, Any]:
@@ -59,7 +59,7 @@ class LocalModel:
     def loading(self) -> AbstractContextManager[None]:
         return contextlib.nullcontext()
 
-    def providers(self, loaded: LoadedModel, settings: Settings) -> dict[str, DraftProvider]:
+    def providers(self, loaded: LoadedModel, settings: Settings) -> dict[str, ProposalProvider]:
         from mlxkv.engine.speculation.providers import load_providers
 
         return load_providers(loaded, settings)
@@ -74,7 +74,7 @@ class Runtime:
 
     loaded: LoadedModel
     namespace: str
-    providers: dict[str, DraftProvider]
+    providers: dict[str, ProposalProvider]
     cache: CacheUse
     batchable: bool  # the model's caches can decode in a batch
     info: dict[str, Any]

@@ -71,21 +71,21 @@ def report(request: int, tokens: list[int], matched: int, tier: str | None, dive
     """The report of one lookup: ``divergence`` is what the cache's ``explain`` gave (an
     ``engine.cache.misses.Divergence`` or None); excerpts are decoded with ``tokenizer``."""
     n = len(tokens)
-    common = dict(request=request, at=time.time(), prompt_tokens=n, matched=matched,
-                  tier=tier if matched else None)
+    off = LookupReport(request=request, at=time.time(), prompt_tokens=n, matched=matched,
+                       tier=tier if matched else None, outcome="off")
     if not enabled:
-        return LookupReport(**common, outcome="off")
+        return off
     if matched >= n - 1:
-        return LookupReport(**common, outcome="hit")
+        return dataclasses.replace(off, outcome="hit")
     if divergence is None:
-        return LookupReport(**common, outcome="cold")
+        return dataclasses.replace(off, outcome="cold")
     d = divergence.shared
-    entry = dict(entry=divergence.entry, entry_label=divergence.label,
-                 entry_tokens=divergence.tokens, entry_tier=divergence.tier)
+    extends = dataclasses.replace(off, outcome="extends", entry=divergence.entry, entry_label=divergence.label,
+                                  entry_tokens=divergence.tokens, entry_tier=divergence.tier)
     if d >= divergence.tokens:
-        return LookupReport(**common, outcome="extends", **entry)
-    return LookupReport(
-        **common, outcome="diverged", diverged_at=d, **entry,
+        return extends
+    return dataclasses.replace(
+        extends, outcome="diverged", diverged_at=d,
         before=_decode(tokenizer, tokens[max(0, d - EXCERPT_TOKENS): d])[-EXCERPT_CHARS:],
         prompt_after=_decode(tokenizer, tokens[d: d + EXCERPT_TOKENS])[:EXCERPT_CHARS],
         entry_after=_decode(tokenizer, list(divergence.next_tokens))[:EXCERPT_CHARS])

@@ -1,42 +1,29 @@
 """Every use of mlx-lm's private state, in one module, checked against named versions.
 
 Speculation over a batch (``engine.speculation.batch_verify``) works on mlx-lm's
-``BatchGenerator`` between two of its steps. Its public API inserts rows, steps and removes
-them; it has no way to read or replace what a round needs:
-
-- the decoding rows at all (``BatchGenerator._generation_batch``), and whether rows still
-  wait for or are in their prefill (``_unprocessed_sequences``, ``_prompt_batch``): a round
-  runs only when every row decodes;
-- each row's pending token, sampled and not fed yet, and its log-probabilities
-  (``GenerationBatch._next_tokens``, ``_next_logprobs``): a round feeds it first and leaves
-  the verified next token there, so the next plain step goes on from it;
-- each row's count of generated tokens and its EOS matcher (``_num_tokens``, ``_matchers``):
-  tokens a round emits count against ``max_tokens`` and end the row at EOS exactly as a
-  plain step's do;
-- the token history its logits processors see (``_token_context``): a round's kept tokens
-  join it, so a repetition penalty or a constraint sees what a plain step would show it.
-
-mlx-lm's caches need nothing private here: the write index of a ``BatchKVCache`` is the
-length of ``keys_and_values()`` and its public ``filter`` drops the columns every row pads.
-The streaming detokenizer is our own (``engine.detokenize``), not a patched mlx-lm one.
-
-Those private names were read in mlx-lm's source and exercised by the batch tests on every
-version in :data:`CHECKED_VERSIONS` (the same code in all of them). On any other version
-:func:`version_problem` says so, :func:`batch_speculation_available` is False with one
-warning, and rows in a batch decode plainly; everything else (a lone request, plain or
-speculative, and batching itself) uses mlx-lm's public API only and runs as before. Reaching
-the internals anyway (:class:`DecodingRows`) raises :class:`UnverifiedMlxLm`.
+``BatchGenerator`` between two of its steps, and its public API cannot read or replace what
+a round needs: the decoding rows and whether any still prefill, each row's pending token and
+log-probabilities, its generated count and EOS matcher, and the token history its logits
+processors see. :class:`DecodingRows` reaches them (and the wrapped Hugging Face tokenizer
+is read here too). Those names were checked in mlx-lm's source and by the batch tests on
+every version in :data:`CHECKED_VERSIONS`; on any other, :func:`batch_speculation_available`
+is False with one warning and batched rows decode plainly, and reaching the internals
+anyway raises :class:`UnverifiedMlxLm`. Everything else uses mlx-lm's public API only.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from mlxkv.engine import cpu_attention
 from mlxkv.engine.compiled_step import FixedKV
 from mlxkv.engine.logs import warn_once
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator
 
 log = logging.getLogger("mlxkv.engine")
 
@@ -48,6 +35,12 @@ CHECKED_VERSIONS: tuple[str, ...] = ("0.32.0", "0.32.1", "0.32.2")
 
 class UnverifiedMlxLm(RuntimeError):
     """mlx-lm's private state was reached on a version it was not checked against."""
+
+
+def hf_tokenizer(tokenizer: Any) -> Any:
+    """The Hugging Face tokenizer an mlx-lm ``TokenizerWrapper`` wraps (its private
+    ``_tokenizer``: the wrapper has no public way to it), or ``tokenizer`` when not wrapped."""
+    return getattr(tokenizer, "_tokenizer", tokenizer)
 
 
 def installed_version() -> str:
@@ -65,9 +58,9 @@ def version_problem(version: str | None = None) -> str | None:
         return None
     return (f"mlx-lm {version} is not a version mlxkv's batched speculation was checked against "
             f"({', '.join(CHECKED_VERSIONS)}): it reads BatchGenerator's private state, which may "
-            "differ there. Requests decoded together decode plainly (same output, no drafts); "
+            "differ there. Requests decoded together decode plainly (same output, no speculation); "
             "a request alone still speculates. Install a checked version "
-            f"(pip install 'mlx-lm>={CHECKED_VERSIONS[0]},<={CHECKED_VERSIONS[-1]}') to batch with drafts.")
+            f"(pip install 'mlx-lm>={CHECKED_VERSIONS[0]},<={CHECKED_VERSIONS[-1]}') to speculate in batches.")
 
 
 def require_checked(version: str | None = None) -> None:
@@ -88,7 +81,7 @@ def batch_speculation_available(version: str | None = None) -> bool:
     return False
 
 
-def admitting(gen: Any) -> bool:
+def admitting(gen: BatchGenerator) -> bool:
     """Whether ``gen`` (a BatchGenerator) holds rows that wait for or are in their prefill."""
     require_checked()
     return bool(len(gen._prompt_batch) or gen._unprocessed_sequences)
@@ -99,7 +92,7 @@ class DecodingRows:
     each row's KV holds ``tokens[i]``, its pending token is sampled and not fed yet. What a
     speculative round reads and rewrites goes through here, nowhere else."""
 
-    def __init__(self, gen: Any):
+    def __init__(self, gen: BatchGenerator):
         require_checked()
         self._batch = gen._generation_batch
 
@@ -129,22 +122,22 @@ class DecodingRows:
         """Per row, its logits processors (an empty list: none)."""
         return self._batch.logits_processors
 
-    def samplers(self) -> list[Any]:
+    def samplers(self) -> list[Callable[[mx.array], mx.array]]:
         """Per row, the sampler a plain step uses (the generator's default for rows without one)."""
         b = self._batch
         return [s if s is not None else b.fallback_sampler for s in (b.samplers or [None] * len(b.uids))]
 
     @property
-    def pending(self) -> Any:
+    def pending(self) -> mx.array:
         """The rows' pending tokens ([B], maybe not evaluated yet)."""
         return self._batch._next_tokens
 
     @property
-    def pending_logprobs(self) -> list[Any]:
+    def pending_logprobs(self) -> list[mx.array]:
         """Per row, the log-probabilities ([V]) its pending token was sampled from."""
         return self._batch._next_logprobs
 
-    def set_pending(self, tokens: Sequence[int], logprobs: list[Any]) -> None:
+    def set_pending(self, tokens: Sequence[int], logprobs: list[mx.array]) -> None:
         """Make ``tokens`` the rows' pending tokens (the next plain step feeds them)."""
         import mlx.core as mx
 
@@ -166,8 +159,8 @@ class DecodingRows:
             reason = "stop"
         return reason
 
-    def history(self, i: int) -> Any:
-        """The token history row ``i``'s logits processors see (an mx.array)."""
+    def history(self, i: int) -> mx.array:
+        """The token history row ``i``'s logits processors see."""
         return self._batch._token_context[i].tokens
 
     def extend_history(self, i: int, tokens: Sequence[int]) -> None:

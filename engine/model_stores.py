@@ -418,6 +418,7 @@ def _describe_gguf(entry: _Entry) -> FoundModel:
     arch = header.get("general.architecture")
     arch = arch if isinstance(arch, str) else None
     file_type = header.get("general.file_type")
+    quant: str | None
     if isinstance(file_type, int) and not isinstance(file_type, bool):
         quant = GGUF_FILE_TYPES.get(file_type, f"type {file_type}")
     else:  # older files: the most common tensor type

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mlxkv.engine.arrays import named_parameters
 from mlxkv.engine.model_stores import ModelNotFoundError
 from mlxkv.engine.model_stores import resolve as resolve_store_name
 from mlxkv.engine.settings import DEQUANTIZE_CHOICES
@@ -126,7 +127,9 @@ CONTENT_HASH_MAX_BYTES = 64 << 20
 
 def _in_frozen_bundle(path: Path) -> bool:
     base = getattr(sys, "_MEIPASS", None)
-    return bool(base) and path.resolve().is_relative_to(Path(base).resolve())
+    if not base:
+        return False
+    return path.resolve().is_relative_to(Path(base).resolve())
 
 
 _GGUF_DIGESTS: dict[tuple, bytes] = {}
@@ -216,10 +219,9 @@ def model_label(spec: str | os.PathLike, path: Path | None = None,
 def weights_dtype(model: Any) -> str:
     """The most common floating dtype among the model's parameters (e.g. "bfloat16")."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten
 
     counts: Counter = Counter()
-    for _, p in tree_flatten(model.parameters()):
+    for _, p in named_parameters(model):
         if mx.issubdtype(p.dtype, mx.floating):
             counts[p.dtype] += p.size
     if not counts:
@@ -289,7 +291,7 @@ def _physical_memory() -> int:
 def dequantize_wanted(setting: str, dequantized_bytes: int) -> bool:
     """Whether to dequantize a quantized model at load (``--dequantize``): "on", "off", or
     "auto": on the CPU backend when the dequantized weights take at most half the machine's
-    memory (mlx's CPU quantized matmul is 10x and more slower than the float32 matmul on
+    memory (mlx's CPU quantized matmul is many times slower than the float32 matmul on
     BLAS), never on Metal or CUDA (whose quantized kernels are fast and read fewer bytes)."""
     import mlx.core as mx
 
@@ -352,12 +354,11 @@ def dequantize_layers(model: Any, dtype: str) -> int:
 def _dequantized_bytes(model: Any, dtype: str) -> int:
     """Bytes of ``model``'s weights once its quantized layers hold ``dtype`` matrices."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten
 
     size = getattr(mx, dtype).size if dtype in ("float32", "bfloat16", "float16") else 4
     layers = dict(quantized_layers(model))
     total = 0
-    for name, p in tree_flatten(model.parameters()):
+    for name, p in named_parameters(model):
         layer, _, leaf = name.rpartition(".")
         if layer not in layers:
             total += p.nbytes

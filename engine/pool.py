@@ -30,12 +30,18 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from mlxkv.engine.arrays import named_parameters
 from mlxkv.engine.settings import DEMO_MODEL, Settings, SettingsError, model_tables
+from mlxkv.engine.side_table import SideTable
+
+if TYPE_CHECKING:
+    from mlxkv.engine.engine import Engine
 
 log = logging.getLogger("mlxkv.engine")
 
+_WEIGHTS: SideTable[dict[str, int]] = SideTable()  # each measured engine's weight bytes (measure)
 UNLOAD_FLUSH_S = 60.0  # the longest an unload waits for its cache to reach the SSD tier
 
 
@@ -202,14 +208,14 @@ def _on_disk(spec: str) -> Any:
     return describe_spec(spec)
 
 
-def measure(engine: Any) -> dict[str, int]:
+def measure(engine: Engine) -> dict[str, int]:
     """What a loaded model holds now, in bytes: its weights (and a draft model's), the RAM
     tier of its prefix cache, and the KV of the requests it serves (their tokens at the
     model's bytes per token). Asks the engine thread for the weights (once per engine)."""
-    weights = getattr(engine, "_pool_weights", None)
+    weights = _WEIGHTS.get(engine)
     if weights is None:
         weights = engine.call(_model_bytes, engine).result(timeout=60)
-        engine._pool_weights = weights
+        _WEIGHTS.put(engine, weights)
     figures = engine.stats()
     cache = figures.get("cache") or {}
     tokens = sum((r.get("prompt_tokens") or 0) + (r.get("generated") or 0) for r in figures.get("running") or [])
@@ -217,21 +223,22 @@ def measure(engine: Any) -> dict[str, int]:
             "kv_in_flight": tokens * weights["kv_per_token"]}
 
 
-def _model_bytes(engine: Any) -> dict[str, int]:
+def _model_bytes(engine: Engine) -> dict[str, int]:
     """On the engine thread: the bytes of the model's (and any draft model's) parameters,
     and its KV bytes per token (one token through a fresh cache)."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten
     from mlx_lm.models.cache import make_prompt_cache
 
-    model = engine.runtime.loaded.model
+    runtime = engine.runtime
+    assert runtime is not None  # on the engine thread, the model loaded
+    model = runtime.loaded.model
     seen = {id(model)}
-    total = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    for provider in engine.runtime.providers.values():
-        draft = getattr(provider, "model", None)
-        if draft is not None and id(draft) not in seen and hasattr(draft, "parameters"):
-            seen.add(id(draft))
-            total += sum(v.nbytes for _, v in tree_flatten(draft.parameters()))
+    total = sum(v.nbytes for _, v in named_parameters(model))
+    for provider in runtime.providers.values():
+        source_model = getattr(provider, "model", None)
+        if source_model is not None and id(source_model) not in seen and hasattr(source_model, "parameters"):
+            seen.add(id(source_model))
+            total += sum(v.nbytes for _, v in named_parameters(source_model))
     per_token = 0
     try:
         cache = make_prompt_cache(model)
@@ -514,7 +521,7 @@ class ModelPool:
         engine = slot.engine
         # (never waits for the engine thread: the weights were measured at the load, the rest
         # is what the engine published last)
-        if slot.state == "ready" and engine is not None and getattr(engine, "_pool_weights", None) is not None:
+        if slot.state == "ready" and engine is not None and _WEIGHTS.get(engine) is not None:
             parts = measure(engine)
             with self._cond:
                 slot.parts, slot.measured = parts, sum(parts.values()) or None

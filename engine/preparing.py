@@ -6,7 +6,7 @@ result is a :class:`Job`, or the request is refused with a clear message.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from mlxkv.engine.cache_use import CacheUse
 from mlxkv.engine.lookups import LookupHistory, report
@@ -14,7 +14,7 @@ from mlxkv.engine.requests import Counts, ErrorEvent, Request, RequestHandle, Re
 from mlxkv.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Callable
 
     from mlxkv.engine.generate import Generation
     from mlxkv.engine.models import LoadedModel
@@ -36,15 +36,19 @@ class Job:
     ssd_tokens: int
 
 
-class Decoding(Protocol):
+StreamT = TypeVar("StreamT")
+
+
+class Decoding(Protocol[StreamT]):
     """What a :class:`~engine.generate.Generation` takes its tokens from instead of plain
     decoding (``engine.speculation.providers.Speculation``, or a sharded engine's
     ``Lockstep``)."""
 
-    def stream(self, gen: Generation, progress: Callable[[int, int], None]) -> Iterator[Any]:
-        """The generation's token stream (after the prefill ``progress`` reports)."""
+    def stream(self, gen: Generation, progress: Callable[[int, int], None]) -> StreamT:
+        """The generation's token stream (after the prefill ``progress`` reports): an
+        iterator of (token, logprobs)."""
 
-    def finish(self, stream: Any, tokens_in_cache: list[int]) -> dict | None:
+    def finish(self, stream: StreamT, tokens_in_cache: list[int]) -> dict | None:
         """The stream ended: its figures (None: none)."""
 
 
@@ -57,7 +61,7 @@ class TokenSource(Protocol):
         (a sharded engine agrees on it with every rank)."""
 
     def decoding(self, handle: RequestHandle, speculation: Speculation | None
-                 ) -> Decoding | None:
+                 ) -> Decoding[Any] | None:
         """The speculation (token source) the generation of ``handle`` uses, given the one
         the request would use on its own (None: plain decoding)."""
 
@@ -72,7 +76,7 @@ class LocalTokens:
         return job
 
     def decoding(self, handle: RequestHandle, speculation: Speculation | None
-                 ) -> Decoding | None:
+                 ) -> Decoding[Any] | None:
         return speculation
 
     def failed(self, exc: BaseException) -> None:
@@ -118,9 +122,10 @@ class Preparer:
                 raise RequestRefused("the prompt is empty")
             tokens = self.chat_tokens(req.messages, req.tools, req.template_kwargs)
         else:
-            if not (req.prompt or "").strip():
+            prompt = req.prompt or ""
+            if not prompt.strip():
                 raise RequestRefused("the prompt is empty")
-            tokens = self.encode_text(req.prompt)
+            tokens = self.encode_text(prompt)
         if not tokens:
             raise RequestRefused("the prompt is empty")
         return tokens

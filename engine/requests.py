@@ -59,8 +59,8 @@ class StatsEvent:
     cached_ram_tokens: int = 0  # of cached_tokens, those the RAM tier held
     cached_ssd_tokens: int = 0  # of cached_tokens, those restored from the SSD tier
     # Speculative decoding figures of this request (None when it did not speculate):
-    # source, drafted, accepted, acceptance by position, tokens per target forward, and
-    # the time split draft / verify / other.
+    # source, drafted (proposed), accepted, acceptance by position, tokens per target forward, and
+    # the time split proposing (draft_s) / verify / other.
     spec: dict | None = None
     batched: bool = False  # decoded in a batch with other requests
     # Prompt tokens this request hands to the prefix cache beyond the cached ones it read
@@ -176,7 +176,7 @@ class Request:
     retain_s: float | None = None
     # The cache scope (a tenant): the states of requests of one scope are kept and found
     # apart from every other scope's and the unscoped ones' (``cache.layout.scoped_namespace``),
-    # and their outputs teach no speculation source that drafts for other requests. None:
+    # and their outputs teach no speculation source that proposes for other requests. None:
     # the model's own namespace, shared by every unscoped request.
     cache_scope: str | None = None
 
@@ -302,8 +302,6 @@ class RequestHandle:
             waiter.put(None)
         if isinstance(event, _FINAL):
             self.done.set()
-
-    _emit = emit  # the spelling engine/batch.py uses
 
     # caller side
     def cancel(self) -> None:

@@ -35,7 +35,7 @@ from mlxkv.engine.settings import Settings
 from mlxkv.engine.speculation.providers import learn_finished
 
 if TYPE_CHECKING:
-    from mlxkv.engine.speculation.base import DraftProvider
+    from mlxkv.engine.speculation.base import ProposalProvider
     from mlxkv.engine.speculation.providers import Speculation
 
 import logging
@@ -44,7 +44,12 @@ log = logging.getLogger("mlxkv.engine")
 
 
 class Retry(Exception):
-    """A generation from a cached prefix failed: compute the request again without it."""
+    """A generation from a cached prefix failed with ``failure``: compute the request again
+    without it."""
+
+    def __init__(self, failure: Exception):
+        super().__init__()
+        self.failure = failure
 
 
 class Join(BaseException):
@@ -89,7 +94,7 @@ class SingleStream:
         self.prefill_at: PrefillAt | None = None  # inside its prefill: where
 
     def speculation(self, req: Request, params: SamplingParams,
-                    providers: dict[str, DraftProvider] | None = None
+                    providers: dict[str, ProposalProvider] | None = None
                     ) -> tuple[Speculation | None, Any]:
         """(the request's speculation or None, its constraint or None), from ``providers``
         (default: every provider of the model)."""
@@ -119,7 +124,7 @@ class SingleStream:
             except Retry as failed:
                 self.counts.retries += 1
                 retried = True
-                self.runtime.cache.drop(tokens, failed.__cause__, req.cache_scope)
+                self.runtime.cache.drop(tokens, failed.failure, req.cache_scope)
                 gen = self.generate(handle, tokens, params, None, 0, [], sent)
         except Join as join:  # another request waits: go on decoding together
             return join
@@ -140,6 +145,7 @@ class SingleStream:
         """A single-stream generation ended: its StatsEvent and FinishedEvent, then the
         store of its state."""
         out = gen.outcome
+        assert out is not None  # set when the generation ended
         ttft = (gen.first_token_time - start) if gen.first_token_time else 0.0
         submitted = handle.submitted
         whole = out.cached_tokens == n_cached and not retried
@@ -164,9 +170,10 @@ class SingleStream:
         # After the caller has its answer: hand the KV state to the prefix cache, and the
         # output to the speculation sources that learn from earlier outputs.
         if stores:
+            assert gen.cache is not None  # made by the generation when not given
             self.runtime.cache.store(out.tokens_in_cache, gen.cache, req.session, req.retain_s,
                                      req.cache_scope)
-        if req.cache_scope is None:  # a scope's text never reaches another request's drafts
+        if req.cache_scope is None:  # a scope's text never reaches another request's proposals
             learn_finished(self.runtime.providers, out.tokens)
 
     def generate(self, handle: RequestHandle, tokens: list[int], params: SamplingParams,
@@ -179,7 +186,7 @@ class SingleStream:
         try:
             return self._generate(handle, tokens, params, cache, n_cached, sent, replay)
         except Exception as e:
-            self.tokens.failed(e.__cause__ if isinstance(e, Retry) and e.__cause__ else e)
+            self.tokens.failed(e.failure if isinstance(e, Retry) else e)
             raise
         finally:
             self.current = self.prefill_at = None
@@ -208,13 +215,13 @@ class SingleStream:
 
         req = handle.request
         speculation, constraint = self.speculation(req, params)
-        speculation = self.tokens.decoding(handle, speculation)
+        decoding = self.tokens.decoding(handle, speculation)
         started = time.perf_counter()
         loaded = self.runtime.loaded
         gen = Generation(loaded.model, loaded.tokenizer, tokens, params,
                          cache=cache, n_cached=n_cached, on_progress=progress,
                          should_stop=lambda: handle.cancelled or commands.is_closed(),
-                         logprobs=req.logprobs, speculation=speculation, constraint=constraint,
+                         logprobs=req.logprobs, speculation=decoding, constraint=constraint,
                          on_layer=on_layer)
         skip = 0
         steps = iter(gen)
@@ -237,6 +244,6 @@ class SingleStream:
                     raise Join(gen, sent, started)
         except Exception as e:
             if n_cached > 0 and not isinstance(e, EngineError):
-                raise Retry() from e
+                raise Retry(e) from e
             raise
         return gen

@@ -94,14 +94,14 @@ class Publisher:
         nothing."""
         self._wanted = time.monotonic()
         snap = self.latest
-        have = snap is not None and snap.entries is not None
-        if have and self.busy:
-            return list(snap.entries)
+        listing = snap.entries if snap is not None else None
+        if listing is not None and self.busy:
+            return list(listing)
         try:
             return ask()
         except EngineError:
-            if have:
-                return list(snap.entries)
+            if listing is not None:
+                return list(listing)
             raise
 
     # the engine thread

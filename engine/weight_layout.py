@@ -1,40 +1,16 @@
 """How a model's float matrices are multiplied on the CPU backend.
 
-mlx-lm's ``nn.Linear`` computes ``x @ weight.T`` with ``weight`` stored [out, in], and the
-tied LM head ``embed_tokens.as_linear`` does the same with the [vocab, hidden] embedding.
-On the CPU backend every matmul is one ``sgemm`` call. A decode step's products have a few
-rows (one per stream decoding) and read every weight once, so they are bound by how fast
-the weights stream from memory; sgemm runs each on MLX's stream thread alone, and for two
-or more rows (and for the LM head even for one) first packs the matrix into a buffer,
-which nothing amortises at a few rows.
-
-:func:`layout_for_cpu` changes each float ``nn.Linear`` / ``nn.Embedding`` so that its
-products of up to ``native_ops.MAX_ROWS`` rows take one of two faster paths:
-
-- **row products** (``engine/native/row_product.cpp``, an MLX primitive built by ``make
-  ext``): the weight stays as it is; a product reads each [out, in] row once, straight from
-  memory, whatever the number of rows, with the output columns split over every core by a
-  pool of threads that stay awake between the products of a step. A product of more rows
-  (a prefill chunk) is mlx-lm's own ``x @ weight.T``. Nothing is copied, so the layout is
-  instant and the weights' memory is what mlx-lm loaded.
-- **column chunks**, where the primitive is not built (no CMake or nanobind, or a mlx
-  whose nanobind ABI differs): each weight is copied once into a contiguous [n, in, c]
-  array, chunk ``i`` holding output columns ``i*c .. (i+1)*c`` laid out [in, c], with ``c``
-  the widest divisor of ``out`` for which :data:`ROWS` rows x c x in stays within
-  OpenBLAS's small-matrix limit (:data:`SMALL_PRODUCT`): a product is then one batched
-  matmul of small-matrix kernels, which read the matrix unpacked, and a copy of the small
-  [n, rows, c] result into [rows, out].
-
-Either way every output is one dot product over ``in``, summed the same way for every row,
-so a batched row computes bit for bit what it computes alone; against mlx-lm's layout the
-products are equal up to the rounding of the order of summation (greedy output is checked
-token-identical), and the prefix cache's namespace does not change. The modules keep their
-class's behaviour and a ``weight`` of the same shape and numbers; they change class in place
-(``RowLinear`` / ``RowEmbedding`` or ``ChunkedLinear`` / ``ChunkedEmbedding``), so whatever
-holds a module (a draft or MTP head sharing the embedding) sees the new path. Not on Metal
-or CUDA (their matrix-vector kernels read [out, in] rows), not for quantized layers, and not
-for module classes other than these two exactly (a subclass may read its weight another
-way). ``MLXKV_ROW_PRODUCT=0`` keeps the chunked path (engine.native_ops).
+A decode step's products have a few rows and read every weight once, so they are bound by
+memory; MLX's CPU ``sgemm`` runs each on one thread and packs the matrix first, which
+nothing amortises at a few rows. :func:`layout_for_cpu` gives each float ``nn.Linear`` /
+``nn.Embedding`` one of two paths for products of up to ``native_ops.MAX_ROWS`` rows: the
+row product (``engine/native/row_product.cpp``, built by ``make ext``: the weight read in
+place, the columns split over every core) or, where that is not built, column chunks (the
+weight copied once into [n, in, c] chunks a batched small-matrix product reads unpacked).
+Either way each output is one dot product summed the same way for every row, so a batched
+row computes what it computes alone, and mlx-lm's results are matched up to rounding.
+Modules change class in place so every holder sees the new path; not on Metal or CUDA,
+not for quantized layers or subclasses. ``MLXKV_ROW_PRODUCT=0`` keeps the chunked path.
 """
 
 from __future__ import annotations
@@ -45,8 +21,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxkv.engine.native_ops import native, row_product
+from mlxkv.engine.side_table import SideTable
 
-_DONE = "_mlxkv_cpu_layout"
+_DONE: SideTable[bool] = SideTable()  # the models laid out already
 SMALL_PRODUCT = 10**6  # OpenBLAS's small-matrix kernels take rows * cols * depth up to this
 ROWS = 8  # rows a chunk's product keeps within SMALL_PRODUCT (the default max_batch)
 
@@ -86,7 +63,7 @@ class ChunkedLinear(nn.Linear):
     """An ``nn.Linear`` whose weight is stored as column chunks (see the module doc)."""
 
     @property
-    def weight(self) -> mx.array:
+    def weight(self) -> mx.array:  # type: ignore[override]  # mlx declares a plain attribute; here derived
         return _weight_of(self["chunks"])
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -100,7 +77,7 @@ class ChunkedEmbedding(nn.Embedding):
     each token's row from the chunks."""
 
     @property
-    def weight(self) -> mx.array:
+    def weight(self) -> mx.array:  # type: ignore[override]  # mlx declares a plain attribute; here derived
         return _weight_of(self["chunks"])
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -139,8 +116,8 @@ class RowEmbedding(nn.Embedding):
         return super().as_linear(x) if y is None else y
 
 
-_CHUNKED = {nn.Linear: ChunkedLinear, nn.Embedding: ChunkedEmbedding}
-_ROWS = {nn.Linear: RowLinear, nn.Embedding: RowEmbedding}
+_CHUNKED: dict[type[nn.Module], type[nn.Module]] = {nn.Linear: ChunkedLinear, nn.Embedding: ChunkedEmbedding}
+_ROWS: dict[type[nn.Module], type[nn.Module]] = {nn.Linear: RowLinear, nn.Embedding: RowEmbedding}
 
 
 def layout_for_cpu(model: Any, path: str = "auto") -> int:
@@ -148,7 +125,7 @@ def layout_for_cpu(model: Any, path: str = "auto") -> int:
     above) when the default device is the CPU; the number of modules changed (0 elsewhere,
     or when done before). ``path``: "rows", "chunks" or "auto" (rows where built). Chunks
     are made one matrix at a time, so that layout needs one extra matrix of memory at most."""
-    if mx.default_device() != mx.cpu or not isinstance(model, nn.Module) or getattr(model, _DONE, False):
+    if mx.default_device() != mx.cpu or not isinstance(model, nn.Module) or _DONE.get(model):
         return 0  # (a model wrapped in a plain object keeps its layout: nothing to walk)
     built = row_product_available()
     if path == "rows" and not built:
@@ -167,7 +144,7 @@ def layout_for_cpu(model: Any, path: str = "auto") -> int:
             chunks = to_chunks(weight)
             del module["weight"]
             module["chunks"] = chunks
-        module.__class__ = kind  # in place: every holder of the module sees the new path
+        module.__class__ = kind  # by design, in place: every holder of the module sees the new path
         changed += 1
-    object.__setattr__(model, _DONE, True)
+    _DONE.put(model, True)
     return changed

@@ -17,19 +17,19 @@ from mlx_lm.sample_utils import make_sampler
 from test_spec_sampling import V, chi2_pvalue, markov_model, transition_probs
 
 from mlxkv.engine.generate import SamplingParams
-from mlxkv.engine.speculation.base import DraftProvider
+from mlxkv.engine.speculation.base import ProposalProvider
 from mlxkv.engine.speculation.batch_verify import BatchVerifier
 from mlxkv.engine.speculation.draft import DraftModelSource
-from mlxkv.engine.speculation.draft_step import CompiledStep
+from mlxkv.engine.speculation.draft_step import DraftModelStep
 from mlxkv.engine.speculation.providers import Speculation
 
 
-class MarkovDraft(DraftProvider):
+class MarkovDraft(ProposalProvider):
     kind = "draft"
 
     def __init__(self, model):
         self.draft = model
-        self.step = CompiledStep(model)
+        self.step = DraftModelStep(model)
 
     def checkpoint_namespace(self) -> str:
         return "markov-test"

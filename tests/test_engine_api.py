@@ -160,7 +160,7 @@ def test_cache_wrappers_reach_the_facade(tiny_qwen3):
         e.sync(timeout=T)
         entries = e.cache_entries(timeout=T)
         assert len(entries) == 1 and entries[0].ns == e.namespace
-        assert e.cache_entries(ns="other", timeout=T) == []
+        assert e.cache_entries(namespace="other", timeout=T) == []
         detail = e.cache_entry(entries[0].id, timeout=T)
         assert detail is not None and detail.info.id == entries[0].id
         assert e.cache_pin(entries[0].id, timeout=T) is True

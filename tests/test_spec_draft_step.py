@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlxkv.engine.models import load_model
-from mlxkv.engine.speculation.draft_step import CompiledStep
+from mlxkv.engine.speculation.draft_step import DraftModelStep
 from support.modelgen import init_model, tiny_model, tiny_model_of_type
 
 GEMMA3 = {"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 2,
@@ -44,7 +44,7 @@ def chains(model, prompt: list[int], widths: list[int], step=None):
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
 def test_compiled_step_is_the_forward_pass(arch):
     model = load_model(str(tiny_model_of_type(arch) if arch == "qwen2" else tiny_model(arch))).model
-    step = CompiledStep(model)
+    step = DraftModelStep(model)
     # 250 + the inputs cross the KVCache's 256-slot buffer: the step that does not fit grows
     # it through the forward pass, the next ones are compiled again (a new trace).
     prompt = [(i * 37) % 250 + 3 for i in range(250)]
@@ -83,7 +83,7 @@ def test_compiled_step_is_the_forward_pass(arch):
 def test_a_sliding_window_cache_takes_the_forward_pass():
     dense = load_model(str(tiny_model("llama")))
     model = init_model({**GEMMA3, "vocab_size": dense.model.args.vocab_size}, seed=4)
-    step = CompiledStep(model)
+    step = DraftModelStep(model)
     prompt = list(range(3, 30))
     want, _ = chains(model, prompt, [1, 1, 2, 1])
     got, _ = chains(model, prompt, [1, 1, 2, 1], step)
@@ -110,7 +110,7 @@ class ReadsOffset(nn.Module):
 
 def test_an_architecture_the_step_cannot_trace_keeps_the_forward_pass():
     model = ReadsOffset(load_model(str(tiny_model("qwen3"))).model)
-    step = CompiledStep(model)
+    step = DraftModelStep(model)
     prompt = [(i * 11) % 200 + 3 for i in range(40)]
     widths = [1, 2, 1, 1]
     want, want_cache = chains(model, prompt, widths)

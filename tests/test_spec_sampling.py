@@ -18,7 +18,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from mlxkv.engine.generate import SamplingParams
 from mlxkv.engine.speculation.draft import DraftModelSource
-from mlxkv.engine.speculation.draft_step import CompiledStep
+from mlxkv.engine.speculation.draft_step import DraftModelStep
 from mlxkv.engine.speculation.policy import LengthController
 from mlxkv.engine.speculation.sampling import TargetSampler, rejection_walk_rows
 from mlxkv.engine.speculation.suffix import SuffixProvider
@@ -113,7 +113,7 @@ def test_speculative_stream_samples_as_plain_decoding(pair):
     params = SamplingParams(temperature=1.0, max_tokens=1500)
     p_t = transition_probs(target, params)
     spec_tokens, stats = [], None
-    provider = types.SimpleNamespace(model=draft, step=CompiledStep(draft))  # q from the compiled step
+    provider = types.SimpleNamespace(model=draft, step=DraftModelStep(draft))  # q from the compiled step
     for seed in range(2):
         mx.random.seed(seed)
         source = DraftModelSource(provider, params, V)

@@ -15,7 +15,7 @@ from common import T, greedy
 from mlxkv.engine.engine import Engine, Request
 from mlxkv.engine.generate import SamplingParams
 from mlxkv.engine.settings import Settings
-from mlxkv.engine.speculation.base import DraftSource, Proposal
+from mlxkv.engine.speculation.base import Proposal, ProposalSource
 from mlxkv.engine.speculation.policy import NEW_REQUEST_PROBE_AFTER, LengthController, SourceMemory
 from mlxkv.engine.speculation.suffix import SuffixProvider
 from mlxkv.engine.speculation.suffix_index import SuffixIndex, propose_path
@@ -132,7 +132,7 @@ def test_the_global_index_keeps_the_newest_outputs_within_its_bound():
     assert propose([p.global_index], [8, 9], 2, alpha=8, min_score=0.0) == [10, 11]
 
 
-class _ProbeAfter(DraftSource):
+class _ProbeAfter(ProposalSource):
     """Proposes nothing; after ``n`` committed tokens it sees a run worth probing."""
 
     def __init__(self, n: int):

@@ -1,7 +1,7 @@
 """The engine under a distributed launch: rank 0 serves, every other rank follows.
 
 :class:`ShardedEngine` is an ``engine.engine.Engine`` with three parts plugged in through
-the engine's declared interfaces (``engine.engine.Plugs``):
+the engine's declared interfaces (``engine.engine.EngineSources``):
 
 * :class:`ShardModel` (a ``ModelSource``): this rank's shard (``sharding.load_shard``)
   and this shard's prefix-cache namespace, with every load bounded by the watchdog;
@@ -34,7 +34,7 @@ from mlxkv.engine.commands import STOP, Command, CommandQueue, wait
 from mlxkv.engine.distributed import DistributedError, World
 from mlxkv.engine.distributed.lockstep import Lockstep
 from mlxkv.engine.distributed.protocol import FLUSH, HEARTBEAT, REQUEST, SHUTDOWN, Channel, agree_prefix
-from mlxkv.engine.engine import Engine, EngineError, Event, Plugs, Request, RequestHandle
+from mlxkv.engine.engine import Engine, EngineError, EngineSources, Event, Request, RequestHandle
 from mlxkv.engine.logs import warn_once
 from mlxkv.engine.preparing import Job
 from mlxkv.engine.sampling import SamplingParams
@@ -43,7 +43,7 @@ from mlxkv.engine.settings import Settings
 if TYPE_CHECKING:
     from mlxkv.engine.cache.durability import FlushReport
     from mlxkv.engine.models import LoadedModel
-    from mlxkv.engine.speculation.base import DraftProvider
+    from mlxkv.engine.speculation.base import ProposalProvider
     from mlxkv.engine.speculation.providers import Speculation
 
 log = logging.getLogger("mlxkv.distributed")
@@ -100,7 +100,7 @@ class ShardModel:
         finally:
             self.engine.world.watchdog.disarm()
 
-    def providers(self, loaded: LoadedModel, settings: Settings) -> dict[str, DraftProvider]:
+    def providers(self, loaded: LoadedModel, settings: Settings) -> dict[str, ProposalProvider]:
         return {}  # no speculation: it would need its own lock-step
 
     def describe(self, loaded: LoadedModel) -> dict[str, Any]:
@@ -186,6 +186,7 @@ class FollowerCommands:
                         "longer stay in step")
         out = gen.outcome
         if cache.enabled and out is not None and out.tokens_in_cache:
+            assert gen.cache is not None  # made by the generation when not given
             cache.store(out.tokens_in_cache, gen.cache, session)
         cache.busy(False)
 
@@ -213,6 +214,7 @@ class LockstepTokens:
         if used == 0:
             self.engine.scheduler.runtime.cache.release(cache)
             return 0, None, 0, 0
+        assert cache is not None  # used > 0: this rank held that many tokens
         trim_prompt_cache(cache, n - used)
         ram = min(ram, used)
         return used, cache, ram, used - ram
@@ -253,9 +255,9 @@ class ShardedEngine(Engine):
         self.channel = Channel(world, fail=self.fail)
         self.tokens = LockstepTokens(self)
         commands = LeaderCommands(self) if self.leader else FollowerCommands(self)
-        plugs = Plugs(model=ShardModel(self, prefix_cache is not None), commands=commands,
+        sources = EngineSources(model=ShardModel(self, prefix_cache is not None), commands=commands,
                       tokens=self.tokens)
-        super().__init__(model, prefix_cache=prefix_cache, max_batch=1, plugs=plugs, **kwargs)
+        super().__init__(model, prefix_cache=prefix_cache, max_batch=1, sources=sources, **kwargs)
 
     @classmethod
     def for_world(cls, settings: Settings, world: World, prefix_cache: CacheArg = None

@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from mlxkv.engine.distributed.protocol import Channel
+
+if TYPE_CHECKING:
+    from mlxkv.engine.generate import Generation
 
 
 class Lockstep:
@@ -36,7 +39,7 @@ class Lockstep:
     def __init__(self, channel: Channel):
         self.channel = channel
 
-    def stream(self, gen: Any, progress: Callable[[int, int], None]) -> LockstepStream:
+    def stream(self, gen: Generation, progress: Callable[[int, int], None]) -> LockstepStream:
         return LockstepStream(self.channel, gen, progress)
 
     def finish(self, stream: LockstepStream, tokens_in_cache: list[int]) -> None:
@@ -44,7 +47,7 @@ class Lockstep:
 
 
 class LockstepStream:
-    def __init__(self, channel: Channel, gen: Any, progress: Callable[[int, int], None]):
+    def __init__(self, channel: Channel, gen: Generation, progress: Callable[[int, int], None]):
         self.channel = channel
         self.leader = channel.leader
         self.gen = gen
@@ -97,10 +100,12 @@ class LockstepStream:
             processors = request_processors(p, gen.prompt_tokens[: gen.n_cached])
             if gen.constraint is not None:
                 processors.append(gen.constraint.processor(len(gen.prompt_tokens) - gen.n_cached))
-        return generate_step(
+        steps = generate_step(
             mx.array(gen.prompt_tokens[gen.n_cached:]), gen.model, max_tokens=p.max_tokens,
             sampler=self._sample, logits_processors=processors or None, prompt_cache=gen.cache,
             prefill_step_size=p.prefill_step_size, prompt_progress_callback=self._progress)
+        # mlx-lm annotates its yields as two arrays; the token is a Python int (``y.item()``)
+        return cast("Iterator[tuple[int, Any]]", steps)
 
     def __iter__(self) -> Iterator[tuple[int, Any]]:
         dog = self.channel.world.watchdog
@@ -125,6 +130,7 @@ class LockstepStream:
             self.channel.fail(f"lost the other ranks while decoding ({e})")
         finally:
             self.channel.world.watchdog.disarm()
+        assert self.gen.cache is not None  # made by the generation before its stream
         length = cache_length(self.gen.cache)
         self.kv_tokens = self._fed[:length] if length is not None else list(self._fed)
 

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -58,7 +59,7 @@ class Channel:
 
     def __init__(self, world: Any, fail: Any = None):
         self.world = world
-        self.fail = fail or world.fail  # (message) -> never returns: the group is broken
+        self.fail: Callable[[str], NoReturn] = fail or world.fail  # never returns: the group is broken
         self.rank = world.rank
         self.leader = world.rank == 0
         self.seq = 0

@@ -10,7 +10,8 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+
+from mlxkv.engine.arrays import named_parameters
 
 from .reader import GGUFError, GGUFHeader
 from .weights import GROUP_SIZE, QUANT_BITS
@@ -263,7 +264,7 @@ def build_model(header: GGUFHeader, arrays: dict[str, Any], dequantize: Any = No
 
         nn.quantize(model, group_size=quant["group_size"], bits=quant["bits"],
                     class_predicate=predicate)
-    expected = {k for k, _ in tree_flatten(model.parameters())}
+    expected = {k for k, _ in named_parameters(model)}
     missing = sorted(expected - set(weights))
     extra = sorted(set(weights) - expected)
     if missing:

@@ -124,7 +124,7 @@ _U64 = struct.Struct("<Q").unpack_from
 def _strings(cur: _Cursor, count: int, key: str) -> list[str]:
     """``count`` strings (a vocabulary: ~100k of them), read in one tight loop."""
     buf, pos, size = cur.buf, cur.pos, cur.size
-    out = []
+    out: list[str] = []
     append = out.append
     try:
         for i in range(count):

@@ -4,7 +4,7 @@ float tensors stay float, other quantized types are dequantized by the ``gguf`` 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from .reader import GGUFError, GGUFHeader, TensorInfo
 
@@ -32,7 +32,8 @@ def load_tensors(header: GGUFHeader, dequantized_dtype: Any = None) -> dict[str,
 
     types = set(tensor_types(header).values())
     if types <= MLX_NATIVE:
-        arrays = mx.load(str(header.path), format="gguf")  # an Ollama blob has no .gguf suffix
+        # (an Ollama blob has no .gguf suffix; without return_metadata mx.load gives the dict)
+        arrays = cast("dict[str, mx.array]", mx.load(str(header.path), format="gguf"))
         missing = set(header.tensors) - set(arrays)
         if missing:
             raise GGUFError(f"{header.path}: mlx's reader returned no "

@@ -3,14 +3,14 @@ and the verifier that decides every token."""
 
 from mlxkv.engine.speculation.base import (
     KINDS,
-    DraftProvider,
-    DraftRowConstraints,
-    DraftRowGroup,
-    DraftSource,
     KVState,
     Proposal,
+    ProposalProvider,
+    ProposalRowGroup,
+    ProposalSource,
+    RequestConstraints,
     TargetView,
 )
 
-__all__ = ["KINDS", "DraftProvider", "DraftRowConstraints", "DraftRowGroup", "DraftSource", "KVState", "Proposal",
-           "TargetView"]
+__all__ = ["KINDS", "KVState", "Proposal", "ProposalProvider", "ProposalRowGroup", "ProposalSource",
+           "RequestConstraints", "TargetView"]

@@ -1,14 +1,14 @@
 """The speculation seam: what a source of proposed tokens implements, and the view of the
 target model it gets.
 
-A :class:`DraftProvider` is built once per loaded target (``engine.speculation.load_providers``);
-it opens one :class:`DraftSource` per request. The verifier (``engine.speculation.verify``) feeds
+A :class:`ProposalProvider` is built once per loaded target (``engine.speculation.load_providers``);
+it opens one :class:`ProposalSource` per request. The verifier (``engine.speculation.verify``) feeds
 the target ``[pending] + proposal`` in one forward pass and decides every token; a source
 only ever proposes. ``commit`` tells the source what the target really took, so a source
 never has to undo anything itself.
 
-:class:`DraftRowGroup` is the same contract for several rows decoded together (ragged
-proposals, one call per round), and :class:`DraftRowConstraints` is what a request owns
+:class:`ProposalRowGroup` is the same contract for several rows decoded together (ragged
+proposals, one call per round), and :class:`RequestConstraints` is what a request owns
 (``guided_choice``, a JSON skeleton) proposing the continuations it already knows.
 """
 
@@ -37,7 +37,7 @@ class TargetView:
         inner = _inner_model(model)
         self._inner = inner
         args = getattr(getattr(model, "language_model", model), "args", None)  # VLM-style: the text model's
-        embed = getattr(inner, "embed_tokens", None)
+        embed = inner.embed_tokens  # (_inner_model checked it is there)
         self.vocab_size: int = int(getattr(args, "vocab_size", 0) or embed.weight.shape[0])
         self.hidden_size: int = int(getattr(args, "hidden_size", 0) or embed.weight.shape[-1])
 
@@ -71,7 +71,7 @@ def _inner_model(model: Any) -> Any:
 
 @dataclass
 class Proposal:
-    """Tokens a source proposes after the pending one. ``probs`` is the draft distribution q
+    """Tokens a source proposes after the pending one. ``probs`` is the proposal distribution q
     ([len(tokens), V]) of sources that sample; None marks an exact-match source."""
 
     tokens: list[int]
@@ -85,15 +85,15 @@ class Proposal:
 @dataclass
 class KVState:
     """A capture that is a KV cache: ``cache`` holds exactly ``tokens`` (offset ==
-    len(tokens)). It is stored in the prefix cache under the provider's draft namespace
-    (``f"{ns}+draft-{provider.checkpoint_namespace()}"``), so RAM, SSD, verification and
+    len(tokens)). It is stored in the prefix cache under the provider's namespace
+    (``f"{namespace}+draft-{provider.checkpoint_namespace()}"``), so RAM, SSD, verification and
     restarts work for it as for the target's own entries."""
 
     tokens: list[int]
     cache: list
 
 
-class DraftSource:
+class ProposalSource:
     """One request's source of proposals. The verifier calls ``prefill`` once, then per round
     ``propose(pending, n)`` and ``commit(accepted)``."""
 
@@ -119,7 +119,7 @@ class DraftSource:
 
     def commit(self, accepted: list[int], hidden: mx.array | None = None) -> None:
         """``accepted`` are now in the target's KV: the old pending token plus the accepted
-        drafts. ``hidden``: the target hidden rows of exactly those positions."""
+        proposed tokens. ``hidden``: the target hidden rows of exactly those positions."""
 
     def worth_probing(self) -> bool:
         """After a plain step fed the target (``commit`` told the source): whether it now
@@ -129,7 +129,7 @@ class DraftSource:
 
     def capture(self) -> Any:
         """State to store beside the target's cache entry (None: nothing to store; a
-        :class:`KVState` goes to the prefix cache under the draft namespace)."""
+        :class:`KVState` goes to the prefix cache under the provider's namespace)."""
         return None
 
     def restore(self, state: Any) -> None:
@@ -140,24 +140,24 @@ class DraftSource:
         """Release what the source holds (its KV)."""
 
 
-class DraftProvider:
-    """One per loaded target: opens a :class:`DraftSource` per request."""
+class ProposalProvider:
+    """One per loaded target: opens a :class:`ProposalSource` per request."""
 
     kind: str = ""  # one of KINDS
     weights_bytes: int = 0
     supports_external_tokens: bool = False
     needs_hidden: bool = False
-    # The most tokens a round proposes unless ``--spec-tokens`` says otherwise: a drafted
-    # token costs a draft forward pass here, so a round stays short.
+    # The most tokens a round proposes unless ``--spec-tokens`` says otherwise: a proposed
+    # token costs a forward pass of the source here, so a round stays short.
     proposal_tokens: int = 12
     model: Any = None  # a provider that stores KVState: the model that KV belongs to (bind_model)
 
     def checkpoint_namespace(self) -> str:
-        """The identity of the draft state this provider stores (folded into the prefix
+        """The identity of the source state this provider stores (folded into the prefix
         cache namespace of that state): a content fingerprint, or kind and schema."""
         raise NotImplementedError
 
-    def open(self, target: TargetView, sampling: SamplingParams, constraints: Any = None) -> DraftSource:
+    def open(self, target: TargetView, sampling: SamplingParams, constraints: Any = None) -> ProposalSource:
         raise NotImplementedError
 
     def attach(self, cache: Any, namespace: str) -> None:
@@ -173,7 +173,7 @@ class DraftProvider:
         return {}
 
 
-class DraftRowConstraints:
+class RequestConstraints:
     """What a request owns that knows its continuation (``guided_choice``, forced spans of a
     JSON skeleton). It proposes without changing its committed state, and advances only
     with the tokens the verifier accepted."""
@@ -194,11 +194,11 @@ class DraftRowConstraints:
         return False
 
 
-class DraftRowGroup:
+class ProposalRowGroup:
     """Proposals for several rows decoded together. Rows are addressed by their index in the
     group; ``append``/``filter_rows`` keep it in step with the batch."""
 
-    def append(self, rows: Sequence[DraftSource]) -> None:
+    def append(self, rows: Sequence[ProposalSource]) -> None:
         raise NotImplementedError
 
     def filter_rows(self, keep: Sequence[int]) -> None:

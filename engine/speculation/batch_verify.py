@@ -1,34 +1,14 @@
-"""Speculation for rows decoded together: one target forward verifies every row's drafts.
+"""Speculation for rows decoded together: one target forward verifies every row's proposals.
 
-``engine.batch.Batch`` decodes its rows with mlx-lm's ``BatchGenerator``. Between its steps
-the generation batch is always in one state: each row's KV holds every token it was fed,
-its next token ("pending") is sampled and not fed yet, with its log-probabilities. A round
-here starts and ends in that same state, so plain steps (``BatchGenerator.next``, pipelined
-and untouched) and speculative rounds mix freely. That state is private to mlx-lm: a round
-reads and rewrites it only through ``engine.mlx_lm_compat.DecodingRows``, which is checked
-against named mlx-lm versions.
-
-1. The rows' sources (a :class:`SourceRowGroup`, kept in the batch's row order) propose
-   drafts after each row's pending token; rows without a source, or with nothing to
-   propose, draft nothing.
-2. One forward over ``[pending] + drafts``, right-padded to the widest row (``W``). The
-   rows' own logits processors see, at each position, the history that position would
-   have had (``guided_choice`` masks included); their own samplers sample every position.
-3. Each row walks its window alone: exact match (greedy, prompt lookup, constraints), or
-   rejection sampling for sources that hand over their distribution. A row keeps
-   ``1 + accepted`` positions.
-4. The left-padded ``BatchKVCache`` shares one write index, so the cache is trimmed to the
-   round's common length ``K`` and a row that kept fewer positions is rolled right by the
-   difference: its rejected tail becomes left padding (masked, as any padding), its offset
-   (the RoPE position) stays its own token count. ``K`` is the longest row's count; when
-   that would let padding outgrow the rows themselves, it is the shortest's instead, and a
-   row that accepted more keeps only ``K`` (still lossless: every kept token was verified
-   and the next pending token is the verified one at that position).
-
-The round's length comes from one :class:`BatchLength` for the batch: the acceptance per
-drafted token, the share of rows that draft, and a round's time against a plain batched
-step, so a batch whose drafts do not pay goes back to plain steps, probing again after a
-back-off, as a lone request does.
+A round starts and ends in the state mlx-lm's ``BatchGenerator`` keeps between its steps
+(each row's KV holds what it was fed, its pending token is sampled and not fed), so plain
+steps and rounds mix freely; that private state is reached only through
+``engine.mlx_lm_compat.DecodingRows``. Each row's source proposes after its pending token,
+one forward checks every row's window, each row keeps what exact match or rejection
+sampling accepts, and the shared ``BatchKVCache`` is settled to one length (a row that
+kept fewer tokens is rolled right: its rejected tail becomes left padding).
+:class:`BatchLength` sets a round's length and goes back to plain steps while rounds do
+not pay.
 """
 
 from __future__ import annotations
@@ -36,14 +16,22 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from mlxkv.engine.arrays import int_list, int_rows
 from mlxkv.engine.mlx_lm_compat import DecodingRows, admitting
+from mlxkv.engine.speculation.base import ProposalSource
 from mlxkv.engine.speculation.rows import SourceRowGroup
 from mlxkv.engine.speculation.sampling import TargetSampler, process_window, rejection_walk_rows
-from mlxkv.engine.speculation.verify import SpecStats, _trace_enabled
+from mlxkv.engine.speculation.verify import SpecStats, trace_enabled
+
+if TYPE_CHECKING:
+    from mlx_lm.generate import BatchGenerator
+
+    from mlxkv.engine.sampling import SamplingParams
+    from mlxkv.engine.speculation.providers import Speculation
 
 
 def spec_round_cache(cache: list) -> bool:
@@ -57,10 +45,10 @@ def spec_round_cache(cache: list) -> bool:
 @dataclass
 class RowSpec:
     """One batched row's speculation: its ``engine.speculation.providers.Speculation`` (source,
-    draft state stored with the conversation), figures, and how far its source has followed
+    source state stored with the conversation), figures, and how far its source has followed
     the row's tokens."""
 
-    speculation: Any
+    speculation: Speculation
     prompt: list[int]
     stats: SpecStats
     sampler: TargetSampler | None = None  # the target's p for rejection sampling (temperature > 0)
@@ -68,7 +56,7 @@ class RowSpec:
     done: bool = field(default=False)
 
     @property
-    def source(self) -> Any:
+    def source(self) -> ProposalSource:
         return self.speculation.source
 
     def summary(self, proposal_length: int) -> dict:
@@ -91,14 +79,14 @@ class _Summary:
 @dataclass
 class RoundRow:
     """What one row got from a round: the tokens it emits now (its old pending token and
-    the drafts it kept, each with its log-probabilities)."""
+    the proposed tokens it kept, each with its log-probabilities)."""
 
-    emitted: list[tuple[int, Any]]
+    emitted: list[tuple[int, mx.array]]  # (token, its log-probabilities)
 
 
 class BatchLength:
-    """How many drafts a batch round asks for (0: a plain step), from running estimates of
-    the acceptance a per drafted token, the share f of rows that draft, the time t1 of a
+    """How many tokens a batch round asks each source for (0: a plain step), from running estimates of
+    the acceptance a per proposed token, the share f of rows that propose, the time t1 of a
     plain batched step and the cost m of each window position past the first. A round of
     width 1 + k yields per row f * (1 - a^(k+1)) / (1 - a) + (1 - f) tokens in t1 + m*k,
     a plain step 1 in t1; it asks for the k that gives the most tokens per second. When that
@@ -152,15 +140,15 @@ class BatchLength:
     def record_plain(self, seconds: float) -> None:
         self.plain_s = seconds if self.plain_s is None else 0.8 * self.plain_s + 0.2 * seconds
 
-    def record_round(self, width: int, drafted: int, accepted: int, share: float, seconds: float) -> None:
-        """A round of ``width`` positions; the rows that drafted drafted ``drafted`` tokens in
-        all and kept ``accepted``; ``share`` of the rows drafted; it took ``seconds``."""
+    def record_round(self, width: int, proposed: int, accepted: int, share: float, seconds: float) -> None:
+        """A round of ``width`` positions; the rows that proposed offered ``proposed`` tokens
+        in all and kept ``accepted``; ``share`` of the rows proposed; it took ``seconds``."""
         self._rounds += 1
         self._empty_run = 0
         if accepted:
             self._empty_backoff = 8
-        if drafted:
-            self.acceptance = 0.7 * self.acceptance + 0.3 * (accepted / drafted)
+        if proposed:
+            self.acceptance = 0.7 * self.acceptance + 0.3 * (accepted / proposed)
         self.share = 0.7 * self.share + 0.3 * share
         k = max(width - 1, 1)
         m = max(seconds - self.plain_s, 0.0) / k if self.plain_s is not None else seconds / (k + 1)
@@ -176,7 +164,7 @@ class BatchLength:
         if best > 0 and self._backoff > 8:
             self._backoff = max(8, self._backoff // 2)
         self._k = max(best, 1)
-        if accepted == drafted and drafted and width - 1 >= self._k:
+        if accepted == proposed and proposed and width - 1 >= self._k:
             # A fully accepted window says little about longer ones: grow geometrically.
             self._k = min(self.maximum, max(self._k, 2 * (width - 1)))
 
@@ -210,11 +198,11 @@ class BatchVerifier:
         self.specs: dict[int, RowSpec] = {}
         self._off = 0  # plain steps left in a back-off
         self._plain_timed = False  # the last step was plain: the next plain one can be timed
-        self.trace = _trace_enabled()
+        self.trace = trace_enabled()
         self.rounds = 0
 
     # rows ---------------------------------------------------------------------------
-    def add(self, uid: int, speculation: Any, prompt: list[int], params: Any) -> RowSpec:
+    def add(self, uid: int, speculation: Speculation, prompt: list[int], params: SamplingParams) -> RowSpec:
         sampler = TargetSampler(params, []) if params.temperature > 0 else None
         spec = RowSpec(speculation, list(prompt), SpecStats(speculation.provider.kind), sampler)
         self.specs[uid] = spec
@@ -231,7 +219,7 @@ class BatchVerifier:
         self._off = 0
 
     def finish(self, spec: RowSpec, tokens_in_cache: list[int]) -> None:
-        """Count the row's figures with its provider and store its draft state."""
+        """Count the row's figures with its provider and store its source state."""
         spec.speculation.finish(_Summary(spec.summary(self.controller.current())), tokens_in_cache)
 
     def summary(self, spec: RowSpec) -> dict:
@@ -279,8 +267,8 @@ class BatchVerifier:
                 self.specs[u].stats.draft_s += dt
 
     # policy -------------------------------------------------------------------------
-    def length(self, gen: Any) -> int:
-        """Drafts to ask for this step (0: a plain step)."""
+    def length(self, gen: BatchGenerator) -> int:
+        """Tokens to ask the sources for this step (0: a plain step)."""
         if not self.specs:
             return 0
         if admitting(gen):
@@ -289,13 +277,13 @@ class BatchVerifier:
         if not len(rows) or not any(u in self.specs for u in rows.uids) or not spec_round_cache(rows.cache):
             return 0
         # As alone: only ``auto`` stops speculating when it is slower; a source the request
-        # named keeps drafting (one such row keeps the rounds going for the batch).
-        rows = [s.speculation.controller for s in self.specs.values()]
-        self.controller.may_stop = all(c.may_stop for c in rows)
+        # named keeps proposing (one such row keeps the rounds going for the batch).
+        controllers = [s.speculation.controller for s in self.specs.values()]
+        self.controller.may_stop = all(c.may_stop for c in controllers)
         # Rows that all ask for a fixed length (constraints: the whole forced span) get it.
-        self.controller.adaptive = any(c.adaptive for c in rows)
+        self.controller.adaptive = any(c.adaptive for c in controllers)
         if not self.controller.adaptive:
-            self.controller.initial = max(c.initial for c in rows)
+            self.controller.initial = max(c.initial for c in controllers)
         if self._off > 0:
             self._off -= 1
             return 0
@@ -305,7 +293,7 @@ class BatchVerifier:
             return 0
         return self.controller.next_length()
 
-    def plain_step(self, gen: Any, started: float, decoding_only: bool) -> None:
+    def plain_step(self, gen: BatchGenerator, started: float, decoding_only: bool) -> None:
         """A plain batched step (``BatchGenerator.next``) began at ``started``. Steps run
         pipelined: each waits for the previous one's forward and only queues its own, so a
         step after another plain step is timed as it returns; the first after a round waits
@@ -321,7 +309,7 @@ class BatchVerifier:
         self._plain_timed = decoding_only
 
     # the round ----------------------------------------------------------------------
-    def round(self, gen: Any, k: int) -> list[RoundRow] | None:
+    def round(self, gen: BatchGenerator, k: int) -> list[RoundRow] | None:
         """One speculative round over the generation batch of ``gen`` (a BatchGenerator):
         per row of that batch (in its order) what it emits; None when no row had anything
         to propose (nothing was fed: take a plain step)."""
@@ -330,39 +318,39 @@ class BatchVerifier:
             mx.eval(rows.pending, rows.pending_logprobs)
             t0 = time.perf_counter()
             self._sync(rows)
-            pending = [int(t) for t in rows.pending.tolist()]
+            pending = [int(t) for t in int_list(rows.pending)]
             n = len(rows)
             pos = {u: i for i, u in enumerate(rows.uids)}
             limits = [max(0, min(k, rows.max_tokens[pos[u]] - rows.generated(pos[u]) - 1)) for u in self.uids]
             proposals = self.group.proposals([pending[pos[u]] for u in self.uids], k, limits)
-            drafts: list[list[int]] = [[] for _ in range(n)]
-            probs: list[Any] = [None] * n
+            proposed: list[list[int]] = [[] for _ in range(n)]
+            probs: list[mx.array | None] = [None] * n
             for u, p, lim in zip(self.uids, proposals, limits):
-                drafts[pos[u]] = [int(x) for x in p.tokens[:lim]]
+                proposed[pos[u]] = [int(x) for x in p.tokens[:lim]]
                 probs[pos[u]] = p.probs
-            width = 1 + max(len(d) for d in drafts)
+            width = 1 + max(len(d) for d in proposed)
             if width == 1:
                 self.controller.empty()
                 self._plain_timed = False
                 return None
-            t_drafted = time.perf_counter()
-            windows = [[pending[i]] + drafts[i] + [pending[i]] * (width - 1 - len(drafts[i])) for i in range(n)]
+            t_proposed = time.perf_counter()
+            windows = [[pending[i]] + proposed[i] + [pending[i]] * (width - 1 - len(proposed[i])) for i in range(n)]
             logits = self.model(mx.array(windows), cache=rows.cache)
             lp = self._logprobs(rows, logits, windows)
             targets = self._sample(rows, lp)
-            rej = [i for i in range(n) if probs[i] is not None and drafts[i]
-                   and self._spec_at(rows, i) is not None and self._spec_at(rows, i).sampler is not None]
+            rej = [i for i in range(n) if probs[i] is not None and proposed[i]
+                   and self._sampler_at(rows, i) is not None]
             if rej:
-                acc, nxt = self._rejection(rows, lp, rej, drafts, probs, width)
+                acc, nxt = self._rejection(rows, lp, rej, proposed, probs, width)
                 mx.eval(targets, acc, nxt)
-                walked = dict(zip(rej, zip(acc.tolist(), nxt.tolist())))
+                walked = dict(zip(rej, zip(int_list(acc), int_list(nxt))))
             else:
                 mx.eval(targets)
                 walked = {}
-            got = targets.tolist()
+            got = int_rows(targets)
             keep, follow = [], []
             for i in range(n):
-                d = drafts[i]
+                d = proposed[i]
                 if i in walked:
                     a, nx = walked[i]
                 else:
@@ -375,7 +363,7 @@ class BatchVerifier:
             t_verified = time.perf_counter()
             common = self._common_length(rows.cache, keep)
             kept = [min(c, common) for c in keep]
-            nxt_tokens = [follow[i] if keep[i] <= common else drafts[i][common - 1] for i in range(n)]
+            nxt_tokens = [follow[i] if keep[i] <= common else proposed[i][common - 1] for i in range(n)]
             self._settle_cache(rows.cache, width, common, kept)
             old_lp = list(rows.pending_logprobs)
             out = []
@@ -384,7 +372,7 @@ class BatchVerifier:
                 rows.tokens[i].extend(fed)
                 rows.extend_history(i, fed)
                 out.append(RoundRow([(pending[i], old_lp[i])]
-                                    + [(drafts[i][j], lp[i, j]) for j in range(kept[i] - 1)]))
+                                    + [(proposed[i][j], lp[i, j]) for j in range(kept[i] - 1)]))
             rows.set_pending(nxt_tokens, [lp[i, kept[i] - 1] for i in range(n)])
             for u in self.uids:  # the sources take what their row kept
                 spec = self.specs[u]
@@ -395,18 +383,18 @@ class BatchVerifier:
             for u in self.uids:
                 i = pos[u]
                 s = self.specs[u].stats
-                s.record(len(drafts[i]), kept[i] - 1)
+                s.record(len(proposed[i]), kept[i] - 1)
                 s.forwards += 1
                 s.tokens += kept[i]
-                s.draft_s += (t_drafted - t0) + (t_done - t_c)
-                s.verify_s += t_verified - t_drafted
+                s.draft_s += (t_proposed - t0) + (t_done - t_c)
+                s.verify_s += t_verified - t_proposed
                 s.other_s += t_c - t_verified
-            drafting = [i for i in range(n) if drafts[i]]
-            self.controller.record_round(width, sum(len(drafts[i]) for i in drafting),
-                                         sum(kept[i] - 1 for i in drafting), len(drafting) / n, t_done - t0)
+            proposing = [i for i in range(n) if proposed[i]]
+            self.controller.record_round(width, sum(len(proposed[i]) for i in proposing),
+                                         sum(kept[i] - 1 for i in proposing), len(proposing) / n, t_done - t0)
             if self.trace:
                 for i, uid in enumerate(rows.uids):
-                    print(f"mlxkv spec batch: row={uid} fed={windows[i][:1 + len(drafts[i])]} drafts={drafts[i]} "
+                    print(f"mlxkv spec batch: row={uid} fed={windows[i][:1 + len(proposed[i])]} drafts={proposed[i]} "
                           f"accepted={keep[i] - 1} kept={kept[i]} next={nxt_tokens[i]}", file=sys.stderr, flush=True)
             self._plain_timed = False
             self.rounds += 1
@@ -414,6 +402,11 @@ class BatchVerifier:
 
     def _spec_at(self, rows: DecodingRows, i: int) -> RowSpec | None:
         return self.specs.get(rows.uids[i])
+
+    def _sampler_at(self, rows: DecodingRows, i: int) -> TargetSampler | None:
+        """Row ``i``'s sampler for rejection sampling (None: it decodes greedily or plainly)."""
+        spec = self._spec_at(rows, i)
+        return spec.sampler if spec is not None else None
 
     @staticmethod
     def _logprobs(rows: DecodingRows, logits: mx.array, windows: list[list[int]]) -> mx.array:
@@ -434,21 +427,25 @@ class BatchVerifier:
             return samplers[0](lp.reshape(b * w, v)).reshape(b, w)
         return mx.stack([s(lp[i]) for i, s in enumerate(samplers)])
 
-    def _rejection(self, batch: DecodingRows, lp: mx.array, rows: list[int], drafts: list[list[int]],
-                   probs: list[Any], width: int) -> tuple[mx.array, mx.array]:
+    def _rejection(self, batch: DecodingRows, lp: mx.array, rows: list[int], proposed: list[list[int]],
+                   probs: list[mx.array | None], width: int) -> tuple[mx.array, mx.array]:
         k = width - 1
-        p = mx.stack([self._spec_at(batch, i).sampler.probs(lp[i]) for i in rows])
+        samplers = [self._sampler_at(batch, i) for i in rows]
+        assert all(s is not None for s in samplers)  # the rows that sample, chosen on it
+        p = mx.stack([s.probs(lp[i]) for s, i in zip(samplers, rows) if s is not None])
         qs, ds = [], []
         for i in rows:
-            q = probs[i][: len(drafts[i])].astype(mx.float32)
+            q_row = probs[i]
+            assert q_row is not None  # the rows chosen for rejection sampling handed theirs
+            q = q_row[: len(proposed[i])].astype(mx.float32)
             if q.shape[-1] != p.shape[-1]:
                 q = q[:, : p.shape[-1]] if q.shape[-1] > p.shape[-1] else mx.pad(
                     q, [(0, 0), (0, p.shape[-1] - q.shape[-1])])
             if q.shape[0] < k:
                 q = mx.pad(q, [(0, k - q.shape[0]), (0, 0)])
             qs.append(q)
-            ds.append(drafts[i] + [0] * (k - len(drafts[i])))
-        lengths = mx.array([len(drafts[i]) for i in rows], dtype=mx.int32)
+            ds.append(proposed[i] + [0] * (k - len(proposed[i])))
+        lengths = mx.array([len(proposed[i]) for i in rows], dtype=mx.int32)
         return rejection_walk_rows(p, mx.stack(qs), mx.array(ds, dtype=mx.int32), lengths)
 
     @staticmethod
@@ -474,7 +471,7 @@ class BatchVerifier:
 
         shifts = [common - k for k in kept]
         roll = any(shifts)
-        shift = mx.array(shifts, dtype=mx.int32) if roll else None
+        shift = mx.array(shifts, dtype=mx.int32)
         for c in cache:
             c.trim(width - common)
             if roll:

@@ -5,16 +5,23 @@ A constraint proposes the tokens it already knows (the rest of the only choice s
 matching, or the part all remaining choices share; a skeleton's literal text) and, for
 ``guided_choice``, masks every token that no choice allows, in plain decoding and in the
 verifier's accept walk alike. It advances only with tokens the target accepted, so
-proposing never changes it. Proposals are exact-match drafts: the verifier still decides
+proposing never changes it. Proposals are exact-match: the verifier still decides
 every token.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mlxkv.engine.speculation.base import DraftProvider, DraftRowConstraints, DraftSource, Proposal
+from mlxkv.engine.arrays import int_list
+from mlxkv.engine.speculation.base import Proposal, ProposalProvider, ProposalSource, RequestConstraints
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+
+    from mlxkv.engine.sampling import SamplingParams
+    from mlxkv.engine.speculation.base import TargetView
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
@@ -67,10 +74,9 @@ class GuidedChoice:
     def processor(self, history_before_output: int):
         """A logits processor for ``generate_step``: its token history starts with
         ``history_before_output`` prompt tokens, then the output."""
-        import mlx.core as mx
 
         def mask(tokens: mx.array, logits: mx.array) -> mx.array:
-            output = tokens[history_before_output:].tolist() if tokens.size > history_before_output else []
+            output = int_list(tokens[history_before_output:]) if tokens.size > history_before_output else []
             return logits + mask_row(logits.shape[-1], self.allowed(output))
         return mask
 
@@ -130,7 +136,7 @@ class JsonSkeleton:
         return []
 
 
-class ConstraintSource(DraftSource):
+class ConstraintSource(ProposalSource):
     """Proposes what the constraint already knows, after the pending token."""
 
     def __init__(self, constraint: Any):
@@ -138,31 +144,31 @@ class ConstraintSource(DraftSource):
         self.output: list[int] = []  # accepted output so far (the target's committed tokens)
         self.n_prompt = 0
 
-    def prefill(self, prompt_tokens: list[int], processed: int = 0, hidden: Any = None) -> None:
+    def prefill(self, prompt_tokens: list[int], processed: int = 0, hidden: mx.array | None = None) -> None:
         self.n_prompt = len(prompt_tokens)
 
     def propose(self, pending: int, n: int) -> Proposal:
         return Proposal(self.constraint.forced(self.output + [pending])[:n])
 
-    def commit(self, accepted: list[int], hidden: Any = None) -> None:
+    def commit(self, accepted: list[int], hidden: mx.array | None = None) -> None:
         self.output.extend(accepted)
 
 
-class ConstraintProvider(DraftProvider):
+class ConstraintProvider(ProposalProvider):
     kind = "constraint"
     supports_external_tokens = True
 
     def checkpoint_namespace(self) -> str:
         return "constraint-v1"
 
-    def open(self, target: Any, sampling: Any, constraints: Any = None) -> ConstraintSource:
+    def open(self, target: TargetView, sampling: SamplingParams, constraints: Any = None) -> ConstraintSource:
         if constraints is None:
             raise ValueError("the constraint source needs a constraint")
         return ConstraintSource(constraints)
 
 
-class RowConstraints(DraftRowConstraints):
-    """:class:`DraftRowConstraints` over one constraint per row of a batch."""
+class RowConstraints(RequestConstraints):
+    """:class:`RequestConstraints` over one constraint per row of a batch."""
 
     def __init__(self, constraints: Sequence[Any]):
         self.constraints = list(constraints)

@@ -12,13 +12,18 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from mlxkv.engine.arrays import int_list
 from mlxkv.engine.sampling import SamplingParams
-from mlxkv.engine.speculation.base import DraftProvider, DraftSource, KVState, Proposal
-from mlxkv.engine.speculation.draft_step import CompiledStep
+from mlxkv.engine.speculation.base import KVState, Proposal, ProposalProvider, ProposalSource
+from mlxkv.engine.speculation.draft_step import DraftModelStep
+
+if TYPE_CHECKING:
+    from mlxkv.engine.models import LoadedModel
+    from mlxkv.engine.speculation.base import TargetView
 
 SCHEMA = "draft-kv-v1"
 
@@ -47,7 +52,7 @@ def check_pair(target_tokenizer: Any, draft_tokenizer: Any, draft_model: Any, dr
                             "(sliding window or recurrent layers); use a plain-attention draft model")
 
 
-class DraftModelSource(DraftSource):
+class DraftModelSource(ProposalSource):
     def __init__(self, provider: DraftModelProvider, sampling: SamplingParams | None, vocab: int):
         from mlx_lm.models.cache import make_prompt_cache
 
@@ -70,7 +75,7 @@ class DraftModelSource(DraftSource):
         if isinstance(state, KVState) and state.cache is not None:
             self.cache, self.fed = state.cache, list(state.tokens)
 
-    def prefill(self, prompt_tokens: list[int], processed: int = 0, hidden: Any = None) -> None:
+    def prefill(self, prompt_tokens: list[int], processed: int = 0, hidden: mx.array | None = None) -> None:
         self.target = list(prompt_tokens)
         self._sync()
         self._feed_missing(keep_last=0)
@@ -108,7 +113,7 @@ class DraftModelSource(DraftSource):
         tokens, rows = [], []
         for i in range(n):
             logits = self.step_fn(x, self.cache)
-            if self.greedy:
+            if self.greedy or self.sampler is None:  # (no sampler: greedy)
                 y = mx.argmax(logits, axis=-1)
             else:
                 q = self.sampler.probs(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
@@ -134,9 +139,9 @@ class DraftModelSource(DraftSource):
         if self._proposed is not None:
             missing, out = self._proposed
             self._proposed = None
-            self.fed.extend(missing + out.tolist()[:-1])
+            self.fed.extend(missing + int_list(out)[:-1])
 
-    def commit(self, accepted: list[int], hidden: Any = None) -> None:
+    def commit(self, accepted: list[int], hidden: mx.array | None = None) -> None:
         self.target.extend(accepted)
         self._sync()
 
@@ -152,12 +157,12 @@ class DraftModelSource(DraftSource):
         self.cache = []
 
 
-class DraftModelProvider(DraftProvider):
+class DraftModelProvider(ProposalProvider):
     kind = "draft"
     supports_external_tokens = True  # the draft feeds what it lacks lazily
     needs_hidden = False
 
-    def __init__(self, loaded: Any, target_loaded: Any):
+    def __init__(self, loaded: LoadedModel, target_loaded: LoadedModel):
         self.loaded = loaded
         self.model = loaded.model
         self.label = loaded.label
@@ -166,12 +171,12 @@ class DraftModelProvider(DraftProvider):
         self.weights_bytes = (path.stat().st_size if path.is_file()  # a GGUF file
                               else sum(p.stat().st_size for p in path.glob("*.safetensors")))
         self.fingerprint = loaded.fingerprint
-        self.step = CompiledStep(loaded.model)  # the draft's decode step, shared by its sources
+        self.step = DraftModelStep(loaded.model)  # the draft's decode step, shared by its sources
 
     def checkpoint_namespace(self) -> str:
         return f"{SCHEMA}-{self.fingerprint}-{self.loaded.compute_dtype}"
 
-    def open(self, target: Any, sampling: Any, constraints: Any = None) -> DraftModelSource:
+    def open(self, target: TargetView, sampling: SamplingParams, constraints: Any = None) -> DraftModelSource:
         return DraftModelSource(self, sampling, int(target.vocab_size))
 
     def group(self) -> Any:
@@ -180,7 +185,7 @@ class DraftModelProvider(DraftProvider):
         return SourceRowGroup()
 
 
-def load_draft_provider(spec: str, target_loaded: Any, dtype: str = "auto") -> DraftModelProvider:
+def load_draft_provider(spec: str, target_loaded: LoadedModel, dtype: str = "auto") -> DraftModelProvider:
     from mlxkv.engine.models import ModelNotFoundError, load_model
 
     try:

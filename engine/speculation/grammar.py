@@ -2,7 +2,7 @@
 
 A grammar is llguidance's Lark syntax, which may embed JSON schemas (``%json {...}``): every
 token it does not allow is masked, in plain decoding and in the verifier's accept walk
-alike, and what it forces next (llguidance's fast-forward tokens) is proposed as drafts
+alike, and what it forces next (llguidance's fast-forward tokens) is proposed
 through the constraint source, as ``guided_choice``'s choices are, so a constrained reply
 speculates without changing a token. EOS is allowed exactly when the grammar accepts, and
 once the grammar is complete only EOS is.
@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from mlxkv.engine.mlx_lm_compat import hf_tokenizer
 from mlxkv.engine.speculation.constraints import GuidedChoice
 
 _TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -34,7 +35,7 @@ def ll_tokenizer(tokenizer: Any, n_vocab: int | None = None) -> Any:
     Hugging Face fast tokenizer), with the engine's EOS ids and ``n_vocab`` token ids where
     the model's logits are wider than the vocabulary. Building one reads the whole
     vocabulary, so it is kept for as long as the tokenizer lives."""
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    hf = hf_tokenizer(tokenizer)
     size = len(hf) if hasattr(hf, "__len__") else None
     width = n_vocab if n_vocab is not None and (size is None or n_vocab > size) else None
     with _LOCK:

@@ -1,5 +1,5 @@
 """Speculation from a checkpoint's own multi-token-prediction (MTP) layer (Qwen3-Next,
-Qwen3.5): the drafter is the MTP module, sharing the target's embeddings and LM head and
+Qwen3.5): the proposal source is the MTP module, sharing the target's embeddings and LM head and
 reading the target's last hidden state (after the final norm).
 
 The MTP module takes the pair (h_{p-1}, x_p) (the target's hidden at position p - 1 and
@@ -8,15 +8,15 @@ cache holds one entry per target position, entry p for pair p, so it is stored i
 prefix cache as a plain :class:`KVState` (offset == tokens). Where the target's hidden is
 not known (position 0, the first position after a restored state, positions the target
 took from its own cache without this source's state) the entry has a zero hidden: the
-cache stays aligned, the draft is only less informed there.
+cache stays aligned, the proposal is only less informed there.
 
 ``prefill`` runs the prompt's entries. A round: ``propose(pending, n)`` runs the entries
 the target committed since the last proposal (plain steps queue theirs: a request whose
 policy stopped speculating pays nothing per token) plus (h_last, pending) in one forward,
-then feeds its own output hidden (after ``mtp.norm``) and the drafted token back for depth
+then feeds its own output hidden (after ``mtp.norm``) and the proposed token back for depth
 2..n (greedy, or sampled at the request's temperature with q returned).
 ``commit(accepted, hidden)`` trims the speculative entries and queues the real ones, with
-the target's real hidden rows. Every draft is checked by the verifier, so the MTP can only
+the target's real hidden rows. Every proposed token is checked by the verifier, so the MTP can only
 make decoding faster or slower, never different.
 """
 
@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from mlxkv.engine.arrays import int_item, named_parameters
 from mlxkv.engine.sampling import SamplingParams
-from mlxkv.engine.speculation.base import DraftProvider, DraftSource, KVState, Proposal, TargetView
+from mlxkv.engine.speculation.base import KVState, Proposal, ProposalProvider, ProposalSource, TargetView
 from mlxkv.engine.speculation.mtp_weights import (
     MTP_SCHEMA,
     MTPModule,
@@ -38,6 +39,9 @@ from mlxkv.engine.speculation.mtp_weights import (
     build_mtp_module,
     read_mtp_weights,
 )
+
+if TYPE_CHECKING:
+    from mlxkv.engine.models import LoadedModel
 
 log = logging.getLogger("mlxkv.spec")
 
@@ -74,8 +78,8 @@ def _copy_cache(cache: list, entries: int | None = None) -> list:
     return out
 
 
-class MTPSource(DraftSource):
-    """One request's MTP drafter. Entry p of its KV cache is the pair (h_{p-1}, x_p) of
+class MTPSource(ProposalSource):
+    """One request's MTP source. Entry p of its KV cache is the pair (h_{p-1}, x_p) of
     target position p, with a zero hidden where the target's is not known (position 0, the
     first position after a restored state, positions the target took from its own cache
     without this source's state): so the cache always holds exactly the target's tokens
@@ -89,7 +93,7 @@ class MTPSource(DraftSource):
         self._cache = _new_cache()
         self._history: list[int] = []  # target tokens taken in (one per real entry, run or queued)
         self._last: mx.array | None = None  # [1, D]: target hidden of the last position
-        self._real = 0  # cache entries that are real (the rest are this round's drafts)
+        self._real = 0  # cache entries that are real (the rest are this round's proposals)
         self._queue_h: list[mx.array] = []  # real entries not yet run: hidden rows ...
         self._queue_t: list[int] = []  # ... and their tokens
         self._proposed_for: int | None = None  # pending token whose entry follows the real ones
@@ -133,12 +137,13 @@ class MTPSource(DraftSource):
 
     def _run(self, hidden: mx.array, tokens: list[int]) -> mx.array:
         """Entries through the MTP layer, CHUNK at a time; the output hidden [1, t, D] of the last chunk."""
-        out = None
+        out: mx.array | None = None
         for start in range(0, len(tokens), CHUNK):
             e = self._embed(mx.array([tokens[start:start + CHUNK]]))
             out = self._mtp(e, hidden[None, start:start + CHUNK], self._cache)
             if start + CHUNK < len(tokens):
                 mx.eval(out, self._cache[0].keys, self._cache[0].values)
+        assert out is not None  # never called without tokens
         return out
 
     def _drain(self) -> tuple[mx.array | None, list[int]]:
@@ -154,7 +159,7 @@ class MTPSource(DraftSource):
         self._trim_to(self._real)
         self._proposed_for = None
         hidden, tokens = self._drain()
-        if tokens:
+        if hidden is not None:  # (tokens were queued)
             out = self._run(hidden, tokens)
             mx.eval(out, self._cache[0].keys, self._cache[0].values)
             self._real += len(tokens)
@@ -197,7 +202,7 @@ class MTPSource(DraftSource):
         first = max(start, processed)
         self._take(prompt[first:], None if rows is None else rows[first - processed:])
         # The prompt's entries run now, as part of the prefill: run with the first proposal
-        # instead, they would count as that round's drafting cost (and decode time), and the
+        # instead, they would count as that round's proposing cost (and decode time), and the
         # length policy would take MTP for slower than it is.
         self._flush()
 
@@ -213,7 +218,7 @@ class MTPSource(DraftSource):
         g = self._run(hidden, tokens)[:, -1:, :]
         self._real += len(tokens) - 1
         self._proposed_for = int(pending)
-        drafts, probs = [], []
+        proposed, probs = [], []
         for depth in range(n):
             logits = self._head(g)[0, -1].astype(mx.float32)
             if self._temperature > 0:
@@ -223,11 +228,11 @@ class MTPSource(DraftSource):
                 probs.append(mx.softmax(scaled, axis=-1))
             else:
                 token = mx.argmax(logits, axis=-1)
-            drafts.append(token)
-            if depth + 1 < n:  # feed back the MTP's own output hidden with the drafted token
+            proposed.append(token)
+            if depth + 1 < n:  # feed back the MTP's own output hidden with the proposed token
                 g = self._mtp(self._embed(token.reshape(1, 1)), g, self._cache)
-        mx.eval(drafts, probs)
-        return Proposal([int(t.item()) for t in drafts], mx.stack(probs) if probs else None)
+        mx.eval(proposed, probs)
+        return Proposal([int_item(t) for t in proposed], mx.stack(probs) if probs else None)
 
     def commit(self, accepted: list[int], hidden: mx.array | None = None) -> None:
         if not accepted:
@@ -296,7 +301,7 @@ class MTPCacheModel:
         return self.module(e, mx.zeros(e.shape, dtype=e.dtype), cache if cache is not None else _new_cache())
 
 
-class MTPProvider(DraftProvider):
+class MTPProvider(ProposalProvider):
     """The MTP layer of one loaded target."""
 
     kind = "mtp"
@@ -304,18 +309,17 @@ class MTPProvider(DraftProvider):
     needs_hidden = True
 
     def __init__(self, module: MTPModule, weights: MTPWeights, embed_tokens: Any):
-        from mlx.utils import tree_flatten
 
         self.module = module
         self.model = MTPCacheModel(module, embed_tokens)
         self.fingerprint = weights.fingerprint
         self.files = weights.files
-        self.weights_bytes = sum(p.nbytes for _, p in tree_flatten(module.parameters()))
+        self.weights_bytes = sum(p.nbytes for _, p in named_parameters(module))
 
     def checkpoint_namespace(self) -> str:
         return f"{MTP_SCHEMA}-{self.fingerprint}"
 
-    def open(self, target: TargetView, sampling: Any, constraints: Any = None) -> MTPSource:
+    def open(self, target: TargetView, sampling: SamplingParams, constraints: Any = None) -> MTPSource:
         return MTPSource(self, target, sampling)
 
 
@@ -328,8 +332,8 @@ def _declared_layers(config: dict) -> int:
     return 0
 
 
-def load_mtp_provider(loaded: Any) -> MTPProvider | None:
-    """The MTP drafter of ``loaded`` (an ``engine.models.LoadedModel``), or None when its
+def load_mtp_provider(loaded: LoadedModel) -> MTPProvider | None:
+    """The MTP provider of ``loaded`` (an ``engine.models.LoadedModel``), or None when its
     checkpoint has no ``mtp.*`` weights. Raises :class:`MTPWeightsError` (a ValueError)
     when they are there but cannot be used. Call on the engine thread."""
     try:

@@ -132,6 +132,7 @@ def read_mtp_weights(folder: str | os.PathLike) -> MTPWeights | None:
         try:
             for key in names:
                 short = _mtp_name(key)
+                assert short is not None  # names holds MTP tensors only
                 if short in tensors:
                     raise MTPWeightsError(f"{root}: MTP tensor {key!r} appears twice")
                 arr, data = _read(fd, base, key, header[key], path)

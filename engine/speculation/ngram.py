@@ -11,9 +11,15 @@ conversation rebuilds it in its prefill from the prompt: there is no other state
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mlxkv.engine.speculation.base import DraftProvider, DraftRowGroup, DraftSource, Proposal
+from mlxkv.engine.speculation.base import Proposal, ProposalProvider, ProposalRowGroup, ProposalSource
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+
+    from mlxkv.engine.sampling import SamplingParams
+    from mlxkv.engine.speculation.base import TargetView
 
 SCHEMA = "ngram-v1"
 
@@ -55,24 +61,24 @@ class NgramIndex:
         return []
 
 
-class NgramSource(DraftSource):
+class NgramSource(ProposalSource):
     def __init__(self, min_n: int, max_n: int):
         self.index = NgramIndex(min_n, max_n)
 
-    def prefill(self, prompt_tokens: list[int], processed: int = 0, hidden: Any = None) -> None:
+    def prefill(self, prompt_tokens: list[int], processed: int = 0, hidden: mx.array | None = None) -> None:
         self.index.extend(prompt_tokens[len(self.index.tokens):])
 
     def propose(self, pending: int, n: int) -> Proposal:
         return Proposal(self.index.lookup(pending, n))
 
-    def commit(self, accepted: list[int], hidden: Any = None) -> None:
+    def commit(self, accepted: list[int], hidden: mx.array | None = None) -> None:
         self.index.extend(accepted)
 
     def consume(self, tokens: Sequence[int]) -> None:
         self.index.extend(tokens)
 
 
-class NgramProvider(DraftProvider):
+class NgramProvider(ProposalProvider):
     kind = "ngram"
     weights_bytes = 0
     supports_external_tokens = True
@@ -85,14 +91,14 @@ class NgramProvider(DraftProvider):
     def checkpoint_namespace(self) -> str:
         return f"{SCHEMA}-n{self.min_n}-{self.max_n}"
 
-    def open(self, target: Any, sampling: Any, constraints: Any = None) -> NgramSource:
+    def open(self, target: TargetView, sampling: SamplingParams, constraints: Any = None) -> NgramSource:
         return NgramSource(self.min_n, self.max_n)
 
-    def group(self) -> DraftRowGroup:
+    def group(self) -> ProposalRowGroup:
         return NgramRowGroup()
 
 
-def NgramRowGroup() -> DraftRowGroup:  # noqa: N802  (the group type of this provider)
+def NgramRowGroup() -> ProposalRowGroup:  # noqa: N802  (the group type of this provider)
     from mlxkv.engine.speculation.rows import SourceRowGroup
 
     return SourceRowGroup()

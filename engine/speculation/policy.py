@@ -1,8 +1,8 @@
 """How long a proposal to ask for, and whether to speculate at all.
 
 Per request and source, :class:`LengthController` keeps running estimates of the
-acceptance rate a (per drafted token), the time of a plain step t1 and the marginal cost m
-of each drafted token (drafting plus the wider verify). A round of k drafts yields
+acceptance rate a (per proposed token), the time of a plain step t1 and the marginal cost m
+of each proposed token (proposing plus the wider verify). A round of k proposed tokens yields
 E(k) = (1 - a^(k+1)) / (1 - a) tokens in t1 + m*k, so it asks for the k in 0..max that
 maximises E(k) / (t1 + m*k). k = 0 is a plain step: when speculation would be slower it
 stops, then probes again after a back-off that doubles each time the probe loses, so a
@@ -10,7 +10,7 @@ lone request never pays for speculation for long.
 
 A :class:`SourceMemory` (one per loaded source and sampling regime, kept by the provider)
 carries what requests learned to the next one: acceptance, the cost of a plain step and
-of a drafted token, the proposal length, and the back-off. A new request starts from
+of a proposed token, the proposal length, and the back-off. A new request starts from
 them: at the length that paid, without measuring a plain step first; or, for a source
 that lost, off, probing again after at most ``NEW_REQUEST_PROBE_AFTER`` plain steps (a
 new prompt may be one it pays on), then backing off from where the last request left. A
@@ -134,7 +134,7 @@ class LengthController:
         if not self.adaptive:
             return self.initial
         if self.plain_s is None:
-            # One plain step first when the cost of a drafted token is known before the plain
+            # One plain step first when the cost of a proposed token is known before the plain
             # step: measure both.
             return self._k if self._rounds == 0 or self.per_draft_s is None else 0
         return self._k
@@ -177,29 +177,29 @@ class LengthController:
             self._empty = True
             self._off_at, self._off_len = self._tokens, self._off_left
 
-    def record(self, drafted: int, accepted: int, seconds: float) -> None:
-        """A round of ``drafted`` proposals, ``accepted`` of them kept, took ``seconds``."""
+    def record(self, proposed: int, accepted: int, seconds: float) -> None:
+        """A round of ``proposed`` tokens, ``accepted`` of them kept, took ``seconds``."""
         self._rounds += 1
-        if drafted:
+        if proposed:
             self._tokens += accepted + 1
         elif self._in_block:
             self._in_block = False  # the block's steps were counted when handed out
         else:
             self._tokens += 1
-        if drafted == 0:
+        if proposed == 0:
             self.plain_s = seconds if self.plain_s is None else 0.8 * self.plain_s + 0.2 * seconds
             return
         self._empty_run = 0
         self._empty = False
         if accepted:
             self._empty_backoff = 8
-        rate = accepted / drafted
+        rate = accepted / proposed
         self.acceptance = 0.7 * self.acceptance + 0.3 * rate
         if self.plain_s is not None:
-            m = max(seconds - self.plain_s, 0.0) / drafted
+            m = max(seconds - self.plain_s, 0.0) / proposed
             self.per_draft_s = m if self.per_draft_s is None else 0.7 * self.per_draft_s + 0.3 * m
         else:
-            m = seconds / (drafted + 1)
+            m = seconds / (proposed + 1)
             self.per_draft_s = m if self.per_draft_s is None else 0.7 * self.per_draft_s + 0.3 * m
         if not self.adaptive or self.plain_s is None:
             return
@@ -215,6 +215,6 @@ class LengthController:
             if best > 0 and self._backoff > FIRST_BACKOFF:
                 self._backoff = max(FIRST_BACKOFF, self._backoff // 2)
             self._k = max(best, 1)
-            if accepted == drafted and drafted >= self._k:
+            if accepted == proposed and proposed >= self._k:
                 # A fully accepted window says little about longer ones: grow geometrically.
-                self._k = min(self.maximum, max(self._k, 2 * drafted))
+                self._k = min(self.maximum, max(self._k, 2 * proposed))

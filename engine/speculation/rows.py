@@ -1,4 +1,4 @@
-"""Grouped rows: the :class:`DraftRowGroup` of a batch, one :class:`DraftSource` per row.
+"""Grouped rows: the :class:`ProposalRowGroup` of a batch, one :class:`ProposalSource` per row.
 
 Each row keeps its own source (an n-gram index, a draft model's KV), so rows join and
 leave between rounds without touching the others; proposals are ragged (the verifier
@@ -13,18 +13,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from mlxkv.engine.speculation.base import DraftRowConstraints, DraftRowGroup, DraftSource, Proposal
+from mlxkv.engine.arrays import int_list
+from mlxkv.engine.speculation.base import Proposal, ProposalRowGroup, ProposalSource, RequestConstraints
 
 
-class SourceRowGroup(DraftRowGroup):
-    def __init__(self, constraints: DraftRowConstraints | None = None) -> None:
-        self.rows: list[DraftSource] = []
+class SourceRowGroup(ProposalRowGroup):
+    def __init__(self, constraints: RequestConstraints | None = None) -> None:
+        self.rows: list[ProposalSource] = []
         self.constraints = constraints
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    def append(self, rows: Sequence[DraftSource]) -> None:
+    def append(self, rows: Sequence[ProposalSource]) -> None:
         self.rows.extend(rows)
 
     def filter_rows(self, keep: Sequence[int]) -> None:
@@ -35,19 +36,19 @@ class SourceRowGroup(DraftRowGroup):
 
     def proposals(self, pending: Sequence[int], depth: int,
                   limits: Sequence[int] | None = None) -> list[Proposal]:
-        """Each row's :class:`Proposal` (tokens filled in, with the draft distribution of
-        sources that sample), at most ``limits[i]`` (else ``depth``) tokens. Drafts a source
+        """Each row's :class:`Proposal` (tokens filled in, with the proposal distribution of
+        sources that sample), at most ``limits[i]`` (else ``depth``) tokens. Tokens a source
         left unevaluated (a draft model's steps) are evaluated together, in one graph."""
         if len(pending) != len(self.rows):
             raise ValueError(f"{len(pending)} pending tokens for {len(self.rows)} rows")
         out: list[Proposal] = []
-        for i, (row, p) in enumerate(zip(self.rows, pending)):
+        for i, (row, token) in enumerate(zip(self.rows, pending)):
             n = depth if limits is None else min(depth, int(limits[i]))
             forced = self.constraints.propose(i, n) if self.constraints is not None and n > 0 else []
             if forced:
                 out.append(Proposal(list(forced)[:n]))
             else:
-                out.append(row.propose(int(p), n) if n > 0 else Proposal([]))
+                out.append(row.propose(int(token), n) if n > 0 else Proposal([]))
         lazy = [p.lazy for p in out if p.lazy is not None]
         if lazy:
             import mlx.core as mx
@@ -55,7 +56,7 @@ class SourceRowGroup(DraftRowGroup):
             mx.eval(lazy)
             for p in out:
                 if p.lazy is not None:
-                    p.tokens, p.lazy = [int(t) for t in p.lazy.tolist()], None
+                    p.tokens, p.lazy = [int(t) for t in int_list(p.lazy)], None
         for p in out:
             if len(p.tokens) > depth:
                 p.tokens = list(p.tokens[:depth])

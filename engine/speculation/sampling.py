@@ -11,15 +11,16 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from mlxkv.engine.sampling import request_processors, request_sampler
+from mlxkv.engine.arrays import float_list, int_list
+from mlxkv.engine.sampling import SamplingParams, request_processors, request_sampler
 
 
 class TargetSampler:
-    """Samples the target at every position of ``[pending] + drafts`` at once. ``history`` is
+    """Samples the target at every position of ``[pending] + proposed`` at once. ``history`` is
     every token the target has been fed before the window (prompt and output); processors
     see it plus the window's tokens up to that position, as ``generate_step`` would."""
 
-    def __init__(self, params: Any, history: Sequence[int], constraint: Any = None):
+    def __init__(self, params: SamplingParams, history: Sequence[int], constraint: Any = None):
         self.temperature = float(params.temperature)
         self.greedy = self.temperature == 0
         self.sampler = request_sampler(params)
@@ -100,8 +101,8 @@ def top_logprobs(logprobs: mx.array, n: int) -> tuple[tuple[int, float], ...]:
     idx = mx.argpartition(-logprobs, kth=n - 1)[:n]
     vals = logprobs[idx]
     order = mx.argsort(-vals)
-    idx, vals = idx[order].tolist(), vals[order].tolist()
-    return tuple((int(i), float(v)) for i, v in zip(idx, vals))
+    ids, values = int_list(idx[order]), float_list(vals[order])
+    return tuple((int(i), float(v)) for i, v in zip(ids, values))
 
 
 def _categorical(probs: mx.array) -> mx.array:
@@ -110,24 +111,24 @@ def _categorical(probs: mx.array) -> mx.array:
     return mx.random.categorical(logits)
 
 
-def rejection_walk_rows(p: mx.array, q: mx.array, drafts: mx.array, lengths: mx.array | None = None
+def rejection_walk_rows(p: mx.array, q: mx.array, proposed: mx.array, lengths: mx.array | None = None
                         ) -> tuple[mx.array, mx.array]:
     """Speculative rejection sampling (Leviathan et al., Alg. 1) over B windows at once.
 
     ``p`` [B, k+1, V]: the target's sampling distribution at each position of
-    ``[pending] + drafts``; ``q`` [B, k, V]: the distributions ``drafts`` [B, k] were drawn
-    from; ``lengths`` [B]: drafts per row (ragged rows are right-padded; None = k). Draft i
-    is kept with probability min(1, p_i(d)/q_i(d)); the first rejected position is
-    resampled from the normalised residual max(0, p - q); a row that keeps all its drafts
+    ``[pending] + proposed``; ``q`` [B, k, V]: the distributions ``proposed`` [B, k] were drawn
+    from; ``lengths`` [B]: proposed tokens per row (ragged rows are right-padded; None = k).
+    Token i is kept with probability min(1, p_i(d)/q_i(d)); the first rejected position is
+    resampled from the normalised residual max(0, p - q); a row that keeps all its proposed tokens
     gets a bonus token from p at its length. Returns (accepted [B], next token [B]); the
     emitted tokens are then distributed exactly as sampling p one token at a time."""
-    b, k = drafts.shape
+    b, k = proposed.shape
     if lengths is None:
         lengths = mx.full((b,), k, dtype=mx.int32)
     if k == 0:
         return mx.zeros((b,), dtype=mx.int32), _categorical(p[:, 0])
-    pd = mx.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]
-    qd = mx.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    pd = mx.take_along_axis(p[:, :k], proposed[..., None], axis=-1)[..., 0]
+    qd = mx.take_along_axis(q, proposed[..., None], axis=-1)[..., 0]
     u = mx.random.uniform(shape=(b, k))
     inside = mx.arange(k)[None] < lengths[:, None]
     keep = (u * qd < pd) & inside  # u < p/q without dividing by a zero q

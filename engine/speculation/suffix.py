@@ -27,13 +27,19 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from mlxkv.engine.logs import warn_once
-from mlxkv.engine.speculation.base import DraftProvider, DraftRowGroup, DraftSource, Proposal
+from mlxkv.engine.speculation.base import Proposal, ProposalProvider, ProposalRowGroup, ProposalSource
 from mlxkv.engine.speculation.suffix_index import LENGTHS, SuffixIndex, match_length, propose_path
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+
+    from mlxkv.engine.sampling import SamplingParams
+    from mlxkv.engine.speculation.base import TargetView
 
 log = logging.getLogger("mlxkv.spec")
 
@@ -43,11 +49,9 @@ SCHEMA = "suffix-outputs-v1"
 LEARNED_NAME = "suffix"  # the learned file's name in the cache folder's namespace
 ALPHA = 2.0  # a proposal is at most ALPHA times as deep as the match it continues
 MIN_SCORE = 0.3  # a proposal stops where its path probability falls below this
-# Nothing is proposed after a match of one token: in an episode of the agent trace on the
-# real model (bench.agent_trace, turns 3-7, every position of the replies), the token
-# that followed an earlier occurrence of the last token alone came next 19% of the time
-# (32 cases), against 50% after 2-3 matching tokens, 73% after 4 and 90% or more after 6;
-# a round verified at 19% costs more than the plain step it replaces.
+# Nothing is proposed after a match of one token: what followed an earlier occurrence of
+# the last token alone comes next too rarely for a round to cost less than the plain step
+# it replaces; matches of two tokens and more predict far better.
 MIN_MATCH = 2
 GLOBAL_TOKENS = 32768  # output tokens the global index keeps (about 1 KiB of index each)
 # A plain stretch (speculation paused because it lost) ends early where the text's end
@@ -55,14 +59,14 @@ GLOBAL_TOKENS = 32768  # output tokens the global index keeps (about 1 KiB of in
 PROBE_MATCH = 8
 
 
-class SuffixSource(DraftSource):
+class SuffixSource(ProposalSource):
     sizes_itself = True
 
     def __init__(self, provider: SuffixProvider):
         self.provider = provider
         self.local = SuffixIndex(provider.lengths)
 
-    def prefill(self, prompt_tokens: list[int], processed: int = 0, hidden: Any = None) -> None:
+    def prefill(self, prompt_tokens: list[int], processed: int = 0, hidden: mx.array | None = None) -> None:
         self.local.extend(prompt_tokens[len(self.local.tokens):])
 
     def propose(self, pending: int, n: int) -> Proposal:
@@ -72,7 +76,7 @@ class SuffixSource(DraftSource):
                                  min_score=p.min_score, min_match=p.min_match)
         return Proposal(tokens)
 
-    def commit(self, accepted: list[int], hidden: Any = None) -> None:
+    def commit(self, accepted: list[int], hidden: mx.array | None = None) -> None:
         self.local.extend(accepted)
 
     def worth_probing(self) -> bool:
@@ -92,7 +96,7 @@ class SuffixSource(DraftSource):
         self.local = SuffixIndex(self.provider.lengths)
 
 
-class SuffixProvider(DraftProvider):
+class SuffixProvider(ProposalProvider):
     kind = "suffix"
     weights_bytes = 0
     supports_external_tokens = True
@@ -100,9 +104,7 @@ class SuffixProvider(DraftProvider):
     schema = SCHEMA
     # A proposal costs nothing to make and stops by itself where the match is short or the
     # path unlikely (ALPHA, MIN_SCORE): a file or a tool call repeated whole is verified in
-    # windows of up to 33 tokens, where a verified token costs least (the real model at
-    # 2,000 tokens of context, one core: 16 ms a token 17 wide, 12 ms 33 wide; a plain step
-    # 70 ms).
+    # windows of up to 33 tokens, where a verified token costs least.
     proposal_tokens = 32
 
     def __init__(self, *, lengths: Sequence[int] = LENGTHS, alpha: float = ALPHA,
@@ -126,7 +128,7 @@ class SuffixProvider(DraftProvider):
         return f"suffix-v2-l{'-'.join(map(str, self.lengths))}"
 
     # the global index ---------------------------------------------------------------
-    def learn(self, output: Sequence[int]) -> None:
+    def learn(self, output: Sequence[int] | np.ndarray) -> None:
         """Add a finished request's output to the global index; forget the oldest outputs
         beyond ``global_tokens`` tokens (engine thread)."""
         if not self.global_tokens or not len(output):
@@ -195,10 +197,10 @@ class SuffixProvider(DraftProvider):
         cache.keep_learned(namespace, LEARNED_NAME, self)
 
     # sources ------------------------------------------------------------------------
-    def open(self, target: Any, sampling: Any, constraints: Any = None) -> SuffixSource:
+    def open(self, target: TargetView, sampling: SamplingParams, constraints: Any = None) -> SuffixSource:
         return SuffixSource(self)
 
-    def group(self) -> DraftRowGroup:
+    def group(self) -> ProposalRowGroup:
         from mlxkv.engine.speculation.rows import SourceRowGroup
 
         return SourceRowGroup()

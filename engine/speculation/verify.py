@@ -1,9 +1,9 @@
 """The verifier: speculative decoding of one request, token for token what plain decoding
 of the same request produces (greedy), or the same distribution (sampling).
 
-Each round feeds the target ``[pending] + drafts`` in one forward pass, samples the target
+Each round feeds the target ``[pending] + proposed`` in one forward pass, samples the target
 at every position through the request's processors and sampler, and walks the window:
-greedy and exact-match sources (n-gram, constraints) keep drafts while they equal the
+greedy and exact-match sources (n-gram, constraints) keep proposed tokens while they equal the
 target's token; sources that give their distribution go through rejection sampling. The
 first disagreement yields the target's own token (the correction); a fully accepted window
 yields one more (the bonus). Rejected positions leave the target's cache: trimmable layers
@@ -25,13 +25,16 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxkv.engine.arrays import int_item, int_list
 from mlxkv.engine.decoding import decode_step
-from mlxkv.engine.speculation.base import DraftSource, Proposal
+from mlxkv.engine.sampling import SamplingParams
+from mlxkv.engine.speculation.base import Proposal, ProposalSource
 from mlxkv.engine.speculation.policy import LengthController
 from mlxkv.engine.speculation.sampling import TargetSampler, rejection_walk_rows
 
 
-def _trace_enabled() -> bool:
+def trace_enabled() -> bool:
+    """Whether MLXKV_SPEC_TRACE asks speculation to print every round on stderr."""
     return os.environ.get("MLXKV_SPEC_TRACE", "").lower() in ("1", "true", "yes", "on")
 
 
@@ -88,7 +91,7 @@ class _CacheRollback:
 
 
 class SpecStats:
-    """Per-request figures: what was drafted and kept, by position, and where time went."""
+    """Per-request figures: what was proposed and kept, by position, and where time went."""
 
     def __init__(self, source: str):
         self.source = source
@@ -141,7 +144,7 @@ class SpecStream:
     inside a chunk)."""
 
     def __init__(self, model: Any, prompt_tokens: Sequence[int], n_cached: int, cache: list,
-                 params: Any, source: DraftSource, controller: LengthController, *,
+                 params: SamplingParams, source: ProposalSource, controller: LengthController, *,
                  kind: str, target_view: Any = None, needs_hidden: bool = False,
                  on_progress: Callable[[int, int], None] | None = None, constraint: Any = None,
                  eos: Collection[int] = (),
@@ -161,8 +164,8 @@ class SpecStream:
         self.between_layers = between_layers
         self.kv_tokens: list[int] = list(self.prompt[:n_cached])
         self.stats = SpecStats(kind)
-        self.trace = _trace_enabled()
-        self._gen: Iterator | None = None
+        self.trace = trace_enabled()
+        self._gen: Generator[tuple[int, mx.array], None, None] | None = None
         self._pending: int | None = None  # the last token yielded, when it is not in the cache
 
     # forward passes ------------------------------------------------------------------
@@ -206,7 +209,7 @@ class SpecStream:
         if self._gen is not None:
             self._gen.close()
 
-    def _run(self) -> Iterator[tuple[int, mx.array]]:
+    def _run(self) -> Generator[tuple[int, mx.array], None, None]:
         try:
             yield from self._rounds()
         except GeneratorExit:
@@ -224,7 +227,7 @@ class SpecStream:
         lp = sampler.logprobs(logits, [])
         first = sampler.sample(lp)
         mx.eval(first, lp)
-        pending = int(first.item())
+        pending = int_item(first)
         self.on_progress(len(self.prompt) - self.n_cached, len(self.prompt) - self.n_cached)
         t = time.perf_counter()
         self.source.prefill(self.prompt, self.n_cached, hidden)
@@ -269,47 +272,51 @@ class SpecStream:
                     print(f"mlxkv spec: fed=[{fed}] drafts=[] (a plain step) next={pending}", file=sys.stderr,
                           flush=True)
                 continue
-            t_drafted = time.perf_counter()
+            assert proposal is not None  # off == 0 here: a proposal was asked for
+            t_proposed = time.perf_counter()
             if proposal.lazy is not None and proposal.lazy.shape[0] > 0 and k > 0 and pipelined:
-                accepted, nxt, drafts, window, lp, hidden, snapshot = self._lazy_round(
+                accepted, nxt, proposed, window, lp, hidden, snapshot = self._lazy_round(
                     sampler, proposal, pending, k, rollback)
             else:
                 if proposal.lazy is not None:
-                    proposal.tokens = proposal.lazy.tolist()
-                drafts = [int(x) for x in proposal.tokens[:max(k, 0)]]
-                if k > 0 and not drafts:
+                    proposal.tokens = int_list(proposal.lazy)
+                proposed = [int(x) for x in proposal.tokens[:max(k, 0)]]
+                if k > 0 and not proposed:
                     self.controller.empty()
-                window = [pending] + drafts
-                snapshot = rollback.snapshot() if drafts and rollback.snap else []
+                window = [pending] + proposed
+                snapshot = rollback.snapshot() if proposed and rollback.snap else []
                 logits, hidden = self._forward(window)
                 lp = sampler.logprobs(logits, window)
-                accepted, nxt = self._walk(sampler, lp, proposal, drafts)
+                accepted, nxt = self._walk(sampler, lp, proposal, proposed)
             t_verified = time.perf_counter()
             self.stats.forwards += 1
             keep = 1 + accepted
             if keep < len(window):
-                rollback.rollback(len(window), keep, snapshot, lambda n, w=window: self._replay(w[:n]))
+                def replay(n: int, w: list[int] = window) -> None:
+                    self._replay(w[:n])
+
+                rollback.rollback(len(window), keep, snapshot, replay)
             kept = window[:keep]
             self.kv_tokens.extend(kept)
             sampler.advance(kept)
             t_c = time.perf_counter()
             self.source.commit(kept, hidden[:keep] if hidden is not None else None)
             t_done = time.perf_counter()
-            # Drafts after an end-of-sequence token could never be emitted: not counted as
-            # drafted, so a reply's last round does not read as a run of rejections.
-            counted = next((j + 1 for j, d in enumerate(drafts) if d in self.eos), len(drafts))
+            # Proposed tokens after an end-of-sequence token could never be emitted: not counted
+            # as proposed, so a reply's last round does not read as a run of rejections.
+            counted = next((j + 1 for j, d in enumerate(proposed) if d in self.eos), len(proposed))
             self.stats.record(counted, min(accepted, counted))
             self.stats.tokens += keep
-            self.stats.draft_s += (t_drafted - t_round) + (t_done - t_c)
-            self.stats.verify_s += t_verified - t_drafted
+            self.stats.draft_s += (t_proposed - t_round) + (t_done - t_c)
+            self.stats.verify_s += t_verified - t_proposed
             self.stats.other_s += t_c - t_verified
             self.controller.record(counted, min(accepted, counted), t_done - t_round)
             if self.trace:
-                print(f"mlxkv spec: fed={window} drafts={drafts} accepted={accepted} next={nxt}",
+                print(f"mlxkv spec: fed={window} drafts={proposed} accepted={accepted} next={nxt}",
                       file=sys.stderr, flush=True)
             self._pending = None  # the consumer may stop among tokens already in the cache
             for j in range(accepted):
-                yield drafts[j], lp[j]
+                yield proposed[j], lp[j]
             emitted += accepted + 1
             pending = self._pending = nxt
             yield pending, lp[accepted]
@@ -320,7 +327,7 @@ class SpecStream:
         (the next forward is queued before the current token is read), through the model's
         compiled step as plain decoding's (``engine.decoding``). The block ends early, one
         token later, when the source says a long earlier run is being repeated
-        (``DraftSource.worth_probing``). Returns the new pending token (sampled, yielded, not
+        (``ProposalSource.worth_probing``). Returns the new pending token (sampled, yielded, not
         fed) and the tokens it yielded."""
         forward = decode_step(self.model)
 
@@ -337,7 +344,7 @@ class SpecStream:
             if not last:
                 nt, nlp = step(t)
                 mx.async_eval(nt, nlp)
-            tok = int(t.item())
+            tok = int_item(t)
             if last:
                 self._pending = tok
             else:
@@ -361,9 +368,11 @@ class SpecStream:
         self.stats.tokens += 1
 
     def _lazy_round(self, sampler: TargetSampler, proposal: Proposal, pending: int, k: int,
-                    rollback: _CacheRollback) -> tuple:
-        """The draft's steps, the target's forward over [pending] + drafts and the walk as one
-        graph, evaluated once (no processors or constraint need the draft tokens' values)."""
+                    rollback: _CacheRollback
+                    ) -> tuple[int, int, list[int], list[int], mx.array, mx.array | None, list[list]]:
+        """The source's steps, the target's forward over [pending] + proposed and the walk as one
+        graph, evaluated once (no processors or constraint need the proposed tokens' values)."""
+        assert proposal.lazy is not None  # the caller checked
         lazy = proposal.lazy[:k].astype(mx.int32)
         n = lazy.shape[0]
         snapshot = rollback.snapshot() if rollback.snap else []
@@ -377,34 +386,34 @@ class SpecStream:
         if sampler.greedy or proposal.probs is None:
             targets = sampler.sample(lp)
             mx.eval(targets, lazy, lp)
-            drafts, got = lazy.tolist(), targets.tolist()
-            accepted = next((j for j, d in enumerate(drafts) if got[j] != d), n)
+            proposed, got = int_list(lazy), int_list(targets)
+            accepted = next((j for j, d in enumerate(proposed) if got[j] != d), n)
             nxt = got[accepted]
         else:
             p = sampler.probs(lp)[None]
             q = proposal.probs.astype(mx.float32)[None, :n]
             acc, nx = rejection_walk_rows(p, q, lazy[None])
             mx.eval(acc, nx, lazy, lp)
-            drafts, accepted, nxt = lazy.tolist(), int(acc.item()), int(nx.item())
-        proposal.tokens = drafts
-        return accepted, nxt, drafts, [pending] + drafts, lp, hidden, snapshot
+            proposed, accepted, nxt = int_list(lazy), int_item(acc), int_item(nx)
+        proposal.tokens = proposed
+        return accepted, nxt, proposed, [pending] + proposed, lp, hidden, snapshot
 
     def _walk(self, sampler: TargetSampler, lp: mx.array, proposal: Proposal,
-              drafts: list[int]) -> tuple[int, int]:
-        """(accepted drafts, the token that follows them)."""
-        if sampler.greedy or proposal.probs is None or not drafts:
+              proposed: list[int]) -> tuple[int, int]:
+        """(accepted proposed tokens, the token that follows them)."""
+        if sampler.greedy or proposal.probs is None or not proposed:
             targets = sampler.sample(lp)
             mx.eval(targets)
-            got = targets.tolist()
-            for j, d in enumerate(drafts):
+            got = int_list(targets)
+            for j, d in enumerate(proposed):
                 if got[j] != d:
                     return j, got[j]
-            return len(drafts), got[len(drafts)]
+            return len(proposed), got[len(proposed)]
         p = sampler.probs(lp)[None]
-        q = proposal.probs.astype(mx.float32)[None, : len(drafts)]
-        accepted, nxt = rejection_walk_rows(p, q, mx.array([drafts]))
+        q = proposal.probs.astype(mx.float32)[None, : len(proposed)]
+        accepted, nxt = rejection_walk_rows(p, q, mx.array([proposed]))
         mx.eval(accepted, nxt)
-        return int(accepted.item()), int(nxt.item())
+        return int_item(accepted), int_item(nxt)
 
     def summary(self) -> dict:
         d = self.stats.as_dict()
