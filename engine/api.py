@@ -5,7 +5,7 @@ the prefix cache's views and upkeep, tokenizing, engine-wide events and the life
 :class:`CacheViews` is the part the cache inspector needs; an object standing between a
 front end and its engine (the TUI's bridge) offers that part alone. Every front end holds
 its engine as one of these, never as ``engine.engine.Engine``, so the engine may change
-inside as long as this holds; the check at the end of this module has mypy hold
+inside as long as this holds; a check at the end of ``engine/engine.py`` has mypy hold
 :class:`~engine.engine.Engine` to it.
 
 The figures are the engine's dictionaries as they are at run time, described by
@@ -301,10 +301,3 @@ class EngineAPI(CacheViews, Protocol):
     def chat_template(self, markers: Sequence[str] = ..., timeout: float | None = ...
                       ) -> tuple[str | None, list[str], str | None]: ...
 
-
-if TYPE_CHECKING:
-    from mlxkv.engine.engine import Engine
-
-    def _engine_is_an_engine_api(engine: Engine) -> EngineAPI:
-        """Never called: mypy checks that :class:`Engine` offers all of :class:`EngineAPI`."""
-        return engine

@@ -62,7 +62,15 @@ from mlxkv.engine.snapshot import Publisher
 from mlxkv.engine.thread import EngineThread
 
 if TYPE_CHECKING:
-    from mlxkv.engine.api import DistributedInfo, EngineStats, FlushReport, GCReport, ModelInfo, VerifyReport
+    from mlxkv.engine.api import (
+        DistributedInfo,
+        EngineAPI,
+        EngineStats,
+        FlushReport,
+        GCReport,
+        ModelInfo,
+        VerifyReport,
+    )
     from mlxkv.engine.cache.info import CacheEntryDetail, CacheEntryInfo
     from mlxkv.engine.models import LoadedModel
     from mlxkv.engine.scheduler import Scheduler
@@ -394,3 +402,9 @@ class Engine:
                                     self._thread.load_wait, self.max_batch, self._publisher)
         self.runtime = runtime
         self._listeners.publish(ready_event())
+
+
+if TYPE_CHECKING:
+    def _offers_the_engine_api(engine: Engine) -> EngineAPI:
+        """Never called: mypy checks that :class:`Engine` offers all the front ends may call."""
+        return engine
