@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from textual.app import App, SystemCommand
 from textual.binding import Binding
@@ -46,6 +46,9 @@ from mlxkv.tui.messages import (
     EngineWarning,
     OpenConversation,
 )
+
+if TYPE_CHECKING:
+    from mlxkv.engine.settings import Settings
 
 log = logging.getLogger("mlxkv.tui")
 CACHE_REFRESH_S = 0.15  # cache events are drained (and screens told) at most this often
@@ -87,8 +90,8 @@ def local_models(model_dirs: Sequence[str] = (), env: Mapping[str, str] | None =
     """(label, name) of the models on this machine that load: the Hugging Face cache's,
     Ollama's, LM Studio's and ``model_dirs``' (``engine.model_stores``), each labelled with
     its store, size, architecture and quantization; at most 50."""
-    from mlxkv.cli.common import human_bytes
     from mlxkv.engine.model_stores import find_models
+    from mlxkv.tui.widgets.entry_table import human_bytes
 
     out = []
     for m in find_models(model_dirs, env):
@@ -135,7 +138,7 @@ class MlxkvApp(App):
         Binding("f4", "change_theme", "Theme", show=False, id="app.theme"),
     ]
 
-    def __init__(self, settings: Any, *, store_path: str | os.PathLike | None = None,
+    def __init__(self, settings: Settings, *, store_path: str | os.PathLike | None = None,
                  started: float | None = None) -> None:
         self.metrics = Metrics(started)
         self._warnings: list[str] = []
@@ -381,13 +384,6 @@ class MlxkvApp(App):
             self._save_prefs()
 
 
-def _isatty(stream: Any) -> bool:
-    try:
-        return bool(stream.isatty())
-    except (AttributeError, ValueError):
-        return False
-
-
 HANGUP_POLL_S = 1.0
 HANGUP_GRACE_S = 15.0
 
@@ -420,14 +416,8 @@ def _watch_terminal(app: MlxkvApp, fd: int, done: threading.Event) -> None:
             os._exit(129)
 
 
-def run(settings: Any) -> int:
-    """Open the TUI on ``settings`` (bare ``mlxkv``); returns the exit status. Without a
-    terminal on both ends (``mlxkv < questions.txt``, output to a pipe) there is nothing
-    to draw on: the line chat answers instead."""
-    if not (_isatty(sys.stdin) and _isatty(sys.stdout)):
-        from mlxkv.cli.chat import cmd_chat
-
-        return cmd_chat(settings)
+def run(settings: Settings) -> int:
+    """Open the TUI on ``settings`` (bare ``mlxkv`` on a terminal); returns the exit status."""
     app = MlxkvApp(settings)
     done = threading.Event()
     threading.Thread(target=_watch_terminal, args=(app, sys.stdin.fileno(), done),
