@@ -14,7 +14,7 @@ import collections
 import contextvars
 import threading
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.responses import StreamingResponse
 
@@ -28,6 +28,10 @@ from mlxkv.engine.requests import (
     TokenEvent,
 )
 from mlxkv.server.errors import ApiError
+
+if TYPE_CHECKING:
+    from mlxkv.engine.api import EngineAPI
+    from mlxkv.engine.pool import Lease
 
 
 class Gate:
@@ -93,8 +97,8 @@ def cache_header(stream: EventStream | None) -> str | None:
 class EventStream:
     """One submitted request: its events, in order, on the event loop."""
 
-    def __init__(self, engine: Any, request: Request, gate: Gate,
-                 loop: asyncio.AbstractEventLoop, lease: Any = None):
+    def __init__(self, engine: EngineAPI, request: Request, gate: Gate,
+                 loop: asyncio.AbstractEventLoop, lease: Lease | None = None):
         self.queue: asyncio.Queue = asyncio.Queue()
         self._loop = loop
         self._gate = gate

@@ -5,6 +5,7 @@ lines while nothing else is sent)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -77,7 +78,7 @@ def chat_messages(raw: list) -> list[dict[str, Any]]:
             msg["tool_calls"] = _tool_calls_in(m["tool_calls"], f"{where}.tool_calls")
         if role == "tool":
             if m.get("tool_call_id") is not None:
-                msg["tool_call_id"] = within(where, lambda m=m: get_str(m, "tool_call_id"))
+                msg["tool_call_id"] = within(where, functools.partial(get_str, m, "tool_call_id"))
             if isinstance(m.get("name"), str):
                 msg["name"] = m["name"]
         out.append(msg)
@@ -161,7 +162,7 @@ def chat_tools(body: dict) -> list[dict[str, Any]] | None:
     return None if choice == "none" else tools
 
 
-def _common(body: dict, ctx: Context) -> tuple[int, bool]:
+def _common(body: dict, ctx: Context) -> tuple[bool, bool]:
     n = get_int(body, "n", 1)
     if n != 1:
         raise ApiError(400, f"n must be 1 (this server returns one choice), got {n}", "n")
@@ -259,9 +260,14 @@ def _failure(events: list[Any]) -> ApiError | None:
     last = events[-1]
     if not isinstance(last, ErrorEvent):
         return None
+    return _error_answer(last, events)
+
+
+def _error_answer(error: ErrorEvent, events: list[Any]) -> ApiError:
+    """:func:`_failure` of a request whose ``events`` ended in ``error``."""
     if not any(isinstance(e, TokenEvent) for e in events):
-        return error_status(last)
-    return ApiError(500, f"the request failed: {last.message}")
+        return error_status(error)
+    return ApiError(500, f"the request failed: {error.message}")
 
 
 def _failed(events: list[Any]) -> None:
@@ -362,7 +368,7 @@ async def _chat_stream(ctx: Context, es: EventStream, first: Any, rid: str, crea
             if lp is not None and lp["content"]:
                 yield chunk({}, logprobs=lp)
         elif isinstance(event, ErrorEvent):
-            yield sse(openai_body(_failure(events)))
+            yield sse(openai_body(_error_answer(event, events)))
             return
         elif isinstance(event, FinishedEvent):
             for kind, piece in parser.finish():
@@ -468,7 +474,7 @@ async def _completion_stream(ctx: Context, es: EventStream, first: Any, base: di
             if event.text or lp:
                 yield chunk(event.text, logprobs=lp)
         elif isinstance(event, ErrorEvent):
-            yield sse(openai_body(_failure(events)))
+            yield sse(openai_body(_error_answer(event, events)))
             return
         elif isinstance(event, FinishedEvent):
             yield chunk("", finish_reason(event))

@@ -316,7 +316,7 @@ class OutputItems:
         if self._reasoning is None:
             self._held = ""
             out += self._close()
-            item = {"id": new_id("rs_"), "type": "reasoning", "summary": [],
+            item: dict[str, Any] = {"id": new_id("rs_"), "type": "reasoning", "summary": [],
                     "content": [{"type": "reasoning_text", "text": ""}]}
             self._reasoning, self._reasoning_index = item, len(self.items)
             self.items.append(item)
