@@ -384,7 +384,7 @@ def test_entries_grouped_by_model_with_each_models_share(tmp_path):
     first's entries by the label it remembered from an earlier run, lists the loaded
     model's entries first, and gives each model's RAM and SSD share."""
     from mlxkv.engine.cache.tokens import store_namespace
-    from mlxkv.tui.store import ConversationStore
+    from mlxkv.tui.conversations import ConversationStore
 
     names = ConversationStore(tmp_path / "conversations.db")
     cache = str(tmp_path / "cache")

@@ -104,7 +104,7 @@ def local_models(model_dirs: Sequence[str] = (), env: Mapping[str, str] | None =
 def open_store(path: str | os.PathLike | None) -> tuple[Any, str | None]:
     """The conversation store, and a notice when it is not the usual one: an unreadable
     file is moved aside (nothing deleted); an unusable folder gives a temporary store."""
-    from mlxkv.tui.store import ConversationStore, StoreError, move_aside
+    from mlxkv.tui.conversations import ConversationStore, StoreError, move_aside
 
     try:
         return ConversationStore(path), None

@@ -4,7 +4,7 @@ message box, a model bar and a progress bar (model load, long prefills).
 A reply streams into its :class:`~tui.widgets.message.MessageView` through Textual's
 Markdown stream (one drain of the reply's buffer per burst of tokens); the screen is laid
 out again only when a message's height changes. The message list is anchored to its end,
-so it follows new text until the user scrolls up. Conversations live in :mod:`tui.store`
+so it follows new text until the user scrolls up. Conversations live in :mod:`tui.conversations`
 (called on the app's one store thread, so writes keep their order and never block a key);
 each has its own engine session (``mlxkv-chat-<id>``), opened and prefetched when the
 conversation opens, so its next turn starts from the cached prefix. Conversation actions

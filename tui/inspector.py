@@ -145,7 +145,7 @@ class InspectorScreen(Screen):
         self.engine = engine
         self.live = live
         # where models' names outlive the run (``name_namespace`` / ``namespace_names``:
-        # tui.store.ConversationStore); None: only the models seen loaded in this run
+        # tui.conversations.ConversationStore); None: only the models seen loaded in this run
         self.names = names
         self._names_read = False
         self.figures = Figures()
