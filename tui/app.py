@@ -20,7 +20,6 @@ For tests and ``bench/tui.py``: ``MlxkvApp(settings)`` works with ``run_test()``
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import json
 import logging
@@ -31,13 +30,14 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.screen import Screen
 
 from mlxkv.tui.bridge import EngineBridge
+from mlxkv.tui.host import Metrics
 from mlxkv.tui.messages import (
     CacheChanged,
     EngineFailed,
@@ -49,36 +49,13 @@ from mlxkv.tui.messages import (
 
 if TYPE_CHECKING:
     from mlxkv.engine.settings import Settings
+    from mlxkv.tui.chat import ChatScreen
+    from mlxkv.tui.conversations import ConversationStore
+
+T = TypeVar("T")
 
 log = logging.getLogger("mlxkv.tui")
 CACHE_REFRESH_S = 0.15  # cache events are drained (and screens told) at most this often
-
-
-class Metrics:
-    """Timestamps (``time.perf_counter``) for benchmarks and tests: ``started`` (app
-    constructed, or the process start given), ``interactive_at`` (first screen painted and
-    taking keys; ``interactive`` is set then), ``model_ready_at``, and ``token_lag_s``:
-    for each burst of reply text, engine produced -> screen refreshed with it."""
-
-    def __init__(self, started: float | None = None) -> None:
-        self.started = time.perf_counter() if started is None else started
-        self.interactive_at: float | None = None
-        self.interactive = threading.Event()
-        self.model_ready_at: float | None = None
-        self.model_ready = threading.Event()
-        self.token_lag_s: collections.deque[float] = collections.deque(maxlen=100_000)
-        self.replies = 0  # replies ended (finished, stopped or failed)
-        self.prefill_updates = 0  # prefill chunks shown on the progress bar
-        self.prefetched: list[tuple[int, int | None]] = []  # (conversation, tokens warmed) on opening
-        self.load_stages: list[str] = []  # model loading stages shown on the progress bar
-        self.last_stats: dict[str, Any] | None = None
-
-    def token_shown(self, produced: float, widget: Any) -> None:
-        widget.call_after_refresh(lambda: self.token_lag_s.append(time.perf_counter() - produced))
-
-    def reply_done(self, stats: dict[str, Any]) -> None:
-        self.replies += 1
-        self.last_stats = stats
 
 
 def _config_dir() -> Path:
@@ -101,7 +78,7 @@ def local_models(model_dirs: Sequence[str] = (), env: Mapping[str, str] | None =
     return out[:50]
 
 
-def open_store(path: str | os.PathLike | None) -> tuple[Any, str | None]:
+def open_store(path: str | os.PathLike | None) -> tuple[ConversationStore, str | None]:
     """The conversation store, and a notice when it is not the usual one: an unreadable
     file is moved aside (nothing deleted); an unusable folder gives a temporary store."""
     from mlxkv.tui.conversations import ConversationStore, StoreError, move_aside
@@ -154,7 +131,7 @@ class MlxkvApp(App):
     def get_default_screen(self) -> Screen:
         from mlxkv.tui.chat import ChatScreen
 
-        self.chat = ChatScreen(self.bridge, self.settings)
+        self.chat: ChatScreen = ChatScreen(self.bridge, self.settings, self)
         return self.chat
 
     async def on_mount(self) -> None:
@@ -193,11 +170,11 @@ class MlxkvApp(App):
                        markup=False)
 
     # threads ----------------------------------------------------------------------------
-    async def db(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def db(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a store call on the store thread (in submission order) and await it."""
         return await asyncio.wrap_future(self._db_thread.submit(fn, *args))
 
-    def background(self, fn: Callable[[], Any], what: str, quiet: bool = False) -> None:
+    def background(self, fn: Callable[[], object], what: str, quiet: bool = False) -> None:
         """Run a blocking engine call in a thread worker; a failure is a notification (or,
         ``quiet``, only logged: e.g. warming a cache that is not there)."""
         def work() -> None:
@@ -334,11 +311,14 @@ class MlxkvApp(App):
         yield SystemCommand("Cache inspector", "What the prefix cache holds, live (F2)",
                             self.action_toggle_inspector)
         yield SystemCommand("Help: keys", "Every key and its binding id (F1)", self.action_help)
-        for title, help_text, callback in getattr(self.chat, "commands", list)():
+        for title, help_text, callback in self.chat.commands():
             yield SystemCommand(title, help_text, callback)
         if type(screen).__name__ == "InspectorScreen":  # its actions, while it is open
-            for title, help_text, callback in screen.commands():
-                yield SystemCommand(title, help_text, callback)
+            from mlxkv.tui.inspector import InspectorScreen
+
+            if isinstance(screen, InspectorScreen):
+                for title, help_text, callback in screen.commands():
+                    yield SystemCommand(title, help_text, callback)
 
     # keymap and preferences -------------------------------------------------------------
     def _apply_keymap(self) -> None:
