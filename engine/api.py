@@ -81,7 +81,7 @@ class CacheStats(TypedDict, total=False):
     ssd_hits: int
     misses: int
     ram_bytes: int
-    ram_max_bytes: int | None
+    ram_max_bytes: int
     ram_entries: int
     ram_blocks: int
     dedup_ratio: float
