@@ -21,6 +21,7 @@ from starlette.responses import StreamingResponse
 from mlxkv.engine.requests import (
     EngineError,
     ErrorEvent,
+    Event,
     FinishedEvent,
     QueueFull,
     Request,
@@ -99,7 +100,7 @@ class EventStream:
 
     def __init__(self, engine: EngineAPI, request: Request, gate: Gate,
                  loop: asyncio.AbstractEventLoop, lease: Lease | None = None):
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self._loop = loop
         self._gate = gate
         self._left = False
@@ -129,7 +130,7 @@ class EventStream:
             if self._lease is not None:
                 self._lease.release()
 
-    def _on_event(self, event: Any) -> None:  # engine thread
+    def _on_event(self, event: Event) -> None:  # engine thread
         if isinstance(event, TokenEvent) and event.token is not None:
             self._generated += 1
         elif isinstance(event, (FinishedEvent, ErrorEvent)):
@@ -142,10 +143,10 @@ class EventStream:
     def cancel(self) -> None:
         self.handle.cancel()
 
-    async def next(self) -> Any:
+    async def next(self) -> Event:
         return await self.queue.get()
 
-    async def events(self) -> AsyncIterator[Any]:
+    async def events(self) -> AsyncIterator[Event]:
         """Events up to and including the final FinishedEvent or ErrorEvent; a consumer that
         stops early (client gone, task cancelled) cancels the request."""
         try:

@@ -38,9 +38,9 @@ from mlxkv.tui.messages import (
 )
 
 if TYPE_CHECKING:
-    from mlxkv.engine.api import EngineAPI, EngineStats, FlushReport, GCReport, VerifyReport
+    from mlxkv.engine.api import EngineAPI, EngineStats, FlushReport, GCReport, ModelInfo, VerifyReport
     from mlxkv.engine.cache.info import CacheEntryDetail, CacheEntryInfo
-    from mlxkv.engine.requests import EngineEvent, RequestHandle
+    from mlxkv.engine.requests import EngineEvent, Event, RequestHandle
     from mlxkv.engine.settings import Settings
 
 log = logging.getLogger("mlxkv.tui")
@@ -125,18 +125,19 @@ class ReplyStream:
         self.done = threading.Event()
         self._cancel_requested = False
 
-    def on_event(self, event: Any) -> None:
+    def on_event(self, event: Event | _Failed) -> None:
         if isinstance(event, _Failed):
             self.done.set()
             self.post(ReplyFinished(self.rid, "error", None, event.message, event.refused))
             return
-        name = type(event).__name__
-        if not self._started and name in ("ProgressEvent", "TokenEvent"):
+        from mlxkv.engine.requests import ErrorEvent, FinishedEvent, ProgressEvent, StatsEvent, TokenEvent
+
+        if not self._started and isinstance(event, (ProgressEvent, TokenEvent)):
             # The engine looks the prompt up right before its prefill starts: the lookup
             # the cache reported last is this reply's.
             self._started = True
             self.lookup = self._take_lookup()
-        if name == "TokenEvent":
+        if isinstance(event, TokenEvent):
             if not event.text:
                 return
             with self._lock:
@@ -148,16 +149,16 @@ class ReplyStream:
                     return
                 self._posted = True
             self.post(ReplyTokens(self.rid))
-        elif name == "ProgressEvent":
+        elif isinstance(event, ProgressEvent):
             self.post(ReplyProgress(self.rid, event.done, event.total))
-        elif name == "StatsEvent":
+        elif isinstance(event, StatsEvent):
             stats = with_sources(dataclasses.asdict(event), self.lookup)
             self.stats = stats
             self.post(ReplyStats(self.rid, stats))
-        elif name == "FinishedEvent":
+        elif isinstance(event, FinishedEvent):
             self.done.set()
             self.post(ReplyFinished(self.rid, event.reason, event.detail))
-        elif name == "ErrorEvent":
+        elif isinstance(event, ErrorEvent):
             self.done.set()
             exc = event.exception
             refused = type(exc).__name__ == "RequestRefused"
@@ -194,7 +195,7 @@ class EngineBridge:
         self.settings = settings
         self.post = post
         self.engine: EngineAPI | None = None
-        self.info: dict[str, Any] = {}
+        self.info: ModelInfo = {}
         self.error: str | None = None
         self.ready = threading.Event()  # set when loaded, or when loading failed
         self.model_spec: str = str(settings.model)
@@ -261,7 +262,7 @@ class EngineBridge:
             self.ready.set()
             self.post(EngineFailed(message))
             return
-        self.info = dict(engine.info)
+        self.info = engine.info.copy()
         self.loaded_at = time.perf_counter()
         # What start-up and the load built (mlx-lm, the tokenizer, the model, the app) lives
         # as long as the engine, yet each full collection walked all of it: ~100 ms with every
@@ -270,7 +271,7 @@ class EngineBridge:
         gc.freeze()
         gc.enable()  # the command line starts with it off (start-up is faster without)
         self.ready.set()
-        self.post(EngineReady(dict(self.info)))
+        self.post(EngineReady(self.info.copy()))
 
     def _stop_engine(self, engine: EngineAPI | None) -> None:
         if engine is None:

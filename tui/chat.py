@@ -360,7 +360,7 @@ class ChatScreen(Screen):
         await self.refresh_list()
         self.prompt.focus()
 
-    async def ensure_conversation(self, first_text: str = "") -> Any:
+    async def ensure_conversation(self, first_text: str = "") -> Conversation:
         if self.conversation is None:
             conversation = await self._host.db(self.store.create, title_from(first_text),
                                              self.bridge.model_spec)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
 
 from rich.markup import escape
 from rich.text import Text
@@ -50,6 +50,8 @@ from mlxkv.tui.widgets.miss_table import MissTable, describe
 from mlxkv.tui.widgets.modals import Confirm
 
 if TYPE_CHECKING:
+    from textual.timer import Timer
+
     from mlxkv.engine.api import CacheViews, EngineStats, FlushReport, VerifyReport
     from mlxkv.engine.requests import EngineEvent
 
@@ -156,7 +158,7 @@ class InspectorScreen(Screen):
         self._busy = False
         self._stats_at = 0.0
         self._unsubscribe: Callable[[], None] | None = None
-        self._detail_timer: Any = None
+        self._detail_timer: Timer | None = None
 
     # ------------------------------------------------------------------ layout
     def compose(self) -> ComposeResult:
@@ -199,7 +201,7 @@ class InspectorScreen(Screen):
     def showing_misses(self) -> bool:
         return self.has_class("-misses")
 
-    def commands(self) -> list[tuple[str, str, Any]]:
+    def commands(self) -> list[tuple[str, str, Callable[[], object]]]:
         """(title, help, callback) of every inspector action, for the command palette."""
         return [
             ("Cache misses", "The last requests' cache lookups: what matched and where each "
