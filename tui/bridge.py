@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from textual.message import Message
+
 from mlxkv.tui.messages import (
     EngineFailed,
     EngineLoading,
@@ -44,7 +46,7 @@ if TYPE_CHECKING:
     from mlxkv.engine.settings import Settings
 
 log = logging.getLogger("mlxkv.tui")
-Post = Callable[[Any], Any]
+Post = Callable[[Message], object]  # an app's or a screen's post_message
 # a chat reply asked for: its messages, sampling parameters (``SamplingParams``' fields), session
 Ask = tuple[list[dict[str, str]], dict[str, Any], "str | None"]
 
