@@ -121,10 +121,10 @@ class ChatScreen(Screen):
     def __init__(self, bridge: EngineBridge, settings: Settings, host: ChatHost) -> None:
         super().__init__(id="chat")
         self.bridge = bridge
-        self._settings = settings
-        self._host = host
+        self.settings = settings
+        self.host = host
         self.conversation: Conversation | None = None
-        self._history: list[Message] = []  # stored messages of the open conversation
+        self.history: list[Message] = []  # stored messages of the open conversation
         self.pending: Pending | None = None
         self.search_text = ""
         self._opening = 0
@@ -132,20 +132,8 @@ class ChatScreen(Screen):
         self.actions = ConversationActions(self)
 
     @property
-    def settings(self) -> Settings:
-        return self._settings
-
-    @property
-    def host(self) -> ChatHost:
-        return self._host
-
-    @property
     def store(self) -> ConversationStore:
-        return self._host.store
-
-    @property
-    def history(self) -> list[Message]:
-        return self._history
+        return self.host.store
 
     @property
     def replying(self) -> bool:
@@ -293,7 +281,7 @@ class ChatScreen(Screen):
         current = self.conversation.id if self.conversation is not None else None
         if only_if_moved and not self.search_text and self._listed[:1] == [current]:
             return
-        conversations = await self._host.db(self.store.list, self.search_text or None)
+        conversations = await self.host.db(self.store.list, self.search_text or None)
         self._listed = [c.id for c in conversations]
         await self.query_one(ConversationList).show(conversations, current)
 
@@ -305,12 +293,12 @@ class ChatScreen(Screen):
             self.pending.view = None
         self._opening += 1
         ticket = self._opening
-        conversation = await self._host.db(self.store.get, cid)
-        history = await self._host.db(self.store.messages, cid)
+        conversation = await self.host.db(self.store.get, cid)
+        history = await self.host.db(self.store.messages, cid)
         if ticket != self._opening:  # another conversation was asked for meanwhile
             return
         previous = self.conversation
-        self.conversation, self._history = conversation, history
+        self.conversation, self.history = conversation, history
         box = self.messages_box
         await box.remove_children()
         label = self._assistant_label()
@@ -343,18 +331,18 @@ class ChatScreen(Screen):
             self.bridge.open_session(session_for(new))
             if len(payload) > 1 or (payload and payload[0]["role"] != "system"):
                 warm = self.bridge.prefetch(payload, session_for(new))
-                self._host.metrics.prefetched.append((new, warm))
-        self._host.background(work, "open the conversation's cache session", quiet=True)
+                self.host.metrics.prefetched.append((new, warm))
+        self.host.background(work, "open the conversation's cache session", quiet=True)
 
     async def new_conversation(self) -> None:
         if self.pending is not None:
             self.pending.stream.cancel()
             self.pending.view = None
-        previous, self.conversation, self._history = self.conversation, None, []
+        previous, self.conversation, self.history = self.conversation, None, []
         await self.messages_box.remove_children()
         await self.messages_box.mount(Static(self._empty_text(), id="empty"))
         if previous is not None:
-            self._host.background(lambda: self.bridge.close_session(session_for(previous.id)),
+            self.host.background(lambda: self.bridge.close_session(session_for(previous.id)),
                                 "close the conversation's cache session", quiet=True)
         self.show_model_state()
         await self.refresh_list()
@@ -362,10 +350,10 @@ class ChatScreen(Screen):
 
     async def ensure_conversation(self, first_text: str = "") -> Conversation:
         if self.conversation is None:
-            conversation = await self._host.db(self.store.create, title_from(first_text),
+            conversation = await self.host.db(self.store.create, title_from(first_text),
                                              self.bridge.model_spec)
-            self.conversation, self._history = conversation, []
-            self._host.background(lambda: self.bridge.open_session(session_for(conversation.id)),
+            self.conversation, self.history = conversation, []
+            self.host.background(lambda: self.bridge.open_session(session_for(conversation.id)),
                                 "open the conversation's cache session", quiet=True)
         return self.conversation
 
@@ -389,9 +377,9 @@ class ChatScreen(Screen):
         try:
             conversation = await self.ensure_conversation(text)
             if conversation.model != self.bridge.model_spec:  # the model that answers from now on
-                conversation = await self._host.db(self.store.set_model, conversation.id, self.bridge.model_spec)
+                conversation = await self.host.db(self.store.set_model, conversation.id, self.bridge.model_spec)
                 self.conversation = conversation
-            message = await self._host.db(self.store.add_message, conversation.id, "user", text)
+            message = await self.host.db(self.store.add_message, conversation.id, "user", text)
         except Exception:
             if not self.prompt.text:  # not saved, not sent: the text goes back to the box
                 self.prompt.load_text(text)
@@ -460,7 +448,7 @@ class ChatScreen(Screen):
             view.set_status("writing… (Esc stops it)")
         await view.append(text)
         if produced is not None:
-            self._host.metrics.token_shown(produced, self)
+            self.host.metrics.token_shown(produced, self)
 
     def on_reply_progress(self, message: ReplyProgress) -> None:
         p = self._current(message.rid)
@@ -472,7 +460,7 @@ class ChatScreen(Screen):
             p.first_total = message.total
         if p.first_total is not None:
             self.show_progress(message.done, message.total)
-            self._host.metrics.prefill_updates += 1
+            self.host.metrics.prefill_updates += 1
             if p.view is not None and p.view.is_attached:
                 p.view.set_status(f"reading the prompt: {message.done}/{message.total} tokens")
 
@@ -506,14 +494,14 @@ class ChatScreen(Screen):
                 view.set_status("stopped before the first token")
             return
         try:
-            stored = await self._host.db(self.store.add_message, p.conversation_id, "assistant", full, stats)
+            stored = await self.host.db(self.store.add_message, p.conversation_id, "assistant", full, stats)
         except LookupError:  # its conversation was deleted while it was written
             return
         if view is not None:
             view.message_id = stored.id
         if self.conversation is not None and self.conversation.id == p.conversation_id:
             self.history.append(stored)
-        self._host.metrics.reply_done(stats)
+        self.host.metrics.reply_done(stats)
 
     async def _reply_failed(self, p: Pending, view: MessageView | None, text: str,
                             message: ReplyFinished) -> None:
@@ -530,7 +518,7 @@ class ChatScreen(Screen):
             advice = "Try again with Ctrl+G, or start a new chat (Ctrl+N)."
             title = "The reply failed"
         self.notify(f"{error}\n{advice}", title=title, severity="error", timeout=12)
-        self._host.metrics.reply_done({"finish_reason": "error", "error": error})
+        self.host.metrics.reply_done({"finish_reason": "error", "error": error})
         if view is not None:
             await view.finish(text)
             view.add_class("error")
@@ -546,7 +534,7 @@ class ChatScreen(Screen):
         if text:
             stats = {**(p.stats or {}), "finish_reason": "cancelled", "model": self._assistant_label()}
             try:
-                await self._host.db(self.store.add_message, p.conversation_id, "assistant", text, stats)
+                await self.host.db(self.store.add_message, p.conversation_id, "assistant", text, stats)
             except LookupError:  # its conversation was deleted
                 pass
 
