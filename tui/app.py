@@ -48,6 +48,8 @@ from mlxkv.tui.messages import (
 )
 
 if TYPE_CHECKING:
+    from textual.notifications import SeverityLevel
+
     from mlxkv.engine.settings import Settings
     from mlxkv.tui.chat import ChatScreen
     from mlxkv.tui.conversations import ConversationStore
@@ -159,7 +161,7 @@ class MlxkvApp(App):
         self._db_thread.shutdown(wait=True)
         self.store.close()
 
-    def notify(self, message: str, *, title: str = "", severity: Any = "information",
+    def notify(self, message: str, *, title: str = "", severity: SeverityLevel = "information",
                timeout: float | None = None, markup: bool = True) -> None:
         """Notifications are plain text: they carry titles, paths and error messages, whose
         brackets must show as typed (as markup they could fail to render) and whose control

@@ -11,6 +11,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
+    from textual.widget import Widget
+
     from mlxkv.tui.conversations import ConversationStore
 
 T = TypeVar("T")
@@ -35,7 +37,7 @@ class Metrics:
         self.load_stages: list[str] = []  # model loading stages shown on the progress bar
         self.last_stats: dict[str, Any] | None = None
 
-    def token_shown(self, produced: float, widget: Any) -> None:
+    def token_shown(self, produced: float, widget: Widget) -> None:
         widget.call_after_refresh(lambda: self.token_lag_s.append(time.perf_counter() - produced))
 
     def reply_done(self, stats: dict[str, Any]) -> None:

@@ -100,6 +100,7 @@ def update_in_place(widget: Static, content: Content | str) -> None:
 
 if TYPE_CHECKING:
     from textual.widgets._markdown import MarkdownParagraph as _Paragraph
+    from textual.widgets.markdown import MarkdownStream
 else:
     _Paragraph = Markdown.BLOCKS["paragraph_open"]  # Textual's paragraph (not exported)
 
@@ -151,7 +152,7 @@ class MessageView(Vertical, can_focus=True):
         self.stats = stats
         self._label = label or {"user": "You", "assistant": "Assistant", "system": "System"}.get(role, role)
         self._status = status
-        self._stream: Any = None
+        self._stream: MarkdownStream | None = None
         self.streaming = False
 
     def compose(self) -> ComposeResult:
