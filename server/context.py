@@ -14,7 +14,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from mlxkv.engine.generate import SamplingParams
-from mlxkv.engine.requests import StatsEvent, TokenEvent
+from mlxkv.engine.requests import Event, StatsEvent, TokenEvent
 from mlxkv.server.bridge import Gate
 from mlxkv.server.chat_prompt import TemplateProbe
 from mlxkv.server.diagnostics import MessageLog
@@ -260,17 +260,17 @@ def text_of(content: Any, where: str) -> str:
     raise ApiError(400, f"{where}: content must be a string or an array of parts", where)
 
 
-def _stats(events: list[Any]) -> StatsEvent | None:
+def _stats(events: list[Event]) -> StatsEvent | None:
     return next((e for e in reversed(events) if isinstance(e, StatsEvent)), None)
 
 
-def stored_count(events: list[Any]) -> int:
+def stored_count(events: list[Event]) -> int:
     """The prompt tokens a finished request stored into the prefix cache."""
     stats = _stats(events)
     return stats.stored_tokens if stats is not None else 0
 
 
-def usage_counts(events: list[Any]) -> tuple[int, int, int]:
+def usage_counts(events: list[Event]) -> tuple[int, int, int]:
     """(prompt, cached, generated) tokens of a finished request."""
     stats = _stats(events)
     generated = sum(1 for e in events if isinstance(e, TokenEvent) and e.token is not None)
@@ -279,7 +279,7 @@ def usage_counts(events: list[Any]) -> tuple[int, int, int]:
     return stats.prompt_tokens, stats.cached_tokens, stats.generated_tokens
 
 
-def timings(events: list[Any]) -> dict[str, Any] | None:
+def timings(events: list[Event]) -> dict[str, Any] | None:
     """The engine's own figures for a request (an extension field clients ignore): where its
     time went, and which cache tier its cached tokens came from."""
     stats = _stats(events)

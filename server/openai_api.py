@@ -15,8 +15,16 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 
-from mlxkv.engine.requests import ErrorEvent, FinishedEvent, Request, TokenEvent
-from mlxkv.server.bridge import WAITING, EventStream, SseResponse, collect, error_status, first_event
+from mlxkv.engine.requests import ErrorEvent, Event, FinishedEvent, Request, TokenEvent
+from mlxkv.server.bridge import (
+    EventStream,
+    SseResponse,
+    Waiting,
+    all_events,
+    ending,
+    error_status,
+    first_event,
+)
 from mlxkv.server.chat_prompt import chat_prompt
 from mlxkv.server.context import (
     Context,
@@ -181,7 +189,7 @@ def _engine_request(**kw: Any) -> Request:
 
 
 # ------------------------------------------------------------------------- the answer
-def usage(events: list[Any]) -> dict[str, Any]:
+def usage(events: list[Event]) -> dict[str, Any]:
     prompt, cached, generated = usage_counts(events)
     return {"prompt_tokens": prompt, "completion_tokens": generated,
             "total_tokens": prompt + generated,
@@ -234,7 +242,7 @@ class _Run:
         self.ctx, self.http, self.req, self.logprobs = ctx, http, req, logprobs
         self.stream, self.field = stream, field
 
-    async def start(self) -> tuple[EventStream, Any] | Response:
+    async def start(self) -> tuple[EventStream, Event | Waiting] | Response:
         if self.logprobs:
             await run_in_threadpool(self.ctx.load_tokenizer)
         stream = EventStream(self.ctx.engine, self.req, self.ctx.gate, asyncio.get_running_loop(), self.ctx.lease)
@@ -247,33 +255,16 @@ class _Run:
         return stream, first
 
 
-async def _rest(stream: EventStream, first: Any, http: HttpRequest) -> list[Any] | None:
-    if isinstance(first, (FinishedEvent, ErrorEvent)):
-        return [first]
-    rest = await collect(stream, http.receive)
-    return None if rest is None else [first, *rest]
+async def _rest(stream: EventStream, first: Event | Waiting, http: HttpRequest) -> list[Event] | None:
+    return await all_events(stream, first, http.receive)
 
 
-def _failure(events: list[Any]) -> ApiError | None:
-    """What a request that ended in an ErrorEvent is answered: the 4xx of a refusal when it
-    failed before its first token, else a 500."""
-    last = events[-1]
-    if not isinstance(last, ErrorEvent):
-        return None
-    return _error_answer(last, events)
-
-
-def _error_answer(error: ErrorEvent, events: list[Any]) -> ApiError:
-    """:func:`_failure` of a request whose ``events`` ended in ``error``."""
+def _error_answer(error: ErrorEvent, events: list[Event]) -> ApiError:
+    """What a request whose ``events`` ended in ``error`` is answered: the 4xx of a refusal
+    when it failed before its first token, else a 500."""
     if not any(isinstance(e, TokenEvent) for e in events):
         return error_status(error)
     return ApiError(500, f"the request failed: {error.message}")
-
-
-def _failed(events: list[Any]) -> None:
-    err = _failure(events)
-    if err is not None:
-        raise err
 
 
 def _sse(ctx: Context, chunks: Any, es: EventStream, headers: dict[str, str]) -> SseResponse:
@@ -313,7 +304,9 @@ async def chat_completions(http: HttpRequest, ctx: Context) -> Response:
     events = await _rest(es, first, http)
     if events is None:
         return Response(status_code=499)
-    _failed(events)
+    end = ending(events)
+    if isinstance(end, ErrorEvent):
+        raise _error_answer(end, events)
     tokens = [e for e in events if isinstance(e, TokenEvent)]
     text, reasoning, calls = split_reply(prompt.parser(), "".join(e.text for e in tokens))
     message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
@@ -328,7 +321,7 @@ async def chat_completions(http: HttpRequest, ctx: Context) -> Response:
     return JSONResponse({
         "id": rid, "object": "chat.completion", "created": created, "model": model,
         "choices": [{"index": 0, "message": message, "logprobs": logprobs,
-                     "finish_reason": finish_reason(events[-1], bool(calls))}],
+                     "finish_reason": finish_reason(end, bool(calls))}],
         "usage": usage(events), "timings": timings(events)}, headers=headers)
 
 
@@ -336,7 +329,7 @@ def sse(obj: Any) -> str:
     return f"data: {dumps(obj)}\n\n"
 
 
-async def _chat_stream(ctx: Context, es: EventStream, first: Any, rid: str, created: int, model: str,
+async def _chat_stream(ctx: Context, es: EventStream, first: Event | Waiting, rid: str, created: int, model: str,
                        parser: Any, want_logprobs: bool, include_usage: bool) -> AsyncGenerator[str, None]:
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
 
@@ -347,10 +340,10 @@ async def _chat_stream(ctx: Context, es: EventStream, first: Any, rid: str, crea
             obj["usage"] = None
         return sse(obj)
 
-    events: list[Any] = []
+    events: list[Event] = []
     n_calls = 0
     yield chunk({"role": "assistant", "content": ""})
-    pending = [first]
+    pending: list[Event | Waiting] = [first]
     async for event in _chain(pending, es):
         events.append(event)
         if isinstance(event, TokenEvent):
@@ -391,11 +384,11 @@ def _delta(kind: str, piece: str) -> dict[str, Any]:
     return {"content": piece}
 
 
-async def _chain(first: list[Any], es: EventStream) -> AsyncIterator[Any]:
+async def _chain(first: list[Event | Waiting], es: EventStream) -> AsyncIterator[Event]:
     """The first event (already taken; none when the stream started while the request
     waited in the queue), then the rest of the stream; stats stay in order."""
     for event in first:
-        if event is WAITING:
+        if isinstance(event, Waiting):
             continue
         yield event
         if isinstance(event, (FinishedEvent, ErrorEvent)):
@@ -446,16 +439,18 @@ async def completions(http: HttpRequest, ctx: Context) -> Response:
     events = await _rest(es, first, http)
     if events is None:
         return Response(status_code=499)
-    _failed(events)
+    end = ending(events)
+    if isinstance(end, ErrorEvent):
+        raise _error_answer(end, events)
     tokens = [e for e in events if isinstance(e, TokenEvent)]
     return JSONResponse({**base, "choices": [{
         "index": 0, "text": "".join(e.text for e in tokens),
         "logprobs": _completion_logprobs(ctx, tokens) if logprobs is not None else None,
-        "finish_reason": finish_reason(events[-1])}], "usage": usage(events), "timings": timings(events)},
+        "finish_reason": finish_reason(end)}], "usage": usage(events), "timings": timings(events)},
         headers=headers)
 
 
-async def _completion_stream(ctx: Context, es: EventStream, first: Any, base: dict,
+async def _completion_stream(ctx: Context, es: EventStream, first: Event | Waiting, base: dict,
                              want_logprobs: bool, include_usage: bool) -> AsyncGenerator[str, None]:
     def chunk(text: str, finish: str | None = None, logprobs: Any = None) -> str:
         obj = {**base, "choices": [{"index": 0, "text": text, "logprobs": logprobs,
@@ -464,7 +459,7 @@ async def _completion_stream(ctx: Context, es: EventStream, first: Any, base: di
             obj["usage"] = None
         return sse(obj)
 
-    events: list[Any] = []
+    events: list[Event] = []
     offset = 0
     async for event in _chain([first], es):
         events.append(event)
