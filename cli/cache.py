@@ -18,15 +18,20 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxkv.cli.common import fail, human_bytes
 from mlxkv.storage import CacheFolderError
 
+if TYPE_CHECKING:
+    from mlxkv.engine.settings import Settings
+    from mlxkv.storage.keys import Restore
+    from mlxkv.storage.store import BlockStore
+
 MANIFEST_DIR = "manifests"
 
 
-def _open_store(root: str) -> Any:
+def _open_store(root: str) -> BlockStore:
     from mlxkv.storage.store import BlockStore
 
     if not os.path.lexists(root):  # looking must not create it
@@ -41,7 +46,7 @@ def _open_store(root: str) -> Any:
     return store
 
 
-def _block_tokens(store: Any) -> int | None:
+def _block_tokens(store: BlockStore) -> int | None:
     """The block size the folder was written with (it is not recorded there): the one
     whose chain key of a saved conversation's first block matches its manifest."""
     from mlxkv.storage.store import BlockStore
@@ -62,7 +67,7 @@ def _block_tokens(store: Any) -> int | None:
     return None
 
 
-def _tenant_mark(args: argparse.Namespace, settings: Any) -> str | None:
+def _tenant_mark(args: argparse.Namespace, settings: Settings) -> str | None:
     """What the namespaces of ``--tenant NAME`` end with (or hold before a draft's mark):
     its key's scope in the model namespaces (``engine.cache.info.scoped_namespace``)."""
     name = getattr(args, "tenant", None)
@@ -80,20 +85,20 @@ def _tenant_mark(args: argparse.Namespace, settings: Any) -> str | None:
     return scoped_namespace("", key_scope(keys[name]))
 
 
-def _namespaces(store: Any, only: str | None, tenant: str | None = None) -> list[str]:
+def _namespaces(store: BlockStore, only: str | None, tenant: str | None = None) -> list[str]:
     """Namespaces with indexed files, or only saved conversations (whose blocks are gone);
     ``tenant``: only those of the tenant whose scope mark this is (:func:`_tenant_mark`)."""
     from mlxkv.storage.store import check_namespace
 
-    names = set(store.stats()["namespaces"]) | {f.ns for f in store.learned_files()}
+    found = set(store.stats()["namespaces"]) | {f.ns for f in store.learned_files()}
     for de in os.scandir(store.root):
         try:
-            if de.is_dir() and de.name not in names and check_namespace(de.name) and \
+            if de.is_dir() and de.name not in found and check_namespace(de.name) and \
                     _manifest_files(store, de.name):
-                names.add(de.name)
+                found.add(de.name)
         except ValueError:  # not a namespace folder
             continue
-    names = sorted(names)
+    names: list[str] = sorted(found)
     if tenant is not None:
         names = [n for n in names if n.endswith(tenant) or f"{tenant}_draft-" in n]
     if only is not None:
@@ -104,7 +109,7 @@ def _namespaces(store: Any, only: str | None, tenant: str | None = None) -> list
     return names
 
 
-def _manifest_files(store: Any, ns: str) -> list[str]:
+def _manifest_files(store: BlockStore, ns: str) -> list[str]:
     d = os.path.join(store.root, ns, MANIFEST_DIR)
     try:
         return sorted(de.path for de in os.scandir(d) if de.name.endswith(".man"))
@@ -112,26 +117,27 @@ def _manifest_files(store: Any, ns: str) -> list[str]:
         return []
 
 
-def _verify(store: Any, ns: str) -> dict[str, Any]:
+def _verify(store: BlockStore, ns: str) -> dict[str, Any]:
     """Restore every saved conversation of ``ns`` into scratch buffers (every block and
     checkpoint is checked against its content hash; a corrupt one is removed)."""
     out: dict[str, Any] = {"conversations": 0, "ok": 0, "corrupt": 0, "missing": 0, "tokens": 0}
     for man in store.manifests(ns):
         out["conversations"] += 1
         n = len(man.tokens)
-        got = []
+        got: list[Restore | None] = []  # None: a part that is not there
         m = store.lookup(ns, man.tokens)
+        blocks = None
         if m.n_tokens and m.layout is not None:
-            r = store.get_blocks(ns, man.tokens, m.layout, _scratch(m.layout, m.n_tokens),
-                                 n_tokens=m)
-            got.append(r)
+            blocks = store.get_blocks(ns, man.tokens, m.layout, _scratch(m.layout, m.n_tokens),
+                                      n_tokens=m)
+            got.append(blocks)
         if man.extra_keys:  # a checkpoint (rotating window / SSM state) at exactly n
             cm = store.lookup_checkpoint(ns, man.tokens)
-            if cm.n_tokens == n:
+            if cm.n_tokens == n and cm.layout is not None:
                 got.append(store.get_checkpoint(ns, cm, cm.layout, _scratch(cm.layout, 1)))
             else:
                 got.append(None)
-        elif not got or got[0].n_tokens < n:
+        elif blocks is None or blocks.n_tokens < n:
             got.append(None)
         corrupt = sum(r.corrupt for r in got if r is not None)
         out["corrupt"] += corrupt
@@ -144,7 +150,7 @@ def _verify(store: Any, ns: str) -> dict[str, Any]:
     return out
 
 
-def _learned(store: Any, ns: str | None = None, remove: bool = False) -> dict[str, dict[str, Any]]:
+def _learned(store: BlockStore, ns: str | None = None, remove: bool = False) -> dict[str, dict[str, Any]]:
     """The learned files (what speculation learned: the suffix index) per namespace: name ->
     bytes and, read and verified, sequences and tokens, or the reason it cannot be used
     (``remove``: a damaged one is deleted, as ``verify`` deletes a corrupt block)."""
@@ -179,7 +185,7 @@ def _scratch(layout: Any, rows: int) -> list:
             for s in layout]
 
 
-def _clear(store: Any, ns: str) -> bool:
+def _clear(store: BlockStore, ns: str) -> bool:
     """Delete everything of ``ns`` (manifests, damaged ones too, blocks, tails,
     checkpoints, then our empty folders) under the folder's exclusive lock; a file another
     process wrote meanwhile, or one that is not ours, is left alone. True if the folder is
@@ -187,7 +193,7 @@ def _clear(store: Any, ns: str) -> bool:
     return bool(store.clear(ns)["folder_removed"])
 
 
-def run_cache_command(args: argparse.Namespace, settings: Any) -> int:
+def run_cache_command(args: argparse.Namespace, settings: Settings) -> int:
     """Run one ``mlxkv cache`` verb on ``settings.cache_dir``; returns the exit status."""
     try:
         return _run(args, os.path.expanduser(settings.cache_dir), _tenant_mark(args, settings))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING
 
 from mlxkv.cli.common import (
     Progress,
@@ -19,6 +19,10 @@ from mlxkv.cli.common import (
 )
 from mlxkv.cli.terminal import LineReader
 
+if TYPE_CHECKING:
+    from mlxkv.engine.api import CacheStats, EngineAPI, EngineStats
+    from mlxkv.engine.settings import Settings
+
 HELP = """chat commands:
   /help          this list
   /clear         forget the conversation (cached state stays for reuse)
@@ -29,14 +33,14 @@ HELP = """chat commands:
 
 
 
-def format_stats(stats: dict[str, Any]) -> list[str]:
+def format_stats(stats: EngineStats) -> list[str]:
     info = stats.get("model") or {}
     lines = []
     if isinstance(info, dict) and info.get("model"):
         lines.append(f"model: {info['model']} ({info.get('compute_dtype', '?')})")
     if "requests" in stats:
         lines.append(f"requests: {stats['requests']}")
-    c = stats.get("cache") or {}
+    c: CacheStats = stats.get("cache") or {}
     if not c.get("enabled", False):
         lines.append("prefix cache: off")
         return lines
@@ -54,7 +58,7 @@ def format_stats(stats: dict[str, Any]) -> list[str]:
 
 
 class Chat:
-    def __init__(self, engine: Any, settings: Any) -> None:
+    def __init__(self, engine: EngineAPI, settings: Settings) -> None:
         self.engine = engine
         self.settings = settings
         self.session = ""
@@ -63,16 +67,11 @@ class Chat:
 
     def new_conversation(self) -> None:
         if self.session:
-            self._session_call("close_session")
+            self.engine.close_session(self.session)
         self.session = uuid.uuid4().hex
-        self._session_call("open_session")
+        self.engine.open_session(self.session)
         self.messages = ([{"role": "system", "content": self.settings.system_prompt}]
                          if self.settings.system_prompt else [])
-
-    def _session_call(self, name: str) -> None:
-        fn = getattr(self.engine, name, None)
-        if fn is not None:
-            fn(self.session)
 
     def command(self, line: str) -> bool:
         """Answer a chat command; False when the chat should end."""
@@ -115,12 +114,12 @@ class Chat:
 
     def close(self) -> None:
         try:
-            self._session_call("close_session")
+            self.engine.close_session(self.session)
         except Exception as e:  # leaving must not fail on it
             fail(f"closing the chat session: {e}")
 
 
-def cmd_chat(settings: Any) -> int:
+def cmd_chat(settings: Settings) -> int:
     from mlxkv.engine.engine import EngineError
 
     engine = start_engine(settings)

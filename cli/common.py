@@ -6,9 +6,15 @@ from __future__ import annotations
 import gc
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Protocol, TextIO
 
 from mlxkv.cli.parser import PROG
+
+if TYPE_CHECKING:
+    from mlxkv.engine.api import EngineAPI
+    from mlxkv.engine.requests import Event, RequestHandle, Result, StatsEvent
+    from mlxkv.engine.sampling import SamplingParams
+    from mlxkv.engine.settings import Settings
 
 
 def human_bytes(n: float) -> str:
@@ -29,7 +35,7 @@ class UsageError(ValueError):
     """The command line asks for something that cannot be done (exit status 2)."""
 
 
-def sampling_params(settings: Any, stop: Sequence[str] = ()) -> Any:
+def sampling_params(settings: Settings, stop: Sequence[str] = ()) -> SamplingParams:
     from mlxkv.engine.generate import SamplingParams
 
     return SamplingParams(
@@ -39,10 +45,10 @@ def sampling_params(settings: Any, stop: Sequence[str] = ()) -> Any:
         stop=tuple(stop), prefill_step_size=settings.prefill_step_size)
 
 
-def start_engine(settings: Any, wait: bool = True) -> Any:
+def start_engine(settings: Settings, wait: bool = True) -> EngineAPI:
     from mlxkv.engine.distributed.launch import engine_for
 
-    engine = engine_for(settings).start(wait=wait)
+    engine: EngineAPI = engine_for(settings).start(wait=wait)
     if wait:
         after_startup()
     return engine
@@ -53,7 +59,7 @@ def after_startup() -> None:
     gc.enable()
 
 
-def wait_result(handle: Any) -> Any:
+def wait_result(handle: RequestHandle) -> Result:
     """Wait for a request's result; Ctrl-C cancels it (the engine then finishes it), and
     a second Ctrl-C leaves at once (a request queued while the model loads is not looked
     at before the load ends)."""
@@ -66,14 +72,14 @@ def wait_result(handle: Any) -> Any:
             handle.cancel()
 
 
-def stats_line(stats: Any, reason: str | None) -> str:
+def stats_line(stats: StatsEvent | None, reason: str | None) -> str:
     """``[prompt .., cached .., load .. s, TTFT .. s, ...]``: TTFT counts from the start of
     serving the request (lookup + prefill); a model load before it is shown apart."""
     if stats is None:
         return f"[{reason}]"
-    load_s = getattr(stats, "load_s", 0.0) or 0.0
+    load_s = stats.load_s or 0.0
     load = f"model load {load_s:.2f} s, " if load_s > 0 else ""
-    spec = getattr(stats, "spec", None)
+    spec = stats.spec
     speculated = ""
     if spec:
         speculated = (f"{spec['source']} {spec['accepted']}/{spec['drafted']} drafts accepted, "
@@ -91,7 +97,7 @@ class Progress:
     def __init__(self, step: int, stream: TextIO | None = None) -> None:
         self.step = step
         self.stream = stream or sys.stderr
-        self.enabled = _isatty(self.stream)
+        self.enabled = isatty(self.stream)
         self.shown = False
         self._long: bool | None = None  # decided at the first report
 
@@ -114,20 +120,29 @@ class Progress:
             self.shown = False
 
 
-def _isatty(stream: TextIO) -> bool:
+def isatty(stream: TextIO) -> bool:
+    """Whether ``stream`` is a terminal (False for a closed or stand-in stream)."""
     try:
         return stream.isatty()
     except (AttributeError, ValueError):
         return False
 
 
-def printer(out: TextIO, progress: Progress | None = None) -> Callable[[Any], None]:
+class Writable(Protocol):
+    """Where token text goes: a stream, or a stand-in that drops it."""
+
+    def write(self, text: str, /) -> int: ...
+
+    def flush(self) -> None: ...
+
+
+def printer(out: Writable, progress: Progress | None = None) -> Callable[[Event], None]:
     """An event callback that writes token text as it is generated. It runs on the engine
     thread, so a token reaches the terminal without a hop to the main thread."""
     from mlxkv.engine import engine as eng
 
 
-    def on_event(event: Any) -> None:
+    def on_event(event: Event) -> None:
         if isinstance(event, eng.TokenEvent):
             if progress is not None:
                 progress.clear()

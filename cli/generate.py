@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxkv.cli.common import (
     Progress,
@@ -20,6 +20,10 @@ from mlxkv.cli.common import (
     wait_result,
 )
 
+if TYPE_CHECKING:
+    from mlxkv.engine.requests import Event, Request
+    from mlxkv.engine.settings import Settings
+
 
 def read_prompt(args: argparse.Namespace) -> str:
     """The prompt text; an empty or whitespace-only one is refused before a model loads."""
@@ -30,7 +34,7 @@ def read_prompt(args: argparse.Namespace) -> str:
     return prompt
 
 
-def build_request(args: argparse.Namespace, settings: Any, prompt: str) -> Any:
+def build_request(args: argparse.Namespace, settings: Settings, prompt: str) -> Request:
     from mlxkv.engine.engine import Request
 
     extra: dict[str, Any] = {}
@@ -45,7 +49,7 @@ def build_request(args: argparse.Namespace, settings: Any, prompt: str) -> Any:
     return Request(messages=messages, params=params, **extra)
 
 
-def cmd_generate(args: argparse.Namespace, settings: Any) -> int:
+def cmd_generate(args: argparse.Namespace, settings: Settings) -> int:
     request = build_request(args, settings, read_prompt(args))
     # Queue the request while the model loads: it runs the moment the model is ready.
     engine = start_engine(settings, wait=False)
@@ -53,9 +57,9 @@ def cmd_generate(args: argparse.Namespace, settings: Any) -> int:
         want_json = getattr(args, "json", False)
         progress = Progress(settings.prefill_step_size)
         show = printer(sys.stdout if not want_json else _Discard(), progress)
-        started = []
+        started: list[bool] = []
 
-        def on_event(event: Any) -> None:
+        def on_event(event: Event) -> None:
             if not started:  # the model is loaded and running: GC back on
                 started.append(True)
                 after_startup()
@@ -65,14 +69,13 @@ def cmd_generate(args: argparse.Namespace, settings: Any) -> int:
         result = wait_result(handle)
         if want_json:
             stats = dataclasses.asdict(result.stats) if result.stats else None
+            distributed = engine.distributed_info()  # under mlx.launch: the ranks and their cached prefixes
             print(json.dumps({"text": result.text, "tokens": result.tokens,
                               "finish_reason": result.finish_reason,
                               "finish_detail": result.finish_detail, "stats": stats,
                               "spec": stats.get("spec") if stats else None,
                               "model": engine.info,
-                              # under mlx.launch: the ranks and each rank's cached prefix
-                              **({"distributed": engine.distributed_info()}
-                                 if hasattr(engine, "distributed_info") else {})}))
+                              **({"distributed": distributed} if distributed is not None else {})}))
         else:
             sys.stdout.write("\n")
             sys.stderr.write(stats_line(result.stats, result.finish_reason) + "\n")

@@ -20,9 +20,12 @@ import os
 import sys
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from mlxkv.cli.parser import JSON_COMMANDS, build_parser
+
+if TYPE_CHECKING:
+    from mlxkv.engine.settings import Settings
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -48,7 +51,7 @@ def _early_env(argv: Sequence[str]) -> None:
                 os.environ[names[flag]] = value
 
 
-def _settings(args: argparse.Namespace) -> Any:
+def _settings(args: argparse.Namespace) -> Settings:
     from mlxkv.cli.common import UsageError
     from mlxkv.engine.pool import parse_cli_model
     from mlxkv.engine.settings import FIELD_BY_NAME, Settings
@@ -169,7 +172,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     return cmd_chat(settings)
 
 
-def cmd_config(args: argparse.Namespace, settings: Any) -> int:
+def cmd_config(args: argparse.Namespace, settings: Settings) -> int:
     from mlxkv.engine.blas import blas_info, describe
     from mlxkv.engine.models import model_label
 
@@ -195,8 +198,16 @@ def cmd_config(args: argparse.Namespace, settings: Any) -> int:
     return 0
 
 
-def _run_tui(settings: Any) -> int:
-    """Run the Textual app (``mlxkv.tui.app.run(settings)``)."""
+def _run_tui(settings: Settings) -> int:
+    """Run the Textual app (``mlxkv.tui.app.run(settings)``). Without a terminal on both
+    ends (``mlxkv < questions.txt``, output to a pipe) there is nothing to draw on: the line
+    chat answers instead."""
+    from mlxkv.cli.common import isatty
+
+    if not (isatty(sys.stdin) and isatty(sys.stdout)):
+        from mlxkv.cli.chat import cmd_chat
+
+        return cmd_chat(settings)
     from mlxkv.tui import app
 
     return int(app.run(settings) or 0)

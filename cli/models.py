@@ -6,20 +6,24 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import TYPE_CHECKING
 
 from mlxkv.cli.common import human_bytes
+
+if TYPE_CHECKING:
+    from mlxkv.engine.model_stores import FoundModel
+    from mlxkv.engine.settings import Settings
 
 COLUMNS = ("NAME", "STORE", "FORMAT", "SIZE", "ARCH", "QUANT", "CONTEXT", "LOADS")
 
 
-def _row(m: Any) -> tuple[str, ...]:
+def _row(m: FoundModel) -> tuple[str, ...]:
     return (m.name, m.store, m.format, human_bytes(m.size_bytes), m.architecture or "-",
             m.quantization or "-", str(m.context_tokens) if m.context_tokens else "-",
             "yes" if m.loadable else f"no: {m.why_not}")
 
 
-def table(models: list[Any]) -> list[str]:
+def table(models: list[FoundModel]) -> list[str]:
     """The lines of the table: one row per model, columns as wide as their widest cell
     (the last one, the reason a model does not load, unpadded)."""
     rows = [COLUMNS, *(_row(m) for m in models)]
@@ -27,7 +31,7 @@ def table(models: list[Any]) -> list[str]:
     return ["  ".join([*(c.ljust(w) for c, w in zip(r, widths)), r[-1]]).rstrip() for r in rows]
 
 
-def cmd_models(args: argparse.Namespace, settings: Any) -> int:
+def cmd_models(args: argparse.Namespace, settings: Settings) -> int:
     """Print the table (``--json``: a list of objects, every field); exit status 0 also
     when nothing is found, saying where it looked."""
     from mlxkv.engine.model_stores import find_models, search_dirs

@@ -35,7 +35,7 @@ class ModelsAction(argparse.Action):
         setattr(namespace, self.dest, given[0])
 
 
-def settings_flags() -> argparse.ArgumentParser:
+def settings_flags() -> Parser:
     """A parent parser with one option per settings field (plus ``--config`` and ``--json``).
     SUPPRESS keeps unset flags out of the namespace so the environment and config file can
     fill them, and so that a sub-command's parser does not overwrite a value given before it."""
@@ -50,14 +50,15 @@ def settings_flags() -> argparse.ArgumentParser:
         if f.is_bool:
             g.add_argument(f.option, dest=f.name, action="store_const", const=True, default=S,
                            help=f"{f.help} (default: {'on' if f.default else 'off'})")
-            g.add_argument(f.negative, dest=f.name, action="store_const", const=False, default=S,
-                           help=f"the opposite of {f.option}")
+            if f.negative is not None:  # always, for a flag of a boolean
+                g.add_argument(f.negative, dest=f.name, action="store_const", const=False, default=S,
+                               help=f"the opposite of {f.option}")
         elif f.name == "model":  # serve takes several: each one is kept in model_list
             g.add_argument(f.option, dest=f.name, action=ModelsAction, metavar=f.metavar, default=S,
                            help=f.help + "; serve: repeat it to serve several (NAME=SPEC names one)")
         else:
-            g.add_argument(f.option, dest=f.name, type=f.arg_type, choices=f.choices,
-                           metavar=f.metavar, default=S, help=f.help)
+            g.add_argument(f.option, dest=f.name, type=f.arg_type or str,  # str: the text as is
+                           choices=f.choices, metavar=f.metavar, default=S, help=f.help)
         if f.off is not None:
             flag, value, text = f.off
             g.add_argument(flag, dest=f.name, action="store_const", const=value, default=S,
@@ -96,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_cache_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+def _add_cache_parser(sub: argparse._SubParsersAction, common: Parser) -> None:
     p = sub.add_parser("cache", parents=[common], help="inspect and maintain the prefix cache on disk")
     verbs = p.add_subparsers(dest="cache_command", metavar="{" + ",".join(CACHE_VERBS) + "}",
                              parser_class=Parser)

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from mlxkv.cli.common import UsageError, after_startup, fail, sampling_params, start_engine
 
+if TYPE_CHECKING:
+    from mlxkv.engine.api import EngineAPI
+    from mlxkv.engine.pool import ModelEntry, ModelPool
+    from mlxkv.engine.settings import Settings
 
-def cmd_serve(args: argparse.Namespace, settings: Any) -> int:
+
+def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     from mlxkv.server.run import bind, config_from_settings, serve, warn_if_open
 
     if not settings.quiet:
@@ -43,7 +48,7 @@ def cmd_serve(args: argparse.Namespace, settings: Any) -> int:
     return 0
 
 
-def served_entries(args: argparse.Namespace, settings: Any) -> list[Any]:
+def served_entries(args: argparse.Namespace, settings: Settings) -> list[ModelEntry]:
     """The models to serve: every ``--model`` given (in order), else the config file's
     ``[[models]]``, else the one model of the settings."""
     from mlxkv.engine.pool import ModelEntry, entries_from_tables, entry_name, parse_cli_model
@@ -56,7 +61,7 @@ def served_entries(args: argparse.Namespace, settings: Any) -> list[Any]:
     return [ModelEntry(entry_name(settings.model), settings.model)]
 
 
-def start_models(entries: list[Any], settings: Any) -> tuple[Any, str]:
+def start_models(entries: list[ModelEntry], settings: Settings) -> tuple[EngineAPI | ModelPool, str]:
     """One model: its engine, started (under mlx.launch too). Several: a ``ModelPool`` with
     the default model loaded (a broken default fails here, the others when first asked
     for); what the ready line names."""

@@ -14,7 +14,8 @@ import os
 import select
 import signal
 import sys
-from typing import Any
+from types import FrameType
+from typing import TextIO
 
 _wakeup_fd: int | None = None  # read end of the signal wakeup pipe (main thread only)
 
@@ -24,7 +25,7 @@ class Terminated(BaseException):
     does not catch it."""
 
 
-def _on_sigterm(signum: int, frame: Any) -> None:
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise Terminated
 
 
@@ -61,7 +62,7 @@ def _wait_readable(fd: int) -> None:
 class LineReader:
     """``read(prompt)`` -> one line without its newline; EOFError at end of input."""
 
-    def __init__(self, stdin: Any = None, stdout: Any = None) -> None:
+    def __init__(self, stdin: TextIO | None = None, stdout: TextIO | None = None) -> None:
         self.stdin = stdin or sys.stdin
         self.stdout = stdout or sys.stdout
         self.tty = _isatty(self.stdin)
@@ -94,7 +95,7 @@ class LineReader:
         return line.decode("utf-8", errors="replace").rstrip("\r")
 
 
-def _isatty(stream: Any) -> bool:
+def _isatty(stream: TextIO) -> bool:
     try:
         return stream.isatty()
     except (AttributeError, ValueError):

@@ -30,7 +30,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from mlxkv.engine.cache.client import CacheArg, CacheClient
 from mlxkv.engine.commands import CommandQueue, CommandSource, QueueSource, wait
@@ -62,8 +62,16 @@ from mlxkv.engine.snapshot import Publisher
 from mlxkv.engine.thread import EngineThread
 
 if TYPE_CHECKING:
-    from mlxkv.engine.cache.durability import FlushReport
-    from mlxkv.engine.cache.info import CacheEntryDetail, CacheEntryInfo, VerifyReport
+    from mlxkv.engine.api import (
+        DistributedInfo,
+        EngineAPI,
+        EngineStats,
+        FlushReport,
+        GCReport,
+        ModelInfo,
+        VerifyReport,
+    )
+    from mlxkv.engine.cache.info import CacheEntryDetail, CacheEntryInfo
     from mlxkv.engine.models import LoadedModel
     from mlxkv.engine.scheduler import Scheduler
     from mlxkv.engine.speculation.base import ProposalProvider
@@ -161,8 +169,8 @@ class Engine:
         return self.runtime.namespace if self.runtime is not None else ""
 
     @property
-    def info(self) -> dict[str, Any]:
-        return self.runtime.info if self.runtime is not None else {}
+    def info(self) -> ModelInfo:
+        return cast("ModelInfo", self.runtime.info if self.runtime is not None else {})
 
     @property
     def load_s(self) -> float:
@@ -235,7 +243,7 @@ class Engine:
         return wait(self._commands.quick(fn, *args), timeout, what)
 
     # what front ends need
-    def stats(self, timeout: float | None = 30.0) -> dict[str, Any]:
+    def stats(self, timeout: float | None = 30.0) -> EngineStats:
         """The model, its load time, request counts, what is queued, the requests being
         served (``active``; ``running``: how far each is), the cache's stats, the last
         lookups (``lookups``: what each request found in the cache, and why no more), and
@@ -244,15 +252,15 @@ class Engine:
         this never waits for a prefill; ``loading`` and no cache stats while the model
         loads."""
         if self._thread.loading():
-            return {**self._figures(loading=True), "as_of": time.time(), "age_s": 0.0}
-        return self._publisher.stats(
-            lambda: self._ask("stats", self._publisher.publish_now, timeout=timeout))
+            return cast("EngineStats", {**self._figures(loading=True), "as_of": time.time(), "age_s": 0.0})
+        return cast("EngineStats", self._publisher.stats(
+            lambda: self._ask("stats", self._publisher.publish_now, timeout=timeout)))
 
-    def snapshot(self) -> dict[str, Any] | None:
+    def snapshot(self) -> EngineStats | None:
         """What the engine thread published last (the figures of :meth:`stats`, with
         ``as_of``), without asking it anything; None before the model is loaded."""
         snap = self._publisher.latest
-        return None if snap is None else snap.answer()
+        return None if snap is None else cast("EngineStats", snap.answer())
 
     def _figures(self, loading: bool = False) -> dict[str, Any]:
         from mlxkv.engine.speculation.providers import spec_stats
@@ -306,8 +314,7 @@ class Engine:
         """Drop an entry from every tier."""
         return self._cache("delete", lambda c: c.delete(entry_id), timeout)
 
-    def cache_verify(self, entry_id: str | None = None, timeout: float | None = 30.0
-                     ) -> VerifyReport:
+    def cache_verify(self, entry_id: str | None = None, timeout: float | None = 30.0) -> VerifyReport:
         """Read and check SSD blocks (of one entry, or all)."""
         return self._cache("verify", lambda c: c.verify(entry_id), timeout)
 
@@ -316,11 +323,11 @@ class Engine:
         wait_s = None if timeout is None else timeout + 30.0
         return self._cache("flush", lambda c: c.flush(timeout), wait_s)
 
-    def cache_gc(self, min_age_s: float = 0.0, timeout: float | None = 30.0) -> dict:
+    def cache_gc(self, min_age_s: float = 0.0, timeout: float | None = 30.0) -> GCReport:
         """Remove the SSD blocks of this model's namespace that no saved state names
         (older than ``min_age_s``): ``{removed, bytes, live_keys, manifests_removed,
         unreadable_manifests}``; zeros without an SSD tier."""
-        return self._cache("gc", lambda c: c.gc(self.namespace, float(min_age_s)), timeout)
+        return cast("GCReport", self._cache("gc", lambda c: c.gc(self.namespace, float(min_age_s)), timeout))
 
     def prefetch(self, messages: list[dict[str, Any]], session: str | None = None) -> Future:
         """Warm the cached state of the prompt ``messages`` would send next (chat template
@@ -372,6 +379,11 @@ class Engine:
         return self._ask("decode", lambda: self.scheduler.runtime.loaded.tokenizer.decode(
             list(tokens)), timeout=timeout)
 
+    def distributed_info(self) -> DistributedInfo | None:
+        """This rank and its group under a distributed launch (a sharded engine); None here:
+        one process holds the whole model."""
+        return None
+
     def subscribe(self, callback: Callable[[EngineEvent], None]) -> Callable[[], None]:
         """Call ``callback`` with every engine-wide event (:class:`CacheEvent`,
         :class:`LoadEvent`), from the engine or storage threads; returns the function
@@ -390,3 +402,9 @@ class Engine:
                                     self._thread.load_wait, self.max_batch, self._publisher)
         self.runtime = runtime
         self._listeners.publish(ready_event())
+
+
+if TYPE_CHECKING:
+    def _offers_the_engine_api(engine: Engine) -> EngineAPI:
+        """Never called: mypy checks that :class:`Engine` offers all the front ends may call."""
+        return engine

@@ -9,7 +9,10 @@ import logging
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mlxkv.server.bridge import EventStream
 
 log = logging.getLogger("mlxkv.access")
 STREAM_KEY = "mlxkv.stream"  # where a generation route leaves its EventStream in the scope
@@ -28,17 +31,18 @@ def install(stream: Any = None) -> None:
     log.propagate = False
 
 
-def line(method: str, path: str, status: int, seconds: float, stream: Any,
+def line(method: str, path: str, status: int, seconds: float, stream: EventStream | None,
          key: str | None = None) -> str:
     """``key``: the name of the request's API key (from the key file), never the key."""
     parts = [method, path, str(status), f"{seconds:.2f}s"] + ([f"key={key}"] if key else [])
-    stats = getattr(getattr(stream, "handle", None), "stats", None)
+    handle = stream.handle if stream is not None else None
+    stats = handle.stats if handle is not None else None
     if stats is not None:
         tiers = [f"{t} {n}" for t, n in (("ram", stats.cached_ram_tokens), ("ssd", stats.cached_ssd_tokens)) if n]
         cached = f"{stats.cached_tokens}" + (f" ({', '.join(tiers)})" if tiers else "")
         parts += [f"prompt={stats.prompt_tokens}", f"cached={cached}", f"generated={stats.generated_tokens}",
                   f"ttft={stats.ttft_s:.2f}s", f"{stats.decode_tps:.1f}tok/s"]
-    report = getattr(getattr(stream, "handle", None), "cache_report", None)
+    report = handle.cache_report if handle is not None else None
     if report is not None:
         parts.append(f"cache={report.outcome}")
     return " ".join(parts)

@@ -21,8 +21,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 
-from mlxkv.engine.requests import EngineError, ErrorEvent, FinishedEvent, Request, TokenEvent
-from mlxkv.server.bridge import WAITING, EventStream, SseResponse, collect, error_status, first_event
+from mlxkv.engine.requests import EngineError, ErrorEvent, Event, FinishedEvent, Request, TokenEvent
+from mlxkv.server.bridge import EventStream, SseResponse, Waiting, all_events, ending, error_status, first_event
 from mlxkv.server.chat_prompt import ChatPrompt, chat_prompt
 from mlxkv.server.claude_fields import check_cache_control, check_ignored_fields
 from mlxkv.server.context import Context, dumps, model_name, new_id, read_json, session_of, stored_count, usage_counts
@@ -229,7 +229,7 @@ def _input_usage(prompt: int, cached: int, stored: int) -> dict[str, int]:
             "cache_read_input_tokens": cached}
 
 
-def _usage(events: list[Any]) -> dict[str, Any]:
+def _usage(events: list[Event]) -> dict[str, Any]:
     prompt, cached, generated = usage_counts(events)
     return {**_input_usage(prompt, cached, stored_count(events)), "output_tokens": generated}
 
@@ -310,20 +310,18 @@ async def messages(http: HttpRequest, ctx: Context) -> Response:
     if stream:
         reply = _Stream(es, first, mid, model, prompt.parser(), _stores(ctx), diagnose)
         return SseResponse(keep_alive(reply.chunks(), ctx.config.ping_interval_s, reply.keepalive), es, headers)
-    events = [first]
-    if not isinstance(first, (FinishedEvent, ErrorEvent)):
-        rest = await collect(es, http.receive)
-        if rest is None:
-            return Response(status_code=499)
-        events += rest
-    if isinstance(events[-1], ErrorEvent):
-        raise ApiError(500, f"the request failed: {events[-1].message}")
+    events = await all_events(es, first, http.receive)
+    if events is None:
+        return Response(status_code=499)
+    end = ending(events)
+    if isinstance(end, ErrorEvent):
+        raise ApiError(500, f"the request failed: {end.message}")
     text, reasoning, calls = split_reply(prompt.parser(), "".join(e.text for e in events
                                                                   if isinstance(e, TokenEvent)))
     content: list[dict[str, Any]] = [_thinking_block(reasoning)] if reasoning else []
     content += [{"type": "text", "text": text}] if text or not (calls or reasoning) else []
     content += [_tool_block(c) for c in calls]
-    reason, sequence = _stop(events[-1], bool(calls))
+    reason, sequence = _stop(end, bool(calls))
     prompt_n, cached, generated = usage_counts(events)
     out = {"id": mid, "type": "message", "role": "assistant", "model": model, "content": content,
            "stop_reason": reason, "stop_sequence": sequence, "usage": _usage(events),
@@ -360,7 +358,7 @@ class _Stream:
     """One streamed reply: its content blocks (thinking, text, tool_use) as they open and
     close, and the keep-alives between them."""
 
-    def __init__(self, es: EventStream, first: Any, mid: str, model: str, parser: Any, stores: bool,
+    def __init__(self, es: EventStream, first: Event | Waiting, mid: str, model: str, parser: Any, stores: bool,
                  diagnose: _Diagnose):
         self.es, self.first, self.mid, self.model, self.stores = es, first, mid, model, stores
         self.diagnose = diagnose
@@ -415,9 +413,9 @@ class _Stream:
                         _event("content_block_stop", {"index": self.index})]
         return [o for o in out if o]
 
-    async def _events(self) -> AsyncIterator[Any]:
+    async def _events(self) -> AsyncIterator[Event]:
         first = self.first
-        if first is not WAITING:
+        if not isinstance(first, Waiting):
             yield first
             if isinstance(first, (FinishedEvent, ErrorEvent)):
                 return
@@ -425,7 +423,7 @@ class _Stream:
             yield e
 
     async def chunks(self) -> AsyncGenerator[str, None]:
-        events: list[Any] = []
+        events: list[Event] = []
         # The prefill's first progress says the prompt's size and how much of it was cached;
         # the uncached rest is stored once the request is answered. A stream that started
         # while its request still waited in the queue knows none of it yet: message_delta

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Literal
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -38,7 +38,12 @@ from mlxkv.server.bridge import cache_header, current_stream
 from mlxkv.server.context import Context, ServerConfig, current_lease, dumps
 from mlxkv.server.errors import ApiError, anthropic_body, openai_body
 
+if TYPE_CHECKING:
+    from mlxkv.engine.api import CacheStats, EngineAPI, EngineStats, FlushReport
+    from mlxkv.engine.pool import ModelPool
+
 log = logging.getLogger("mlxkv.server")
+_FLUSH_TOTALS: tuple[Literal["durable", "pending", "failed"], ...] = ("durable", "pending", "failed")
 Handler = Callable[[HttpRequest, Context], Awaitable[Response]]
 
 
@@ -90,7 +95,7 @@ async def health(http: HttpRequest, ctx: Context) -> Response:
     """Liveness: answered at once, also during a long prefill (the engine's figures are
     the ones it published last, never asked for)."""
     out: dict[str, Any] = {"status": "ok", "model": ctx.model_id}
-    engine = ctx.pool.engine(None)
+    engine: EngineAPI | None = ctx.pool.engine(None)
     snap = engine.snapshot() if engine is not None else None
     if snap is not None:
         out.update(busy=snap.get("busy"), queued=snap.get("queued"), as_of=snap.get("as_of"),
@@ -105,8 +110,8 @@ async def models(http: HttpRequest, ctx: Context) -> Response:
     whether each is loaded, and its context (known once it was loaded)."""
     data = []
     for m in ctx.pool.describe():
-        engine = ctx.pool.engine(m["name"]) if m["loaded"] else None
-        info = getattr(engine, "info", {}) or {}
+        engine: EngineAPI | None = ctx.pool.engine(m["name"]) if m["loaded"] else None
+        info = engine.info if engine is not None else {}
         model_id = ctx.model_id if len(ctx.pool.entries) == 1 else m["name"]
         data.append({"id": model_id, "object": "model", "created": ctx.created, "owned_by": "mlxkv",
                      "context_length": info.get("context_tokens", ctx.pool.context_of(m["name"])),
@@ -122,10 +127,10 @@ async def stats(http: HttpRequest, ctx: Context) -> Response:
     ``models``: every model served, loaded or not, its memory and its load's progress."""
     name = http.query_params.get("model")
     try:
-        engine = ctx.pool.engine(name)
+        engine: EngineAPI | None = ctx.pool.engine(name)
     except UnknownModel as e:
         raise ApiError(404, str(e), "model", "model_not_found") from None
-    figures: dict[str, Any] = await run_in_threadpool(engine.stats) if engine is not None else {}
+    figures: EngineStats | dict[str, Any] = await run_in_threadpool(engine.stats) if engine is not None else {}
     for m in ctx.pool.loaded():
         await run_in_threadpool(ctx.pool.refresh, m[0].name)
     gate = ctx.gate
@@ -142,26 +147,28 @@ async def stats(http: HttpRequest, ctx: Context) -> Response:
 async def flush(http: HttpRequest, ctx: Context) -> Response:
     """Persist every loaded model's prefix cache: 200 with the report (by model when there
     are several), 503 when a cache is not durable or a write is left."""
-    reports: dict[str, dict] = {}
+    reports: dict[str, FlushReport] = {}
     with ctx.pool.each_loaded() as leases:
         for lease in leases:
-            figures = await run_in_threadpool(lease.engine.stats)
-            cache = figures.get("cache") or {}
+            engine: EngineAPI = lease.engine
+            figures = await run_in_threadpool(engine.stats)
+            cache: CacheStats = figures.get("cache") or {}
             if not cache.get("enabled") or not cache.get("ssd"):
                 raise ApiError(503, "the prefix cache is not durable here (no SSD tier: "
                                     f"{cache.get('ssd_disabled_reason') or 'turned off'})")
-            reports[lease.entry.name] = await run_in_threadpool(lease.engine.cache_flush, 60.0)
+            reports[lease.entry.name] = await run_in_threadpool(engine.cache_flush, 60.0)
+    report: Mapping[str, object]
     if len(ctx.pool.entries) == 1:
         report = next(iter(reports.values()), {})
     else:
         report = {"models": reports, **{k: sum(int(r.get(k) or 0) for r in reports.values())
-                                        for k in ("durable", "pending", "failed")}}
+                                        for k in _FLUSH_TOTALS}}
     if report.get("pending") or report.get("failed"):
         return JSONResponse(report, status_code=503)
     return JSONResponse(report)
 
 
-def create_app(served: Any, config: ServerConfig | None = None) -> Starlette:
+def create_app(served: EngineAPI | ModelPool, config: ServerConfig | None = None) -> Starlette:
     """The app for a started engine (its model loaded), or for an ``engine.pool.ModelPool``."""
     ctx = Context(served, config or ServerConfig())
     routes = [

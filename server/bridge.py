@@ -14,20 +14,26 @@ import collections
 import contextvars
 import threading
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, overload
 
 from starlette.responses import StreamingResponse
 
 from mlxkv.engine.requests import (
     EngineError,
     ErrorEvent,
+    Event,
     FinishedEvent,
+    ProgressEvent,
     QueueFull,
     Request,
     RequestRefused,
     TokenEvent,
 )
 from mlxkv.server.errors import ApiError
+
+if TYPE_CHECKING:
+    from mlxkv.engine.api import EngineAPI
+    from mlxkv.engine.pool import Lease
 
 
 class Gate:
@@ -93,14 +99,14 @@ def cache_header(stream: EventStream | None) -> str | None:
 class EventStream:
     """One submitted request: its events, in order, on the event loop."""
 
-    def __init__(self, engine: Any, request: Request, gate: Gate,
-                 loop: asyncio.AbstractEventLoop, lease: Any = None):
-        self.queue: asyncio.Queue = asyncio.Queue()
+    def __init__(self, engine: EngineAPI, request: Request, gate: Gate,
+                 loop: asyncio.AbstractEventLoop, lease: Lease | None = None):
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self._loop = loop
         self._gate = gate
         self._left = False
         self._generated = 0
-        self.first_progress: Any = None  # prompt tokens and cached tokens, before the prefill
+        self.first_progress: ProgressEvent | None = None  # prompt tokens and cached tokens, before the prefill
         gate.enter()
         # the model stays loaded until the request ends (engine.pool.Lease)
         self._lease = lease
@@ -125,7 +131,7 @@ class EventStream:
             if self._lease is not None:
                 self._lease.release()
 
-    def _on_event(self, event: Any) -> None:  # engine thread
+    def _on_event(self, event: Event) -> None:  # engine thread
         if isinstance(event, TokenEvent) and event.token is not None:
             self._generated += 1
         elif isinstance(event, (FinishedEvent, ErrorEvent)):
@@ -138,10 +144,10 @@ class EventStream:
     def cancel(self) -> None:
         self.handle.cancel()
 
-    async def next(self) -> Any:
+    async def next(self) -> Event:
         return await self.queue.get()
 
-    async def events(self) -> AsyncIterator[Any]:
+    async def events(self) -> AsyncIterator[Event]:
         """Events up to and including the final FinishedEvent or ErrorEvent; a consumer that
         stops early (client gone, task cancelled) cancels the request."""
         try:
@@ -180,7 +186,11 @@ async def wait_disconnect(receive: Any) -> None:
             return
 
 
-_GONE = object()
+class _Gone:
+    """What waiting for an event gives when the client went away first."""
+
+
+_GONE = _Gone()
 
 
 class Waiting:
@@ -191,8 +201,13 @@ class Waiting:
 WAITING = Waiting()
 
 
+@overload
+async def _next_unless_gone(stream: EventStream, gone: asyncio.Future) -> Event | _Gone: ...
+@overload
 async def _next_unless_gone(stream: EventStream, gone: asyncio.Future,
-                            timeout: float | None = None) -> Any:
+                            timeout: float | None) -> Event | Waiting | _Gone: ...
+async def _next_unless_gone(stream: EventStream, gone: asyncio.Future,
+                            timeout: float | None = None) -> Event | Waiting | _Gone:
     """The stream's next event, or ``_GONE`` (the request cancelled) when ``gone`` (the
     client's disconnect) comes first, or :data:`WAITING` when ``timeout`` passes first."""
     get = asyncio.ensure_future(stream.next())
@@ -208,15 +223,13 @@ async def _next_unless_gone(stream: EventStream, gone: asyncio.Future,
 
 
 async def first_event(stream: EventStream, receive: Any, accepted: bool = False,
-                      wait_s: float | None = None) -> Any:
+                      wait_s: float | None = None) -> Event | Waiting | None:
     """The request's first event that is not progress, or None when the client went away
     first (the request is then cancelled). With ``accepted``, its first progress event
     (the engine has taken the prompt: a refusal comes before any progress), so that a
     stream's reply starts while the prompt is prefilled and its first token goes out alone.
     With ``wait_s``: :data:`WAITING` when nothing came within that many seconds (the
     stream then starts, and a refusal comes inside it)."""
-    from mlxkv.engine.requests import ProgressEvent
-
     loop = asyncio.get_running_loop()
     deadline = None if wait_s is None else loop.time() + wait_s
     gone = asyncio.ensure_future(wait_disconnect(receive))
@@ -224,9 +237,9 @@ async def first_event(stream: EventStream, receive: Any, accepted: bool = False,
         while True:
             left = None if deadline is None else max(0.0, deadline - loop.time())
             event = await _next_unless_gone(stream, gone, left)
-            if event is _GONE:
+            if isinstance(event, _Gone):
                 return None
-            if event is WAITING:
+            if isinstance(event, Waiting):
                 return event
             if not isinstance(event, ProgressEvent):
                 return event
@@ -253,15 +266,15 @@ def error_status(event: ErrorEvent, param: str | None = None) -> ApiError:
     return ApiError(500, f"the request failed: {event.message}")
 
 
-async def collect(stream: EventStream, receive: Any) -> list[Any] | None:
+async def collect(stream: EventStream, receive: Any) -> list[Event] | None:
     """Every event of a request that is not streamed, or None when the client went away
     before the end (the request is then cancelled)."""
     gone = asyncio.ensure_future(wait_disconnect(receive))
-    events: list[Any] = []
+    events: list[Event] = []
     try:
         while True:
             event = await _next_unless_gone(stream, gone)
-            if event is _GONE:
+            if isinstance(event, _Gone):
                 return None
             events.append(event)
             if isinstance(event, (FinishedEvent, ErrorEvent)):
@@ -270,10 +283,22 @@ async def collect(stream: EventStream, receive: Any) -> list[Any] | None:
         gone.cancel()
 
 
-async def all_events(stream: EventStream, first: Any, receive: Any) -> list[Any] | None:
+async def all_events(stream: EventStream, first: Event | Waiting, receive: Any) -> list[Event] | None:
     """``first`` (already taken) and every later event of a request that is not streamed,
-    or None when the client went away before the end (the request is then cancelled)."""
+    or None when the client went away before the end (the request is then cancelled).
+    :data:`WAITING` took no event: the events are all still to come."""
+    if isinstance(first, Waiting):
+        return await collect(stream, receive)
     if isinstance(first, (FinishedEvent, ErrorEvent)):
         return [first]
     rest = await collect(stream, receive)
     return None if rest is None else [first, *rest]
+
+
+def ending(events: list[Event]) -> FinishedEvent | ErrorEvent:
+    """The event that ended a request (the last of what :func:`collect` and
+    :func:`all_events` answer)."""
+    last = events[-1]
+    if not isinstance(last, (FinishedEvent, ErrorEvent)):
+        raise RuntimeError(f"a request's events end with a {type(last).__name__}")
+    return last

@@ -19,7 +19,7 @@ import dataclasses
 import json
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.concurrency import run_in_threadpool
 
@@ -28,6 +28,9 @@ from mlxkv.server.churn import normalise_messages
 from mlxkv.server.errors import ApiError
 from mlxkv.server.formats import DEFAULT_SYNTAX, VOCAB_MARKERS, CallSyntax, ReplyFormat, detect
 from mlxkv.server.tool_prompt import with_default_tools, with_tool_list
+
+if TYPE_CHECKING:
+    from mlxkv.engine.api import EngineAPI
 
 Encode = Callable[[list[dict[str, Any]], "list[dict[str, Any]] | None"], list[int]]
 _PROBE_TOOL = {"type": "function", "function": {
@@ -72,7 +75,7 @@ def probe_template(encode: Encode, decode: Callable[[list[int]], str] | None = N
         except Exception:  # the template refused it (a jinja error, most often)
             return False
 
-    def loop(arguments: Any) -> str | None:
+    def loop(arguments: Any, decode: Callable[[list[int]], str]) -> str | None:
         """A conversation with a call and its result as the template renders it (None: it
         refuses it)."""
         call = {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function",
@@ -88,11 +91,11 @@ def probe_template(encode: Encode, decode: Callable[[list[int]], str] | None = N
 
     string_arguments = calls = False
     if decode is not None:
-        as_dict = loop({"x": "probe"})
+        as_dict = loop({"x": "probe"}, decode)
         # a template that writes the value as it is wants the JSON string (a dict comes out
         # as its Python repr, or does not concatenate at all)
         string_arguments = as_dict is None or "{'x': 'probe'}" in as_dict
-        text = loop('{"x": "probe"}') if string_arguments else as_dict
+        text = loop('{"x": "probe"}', decode) if string_arguments else as_dict
         calls = text is not None and "probe_tool" in text and "probe" in text.split("probe_tool", 1)[-1]
     return TemplateCaps(tools=differs(base, [_PROBE_TOOL]),
                         system_turns=differs(base + [{"role": "system", "content": "E"}], None),
@@ -111,7 +114,7 @@ class TemplateProbe:
     """One engine's :class:`TemplateCaps`, probed on first use (the engine's model is loaded
     by then) and kept; whether the reasoning opens, per set of template kwargs."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: EngineAPI):
         self._engine = engine
         self._caps: TemplateCaps | None = None
         self._lock = threading.Lock()

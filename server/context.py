@@ -11,10 +11,10 @@ import json
 import threading
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxkv.engine.generate import SamplingParams
-from mlxkv.engine.requests import StatsEvent, TokenEvent
+from mlxkv.engine.requests import Event, StatsEvent, TokenEvent
 from mlxkv.server.bridge import Gate
 from mlxkv.server.chat_prompt import TemplateProbe
 from mlxkv.server.diagnostics import MessageLog
@@ -22,6 +22,10 @@ from mlxkv.server.errors import ApiError
 from mlxkv.server.fields import Limits, get_str, parse_body
 from mlxkv.server.response_store import ResponseStore
 from mlxkv.server.tenants import Keys, cache_scope, scoped_name
+
+if TYPE_CHECKING:
+    from mlxkv.engine.api import EngineAPI
+    from mlxkv.engine.pool import Lease, ModelPool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,10 +73,10 @@ class Served:
     (a tokenizer of our own: the engine's lives on the engine thread; loading one costs a
     second, once, and only if log-probabilities are asked for)."""
 
-    def __init__(self, engine: Any, model_id: str, config: ServerConfig):
+    def __init__(self, engine: EngineAPI, model_id: str, config: ServerConfig):
         self.engine = engine
         self.model_id = model_id
-        info = getattr(engine, "info", {}) or {}
+        info = engine.info
         self.limits = Limits(config.max_tokens_limit, info.get("context_tokens"), config.open_ended)
         self.template = TemplateProbe(engine)
         self._tokenizer: Any = None
@@ -84,7 +88,7 @@ class Served:
             if self._tokenizer is None:
                 from transformers import AutoTokenizer
 
-                path = (getattr(self.engine, "info", {}) or {}).get("path") or self.engine.model_spec
+                path = self.engine.info.get("path") or self.engine.model_spec
                 self._tokenizer = AutoTokenizer.from_pretrained(str(path))
 
     def token_text(self, token: int) -> str:
@@ -100,7 +104,7 @@ class Served:
 
 # The lease the current HTTP request holds on its model (released when the route returns;
 # a request's EventStream holds it on its own until the reply ends).
-current_lease: contextvars.ContextVar[Any] = contextvars.ContextVar("mlxkv_current_lease", default=None)
+current_lease: contextvars.ContextVar[Lease | None] = contextvars.ContextVar("mlxkv_current_lease", default=None)
 
 
 class Context:
@@ -110,7 +114,7 @@ class Context:
     ``token_text``. Unbound, those are the default model's. ``models`` is an
     ``engine.pool.ModelPool``, or one started engine (served under every name)."""
 
-    def __init__(self, models: Any, config: ServerConfig):
+    def __init__(self, models: EngineAPI | ModelPool, config: ServerConfig):
         from mlxkv.engine.pool import ModelPool
 
         self.config = config
@@ -118,18 +122,17 @@ class Context:
         if isinstance(models, ModelPool):
             self.pool = models
         else:
-            info = getattr(models, "info", {}) or {}
-            name = config.model_id or short_model_id(str(info.get("model") or models.model_spec))
+            name = config.model_id or short_model_id(str(models.info.get("model") or models.model_spec))
             self.pool = ModelPool.of_engine(models, name)
         self.created = int(time.time())
         self.responses = ResponseStore(config.responses_store_bytes)
         self.messages = MessageLog()  # Messages replies, for cache diagnostics
         self._served: dict[int, Served] = {}  # by id(engine): a reloaded model is served anew
         self._served_lock = threading.Lock()
-        self.lease: Any = None
+        self.lease: Lease | None = None
         self._bound: Served | None = None
 
-    def served(self, engine: Any, name: str) -> Served:
+    def served(self, engine: EngineAPI, name: str) -> Served:
         with self._served_lock:
             served = self._served.get(id(engine))
             if served is None or served.engine is not engine:
@@ -141,7 +144,7 @@ class Context:
         if self._bound is not None:
             return self._bound
         entry = self.pool.resolve(None)
-        engine = self.pool.engine(None)
+        engine: EngineAPI | None = self.pool.engine(None)
         if engine is None:
             from mlxkv.engine.requests import EngineError
 
@@ -149,7 +152,7 @@ class Context:
         return self.served(engine, entry.name)
 
     @property
-    def engine(self) -> Any:
+    def engine(self) -> EngineAPI:
         return self._current().engine
 
     @property
@@ -257,17 +260,17 @@ def text_of(content: Any, where: str) -> str:
     raise ApiError(400, f"{where}: content must be a string or an array of parts", where)
 
 
-def _stats(events: list[Any]) -> StatsEvent | None:
+def _stats(events: list[Event]) -> StatsEvent | None:
     return next((e for e in reversed(events) if isinstance(e, StatsEvent)), None)
 
 
-def stored_count(events: list[Any]) -> int:
+def stored_count(events: list[Event]) -> int:
     """The prompt tokens a finished request stored into the prefix cache."""
     stats = _stats(events)
     return stats.stored_tokens if stats is not None else 0
 
 
-def usage_counts(events: list[Any]) -> tuple[int, int, int]:
+def usage_counts(events: list[Event]) -> tuple[int, int, int]:
     """(prompt, cached, generated) tokens of a finished request."""
     stats = _stats(events)
     generated = sum(1 for e in events if isinstance(e, TokenEvent) and e.token is not None)
@@ -276,13 +279,13 @@ def usage_counts(events: list[Any]) -> tuple[int, int, int]:
     return stats.prompt_tokens, stats.cached_tokens, stats.generated_tokens
 
 
-def timings(events: list[Any]) -> dict[str, Any] | None:
+def timings(events: list[Event]) -> dict[str, Any] | None:
     """The engine's own figures for a request (an extension field clients ignore): where its
     time went, and which cache tier its cached tokens came from."""
     stats = _stats(events)
     if stats is None:
         return None
-    out = {"queue_s": round(stats.queue_s, 6), "ttft_s": round(stats.ttft_s, 6),
+    out: dict[str, Any] = {"queue_s": round(stats.queue_s, 6), "ttft_s": round(stats.ttft_s, 6),
            "prefill_tps": round(stats.prefill_tps, 3), "decode_tps": round(stats.decode_tps, 3),
            "cached_ram_tokens": stats.cached_ram_tokens, "cached_ssd_tokens": stats.cached_ssd_tokens,
            "batched": stats.batched}

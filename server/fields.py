@@ -8,7 +8,7 @@ import json
 import math
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, overload
 
 from mlxkv.server.errors import ApiError
 
@@ -39,9 +39,9 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, not {type(body).__name__}")
-    where, what = _first_bad(body)
-    if where is not None:
-        raise ApiError(400, f"{where}: {what}", where)
+    bad, what = _first_bad(body)
+    if bad is not None:
+        raise ApiError(400, f"{bad}: {what}", bad)
     return body
 
 
@@ -186,6 +186,10 @@ def get_float(body: dict, name: str, default: Any = None, lo: float | None = Non
     return float(value)
 
 
+@overload
+def get_list(body: dict, name: str, required: Literal[True]) -> list: ...
+@overload
+def get_list(body: dict, name: str, required: bool = False) -> list | None: ...
 def get_list(body: dict, name: str, required: bool = False) -> list | None:
     value = body.get(name)
     if value is None:

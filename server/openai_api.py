@@ -5,6 +5,7 @@ lines while nothing else is sent)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -14,8 +15,16 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 
-from mlxkv.engine.requests import ErrorEvent, FinishedEvent, Request, TokenEvent
-from mlxkv.server.bridge import WAITING, EventStream, SseResponse, collect, error_status, first_event
+from mlxkv.engine.requests import ErrorEvent, Event, FinishedEvent, Request, TokenEvent
+from mlxkv.server.bridge import (
+    EventStream,
+    SseResponse,
+    Waiting,
+    all_events,
+    ending,
+    error_status,
+    first_event,
+)
 from mlxkv.server.chat_prompt import chat_prompt
 from mlxkv.server.context import (
     Context,
@@ -77,7 +86,7 @@ def chat_messages(raw: list) -> list[dict[str, Any]]:
             msg["tool_calls"] = _tool_calls_in(m["tool_calls"], f"{where}.tool_calls")
         if role == "tool":
             if m.get("tool_call_id") is not None:
-                msg["tool_call_id"] = within(where, lambda m=m: get_str(m, "tool_call_id"))
+                msg["tool_call_id"] = within(where, functools.partial(get_str, m, "tool_call_id"))
             if isinstance(m.get("name"), str):
                 msg["name"] = m["name"]
         out.append(msg)
@@ -161,7 +170,7 @@ def chat_tools(body: dict) -> list[dict[str, Any]] | None:
     return None if choice == "none" else tools
 
 
-def _common(body: dict, ctx: Context) -> tuple[int, bool]:
+def _common(body: dict, ctx: Context) -> tuple[bool, bool]:
     n = get_int(body, "n", 1)
     if n != 1:
         raise ApiError(400, f"n must be 1 (this server returns one choice), got {n}", "n")
@@ -180,7 +189,7 @@ def _engine_request(**kw: Any) -> Request:
 
 
 # ------------------------------------------------------------------------- the answer
-def usage(events: list[Any]) -> dict[str, Any]:
+def usage(events: list[Event]) -> dict[str, Any]:
     prompt, cached, generated = usage_counts(events)
     return {"prompt_tokens": prompt, "completion_tokens": generated,
             "total_tokens": prompt + generated,
@@ -233,7 +242,7 @@ class _Run:
         self.ctx, self.http, self.req, self.logprobs = ctx, http, req, logprobs
         self.stream, self.field = stream, field
 
-    async def start(self) -> tuple[EventStream, Any] | Response:
+    async def start(self) -> tuple[EventStream, Event | Waiting] | Response:
         if self.logprobs:
             await run_in_threadpool(self.ctx.load_tokenizer)
         stream = EventStream(self.ctx.engine, self.req, self.ctx.gate, asyncio.get_running_loop(), self.ctx.lease)
@@ -246,28 +255,16 @@ class _Run:
         return stream, first
 
 
-async def _rest(stream: EventStream, first: Any, http: HttpRequest) -> list[Any] | None:
-    if isinstance(first, (FinishedEvent, ErrorEvent)):
-        return [first]
-    rest = await collect(stream, http.receive)
-    return None if rest is None else [first, *rest]
+async def _rest(stream: EventStream, first: Event | Waiting, http: HttpRequest) -> list[Event] | None:
+    return await all_events(stream, first, http.receive)
 
 
-def _failure(events: list[Any]) -> ApiError | None:
-    """What a request that ended in an ErrorEvent is answered: the 4xx of a refusal when it
-    failed before its first token, else a 500."""
-    last = events[-1]
-    if not isinstance(last, ErrorEvent):
-        return None
+def _error_answer(error: ErrorEvent, events: list[Event]) -> ApiError:
+    """What a request whose ``events`` ended in ``error`` is answered: the 4xx of a refusal
+    when it failed before its first token, else a 500."""
     if not any(isinstance(e, TokenEvent) for e in events):
-        return error_status(last)
-    return ApiError(500, f"the request failed: {last.message}")
-
-
-def _failed(events: list[Any]) -> None:
-    err = _failure(events)
-    if err is not None:
-        raise err
+        return error_status(error)
+    return ApiError(500, f"the request failed: {error.message}")
 
 
 def _sse(ctx: Context, chunks: Any, es: EventStream, headers: dict[str, str]) -> SseResponse:
@@ -307,7 +304,9 @@ async def chat_completions(http: HttpRequest, ctx: Context) -> Response:
     events = await _rest(es, first, http)
     if events is None:
         return Response(status_code=499)
-    _failed(events)
+    end = ending(events)
+    if isinstance(end, ErrorEvent):
+        raise _error_answer(end, events)
     tokens = [e for e in events if isinstance(e, TokenEvent)]
     text, reasoning, calls = split_reply(prompt.parser(), "".join(e.text for e in tokens))
     message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
@@ -322,7 +321,7 @@ async def chat_completions(http: HttpRequest, ctx: Context) -> Response:
     return JSONResponse({
         "id": rid, "object": "chat.completion", "created": created, "model": model,
         "choices": [{"index": 0, "message": message, "logprobs": logprobs,
-                     "finish_reason": finish_reason(events[-1], bool(calls))}],
+                     "finish_reason": finish_reason(end, bool(calls))}],
         "usage": usage(events), "timings": timings(events)}, headers=headers)
 
 
@@ -330,7 +329,7 @@ def sse(obj: Any) -> str:
     return f"data: {dumps(obj)}\n\n"
 
 
-async def _chat_stream(ctx: Context, es: EventStream, first: Any, rid: str, created: int, model: str,
+async def _chat_stream(ctx: Context, es: EventStream, first: Event | Waiting, rid: str, created: int, model: str,
                        parser: Any, want_logprobs: bool, include_usage: bool) -> AsyncGenerator[str, None]:
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
 
@@ -341,10 +340,10 @@ async def _chat_stream(ctx: Context, es: EventStream, first: Any, rid: str, crea
             obj["usage"] = None
         return sse(obj)
 
-    events: list[Any] = []
+    events: list[Event] = []
     n_calls = 0
     yield chunk({"role": "assistant", "content": ""})
-    pending = [first]
+    pending: list[Event | Waiting] = [first]
     async for event in _chain(pending, es):
         events.append(event)
         if isinstance(event, TokenEvent):
@@ -362,7 +361,7 @@ async def _chat_stream(ctx: Context, es: EventStream, first: Any, rid: str, crea
             if lp is not None and lp["content"]:
                 yield chunk({}, logprobs=lp)
         elif isinstance(event, ErrorEvent):
-            yield sse(openai_body(_failure(events)))
+            yield sse(openai_body(_error_answer(event, events)))
             return
         elif isinstance(event, FinishedEvent):
             for kind, piece in parser.finish():
@@ -385,11 +384,11 @@ def _delta(kind: str, piece: str) -> dict[str, Any]:
     return {"content": piece}
 
 
-async def _chain(first: list[Any], es: EventStream) -> AsyncIterator[Any]:
+async def _chain(first: list[Event | Waiting], es: EventStream) -> AsyncIterator[Event]:
     """The first event (already taken; none when the stream started while the request
     waited in the queue), then the rest of the stream; stats stay in order."""
     for event in first:
-        if event is WAITING:
+        if isinstance(event, Waiting):
             continue
         yield event
         if isinstance(event, (FinishedEvent, ErrorEvent)):
@@ -440,16 +439,18 @@ async def completions(http: HttpRequest, ctx: Context) -> Response:
     events = await _rest(es, first, http)
     if events is None:
         return Response(status_code=499)
-    _failed(events)
+    end = ending(events)
+    if isinstance(end, ErrorEvent):
+        raise _error_answer(end, events)
     tokens = [e for e in events if isinstance(e, TokenEvent)]
     return JSONResponse({**base, "choices": [{
         "index": 0, "text": "".join(e.text for e in tokens),
         "logprobs": _completion_logprobs(ctx, tokens) if logprobs is not None else None,
-        "finish_reason": finish_reason(events[-1])}], "usage": usage(events), "timings": timings(events)},
+        "finish_reason": finish_reason(end)}], "usage": usage(events), "timings": timings(events)},
         headers=headers)
 
 
-async def _completion_stream(ctx: Context, es: EventStream, first: Any, base: dict,
+async def _completion_stream(ctx: Context, es: EventStream, first: Event | Waiting, base: dict,
                              want_logprobs: bool, include_usage: bool) -> AsyncGenerator[str, None]:
     def chunk(text: str, finish: str | None = None, logprobs: Any = None) -> str:
         obj = {**base, "choices": [{"index": 0, "text": text, "logprobs": logprobs,
@@ -458,7 +459,7 @@ async def _completion_stream(ctx: Context, es: EventStream, first: Any, base: di
             obj["usage"] = None
         return sse(obj)
 
-    events: list[Any] = []
+    events: list[Event] = []
     offset = 0
     async for event in _chain([first], es):
         events.append(event)
@@ -468,7 +469,7 @@ async def _completion_stream(ctx: Context, es: EventStream, first: Any, base: di
             if event.text or lp:
                 yield chunk(event.text, logprobs=lp)
         elif isinstance(event, ErrorEvent):
-            yield sse(openai_body(_failure(events)))
+            yield sse(openai_body(_error_answer(event, events)))
             return
         elif isinstance(event, FinishedEvent):
             yield chunk("", finish_reason(event))

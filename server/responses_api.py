@@ -29,8 +29,8 @@ from typing import Any
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 
-from mlxkv.engine.requests import ErrorEvent, FinishedEvent, Request, TokenEvent
-from mlxkv.server.bridge import WAITING, EventStream, SseResponse, all_events, error_status, first_event
+from mlxkv.engine.requests import ErrorEvent, Event, FinishedEvent, Request, TokenEvent
+from mlxkv.server.bridge import EventStream, SseResponse, Waiting, all_events, ending, error_status, first_event
 from mlxkv.server.chat_prompt import chat_prompt
 from mlxkv.server.context import Context, dumps, new_id, read_json, session_of, timings, usage_counts
 from mlxkv.server.errors import ApiError
@@ -316,7 +316,7 @@ class OutputItems:
         if self._reasoning is None:
             self._held = ""
             out += self._close()
-            item = {"id": new_id("rs_"), "type": "reasoning", "summary": [],
+            item: dict[str, Any] = {"id": new_id("rs_"), "type": "reasoning", "summary": [],
                     "content": [{"type": "reasoning_text", "text": ""}]}
             self._reasoning, self._reasoning_index = item, len(self.items)
             self.items.append(item)
@@ -376,7 +376,7 @@ def _copy(item: dict[str, Any]) -> dict[str, Any]:
     return {**item, "content": [dict(p) for p in item["content"]]}
 
 
-def _usage(events: list[Any]) -> dict[str, Any]:
+def _usage(events: list[Event]) -> dict[str, Any]:
     prompt, cached, generated = usage_counts(events)
     return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
             "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": 0},
@@ -392,7 +392,7 @@ class Answer:
         self.created = int(time.time())
         self.output = OutputItems(ask.tools)
         self.parser = ask.parser()
-        self.events: list[Any] = []
+        self.events: list[Event] = []
 
     def obj(self, status: str, error: dict | None = None) -> dict[str, Any]:
         ask = self.ask
@@ -470,18 +470,19 @@ async def responses(http: HttpRequest, ctx: Context) -> Response:
     events = await all_events(es, first, http.receive)
     if events is None:
         return Response(status_code=499)
-    if isinstance(events[-1], ErrorEvent):
-        raise ApiError(500, f"the request failed: {events[-1].message}")
+    end = ending(events)
+    if isinstance(end, ErrorEvent):
+        raise ApiError(500, f"the request failed: {end.message}")
     for event in events:
         answer.feed(event)
     answer.keep(ctx)
     return JSONResponse(answer.obj(answer.status), headers=headers)
 
 
-async def _engine_events(es: EventStream, first: Any) -> AsyncIterator[Any]:
+async def _engine_events(es: EventStream, first: Event | Waiting) -> AsyncIterator[Event]:
     """The first event (unless the request still waited: :data:`WAITING`), then the rest of
     the request's, to its end."""
-    if first is not WAITING:
+    if not isinstance(first, Waiting):
         yield first
         if isinstance(first, (FinishedEvent, ErrorEvent)):
             return
@@ -492,7 +493,7 @@ async def _engine_events(es: EventStream, first: Any) -> AsyncIterator[Any]:
             return
 
 
-def _stream(answer: Answer, es: EventStream, first: Any, ctx: Context,
+def _stream(answer: Answer, es: EventStream, first: Event | Waiting, ctx: Context,
             quiet_s: float | None = None) -> AsyncIterator[str]:
     """The response's events as SSE chunks, with ``response.in_progress`` again whenever
     ``quiet_s`` (default: the server's keep-alive interval) passes without one: an event,

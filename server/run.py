@@ -8,16 +8,24 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 from mlxkv.server.context import ServerConfig
 from mlxkv.server.tenants import Keys
 
+if TYPE_CHECKING:
+    import uvicorn
+
+    from mlxkv.engine.api import EngineAPI
+    from mlxkv.engine.pool import ModelPool
+    from mlxkv.engine.sampling import SamplingParams
+    from mlxkv.engine.settings import Settings
+
 log = logging.getLogger("mlxkv.server")
 
 
-def config_from_settings(settings: Any, defaults: Any) -> ServerConfig:
+def config_from_settings(settings: Settings, defaults: SamplingParams) -> ServerConfig:
     origins = tuple(o.strip() for o in (settings.cors_origins or "").split(",") if o.strip())
     if settings.api_key and settings.api_key_file:
         raise ValueError("give --api-key or --api-key-file, not both")
@@ -46,8 +54,8 @@ def warn_if_open(host: str, keys: Keys | str | None) -> None:
                     host)
 
 
-def build_server(engine: Any, config: ServerConfig, host: str, port: int,
-                 drain_timeout_s: float = 60.0) -> Any:
+def build_server(engine: EngineAPI | ModelPool, config: ServerConfig, host: str, port: int,
+                 drain_timeout_s: int = 60) -> uvicorn.Server:
     import uvicorn
 
     from mlxkv.server.app import create_app
@@ -65,15 +73,16 @@ def bind(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port), family=family)
 
 
-def serve(engine: Any, config: ServerConfig, sock: socket.socket,
-          on_ready: Callable[[str], None] | None = None, flush_timeout_s: float = 60.0) -> dict:
+def serve(engine: EngineAPI | ModelPool, config: ServerConfig, sock: socket.socket,
+          on_ready: Callable[[str], None] | None = None, flush_timeout_s: float = 60.0
+          ) -> Mapping[str, object]:
     """Serve ``engine`` (one started engine, or an ``engine.pool.ModelPool``) on ``sock``
     until SIGINT/SIGTERM (or ``server.should_exit``); then drain, flush the cache (every
     loaded model's) and return the flush report. The engines are shut down on the way out."""
     host, port = sock.getsockname()[:2]
     server = build_server(engine, config, host, port)
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
-    report: dict = {}
+    report: Mapping[str, object] = {}
     try:
         if on_ready is not None:
             on_ready(url)

@@ -26,7 +26,7 @@ import os
 import re
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import xxhash
 
@@ -167,6 +167,12 @@ def _compose(key: Key | None, headers: list[str], salt: str | None) -> str | Non
     return "\x1f".join(parts) if any(parts) else None
 
 
+@overload
+def scoped_name(session: str, scope: str | None) -> str: ...
+@overload
+def scoped_name(session: None, scope: str | None) -> None: ...
+@overload
+def scoped_name(session: str | None, scope: str | None) -> str | None: ...
 def scoped_name(session: str | None, scope: str | None) -> str | None:
     """A name inside its scope (a conversation's, a stored response's id): two tenants'
     "s1" are two conversations, and one's response id is unknown to the other."""

@@ -14,7 +14,7 @@ from tui_pilot import drive, make_settings, send, wait_for
 from mlxkv.engine.settings import Settings
 from mlxkv.tui.app import MlxkvApp
 from mlxkv.tui.chat import session_for
-from mlxkv.tui.store import ConversationStore
+from mlxkv.tui.conversations import ConversationStore
 from mlxkv.tui.widgets.message import MessageView, code_blocks, format_status
 from mlxkv.tui.widgets.prompt import PromptArea
 

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from mlxkv.tui.store import (
+from mlxkv.tui.conversations import (
     APPLICATION_ID,
     SCHEMA_VERSION,
     ConversationStore,

@@ -20,7 +20,6 @@ For tests and ``bench/tui.py``: ``MlxkvApp(settings)`` works with ``run_test()``
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import json
 import logging
@@ -31,13 +30,14 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.screen import Screen
 
 from mlxkv.tui.bridge import EngineBridge
+from mlxkv.tui.host import Metrics
 from mlxkv.tui.messages import (
     CacheChanged,
     EngineFailed,
@@ -47,35 +47,17 @@ from mlxkv.tui.messages import (
     OpenConversation,
 )
 
+if TYPE_CHECKING:
+    from textual.notifications import SeverityLevel
+
+    from mlxkv.engine.settings import Settings
+    from mlxkv.tui.chat import ChatScreen
+    from mlxkv.tui.conversations import ConversationStore
+
+T = TypeVar("T")
+
 log = logging.getLogger("mlxkv.tui")
 CACHE_REFRESH_S = 0.15  # cache events are drained (and screens told) at most this often
-
-
-class Metrics:
-    """Timestamps (``time.perf_counter``) for benchmarks and tests: ``started`` (app
-    constructed, or the process start given), ``interactive_at`` (first screen painted and
-    taking keys; ``interactive`` is set then), ``model_ready_at``, and ``token_lag_s``:
-    for each burst of reply text, engine produced -> screen refreshed with it."""
-
-    def __init__(self, started: float | None = None) -> None:
-        self.started = time.perf_counter() if started is None else started
-        self.interactive_at: float | None = None
-        self.interactive = threading.Event()
-        self.model_ready_at: float | None = None
-        self.model_ready = threading.Event()
-        self.token_lag_s: collections.deque[float] = collections.deque(maxlen=100_000)
-        self.replies = 0  # replies ended (finished, stopped or failed)
-        self.prefill_updates = 0  # prefill chunks shown on the progress bar
-        self.prefetched: list[tuple[int, int | None]] = []  # (conversation, tokens warmed) on opening
-        self.load_stages: list[str] = []  # model loading stages shown on the progress bar
-        self.last_stats: dict[str, Any] | None = None
-
-    def token_shown(self, produced: float, widget: Any) -> None:
-        widget.call_after_refresh(lambda: self.token_lag_s.append(time.perf_counter() - produced))
-
-    def reply_done(self, stats: dict[str, Any]) -> None:
-        self.replies += 1
-        self.last_stats = stats
 
 
 def _config_dir() -> Path:
@@ -87,8 +69,8 @@ def local_models(model_dirs: Sequence[str] = (), env: Mapping[str, str] | None =
     """(label, name) of the models on this machine that load: the Hugging Face cache's,
     Ollama's, LM Studio's and ``model_dirs``' (``engine.model_stores``), each labelled with
     its store, size, architecture and quantization; at most 50."""
-    from mlxkv.cli.common import human_bytes
     from mlxkv.engine.model_stores import find_models
+    from mlxkv.tui.widgets.entry_table import human_bytes
 
     out = []
     for m in find_models(model_dirs, env):
@@ -98,10 +80,10 @@ def local_models(model_dirs: Sequence[str] = (), env: Mapping[str, str] | None =
     return out[:50]
 
 
-def open_store(path: str | os.PathLike | None) -> tuple[Any, str | None]:
+def open_store(path: str | os.PathLike | None) -> tuple[ConversationStore, str | None]:
     """The conversation store, and a notice when it is not the usual one: an unreadable
     file is moved aside (nothing deleted); an unusable folder gives a temporary store."""
-    from mlxkv.tui.store import ConversationStore, StoreError, move_aside
+    from mlxkv.tui.conversations import ConversationStore, StoreError, move_aside
 
     try:
         return ConversationStore(path), None
@@ -135,7 +117,7 @@ class MlxkvApp(App):
         Binding("f4", "change_theme", "Theme", show=False, id="app.theme"),
     ]
 
-    def __init__(self, settings: Any, *, store_path: str | os.PathLike | None = None,
+    def __init__(self, settings: Settings, *, store_path: str | os.PathLike | None = None,
                  started: float | None = None) -> None:
         self.metrics = Metrics(started)
         self._warnings: list[str] = []
@@ -151,7 +133,7 @@ class MlxkvApp(App):
     def get_default_screen(self) -> Screen:
         from mlxkv.tui.chat import ChatScreen
 
-        self.chat = ChatScreen(self.bridge, self.settings)
+        self.chat: ChatScreen = ChatScreen(self.bridge, self.settings, self)
         return self.chat
 
     async def on_mount(self) -> None:
@@ -179,7 +161,7 @@ class MlxkvApp(App):
         self._db_thread.shutdown(wait=True)
         self.store.close()
 
-    def notify(self, message: str, *, title: str = "", severity: Any = "information",
+    def notify(self, message: str, *, title: str = "", severity: SeverityLevel = "information",
                timeout: float | None = None, markup: bool = True) -> None:
         """Notifications are plain text: they carry titles, paths and error messages, whose
         brackets must show as typed (as markup they could fail to render) and whose control
@@ -190,11 +172,11 @@ class MlxkvApp(App):
                        markup=False)
 
     # threads ----------------------------------------------------------------------------
-    async def db(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def db(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a store call on the store thread (in submission order) and await it."""
         return await asyncio.wrap_future(self._db_thread.submit(fn, *args))
 
-    def background(self, fn: Callable[[], Any], what: str, quiet: bool = False) -> None:
+    def background(self, fn: Callable[[], object], what: str, quiet: bool = False) -> None:
         """Run a blocking engine call in a thread worker; a failure is a notification (or,
         ``quiet``, only logged: e.g. warming a cache that is not there)."""
         def work() -> None:
@@ -331,11 +313,14 @@ class MlxkvApp(App):
         yield SystemCommand("Cache inspector", "What the prefix cache holds, live (F2)",
                             self.action_toggle_inspector)
         yield SystemCommand("Help: keys", "Every key and its binding id (F1)", self.action_help)
-        for title, help_text, callback in getattr(self.chat, "commands", list)():
+        for title, help_text, callback in self.chat.commands():
             yield SystemCommand(title, help_text, callback)
         if type(screen).__name__ == "InspectorScreen":  # its actions, while it is open
-            for title, help_text, callback in screen.commands():
-                yield SystemCommand(title, help_text, callback)
+            from mlxkv.tui.inspector import InspectorScreen
+
+            if isinstance(screen, InspectorScreen):
+                for title, help_text, callback in screen.commands():
+                    yield SystemCommand(title, help_text, callback)
 
     # keymap and preferences -------------------------------------------------------------
     def _apply_keymap(self) -> None:
@@ -381,13 +366,6 @@ class MlxkvApp(App):
             self._save_prefs()
 
 
-def _isatty(stream: Any) -> bool:
-    try:
-        return bool(stream.isatty())
-    except (AttributeError, ValueError):
-        return False
-
-
 HANGUP_POLL_S = 1.0
 HANGUP_GRACE_S = 15.0
 
@@ -420,14 +398,8 @@ def _watch_terminal(app: MlxkvApp, fd: int, done: threading.Event) -> None:
             os._exit(129)
 
 
-def run(settings: Any) -> int:
-    """Open the TUI on ``settings`` (bare ``mlxkv``); returns the exit status. Without a
-    terminal on both ends (``mlxkv < questions.txt``, output to a pipe) there is nothing
-    to draw on: the line chat answers instead."""
-    if not (_isatty(sys.stdin) and _isatty(sys.stdout)):
-        from mlxkv.cli.chat import cmd_chat
-
-        return cmd_chat(settings)
+def run(settings: Settings) -> int:
+    """Open the TUI on ``settings`` (bare ``mlxkv`` on a terminal); returns the exit status."""
     app = MlxkvApp(settings)
     done = threading.Event()
     threading.Thread(target=_watch_terminal, args=(app, sys.stdin.fileno(), done),

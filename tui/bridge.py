@@ -24,7 +24,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from textual.message import Message
 
 from mlxkv.tui.messages import (
     EngineFailed,
@@ -37,8 +39,16 @@ from mlxkv.tui.messages import (
     ReplyTokens,
 )
 
+if TYPE_CHECKING:
+    from mlxkv.engine.api import EngineAPI, EngineStats, FlushReport, GCReport, ModelInfo, VerifyReport
+    from mlxkv.engine.cache.info import CacheEntryDetail, CacheEntryInfo
+    from mlxkv.engine.requests import EngineEvent, Event, RequestHandle
+    from mlxkv.engine.settings import Settings
+
 log = logging.getLogger("mlxkv.tui")
-Post = Callable[[Any], Any]
+Post = Callable[[Message], object]  # an app's or a screen's post_message
+# a chat reply asked for: its messages, sampling parameters (``SamplingParams``' fields), session
+Ask = tuple[list[dict[str, str]], dict[str, Any], "str | None"]
 
 
 class NotReady(RuntimeError):
@@ -107,7 +117,7 @@ class ReplyStream:
         self._take_lookup = take_lookup
         self.lookup: dict | None = None  # the cache lookup of this reply's prompt
         self._started = False
-        self.handle: Any = None
+        self.handle: RequestHandle | None = None
         self._lock = threading.Lock()
         self._parts: list[str] = []
         self._oldest: float | None = None
@@ -117,18 +127,19 @@ class ReplyStream:
         self.done = threading.Event()
         self._cancel_requested = False
 
-    def on_event(self, event: Any) -> None:
+    def on_event(self, event: Event | _Failed) -> None:
         if isinstance(event, _Failed):
             self.done.set()
             self.post(ReplyFinished(self.rid, "error", None, event.message, event.refused))
             return
-        name = type(event).__name__
-        if not self._started and name in ("ProgressEvent", "TokenEvent"):
+        from mlxkv.engine.requests import ErrorEvent, FinishedEvent, ProgressEvent, StatsEvent, TokenEvent
+
+        if not self._started and isinstance(event, (ProgressEvent, TokenEvent)):
             # The engine looks the prompt up right before its prefill starts: the lookup
             # the cache reported last is this reply's.
             self._started = True
             self.lookup = self._take_lookup()
-        if name == "TokenEvent":
+        if isinstance(event, TokenEvent):
             if not event.text:
                 return
             with self._lock:
@@ -140,16 +151,16 @@ class ReplyStream:
                     return
                 self._posted = True
             self.post(ReplyTokens(self.rid))
-        elif name == "ProgressEvent":
+        elif isinstance(event, ProgressEvent):
             self.post(ReplyProgress(self.rid, event.done, event.total))
-        elif name == "StatsEvent":
+        elif isinstance(event, StatsEvent):
             stats = with_sources(dataclasses.asdict(event), self.lookup)
             self.stats = stats
             self.post(ReplyStats(self.rid, stats))
-        elif name == "FinishedEvent":
+        elif isinstance(event, FinishedEvent):
             self.done.set()
             self.post(ReplyFinished(self.rid, event.reason, event.detail))
-        elif name == "ErrorEvent":
+        elif isinstance(event, ErrorEvent):
             self.done.set()
             exc = event.exception
             refused = type(exc).__name__ == "RequestRefused"
@@ -176,23 +187,25 @@ class ReplyStream:
 
 class EngineBridge:
     """Owns the engine for the app: start, switch models, submit replies, blocking calls.
+    It offers the engine's cache views (``engine.api.CacheViews``) to the inspector: each
+    waits for the engine of the moment to be loaded.
 
     ``post`` delivers messages to the app (``app.post_message``); replies post to the
     target given to :meth:`submit`."""
 
-    def __init__(self, settings: Any, post: Post) -> None:
+    def __init__(self, settings: Settings, post: Post) -> None:
         self.settings = settings
         self.post = post
-        self.engine: Any = None
-        self.info: dict[str, Any] = {}
+        self.engine: EngineAPI | None = None
+        self.info: ModelInfo = {}
         self.error: str | None = None
         self.ready = threading.Event()  # set when loaded, or when loading failed
         self.model_spec: str = str(settings.model)
         self._lock = threading.Lock()
-        self._pending: list[tuple[Any, ReplyStream]] = []  # submitted before the engine exists
+        self._pending: list[tuple[Ask, ReplyStream]] = []  # submitted before the engine exists
         self._unsubscribe: Callable[[], None] | None = None
         self._cache_kinds: collections.Counter[str] = collections.Counter()
-        self._listeners: list[Callable[[Any], None]] = []
+        self._listeners: list[Callable[[EngineEvent], None]] = []
         self._last_lookup: dict | None = None  # the cache's last lookup (engine thread)
         self._starter: threading.Thread | None = None
         self._relay = WarningRelay(post)
@@ -219,7 +232,7 @@ class EngineBridge:
         thread.start()
         return thread
 
-    def _start(self, previous: Any, spec: str) -> None:
+    def _start(self, previous: EngineAPI | None, spec: str) -> None:
         self.load_started = time.perf_counter()
         try:
             self._stop_engine(previous)
@@ -231,7 +244,7 @@ class EngineBridge:
             settings = self.settings
             if spec != str(settings.model):
                 settings = settings.replace(model=spec)
-            engine = Engine.from_settings(settings)
+            engine: EngineAPI = Engine.from_settings(settings)
             self._unsubscribe = engine.subscribe(self._on_engine_event)
             engine.start(wait=False)
             with self._lock:
@@ -251,7 +264,7 @@ class EngineBridge:
             self.ready.set()
             self.post(EngineFailed(message))
             return
-        self.info = dict(engine.info)
+        self.info = engine.info.copy()
         self.loaded_at = time.perf_counter()
         # What start-up and the load built (mlx-lm, the tokenizer, the model, the app) lives
         # as long as the engine, yet each full collection walked all of it: ~100 ms with every
@@ -260,9 +273,9 @@ class EngineBridge:
         gc.freeze()
         gc.enable()  # the command line starts with it off (start-up is faster without)
         self.ready.set()
-        self.post(EngineReady(dict(self.info)))
+        self.post(EngineReady(self.info.copy()))
 
-    def _stop_engine(self, engine: Any) -> None:
+    def _stop_engine(self, engine: EngineAPI | None) -> None:
         if engine is None:
             return
         gc.unfreeze()  # what the engine leaves can be collected again
@@ -283,7 +296,7 @@ class EngineBridge:
         self._stop_engine(engine)
 
     # events ---------------------------------------------------------------------------
-    def subscribe(self, callback: Callable[[Any], None]) -> Callable[[], None]:
+    def subscribe(self, callback: Callable[[EngineEvent], None]) -> Callable[[], None]:
         """Call ``callback`` with every engine-wide event (``CacheEvent``, ``LoadEvent``) of
         this engine and of any it switches to, from engine or storage threads; returns the
         function that unsubscribes it."""
@@ -296,7 +309,7 @@ class EngineBridge:
                     self._listeners.remove(callback)
         return unsubscribe
 
-    def _on_engine_event(self, event: Any) -> None:
+    def _on_engine_event(self, event: EngineEvent) -> None:
         with self._lock:
             listeners = list(self._listeners)
         for callback in listeners:
@@ -304,10 +317,11 @@ class EngineBridge:
                 callback(event)
             except Exception:  # a screen's bug must not break the engine or the cache
                 log.exception("TUI event listener failed")
-        name = type(event).__name__
-        if name == "LoadEvent":
+        from mlxkv.engine.requests import CacheEvent, LoadEvent
+
+        if isinstance(event, LoadEvent):
             self.post(EngineLoading(event.stage, 1 + event.done, 1 + event.total))
-        elif name == "CacheEvent":
+        elif isinstance(event, CacheEvent):
             with self._lock:
                 self._cache_kinds[event.kind] += 1
                 if event.kind == "lookup":
@@ -335,7 +349,7 @@ class EngineBridge:
         """Queue a chat reply; its messages go to ``post`` (the chat screen's). Served once
         the model is loaded when it is still loading. Never blocks."""
         stream = ReplyStream(post, self._take_lookup)
-        request = (messages, params, session)
+        request: Ask = (messages, params, session)
         with self._lock:
             engine, error = self.engine, self.error
             if engine is None and error is None:
@@ -347,7 +361,7 @@ class EngineBridge:
         self._submit_now(engine, request, stream)
         return stream
 
-    def _submit_now(self, engine: Any, request: tuple, stream: ReplyStream) -> None:
+    def _submit_now(self, engine: EngineAPI, request: Ask, stream: ReplyStream) -> None:
         from mlxkv.engine.generate import SamplingParams
         from mlxkv.engine.requests import Request
 
@@ -362,7 +376,7 @@ class EngineBridge:
             stream.on_event(_Failed(describe_error(e), refused=isinstance(e, ValueError)))
 
     # blocking engine calls (thread workers only) ---------------------------------------
-    def running(self, timeout: float | None = 60.0) -> Any:
+    def running(self, timeout: float | None = 60.0) -> EngineAPI:
         """The engine once loaded; :class:`NotReady` when it failed or did not load in time."""
         if not self.ready.wait(timeout):
             raise NotReady(f"the model {self.model_spec} is still loading")
@@ -373,13 +387,13 @@ class EngineBridge:
 
     # The caller's timeout reaches the engine (verifying everything may take minutes; a
     # listing should give up in seconds).
-    def stats(self, timeout: float | None = 30.0) -> dict[str, Any]:
+    def stats(self, timeout: float | None = 30.0) -> EngineStats:
         return self.running().stats(timeout=timeout)
 
-    def cache_entries(self, ns: str | None = None, timeout: float | None = 30.0) -> list:
+    def cache_entries(self, ns: str | None = None, timeout: float | None = 30.0) -> list[CacheEntryInfo]:
         return self.running().cache_entries(ns, timeout=timeout)
 
-    def cache_entry(self, entry_id: str, timeout: float | None = 30.0) -> Any:
+    def cache_entry(self, entry_id: str, timeout: float | None = 30.0) -> CacheEntryDetail | None:
         return self.running().cache_entry(entry_id, timeout=timeout)
 
     def cache_pin(self, entry_id: str, pinned: bool = True, timeout: float | None = 30.0) -> bool:
@@ -391,11 +405,14 @@ class EngineBridge:
     def cache_delete(self, entry_id: str, timeout: float | None = 30.0) -> bool:
         return self.running().cache_delete(entry_id, timeout=timeout)
 
-    def cache_verify(self, entry_id: str | None = None, timeout: float | None = 30.0) -> dict:
+    def cache_verify(self, entry_id: str | None = None, timeout: float | None = 30.0) -> VerifyReport:
         return self.running().cache_verify(entry_id, timeout=timeout)
 
-    def cache_flush(self, timeout: float | None = None) -> dict:
+    def cache_flush(self, timeout: float | None = None) -> FlushReport:
         return self.running().cache_flush(timeout)
+
+    def cache_gc(self, min_age_s: float = 0.0, timeout: float | None = 30.0) -> GCReport:
+        return self.running().cache_gc(min_age_s, timeout=timeout)
 
     def decode(self, tokens: list[int], timeout: float | None = 30.0) -> str:
         return self.running().decode(tokens, timeout=timeout)
@@ -408,23 +425,10 @@ class EngineBridge:
         if engine is not None and self.ready.is_set() and self.error is None:
             engine.close_session(session)
 
-    def prefetch(self, messages: list[dict[str, str]], session: str | None) -> int | None:
+    def prefetch(self, messages: list[dict[str, str]], session: str | None) -> int:
         """Warm a conversation's cached state into RAM (``engine.prefetch``): the tokens now
-        warm, or None when the engine cannot prefetch."""
-        engine = self.running()
-        prefetch = getattr(engine, "prefetch", None)
-        if prefetch is None:
-            return None
-        result = prefetch(messages, session=session)
-        if hasattr(result, "result"):
-            result = result.result(60.0)
-        return int(result or 0)
-
-    def __getattr__(self, name: str) -> Any:
-        # Engine methods added later (cache_gc, ...) reach the inspector without a change here.
-        if name.startswith("cache_"):
-            return getattr(self.running(), name)
-        raise AttributeError(name)
+        warm."""
+        return int(self.running().prefetch(messages, session=session).result(60.0) or 0)
 
 
 @dataclasses.dataclass(frozen=True)

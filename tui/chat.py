@@ -4,11 +4,13 @@ message box, a model bar and a progress bar (model load, long prefills).
 A reply streams into its :class:`~tui.widgets.message.MessageView` through Textual's
 Markdown stream (one drain of the reply's buffer per burst of tokens); the screen is laid
 out again only when a message's height changes. The message list is anchored to its end,
-so it follows new text until the user scrolls up. Conversations live in :mod:`tui.store`
+so it follows new text until the user scrolls up. Conversations live in :mod:`tui.conversations`
 (called on the app's one store thread, so writes keep their order and never block a key);
 each has its own engine session (``mlxkv-chat-<id>``), opened and prefetched when the
 conversation opens, so its next turn starts from the cached prefix. Conversation actions
-(rename, delete, export, branch, settings) are in :mod:`tui.chat_actions`.
+(rename, delete, export, branch, settings) are a part of the screen
+(:class:`tui.chat_actions.ConversationActions`). What the screen uses of its app is
+:class:`tui.host.ChatHost`, given to it when it is made.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import functools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -26,17 +28,23 @@ from textual.content import Content
 from textual.screen import Screen
 from textual.widgets import Footer, ProgressBar, Static
 
-from mlxkv.tui.bridge import ReplyStream
-from mlxkv.tui.chat_actions import ConversationActions
+from mlxkv.tui.bridge import EngineBridge, ReplyStream
+from mlxkv.tui.chat_actions import SAMPLING_KEYS, ConversationActions
 from mlxkv.tui.messages import ReplyFinished, ReplyProgress, ReplyStats, ReplyTokens
 from mlxkv.tui.widgets.message import MessageView, format_status, printable
 from mlxkv.tui.widgets.message_list import MessageList
 from mlxkv.tui.widgets.prompt import PromptArea
 from mlxkv.tui.widgets.sidebar import ConversationList
 
+if TYPE_CHECKING:
+    from mlxkv.engine.settings import Settings
+    from mlxkv.tui.conversations import Conversation, ConversationStore, Message
+    from mlxkv.tui.host import ChatHost
+
 log = logging.getLogger("mlxkv.tui")
 SESSION_PREFIX = "mlxkv-chat-"
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "seed")
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def session_for(conversation_id: int) -> str:
@@ -66,16 +74,18 @@ def title_from(text: str) -> str:
     return line if len(line) <= 48 else line[:47].rstrip() + "…"
 
 
-def guarded(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+def guarded(fn: Callable[Concatenate[ChatScreen, P], Awaitable[R]]
+            ) -> Callable[Concatenate[ChatScreen, P], Awaitable[R | None]]:
     """A handler whose failure becomes a notification, never a traceback on the screen."""
     @functools.wraps(fn)
-    async def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+    async def run(self: ChatScreen, *args: P.args, **kwargs: P.kwargs) -> R | None:
         try:
             return await fn(self, *args, **kwargs)
         except Exception as e:
             log.debug("%s failed", fn.__name__, exc_info=True)
             self.app.notify(f"{fn.__name__.strip('_').replace('_', ' ')}: {e}", severity="error",
                             title="Something went wrong", timeout=10)
+            return None
     return run
 
 
@@ -90,7 +100,7 @@ class Pending:
     first_total: int | None = None
 
 
-class ChatScreen(ConversationActions, Screen):
+class ChatScreen(Screen):
     CSS_PATH = "chat.tcss"
     BINDINGS = [
         Binding("escape", "cancel", "Stop", id="chat.cancel"),
@@ -108,20 +118,97 @@ class ChatScreen(ConversationActions, Screen):
         Binding("ctrl+up", "focus_messages", "Messages", id="chat.messages", show=False),
     ]
 
-    def __init__(self, bridge: Any, settings: Any) -> None:
+    def __init__(self, bridge: EngineBridge, settings: Settings, host: ChatHost) -> None:
         super().__init__(id="chat")
         self.bridge = bridge
         self.settings = settings
-        self.conversation: Any = None
-        self.history: list[Any] = []  # stored messages of the open conversation
+        self.host = host
+        self.conversation: Conversation | None = None
+        self.history: list[Message] = []  # stored messages of the open conversation
         self.pending: Pending | None = None
         self.search_text = ""
         self._opening = 0
         self._listed: list[int] = []  # conversation ids as the sidebar lists them
+        self.actions = ConversationActions(self)
 
     @property
-    def store(self) -> Any:
-        return self.app.store
+    def store(self) -> ConversationStore:
+        return self.host.store
+
+    @property
+    def replying(self) -> bool:
+        return self.pending is not None
+
+    def views(self) -> list[MessageView]:
+        return list(self.query(MessageView))
+
+    def focused_view(self) -> MessageView | None:
+        return self.focused if isinstance(self.focused, MessageView) else None
+
+    def ask(self, modal: Screen[Any], then: Callable[[Any], Awaitable[None]]) -> None:
+        self.app.push_screen(modal, then)
+
+    # actions (the keys and the command palette) -------------------------------------------
+    def commands(self) -> list[tuple[str, str, Callable[[], object]]]:
+        """(title, help, callback) of every chat action, for the command palette."""
+        return [
+            ("New chat", "Start a new conversation (Ctrl+N)", self.action_new_conversation),
+            ("Search conversations", "Filter the sidebar by title and text (Ctrl+F)", self.action_search),
+            ("Rename conversation", "Give the open conversation a title (Ctrl+R)", self.action_rename),
+            ("Delete conversation", "Delete the open conversation, after asking (F8)", self.action_delete),
+            ("Export conversation", "Save it as a Markdown file (Ctrl+S)", self.action_export),
+            ("System prompt and sampling", "Of the open conversation (Ctrl+T)",
+             self.action_conversation_settings),
+            ("Regenerate reply", "Write the last reply again (Ctrl+G)", self.action_regenerate),
+            ("Edit and branch", "Edit your last message into a new branch (Ctrl+E)", self.action_branch_last),
+            ("Stop reply", "Stop the reply being written (Esc)", self.action_cancel),
+            ("Copy reply", "Copy the last reply to the clipboard (Ctrl+Y)", self.action_copy_reply),
+            ("Copy code", "Copy the code blocks of the last reply (F7)", self.action_copy_code),
+            ("Toggle sidebar", "Show or hide the conversation list (Ctrl+B)", self.action_toggle_sidebar),
+            ("Focus messages", "Move through messages with Up/Down; c copies, k copies code, "
+             "e branches, r regenerates (Ctrl+Up)", self.action_focus_messages),
+        ]
+
+    async def action_new_conversation(self) -> None:
+        await self.new_conversation()
+
+    def action_search(self) -> None:
+        self.query_one("#sidebar").display = True
+        self.query_one("#search").focus()
+
+    def action_toggle_sidebar(self) -> None:
+        sidebar = self.query_one("#sidebar")
+        sidebar.display = not sidebar.display
+
+    def action_focus_messages(self) -> None:
+        views = self.views()
+        if views:
+            views[-1].focus()
+            views[-1].scroll_visible()
+
+    def action_rename(self) -> None:
+        self.actions.rename()
+
+    def action_delete(self) -> None:
+        self.actions.delete()
+
+    def action_export(self) -> None:
+        self.actions.export()
+
+    def action_conversation_settings(self) -> None:
+        self.actions.conversation_settings()
+
+    async def action_regenerate(self) -> None:
+        await self.actions.regenerate_last()
+
+    async def action_branch_last(self) -> None:
+        await self.actions.branch_last()
+
+    def action_copy_reply(self) -> None:
+        self.actions.copy_reply()
+
+    def action_copy_code(self) -> None:
+        self.actions.copy_code()
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="layout"):
@@ -194,7 +281,7 @@ class ChatScreen(ConversationActions, Screen):
         current = self.conversation.id if self.conversation is not None else None
         if only_if_moved and not self.search_text and self._listed[:1] == [current]:
             return
-        conversations = await self.app.db(self.store.list, self.search_text or None)
+        conversations = await self.host.db(self.store.list, self.search_text or None)
         self._listed = [c.id for c in conversations]
         await self.query_one(ConversationList).show(conversations, current)
 
@@ -206,8 +293,8 @@ class ChatScreen(ConversationActions, Screen):
             self.pending.view = None
         self._opening += 1
         ticket = self._opening
-        conversation = await self.app.db(self.store.get, cid)
-        history = await self.app.db(self.store.messages, cid)
+        conversation = await self.host.db(self.store.get, cid)
+        history = await self.host.db(self.store.messages, cid)
         if ticket != self._opening:  # another conversation was asked for meanwhile
             return
         previous = self.conversation
@@ -244,8 +331,8 @@ class ChatScreen(ConversationActions, Screen):
             self.bridge.open_session(session_for(new))
             if len(payload) > 1 or (payload and payload[0]["role"] != "system"):
                 warm = self.bridge.prefetch(payload, session_for(new))
-                self.app.metrics.prefetched.append((new, warm))
-        self.app.background(work, "open the conversation's cache session", quiet=True)
+                self.host.metrics.prefetched.append((new, warm))
+        self.host.background(work, "open the conversation's cache session", quiet=True)
 
     async def new_conversation(self) -> None:
         if self.pending is not None:
@@ -255,18 +342,18 @@ class ChatScreen(ConversationActions, Screen):
         await self.messages_box.remove_children()
         await self.messages_box.mount(Static(self._empty_text(), id="empty"))
         if previous is not None:
-            self.app.background(lambda: self.bridge.close_session(session_for(previous.id)),
+            self.host.background(lambda: self.bridge.close_session(session_for(previous.id)),
                                 "close the conversation's cache session", quiet=True)
         self.show_model_state()
         await self.refresh_list()
         self.prompt.focus()
 
-    async def ensure_conversation(self, first_text: str = "") -> Any:
+    async def ensure_conversation(self, first_text: str = "") -> Conversation:
         if self.conversation is None:
-            conversation = await self.app.db(self.store.create, title_from(first_text),
+            conversation = await self.host.db(self.store.create, title_from(first_text),
                                              self.bridge.model_spec)
             self.conversation, self.history = conversation, []
-            self.app.background(lambda: self.bridge.open_session(session_for(conversation.id)),
+            self.host.background(lambda: self.bridge.open_session(session_for(conversation.id)),
                                 "open the conversation's cache session", quiet=True)
         return self.conversation
 
@@ -290,9 +377,9 @@ class ChatScreen(ConversationActions, Screen):
         try:
             conversation = await self.ensure_conversation(text)
             if conversation.model != self.bridge.model_spec:  # the model that answers from now on
-                conversation = await self.app.db(self.store.set_model, conversation.id, self.bridge.model_spec)
+                conversation = await self.host.db(self.store.set_model, conversation.id, self.bridge.model_spec)
                 self.conversation = conversation
-            message = await self.app.db(self.store.add_message, conversation.id, "user", text)
+            message = await self.host.db(self.store.add_message, conversation.id, "user", text)
         except Exception:
             if not self.prompt.text:  # not saved, not sent: the text goes back to the box
                 self.prompt.load_text(text)
@@ -331,6 +418,8 @@ class ChatScreen(ConversationActions, Screen):
         """Ask for a reply to the open conversation as it stands; ``question``: the view of
         the user's message it answers, not shown yet (both are mounted together)."""
         conversation = self.conversation
+        if conversation is None:  # every caller opens one first
+            raise RuntimeError("there is no conversation to answer")
         view = MessageView("assistant", label=self._assistant_label(), streaming=True,
                            status="thinking…" if self.bridge.ready.is_set() else "waiting for the model…")
         await self._mount_views(*(question, view) if question is not None else (view,))
@@ -359,7 +448,7 @@ class ChatScreen(ConversationActions, Screen):
             view.set_status("writing… (Esc stops it)")
         await view.append(text)
         if produced is not None:
-            self.app.metrics.token_shown(produced, self)
+            self.host.metrics.token_shown(produced, self)
 
     def on_reply_progress(self, message: ReplyProgress) -> None:
         p = self._current(message.rid)
@@ -371,7 +460,7 @@ class ChatScreen(ConversationActions, Screen):
             p.first_total = message.total
         if p.first_total is not None:
             self.show_progress(message.done, message.total)
-            self.app.metrics.prefill_updates += 1
+            self.host.metrics.prefill_updates += 1
             if p.view is not None and p.view.is_attached:
                 p.view.set_status(f"reading the prompt: {message.done}/{message.total} tokens")
 
@@ -405,14 +494,14 @@ class ChatScreen(ConversationActions, Screen):
                 view.set_status("stopped before the first token")
             return
         try:
-            stored = await self.app.db(self.store.add_message, p.conversation_id, "assistant", full, stats)
+            stored = await self.host.db(self.store.add_message, p.conversation_id, "assistant", full, stats)
         except LookupError:  # its conversation was deleted while it was written
             return
         if view is not None:
             view.message_id = stored.id
         if self.conversation is not None and self.conversation.id == p.conversation_id:
             self.history.append(stored)
-        self.app.metrics.reply_done(stats)
+        self.host.metrics.reply_done(stats)
 
     async def _reply_failed(self, p: Pending, view: MessageView | None, text: str,
                             message: ReplyFinished) -> None:
@@ -429,7 +518,7 @@ class ChatScreen(ConversationActions, Screen):
             advice = "Try again with Ctrl+G, or start a new chat (Ctrl+N)."
             title = "The reply failed"
         self.notify(f"{error}\n{advice}", title=title, severity="error", timeout=12)
-        self.app.metrics.reply_done({"finish_reason": "error", "error": error})
+        self.host.metrics.reply_done({"finish_reason": "error", "error": error})
         if view is not None:
             await view.finish(text)
             view.add_class("error")
@@ -445,7 +534,7 @@ class ChatScreen(ConversationActions, Screen):
         if text:
             stats = {**(p.stats or {}), "finish_reason": "cancelled", "model": self._assistant_label()}
             try:
-                await self.app.db(self.store.add_message, p.conversation_id, "assistant", text, stats)
+                await self.host.db(self.store.add_message, p.conversation_id, "assistant", text, stats)
             except LookupError:  # its conversation was deleted
                 pass
 
@@ -462,9 +551,9 @@ class ChatScreen(ConversationActions, Screen):
         if event.action == "leave":
             self.prompt.focus()
         elif event.action == "branch":
-            await self.branch_from(event.view)
+            await self.actions.branch_from(event.view)
         elif event.action == "regenerate":
-            await self.regenerate(event.view)
+            await self.actions.regenerate(event.view)
 
     async def on_conversation_list_open(self, event: ConversationList.Open) -> None:
         event.stop()

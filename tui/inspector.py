@@ -2,12 +2,10 @@
 
     app.push_screen(InspectorScreen(engine))
 
-``engine`` is an :class:`engine.engine.Engine` or any object with its front-end calls
-(``stats``, ``cache_entries``, ``cache_entry``, ``cache_pin``, ``cache_evict``,
-``cache_delete``, ``cache_verify``, ``cache_flush``, ``decode``; ``subscribe`` and
-``cache_gc`` when it has them). Each of them blocks (up to a timeout) while the engine
-thread serves it, so the screen calls them only from thread workers and gets the
-answers back as messages. Cache events set a dirty flag (from the engine's threads);
+``engine`` offers the engine's cache views (``engine.api.CacheViews``: an engine, or the
+app's bridge to it). Each call blocks (up to a timeout) while the engine thread serves
+it, so the screen makes them only from thread workers and gets the answers back as
+messages. Cache events set a dirty flag (from the engine's threads);
 a 5 Hz timer turns a dirty flag into one refresh of the entry list, so a burst of
 events costs one listing. The header figures (hit rate and its sparkline, bytes per
 tier against their caps, dedup ratio, queue depths, last restore) come from
@@ -27,11 +25,10 @@ the closest cached entry; ``m`` again goes back to the entries.
 
 from __future__ import annotations
 
-import inspect
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
 
 from rich.markup import escape
 from rich.text import Text
@@ -52,6 +49,24 @@ from mlxkv.tui.widgets.message import short_model
 from mlxkv.tui.widgets.miss_table import MissTable, describe
 from mlxkv.tui.widgets.modals import Confirm
 
+if TYPE_CHECKING:
+    from textual.timer import Timer
+
+    from mlxkv.engine.api import CacheViews, EngineStats, FlushReport, VerifyReport
+    from mlxkv.engine.requests import EngineEvent
+
+Severity = Literal["information", "warning", "error"]
+T = TypeVar("T")
+
+
+class ModelNames(Protocol):
+    """Where models' names outlive the run (the conversation store)."""
+
+    def namespace_names(self) -> dict[str, str]: ...
+
+    def name_namespace(self, namespace: str, label: str) -> object: ...
+
+
 CALL_TIMEOUT_S = 5.0  # listing and stats; a busy or loading engine is tried again later
 ACTION_TIMEOUT_S = 120.0
 VERIFY_TIMEOUT_S = 600.0
@@ -61,7 +76,7 @@ PREVIEW_HEAD, PREVIEW_TAIL = 96, 256  # tokens decoded for the preview of a long
 
 
 class _Refreshed(Message):
-    def __init__(self, entries: list | None, stats: dict | None, error: str | None,
+    def __init__(self, entries: list[CacheEntryInfo] | None, stats: EngineStats | None, error: str | None,
                  names: dict[str, str] | None = None) -> None:
         super().__init__()
         self.entries, self.stats, self.error = entries, stats, error
@@ -82,7 +97,7 @@ class _VerifyProgress(Message):
 
 
 class _ActionDone(Message):
-    def __init__(self, what: str, result: Any, text: str, severity: str) -> None:
+    def __init__(self, what: str, result: object, text: str, severity: Severity) -> None:
         super().__init__()
         self.what, self.result, self.text, self.severity = what, result, text, severity
 
@@ -125,25 +140,25 @@ class InspectorScreen(Screen):
         Binding("ctrl+r", "refresh", "Refresh", show=False, id="inspector.refresh"),
     ]
 
-    def __init__(self, engine: Any, *, live: bool = True, names: Any = None, name: str | None = None,
+    def __init__(self, engine: CacheViews, *, live: bool = True, names: ModelNames | None = None,
+                 name: str | None = None,
                  id: str | None = None, classes: str | None = None) -> None:
         super().__init__(name=name, id=id, classes=classes)
         self.engine = engine
         self.live = live
         # where models' names outlive the run (``name_namespace`` / ``namespace_names``:
-        # tui.store.ConversationStore); None: only the models seen loaded in this run
+        # tui.conversations.ConversationStore); None: only the models seen loaded in this run
         self.names = names
         self._names_read = False
         self.figures = Figures()
-        self.results: dict[str, Any] = {}  # the last result of each action, by name
+        self.results: dict[str, object] = {}  # the last result of each action, by name
         self.detail: CacheEntryDetail | None = None
         self.verifying = False
         self._dirty = threading.Event()
         self._busy = False
         self._stats_at = 0.0
         self._unsubscribe: Callable[[], None] | None = None
-        self._detail_timer: Any = None
-        self._takes_timeout: dict[str, bool] = {}
+        self._detail_timer: Timer | None = None
 
     # ------------------------------------------------------------------ layout
     def compose(self) -> ComposeResult:
@@ -186,7 +201,7 @@ class InspectorScreen(Screen):
     def showing_misses(self) -> bool:
         return self.has_class("-misses")
 
-    def commands(self) -> list[tuple[str, str, Any]]:
+    def commands(self) -> list[tuple[str, str, Callable[[], object]]]:
         """(title, help, callback) of every inspector action, for the command palette."""
         return [
             ("Cache misses", "The last requests' cache lookups: what matched and where each "
@@ -210,9 +225,8 @@ class InspectorScreen(Screen):
 
     def on_mount(self) -> None:
         self.table.focus()
-        subscribe = getattr(self.engine, "subscribe", None)
-        if self.live and subscribe is not None:
-            self._unsubscribe = subscribe(self._on_engine_event)
+        if self.live:
+            self._unsubscribe = self.engine.subscribe(self._on_engine_event)
         if self.live:
             self._dirty.set()
         self.set_interval(0.2, self._tick)
@@ -223,27 +237,14 @@ class InspectorScreen(Screen):
             self._unsubscribe()
             self._unsubscribe = None
 
-    # ------------------------------------------------------------------ engine calls
-    def _call(self, name: str, *args: Any, timeout: float) -> Any:
-        """``engine.<name>(*args)`` (worker thread), with ``timeout`` where it takes one:
-        an Engine does, a front end's bridge may wait in its own way."""
-        fn = getattr(self.engine, name)
-        takes = self._takes_timeout.get(name)
-        if takes is None:
-            try:
-                params = inspect.signature(fn).parameters.values()
-                takes = any(p.name == "timeout" or p.kind is p.VAR_KEYWORD for p in params)
-            except (TypeError, ValueError):
-                takes = False
-            self._takes_timeout[name] = takes
-        return fn(*args, timeout=timeout) if takes else fn(*args)
-
     # ------------------------------------------------------------------ live refresh
-    def _on_engine_event(self, event: Any) -> None:
+    def _on_engine_event(self, event: EngineEvent) -> None:
         """Engine or storage thread: note that the listing is stale."""
-        if type(event).__name__ in ("CacheEvent", "LoadEvent"):
-            data = getattr(event, "data", None) or {}
-            if getattr(event, "kind", None) == "verify" and "total" in data:
+        from mlxkv.engine.requests import CacheEvent, LoadEvent
+
+        if isinstance(event, (CacheEvent, LoadEvent)):
+            data = (event.data if isinstance(event, CacheEvent) else None) or {}
+            if isinstance(event, CacheEvent) and event.kind == "verify" and "total" in data:
                 self.post_message(_VerifyProgress(int(data.get("done", 0)), int(data["total"])))
                 return
             self._dirty.set()
@@ -267,14 +268,14 @@ class InspectorScreen(Screen):
         listed = stats = error = None
         try:
             if entries:
-                listed = self._call("cache_entries", timeout=CALL_TIMEOUT_S)
-            stats = self._call("stats", timeout=CALL_TIMEOUT_S)
+                listed = self.engine.cache_entries(timeout=CALL_TIMEOUT_S)
+            stats = self.engine.stats(timeout=CALL_TIMEOUT_S)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
         names = self._remember_names(stats)
         self.post_message(_Refreshed(listed, stats, error, names))
 
-    def _remember_names(self, stats: dict | None) -> dict[str, str]:
+    def _remember_names(self, stats: EngineStats | None) -> dict[str, str]:
         """(Worker thread.) The store namespace -> model label pairs to show: the loaded
         model's from ``stats`` (kept in ``names`` when it is new there) and, the first time,
         every one ``names`` remembers."""
@@ -285,7 +286,9 @@ class InspectorScreen(Screen):
                 found.update({ns: short_model(label) for ns, label in self.names.namespace_names().items()})
             except Exception:  # a store that cannot be read names nothing; the table still works
                 pass
-        ns, label = (stats or {}).get("namespace"), ((stats or {}).get("model") or {}).get("model")
+        ns = stats.get("namespace") if stats is not None else None
+        model = stats.get("model") if stats is not None else None
+        label = model.get("model") if model else None
         if ns and label:
             try:
                 sns = store_namespace(ns)
@@ -332,13 +335,13 @@ class InspectorScreen(Screen):
             f"{t.row_count} of {t.total_count} {what} · sort {t.sort_key} {arrow}")
 
     @staticmethod
-    def _store_ns(stats: dict) -> str | None:
+    def _store_ns(stats: EngineStats) -> str | None:
         try:
             return store_namespace(stats["namespace"]) if stats.get("namespace") else None
         except ValueError:
             return None
 
-    def _show_figures(self, stats: dict) -> None:
+    def _show_figures(self, stats: EngineStats) -> None:
         figs = self.figures.update(stats, self.table.model_label, self._store_ns(stats))
         for key, text in figs.items():
             self.query_one(f"#fig-{key}", Label).update(Text(text))
@@ -372,14 +375,14 @@ class InspectorScreen(Screen):
             return
         detail, preview, error = None, "", None
         try:
-            detail = self._call("cache_entry", entry_id, timeout=CALL_TIMEOUT_S)
+            detail = self.engine.cache_entry(entry_id, timeout=CALL_TIMEOUT_S)
             if detail is not None:
                 ids = detail.token_ids
                 if len(ids) <= PREVIEW_HEAD + PREVIEW_TAIL:
-                    preview = self._call("decode", ids, timeout=CALL_TIMEOUT_S)
+                    preview = self.engine.decode(ids, timeout=CALL_TIMEOUT_S)
                 else:
-                    head = self._call("decode", ids[:PREVIEW_HEAD], timeout=CALL_TIMEOUT_S)
-                    tail = self._call("decode", ids[-PREVIEW_TAIL:], timeout=CALL_TIMEOUT_S)
+                    head = self.engine.decode(ids[:PREVIEW_HEAD], timeout=CALL_TIMEOUT_S)
+                    tail = self.engine.decode(ids[-PREVIEW_TAIL:], timeout=CALL_TIMEOUT_S)
                     skipped = len(ids) - PREVIEW_HEAD - PREVIEW_TAIL
                     preview = f"{head}\n… ({skipped} tokens) …\n{tail}"
         except Exception as exc:
@@ -442,7 +445,7 @@ class InspectorScreen(Screen):
             self.notify("No entry selected.", severity="warning")
         return e
 
-    def _confirm(self, question: str, then: Callable[[], None]) -> None:
+    def _confirm(self, question: str, then: Callable[[], object]) -> None:
         def answered(yes: bool | None) -> None:
             if yes:
                 then()
@@ -453,8 +456,9 @@ class InspectorScreen(Screen):
         return f"{e.kind} {e.session or e.id[:12]} ({e.tokens} tokens)"
 
     @work(thread=True, group="inspector-action", exit_on_error=False)
-    def _act(self, what: str, call: Callable[[], Any],
-             describe: Callable[[Any], tuple[str, str]]) -> None:
+    def _act(self, what: str, call: Callable[[], T],
+             describe: Callable[[T], tuple[str, Severity]]) -> None:
+        result: T | None = None
         try:
             result = call()
             text, severity = describe(result)
@@ -488,7 +492,7 @@ class InspectorScreen(Screen):
             return
 
         def run() -> None:
-            self._act("evict", lambda: self._call("cache_evict", e.id, timeout=ACTION_TIMEOUT_S),
+            self._act("evict", lambda: self.engine.cache_evict(e.id, timeout=ACTION_TIMEOUT_S),
                       lambda ok: (f"Evicted {self._describe_entry(e)} from RAM.", "information") if ok
                       else ("It was no longer in RAM.", "warning"))
         if e.tier == "ram":
@@ -503,7 +507,7 @@ class InspectorScreen(Screen):
             return
         self._confirm(f"Delete {self._describe_entry(e)} from RAM and SSD? Blocks other entries "
                       "share stay.", lambda: self._act(
-                          "delete", lambda: self._call("cache_delete", e.id, timeout=ACTION_TIMEOUT_S),
+                          "delete", lambda: self.engine.cache_delete(e.id, timeout=ACTION_TIMEOUT_S),
                           lambda ok: (f"Deleted {self._describe_entry(e)}.", "information") if ok
                           else ("It was already gone.", "warning")))
 
@@ -513,7 +517,7 @@ class InspectorScreen(Screen):
         e = self._selected()
         if e is None:
             return
-        self._act("pin", lambda: self._call("cache_pin", e.id, pin, timeout=ACTION_TIMEOUT_S),
+        self._act("pin", lambda: self.engine.cache_pin(e.id, pin, timeout=ACTION_TIMEOUT_S),
                   lambda ok: (f"{'Pinned' if pin else 'Unpinned'} {self._describe_entry(e)}.", "information")
                   if ok else ("It is no longer cached.", "warning"))
 
@@ -534,7 +538,7 @@ class InspectorScreen(Screen):
         self.query_one("#verify-progress", ProgressBar).update(total=None, progress=0)
         self.add_class("-verifying")
 
-        def describe(r: dict) -> tuple[str, str]:
+        def describe(r: VerifyReport) -> tuple[str, Severity]:
             if not r.get("checked") and not r.get("manifests_damaged"):
                 return "Nothing on SSD to verify.", "warning"
             bad = len(r.get("damaged", [])) + r.get("manifests_damaged", 0)
@@ -542,28 +546,21 @@ class InspectorScreen(Screen):
             if bad:
                 return f"{text}, {bad} damaged (they will be read as misses).", "error"
             return text + ".", "information"
-        self._act("verify", lambda: self._call("cache_verify", entry_id, timeout=VERIFY_TIMEOUT_S),
+        self._act("verify", lambda: self.engine.cache_verify(entry_id, timeout=VERIFY_TIMEOUT_S),
                   describe)
 
     def action_flush(self) -> None:
-        def describe(r: dict) -> tuple[str, str]:
+        def describe(r: FlushReport) -> tuple[str, Severity]:
             text = (f"Flushed {r.get('flushed', 0)} writes: {r.get('durable', 0)} durable, "
                     f"{r.get('pending', 0)} pending, {r.get('failed', 0)} failed.")
             return text, "error" if r.get("failed") else "information"
-        self._act("flush", lambda: self._call("cache_flush", timeout=ACTION_TIMEOUT_S), describe)
+        self._act("flush", lambda: self.engine.cache_flush(timeout=ACTION_TIMEOUT_S), describe)
 
     def action_gc(self) -> None:
         self._confirm("Remove the SSD tier's blocks and files that no saved entry uses?",
-                      lambda: self._act("gc", self._gc, lambda r: (
+                      lambda: self._act("gc", lambda: self.engine.cache_gc(timeout=ACTION_TIMEOUT_S), lambda r: (
                           f"GC removed {r.get('removed', 0)} files "
                           f"({human_bytes(r.get('bytes', 0))}).", "information")))
-
-    def _gc(self) -> dict:
-        # Looked up in the worker: a bridge may wait for the engine to answer what it has.
-        if getattr(self.engine, "cache_gc", None) is None:
-            raise RuntimeError("this engine cannot collect the SSD tier's garbage while it "
-                               "runs; quit and run `mlxkv cache gc`")
-        return self._call("cache_gc", timeout=ACTION_TIMEOUT_S)
 
     def action_open_conversation(self) -> None:
         e = self._selected()

@@ -3,9 +3,12 @@ from engine or storage threads with ``post_message`` (thread-safe); screens shar
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from textual.message import Message
+
+if TYPE_CHECKING:
+    from mlxkv.engine.api import ModelInfo
 
 
 class EngineLoading(Message):
@@ -19,7 +22,7 @@ class EngineLoading(Message):
 class EngineReady(Message):
     """The model is loaded; ``info`` is ``engine.info`` (model label, context, dtype...)."""
 
-    def __init__(self, info: dict[str, Any]) -> None:
+    def __init__(self, info: ModelInfo) -> None:
         super().__init__()
         self.info = info
 

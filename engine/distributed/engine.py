@@ -27,7 +27,7 @@ import logging
 import queue
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from mlxkv.engine.cache.client import CacheArg, CacheClient
 from mlxkv.engine.commands import STOP, Command, CommandQueue, wait
@@ -41,7 +41,7 @@ from mlxkv.engine.sampling import SamplingParams
 from mlxkv.engine.settings import Settings
 
 if TYPE_CHECKING:
-    from mlxkv.engine.cache.durability import FlushReport
+    from mlxkv.engine.api import DistributedInfo, EngineStats, FlushReport
     from mlxkv.engine.models import LoadedModel
     from mlxkv.engine.speculation.base import ProposalProvider
     from mlxkv.engine.speculation.providers import Speculation
@@ -294,7 +294,7 @@ class ShardedEngine(Engine):
         return super().submit(request, callback)
 
     # front ends
-    def distributed_info(self) -> dict[str, Any]:
+    def distributed_info(self) -> DistributedInfo:
         """This rank, the group and the last request's cached prefix per rank
         (``cached_by_rank``, ``ram_by_rank``, ``ssd_by_rank``) and the length used."""
         loaded = self.loaded
@@ -303,7 +303,7 @@ class ShardedEngine(Engine):
         return {"world": self.world.size, "rank": self.world.rank, "shard": shard,
                 "last_request": dict(last) if last else None}
 
-    def stats(self, timeout: float | None = 30.0) -> dict[str, Any]:
+    def stats(self, timeout: float | None = 30.0) -> EngineStats:
         figures = super().stats(timeout)
         figures["distributed"] = self.distributed_info()
         return figures
@@ -317,4 +317,4 @@ class ShardedEngine(Engine):
             self.channel.send(FLUSH, arg=int(timeout * 1000) if timeout else 0)
             return self.scheduler.runtime.cache.client.flush(timeout)
         limit = None if timeout is None else timeout + 30.0
-        return wait(self.call(flush_all), limit, "cache flush")
+        return cast("FlushReport", wait(self.call(flush_all), limit, "cache flush"))

@@ -7,9 +7,13 @@ answers (the engine keeps totals only)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from mlxkv.engine.cache.info import model_namespace
 from mlxkv.tui.widgets.entry_table import human_bytes
+
+if TYPE_CHECKING:
+    from mlxkv.engine.api import CacheStats, EngineStats, NamespaceBytes
 
 MODELS_SHOWN = 4  # models named on the "by model" line; the rest are counted
 
@@ -26,14 +30,14 @@ class Figures:
     def __init__(self, history: int = 60) -> None:
         self.history: list[float] = []
         self._size = history
-        self._prev: dict | None = None
+        self._prev: CacheStats | None = None
         self.last_restore: tuple[float, float] | None = None  # (ms, bytes)
 
-    def update(self, stats: dict, label: Callable[[str], str] = str,
+    def update(self, stats: EngineStats, label: Callable[[str], str] = str,
                current: str | None = None) -> dict[str, str]:
         """The figures' texts by name; ``label`` names a store namespace's model and
         ``current`` is the loaded model's namespace (first on the "by model" line)."""
-        c = stats.get("cache") or {}
+        c: CacheStats = stats.get("cache") or {}
         if not c.get("enabled"):
             return {"hits": "prefix cache off", "tiers": "", "models": "", "queues": "", "restore": ""}
         prev, self._prev = self._prev, c
@@ -72,7 +76,7 @@ class Figures:
                 "queues": queues, "restore": restore}
 
 
-def by_model(namespaces: dict[str, dict], label: Callable[[str], str] = str,
+def by_model(namespaces: dict[str, NamespaceBytes], label: Callable[[str], str] = str,
              current: str | None = None) -> str:
     """Each model's share of the tiers (``stats["cache"]["namespaces"]``: store namespace
     -> RAM and SSD bytes), a draft model's and a cache scope's (a tenant's) namespaces

@@ -335,6 +335,7 @@ class VirtualTable(ScrollView, can_focus=True):
         scroll_x, scroll_y = self.scroll_offset
         width = self.scrollable_content_region.width
         base = self.rich_style
+        style: Style
         if y == 0:
             style = base + self.get_component_rich_style("virtual-table--header")
             text = self._line(None)
@@ -343,7 +344,7 @@ class VirtualTable(ScrollView, can_focus=True):
             if i >= len(self._view):
                 return Strip.blank(width, base)
             row = self._rows[self._view[i]]
-            style: Style = base
+            style = base
             if self.marked(row):
                 style += self.get_component_rich_style("virtual-table--marked")
             if i == self._cursor_row:

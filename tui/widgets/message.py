@@ -9,7 +9,7 @@ copy it, copy its code blocks, branch from it (edit and resend), regenerate."""
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -98,7 +98,14 @@ def update_in_place(widget: Static, content: Content | str) -> None:
         widget.refresh(layout=True)
 
 
-class StreamedParagraph(Markdown.BLOCKS["paragraph_open"]):  # Textual's paragraph (not exported)
+if TYPE_CHECKING:
+    from textual.widgets._markdown import MarkdownParagraph as _Paragraph
+    from textual.widgets.markdown import MarkdownStream
+else:
+    _Paragraph = Markdown.BLOCKS["paragraph_open"]  # Textual's paragraph (not exported)
+
+
+class StreamedParagraph(_Paragraph):
     """A paragraph whose new text (the next tokens of a reply) repaints it alone while its
     height stays the same (Textual's paragraph lays the screen out on every update)."""
 
@@ -145,7 +152,7 @@ class MessageView(Vertical, can_focus=True):
         self.stats = stats
         self._label = label or {"user": "You", "assistant": "Assistant", "system": "System"}.get(role, role)
         self._status = status
-        self._stream: Any = None
+        self._stream: MarkdownStream | None = None
         self.streaming = False
 
     def compose(self) -> ComposeResult:

@@ -4,7 +4,7 @@ newest first. Selecting one posts :class:`ConversationList.Open`."""
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -13,6 +13,9 @@ from textual.message import Message
 from textual.widgets import Input, Label, ListItem, ListView
 
 from mlxkv.tui.widgets.message import printable
+
+if TYPE_CHECKING:
+    from mlxkv.tui.conversations import Conversation
 
 
 def _when(ts: float) -> str:
@@ -23,7 +26,7 @@ def _when(ts: float) -> str:
 
 
 class ConversationItem(ListItem):
-    def __init__(self, conversation: Any) -> None:
+    def __init__(self, conversation: Conversation) -> None:
         super().__init__(classes="conversation")
         self.conversation = conversation
 
@@ -55,7 +58,7 @@ class ConversationList(Vertical):
     def list_view(self) -> ListView:
         return self.query_one("#conversations", ListView)
 
-    async def show(self, conversations: list[Any], current: int | None) -> None:
+    async def show(self, conversations: list[Conversation], current: int | None) -> None:
         view = self.list_view
         await view.clear()
         items = [ConversationItem(c) for c in conversations]

@@ -22,12 +22,13 @@ No Textual here: the API takes and returns plain values and dataclasses.
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,13 +117,13 @@ MIGRATIONS: list[list[str]] = [_V1, _V2, _V3]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
-def default_path(env: dict[str, str] | None = None) -> Path:
+def default_path(env: Mapping[str, str] | None = None) -> Path:
     """Where the conversations live: see the module docstring."""
-    env = os.environ if env is None else env
-    folder = env.get("MLXKV_DATA_DIR")
+    found: Mapping[str, str] = os.environ if env is None else env
+    folder = found.get("MLXKV_DATA_DIR")
     if folder:
         return Path(os.path.expanduser(folder)) / DB_NAME
-    base = env.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    base = found.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
     return Path(base) / "mlxkv" / DB_NAME
 
 
@@ -204,6 +205,14 @@ def _contains(haystack: str | None, needle: str) -> bool:
     """SQL ``contains(text, needle)``: ``needle`` (casefolded) is in ``text`` ignoring case,
     in every script (SQLite's LIKE folds ASCII letters only)."""
     return haystack is not None and needle in haystack.casefold()
+
+
+def _inserted(cur: sqlite3.Cursor) -> int:
+    """The id of the row an INSERT just added (SQLite always gives one)."""
+    rowid = cur.lastrowid
+    if rowid is None:
+        raise StoreError("the database gave no id for the row just added")
+    return rowid
 
 
 class ConversationStore:
@@ -355,7 +364,7 @@ class ConversationStore:
                               "WHERE conversation_id = ?", (cid,)).fetchone()[0]
         cur = db.execute("INSERT INTO messages (conversation_id, role, content, created, position, stats) "
                          "VALUES (?, ?, ?, ?, ?, ?)", (cid, role, content, self.clock(), position, stats_json))
-        return cur.lastrowid
+        return _inserted(cur)
 
     # --- conversations --------------------------------------------------------------------
     def create(self, title: str = "New chat", model: str | None = None, system_prompt: str | None = None,
@@ -366,7 +375,7 @@ class ConversationStore:
             now = self.clock()
             cur = db.execute("INSERT INTO conversations (title, created, updated, model, system_prompt, sampling) "
                              "VALUES (?, ?, ?, ?, ?, ?)", (title, now, now, model, system_prompt, sampling_json))
-            return _conversation(self._row(db, cur.lastrowid))
+            return _conversation(self._row(db, _inserted(cur)))
 
     def list(self, search: str | None = None) -> list[Conversation]:
         """Every conversation, most recently updated first; with ``search``, only those whose
@@ -433,7 +442,7 @@ class ConversationStore:
             db.execute("DELETE FROM conversations WHERE id = ?", (cid,))
 
     # --- messages -------------------------------------------------------------------------
-    def messages(self, cid: int) -> list[Message]:
+    def messages(self, cid: int) -> builtins.list[Message]:
         with self._tx(write=False) as db:
             self._row(db, cid)
             rows = db.execute("SELECT * FROM messages WHERE conversation_id = ? ORDER BY position",
@@ -491,7 +500,7 @@ class ConversationStore:
                 "parent_id, branched_from_message) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (parent["title"], now, now, parent["model"], parent["system_prompt"], parent["sampling"],
                  cid, message_id))
-            new_id = cur.lastrowid
+            new_id = _inserted(cur)
             db.execute("INSERT INTO messages (conversation_id, role, content, created, position, stats) "
                        "SELECT ?, role, content, created, position, stats FROM messages "
                        "WHERE conversation_id = ? AND position < ? ORDER BY position",
