@@ -159,7 +159,7 @@ def child_ssd(args: argparse.Namespace) -> int:
     prompt = tokens(args.context + args.new, 1)
     out: dict[str, Any] = {"ttft": [], "restore_gbps": [], "restore_ms": [], "first": [],
                            "cached": [], "storage_gbps": [], "storage_alloc_gbps": []}
-    sns = store_namespace(NS)
+    store_ns = store_namespace(NS)
     for _ in range(args.repeats):
         pc = PrefixCache(ram_bytes=1 << 34, cache_dir=args.child_ssd, block_tokens=256)
         pc.bind_model(NS, model)  # as the engine does while it loads (the KV arena too)
@@ -179,7 +179,7 @@ def child_ssd(args: argparse.Namespace) -> int:
         del cache
         # the storage layer alone on the same blocks, as bench.storage measures a warm restore:
         # with and without allocating the evaluated destination arrays
-        m = pc.disk.lookup(sns, prompt, max_tokens=len(prompt) - 1)
+        m = pc.disk.lookup(store_ns, prompt, max_tokens=len(prompt) - 1)
         layout = m.layout
         for with_alloc in (True, False):
             t = time.perf_counter()
@@ -189,7 +189,7 @@ def child_ssd(args: argparse.Namespace) -> int:
             if not with_alloc:
                 t = time.perf_counter()
             segs = [(memoryview(a), s.outer, m.n_tokens, s.row_bytes) for a, s in zip(dst, layout)]
-            r = pc.io.submit_read(ReadRequest(sns, prompt, layout, segs, n_tokens=m)).result()
+            r = pc.io.submit_read(ReadRequest(store_ns, prompt, layout, segs, n_tokens=m)).result()
             gbps = r.bytes_read / (time.perf_counter() - t) / 1e9
             out["storage_alloc_gbps" if with_alloc else "storage_gbps"].append(gbps)
             del dst, segs
@@ -466,7 +466,7 @@ class Bench:
         prev_threads = blas_threads(1)
         decode(model, cache, self.first, 2)
         trim_prompt_cache(cache, 2)
-        sns = store_namespace(NS)
+        store_ns = store_namespace(NS)
         def idle_turn() -> None:
             idle.append(decode(model, cache, self.first, n))
             trim_prompt_cache(cache, n)
@@ -481,7 +481,7 @@ class Bench:
             under.append(decode(model, cache, self.first, n))
             pc.busy(False)
             t_idle = time.perf_counter()
-            state = pc.durability.wait(sns, np.array(toks), 120)
+            state = pc.durability.wait(store_ns, np.array(toks), 120)
             t_durable = time.perf_counter()
             if state != "durable":
                 raise RuntimeError(f"the stored turn did not become durable: {state}")

@@ -132,18 +132,18 @@ def test_arena_is_grown_in_steps_refilled_when_idle_and_bounded(tmp_path):
     pc.store(t1 + out[:-1], cache, "ns")
     pc.flush(30)
     pc.bind_model("ns", model)
-    sns = store_namespace("ns")
-    cap0 = pc.arena.capacity(sns)
+    store_ns = store_namespace("ns")
+    cap0 = pc.arena.capacity(store_ns)
     longer = t1 + out[:-1] + prompt(cap0 + 300, 6)  # longer than the slot
     pc.store(longer, greedy_tokens(model, longer, n_new=1)[1], "ns")
     pc.flush(30)
     pc.ram.clear()
     n, _ = pc.lookup(longer + [1, 2], "ns")  # ...served from fresh arrays
     assert n == len(longer) and pc.stats()["arena_misses"] == 1
-    assert pc.arena.capacity(sns) > n  # ...and the next slot is sized for it
+    assert pc.arena.capacity(store_ns) > n  # ...and the next slot is sized for it
     pc.busy(True)
     pc.busy(False)  # idle: the missing slot is allocated again
-    assert pc.arena.free_arrays(sns) and pc.arena.free_arrays(sns)[0].shape[2] > n
+    assert pc.arena.free_arrays(store_ns) and pc.arena.free_arrays(store_ns)[0].shape[2] > n
     pc.close()
     # a budget too small for one slot: nothing is prepared, restores allocate as before
     small = PrefixCache(ram_bytes=1 << 30, cache_dir=str(tmp_path), block_tokens=BT, arena_bytes=1)

@@ -34,21 +34,21 @@ def _model():
 def test_writer_waits_while_busy_and_writes_when_idle(tmp_path):
     model = _model()
     pc = PrefixCache(ram_bytes=1 << 30, cache_dir=str(tmp_path), block_tokens=BT)
-    d, sns = pc.durability, store_namespace(NS)
+    d, store_ns = pc.durability, store_namespace(NS)
     pc.busy(True)
     toks, cache = _state(model, 3 * BT + 5, 1)
     pc.store(toks, cache, NS)
     # submitted synchronously when it may go: so it is still here, not at the writer
-    assert d.state(sns, np.array(toks)) == "pending"
+    assert d.state(store_ns, np.array(toks)) == "pending"
     assert pc.io.pending_writes == 0 and d.yielded == 1
     pc.busy(False)
-    assert d.wait(sns, np.array(toks), timeout=30) == "durable"
+    assert d.wait(store_ns, np.array(toks), timeout=30) == "durable"
     t = pc.stats()["durable_after_turn_s"]
     assert t is not None and t >= 0
     # idle: a store goes to the writer at once
     toks2, cache2 = _state(model, 2 * BT, 2)
     pc.store(toks2, cache2, NS)
-    assert d.state(sns, np.array(toks2)) in ("writing", "durable")
+    assert d.state(store_ns, np.array(toks2)) in ("writing", "durable")
     assert pc.close(30)["pending"] == 0
 
 
@@ -65,28 +65,28 @@ def test_flush_forces_writes_while_busy_and_reports_exactly(tmp_path):
 
 def test_waiting_is_bounded_by_delay_memory_and_eviction(tmp_path):
     model = _model()
-    sns = store_namespace(NS)
+    store_ns = store_namespace(NS)
     # maximum delay spent: goes although busy
     pc = PrefixCache(ram_bytes=1 << 30, cache_dir=str(tmp_path / "a"), block_tokens=BT)
     pc.durability.max_delay_s = 0.0
     pc.busy(True)
     toks, cache = _state(model, 2 * BT, 4)
     pc.store(toks, cache, NS)
-    assert pc.durability.state(sns, np.array(toks)) in ("writing", "durable")
+    assert pc.durability.state(store_ns, np.array(toks)) in ("writing", "durable")
     pc.close(30)
     # the waiting states pin more memory than allowed: goes
     pc = PrefixCache(ram_bytes=1 << 30, cache_dir=str(tmp_path / "b"), block_tokens=BT)
     pc.durability.pressure_bytes = 0
     pc.busy(True)
     pc.store(toks, cache, NS)
-    assert pc.durability.state(sns, np.array(toks)) in ("writing", "durable")
+    assert pc.durability.state(store_ns, np.array(toks)) in ("writing", "durable")
     pc.close(30)
     # a RAM tier too small to keep it: the snapshot is the only copy, so it goes
     pc = PrefixCache(ram_bytes=1, cache_dir=str(tmp_path / "c"), block_tokens=BT)
     pc.busy(True)
     pc.store(toks, cache, NS)
     assert pc.stats()["ram_entries"] == 0
-    assert pc.durability.state(sns, np.array(toks)) in ("writing", "durable")
+    assert pc.durability.state(store_ns, np.array(toks)) in ("writing", "durable")
     assert pc.close(30)["durable"] == 1
 
 

@@ -97,35 +97,35 @@ def test_a_new_engine_proposes_from_what_the_last_one_learned(learned_cache, tmp
 
 def test_the_learned_file_is_private_and_listed_and_removed_by_the_cache_commands(learned_cache):
     cache, ns, replies = learned_cache
-    sns = store_namespace(ns)
-    path = cache / sns / "learned" / "suffix.lrn"
+    store_ns = store_namespace(ns)
+    path = cache / store_ns / "learned" / "suffix.lrn"
     assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700
     st = cli("--cache-dir", str(cache), "--json", "stats")
-    info = st["learned"][sns]["suffix"]
+    info = st["learned"][store_ns]["suffix"]
     assert info["tokens"] == sum(map(len, replies)) and info["sequences"] == 2
     text = subprocess.run(mlxkv_cmd("--cache-dir", str(cache), "cache", "stats"), cwd=ROOT, capture_output=True,
                           text=True, env=cli_env(), timeout=60).stdout
     assert f"suffix index: {info['tokens']} tokens learned from 2 replies" in text
     ls = cli("--cache-dir", str(cache), "--json", "ls")
-    assert [e for e in ls[sns] if e["kind"] == "learned"][0]["tokens"] == info["tokens"]
-    assert cli("--cache-dir", str(cache), "--json", "verify")[sns]["learned_damaged"] == {}
+    assert [e for e in ls[store_ns] if e["kind"] == "learned"][0]["tokens"] == info["tokens"]
+    assert cli("--cache-dir", str(cache), "--json", "verify")[store_ns]["learned_damaged"] == {}
     cleared = cli("--cache-dir", str(cache), "--json", "clear", "--yes")
-    assert sns in cleared["namespaces"] and cleared["left"] == []
-    assert not path.exists() and not (cache / sns).exists()
+    assert store_ns in cleared["namespaces"] and cleared["left"] == []
+    assert not path.exists() and not (cache / store_ns).exists()
 
 
 def test_cache_verify_reports_and_removes_a_damaged_learned_file(learned_cache):
     cache, ns, _ = learned_cache
-    sns = store_namespace(ns)
-    path = cache / sns / "learned" / "suffix.lrn"
+    store_ns = store_namespace(ns)
+    path = cache / store_ns / "learned" / "suffix.lrn"
     data = bytearray(path.read_bytes())
     data[-3] ^= 0x01
     path.write_bytes(bytes(data))
-    assert "damaged" in cli("--cache-dir", str(cache), "--json", "stats")["learned"][sns]["suffix"]
+    assert "damaged" in cli("--cache-dir", str(cache), "--json", "stats")["learned"][store_ns]["suffix"]
     assert path.exists()  # stats only looks
     r = subprocess.run(mlxkv_cmd("cache", "--cache-dir", str(cache), "--json", "verify"), cwd=ROOT,
                        capture_output=True, text=True, env=cli_env(), timeout=60)
-    assert r.returncode == 1 and "header hash mismatch" in json.loads(r.stdout)[sns]["learned_damaged"]["suffix"]
+    assert r.returncode == 1 and "header hash mismatch" in json.loads(r.stdout)[store_ns]["learned_damaged"]["suffix"]
     assert not path.exists()
 
 
@@ -155,9 +155,9 @@ def test_a_hostile_file_with_a_valid_hash_is_not_used(learned_cache, caplog):
     # Whole-file hash right, contents wrong: a token id the model does not have, or the
     # sequences of another namespace. Neither is used; neither crashes or hangs.
     cache, ns, _ = learned_cache
-    sns = store_namespace(ns)
-    path = cache / sns / "learned" / "suffix.lrn"
-    huge = fmt.Learned(sns, "suffix-outputs-v1", (np.array([1, 2, 4_000_000_000], dtype=np.uint32),), 0.0)
+    store_ns = store_namespace(ns)
+    path = cache / store_ns / "learned" / "suffix.lrn"
+    huge = fmt.Learned(store_ns, "suffix-outputs-v1", (np.array([1, 2, 4_000_000_000], dtype=np.uint32),), 0.0)
     path.write_bytes(fmt.encode_learned(huge))
     with caplog.at_level(logging.WARNING, logger="mlxkv"):
         with Engine.from_settings(settings(cache)).start(timeout=T) as eng:

@@ -291,13 +291,13 @@ class InspectorScreen(Screen):
         label = model.get("model") if model else None
         if ns and label:
             try:
-                sns = store_namespace(ns)
+                store_ns = store_namespace(ns)
             except ValueError:
                 return found
-            found[sns] = short_model(str(label))
-            if self.names is not None and self.table.model_names.get(sns) != found[sns]:
+            found[store_ns] = short_model(str(label))
+            if self.names is not None and self.table.model_names.get(store_ns) != found[store_ns]:
                 try:
-                    self.names.name_namespace(sns, str(label))
+                    self.names.name_namespace(store_ns, str(label))
                 except Exception:
                     pass
         return found
@@ -305,8 +305,8 @@ class InspectorScreen(Screen):
     @on(_Refreshed)
     def _refreshed(self, message: _Refreshed) -> None:
         self._busy = False
-        for sns, label in message.names.items():
-            self.table.set_model_name(sns, label)
+        for store_ns, label in message.names.items():
+            self.table.set_model_name(store_ns, label)
         if message.stats is not None:
             self.table.set_current_model(self._store_ns(message.stats))
         if message.error is not None:

@@ -1,4 +1,4 @@
-"""RamEntry listing: the facts of the RAM tier and the SSD tier merged into
+"""RamEntry listing: the views of the RAM tier and the SSD tier merged into
 :class:`~engine.cache.info.CacheEntryInfo` records (engine thread)."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from mlxkv.engine.cache.tokens import ckpt_key_of
 from mlxkv.engine.cache.upkeep import Saved
 
 
-class BlockFacts(NamedTuple):
+class TierBlock(NamedTuple):
     """One block (or tail, or checkpoint) of an entry, as one tier holds it."""
 
     tokens: int
@@ -32,8 +32,8 @@ class BlockFacts(NamedTuple):
 
 
 @dataclass
-class Facts:
-    """What the tiers know of one entry."""
+class TierView:
+    """One entry as the tiers hold it: its RAM entry, its saved manifest, their blocks."""
 
     entry_id: str
     ns: str
@@ -42,31 +42,31 @@ class Facts:
     created: float
     ram: RamEntry | None = None
     saved: Saved | None = None
-    ram_blocks: dict[bytes, BlockFacts] = field(default_factory=dict)
-    ssd_blocks: dict[bytes, BlockFacts] = field(default_factory=dict)
+    ram_blocks: dict[bytes, TierBlock] = field(default_factory=dict)
+    ssd_blocks: dict[bytes, TierBlock] = field(default_factory=dict)
 
 
 def _row_bytes(arrays: list[list[mx.array]]) -> int:
     return sum(a.nbytes // max(1, a.shape[2]) for layer in arrays for a in layer)
 
 
-def ram_facts(ram: RamTier, e: RamEntry) -> Facts:
-    f = Facts(e.id, e.ns, e.tokens, e.checkpoint is not None, e.created, ram=e)
+def ram_view(ram: RamTier, e: RamEntry) -> TierView:
+    f = TierView(e.id, e.ns, e.tokens, e.checkpoint is not None, e.created, ram=e)
     if e.checkpoint is not None:
         key = ckpt_key_of(e.ns, e.tokens, ram.block_tokens)
-        f.ram_blocks[key] = BlockFacts(len(e.tokens), e.nbytes, 1)
+        f.ram_blocks[key] = TierBlock(len(e.tokens), e.nbytes, 1)
     for r in e.runs:
-        f.ram_blocks[r.key] = BlockFacts(len(r.tokens), _row_bytes(r.slab.arrays) * len(r.tokens),
+        f.ram_blocks[r.key] = TierBlock(len(r.tokens), _row_bytes(r.slab.arrays) * len(r.tokens),
                                          r.refs)
     return f
 
 
-def gather(ram: RamTier, saved: list[Saved], store_ns: str | None) -> dict[str, Facts]:
-    """Facts per entry id, of namespace ``store_ns`` (all when None)."""
-    out: dict[str, Facts] = {}
+def gather(ram: RamTier, saved: list[Saved], store_ns: str | None) -> dict[str, TierView]:
+    """TierView per entry id, of namespace ``store_ns`` (all when None)."""
+    out: dict[str, TierView] = {}
     for e in ram.entries.values():
         if store_ns is None or e.ns == store_ns:
-            out[e.id] = ram_facts(ram, e)
+            out[e.id] = ram_view(ram, e)
     uses: dict[tuple[str, bytes], int] = {}
     for s in saved:
         for k, _, _ in s.blocks:
@@ -74,14 +74,14 @@ def gather(ram: RamTier, saved: list[Saved], store_ns: str | None) -> dict[str, 
     for s in saved:
         f = out.get(s.entry_id)
         if f is None:
-            f = out[s.entry_id] = Facts(s.entry_id, s.ns, s.tokens, s.checkpoint, s.created)
+            f = out[s.entry_id] = TierView(s.entry_id, s.ns, s.tokens, s.checkpoint, s.created)
         f.saved = s
         for k, n, b in s.blocks:
-            f.ssd_blocks[k] = BlockFacts(n, b, uses[(s.ns, k)])
+            f.ssd_blocks[k] = TierBlock(n, b, uses[(s.ns, k)])
     return out
 
 
-def _kind(f: Facts, by_ns: dict[str, list[Facts]]) -> Kind:
+def _kind(f: TierView, by_ns: dict[str, list[TierView]]) -> Kind:
     if draft_base(f.ns) is not None:  # speculation's draft state, beside its conversation
         return "draft"
     if f.checkpoint:
@@ -94,7 +94,7 @@ def _kind(f: Facts, by_ns: dict[str, list[Facts]]) -> Kind:
     return "conversation"
 
 
-def restorable(f: Facts) -> int:
+def restorable(f: TierView) -> int:
     """Tokens the entry gives back now: all of them from RAM; from SSD only, those up to
     the first block that is missing (``saved_states`` stops its blocks there)."""
     if f.ram is not None or f.saved is None:
@@ -102,17 +102,17 @@ def restorable(f: Facts) -> int:
     return min(len(f.tokens), int(f.saved.cached))
 
 
-def infos(facts: dict[str, Facts], ram: RamTier, pins: set[str], usage: Usage
+def infos(views: dict[str, TierView], ram: RamTier, pins: set[str], usage: Usage
           ) -> dict[str, CacheEntryInfo]:
-    by_ns: dict[str, list[Facts]] = {}
-    for f in facts.values():
+    by_ns: dict[str, list[TierView]] = {}
+    for f in views.values():
         by_ns.setdefault(f.ns, []).append(f)
     now = ram.clock()
     out: dict[str, CacheEntryInfo] = {}
-    for f in facts.values():
+    for f in views.values():
         blocks = {**f.ssd_blocks, **f.ram_blocks}
         total = sum(b for _, b, _ in blocks.values())
-        unshared = BlockFacts(0, 0, 1)
+        unshared = TierBlock(0, 0, 1)
         shared = sum(b for k, (_, b, _) in blocks.items()
                      if max(f.ram_blocks.get(k, unshared).shared_by,
                             f.ssd_blocks.get(k, unshared).shared_by) > 1)
@@ -131,7 +131,7 @@ def infos(facts: dict[str, Facts], ram: RamTier, pins: set[str], usage: Usage
     return out
 
 
-def detail(info: CacheEntryInfo, f: Facts, verified: dict[bytes, bool]) -> CacheEntryDetail:
+def detail(info: CacheEntryInfo, f: TierView, verified: dict[bytes, bool]) -> CacheEntryDetail:
     blocks: list[BlockInfo] = []
     for k in dict.fromkeys([*f.ram_blocks, *f.ssd_blocks]):
         r, s = f.ram_blocks.get(k), f.ssd_blocks.get(k)

@@ -63,21 +63,21 @@ class EntryManager:
             self.events.warn("list-failed", "prefix cache: cannot list the SSD tier: %s", exc)
             return []
 
-    def _facts(self, store_ns: str | None) -> dict[str, listing.Facts]:
+    def _views(self, store_ns: str | None) -> dict[str, listing.TierView]:
         return listing.gather(self.ram, self.saved(store_ns), store_ns)
 
     def entries(self, ns: str | None = None) -> list[CacheEntryInfo]:
         """Every stored state (of ``ns``, or all), most recently used first."""
-        infos = listing.infos(self._facts(None if ns is None else store_namespace(ns)),
+        infos = listing.infos(self._views(None if ns is None else store_namespace(ns)),
                               self.ram, self.pins, self.usage)
         return sorted(infos.values(), key=lambda i: -i.last_used)
 
     def entry(self, entry_id: str) -> CacheEntryDetail | None:
-        facts = self._facts(None)
-        f = facts.get(entry_id)
+        views = self._views(None)
+        f = views.get(entry_id)
         if f is None:
             return None
-        info = listing.infos(facts, self.ram, self.pins, self.usage)[entry_id]
+        info = listing.infos(views, self.ram, self.pins, self.usage)[entry_id]
         return listing.detail(info, f, self.verified)
 
     def explain(self, tokens: ArrayLike, ns: str) -> misses.Divergence | None:
