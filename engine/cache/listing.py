@@ -1,4 +1,4 @@
-"""RamEntry listing: the views of the RAM tier and the SSD tier merged into
+"""Entry listing: what the RAM tier and the SSD tier hold of each entry, merged into
 :class:`~engine.cache.info.CacheEntryInfo` records (engine thread)."""
 
 from __future__ import annotations
