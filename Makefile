@@ -52,10 +52,13 @@ agents:
 	    $(CODEX) $(CLAUDE_CODE) || echo "note: npm install failed: the tests and benchmarks that run the agents are skipped"; }; \
 	else echo "note: npm not found: the tests and benchmarks that run the agents are skipped"; fi
 
-# Lint, then the tests on a worker per core (pytest-xdist); TEST_WORKERS=0 runs them in one process.
+# Lint, type-check (mypy: the package through the links in mlxkv/, strict on storage/,
+# engine/cache/ and engine/api.py), then the tests on a worker per core (pytest-xdist;
+# TEST_WORKERS=0 runs them in one process).
 TEST_WORKERS ?= auto
 test: ext fixtures
 	$(PY) -m ruff check .
+	$(PY) -m mypy
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=25
 
 bench: ext fixtures

@@ -9,19 +9,12 @@ commands from a queue; callers hold thread-safe :class:`RequestHandle` s.
         engine.stats(); engine.cache_entries(); engine.subscribe(print)
         engine.prefetch(messages).result()   # warm a conversation's cached state into RAM
 
-Everything a front end needs is a public method here, callable from any thread: each runs
-on the engine thread, *between tokens* of a running generation or between requests, and
-waits with a timeout (:class:`EngineError` when it passes). The prefix cache (see
-``engine/cache/prefix_cache.py``) is looked up before the prefill and stored after; a
-generation that fails after starting from a cached prefix is answered again without it.
-
-:class:`Engine` is a facade over parts with one job each (``docs/architecture.md`` draws
-them): the thread's lifecycle (``engine.thread``), its command queue
-(``engine.commands``), loading (``engine.loading``), and, on the engine thread, the
-scheduler (``engine.scheduler``) with request preparation (``engine.preparing``), the
-single-stream loop (``engine.single``), batching (``engine.admission``,
-``engine.batching``) and the prefix cache's use (``engine.cache_use``). More than
-``max_queue`` waiting requests make ``submit`` raise :class:`QueueFull`.
+Every public method runs on the engine thread, between tokens or between requests, and
+waits with a timeout (:class:`EngineError` when it passes); front ends call them through
+:class:`~engine.api.EngineAPI`. :class:`Engine` is a facade over parts with one job each,
+drawn in ``docs/architecture.md``: lifecycle (``engine.thread``), commands, loading, and on
+the engine thread the scheduler, preparation, the single stream, batching and the cache's use.
+More than ``max_queue`` waiting requests make ``submit`` raise :class:`QueueFull`.
 """
 
 from __future__ import annotations

@@ -2,24 +2,10 @@
 ChatML, say): tools are never dropped silently, they are written into the prompt as plain
 text the model can read, in the same ``<tool_call>`` form ``server.formats`` parses back (mlx-lm's json_tools parser).
 
-- The tool list goes at the end of the system prompt (a system message is added first when
-  there is none): a ``# Tools`` section that says how to call a tool, then per tool its
-  name, description and JSON schema::
-
-      # Tools
-
-      You can call the tools below. To call one, write a line of its own:
-      <tool_call>{"name": "TOOL_NAME", "arguments": {...}}</tool_call>
-      ...
-      ## get_weather
-      Current weather of a city
-      Parameters (JSON schema): {"type": "object", ...}
-
-- An assistant turn's earlier tool calls are written after its text, one
-  ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` line each.
-- Tool results become a user turn, each in a ``<tool_response>`` block; results in a row,
-  and the user's text right after them, share that turn (templates that want user and
-  assistant turns to alternate render it too).
+The tool list ends the system prompt (one is added when there is none): a ``# Tools``
+section saying how to call a tool, then each tool's name, description and JSON schema.
+Earlier calls follow their assistant turn's text, one ``<tool_call>`` line each; tool
+results become a user turn of ``<tool_response>`` blocks (with the user's text after them).
 
 The rendering is deterministic (the tools in the order the client sent them, JSON as given),
 so an agent that resends the same tools keeps its cached prefix.

@@ -1,7 +1,8 @@
 """Import hygiene of the installed package, read from the source (nothing is imported):
 every project import names ``mlxkv...`` in full, no two project modules import each other,
-directly or around a loop (function-local imports count like any other), and the checkout's
-folders refuse to be imported under their folder names."""
+directly or around a loop (function-local imports count like any other), the checkout's
+folders refuse to be imported under their folder names, no module touches another's private
+members, and no class is built from mixins (``support/shape.py`` reads both)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import ast
 import subprocess
 import sys
 from pathlib import Path
+
+from support.shape import measure, private_reaches
 
 ROOT = Path(__file__).resolve().parent.parent
 # repository folder -> installed package name (pyproject.toml's package-dir)
@@ -138,3 +141,29 @@ def test_a_subpackage_folder_imported_by_its_folder_name_is_refused():
         r = subprocess.run([sys.executable, "-c", f"import {folder}"], cwd=ROOT, capture_output=True,
                            text=True, timeout=60)
         assert r.returncode == 1 and f"ImportError: import {name}, not {folder}" in r.stderr, r.stderr
+
+
+def test_no_class_is_built_from_mixins():
+    assert measure().mixins == []
+
+
+def test_no_module_touches_another_modules_private_members():
+    assert measure().private_reaches == []
+
+
+def test_a_reach_into_another_module_is_found(tmp_path):
+    """The rule's own check: each kind of reach is reported, a module's own names are not."""
+    path = ROOT / "engine" / "made_up_for_the_test.py"
+    source = (
+        "from mlxkv.engine.other import _helper\n"
+        "from mlxkv.engine import _kernels\n"  # the package's own compiled module: allowed
+        "class A:\n"
+        "    def __init__(self):\n"
+        "        self._mine = 1\n"
+        "    def f(self, row, model):\n"
+        "        row.handle._emit(self._mine)\n"
+        "        return getattr(model, '_stash', None)\n")
+    found = list(private_reaches(path, ast.parse(source)))
+    assert sorted(f.split(" ", 1)[1] for f in found) == sorted([
+        "imports mlxkv.engine.other._helper", "._emit", "getattr(..., '_stash')"]), found
+    assert not Path(path).exists()  # nothing was written
