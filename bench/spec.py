@@ -115,7 +115,9 @@ preload()  # the system OpenBLAS before mlx.core
 # isort: on
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCE_FILE = ROOT / "engine" / "cache" / "prefix_cache.py"
+# The text of the file-edit tasks: a frozen copy of an earlier engine/cache/prefix_cache.py,
+# not the live file, so that the figures stay comparable while the code changes.
+SOURCE_FILE = Path(__file__).resolve().parent / "file_edit_source.txt"
 DEMO_QUESTIONS = 3  # the demo pair answers the first three demo questions
 CHOICES = (
     "The prefix cache keeps every conversation's KV state in RAM and on the SSD, keyed by "
