@@ -2,7 +2,7 @@
 says ``Any``, probes objects with ``getattr``/``hasattr``, uses mixins, reaches into another
 module's private members, and how many functions and docstrings run long.
 
-``tests/test_shape.py`` holds the rules (no mixin, no private member of another module);
+``tests/test_imports.py`` holds the rules (no mixin, no private member of another module);
 the other figures are reported for review::
 
     python -m support.shape [--list]
