@@ -28,7 +28,14 @@ from typing import TYPE_CHECKING, Any, cast
 
 from mlxkv.engine.arrays import float_item, float_list, int_list
 from mlxkv.engine.batch_step import BatchStepModel
-from mlxkv.engine.generate import SamplingParams, StopMatcher, request_processors, request_sampler, stream_detokenizer
+from mlxkv.engine.generate import (
+    Cancelled,
+    SamplingParams,
+    StopMatcher,
+    request_processors,
+    request_sampler,
+    stream_detokenizer,
+)
 from mlxkv.engine.mlx_lm_compat import DecodingRows, admitting, batch_speculation_available
 from mlxkv.engine.requests import (
     FinishedEvent,
@@ -153,13 +160,16 @@ class Batch:
     (the engine keeps one per loaded model, so it carries from batch to batch); ``stores``:
     whether ``on_end`` hands a row's state to the prefix cache (its StatsEvent says so);
     ``budget``: the :class:`~engine.step_budget.StepBudget` that sizes the prefill chunk of a
-    step with decoding rows (the engine keeps one per loaded model)."""
+    step with decoding rows (the engine keeps one per loaded model); ``between()``: what
+    the engine does between the layers of a prefill pass that every row is in (quick calls,
+    its figures), where a pass whose rows were all cancelled stops."""
 
     def __init__(self, model: Any, tokenizer: Any, max_rows: int,
                  should_stop: Callable[[Row], bool], stopping: Callable[[], bool],
                  on_end: Callable[[Row, Ending], None], release: Callable[[Any], None],
                  speculation: Callable[[Row], Any] | None = None, spec_policy: BatchLength | None = None,
-                 stores: bool = False, budget: StepBudget | None = None):
+                 stores: bool = False, budget: StepBudget | None = None,
+                 between: Callable[[], None] | None = None):
         from mlx_lm.generate import BatchGenerator
 
         self.model, self.tokenizer = model, tokenizer
@@ -171,9 +181,10 @@ class Batch:
         # EOS ends a row inside BatchGenerator, which then hands over the row's cache. Its
         # model runs the decode steps compiled (engine.batch_step).
         # (BatchGenerator annotates its model as nn.Module; it only calls it and reads its layers)
-        stepper = cast("nn.Module", BatchStepModel(model))
+        self.stepper = BatchStepModel(model)
+        self.between = between
         self._gen: BatchGenerator | None = BatchGenerator(
-            stepper, stop_tokens=[[t] for t in eos] or None, completion_batch_size=max_rows,
+            cast("nn.Module", self.stepper), stop_tokens=[[t] for t in eos] or None, completion_batch_size=max_rows,
             prefill_batch_size=max_rows)
         self.rows: dict[int, Row] = {}
         self._samplers: dict[tuple, Any] = {}
@@ -345,12 +356,22 @@ class Batch:
             self.gen.prefill_step_size = chunk
         fed = sum(min(chunk, r.prompt_left()) for r in prefilling)
         t = time.perf_counter()
-        if verifier is not None and verifier.specs:
-            decoding_only = not admitting(self.gen)
-            prompt_out, gen_out = self.gen.next()
-            verifier.plain_step(self.gen, t, decoding_only)
-        else:
-            prompt_out, gen_out = self.gen.next()
+        # A pass that only prefills runs a whole chunk: it stops between layers once every
+        # row is cancelled (with a decoding row beside it the budget keeps the pass short).
+        alone = bool(prefilling) and len(self._prefilling()) == len(self.rows)
+        self.stepper.between_layers = self._between_layers if alone else None
+        try:
+            if verifier is not None and verifier.specs:
+                decoding_only = not admitting(self.gen)
+                prompt_out, gen_out = self.gen.next()
+                verifier.plain_step(self.gen, t, decoding_only)
+            else:
+                prompt_out, gen_out = self.gen.next()
+        except Cancelled:
+            self._abandon("shutdown" if self.stopping() else None)
+            return
+        finally:
+            self.stepper.between_layers = None
         if self.budget is not None and decoding > 0 and gen_out and (fed > 0 or not prompt_out):
             # (a step where a row entered decoding is neither: its merge costs what it costs)
             self.budget.observe(fed, time.perf_counter() - t)
@@ -389,6 +410,27 @@ class Batch:
                 self._end(row, "length", None, r)
         if stopped:
             self._remove(stopped, "stop", None)
+
+    def _between_layers(self) -> None:
+        """After each layer of a pass in which every row prefills: the engine's quick work,
+        then :class:`Cancelled` once every row should stop."""
+        if self.between is not None:
+            self.between()
+        if self.rows and all(self.should_stop(r) for r in self.rows.values()):
+            raise Cancelled
+
+    def _abandon(self, detail: str | None) -> None:
+        """Every row was cancelled inside a prefill pass: the generator's caches hold part
+        of it, so the rows leave without a state to store (a lent cached prefix is given
+        back as it was lent)."""
+        rows = list(self.rows.values())
+        self.gen.remove([r.uid for r in rows])
+        for row in rows:
+            self.rows.pop(row.uid, None)
+            if row.lent is not None:
+                lent, row.lent = row.lent, None
+                self.release(lent)
+            self._finish(row, "cancelled", detail, Ending("cancelled", detail, [], None))
 
     def _spec_round(self, verifier: BatchVerifier, k: int) -> bool:
         """One speculative round (False: no row proposed, nothing was fed). Each row's

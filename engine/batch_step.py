@@ -14,6 +14,7 @@ pass (:data:`CHECK_STEPS` greedy steps); a mismatch keeps the forward pass.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -168,8 +169,19 @@ class BatchStepModel:
     def __init__(self, model: Any):
         self.model = model
         self.step = batch_decode_step(model)
+        # Called after each layer of a prefill pass (it may raise to abandon the pass; the
+        # batch's caches then hold half of it and must be dropped): None, no per-layer stops.
+        self.between_layers: Callable[[], None] | None = None
 
     def __call__(self, tokens: mx.array, cache: list | None = None) -> mx.array:
         if cache is not None and tokens.shape[1] == 1:
             return self.step(tokens, cache)[:, None, :]  # (the forward pass where it does not fit)
-        return self.model(tokens, cache=cache)
+        out = self.model(tokens, cache=cache)
+        hook = self.between_layers
+        if hook is not None and cache:
+            # Each layer's cache state in order, as engine.layer_steps does for one
+            # request: the same operations on the same inputs, only evaluated in steps.
+            for c in cache:
+                mx.eval(c.state)
+                hook()
+        return out

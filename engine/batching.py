@@ -99,7 +99,7 @@ class Batching:
                       stopping=closed, on_end=self._row_ended,
                       release=self.runtime.cache.release, speculation=self._row_speculation,
                       spec_policy=self.spec_policy, stores=self.runtime.cache.enabled,
-                      budget=self.budget)
+                      budget=self.budget, between=self.between)
         if join.gen.speculation is not None:  # the row opens its own in the batch
             join.gen.speculation.source.close()
         self.batch = batch

@@ -183,6 +183,43 @@ def test_an_abandoned_prefill_frees_the_engine_inside_its_chunk_and_keeps_what_i
     print(f"cancel -> end of the request: {ended_at - cancelled_at:.2f} s")
 
 
+def test_a_batched_prefill_whose_rows_are_all_cancelled_stops_inside_its_pass(slow_model, tmp_path):
+    """A long prompt that moved into a batch (another request came while it prefilled)
+    prefills there beside the newcomer, in passes of a whole chunk. Both are cancelled while
+    that pass computes: it stops between layers (neither row's progress moves again), both
+    end as cancelled, and the engine answers the next request. The half pass is dropped,
+    never stored: the newcomer's prompt is not in the cache."""
+    settings = Settings.defaults(model=str(slow_model), cache_dir=str(tmp_path / "cache"),
+                                 prefill_step_size=CHUNK, spec="off", block_tokens=64)
+    first, second = prompt(2 * CHUNK + 100, seed=9), prompt(2 * CHUNK + 100, seed=10)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prefill_step_size=CHUNK)
+    with Engine.from_settings(settings).start(timeout=T) as eng:
+        a = eng.submit(Request(prompt_tokens=first, params=params))
+        b = None
+        for ev in a.events(timeout=T):
+            if isinstance(ev, ProgressEvent) and ev.done == 0 and b is None:
+                b = eng.submit(Request(prompt_tokens=second, params=params))  # A joins it at CHUNK
+            if isinstance(ev, ProgressEvent) and ev.done == CHUNK:
+                break
+        assert b is not None
+        for ev in b.events(timeout=T):  # B's first progress: its first pass (and A's second) starts
+            if isinstance(ev, ProgressEvent):
+                assert ev.done == 0
+                break
+        time.sleep(0.05)
+        a.cancel()
+        b.cancel()
+        later = {h: [e.done for e in h.events(timeout=T) if isinstance(e, ProgressEvent)] for h in (a, b)}
+        assert a.finished.reason == b.finished.reason == "cancelled"
+        assert not a.tokens and not b.tokens
+        assert later[a] == [] and later[b] == [], later  # the pass never ended
+        stats = eng.stats(timeout=T)
+        assert stats["cancelled"] == 2 and stats["batched"] >= 1
+        again = eng.submit(Request(prompt_tokens=second, params=params)).result(timeout=T)
+        assert again.finish_reason == "length" and len(again.tokens) == 1
+        assert again.stats.cached_tokens == 0  # nothing of B's half pass was stored
+
+
 def test_the_last_layer_of_the_last_chunk_is_not_thrown_away():
     """A stop asked for after the prompt's last layer is done leaves the prefill whole:
     the chunk is finished, and the request ends at its first token as before."""
