@@ -376,6 +376,11 @@ class Batch:
             # (a step where a row entered decoding is neither: its merge costs what it costs)
             self.budget.observe(fed, time.perf_counter() - t)
         self.steps += 1
+        self._take(prompt_out, gen_out)
+
+    def _take(self, prompt_out: list, gen_out: list) -> None:
+        """A step's outputs: prefill progress (a row's first pass gives its lent cached
+        state back), then each decoding row's token, checked for its stops."""
         for pr in prompt_out:
             row = self.rows.get(pr.uid)
             if row is None:
