@@ -37,7 +37,10 @@ from mlxkv.engine.settings import DEMO_MODEL, Settings, SettingsError, model_tab
 from mlxkv.engine.side_table import SideTable
 
 if TYPE_CHECKING:
+    from mlxkv.engine.api import EngineAPI, FlushReport
     from mlxkv.engine.engine import Engine
+    from mlxkv.engine.model_stores import FoundModel
+    from mlxkv.engine.requests import EngineEvent
 
 log = logging.getLogger("mlxkv.engine")
 
@@ -137,7 +140,7 @@ class _Slot:
 
     def __init__(self, entry: ModelEntry):
         self.entry = entry
-        self.engine: Any = None
+        self.engine: EngineAPI | None = None
         self.state = "unloaded"  # loading | ready | unloading | unloaded | failed
         self.leases = 0
         self.last_used = 0.0
@@ -148,12 +151,13 @@ class _Slot:
         self.load_s: float | None = None
         self.error: str | None = None
         self.stage: dict[str, Any] | None = None  # the load's last stage while loading
-        self._disk: Any = False  # model_stores.FoundModel (None: not a local model), once read
+        self._disk: FoundModel | None = None  # what the stores know of it (None: not a local model)
+        self._disk_read = False
 
     @property
-    def on_disk(self) -> Any:
-        if self._disk is False:
-            self._disk = _on_disk(self.entry.spec)
+    def on_disk(self) -> FoundModel | None:
+        if not self._disk_read:
+            self._disk, self._disk_read = _on_disk(self.entry.spec), True
         return self._disk
 
     def file_bytes(self) -> int:
@@ -172,8 +176,11 @@ class Lease:
         self._lock = threading.Lock()
 
     @property
-    def engine(self) -> Any:
-        return self._slot.engine
+    def engine(self) -> EngineAPI:
+        engine = self._slot.engine
+        if engine is None:  # a lease is only handed out for a loaded model
+            raise RuntimeError(f"{self._slot.entry.name} is not loaded")
+        return engine
 
     @property
     def entry(self) -> ModelEntry:
@@ -201,21 +208,27 @@ class Lease:
         self.release()
 
 
-def _on_disk(spec: str) -> Any:
+def _on_disk(spec: str) -> FoundModel | None:
     """What the stores know of ``spec`` without loading it (``model_stores.FoundModel``), or None."""
     from mlxkv.engine.model_stores import describe_spec
 
     return describe_spec(spec)
 
 
-def measure(engine: Engine) -> dict[str, int]:
-    """What a loaded model holds now, in bytes: its weights (and a draft model's), the RAM
-    tier of its prefix cache, and the KV of the requests it serves (their tokens at the
-    model's bytes per token). Asks the engine thread for the weights (once per engine)."""
+def weigh(engine: Engine) -> dict[str, int]:
+    """The bytes of a loaded model's weights and of its KV per token, asked of its engine
+    thread once and kept beside the engine (what :func:`measure` adds the rest to)."""
     weights = _WEIGHTS.get(engine)
     if weights is None:
         weights = engine.call(_model_bytes, engine).result(timeout=60)
         _WEIGHTS.put(engine, weights)
+    return weights
+
+
+def measure(engine: EngineAPI, weights: dict[str, int]) -> dict[str, int]:
+    """What a loaded model holds now, in bytes: its ``weights`` (and a draft model's, from
+    :func:`weigh`), the RAM tier of its prefix cache, and the KV of the requests it serves
+    (their tokens at the model's bytes per token), from the figures the engine published."""
     figures = engine.stats()
     cache = figures.get("cache") or {}
     tokens = sum((r.get("prompt_tokens") or 0) + (r.get("generated") or 0) for r in figures.get("running") or [])
@@ -263,7 +276,7 @@ class ModelPool:
     def __init__(self, entries: Sequence[ModelEntry], settings: Settings | None = None, *,
                  memory_bytes: int | None = None, idle_s: float | None = None,
                  default: str | None = None, answer_any: bool | None = None,
-                 make_engine: Callable[[ModelEntry], Any] | None = None,
+                 make_engine: Callable[[ModelEntry], Engine] | None = None,
                  flush_timeout_s: float = UNLOAD_FLUSH_S):
         check_entries(entries, default)
         self.settings = settings if settings is not None else Settings.defaults()
@@ -285,16 +298,16 @@ class ModelPool:
             self._idle_thread.start()
 
     @classmethod
-    def of_engine(cls, engine: Any, name: str) -> ModelPool:
+    def of_engine(cls, engine: EngineAPI, name: str) -> ModelPool:
         """A pool of one model whose engine is already made (and maybe started): it is never
         unloaded, and every model name gets it."""
-        entry = ModelEntry(name, str(getattr(engine, "model_spec", name)), pin=True)
-        pool = cls([entry], getattr(engine, "settings", None), make_engine=lambda e: engine)
+        entry = ModelEntry(name, engine.model_spec, pin=True)
+        pool = cls([entry], getattr(engine, "settings", None))
         slot = pool._slots[name]
         slot.engine, slot.state, slot.loaded_at = engine, "ready", time.time()
         return pool
 
-    def _engine_for(self, entry: ModelEntry) -> Any:
+    def _engine_for(self, entry: ModelEntry) -> Engine:
         from mlxkv.engine.engine import Engine
 
         return Engine.from_settings(self.settings.replace(model=entry.spec, **entry.settings))
@@ -367,16 +380,16 @@ class ModelPool:
                 engine.start(wait=False)
             engine.wait_ready(timeout)
         except BaseException as e:
-            engine = slot.engine
+            made = slot.engine
             with self._cond:
                 slot.state, slot.error, slot.engine = "failed", f"{type(e).__name__}: {e}", None
                 self._cond.notify_all()
-            if engine is not None:
-                engine.shutdown(wait=False)
+            if made is not None:
+                made.shutdown(wait=False)
             raise
         load_s = time.perf_counter() - started
         try:
-            parts = measure(engine)
+            parts = measure(engine, weigh(engine))
         except Exception as e:  # the model serves without its figures
             log.warning("model %s: could not measure its memory: %s", slot.entry.name, e)
             parts = {}
@@ -389,7 +402,7 @@ class ModelPool:
         self._make_room(slot, 0)
 
     @staticmethod
-    def _on_load_event(slot: _Slot, event: Any) -> None:
+    def _on_load_event(slot: _Slot, event: EngineEvent) -> None:
         from mlxkv.engine.requests import LoadEvent
 
         if isinstance(event, LoadEvent):
@@ -421,21 +434,24 @@ class ModelPool:
                 victim.state = "unloading"
             self._unload(victim, "memory budget")
 
-    def _unload(self, slot: _Slot, why: str) -> dict:
+    def _unload(self, slot: _Slot, why: str) -> FlushReport | None:
         """Flush ``slot``'s cache to the SSD tier and stop its engine (its state is
-        "unloading", set by the caller under the lock)."""
-        engine, report = slot.engine, {}
+        "unloading", set by the caller under the lock); the flush's report (None: it failed)."""
+        engine, report = slot.engine, None
         try:
-            report = engine.cache_flush(timeout=self.flush_timeout_s)
+            if engine is not None:
+                report = engine.cache_flush(timeout=self.flush_timeout_s)
         except Exception as e:  # lose nothing else: the engine still stops
             log.warning("model %s: its cache could not be flushed before unloading: %s", slot.entry.name, e)
         try:
-            engine.shutdown()
+            if engine is not None:
+                engine.shutdown()
         finally:
             with self._cond:
                 slot.engine, slot.state = None, "unloaded"
                 slot.unloads += 1
-                self._note("unload", slot.entry.name, why=why, flushed=report.get("durable"))
+                self._note("unload", slot.entry.name, why=why,
+                           flushed=report["durable"] if report is not None else None)
                 self._cond.notify_all()
         log.info("model %s unloaded (%s)", slot.entry.name, why)
         return report
@@ -477,12 +493,13 @@ class ModelPool:
                     log.warning("model %s: unloading failed: %s", s.entry.name, e)
 
     # what front ends show
-    def loaded(self) -> list[tuple[ModelEntry, Any]]:
+    def loaded(self) -> list[tuple[ModelEntry, EngineAPI]]:
         """The loaded models and their engines."""
         with self._cond:
-            return [(s.entry, s.engine) for s in self._slots.values() if s.state == "ready"]
+            return [(s.entry, s.engine) for s in self._slots.values()
+                    if s.state == "ready" and s.engine is not None]
 
-    def engine(self, name: str | None = None) -> Any:
+    def engine(self, name: str | None = None) -> EngineAPI | None:
         """The engine of a model if it is loaded (default: the default model), else None."""
         slot = self._slots[self.resolve(name).name]
         return slot.engine if slot.state == "ready" else None
@@ -521,8 +538,9 @@ class ModelPool:
         engine = slot.engine
         # (never waits for the engine thread: the weights were measured at the load, the rest
         # is what the engine published last)
-        if slot.state == "ready" and engine is not None and _WEIGHTS.get(engine) is not None:
-            parts = measure(engine)
+        weights = _WEIGHTS.get(engine) if engine is not None else None
+        if slot.state == "ready" and engine is not None and weights is not None:
+            parts = measure(engine, weights)
             with self._cond:
                 slot.parts, slot.measured = parts, sum(parts.values()) or None
 
@@ -541,15 +559,16 @@ class ModelPool:
             for lease in leases:
                 lease.release()
 
-    def close(self) -> dict[str, dict]:
-        """Flush and stop every loaded model; the flush reports by model name."""
+    def close(self) -> dict[str, FlushReport | None]:
+        """Flush and stop every loaded model; the flush reports by model name (None: the
+        flush failed)."""
         with self._cond:
             self._closed = True
             self._wake.set()
             slots = [s for s in self._slots.values() if s.state == "ready"]
             for s in slots:
                 s.state = "unloading"
-        reports = {}
+        reports: dict[str, FlushReport | None] = {}
         for s in slots:
             try:
                 reports[s.entry.name] = self._unload(s, "shutdown")

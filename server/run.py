@@ -98,7 +98,7 @@ def serve(engine: EngineAPI | ModelPool, config: ServerConfig, sock: socket.sock
 
         if isinstance(engine, ModelPool):  # each loaded model flushed, then stopped
             reports = engine.close()
-            report = {k: sum(int(r.get(k) or 0) for r in reports.values()) for k in ("durable", "pending", "failed")}
+            report = {k: sum(r[k] for r in reports.values() if r is not None) for k in ("durable", "pending", "failed")}
         else:
             try:
                 report = engine.cache_flush(timeout=flush_timeout_s)
