@@ -18,6 +18,8 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mlxkv.cli.common import fail, human_bytes
@@ -208,104 +210,139 @@ def run_cache_command(args: argparse.Namespace, settings: Settings) -> int:
 
 
 
+@dataclass
+class _Verb:
+    """What a verb works on: the open store, the parsed flags, the folder, the tenant's
+    namespaces only (None: all), ``--ns``, and whether the answer is JSON."""
+
+    store: BlockStore
+    args: argparse.Namespace
+    root: str
+    tenant: str | None
+    ns_only: str | None
+    as_json: bool
+
+    def namespaces(self) -> list[str]:
+        return _namespaces(self.store, self.ns_only, self.tenant)
+
+
 def _run(args: argparse.Namespace, root: str, tenant: str | None = None) -> int:
-    as_json = getattr(args, "json", False)
-    ns_only = getattr(args, "ns", None)
-    store = _open_store(root)
-    cmd = args.cache_command
-    if cmd == "stats":
-        st = store.stats()
-        res = {k: st[k] for k in ("root", "bytes", "blocks", "tails", "namespaces",
-                                  "kernel", "skipped_unknown_version")}
-        learned = _learned(store)
-        res["learned"] = learned
-        if not as_json:
-            print(f"{st['root']}: {human_bytes(st['bytes'])} in {st['blocks']} blocks and "
-                  f"{st['tails']} tails ({st['kernel']} kernel)")
-            for ns in sorted(set(st["namespaces"]) | set(learned)):
-                v = st["namespaces"].get(ns)
-                if v is not None:
-                    print(f"  {ns}: {human_bytes(v['bytes'])}, {v['blocks']} blocks, "
-                          f"{v['tails']} tails")
-                else:
-                    print(f"  {ns}: no blocks")
-                for name, info in sorted(learned.get(ns, {}).items()):
-                    print(f"    {_learned_line(name, info)}")
-            for path, why in st["skipped_unknown_version"].items():
-                print(f"  skipped {path}: {why}")
-    elif cmd == "ls":
-        res = {}
-        for ns in _namespaces(store, ns_only, tenant):
-            mans = sorted(store.manifests(ns), key=lambda m: m.created)
-            res[ns] = [{"kind": "conversation", "name": m.name, "tokens": len(m.tokens),
-                        "blocks": len(m.block_keys), "checkpoint": bool(m.extra_keys),
-                        "cached_tokens": store.lookup_checkpoint(ns, m.tokens).n_tokens
-                        if m.extra_keys else store.longest_prefix(ns, m.tokens),
-                        "created": m.created} for m in mans]
-            learned = _learned(store, ns).get(ns, {})
-            for name, info in sorted(learned.items()):  # listed after the conversations
-                res[ns].append({"kind": "learned", "name": name, **info})
-            if not as_json:
-                print(f"{ns}: {len(mans)} conversations")
-                for m in res[ns][:len(mans)]:
-                    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(m["created"]))
-                    print(f"  {m['name']:<24} {m['tokens']:>8} tokens "
-                          f"({m['cached_tokens']} on disk)  {when}")
-                for name, info in sorted(learned.items()):
-                    print(f"  {_learned_line(name, info)}")
-    elif cmd == "verify":
-        res = {ns: _verify(store, ns) for ns in _namespaces(store, ns_only, tenant)}
-        for ns, v in res.items():
-            learned = _learned(store, ns, remove=True).get(ns, {})
-            v["learned_damaged"] = {name: info["damaged"] for name, info in learned.items()
-                                    if "damaged" in info}
-        bad = sum(v["corrupt"] + v["missing"] + v["manifests_damaged"] + len(v["learned_damaged"])
-                  for v in res.values())
-        if as_json:
-            print(json.dumps(res))
-        else:
-            for ns, v in res.items():
-                print(f"{ns}: {v['ok']}/{v['conversations']} conversations intact, "
-                      f"{v['corrupt']} corrupt blocks removed, {v['missing']} incomplete, "
-                      f"{v['manifests_damaged']} damaged manifests")
-                for path, why in v["damaged_manifests"].items():
-                    print(f"  damaged manifest (left in place): {path}: {why}")
-                for name, why in v["learned_damaged"].items():
-                    print(f"  damaged {name} index: {why}")
-            print("damaged: see above" if bad else "all intact")
-        return 1 if bad else 0
-    elif cmd == "gc":
-        names = _namespaces(store, ns_only, tenant) if ns_only or tenant else [None]
-        res = {"removed": 0, "bytes": 0, "unreadable_manifests": {}}
-        for ns in names:
-            r = store.gc(ns, min_age_s=args.min_age)
-            res["removed"] += r["removed"]
-            res["bytes"] += r["bytes"]
-            res["unreadable_manifests"].update(r.get("unreadable_manifests", {}))
-        if not as_json:
-            print(f"removed {res['removed']} unreferenced blocks ({human_bytes(res['bytes'])})")
-        for path, why in res["unreadable_manifests"].items():
-            print(f"mlxkv: warning: kept everything of the namespace of {path}: this manifest "
-                  f"cannot be read ({why}); see `mlxkv cache verify`", file=sys.stderr)
-    elif cmd == "flush":
-        rep = store.scan()
-        res = {"on_disk_bytes": store.stats()["bytes"], **rep}
-        if not as_json:
-            print(f"{root}: {rep['blocks']} blocks and {rep['tails']} tails on disk, "
-                  f"{rep['tmp_removed']} temp files and {rep['bad_removed']} damaged files "
-                  f"removed")
-    elif cmd == "clear":
-        names = _namespaces(store, ns_only, tenant)
-        res = {"namespaces": names, "deleted": bool(args.yes)}
-        if args.yes:
-            res["left"] = [ns for ns in names if not _clear(store, ns)]
-        if not as_json:
-            what = ", ".join(names) or "nothing"
-            print(f"deleted {what}" if args.yes else f"would delete {what} (add --yes)")
-            for ns in res.get("left", []):
-                print(f"  {ns}: files this version does not know (or new ones) were kept")
-    else:  # pragma: no cover - argparse restricts the choices
-        raise ValueError(f"unknown cache command {cmd!r}")
-    if as_json:
+    verb = _VERBS.get(args.cache_command)
+    if verb is None:  # pragma: no cover - argparse restricts the choices
+        raise ValueError(f"unknown cache command {args.cache_command!r}")
+    call = _Verb(_open_store(root), args, root, tenant, getattr(args, "ns", None), getattr(args, "json", False))
+    res, status = verb(call)
+    if call.as_json:
         print(json.dumps(res))
-    return 0
+    return status
+
+
+def _stats(call: _Verb) -> tuple[dict[str, Any], int]:
+    st = call.store.stats()
+    res = {k: st[k] for k in ("root", "bytes", "blocks", "tails", "namespaces",
+                              "kernel", "skipped_unknown_version")}
+    learned = _learned(call.store)
+    res["learned"] = learned
+    if not call.as_json:
+        print(f"{st['root']}: {human_bytes(st['bytes'])} in {st['blocks']} blocks and "
+              f"{st['tails']} tails ({st['kernel']} kernel)")
+        for ns in sorted(set(st["namespaces"]) | set(learned)):
+            v = st["namespaces"].get(ns)
+            if v is not None:
+                print(f"  {ns}: {human_bytes(v['bytes'])}, {v['blocks']} blocks, "
+                      f"{v['tails']} tails")
+            else:
+                print(f"  {ns}: no blocks")
+            for name, info in sorted(learned.get(ns, {}).items()):
+                print(f"    {_learned_line(name, info)}")
+        for path, why in st["skipped_unknown_version"].items():
+            print(f"  skipped {path}: {why}")
+    return res, 0
+
+
+def _ls(call: _Verb) -> tuple[dict[str, Any], int]:
+    store = call.store
+    res: dict[str, list[dict[str, Any]]] = {}
+    for ns in call.namespaces():
+        mans = sorted(store.manifests(ns), key=lambda m: m.created)
+        res[ns] = [{"kind": "conversation", "name": m.name, "tokens": len(m.tokens),
+                    "blocks": len(m.block_keys), "checkpoint": bool(m.extra_keys),
+                    "cached_tokens": store.lookup_checkpoint(ns, m.tokens).n_tokens
+                    if m.extra_keys else store.longest_prefix(ns, m.tokens),
+                    "created": m.created} for m in mans]
+        learned = _learned(store, ns).get(ns, {})
+        for name, info in sorted(learned.items()):  # listed after the conversations
+            res[ns].append({"kind": "learned", "name": name, **info})
+        if not call.as_json:
+            print(f"{ns}: {len(mans)} conversations")
+            for m in res[ns][:len(mans)]:
+                when = time.strftime("%Y-%m-%d %H:%M", time.localtime(m["created"]))
+                print(f"  {m['name']:<24} {m['tokens']:>8} tokens "
+                      f"({m['cached_tokens']} on disk)  {when}")
+            for name, info in sorted(learned.items()):
+                print(f"  {_learned_line(name, info)}")
+    return res, 0
+
+
+def _verify_all(call: _Verb) -> tuple[dict[str, Any], int]:
+    res = {ns: _verify(call.store, ns) for ns in call.namespaces()}
+    for ns, v in res.items():
+        learned = _learned(call.store, ns, remove=True).get(ns, {})
+        v["learned_damaged"] = {name: info["damaged"] for name, info in learned.items()
+                                if "damaged" in info}
+    bad = sum(v["corrupt"] + v["missing"] + v["manifests_damaged"] + len(v["learned_damaged"])
+              for v in res.values())
+    if not call.as_json:
+        for ns, v in res.items():
+            print(f"{ns}: {v['ok']}/{v['conversations']} conversations intact, "
+                  f"{v['corrupt']} corrupt blocks removed, {v['missing']} incomplete, "
+                  f"{v['manifests_damaged']} damaged manifests")
+            for path, why in v["damaged_manifests"].items():
+                print(f"  damaged manifest (left in place): {path}: {why}")
+            for name, why in v["learned_damaged"].items():
+                print(f"  damaged {name} index: {why}")
+        print("damaged: see above" if bad else "all intact")
+    return res, 1 if bad else 0
+
+
+def _gc(call: _Verb) -> tuple[dict[str, Any], int]:
+    names: list[str | None] = list(call.namespaces()) if call.ns_only or call.tenant else [None]
+    res: dict[str, Any] = {"removed": 0, "bytes": 0, "unreadable_manifests": {}}
+    for ns in names:
+        r = call.store.gc(ns, min_age_s=call.args.min_age)
+        res["removed"] += r["removed"]
+        res["bytes"] += r["bytes"]
+        res["unreadable_manifests"].update(r.get("unreadable_manifests", {}))
+    if not call.as_json:
+        print(f"removed {res['removed']} unreferenced blocks ({human_bytes(res['bytes'])})")
+    for path, why in res["unreadable_manifests"].items():
+        print(f"mlxkv: warning: kept everything of the namespace of {path}: this manifest "
+              f"cannot be read ({why}); see `mlxkv cache verify`", file=sys.stderr)
+    return res, 0
+
+
+def _flush(call: _Verb) -> tuple[dict[str, Any], int]:
+    rep = call.store.scan()
+    res = {"on_disk_bytes": call.store.stats()["bytes"], **rep}
+    if not call.as_json:
+        print(f"{call.root}: {rep['blocks']} blocks and {rep['tails']} tails on disk, "
+              f"{rep['tmp_removed']} temp files and {rep['bad_removed']} damaged files "
+              f"removed")
+    return res, 0
+
+
+def _clear_all(call: _Verb) -> tuple[dict[str, Any], int]:
+    names = call.namespaces()
+    res: dict[str, Any] = {"namespaces": names, "deleted": bool(call.args.yes)}
+    if call.args.yes:
+        res["left"] = [ns for ns in names if not _clear(call.store, ns)]
+    if not call.as_json:
+        what = ", ".join(names) or "nothing"
+        print(f"deleted {what}" if call.args.yes else f"would delete {what} (add --yes)")
+        for ns in res.get("left", []):
+            print(f"  {ns}: files this version does not know (or new ones) were kept")
+    return res, 0
+
+
+_VERBS: dict[str, Callable[[_Verb], tuple[dict[str, Any], int]]] = {
+    "stats": _stats, "ls": _ls, "verify": _verify_all, "gc": _gc, "flush": _flush, "clear": _clear_all}
