@@ -320,11 +320,20 @@ class Index:
         report: dict[str, float] = {
             "blocks": 0, "tails": 0, "checkpoints": 0, "added": 0, "dropped": 0,
             "tmp_removed": 0, "bad_removed": 0, "skipped": 0, "foreign": 0, "unreadable": 0}
+        with self.lock:
+            known = {e.path: e for space in self.spaces.values() for e in space.entries()}
+        todo, seen = self._walk(known, report)
+        found = self._read_new(todo, report)
+        self._merge(known, seen, found, report)
+        report["seconds"] = time.perf_counter() - t_start
+        return report
+
+    def _walk(self, known: dict[str, Entry], report: dict[str, float]) -> tuple[list[EntryFile], set[str]]:
+        """The folder's entry files: those the index does not know yet (to read), and the
+        paths of all of them; temp files removed, anything not ours left and counted."""
         todo: list[EntryFile] = []
         seen: set[str] = set()
         unlistable: dict[str, str] = {}
-        with self.lock:
-            known = {e.path: e for space in self.spaces.values() for e in space.entries()}
         # only real folders (never a symlink) named as ours are entered: the marker, the
         # lock and anything else at the root are not looked at
         for ns_dir in diskio.scandir(self.context.root, unlistable):
@@ -364,6 +373,11 @@ class Index:
         for path, why in unlistable.items():
             self.context.leave(path, why)
             report["unreadable"] += 1
+        return todo, seen
+
+    def _read_new(self, todo: list[EntryFile], report: dict[str, float]) -> list[Entry]:
+        """The entries of the files in ``todo`` that read whole; a damaged one removed, one
+        of an unknown version or unreadable left in place, each counted."""
         found: list[Entry] = []
         for path, res in read_entries(todo):
             if isinstance(res, Entry):
@@ -378,6 +392,12 @@ class Index:
             elif not isinstance(res, FileNotFoundError):  # never removed on a read error
                 self.context.leave(path, f"{res.strerror or res}")
                 report["unreadable"] += 1
+        return found
+
+    def _merge(self, known: dict[str, Entry], seen: set[str], found: list[Entry],
+               report: dict[str, float]) -> None:
+        """The index after a walk: entries whose files are gone dropped, the ``found`` ones
+        added with their files' times as their last use, and the totals counted."""
         with self.lock:
             for e in known.values():
                 if e.path not in seen:
@@ -399,8 +419,6 @@ class Index:
                     report[what] += n
             self.context.counters["tmp_removed"] += int(report["tmp_removed"])
             self.context.counters["bad_removed"] += int(report["bad_removed"])
-        report["seconds"] = time.perf_counter() - t_start
-        return report
 
 
 def _real_dir(dirent: os.DirEntry[str]) -> bool:
