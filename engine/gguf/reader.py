@@ -216,8 +216,24 @@ def _parse(cur: _Cursor, size: int) -> GGUFHeader:
     if n_keys > MAX_KEYS:
         raise GGUFError(f"{path}: the header claims {n_keys} metadata entries "
                         f"(at most {MAX_KEYS} accepted)")
-    # The smallest entry is an empty key, a type and a one-byte value; the smallest
-    # tensor entry an empty name, one dimension, a type and an offset.
+    metadata, types = _read_metadata(cur, n_keys)
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if (not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0
+            or alignment & (alignment - 1) or alignment > 1 << 20):
+        raise GGUFError(f"{path}: general.alignment {alignment!r} is not a power of two")
+    entries = _read_tensor_entries(cur, n_tensors)
+    data_offset = -(-cur.pos // alignment) * alignment
+    if data_offset > size:
+        raise GGUFError(f"{path}: truncated GGUF file: no tensor data after the header")
+    tensors = _place_tensors(path, entries, data_offset, alignment, size)
+    return GGUFHeader(path=path, version=version, metadata=metadata, tensors=tensors,
+                      alignment=alignment, data_offset=data_offset, file_size=size,
+                      types=types)
+
+
+def _read_metadata(cur: _Cursor, n_keys: int) -> tuple[dict[str, Any], dict[str, int]]:
+    """The header's ``n_keys`` metadata entries: their values and value types by key."""
+    # The smallest entry is an empty key, a type and a one-byte value.
     cur.need(n_keys * 13, f"{n_keys} metadata entries")
     metadata: dict[str, Any] = {}
     types: dict[str, int] = {}
@@ -225,31 +241,40 @@ def _parse(cur: _Cursor, size: int) -> GGUFHeader:
         key = cur.string(f"metadata key {i}", cap=MAX_KEY_BYTES)
         vtype = cur.u32(f"value type of {key!r}")
         if key in metadata:
-            raise GGUFError(f"{path}: metadata key {key!r} appears twice")
+            raise GGUFError(f"{cur.path}: metadata key {key!r} appears twice")
         metadata[key] = _read_value(cur, vtype, key)
         types[key] = vtype
-    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-    if (not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0
-            or alignment & (alignment - 1) or alignment > 1 << 20):
-        raise GGUFError(f"{path}: general.alignment {alignment!r} is not a power of two")
+    return metadata, types
+
+
+_TensorEntry = tuple[str, list[int], int, int]  # name, dimensions (GGUF's order), type id, offset
+
+
+def _read_tensor_entries(cur: _Cursor, n_tensors: int) -> list[_TensorEntry]:
+    """The header's ``n_tensors`` tensor entries, as written."""
+    # The smallest entry is an empty name, one dimension, a type and an offset.
     cur.need(n_tensors * 32, f"{n_tensors} tensor entries")
-    infos = []
+    entries = []
     for i in range(n_tensors):
         name = cur.string(f"name of tensor {i}", cap=MAX_KEY_BYTES)
         n_dims = cur.u32(f"dimension count of {name!r}")
         if not 1 <= n_dims <= MAX_DIMS:
-            raise GGUFError(f"{path}: tensor {name!r} has {n_dims} dimensions "
+            raise GGUFError(f"{cur.path}: tensor {name!r} has {n_dims} dimensions "
                             f"(1 to {MAX_DIMS} accepted)")
         dims = [cur.u64(f"dimension {d} of {name!r}") for d in range(n_dims)]
         type_id = cur.u32(f"type of {name!r}")
         offset = cur.u64(f"data offset of {name!r}")
-        infos.append((name, dims, type_id, offset))
-    data_offset = -(-cur.pos // alignment) * alignment
-    if data_offset > size:
-        raise GGUFError(f"{path}: truncated GGUF file: no tensor data after the header")
+        entries.append((name, dims, type_id, offset))
+    return entries
+
+
+def _place_tensors(path: Path, entries: list[_TensorEntry], data_offset: int, alignment: int,
+                   size: int) -> dict[str, TensorInfo]:
+    """Each tensor's place in the file, checked: a known type, a shape its blocks divide,
+    aligned, inside the file, and no two overlapping."""
     tensors: dict[str, TensorInfo] = {}
     spans = []
-    for name, dims, type_id, offset in infos:
+    for name, dims, type_id, offset in entries:
         if name in tensors:
             raise GGUFError(f"{path}: tensor {name!r} appears twice")
         if type_id not in GGML_TYPES:
@@ -279,6 +304,4 @@ def _parse(cur: _Cursor, size: int) -> GGUFHeader:
     for (_s0, e0, n0), (s1, _e1, n1) in zip(spans, spans[1:]):
         if s1 < e0:
             raise GGUFError(f"{path}: tensors {n0!r} and {n1!r} overlap in the file")
-    return GGUFHeader(path=path, version=version, metadata=metadata, tensors=tensors,
-                      alignment=alignment, data_offset=data_offset, file_size=size,
-                      types=types)
+    return tensors
