@@ -211,7 +211,7 @@ def run_cache_command(args: argparse.Namespace, settings: Settings) -> int:
 
 
 @dataclass
-class _Verb:
+class _VerbCall:
     """What a verb works on: the open store, the parsed flags, the folder, the tenant's
     namespaces only (None: all), ``--ns``, and whether the answer is JSON."""
 
@@ -230,14 +230,14 @@ def _run(args: argparse.Namespace, root: str, tenant: str | None = None) -> int:
     verb = _VERBS.get(args.cache_command)
     if verb is None:  # pragma: no cover - argparse restricts the choices
         raise ValueError(f"unknown cache command {args.cache_command!r}")
-    call = _Verb(_open_store(root), args, root, tenant, getattr(args, "ns", None), getattr(args, "json", False))
+    call = _VerbCall(_open_store(root), args, root, tenant, getattr(args, "ns", None), getattr(args, "json", False))
     res, status = verb(call)
     if call.as_json:
         print(json.dumps(res))
     return status
 
 
-def _stats(call: _Verb) -> tuple[dict[str, Any], int]:
+def _stats(call: _VerbCall) -> tuple[dict[str, Any], int]:
     st = call.store.stats()
     res = {k: st[k] for k in ("root", "bytes", "blocks", "tails", "namespaces",
                               "kernel", "skipped_unknown_version")}
@@ -260,7 +260,7 @@ def _stats(call: _Verb) -> tuple[dict[str, Any], int]:
     return res, 0
 
 
-def _ls(call: _Verb) -> tuple[dict[str, Any], int]:
+def _ls(call: _VerbCall) -> tuple[dict[str, Any], int]:
     store = call.store
     res: dict[str, list[dict[str, Any]]] = {}
     for ns in call.namespaces():
@@ -284,7 +284,7 @@ def _ls(call: _Verb) -> tuple[dict[str, Any], int]:
     return res, 0
 
 
-def _verify_all(call: _Verb) -> tuple[dict[str, Any], int]:
+def _verify_all(call: _VerbCall) -> tuple[dict[str, Any], int]:
     res = {ns: _verify(call.store, ns) for ns in call.namespaces()}
     for ns, v in res.items():
         learned = _learned(call.store, ns, remove=True).get(ns, {})
@@ -305,7 +305,7 @@ def _verify_all(call: _Verb) -> tuple[dict[str, Any], int]:
     return res, 1 if bad else 0
 
 
-def _gc(call: _Verb) -> tuple[dict[str, Any], int]:
+def _gc(call: _VerbCall) -> tuple[dict[str, Any], int]:
     names: list[str | None] = list(call.namespaces()) if call.ns_only or call.tenant else [None]
     res: dict[str, Any] = {"removed": 0, "bytes": 0, "unreadable_manifests": {}}
     for ns in names:
@@ -321,7 +321,7 @@ def _gc(call: _Verb) -> tuple[dict[str, Any], int]:
     return res, 0
 
 
-def _flush(call: _Verb) -> tuple[dict[str, Any], int]:
+def _flush(call: _VerbCall) -> tuple[dict[str, Any], int]:
     rep = call.store.scan()
     res = {"on_disk_bytes": call.store.stats()["bytes"], **rep}
     if not call.as_json:
@@ -331,7 +331,7 @@ def _flush(call: _Verb) -> tuple[dict[str, Any], int]:
     return res, 0
 
 
-def _clear_all(call: _Verb) -> tuple[dict[str, Any], int]:
+def _clear_all(call: _VerbCall) -> tuple[dict[str, Any], int]:
     names = call.namespaces()
     res: dict[str, Any] = {"namespaces": names, "deleted": bool(call.args.yes)}
     if call.args.yes:
@@ -344,5 +344,5 @@ def _clear_all(call: _Verb) -> tuple[dict[str, Any], int]:
     return res, 0
 
 
-_VERBS: dict[str, Callable[[_Verb], tuple[dict[str, Any], int]]] = {
+_VERBS: dict[str, Callable[[_VerbCall], tuple[dict[str, Any], int]]] = {
     "stats": _stats, "ls": _ls, "verify": _verify_all, "gc": _gc, "flush": _flush, "clear": _clear_all}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import logging
 import os
 import threading
@@ -151,14 +152,11 @@ class _Slot:
         self.load_s: float | None = None
         self.error: str | None = None
         self.stage: dict[str, Any] | None = None  # the load's last stage while loading
-        self._disk: FoundModel | None = None  # what the stores know of it (None: not a local model)
-        self._disk_read = False
 
-    @property
+    @functools.cached_property
     def on_disk(self) -> FoundModel | None:
-        if not self._disk_read:
-            self._disk, self._disk_read = _on_disk(self.entry.spec), True
-        return self._disk
+        """What the stores know of it, read once (None: not a local model)."""
+        return _on_disk(self.entry.spec)
 
     def file_bytes(self) -> int:
         """The size of its weight files (0 when not local): what a first load is taken to need."""
@@ -538,7 +536,7 @@ class ModelPool:
         engine = slot.engine
         # (never waits for the engine thread: the weights were measured at the load, the rest
         # is what the engine published last)
-        weights = _WEIGHTS.get(engine) if engine is not None else None
+        weights = _WEIGHTS.get(engine)
         if slot.state == "ready" and engine is not None and weights is not None:
             parts = measure(engine, weights)
             with self._cond:
