@@ -147,6 +147,45 @@ class CompiledBatchStep:
         return got[0] if got is not None else want[0]
 
 
+class CausalView:
+    """A one-row ``BatchKVCache`` layer with no left padding, as a prefill pass sees it: the
+    same cache, but its mask is the plain causal one (``"causal"``) instead of a boolean array
+    as wide as the cache. The two select the same keys, and the string lets attention skip
+    the masking pass over every key: at 8k tokens of context that pass made a 16-token
+    chunk's attention about 1.7 times what a lone request's costs."""
+
+    __slots__ = ("cache",)
+
+    def __init__(self, cache: Any):
+        self.cache = cache
+
+    @property
+    def offset(self) -> mx.array:
+        return self.cache.offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        return self.cache.update_and_fetch(keys, values)
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
+        if return_array or window_size is not None:
+            return self.cache.make_mask(n, return_array=return_array, window_size=window_size)
+        return "causal" if n > 1 else None
+
+
+def _causal_views(cache: list | None) -> list | None:
+    """``cache`` with each layer behind a :class:`CausalView` when it is one row of plain
+    ``BatchKVCache`` layers without left padding (a prompt prefilling on its own in a batch
+    step); else ``cache`` itself."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    if not cache or any(type(c) is not BatchKVCache for c in cache):
+        return cache
+    padding = cache[0].left_padding
+    if padding.size != 1 or padding.item() != 0:
+        return cache
+    return [CausalView(c) for c in cache]
+
+
 def batch_decode_step(model: Any) -> CompiledBatchStep:
     """The model's compiled batch step (one per model, kept beside it: its traces serve every
     batch). Made at the model's first batched decoding, after the CPU weight layout
@@ -176,7 +215,7 @@ class BatchStepModel:
     def __call__(self, tokens: mx.array, cache: list | None = None) -> mx.array:
         if cache is not None and tokens.shape[1] == 1:
             return self.step(tokens, cache)[:, None, :]  # (the forward pass where it does not fit)
-        out = self.model(tokens, cache=cache)
+        out = self.model(tokens, cache=_causal_views(cache) if tokens.shape[0] == 1 else cache)
         hook = self.between_layers
         if hook is not None and cache:
             # Each layer's cache state in order, as engine.layer_steps does for one
