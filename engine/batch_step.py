@@ -215,7 +215,7 @@ class BatchStepModel:
     def __call__(self, tokens: mx.array, cache: list | None = None) -> mx.array:
         if cache is not None and tokens.shape[1] == 1:
             return self.step(tokens, cache)[:, None, :]  # (the forward pass where it does not fit)
-        out = self.model(tokens, cache=_causal_views(cache) if tokens.shape[0] == 1 else cache)
+        out = self.model(tokens, cache=_causal_views(cache))
         hook = self.between_layers
         if hook is not None and cache:
             # Each layer's cache state in order, as engine.layer_steps does for one
