@@ -1,7 +1,9 @@
 """The engine's MLX primitives for the CPU (``engine/native/row_product.cpp``, built by
 ``make ext``): few-row products over every core (``row_product``, used by
-``engine.weight_layout``) and a decode step's attention over a cache's filled slots
-(``slot_attention``, used by the compiled step's caches, ``engine.compiled_step``).
+``engine.weight_layout``), a decode step's attention over a cache's filled slots
+(``slot_attention``, used by the compiled step's caches, ``engine.compiled_step``) and the
+attention of a prompt chunk or a verify's queries (``chunk_attention``, used by
+``engine.cpu_attention``).
 
 Optional: where the module is not built, is switched off (``MLXKV_ROW_PRODUCT=0``), or does
 not work with this mlx (a nanobind ABI apart from mlx's makes it refuse mx.array), the
@@ -21,6 +23,7 @@ log = logging.getLogger("mlxkv.engine")
 
 MAX_ROWS = 16  # rows up to which a row product beats sgemm at the real model's shapes
 MAX_QUERY_ROWS = 64  # queries per KV head a slot attention takes (the module's own limit)
+MAX_GROUP = 64  # query heads per KV head a chunk attention takes (the module's own limit)
 
 _module: Any = None
 _checked = False
@@ -37,6 +40,11 @@ def _works(module: Any) -> str | None:
     scores = mx.softmax((q * 0.5) @ k[:, :, :4].swapaxes(-1, -2), axis=-1)
     if not mx.allclose(got, scores @ k[:, :, :4], rtol=1e-5, atol=1e-6).item():
         return "its slot attention differs from MLX's"
+    q, k = mx.ones((1, 3, 2, 4)) / 2, mx.arange(24, dtype=mx.float32).reshape(1, 1, 6, 4) / 24
+    got = module.chunk_attention(q, k, k, 0.5, 5, stream=mx.cpu)
+    want = mx.fast.scaled_dot_product_attention(q, k, k, scale=0.5, mask="causal", stream=mx.cpu)
+    if not mx.allclose(got, want, rtol=1e-5, atol=1e-6).item():
+        return "its chunk attention differs from MLX's"
     return None
 
 
@@ -87,3 +95,20 @@ def slot_attention(queries: mx.array, keys: mx.array, values: mx.array, offset: 
             or (queries.shape[1] // keys.shape[1]) * queries.shape[2] > MAX_QUERY_ROWS):
         return None
     return module.slot_attention(queries, keys, values, offset, float(scale), stream=mx.cpu)
+
+
+def chunk_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+                    causal: bool) -> mx.array | None:
+    """Attention of ``queries`` [B, H, L, D] (a prompt chunk, a verify) over ``keys`` /
+    ``values`` [B, Hk, S, D], every query seeing every key, or with ``causal`` query ``l``
+    seeing keys ``[0, S - L + l]``, when the primitive takes it (built, float32, at most
+    64 query heads per KV head, the CPU), else None."""
+    module = native()
+    if (module is None or mx.default_device() != mx.cpu or queries.ndim != 4 or keys.ndim != 4
+            or queries.dtype != mx.float32 or keys.dtype != mx.float32 or values.dtype != mx.float32
+            or queries.shape[1] % keys.shape[1] or queries.shape[1] // keys.shape[1] > MAX_GROUP
+            or keys.shape != values.shape):
+        return None
+    length, slots = queries.shape[2], keys.shape[2]
+    first = slots - length + 1 if causal else slots
+    return module.chunk_attention(queries, keys, values, float(scale), first, stream=mx.cpu)

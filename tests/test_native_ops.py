@@ -1,6 +1,7 @@
 """The engine's CPU primitives (``engine/native/row_product.cpp``) against MLX's own
-operations: few-row products bit for bit per row, and a decode step's attention over a
-cache's filled slots, across head groupings, query counts, offsets and head sizes."""
+operations: few-row products bit for bit per row, a decode step's attention over a
+cache's filled slots, and a prompt chunk's attention, across head groupings, query counts,
+offsets and head sizes."""
 
 from __future__ import annotations
 
@@ -83,3 +84,51 @@ def test_slot_attention_leaves_to_mlx_what_it_does_not_take():
 
     with pytest.raises(ValueError, match="one int32 offset"):
         slot_attention(q, k, k, mx.array([3, 4], dtype=mx.int32), 1.0)
+
+
+@pytest.mark.parametrize("batch, heads, kv_heads, length, keys, depth, causal", [
+    (1, 9, 3, 16, 4000, 64, True),    # the real model: a short chunk over a long context (key spans)
+    (1, 9, 3, 200, 700, 64, True),    # several query tiles, the diagonal inside key blocks
+    (2, 4, 2, 7, 300, 64, True),      # two rows of a batch
+    (1, 8, 8, 3, 50, 80, False),      # no mask, one query per KV head, a head size of 80
+    (1, 2, 1, 70, 70, 60, True),      # a whole prompt, a head size not a multiple of the vector
+    (1, 32, 1, 5, 129, 128, True),    # 32 query heads per KV head: tiles of two positions
+])
+def test_chunk_attention_is_mlxs_attention(batch, heads, kv_heads, length, keys, depth, causal):
+    kq, kk, kv = mx.random.split(mx.random.key(11), 3)
+    q = mx.random.normal((batch, heads, length, depth), key=kq)
+    k = mx.random.normal((batch, kv_heads, keys, depth), key=kk)
+    v = mx.random.normal((batch, kv_heads, keys, depth), key=kv)
+    scale = depth ** -0.5
+    got = native_ops.chunk_attention(q, k, v, scale, causal=causal)
+    assert got is not None and got.shape == q.shape
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal" if causal else None)
+    assert mx.allclose(got, want, rtol=1e-4, atol=1e-5).item(), mx.abs(got - want).max().item()
+    compiled = mx.compile(lambda a, b, c: native_ops.chunk_attention(a, b, c, scale, causal=causal))
+    assert mx.array_equal(compiled(q, k, v), got).item()  # a primitive inside a compiled step
+
+
+def test_chunk_attention_gives_no_weight_to_a_key_a_query_may_not_see():
+    """Keys past a causal query's reach weigh exactly nothing: huge keys and values there
+    leave its output the same in every bit."""
+    q, k, v = (mx.random.normal(s, key=mx.random.key(i)) for i, s in
+               enumerate([(1, 6, 40, 64), (1, 2, 600, 64), (1, 2, 600, 64)]))
+    before = native_ops.chunk_attention(q, k, v, 0.125, causal=True)
+    k2, v2 = mx.array(k), mx.array(v)
+    k2[:, :, 590:] = 1e4  # the last 10 keys: query l sees keys [0, 561 + l)
+    v2[:, :, 590:] = -7e3
+    after = native_ops.chunk_attention(q, k2, v2, 0.125, causal=True)
+    assert mx.array_equal(before[:, :, :30], after[:, :, :30]).item()
+    assert not mx.allclose(before[:, :, 30:], after[:, :, 30:]).item()
+
+
+def test_chunk_attention_leaves_to_mlx_what_it_does_not_take():
+    q, k = mx.zeros((1, 4, 3, 8)), mx.zeros((1, 4, 30, 8))
+    assert native_ops.chunk_attention(q.astype(mx.float16), k, k, 1.0, causal=True) is None
+    assert native_ops.chunk_attention(mx.zeros((1, 6, 3, 8)), k, k, 1.0, causal=True) is None  # 6 over 4
+    assert native_ops.chunk_attention(mx.zeros((1, 65, 3, 8)), mx.zeros((1, 1, 30, 8)),
+                                      mx.zeros((1, 1, 30, 8)), 1.0, causal=True) is None  # 65 a head
+    from mlxkv.engine._row_product import chunk_attention
+
+    with pytest.raises(ValueError, match="64 query heads per KV head"):
+        chunk_attention(mx.zeros((1, 65, 3, 8)), mx.zeros((1, 1, 30, 8)), mx.zeros((1, 1, 30, 8)), 1.0, 28)

@@ -289,6 +289,210 @@ AttendFn pick_attend() {
 
 const AttendFn kAttend = pick_attend();
 
+// ---- attention of a prompt chunk: many queries, flash style ----------------------------
+//
+// One work unit: a tile of one KV head's query rows (its query group's heads at up to
+// kTileRows / rep positions) over one span of keys. The tile's rows are the lanes of the
+// vectors: q is transposed to [D, RP] (RP: the rows padded to whole vectors) and a block of
+// scores is [kKeyBlock, RP], so the scores are outer products of a q column and a key's
+// element, the softmax's maximum, exp and sum run down the lanes with no horizontal step,
+// and the weighted values are a row's score times a value row. Keys go in blocks of
+// kKeyBlock whose scores stay in L1/L2, merged into the unit's running (maximum, sum,
+// accumulator), as in flash attention: no score matrix is ever written to memory.
+
+constexpr int kTileRows = 64;
+constexpr int kKeyBlock = 128;
+
+struct ChunkUnit {
+  const float* qt;       // [D, RP] the tile's rows, pre-scaled
+  const float* k;        // [S, D]
+  const float* v;        // [S, D]
+  int64_t rp, rows, depth, key0, key1;
+  const float* visible;  // [RP] keys row r sees (a prefix), as floats
+  float min_visible;     // the least of them: blocks below it need no mask
+  float* m;              // [RP] running maximum
+  float* l;              // [RP] running sum
+  float* acc;            // [D, RP]: transposed, the rows are the lanes
+};
+
+#define CA_DEFINE(sfx, attr)                                                                             \
+  attr static inline vf_##sfx bc_##sfx(const float* p) {                                                 \
+    /* *p in every lane (x - 0 is x for every x, so the compiler loads it broadcast) */                  \
+    return *p - (vf_##sfx){};                                                                            \
+  }                                                                                                      \
+  attr static inline vf_##sfx vexp_##sfx(vf_##sfx x) {                                                   \
+    /* exp_ with every step on whole vectors (x <= 0; -inf gives 0) */                                   \
+    typedef int32_t vi_t __attribute__((vector_size(sizeof(vf_##sfx))));                                 \
+    const vf_##sfx lo = (vf_##sfx){} - 127.0f;                                                           \
+    vf_##sfx y = x * 1.4426950408889634f;                                                                \
+    y = y < lo ? lo : y;                                                                                 \
+    vi_t ni = __builtin_convertvector(y, vi_t);                                                          \
+    vf_##sfx n = __builtin_convertvector(ni, vf_##sfx);                                                  \
+    vi_t above = n > y;                                                                                  \
+    ni = ni + above;                                                                                     \
+    n = n + __builtin_convertvector(above, vf_##sfx);                                                    \
+    vf_##sfx f = y - n;                                                                                  \
+    vf_##sfx p = f * 1.525273380405984e-05f + 0.00015403530393381609f;                                   \
+    p = p * f + 0.0013333558146428443f;                                                                  \
+    p = p * f + 0.009618129107628477f;                                                                   \
+    p = p * f + 0.05550410866482158f;                                                                    \
+    p = p * f + 0.2402265069591007f;                                                                     \
+    p = p * f + 0.6931471805599453f;                                                                     \
+    p = p * f + 1.0f;                                                                                    \
+    vi_t bits = (ni + 127) << 23;                                                                        \
+    vf_##sfx scale;                                                                                      \
+    std::memcpy(&scale, &bits, sizeof scale);                                                            \
+    return p * scale;                                                                                    \
+  }                                                                                                      \
+  template <int NV, int KJ>                                                                              \
+  attr static inline void outer_##sfx(const float* a, int64_t a_step, const float* b,                    \
+                                      int64_t b_step, int64_t steps, float* c, int64_t c_step,           \
+                                      bool add) {                                                        \
+    /* c[j, lanes of NV vectors] (+)= sum over t of a[t, those lanes] * b[t * b_step + j]                \
+       for j < KJ: a's rows are the lanes, b's elements are broadcast (the tile's                        \
+       q @ k.T with a = q.T, b = k.T; and its p @ v, transposed, with a = p, b = v) */                   \
+    vf_##sfx acc[NV][KJ];                                                                                \
+    for (int u = 0; u < NV; u++)                                                                         \
+      for (int j = 0; j < KJ; j++)                                                                       \
+        acc[u][j] = add ? ld_##sfx(c + j * c_step + u * W_##sfx) : (vf_##sfx){};                         \
+    for (int64_t t = 0; t < steps; t++) {                                                                \
+      vf_##sfx av[NV];                                                                                   \
+      for (int u = 0; u < NV; u++) av[u] = ld_##sfx(a + t * a_step + u * W_##sfx);                       \
+      for (int j = 0; j < KJ; j++) {                                                                     \
+        const vf_##sfx bj = bc_##sfx(b + t * b_step + j);                                                \
+        for (int u = 0; u < NV; u++) acc[u][j] += av[u] * bj;                                            \
+      }                                                                                                  \
+    }                                                                                                    \
+    for (int j = 0; j < KJ; j++)                                                                         \
+      for (int u = 0; u < NV; u++)                                                                       \
+        std::memcpy(c + j * c_step + u * W_##sfx, &acc[u][j], sizeof(vf_##sfx));                         \
+  }                                                                                                      \
+  template <int NV>                                                                                      \
+  attr static void outer_cols_##sfx(const float* a, int64_t a_step, const float* b,                      \
+                                    int64_t b_step, int64_t b_next, int64_t cols,                        \
+                                    int64_t steps, float* c, int64_t c_step, bool add) {                 \
+    /* outer_ over `cols` broadcast columns, four at a time; column j's elements start at                \
+       b + j * b_next */                                                                                 \
+    int64_t j = 0;                                                                                       \
+    if (b_next == 1) {                                                                                   \
+      for (; j + 4 <= cols; j += 4)                                                                      \
+        outer_##sfx<NV, 4>(a, a_step, b + j, b_step, steps, c + j * c_step, c_step, add);                \
+    }                                                                                                    \
+    for (; j < cols; j++)                                                                                \
+      outer_##sfx<NV, 1>(a, a_step, b + j * b_next, b_step, steps, c + j * c_step, c_step, add);         \
+  }                                                                                                      \
+  template <int NV>                                                                                      \
+  attr static void outer_rows_##sfx(const float* a, int64_t a_step, const float* b,                      \
+                                    int64_t b_step, int64_t b_next, int64_t cols,                        \
+                                    int64_t steps, float* c, int64_t c_step, bool add) {                 \
+    /* keys as columns: element t of column j at b[j * b_next + t] (four columns at once) */             \
+    int64_t j = 0;                                                                                       \
+    for (; j + 4 <= cols; j += 4) {                                                                      \
+      vf_##sfx acc[NV][4];                                                                               \
+      for (int u = 0; u < NV; u++)                                                                       \
+        for (int q = 0; q < 4; q++) acc[u][q] = (vf_##sfx){};                                            \
+      const float* bj = b + j * b_next;                                                                  \
+      for (int64_t t = 0; t < steps; t++) {                                                              \
+        vf_##sfx av[NV];                                                                                 \
+        for (int u = 0; u < NV; u++) av[u] = ld_##sfx(a + t * a_step + u * W_##sfx);                     \
+        for (int q = 0; q < 4; q++) {                                                                    \
+          const vf_##sfx bq = bc_##sfx(bj + q * b_next + t);                                             \
+          for (int u = 0; u < NV; u++) acc[u][q] += av[u] * bq;                                          \
+        }                                                                                                \
+      }                                                                                                  \
+      for (int q = 0; q < 4; q++)                                                                        \
+        for (int u = 0; u < NV; u++)                                                                     \
+          std::memcpy(c + (j + q) * c_step + u * W_##sfx, &acc[u][q], sizeof(vf_##sfx));                 \
+    }                                                                                                    \
+    for (; j < cols; j++)                                                                                \
+      outer_##sfx<NV, 1>(a, a_step, b + j * b_next, b_step, steps, c + j * c_step, c_step, add);         \
+    (void)add;                                                                                           \
+  }                                                                                                      \
+  attr static void chunk_##sfx(const ChunkUnit& a) {                                                     \
+    constexpr int W = W_##sfx;                                                                           \
+    const int64_t D = a.depth, RP = a.rp, NVt = RP / W;                                                  \
+    alignas(64) float s[kKeyBlock * kTileRows];  /* [n, RP] a block's scores, then weights */            \
+    for (int64_t b0 = a.key0; b0 < a.key1; b0 += kKeyBlock) {                                            \
+      const int64_t b1 = std::min(a.key1, b0 + kKeyBlock), n = b1 - b0;                                  \
+      const float* kb = a.k + b0 * D;                                                                    \
+      /* s[j, r] = q[r] . k[b0 + j]: rows as lanes, the key's elements broadcast */                      \
+      for (int64_t v0 = 0; v0 < NVt; v0 += 3) {                                                          \
+        switch (std::min<int64_t>(3, NVt - v0)) {                                                        \
+          case 1: outer_rows_##sfx<1>(a.qt + v0 * W, RP, kb, 1, D, n, D, s + v0 * W, RP, false); break;  \
+          case 2: outer_rows_##sfx<2>(a.qt + v0 * W, RP, kb, 1, D, n, D, s + v0 * W, RP, false); break;  \
+          default: outer_rows_##sfx<3>(a.qt + v0 * W, RP, kb, 1, D, n, D, s + v0 * W, RP, false); break; \
+        }                                                                                                \
+      }                                                                                                  \
+      for (int64_t v0 = 0; v0 < NVt; v0++) {                                                             \
+        const int64_t r0 = v0 * W;                                                                       \
+        const vf_##sfx old = ld_##sfx(a.m + r0);                                                         \
+        const vf_##sfx ninf = (vf_##sfx){} - INFINITY;                                                   \
+        vf_##sfx top = old;                                                                              \
+        if (static_cast<float>(b1) > a.min_visible) { /* some row sees part of the block */              \
+          const vf_##sfx seen = ld_##sfx(a.visible + r0);                                                \
+          for (int64_t j = 0; j < n; j++) {                                                              \
+            vf_##sfx x = ld_##sfx(s + j * RP + r0);                                                      \
+            x = static_cast<float>(b0 + j) < seen ? x : ninf;                                            \
+            std::memcpy(s + j * RP + r0, &x, sizeof x);                                                  \
+            top = top > x ? top : x;                                                                     \
+          }                                                                                              \
+        } else {                                                                                         \
+          for (int64_t j = 0; j < n; j++) {                                                              \
+            const vf_##sfx x = ld_##sfx(s + j * RP + r0);                                                \
+            top = top > x ? top : x;                                                                     \
+          }                                                                                              \
+        }                                                                                                \
+        const vf_##sfx base = top == ninf ? (vf_##sfx){} : top; /* nothing seen yet */                   \
+        const vf_##sfx rescale = vexp_##sfx(old - base);        /* old -inf: 0 */                        \
+        std::memcpy(a.m + r0, &top, sizeof top);                                                         \
+        vf_##sfx sum = ld_##sfx(a.l + r0) * rescale;                                                     \
+        for (int64_t j = 0; j < n; j++) {                                                                \
+          const vf_##sfx e = vexp_##sfx(ld_##sfx(s + j * RP + r0) - base);                               \
+          std::memcpy(s + j * RP + r0, &e, sizeof e);                                                    \
+          sum += e;                                                                                      \
+        }                                                                                                \
+        std::memcpy(a.l + r0, &sum, sizeof sum);                                                         \
+        for (int64_t i = 0; i < D; i++) {                                                                \
+          const vf_##sfx x = ld_##sfx(a.acc + i * RP + r0) * rescale;                                    \
+          std::memcpy(a.acc + i * RP + r0, &x, sizeof x);                                                \
+        }                                                                                                \
+      }                                                                                                  \
+      /* acc[i, r] += sum_j s[j, r] * v[b0 + j, i]: rows as lanes, the values broadcast */               \
+      const float* vb = a.v + b0 * D;                                                                    \
+      for (int64_t v0 = 0; v0 < NVt; v0 += 3) {                                                          \
+        switch (std::min<int64_t>(3, NVt - v0)) {                                                        \
+          case 1: outer_cols_##sfx<1>(s + v0 * W, RP, vb, D, 1, D, n, a.acc + v0 * W, RP, true); break;  \
+          case 2: outer_cols_##sfx<2>(s + v0 * W, RP, vb, D, 1, D, n, a.acc + v0 * W, RP, true); break;  \
+          default: outer_cols_##sfx<3>(s + v0 * W, RP, vb, D, 1, D, n, a.acc + v0 * W, RP, true); break; \
+        }                                                                                                \
+      }                                                                                                  \
+    }                                                                                                    \
+  }
+
+#if defined(__x86_64__)
+CA_DEFINE(base, )
+CA_DEFINE(avx2, __attribute__((target("avx2,fma"))))
+CA_DEFINE(avx512, __attribute__((target("avx512f"))))
+#else
+CA_DEFINE(base, )
+#endif
+
+struct ChunkKernel {
+  void (*run)(const ChunkUnit&);
+  int width;  // floats in a vector: a tile's rows are padded to a multiple of it
+};
+
+ChunkKernel pick_chunk() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) return {chunk_avx512, W_avx512};
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return {chunk_avx2, W_avx2};
+#endif
+  return {chunk_base, W_base};
+}
+
+const ChunkKernel kChunk = pick_chunk();
+
 // ---- the pool: workers that take a share of each product ----------------------------------
 
 struct Job {
@@ -579,6 +783,138 @@ mx::array slot_attention(const mx::array& q, const mx::array& k, const mx::array
   return mx::array(q.shape(), mx::float32, std::make_shared<SlotAttention>(stream, scale), in);
 }
 
+
+// softmax(q @ k.T * scale, over the keys each query sees) @ v for q [B, H, L, D] and keys,
+// values [B, Hk, S, D]: query l sees keys [0, first + l) (a causal prompt chunk: first =
+// S - L + 1; no mask: first = S), H a multiple of Hk. Work units are (KV head, tile of
+// query rows, span of keys); the spans split the keys only when the tiles are too few to
+// keep every thread busy (a short chunk over a long context), their partial softmaxes
+// merged after.
+class ChunkAttention : public mx::Primitive {
+ public:
+  ChunkAttention(mx::Stream stream, float scale, int64_t first)
+      : mx::Primitive(stream), scale_(scale), first_(first) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const mx::array &q = inputs[0], &k = inputs[1], &v = inputs[2];
+    mx::array& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    const int64_t B = q.shape(0), H = q.shape(1), L = q.shape(2), D = q.shape(3);
+    const int64_t Hk = k.shape(1), S = k.shape(2);
+    encoder.dispatch([qp = q.data<float>(), kp = k.data<float>(), vp = v.data<float>(),
+                      op = out.data<float>(), B, H, L, D, Hk, S, scale = scale_,
+                      first = first_]() {
+      const int64_t rep = H / Hk, W = kChunk.width;
+      // tiles of at most kTileRows rows, as even as the positions allow
+      const int64_t most = std::max<int64_t>(1, std::min<int64_t>(L, kTileRows / rep));
+      const int64_t tiles = (L + most - 1) / most, heads = B * Hk;
+      const int64_t per = (L + tiles - 1) / tiles;
+      const int64_t RP = (rep * per + W - 1) / W * W;
+      auto positions = [&](int64_t t) { return std::min(L, (t + 1) * per) - t * per; };
+      auto sees = [&](int64_t l) { return std::clamp<int64_t>(first + l, 0, S); };
+      // each tile's rows (e, l): row e * positions + (l - t * per), padded rows seeing nothing
+      std::vector<float> visible(tiles * RP, 0.0f), least(tiles);
+      for (int64_t t = 0; t < tiles; t++) {
+        const int64_t pt = positions(t);
+        for (int64_t r = 0; r < rep * pt; r++)
+          visible[t * RP + r] = static_cast<float>(sees(t * per + r % pt));
+        least[t] = static_cast<float>(sees(t * per));
+      }
+      std::vector<float> qt(heads * tiles * D * RP, 0.0f);
+      for (int64_t h = 0; h < heads; h++)
+        for (int64_t t = 0; t < tiles; t++) {
+          const int64_t pt = positions(t);
+          float* dst = qt.data() + (h * tiles + t) * D * RP;
+          for (int64_t e = 0; e < rep; e++)
+            for (int64_t p = 0; p < pt; p++) {
+              const float* src = qp + (((h / Hk) * H + (h % Hk) * rep + e) * L + t * per + p) * D;
+              for (int64_t i = 0; i < D; i++) dst[i * RP + e * pt + p] = src[i] * scale;
+            }
+        }
+      const int threads = the_pool().threads();
+      const int64_t longest = sees(L - 1);
+      int64_t spans = 1;
+      if (heads * tiles < 2 * threads)
+        spans = std::clamp<int64_t>((2 * threads + heads * tiles - 1) / (heads * tiles), 1,
+                                    std::max<int64_t>(1, longest / (4 * kKeyBlock)));
+      const int64_t units = heads * tiles * spans;
+      std::vector<float> m(units * RP, -INFINITY), l(units * RP, 0.0f), acc(units * RP * D, 0.0f);
+      std::atomic<int64_t> next{0};
+      Task task = [&](int, int) {
+        // the last tiles (the longest reach) first, so that the shares even out
+        for (int64_t n; (n = next.fetch_add(1, std::memory_order_relaxed)) < units;) {
+          const int64_t u = units - 1 - n;
+          const int64_t span = u % spans, ht = u / spans, t = ht % tiles, h = ht / tiles;
+          const int64_t reach = sees(t * per + positions(t) - 1);
+          ChunkUnit a{qt.data() + ht * D * RP, kp + h * S * D, vp + h * S * D, RP,
+                      rep * positions(t), D, reach * span / spans, reach * (span + 1) / spans,
+                      visible.data() + t * RP, least[t], m.data() + u * RP, l.data() + u * RP,
+                      acc.data() + u * RP * D};
+          kChunk.run(a);
+        }
+      };
+      the_pool().run(task, static_cast<int>(units));
+      for (int64_t ht = 0; ht < heads * tiles; ht++) {
+        const int64_t t = ht % tiles, h = ht / tiles, pt = positions(t);
+        for (int64_t r = 0; r < rep * pt; r++) {
+          float top = -INFINITY;
+          for (int64_t s = 0; s < spans; s++) top = std::max(top, m[(ht * spans + s) * RP + r]);
+          const int64_t e = r / pt, pos = t * per + r % pt;
+          float* o = op + (((h / Hk) * H + (h % Hk) * rep + e) * L + pos) * D;
+          std::fill(o, o + D, 0.0f);
+          float total = 0.0f;
+          for (int64_t s = 0; s < spans; s++) {
+            const int64_t u = ht * spans + s;
+            if (m[u * RP + r] == -INFINITY) continue;
+            const float w = std::exp(m[u * RP + r] - top);
+            total += w * l[u * RP + r];
+            for (int64_t i = 0; i < D; i++) o[i] += w * acc[(u * D + i) * RP + r];
+          }
+          const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+          for (int64_t i = 0; i < D; i++) o[i] *= inv;
+        }
+      }
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("ChunkAttention runs on the CPU only");
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+  const char* name() const override { return "ChunkAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const ChunkAttention*>(&other);
+    return o != nullptr && o->scale_ == scale_ && o->first_ == first_;
+  }
+
+ private:
+  float scale_;
+  int64_t first_;
+};
+
+mx::array chunk_attention(const mx::array& q, const mx::array& k, const mx::array& v,
+                          float scale, int64_t first, mx::StreamOrDevice s) {
+  for (auto* a : {&q, &k, &v})
+    if (a->dtype() != mx::float32 || a->ndim() != 4)
+      throw std::invalid_argument("chunk_attention takes float32 q, k, v of 4 dimensions");
+  if (k.shape() != v.shape() || q.shape(0) != k.shape(0) || q.shape(3) != k.shape(3) ||
+      q.shape(1) % k.shape(1))
+    throw std::invalid_argument("chunk_attention takes q [B, H, L, D] and k, v [B, Hk, S, D]");
+  if (q.shape(1) / k.shape(1) > kTileRows)
+    throw std::invalid_argument("chunk_attention takes at most 64 query heads per KV head");
+  auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu)
+    throw std::invalid_argument("chunk_attention runs on the CPU stream only");
+  std::vector<mx::array> in = {mx::contiguous(q, false, stream), mx::contiguous(k, false, stream),
+                               mx::contiguous(v, false, stream)};
+  return mx::array(q.shape(), mx::float32, std::make_shared<ChunkAttention>(stream, scale, first),
+                   in);
+}
+
 }  // namespace
 
 NB_MODULE(_row_product, m) {
@@ -590,6 +926,10 @@ NB_MODULE(_row_product, m) {
   m.def("slot_attention", &slot_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"),
         nb::arg("offset"), nb::arg("scale"), nb::kw_only(), nb::arg("stream") = nb::none(),
         "softmax(q @ k.T * scale) @ v, query l of q [B, H, L, D] seeing slots [0, offset + l]"
+        " of k, v [B, Hk, S, D]; float32, on the CPU.");
+  m.def("chunk_attention", &chunk_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"),
+        nb::arg("scale"), nb::arg("first"), nb::kw_only(), nb::arg("stream") = nb::none(),
+        "softmax(q @ k.T * scale) @ v, query l of q [B, H, L, D] seeing keys [0, first + l)"
         " of k, v [B, Hk, S, D]; float32, on the CPU.");
   m.attr("MAX_ROWS") = kMaxRows;
 }
