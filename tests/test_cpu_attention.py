@@ -14,7 +14,7 @@ import pytest
 from common import T, greedy
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxkv.engine import cpu_attention, mlx_lm_compat
+from mlxkv.engine import cpu_attention, mlx_lm_compat, native_ops
 from mlxkv.engine.mlx_lm_compat import install_attention, install_swiglu
 from mlxkv.engine.models import load_model
 from support.modelgen import tiny_model
@@ -31,16 +31,28 @@ def _qkv(length: int, keys: int, heads: int, kv_heads: int, seed: int = 0):
     return q, k, v
 
 
-@pytest.mark.parametrize("length,keys,heads,kv_heads", [(7, 7, 4, 4), (5, 40, 6, 2), (33, 300, 8, 1), (2, 9, 3, 3)])
-@pytest.mark.parametrize("kind", ["causal", "none", "bool2d", "bool4d", "additive"])
-@pytest.mark.parametrize("softmax", ["kernel", "graph"])
-def test_it_computes_mlxs_attention_up_to_rounding(length, keys, heads, kv_heads, kind, softmax, monkeypatch):
-    """Both ways of taking the softmax: the row kernel (no mask, the causal one) and the MLX
-    graph (every mask; no kernel built)."""
-    if softmax == "graph":
+def _only(way: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Leave ``attention`` one way to take: "flash" (the primitive), "kernel" (the row
+    softmax kernel) or "graph" (the MLX graph)."""
+    if way == "flash":
+        if native_ops.native() is None:
+            pytest.skip("the CPU primitives are not built (make ext)")
+        return
+    monkeypatch.setattr(native_ops, "chunk_attention", lambda *args, **kwargs: None)
+    if way == "graph":
         monkeypatch.setattr(cpu_attention, "_kernels", None)
     elif cpu_attention._kernels is None:
         pytest.fail("the engine's _kernels extension is not built (make ext)")
+
+
+@pytest.mark.parametrize("length,keys,heads,kv_heads", [(7, 7, 4, 4), (5, 40, 6, 2), (33, 300, 8, 1), (2, 9, 3, 3)])
+@pytest.mark.parametrize("kind", ["causal", "none", "bool2d", "bool4d", "additive"])
+@pytest.mark.parametrize("softmax", ["flash", "kernel", "graph"])
+def test_it_computes_mlxs_attention_up_to_rounding(length, keys, heads, kv_heads, kind, softmax, monkeypatch):
+    """Every way it takes: the flash-style primitive (no mask, the causal one), the row
+    kernel (the same, where the primitive is not built; and mask arrays) and the MLX graph
+    (every mask; no kernel built)."""
+    _only(softmax, monkeypatch)
     monkeypatch.setattr(cpu_attention, "BLOCK_BYTES", 4 * heads * keys * 3)  # blocks of 3 queries
     monkeypatch.setattr(cpu_attention, "KERNEL_BLOCK_BYTES", 4 * heads * keys * 3)
     q, k, v = _qkv(length, keys, heads, kv_heads)
@@ -56,12 +68,11 @@ def test_it_computes_mlxs_attention_up_to_rounding(length, keys, heads, kv_heads
     assert mx.allclose(ours, theirs, rtol=1e-5, atol=1e-5).item(), float(mx.abs(ours - theirs).max())
 
 
-@pytest.mark.parametrize("softmax", ["kernel", "graph"])
+@pytest.mark.parametrize("softmax", ["flash", "kernel", "graph"])
 def test_masked_keys_weigh_exactly_nothing(softmax, monkeypatch):
     """A causal query's output does not change in any bit when the keys it may not see
     change (their exponentials are exactly 0, not merely tiny)."""
-    if softmax == "graph":
-        monkeypatch.setattr(cpu_attention, "_kernels", None)
+    _only(softmax, monkeypatch)
     q, k, v = _qkv(6, 20, 4, 2)
     before = cpu_attention.attention(q, k, v, 0.25, "causal")
     k2, v2 = mx.array(k), mx.array(v)
@@ -169,12 +180,14 @@ def test_the_engine_answers_the_same_with_it(which, tmp_path):
 def test_inside_mx_compile_the_kernels_give_way_to_the_graph():
     """A compiled step of several positions (a draft model's, say) traces through attention
     and swiglu: the kernels cannot eval there, so the MLX graph computes it, and the
-    compiled result equals the uncompiled one."""
+    compiled result equals the uncompiled one. (A mask array: the causal mask goes to the
+    flash-style primitive, which composes with mx.compile as any MLX op does.)"""
     q, k, v = _qkv(5, 12, 4, 2)
     gate, up = mx.random.normal((1, 5, 24)), mx.random.normal((1, 5, 24))
+    causal = mx.arange(12)[None] <= mx.arange(7, 12)[:, None]
 
     def step(q, k, v, gate, up):
-        return cpu_attention.attention(q, k, v, 0.25, "causal"), mlx_lm_compat._swiglu(gate, up)
+        return cpu_attention.attention(q, k, v, 0.25, causal), mlx_lm_compat._swiglu(gate, up)
 
     cpu_attention.use_on_this_thread(True)
     try:
