@@ -309,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         figures.update(prefill_part(folder, lengths, None if args.child or 8192 not in lengths else 8192))
         one = [x for x in args.one_thread_lengths.split(",") if x]
         if one and not args.child:
-            env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+            # one thread for the BLAS and for the engine's own primitives (attention, row products)
+            env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "MLXKV_ROW_THREADS": "1"}
             child = subprocess.run([sys.executable, "-m", "bench.loop", "--child", "--json", "--parts", "prefill",
                                     "--lengths", ",".join(one)], env=env, cwd=ROOT, capture_output=True, text=True)
             if child.returncode != 0:
