@@ -79,7 +79,16 @@ try:
 except ImportError:  # not built (a source tree without `make ext`): the MLX graph computes it
     _kernels = None
 
-_THREADS = max(1, min(8, os.cpu_count() or 1))
+
+def _threads() -> int:
+    """The kernels' threads: every core up to 8, or fewer where ``MLXKV_ROW_THREADS`` names
+    a positive number (the one setting for all of the engine's own threads)."""
+    cap = os.environ.get("MLXKV_ROW_THREADS", "")
+    cores = os.cpu_count() or 1
+    return max(1, min(8, int(cap) if cap.isdigit() and int(cap) > 0 else cores))
+
+
+_THREADS = _threads()
 
 
 def _tracing(error: ValueError) -> bool:

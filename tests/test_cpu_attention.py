@@ -6,6 +6,7 @@ and the demo model is the same with it as without."""
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 
@@ -200,3 +201,11 @@ def test_inside_mx_compile_the_kernels_give_way_to_the_graph():
         cpu_attention.use_on_this_thread(False)
     for a, b in zip(want, got):
         assert mx.allclose(a, b, rtol=1e-5, atol=1e-6).item()
+
+
+@pytest.mark.parametrize("setting, want", [("1", 1), ("3", 3), ("", None), ("0", None), ("two", None)])
+def test_the_kernels_threads_follow_the_engines_thread_cap(monkeypatch, setting, want):
+    """MLXKV_ROW_THREADS caps the kernels' threads as it caps the primitives' pool; an empty,
+    zero or unreadable setting leaves every core (up to 8)."""
+    monkeypatch.setenv("MLXKV_ROW_THREADS", setting)
+    assert cpu_attention._threads() == (want or max(1, min(8, os.cpu_count() or 1)))
