@@ -108,6 +108,26 @@ def test_chunk_attention_is_mlxs_attention(batch, heads, kv_heads, length, keys,
     assert mx.array_equal(compiled(q, k, v), got).item()  # a primitive inside a compiled step
 
 
+def test_chunk_attention_reads_a_caches_view_in_place_and_copies_any_other_layout():
+    """Keys and values as a KV cache hands them over (the filled slots of a larger buffer:
+    rows contiguous, heads a capacity apart), as a transpose (rows not contiguous: copied
+    first) and broadcast over the batch give what contiguous copies give, bit for bit."""
+    kq, kk, kv = mx.random.split(mx.random.key(5), 3)
+    q = mx.random.normal((2, 6, 24, 64), key=kq)
+    buf_k = mx.random.normal((2, 2, 512, 64), key=kk)
+    buf_v = mx.random.normal((2, 2, 512, 64), key=kv)
+    k, v = buf_k[:, :, :300], buf_v[:, :, :300]  # what KVCache.update_and_fetch returns
+    want = native_ops.chunk_attention(q, mx.contiguous(k), mx.contiguous(v), 0.125, causal=True)
+    assert mx.array_equal(native_ops.chunk_attention(q, k, v, 0.125, causal=True), want).item()
+    kt = mx.contiguous(k.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)  # [B, S, Hk, D] storage
+    vt = mx.contiguous(v.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    assert mx.array_equal(native_ops.chunk_attention(q, kt, vt, 0.125, causal=True), want).item()
+    one_k, one_v = mx.broadcast_to(k[:1], k.shape), mx.broadcast_to(v[:1], v.shape)
+    got = native_ops.chunk_attention(q, one_k, one_v, 0.125, causal=True)
+    want = native_ops.chunk_attention(q, mx.contiguous(one_k), mx.contiguous(one_v), 0.125, causal=True)
+    assert mx.array_equal(got, want).item()
+
+
 def test_chunk_attention_gives_no_weight_to_a_key_a_query_may_not_see():
     """Keys past a causal query's reach weigh exactly nothing: huge keys and values there
     leave its output the same in every bit."""

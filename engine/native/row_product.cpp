@@ -784,6 +784,38 @@ mx::array slot_attention(const mx::array& q, const mx::array& k, const mx::array
 }
 
 
+// A [B, Hk, S, D] float32 input as each head's S rows of D floats, D apart: the strides of a
+// view whose rows are contiguous (a KV cache's filled slots: the heads a buffer's capacity
+// apart), read where it lies; any other layout is copied into rows first.
+struct Heads {
+  const float* base;
+  int64_t per_batch, per_head;  // strides in floats
+  mx::Strides strides;  // the input's own, for the copy
+  bool rows_ok;
+
+  static Heads of(const mx::array& a) {
+    const auto& st = a.strides();
+    const bool ok = (a.shape(3) == 1 || st[3] == 1) && (a.shape(2) == 1 || st[2] == a.shape(3));
+    return {a.data<float>(), st[0], st[1], st, ok};
+  }
+  // these rows as they are, or copied into `copy` (on the worker, when the data is there)
+  Heads rows(int64_t B, int64_t Hk, int64_t S, int64_t D, std::vector<float>& copy) const {
+    if (rows_ok) return *this;
+    copy.resize(B * Hk * S * D);
+    for (int64_t b = 0; b < B; b++)
+      for (int64_t h = 0; h < Hk; h++)
+        for (int64_t s = 0; s < S; s++) {
+          const float* src = base + b * strides[0] + h * strides[1] + s * strides[2];
+          float* dst = copy.data() + ((b * Hk + h) * S + s) * D;
+          for (int64_t i = 0; i < D; i++) dst[i] = src[i * strides[3]];
+        }
+    return {copy.data(), Hk * S * D, S * D, {}, true};
+  }
+  const float* head(int64_t h, int64_t Hk) const {
+    return base + (h / Hk) * per_batch + (h % Hk) * per_head;
+  }
+};
+
 // softmax(q @ k.T * scale, over the keys each query sees) @ v for q [B, H, L, D] and keys,
 // values [B, Hk, S, D]: query l sees keys [0, first + l) (a causal prompt chunk: first =
 // S - L + 1; no mask: first = S), H a multiple of Hk. Work units are (KV head, tile of
@@ -804,9 +836,13 @@ class ChunkAttention : public mx::Primitive {
     encoder.set_output_array(out);
     const int64_t B = q.shape(0), H = q.shape(1), L = q.shape(2), D = q.shape(3);
     const int64_t Hk = k.shape(1), S = k.shape(2);
-    encoder.dispatch([qp = q.data<float>(), kp = k.data<float>(), vp = v.data<float>(),
+    encoder.dispatch([qp = q.data<float>(), kin = Heads::of(k), vin = Heads::of(v),
                       op = out.data<float>(), B, H, L, D, Hk, S, scale = scale_,
                       first = first_]() {
+      // keys and values as rows of D floats per head: a cache's view (the filled slots of a
+      // larger buffer) as it is, any other layout copied first
+      std::vector<float> kcopy, vcopy;
+      const Heads kh = kin.rows(B, Hk, S, D, kcopy), vh = vin.rows(B, Hk, S, D, vcopy);
       const int64_t rep = H / Hk, W = kChunk.width;
       // tiles of at most kTileRows rows, as even as the positions allow
       const int64_t most = std::max<int64_t>(1, std::min<int64_t>(L, kTileRows / rep));
@@ -849,7 +885,7 @@ class ChunkAttention : public mx::Primitive {
           const int64_t u = units - 1 - n;
           const int64_t span = u % spans, ht = u / spans, t = ht % tiles, h = ht / tiles;
           const int64_t reach = sees(t * per + positions(t) - 1);
-          ChunkUnit a{qt.data() + ht * D * RP, kp + h * S * D, vp + h * S * D, RP,
+          ChunkUnit a{qt.data() + ht * D * RP, kh.head(h, Hk), vh.head(h, Hk), RP,
                       rep * positions(t), D, reach * span / spans, reach * (span + 1) / spans,
                       visible.data() + t * RP, least[t], m.data() + u * RP, l.data() + u * RP,
                       acc.data() + u * RP * D};
@@ -909,8 +945,8 @@ mx::array chunk_attention(const mx::array& q, const mx::array& k, const mx::arra
   auto stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu)
     throw std::invalid_argument("chunk_attention runs on the CPU stream only");
-  std::vector<mx::array> in = {mx::contiguous(q, false, stream), mx::contiguous(k, false, stream),
-                               mx::contiguous(v, false, stream)};
+  // keys and values stay as they are (a cache's view is read in place: eval_cpu)
+  std::vector<mx::array> in = {mx::contiguous(q, false, stream), k, v};
   return mx::array(q.shape(), mx::float32, std::make_shared<ChunkAttention>(stream, scale, first),
                    in);
 }
