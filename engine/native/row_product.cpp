@@ -49,6 +49,26 @@ constexpr int kMaxRows = 64;   // rows of x one product takes (more: the caller'
 constexpr int kRowTile = 8;    // rows of x kept in registers at once
 constexpr int kMaxThreads = 16;
 
+// ---- each kernel built once per instruction set, the CPU's own picked at load ---------------
+
+#if defined(__x86_64__)
+#define FOR_EACH_ISA(DEFINE)                                 \
+  DEFINE(base, , 16)                                         \
+  DEFINE(avx2, __attribute__((target("avx2,fma"))), 32)      \
+  DEFINE(avx512, __attribute__((target("avx512f"))), 64)
+// 2: AVX-512F, 1: AVX2 and FMA, 0: the baseline (SSE2)
+int isa_level() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) return 2;
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
+}
+#define PICK_ISA(name) \
+  (isa_level() == 2 ? name##_avx512 : isa_level() == 1 ? name##_avx2 : name##_base)
+#else
+#define FOR_EACH_ISA(DEFINE) DEFINE(base, , 16)
+#define PICK_ISA(name) name##_base
+#endif
+
 // ---- the kernel: y[r, o0:o1] for every row r, two weight rows at a time ------------------
 
 #define RP_DEFINE(sfx, attr, bytes)                                                         \
@@ -138,27 +158,12 @@ constexpr int kMaxThreads = 16;
     }                                                                                      \
   }
 
-#if defined(__x86_64__)
-RP_DEFINE(base, , 16)
-RP_DEFINE(avx2, __attribute__((target("avx2,fma"))), 32)
-RP_DEFINE(avx512, __attribute__((target("avx512f"))), 64)
-#else
-RP_DEFINE(base, , 16)
-#endif
+FOR_EACH_ISA(RP_DEFINE)
 
 using SpanFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t,
                         int64_t);
 
-SpanFn pick_span() {
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return span_avx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return span_avx2;
-#endif
-  return span_base;
-}
-
-const SpanFn kSpan = pick_span();
+const SpanFn kSpan = PICK_ISA(span);
 
 
 // ---- attention of a few queries over a KV cache's filled slots -----------------------------
@@ -182,13 +187,14 @@ struct Attend {
   float* acc;              // [R, D]
 };
 
-#define AT_DEFINE(sfx, attr)                                                                \
+#define AT_DEFINE(sfx, attr, bytes)                                                         \
   attr static inline vf_##sfx exp_##sfx(vf_##sfx x) {                                      \
-    /* exp(x) for x <= 0 as 2**n * 2**f: a degree-7 polynomial for 2**f in [0, 1) */       \
-    const float log2e = 1.4426950408889634f;                                               \
-    vf_##sfx y = x * log2e;                                                                \
-    for (int k = 0; k < W_##sfx; k++) y[k] = y[k] < -127.0f ? -127.0f : y[k];              \
+    /* exp(x) for x <= 0 as 2**n * 2**f: a degree-7 polynomial for 2**f in [0, 1), */     \
+    /* every step on whole vectors; -inf gives 0 */                                        \
     typedef int32_t vi_t __attribute__((vector_size(sizeof(vf_##sfx))));                   \
+    const vf_##sfx lo = (vf_##sfx){} - 127.0f;                                             \
+    vf_##sfx y = x * 1.4426950408889634f;                                                  \
+    y = y < lo ? lo : y;                                                                   \
     vi_t ni = __builtin_convertvector(y, vi_t);                                            \
     vf_##sfx n = __builtin_convertvector(ni, vf_##sfx);                                    \
     vi_t above = n > y;                                                                    \
@@ -268,26 +274,11 @@ struct Attend {
     }                                                                                      \
   }
 
-#if defined(__x86_64__)
-AT_DEFINE(base, )
-AT_DEFINE(avx2, __attribute__((target("avx2,fma"))))
-AT_DEFINE(avx512, __attribute__((target("avx512f"))))
-#else
-AT_DEFINE(base, )
-#endif
+FOR_EACH_ISA(AT_DEFINE)
 
 using AttendFn = void (*)(const Attend&);
 
-AttendFn pick_attend() {
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return attend_avx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return attend_avx2;
-#endif
-  return attend_base;
-}
-
-const AttendFn kAttend = pick_attend();
+const AttendFn kAttend = PICK_ISA(attend);
 
 // ---- attention of a prompt chunk: many queries, flash style ----------------------------
 //
@@ -315,34 +306,10 @@ struct ChunkUnit {
   float* acc;            // [D, RP]: transposed, the rows are the lanes
 };
 
-#define CA_DEFINE(sfx, attr)                                                                             \
+#define CA_DEFINE(sfx, attr, bytes)                                                                      \
   attr static inline vf_##sfx bc_##sfx(const float* p) {                                                 \
     /* *p in every lane (x - 0 is x for every x, so the compiler loads it broadcast) */                  \
     return *p - (vf_##sfx){};                                                                            \
-  }                                                                                                      \
-  attr static inline vf_##sfx vexp_##sfx(vf_##sfx x) {                                                   \
-    /* exp_ with every step on whole vectors (x <= 0; -inf gives 0) */                                   \
-    typedef int32_t vi_t __attribute__((vector_size(sizeof(vf_##sfx))));                                 \
-    const vf_##sfx lo = (vf_##sfx){} - 127.0f;                                                           \
-    vf_##sfx y = x * 1.4426950408889634f;                                                                \
-    y = y < lo ? lo : y;                                                                                 \
-    vi_t ni = __builtin_convertvector(y, vi_t);                                                          \
-    vf_##sfx n = __builtin_convertvector(ni, vf_##sfx);                                                  \
-    vi_t above = n > y;                                                                                  \
-    ni = ni + above;                                                                                     \
-    n = n + __builtin_convertvector(above, vf_##sfx);                                                    \
-    vf_##sfx f = y - n;                                                                                  \
-    vf_##sfx p = f * 1.525273380405984e-05f + 0.00015403530393381609f;                                   \
-    p = p * f + 0.0013333558146428443f;                                                                  \
-    p = p * f + 0.009618129107628477f;                                                                   \
-    p = p * f + 0.05550410866482158f;                                                                    \
-    p = p * f + 0.2402265069591007f;                                                                     \
-    p = p * f + 0.6931471805599453f;                                                                     \
-    p = p * f + 1.0f;                                                                                    \
-    vi_t bits = (ni + 127) << 23;                                                                        \
-    vf_##sfx scale;                                                                                      \
-    std::memcpy(&scale, &bits, sizeof scale);                                                            \
-    return p * scale;                                                                                    \
   }                                                                                                      \
   template <int NV, int KJ>                                                                              \
   attr static inline void outer_##sfx(const float* a, int64_t a_step, const float* b,                    \
@@ -443,11 +410,11 @@ struct ChunkUnit {
           }                                                                                              \
         }                                                                                                \
         const vf_##sfx base = top == ninf ? (vf_##sfx){} : top; /* nothing seen yet */                   \
-        const vf_##sfx rescale = vexp_##sfx(old - base);        /* old -inf: 0 */                        \
+        const vf_##sfx rescale = exp_##sfx(old - base);        /* old -inf: 0 */                        \
         std::memcpy(a.m + r0, &top, sizeof top);                                                         \
         vf_##sfx sum = ld_##sfx(a.l + r0) * rescale;                                                     \
         for (int64_t j = 0; j < n; j++) {                                                                \
-          const vf_##sfx e = vexp_##sfx(ld_##sfx(s + j * RP + r0) - base);                               \
+          const vf_##sfx e = exp_##sfx(ld_##sfx(s + j * RP + r0) - base);                               \
           std::memcpy(s + j * RP + r0, &e, sizeof e);                                                    \
           sum += e;                                                                                      \
         }                                                                                                \
@@ -469,29 +436,14 @@ struct ChunkUnit {
     }                                                                                                    \
   }
 
-#if defined(__x86_64__)
-CA_DEFINE(base, )
-CA_DEFINE(avx2, __attribute__((target("avx2,fma"))))
-CA_DEFINE(avx512, __attribute__((target("avx512f"))))
-#else
-CA_DEFINE(base, )
-#endif
+FOR_EACH_ISA(CA_DEFINE)
 
 struct ChunkKernel {
   void (*run)(const ChunkUnit&);
   int width;  // floats in a vector: a tile's rows are padded to a multiple of it
 };
 
-ChunkKernel pick_chunk() {
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return {chunk_avx512, W_avx512};
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return {chunk_avx2, W_avx2};
-#endif
-  return {chunk_base, W_base};
-}
-
-const ChunkKernel kChunk = pick_chunk();
+const ChunkKernel kChunk = {PICK_ISA(chunk), PICK_ISA(W)};
 
 // ---- the pool: workers that take a share of each product ----------------------------------
 
@@ -686,6 +638,26 @@ mx::array row_product(const mx::array& x_in, const mx::array& w, mx::StreamOrDev
 }
 
 
+// One row's output from the partial softmaxes of its spans of keys (flash-decoding's merge):
+// span s holds its running maximum m[s * stride], its sum l[s * stride] and its weighted
+// values acc[s * acc_span + i * acc_step] for i < D; a span that saw no key (maximum -inf)
+// adds nothing, and a row that saw none is 0.
+void merge_spans(float* out, int64_t D, int64_t spans, const float* m, const float* l,
+                 int64_t stride, const float* acc, int64_t acc_span, int64_t acc_step) {
+  float top = -INFINITY;
+  for (int64_t s = 0; s < spans; s++) top = std::max(top, m[s * stride]);
+  std::fill(out, out + D, 0.0f);
+  float total = 0.0f;
+  for (int64_t s = 0; s < spans; s++) {
+    if (m[s * stride] == -INFINITY) continue;
+    const float w = std::exp(m[s * stride] - top);
+    total += w * l[s * stride];
+    for (int64_t i = 0; i < D; i++) out[i] += w * acc[s * acc_span + i * acc_step];
+  }
+  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+  for (int64_t i = 0; i < D; i++) out[i] *= inv;
+}
+
 // softmax(q @ k.T * scale, over the slots each query sees) @ v for q [B, H, L, D] and the
 // cache's full buffers k, v [B, Hk, S, D]: query l sees slots [0, offset + l] (a decode
 // step's or a verify's queries after `offset` filled slots), H a multiple of Hk.
@@ -726,24 +698,11 @@ class SlotAttention : public mx::Primitive {
         }
       };
       the_pool().run(task, static_cast<int>(units));
-      for (int64_t head = 0; head < B * Hk; head++) {
-        for (int64_t r = 0; r < R; r++) {
-          float mx = -INFINITY;
-          for (int64_t s = 0; s < spans; s++) mx = std::max(mx, m[(head * spans + s) * R + r]);
-          float total = 0.0f;
-          float* o = op + (head * R + r) * D;  // [B, Hk, rep, L, D] is [B, H, L, D]
-          std::fill(o, o + D, 0.0f);
-          for (int64_t s = 0; s < spans; s++) {
-            const int64_t u = head * spans + s;
-            if (m[u * R + r] == -INFINITY) continue;
-            const float w = std::exp(m[u * R + r] - mx);
-            total += w * l[u * R + r];
-            for (int64_t i = 0; i < D; i++) o[i] += w * acc[(u * R + r) * D + i];
-          }
-          const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-          for (int64_t i = 0; i < D; i++) o[i] *= inv;
-        }
-      }
+      for (int64_t head = 0; head < B * Hk; head++)
+        for (int64_t r = 0; r < R; r++)  // [B, Hk, rep, L, D] is [B, H, L, D]
+          merge_spans(op + (head * R + r) * D, D, spans, m.data() + head * spans * R + r,
+                      l.data() + head * spans * R + r, R, acc.data() + (head * spans * R + r) * D,
+                      R * D, 1);
     });
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -896,21 +855,10 @@ class ChunkAttention : public mx::Primitive {
       for (int64_t ht = 0; ht < heads * tiles; ht++) {
         const int64_t t = ht % tiles, h = ht / tiles, pt = positions(t);
         for (int64_t r = 0; r < rep * pt; r++) {
-          float top = -INFINITY;
-          for (int64_t s = 0; s < spans; s++) top = std::max(top, m[(ht * spans + s) * RP + r]);
           const int64_t e = r / pt, pos = t * per + r % pt;
-          float* o = op + (((h / Hk) * H + (h % Hk) * rep + e) * L + pos) * D;
-          std::fill(o, o + D, 0.0f);
-          float total = 0.0f;
-          for (int64_t s = 0; s < spans; s++) {
-            const int64_t u = ht * spans + s;
-            if (m[u * RP + r] == -INFINITY) continue;
-            const float w = std::exp(m[u * RP + r] - top);
-            total += w * l[u * RP + r];
-            for (int64_t i = 0; i < D; i++) o[i] += w * acc[(u * D + i) * RP + r];
-          }
-          const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-          for (int64_t i = 0; i < D; i++) o[i] *= inv;
+          merge_spans(op + (((h / Hk) * H + (h % Hk) * rep + e) * L + pos) * D, D, spans,
+                      m.data() + ht * spans * RP + r, l.data() + ht * spans * RP + r, RP,
+                      acc.data() + ht * spans * D * RP + r, D * RP, RP);
         }
       }
     });
