@@ -84,17 +84,19 @@ def row_product(x: mx.array, weight: mx.array) -> mx.array | None:
 
 
 def slot_attention(queries: mx.array, keys: mx.array, values: mx.array, offset: mx.array,
-                   scale: float) -> mx.array | None:
+                   scale: float, start: mx.array | None = None) -> mx.array | None:
     """Attention of ``queries`` [B, H, L, D] over the buffers ``keys`` / ``values`` [B, Hk,
-    S, D], query ``l`` seeing slots ``[0, offset + l]``, when the primitive takes it
-    (built, float32, at most :data:`MAX_QUERY_ROWS` queries per KV head, the CPU), else None."""
+    S, D], query ``l`` seeing slots ``[0, offset + l]`` (with ``start``, int32 [B]: batch
+    row ``b`` from slot ``start[b]`` on, its left padding unseen), when the primitive takes
+    it (built, float32, at most :data:`MAX_QUERY_ROWS` queries per KV head, the CPU), else
+    None."""
     module = native()
     if (module is None or mx.default_device() != mx.cpu or queries.ndim != 4 or keys.ndim != 4
             or queries.dtype != mx.float32 or keys.dtype != mx.float32 or values.dtype != mx.float32
             or queries.shape[1] % keys.shape[1]
             or (queries.shape[1] // keys.shape[1]) * queries.shape[2] > MAX_QUERY_ROWS):
         return None
-    return module.slot_attention(queries, keys, values, offset, float(scale), stream=mx.cpu)
+    return module.slot_attention(queries, keys, values, offset, float(scale), start=start, stream=mx.cpu)
 
 
 def chunk_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,

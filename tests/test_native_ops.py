@@ -74,6 +74,36 @@ def test_slot_attention_is_attention_over_the_filled_slots(heads, kv_heads, leng
     assert mx.array_equal(compiled(q, k, v, mx.array(offset, dtype=mx.int32)), got).item()
 
 
+@pytest.mark.parametrize("padding, length, offset, slots", [
+    ([0, 37, 255, 256], 1, 255, 512),  # a batch decode step: rows of different lengths
+    ([3, 0, 120, 900], 2, 1000, 1280),  # two queries, a long row split into key spans
+])
+def test_slot_attention_skips_each_rows_left_padding(padding, length, offset, slots):
+    """A batch's rows are left-padded to one write index: row b sees slots [start[b],
+    offset + l] only, what the compiled batch step's mask let through. Padding slots hold
+    garbage (NaN values) that must not count."""
+    batch, heads, kv_heads, depth = len(padding), 9, 3, 64
+    kq, kk, kv = mx.random.split(mx.random.key(8), 3)
+    q = mx.random.normal((batch, heads, length, depth), key=kq)
+    k = mx.random.normal((batch, kv_heads, slots, depth), key=kk)
+    v = mx.random.normal((batch, kv_heads, slots, depth), key=kv)
+    for b, pad in enumerate(padding):
+        k[b, :, :pad] = 1e4
+        v[b, :, :pad] = float("nan")
+    start, at = mx.array(padding, dtype=mx.int32), mx.array(offset, dtype=mx.int32)
+    got = native_ops.slot_attention(q, k, v, at, 0.125, start=start)
+    assert got is not None
+    for b, pad in enumerate(padding):
+        if pad > offset:  # a row that is all padding (a removed row's slot) sees nothing: 0
+            assert mx.array_equal(got[b], mx.zeros_like(got[b])).item()
+            continue
+        row = got[b:b + 1]  # against the row alone, its slots from its first one
+        want = reference_attention(q[b:b + 1], k[b:b + 1, :, pad:], v[b:b + 1, :, pad:], offset - pad, 0.125)
+        assert mx.allclose(row, want, rtol=1e-4, atol=1e-5).item(), (b, mx.abs(row - want).max().item())
+    compiled = mx.compile(lambda a, b, c, o, st: native_ops.slot_attention(a, b, c, o, 0.125, start=st))
+    assert mx.array_equal(compiled(q, k, v, at, start), got).item()
+
+
 def test_slot_attention_leaves_to_mlx_what_it_does_not_take():
     q, k = mx.zeros((1, 4, 1, 8)), mx.zeros((1, 4, 256, 8))
     at = mx.array(3, dtype=mx.int32)
@@ -84,6 +114,8 @@ def test_slot_attention_leaves_to_mlx_what_it_does_not_take():
 
     with pytest.raises(ValueError, match="one int32 offset"):
         slot_attention(q, k, k, mx.array([3, 4], dtype=mx.int32), 1.0)
+    with pytest.raises(ValueError, match="int32 start per batch row"):
+        slot_attention(q, k, k, at, 1.0, start=mx.array([0, 1], dtype=mx.int32))
 
 
 @pytest.mark.parametrize("batch, heads, kv_heads, length, keys, depth, causal", [

@@ -660,13 +660,15 @@ void merge_spans(float* out, int64_t D, int64_t spans, const float* m, const flo
 
 // softmax(q @ k.T * scale, over the slots each query sees) @ v for q [B, H, L, D] and the
 // cache's full buffers k, v [B, Hk, S, D]: query l sees slots [0, offset + l] (a decode
-// step's or a verify's queries after `offset` filled slots), H a multiple of Hk.
+// step's or a verify's queries after `offset` filled slots), H a multiple of Hk; with a
+// start per batch row (a batch's left padding), row b's from slot start[b] on.
 class SlotAttention : public mx::Primitive {
  public:
   SlotAttention(mx::Stream stream, float scale) : mx::Primitive(stream), scale_(scale) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const mx::array &q = inputs[0], &k = inputs[1], &v = inputs[2], &offset = inputs[3];
+    const int32_t* from = inputs.size() > 4 ? inputs[4].data<int32_t>() : nullptr;
     mx::array& out = outputs[0];
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
@@ -675,8 +677,8 @@ class SlotAttention : public mx::Primitive {
     const int64_t B = q.shape(0), H = q.shape(1), L = q.shape(2), D = q.shape(3);
     const int64_t Hk = k.shape(1), S = k.shape(2);
     encoder.dispatch([qp = q.data<float>(), kp = k.data<float>(), vp = v.data<float>(),
-                      op = out.data<float>(), off = offset.data<int32_t>(), B, H, L, D, Hk, S,
-                      scale = scale_]() {
+                      op = out.data<float>(), off = offset.data<int32_t>(), from, B, H, L, D,
+                      Hk, S, scale = scale_]() {
       const int64_t rep = H / Hk, R = rep * L;
       std::vector<int64_t> visible(R);
       for (int64_t r = 0; r < R; r++) visible[r] = std::min<int64_t>(S, off[0] + r % L + 1);
@@ -691,8 +693,11 @@ class SlotAttention : public mx::Primitive {
       Task task = [&](int part, int parts) {
         for (int64_t u = part; u < units; u += parts) {
           const int64_t head = u / spans, span = u % spans;  // head: b * Hk + kv head
+          // a batch row's first slot: its left padding is never seen
+          const int64_t lo = from ? std::clamp<int64_t>(from[head / Hk], 0, reach) : 0;
           Attend a{qs.data() + head * R * D, kp + head * S * D, vp + head * S * D, R, D,
-                   reach * span / spans, reach * (span + 1) / spans, visible.data(),
+                   lo + (reach - lo) * span / spans, lo + (reach - lo) * (span + 1) / spans,
+                   visible.data(),
                    m.data() + u * R, l.data() + u * R, acc.data() + u * R * D};
           kAttend(a);
         }
@@ -722,7 +727,8 @@ class SlotAttention : public mx::Primitive {
 };
 
 mx::array slot_attention(const mx::array& q, const mx::array& k, const mx::array& v,
-                         const mx::array& offset, float scale, mx::StreamOrDevice s) {
+                         const mx::array& offset, float scale, std::optional<mx::array> start,
+                         mx::StreamOrDevice s) {
   for (auto* a : {&q, &k, &v})
     if (a->dtype() != mx::float32 || a->ndim() != 4)
       throw std::invalid_argument("slot_attention takes float32 q, k, v of 4 dimensions");
@@ -733,12 +739,15 @@ mx::array slot_attention(const mx::array& q, const mx::array& k, const mx::array
     throw std::invalid_argument("slot_attention takes at most 64 queries per KV head");
   if (offset.size() != 1 || offset.dtype() != mx::int32)
     throw std::invalid_argument("slot_attention takes one int32 offset");
+  if (start && (start->size() != static_cast<size_t>(q.shape(0)) || start->dtype() != mx::int32))
+    throw std::invalid_argument("slot_attention takes an int32 start per batch row");
   auto stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu)
     throw std::invalid_argument("slot_attention runs on the CPU stream only");
   std::vector<mx::array> in = {mx::contiguous(q, false, stream), mx::contiguous(k, false, stream),
                                mx::contiguous(v, false, stream),
                                mx::reshape(offset, {1}, stream)};
+  if (start) in.push_back(mx::reshape(*start, {q.shape(0)}, stream));
   return mx::array(q.shape(), mx::float32, std::make_shared<SlotAttention>(stream, scale), in);
 }
 
@@ -908,9 +917,11 @@ NB_MODULE(_row_product, m) {
         "x [..., in] @ w.T for w [out, in], float32, 1 to 64 rows, on the CPU.");
   m.def("threads", [] { return the_pool().threads(); }, "Threads a product is split over.");
   m.def("slot_attention", &slot_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"),
-        nb::arg("offset"), nb::arg("scale"), nb::kw_only(), nb::arg("stream") = nb::none(),
+        nb::arg("offset"), nb::arg("scale"), nb::kw_only(), nb::arg("start") = nb::none(),
+        nb::arg("stream") = nb::none(),
         "softmax(q @ k.T * scale) @ v, query l of q [B, H, L, D] seeing slots [0, offset + l]"
-        " of k, v [B, Hk, S, D]; float32, on the CPU.");
+        " of k, v [B, Hk, S, D] (batch row b from slot start[b], where start is given);"
+        " float32, on the CPU.");
   m.def("chunk_attention", &chunk_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"),
         nb::arg("scale"), nb::arg("first"), nb::kw_only(), nb::arg("stream") = nb::none(),
         "softmax(q @ k.T * scale) @ v, query l of q [B, H, L, D] seeing keys [0, first + l)"
