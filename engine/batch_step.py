@@ -20,6 +20,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxkv.engine.compiled_step import CHECK_STEPS, STEP, checked_run, greedy_steps
+from mlxkv.engine.native_ops import slot_attention
 from mlxkv.engine.side_table import SideTable
 from mlxkv.engine.traced import Traced
 from mlxkv.engine.weight_layout import layout_for_cpu
@@ -40,6 +41,15 @@ class FixedBatchKV:
         self.keys = mx.slice_update(self.keys, keys.astype(self.keys.dtype), self.at, axes=(2,))
         self.values = mx.slice_update(self.values, values.astype(self.values.dtype), self.at, axes=(2,))
         return self.keys, self.values
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array | None:
+        """The step's attention by the CPU primitive (``native_ops.slot_attention``): row
+        ``b``'s query sees slots ``[padding[b], at]``, what :meth:`make_mask` lets through,
+        with no mask built and no masked slot read; None where it does not apply (the
+        model's attention then takes the mask)."""
+        if keys is not self.keys or values is not self.values:
+            return None  # the model changed them (e.g. repeated heads): not our buffers
+        return slot_attention(queries, keys, values, self.at, scale, start=self.padding.astype(mx.int32))
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
         if window_size is not None:

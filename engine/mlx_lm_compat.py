@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from mlxkv.engine import cpu_attention
+from mlxkv.engine.batch_step import FixedBatchKV
 from mlxkv.engine.compiled_step import FixedKV
 from mlxkv.engine.logs import warn_once
 
@@ -213,7 +214,7 @@ _mlx_lm_attention: Any = None  # mlx-lm's own, kept by install_attention (a call
 
 def _attention(queries: Any, keys: Any, values: Any, cache: Any, scale: float, mask: Any,
                sinks: Any = None) -> Any:
-    if type(cache) is FixedKV and sinks is None:  # the compiled decode step's layers
+    if type(cache) in (FixedKV, FixedBatchKV) and sinks is None:  # the compiled steps' layers
         out = cache.attend(queries, keys, values, scale)
         if out is not None:
             return out

@@ -17,8 +17,10 @@ from mlx_lm import load as mlx_lm_load
 from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
+from mlxkv.engine import native_ops
 from mlxkv.engine.batch_step import BatchStepModel, CompiledBatchStep, batch_decode_step
 from mlxkv.engine.blas import blas_info
+from mlxkv.engine.mlx_lm_compat import install_attention
 from mlxkv.engine.models import load_model
 from mlxkv.engine.weight_layout import (
     ChunkedEmbedding,
@@ -110,6 +112,36 @@ def test_rows_joining_and_leaving_mid_decode_are_each_row_alone(arch):
     for i, p in enumerate(prompts + [joiners[4], joiners[9]]):
         want = alone(path, p, 20, reference)
         assert got[i] == want[: len(got[i])] and len(got[i]) >= (3 if i == 1 else 20), i
+
+
+@pytest.mark.skipif(native_ops.native() is None, reason="the CPU primitives are not built (make ext)")
+def test_the_engines_attention_reads_each_rows_slots_past_its_padding(monkeypatch):
+    """With the engine's attention installed (as loading does), the compiled step's layers
+    attend through the slot primitive with each row's left padding as its first slot, not
+    through a mask over the whole buffer; rows joining and leaving stay each row alone."""
+    from mlxkv.engine import batch_step as batch_step_module
+
+    path = folder("qwen3")
+    loaded = load_model(str(path))
+    install_attention(loaded.model)  # (the module stays rebound, as an engine's load leaves it)
+    reference = mlx_lm_load(str(path))[0]
+    attended = []
+    primitive = batch_step_module.slot_attention
+
+    def counted(*args, **kwargs):
+        out = primitive(*args, **kwargs)
+        attended.append(out is not None and kwargs.get("start") is not None)
+        return out
+
+    monkeypatch.setattr(batch_step_module, "slot_attention", counted)
+    prompts = prompts_for(6, (5, 40, 240))  # left padding up to 235; decoding crosses 256 slots
+    joiners = {5: prompts_for(7, (90,))[0]}
+    got = decode_together(loaded.model, prompts, 24, join=joiners, leave={0: 8})
+    assert batch_decode_step(loaded.model).enabled is True
+    assert attended and all(attended)  # traced through the primitive, every layer
+    for i, p in enumerate(prompts + [joiners[5]]):
+        want = alone(path, p, 24, reference)
+        assert got[i] == want[: len(got[i])] and len(got[i]) >= (4 if i == 0 else 24), i
 
 
 def test_the_compiled_step_computes_the_forward_passs_numbers():
