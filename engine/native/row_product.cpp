@@ -336,23 +336,21 @@ struct ChunkUnit {
   }                                                                                                      \
   template <int NV>                                                                                      \
   attr static void outer_cols_##sfx(const float* a, int64_t a_step, const float* b,                      \
-                                    int64_t b_step, int64_t b_next, int64_t cols,                        \
-                                    int64_t steps, float* c, int64_t c_step, bool add) {                 \
-    /* outer_ over `cols` broadcast columns, four at a time; column j's elements start at                \
-       b + j * b_next */                                                                                 \
+                                    int64_t b_step, int64_t cols, int64_t steps, float* c,               \
+                                    int64_t c_step) {                                                    \
+    /* c += outer_ over `cols` adjacent broadcast columns (b[t * b_step + j]), four at a time */         \
     int64_t j = 0;                                                                                       \
-    if (b_next == 1) {                                                                                   \
-      for (; j + 4 <= cols; j += 4)                                                                      \
-        outer_##sfx<NV, 4>(a, a_step, b + j, b_step, steps, c + j * c_step, c_step, add);                \
-    }                                                                                                    \
+    for (; j + 4 <= cols; j += 4)                                                                        \
+      outer_##sfx<NV, 4>(a, a_step, b + j, b_step, steps, c + j * c_step, c_step, true);                 \
     for (; j < cols; j++)                                                                                \
-      outer_##sfx<NV, 1>(a, a_step, b + j * b_next, b_step, steps, c + j * c_step, c_step, add);         \
+      outer_##sfx<NV, 1>(a, a_step, b + j, b_step, steps, c + j * c_step, c_step, true);                 \
   }                                                                                                      \
   template <int NV>                                                                                      \
   attr static void outer_rows_##sfx(const float* a, int64_t a_step, const float* b,                      \
-                                    int64_t b_step, int64_t b_next, int64_t cols,                        \
-                                    int64_t steps, float* c, int64_t c_step, bool add) {                 \
-    /* keys as columns: element t of column j at b[j * b_next + t] (four columns at once) */             \
+                                    int64_t b_next, int64_t cols, int64_t steps, float* c,               \
+                                    int64_t c_step) {                                                    \
+    /* c = outer_ with each column contiguous: element t of column j at b[j * b_next + t]                \
+       (the keys of a block, four at once) */                                                            \
     int64_t j = 0;                                                                                       \
     for (; j + 4 <= cols; j += 4) {                                                                      \
       vf_##sfx acc[NV][4];                                                                               \
@@ -372,8 +370,7 @@ struct ChunkUnit {
           std::memcpy(c + (j + q) * c_step + u * W_##sfx, &acc[u][q], sizeof(vf_##sfx));                 \
     }                                                                                                    \
     for (; j < cols; j++)                                                                                \
-      outer_##sfx<NV, 1>(a, a_step, b + j * b_next, b_step, steps, c + j * c_step, c_step, add);         \
-    (void)add;                                                                                           \
+      outer_##sfx<NV, 1>(a, a_step, b + j * b_next, 1, steps, c + j * c_step, c_step, false);            \
   }                                                                                                      \
   attr static void chunk_##sfx(const ChunkUnit& a) {                                                     \
     constexpr int W = W_##sfx;                                                                           \
@@ -385,9 +382,9 @@ struct ChunkUnit {
       /* s[j, r] = q[r] . k[b0 + j]: rows as lanes, the key's elements broadcast */                      \
       for (int64_t v0 = 0; v0 < NVt; v0 += 3) {                                                          \
         switch (std::min<int64_t>(3, NVt - v0)) {                                                        \
-          case 1: outer_rows_##sfx<1>(a.qt + v0 * W, RP, kb, 1, D, n, D, s + v0 * W, RP, false); break;  \
-          case 2: outer_rows_##sfx<2>(a.qt + v0 * W, RP, kb, 1, D, n, D, s + v0 * W, RP, false); break;  \
-          default: outer_rows_##sfx<3>(a.qt + v0 * W, RP, kb, 1, D, n, D, s + v0 * W, RP, false); break; \
+          case 1: outer_rows_##sfx<1>(a.qt + v0 * W, RP, kb, D, n, D, s + v0 * W, RP); break;            \
+          case 2: outer_rows_##sfx<2>(a.qt + v0 * W, RP, kb, D, n, D, s + v0 * W, RP); break;            \
+          default: outer_rows_##sfx<3>(a.qt + v0 * W, RP, kb, D, n, D, s + v0 * W, RP); break;           \
         }                                                                                                \
       }                                                                                                  \
       for (int64_t v0 = 0; v0 < NVt; v0++) {                                                             \
@@ -428,9 +425,9 @@ struct ChunkUnit {
       const float* vb = a.v + b0 * D;                                                                    \
       for (int64_t v0 = 0; v0 < NVt; v0 += 3) {                                                          \
         switch (std::min<int64_t>(3, NVt - v0)) {                                                        \
-          case 1: outer_cols_##sfx<1>(s + v0 * W, RP, vb, D, 1, D, n, a.acc + v0 * W, RP, true); break;  \
-          case 2: outer_cols_##sfx<2>(s + v0 * W, RP, vb, D, 1, D, n, a.acc + v0 * W, RP, true); break;  \
-          default: outer_cols_##sfx<3>(s + v0 * W, RP, vb, D, 1, D, n, a.acc + v0 * W, RP, true); break; \
+          case 1: outer_cols_##sfx<1>(s + v0 * W, RP, vb, D, D, n, a.acc + v0 * W, RP); break;           \
+          case 2: outer_cols_##sfx<2>(s + v0 * W, RP, vb, D, D, n, a.acc + v0 * W, RP); break;           \
+          default: outer_cols_##sfx<3>(s + v0 * W, RP, vb, D, D, n, a.acc + v0 * W, RP); break;          \
         }                                                                                                \
       }                                                                                                  \
     }                                                                                                    \
