@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -476,6 +477,9 @@ def _progress_during(call, attempts=20):
     try:
         running.wait()
         sys.setswitchinterval(10.0)
+        # A thread that began waiting for the GIL under the old interval would still ask for
+        # it after 5 ms, inside call(): let every such wait end here first.
+        time.sleep(0.05)
         for _ in range(attempts):  # the OS may not schedule the counter in one call's time
             before = count[0]
             call()
