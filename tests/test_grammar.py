@@ -109,6 +109,9 @@ def test_batched_constrained_rows_are_valid_and_answer_as_alone(engine):
     assert weather_valid(json.loads(got[0].text))
     inner = re.fullmatch(r"<tool_call>\n(.*)\n</tool_call>", got[2].text, re.S)
     assert inner and weather_valid(json.loads(inner.group(1)))
+    # The batch lives until its loop finds it empty: a request sent on the last row's final
+    # event could still join it. sync() returns once the batch has ended.
+    engine.sync(timeout=T)
     for req, r in zip(reqs, got):
         alone = engine.submit(Request(messages=req.messages, params=req.params, grammar=req.grammar,
                                       spec="off")).result(timeout=T)
