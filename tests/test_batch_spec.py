@@ -192,7 +192,8 @@ def test_rows_join_while_others_speculate(eng_llama, ref_llama):
         handles.append(eng_llama.submit(req, callback=cb))
 
     submit(req_a, lambda: submit(req_b, lambda: submit(req_c), 6), 3)
-    handles[0].result(timeout=T)
+    handles[0].result(timeout=T)  # A reached its 3rd token: B was sent
+    handles[1].result(timeout=T)  # B reached its 6th: C was sent (A, speculating, may end first)
     got = [h.result(timeout=T) for h in list(handles)]
     assert len(got) == 3 and all(r.stats.batched for r in got)
     for req, r in zip((req_a, req_b, req_c), got):
