@@ -36,7 +36,7 @@ def _worker_setup(worker: str) -> None:
             dest = shared / lib.relative_to(mine / "mlx")
             if not dest.exists():
                 dest.parent.mkdir(parents=True, exist_ok=True)
-                part = dest.with_name(f".{dest.name}.{worker}")
+                part = dest.with_name(f".part-{worker}")  # (a kernel's own name may be at the length limit)
                 shutil.copyfile(lib, part)
                 os.replace(part, dest)
 
