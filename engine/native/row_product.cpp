@@ -46,7 +46,14 @@ namespace mx = mlx::core;
 namespace {
 
 constexpr int kMaxRows = 64;   // rows of x one product takes (more: the caller's matmul)
-constexpr int kRowTile = 8;    // rows of x kept in registers at once
+// Rows of x one tile keeps in registers: two weight rows' accumulators for each, plus the
+// two weight vectors and a row of x, must fit the vector registers (8 rows: 19 of 32; with
+// 16 registers, AVX2's or SSE2's, 8 rows spill accumulators every step and 6 fit).
+#if defined(__aarch64__)
+constexpr int kRegs16RowTile = 8;
+#else
+constexpr int kRegs16RowTile = 6;
+#endif
 constexpr int kMaxThreads = 16;
 
 // ---- each kernel built once per instruction set, the CPU's own picked at load ---------------
@@ -74,6 +81,7 @@ int isa_level() {
 #define RP_DEFINE(sfx, attr, bytes)                                                         \
   typedef float vf_##sfx __attribute__((vector_size(bytes)));                              \
   constexpr int W_##sfx = (bytes) / 4;                                                     \
+  constexpr int RT_##sfx = (bytes) == 64 ? 8 : kRegs16RowTile;                             \
   attr static inline vf_##sfx ld_##sfx(const float* p) {                                   \
     vf_##sfx v;                                                                            \
     std::memcpy(&v, p, sizeof v);                                                          \
@@ -141,10 +149,10 @@ int isa_level() {
     const int64_t block = std::max<int64_t>(2, (16384 / (depth * 4)) & ~int64_t(1));      \
     for (int64_t b = o0; b < o1; b += block) {                                             \
       int64_t e = std::min(o1, b + block);                                                 \
-      for (int64_t r = 0; r < rows; r += kRowTile) {                                       \
+      for (int64_t r = 0; r < rows; r += RT_##sfx) {                                       \
         const float* xr = x + r * depth;                                                   \
         float* yr = y + r * out;                                                           \
-        switch (std::min<int64_t>(kRowTile, rows - r)) {                                   \
+        switch (std::min<int64_t>(RT_##sfx, rows - r)) {                                   \
           case 1: span_r_##sfx<1>(xr, w, yr, depth, out, b, e); break;                     \
           case 2: span_r_##sfx<2>(xr, w, yr, depth, out, b, e); break;                     \
           case 3: span_r_##sfx<3>(xr, w, yr, depth, out, b, e); break;                     \
