@@ -186,6 +186,7 @@ class Batch:
         self._gen: BatchGenerator | None = BatchGenerator(
             cast("nn.Module", self.stepper), stop_tokens=[[t] for t in eos] or None, completion_batch_size=max_rows,
             prefill_batch_size=max_rows)
+        self.stepper.generator = self._gen  # its decode steps feed a prompt's next chunk too
         self.rows: dict[int, Row] = {}
         self._samplers: dict[tuple, Any] = {}
         self._ended: list[tuple[Row, Ending]] = []  # rows whose on_end is still due
@@ -360,6 +361,7 @@ class Batch:
         # row is cancelled (with a decoding row beside it the budget keeps the pass short).
         alone = bool(prefilling) and len(self._prefilling()) == len(self.rows)
         self.stepper.between_layers = self._between_layers if alone else None
+        fused = self.stepper.fused_steps
         try:
             if verifier is not None and verifier.specs:
                 decoding_only = not admitting(self.gen)
@@ -372,6 +374,8 @@ class Batch:
             return
         finally:
             self.stepper.between_layers = None
+        if self.budget is not None:
+            self.budget.fused_steps += self.stepper.fused_steps - fused
         if self.budget is not None and decoding > 0 and gen_out and (fed > 0 or not prompt_out):
             # (a step where a row entered decoding is neither: its merge costs what it costs)
             self.budget.observe(fed, time.perf_counter() - t)
@@ -560,5 +564,6 @@ class Batch:
         if self.verifier is not None:
             self.verifier.close()
         gen, self._gen = self._gen, None
+        self.stepper.generator = None
         if gen is not None:
             gen.close()

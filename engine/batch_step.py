@@ -20,12 +20,14 @@ from typing import Any
 import mlx.core as mx
 
 from mlxkv.engine.compiled_step import CHECK_STEPS, STEP, checked_run, greedy_steps
+from mlxkv.engine.fused_step import FusedStep, fusable
 from mlxkv.engine.native_ops import slot_attention
 from mlxkv.engine.side_table import SideTable
 from mlxkv.engine.traced import Traced
 from mlxkv.engine.weight_layout import layout_for_cpu
 
 _STEPS: SideTable[CompiledBatchStep] = SideTable()  # each model's compiled batch step
+_FUSED: SideTable[FusedStep] = SideTable()  # each model's fused decode-and-prefill pass
 
 
 class FixedBatchKV:
@@ -209,22 +211,75 @@ def batch_decode_step(model: Any) -> CompiledBatchStep:
     return step
 
 
+def fused_step(model: Any) -> FusedStep:
+    """The model's fused decode-and-prefill pass (one per model, kept beside it, like its
+    batch step; made after the CPU weight layout)."""
+    fused = _FUSED.get(model)
+    if fused is None:
+        layout_for_cpu(model)
+        fused = FusedStep(weakref.proxy(model))
+        _FUSED.put(model, fused)
+    return fused
+
+
 class BatchStepModel:
     """What ``BatchGenerator`` runs as its model: one-token steps over a batch's
     ``BatchKVCache`` layers through the model's :class:`CompiledBatchStep`, everything else
     through the model itself. ``BatchGenerator`` calls it only as ``model(tokens,
-    cache=...)``: :class:`engine.batch.Batch` makes every row's prompt cache itself."""
+    cache=...)``: :class:`engine.batch.Batch` makes every row's prompt cache itself.
+
+    With ``generator`` set (the ``BatchGenerator`` it runs for), a decode step whose step
+    goes on to feed one prompt's next chunk feeds that chunk in the same pass
+    (``engine.fused_step``); the prompt pass that follows finds it fed and returns at once."""
 
     def __init__(self, model: Any):
         self.model = model
         self.step = batch_decode_step(model)
+        self.fused = fused_step(model)
+        self.generator: Any = None  # the BatchGenerator whose steps these are (None: no fused passes)
+        self._fed: tuple[list, list[int]] | None = None  # (prompt layers, chunk) fed by the last decode step
+        self.fused_steps = 0  # decode steps that fed a chunk too
         # Called after each layer of a prefill pass (it may raise to abandon the pass; the
         # batch's caches then hold half of it and must be dropped): None, no per-layer stops.
         self.between_layers: Callable[[], None] | None = None
 
+    def _fused(self, tokens: mx.array, cache: list) -> mx.array | None:
+        """The rows' logits from a pass that also feeds the prompt chunk the step feeds next,
+        or None (no such chunk, or the model does not fuse)."""
+        from mlxkv.engine.mlx_lm_compat import next_prompt_chunk
+
+        fused = self.fused
+        if fused.enabled is False or self.generator is None:
+            return None
+        upcoming = next_prompt_chunk(self.generator)
+        if upcoming is None or not fusable(cache, upcoming[1]):
+            return None
+        chunk, prompt = upcoming
+        if fused.enabled is None:
+            out = fused.check(tokens, chunk, cache, prompt, lambda: self._two_passes(tokens, chunk, cache, prompt))
+        else:
+            out = fused.forward(tokens, chunk, cache, prompt)
+            self.fused_steps += 1
+        self._fed = (prompt, chunk)
+        return out
+
+    def _two_passes(self, tokens: mx.array, chunk: list[int], cache: list, prompt: list) -> mx.array:
+        out = self.step(tokens, cache)[:, None, :]
+        self.model(mx.array([chunk], dtype=tokens.dtype), cache=_causal_views(prompt))
+        return out
+
     def __call__(self, tokens: mx.array, cache: list | None = None) -> mx.array:
         if cache is not None and tokens.shape[1] == 1:
+            self._fed = None
+            out = self._fused(tokens, cache)
+            if out is not None:
+                return out
             return self.step(tokens, cache)[:, None, :]  # (the forward pass where it does not fit)
+        fed, self._fed = self._fed, None
+        if fed is not None and cache is fed[0]:
+            if tokens.shape[0] != 1 or tokens[0].tolist() != fed[1]:
+                raise RuntimeError("the prompt pass after a fused step is not the chunk it fed")
+            return mx.zeros((1, tokens.shape[1], 1), dtype=mx.float32)  # nothing reads a prompt pass's output
         out = self.model(tokens, cache=_causal_views(cache))
         hook = self.between_layers
         if hook is not None and cache:

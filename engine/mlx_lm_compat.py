@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from mlxkv.engine import cpu_attention
 from mlxkv.engine.batch_step import FixedBatchKV
 from mlxkv.engine.compiled_step import FixedKV
+from mlxkv.engine.fused_step import FusedKV
 from mlxkv.engine.logs import warn_once
 
 if TYPE_CHECKING:
@@ -86,6 +87,25 @@ def admitting(gen: BatchGenerator) -> bool:
     """Whether ``gen`` (a BatchGenerator) holds rows that wait for or are in their prefill."""
     require_checked()
     return bool(len(gen._prompt_batch) or gen._unprocessed_sequences)
+
+
+def next_prompt_chunk(gen: BatchGenerator) -> tuple[list[int], list] | None:
+    """What ``gen``'s next step feeds after its decode step, when that is one prompt row going
+    on with its prefill (no row waiting to start one, none about to enter decoding): the
+    chunk's tokens and the prompt batch's cache layers; else None (also on an mlx-lm whose
+    internals were not checked). ``engine.fused_step`` feeds that chunk inside the decode
+    step's pass, and the prompt pass that follows then finds it fed."""
+    if version_problem() is not None:
+        return None
+    if gen._unprocessed_sequences or len(gen._prompt_batch) != 1 or len(gen._currently_processing) != 1:
+        return None
+    if len(gen._generation_batch) >= gen.completion_batch_size:
+        return None  # a full batch runs no prompt pass
+    segments = gen._currently_processing[0][0]
+    if not segments or (len(segments) == 1 and len(segments[0]) == 1):
+        return None  # its last token: it enters decoding instead
+    n = min(len(segments[0]), gen.prefill_step_size)
+    return list(segments[0][:n]), gen._prompt_batch.prompt_cache
 
 
 class DecodingRows:
@@ -214,6 +234,8 @@ _mlx_lm_attention: Any = None  # mlx-lm's own, kept by install_attention (a call
 
 def _attention(queries: Any, keys: Any, values: Any, cache: Any, scale: float, mask: Any,
                sinks: Any = None) -> Any:
+    if type(cache) is FusedKV:  # a fused pass's layer: the rows and the chunk apart
+        return cache.attend(queries, scale, sinks)
     if type(cache) in (FixedKV, FixedBatchKV) and sinks is None:  # the compiled steps' layers
         out = cache.attend(queries, keys, values, scale)
         if out is not None:

@@ -46,6 +46,7 @@ class StepBudget:
         self._decode: deque[float] = deque(maxlen=DECODE_WINDOW)
         self._chunk = float(PROBE_CHUNK)
         self.steps = 0  # budgeted steps so far
+        self.fused_steps = 0  # steps whose decode pass fed the chunk too (engine.fused_step)
         self.last_step_s: float | None = None  # the last step with prefill
 
     @property
@@ -81,5 +82,6 @@ class StepBudget:
         """What ``/stats`` shows of it."""
         decode, step = self.decode_s, self.last_step_s
         return {"itl_factor": self.itl_factor, "chunk": int(self._chunk), "steps": self.steps,
+                "fused_steps": self.fused_steps,
                 "decode_step_ms": None if decode is None else round(decode * 1e3, 2),
                 "last_prefill_step_ms": None if step is None else round(step * 1e3, 2)}
