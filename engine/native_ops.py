@@ -21,7 +21,7 @@ import mlx.core as mx
 
 log = logging.getLogger("mlxkv.engine")
 
-MAX_ROWS = 16  # rows up to which a row product beats sgemm at the real model's shapes
+MAX_ROWS = 24  # rows up to which a row product beats sgemm at the real model's shapes (32: sgemm)
 MAX_QUERY_ROWS = 64  # queries per KV head a slot attention takes (the module's own limit)
 MAX_GROUP = 64  # query heads per KV head a chunk attention takes (the module's own limit)
 
