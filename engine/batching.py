@@ -76,10 +76,16 @@ class Batching:
         row = self._row(job)
         row.emitted, row.gen_start = list(join.sent), join.started
         row.first_time = join.gen.first_token_time
-        row.last_time = last = time.perf_counter() if join.sent else None
-        if row.first_time is not None and last is not None and len(join.sent) > 2:
-            # its time per token alone (a step's at most, when it speculated): what the budget
-            # aims at while the newcomers prefill
+        row.last_time = time.perf_counter() if join.sent else None
+        # Its time per token alone is what the budget aims at while the newcomers prefill:
+        # the gaps between its last tokens (not the first, which may have waited for the
+        # compiled step's first trace, nor the wait for the join since); a request that
+        # speculated emits a round's tokens at once, so its average per token instead.
+        last = join.gen.last_token_time
+        if join.gen.speculation is None:
+            for gap in list(join.gen.token_gaps)[1:]:
+                self.budget.observe(0, gap)
+        elif row.first_time is not None and last is not None and len(join.sent) > 2:
             self.budget.observe(0, (last - row.first_time) / (len(join.sent) - 1))
         seen = job.handle.progress  # not sent twice when it moves during the prefill
         row.progress = (seen.done, seen.total) if seen is not None else None

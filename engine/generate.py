@@ -13,6 +13,7 @@ instead; everything after the token (EOS, stop strings, text) is this same loop.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -338,6 +339,9 @@ class Generation:
         self.on_progress = on_progress
         self.outcome: Outcome | None = None
         self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        # the times between its last few tokens (a batch formed around it aims at them)
+        self.token_gaps: deque[float] = deque(maxlen=16)
         if logprobs is not None and not 0 <= logprobs <= 20:
             raise ValueError(f"logprobs must be between 0 and 20, got {logprobs}")
         self.logprobs = logprobs
@@ -396,7 +400,10 @@ class Generation:
                                  sampler, processors, progress, self.between_layers)
         try:
             for n, (token, token_logprobs) in enumerate(steps):
-                t_last = time.perf_counter()
+                now = time.perf_counter()
+                if t_last is not None:
+                    self.token_gaps.append(now - t_last)
+                t_last = self.last_token_time = now
                 if t_first is None:
                     t_first = self.first_token_time = t_last
                 fed.append(token)

@@ -45,8 +45,10 @@ def test_one_step_moves_the_chunk_by_a_bounded_factor():
     b.observe(0, 0.1)
     b.observe(100, 0.01)  # far cheaper than the aim: grows, by 1.5 at most
     assert b.chunk(1, 4096) == 150
-    b.observe(150, 100.0)  # far dearer: shrinks, by 0.6 at most
-    assert b.chunk(1, 4096) == 90
+    b.observe(150, 0.6)  # twice the aim: halves
+    assert b.chunk(1, 4096) == 75
+    b.observe(300, 100.0)  # far dearer: shrinks, to a tenth at most
+    assert b.chunk(1, 4096) == 30
 
 
 def test_the_factor_is_a_setting_above_one():
