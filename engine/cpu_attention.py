@@ -191,11 +191,17 @@ def swiglu(gate: mx.array, up: mx.array) -> mx.array | None:
     MLX's CPU backend takes ``exp`` an element at a time; equal up to rounding. None when a
     buffer cannot be read as one block (the caller computes it the usual way)."""
     out = gate * mx.array(1.0, dtype=gate.dtype)  # a buffer of our own to write into
+    # ``up`` may be a view: a grouped product's columns (engine.weight_layout), rows a
+    # whole gate-and-up width apart. MLX exports a view's buffer as it lies, whatever
+    # contiguity the reader asks for, so the kernel would read the wrong columns.
+    up = mx.contiguous(up)
     try:
         mx.eval(out, up)
     except ValueError as e:  # traced (mx.compile of a multi-token step): mlx-lm's own
         if not _tracing(e):
             raise
+        return None
+    if not (memoryview(out).c_contiguous and memoryview(up).c_contiguous):
         return None
     assert _kernels is not None  # swiglu_applies checked it is built
     try:

@@ -128,6 +128,22 @@ def test_swiglu_takes_the_calls_it_covers_and_matches_mlx():
     assert mx.allclose(gate * 1.0, gate).item()  # the gate itself is left as it was
 
 
+def test_swiglu_reads_views_where_they_lie():
+    """Gate and up as the columns of one product (a grouped gate-and-up projection): each
+    row's values a whole width apart in one buffer, which MLX exports as it lies."""
+    both = mx.random.normal((7, 80)) * 3
+    mx.eval(both)
+    gate, up = both[:, :40], both[:, 40:]
+    want = mx.sigmoid(gate) * gate * up
+    cpu_attention.use_on_this_thread(True)
+    try:
+        got = cpu_attention.swiglu(gate, up)
+    finally:
+        cpu_attention.use_on_this_thread(False)
+    assert got is not None and mx.allclose(got, want, rtol=1e-5, atol=1e-6).item()
+    assert mx.allclose(both[:, :40], gate).item()  # the product itself is left as it was
+
+
 def test_installed_it_runs_on_the_opted_in_thread_only():
     loaded = load_model(str(tiny_model("qwen3")))
     model = loaded.model
