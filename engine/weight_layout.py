@@ -15,6 +15,7 @@ not for quantized layers or subclasses. ``MLXKV_ROW_PRODUCT=0`` keeps the chunke
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import mlx.core as mx
@@ -26,6 +27,7 @@ from mlxkv.engine.side_table import SideTable
 _DONE: SideTable[bool] = SideTable()  # the models laid out already
 SMALL_PRODUCT = 10**6  # OpenBLAS's small-matrix kernels take rows * cols * depth up to this
 ROWS = 8  # rows a chunk's product keeps within SMALL_PRODUCT (the default max_batch)
+GROUPED = os.environ.get("MLXKV_GROUPED_PRODUCTS", "1") != "0"  # see group_products
 
 
 def chunk_width(out: int, depth: int, rows: int = ROWS) -> int:
@@ -116,6 +118,89 @@ class RowEmbedding(nn.Embedding):
         return super().as_linear(x) if y is None else y
 
 
+class _Group:
+    """Products that read one input through several matrices stored as one (a layer's q, k
+    and v projections; its gate and up): the first member's call multiplies the input by
+    all of them in one row product, the others take their columns of that result. A
+    product reads its matrix at the memory's speed only once it is large enough to keep
+    every core streaming, and each one pays a dispatch and a wake of the pool; a layer's k
+    and v (192 x 576 on the real model) are neither. ``fused`` is the members' weights end
+    to end (each member's ``weight`` a view of its rows); ``bounds[i]``: member ``i``'s
+    columns. Members must be called in order with the same input, as the architectures do;
+    the first call with another input ends the grouping (each member then multiplies
+    alone)."""
+
+    def __init__(self, fused: mx.array, bounds: list[tuple[int, int]]):
+        self.fused, self.bounds = fused, bounds
+        self.on = True
+        self._x: mx.array | None = None
+        self._y: mx.array | None = None
+
+    def product(self, i: int, x: mx.array) -> mx.array | None:
+        """Member ``i``'s ``x @ weight.T`` from the group's product, or None where the row
+        product does not take ``x`` (the member multiplies by its own weight)."""
+        if i == 0:
+            self._x, self._y = x, row_product(x, self.fused)
+        elif self._x is not x:  # not the input the first member had: no grouping from now on
+            self.on, self._x, self._y = False, None, None
+            return None
+        y = self._y
+        if i == len(self.bounds) - 1:
+            self._x = self._y = None
+        if y is None:
+            return None
+        a, b = self.bounds[i]
+        return y[..., a:b]
+
+
+class GroupedRowLinear(RowLinear):
+    """A :class:`RowLinear` whose few-row product is its share of a :class:`_Group`'s."""
+
+    group: _Group
+    member: int
+
+    def __call__(self, x: mx.array) -> mx.array:
+        group = self.group
+        y = group.product(self.member, x) if group.on else None
+        if y is None:
+            return RowLinear.__call__(self, x)
+        return y + self["bias"] if "bias" in self else y
+
+
+# Sibling projections that take the same input (mlx-lm's names), grouped into one product.
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def group_products(model: nn.Module) -> int:
+    """Store each layer's sibling projections (:data:`GROUPS`) as one matrix whose products
+    run once (:class:`_Group`); the number of groups made. Only plain ``RowLinear`` members
+    of one dtype and input width, all with a bias or none."""
+    made = 0
+    for _, module in model.named_modules():
+        for names in GROUPS:
+            found = [module.get(n) for n in names]
+            members = [m for m in found if type(m) is RowLinear]
+            if len(members) != len(names):
+                continue
+            weights = [m["weight"] for m in members]
+            if (len({(w.shape[1], w.dtype) for w in weights}) != 1
+                    or len({"bias" in m for m in members}) != 1):
+                continue
+            fused = mx.concatenate(weights, axis=0)
+            mx.eval(fused)
+            bounds: list[tuple[int, int]] = []
+            group, at = _Group(fused, bounds), 0
+            for i, (m, w) in enumerate(zip(members, weights)):
+                bounds.append((at, at + w.shape[0]))
+                m["weight"] = fused[at:at + w.shape[0]]  # a view: the rows are stored once
+                at += w.shape[0]
+                m.__class__ = GroupedRowLinear
+                m.group, m.member = group, i
+            mx.eval([m["weight"] for m in members])
+            made += 1
+    return made
+
+
 _CHUNKED: dict[type[nn.Module], type[nn.Module]] = {nn.Linear: ChunkedLinear, nn.Embedding: ChunkedEmbedding}
 _ROWS: dict[type[nn.Module], type[nn.Module]] = {nn.Linear: RowLinear, nn.Embedding: RowEmbedding}
 
@@ -146,5 +231,7 @@ def layout_for_cpu(model: Any, path: str = "auto") -> int:
             module["chunks"] = chunks
         module.__class__ = kind  # by design, in place: every holder of the module sees the new path
         changed += 1
+    if rows and GROUPED:
+        group_products(model)
     _DONE.put(model, True)
     return changed

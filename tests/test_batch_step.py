@@ -17,14 +17,16 @@ from mlx_lm import load as mlx_lm_load
 from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
-from mlxkv.engine import native_ops
+from mlxkv.engine import native_ops, weight_layout
 from mlxkv.engine.batch_step import BatchStepModel, CompiledBatchStep, batch_decode_step
 from mlxkv.engine.blas import blas_info
 from mlxkv.engine.mlx_lm_compat import install_attention
 from mlxkv.engine.models import load_model
 from mlxkv.engine.weight_layout import (
+    GROUPS,
     ChunkedEmbedding,
     ChunkedLinear,
+    GroupedRowLinear,
     RowEmbedding,
     RowLinear,
     chunked_product,
@@ -213,13 +215,17 @@ def test_the_cpu_layouts_keep_every_product(path):
     head = head_in @ embed.weight.T
     assert layout_for_cpu(model, path) == len(before) and layout_for_cpu(model, path) == 0
     linear, embedding = (ChunkedLinear, ChunkedEmbedding) if path == "chunks" else (RowLinear, RowEmbedding)
+    grouped = {n for group in GROUPS for n in group}
     for name, module in model.named_modules():
         if name in before:
             kind, weight = before[name]
-            assert type(module) is (linear if kind is nn.Linear else embedding)
+            if path == "rows" and name.rsplit(".", 1)[-1] in grouped:
+                assert type(module) is GroupedRowLinear  # its rows in the group's one matrix
+            else:
+                assert type(module) is (linear if kind is nn.Linear else embedding)
             if path == "chunks":
                 assert "weight" not in module.parameters() and module.weight.shape == weight.shape
-            else:
+            elif type(module) is not GroupedRowLinear:
                 assert module["weight"] is weight  # nothing copied
             assert mx.array_equal(module.weight, weight).item()  # the lazy view holds the same numbers
     assert embed is model.model.embed_tokens  # changed in place
@@ -227,10 +233,54 @@ def test_the_cpu_layouts_keep_every_product(path):
     assert mx.allclose(embed.as_linear(head_in), head, rtol=1e-5, atol=1e-5).item()
     x = mx.random.normal((3, 40, embed.weight.shape[1]))  # more rows than a row product takes
     assert mx.allclose(embed.as_linear(x), x @ embed.weight.T, rtol=1e-5, atol=1e-5).item()
-    layer = model.model.layers[0].self_attn.q_proj
-    for rows in (1, 3, 16, 17):
-        x = mx.random.normal((rows, layer.weight.shape[1]))
-        assert mx.allclose(layer(x), x @ layer.weight.T + layer.bias, rtol=1e-5, atol=1e-5).item(), rows
+    attn = model.model.layers[0].self_attn
+    for rows in (1, 3, 16, 17, 24, 25):
+        x = mx.random.normal((rows, attn.q_proj.weight.shape[1]))
+        for layer in (attn.q_proj, attn.k_proj, attn.v_proj):  # in order, as the layer calls them
+            assert mx.allclose(layer(x), x @ layer.weight.T + layer.bias, rtol=1e-5, atol=1e-5).item(), rows
+
+
+@ROW_PRODUCT
+def test_sibling_projections_multiply_once_and_give_each_its_own_columns():
+    model = load_model(str(folder("qwen3"))).model
+    mlp = model.model.layers[1].mlp
+    attn = model.model.layers[1].self_attn
+    plain = {n: mx.array(m.weight) for n, m in (("gate", mlp.gate_proj), ("up", mlp.up_proj), ("q", attn.q_proj),
+                                                ("k", attn.k_proj), ("v", attn.v_proj))}
+    layout_for_cpu(model)
+    assert type(mlp.gate_proj) is GroupedRowLinear and mlp.gate_proj.group is mlp.up_proj.group
+    group = attn.q_proj.group
+    assert group is attn.k_proj.group is attn.v_proj.group and group.fused.shape[0] == sum(
+        plain[n].shape[0] for n in "qkv")
+    x = mx.random.normal((4, plain["q"].shape[1]))
+    calls = []
+    real_product = weight_layout.row_product
+
+    def counted(a, w):
+        calls.append(w.shape)
+        return real_product(a, w)
+
+    weight_layout.row_product = counted
+    try:
+        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        assert calls == [group.fused.shape]  # one product for the three
+        for got, n in ((q, "q"), (k, "k"), (v, "v")):
+            assert mx.allclose(got, x @ plain[n].T, rtol=1e-5, atol=1e-5).item(), n
+        # a model that feeds a member another input: the group stops, each multiplies alone
+        other = mx.random.normal(x.shape)
+        q, k = attn.q_proj(x), attn.k_proj(other)
+        assert not group.on
+        assert mx.allclose(q, x @ plain["q"].T, rtol=1e-5, atol=1e-5).item()
+        assert mx.allclose(k, other @ plain["k"].T, rtol=1e-5, atol=1e-5).item()
+        assert mx.allclose(attn.v_proj(x), x @ plain["v"].T, rtol=1e-5, atol=1e-5).item()
+    finally:
+        weight_layout.row_product = real_product
+    # the MLP's group still runs, and a prefill's many rows take sgemm member by member
+    for rows in (2, 40):
+        x = mx.random.normal((rows, plain["gate"].shape[1]))
+        for layer, n in ((mlp.gate_proj, "gate"), (mlp.up_proj, "up")):
+            assert mx.allclose(layer(x), x @ plain[n].T, rtol=1e-4, atol=1e-4).item(), (rows, n)
+    assert mlp.gate_proj.group.on
 
 
 @pytest.mark.skipif(not blas_info().get("active"), reason="the small-matrix kernels are OpenBLAS's")
