@@ -19,8 +19,8 @@ most), so a context that grows (every pass reads more KV) or a machine that gets
 moves the chunk within a few steps. The decode step's time is the median of the last
 steps without prefill (a trace or a store now and then does not move it), seeded by the
 request that decoded alone before a batch formed around it; before it is known the chunk
-stays at :data:`PROBE_CHUNK` (small: the first steps of a join are the stream's longest
-waits, its inter-token p99), and it never goes below :data:`MIN_CHUNK`.
+stays at :data:`PROBE_CHUNK` (short prompts joining together still prefill in one pass),
+and it never goes below :data:`MIN_CHUNK`.
 A step with no decoding row is not budgeted: it feeds ``prefill_step_size`` tokens, what a
 lone prompt's prefill runs at.
 """
@@ -31,7 +31,7 @@ import statistics
 from collections import deque
 
 MIN_CHUNK = 16  # a prompt makes this much progress per step at least
-PROBE_CHUNK = 32  # the chunk before any step with prefill was measured
+PROBE_CHUNK = 128  # the chunk before any step with prefill was measured
 DECODE_WINDOW = 16  # decode steps whose median is the decode step's time
 GROW, SHRINK = 1.5, 0.1  # the most one step moves the chunk, up and down
 
