@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import mlx.core as mx
 
@@ -198,28 +198,31 @@ def _causal_views(cache: list | None) -> list | None:
     return [CausalView(c) for c in cache]
 
 
+T = TypeVar("T")
+
+
+def _beside(table: SideTable[T], model: Any, make: Callable[[Any], T]) -> T:
+    """``table``'s value for ``model``, made by ``make`` at the first call, after the CPU
+    weight layout (``engine.weight_layout``) that compiled functions capture. It holds the
+    model weakly (a proxy): its table entry must not keep the model alive."""
+    value = table.get(model)
+    if value is None:
+        layout_for_cpu(model)
+        value = make(weakref.proxy(model))
+        table.put(model, value)
+    return value
+
+
 def batch_decode_step(model: Any) -> CompiledBatchStep:
     """The model's compiled batch step (one per model, kept beside it: its traces serve every
-    batch). Made at the model's first batched decoding, after the CPU weight layout
-    (``engine.weight_layout``), which the compiled function captures."""
-    step = _STEPS.get(model)
-    if step is None:
-        layout_for_cpu(model)
-        # the step holds the model weakly: its table entry must not keep the model alive
-        step = CompiledBatchStep(weakref.proxy(model))
-        _STEPS.put(model, step)
-    return step
+    batch), made at the model's first batched decoding."""
+    return _beside(_STEPS, model, CompiledBatchStep)
 
 
 def fused_step(model: Any) -> FusedStep:
     """The model's fused decode-and-prefill pass (one per model, kept beside it, like its
-    batch step; made after the CPU weight layout)."""
-    fused = _FUSED.get(model)
-    if fused is None:
-        layout_for_cpu(model)
-        fused = FusedStep(weakref.proxy(model))
-        _FUSED.put(model, fused)
-    return fused
+    batch step)."""
+    return _beside(_FUSED, model, FusedStep)
 
 
 class BatchStepModel:

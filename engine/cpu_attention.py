@@ -201,7 +201,7 @@ def swiglu(gate: mx.array, up: mx.array) -> mx.array | None:
         if not _tracing(e):
             raise
         return None
-    if not (memoryview(out).c_contiguous and memoryview(up).c_contiguous):
+    if not all(memoryview(a).c_contiguous for a in (out, up)):  # type: ignore[arg-type]  # (mlx's stubs omit the buffer protocol)
         return None
     assert _kernels is not None  # swiglu_applies checked it is built
     try:
