@@ -36,7 +36,7 @@ from mlxkv.engine.generate import (
     request_sampler,
     stream_detokenizer,
 )
-from mlxkv.engine.mlx_lm_compat import DecodingRows, admitting, batch_speculation_available
+from mlxkv.engine.mlx_lm_compat import DecodingRows, admitting, batch_speculation_available, next_prompt_chunk
 from mlxkv.engine.requests import (
     FinishedEvent,
     ProgressEvent,
@@ -186,7 +186,9 @@ class Batch:
         self._gen: BatchGenerator | None = BatchGenerator(
             cast("nn.Module", self.stepper), stop_tokens=[[t] for t in eos] or None, completion_batch_size=max_rows,
             prefill_batch_size=max_rows)
-        self.stepper.generator = self._gen  # its decode steps feed a prompt's next chunk too
+        # its decode steps feed a prompt's next chunk too (engine.fused_step)
+        gen = self._gen
+        self.stepper.upcoming = lambda: next_prompt_chunk(gen)
         self.rows: dict[int, Row] = {}
         self._samplers: dict[tuple, Any] = {}
         self._ended: list[tuple[Row, Ending]] = []  # rows whose on_end is still due
@@ -564,6 +566,6 @@ class Batch:
         if self.verifier is not None:
             self.verifier.close()
         gen, self._gen = self._gen, None
-        self.stepper.generator = None
+        self.stepper.upcoming = None
         if gen is not None:
             gen.close()

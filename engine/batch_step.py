@@ -231,15 +231,17 @@ class BatchStepModel:
     through the model itself. ``BatchGenerator`` calls it only as ``model(tokens,
     cache=...)``: :class:`engine.batch.Batch` makes every row's prompt cache itself.
 
-    With ``generator`` set (the ``BatchGenerator`` it runs for), a decode step whose step
-    goes on to feed one prompt's next chunk feeds that chunk in the same pass
+    With ``upcoming`` set (``upcoming()``: the prompt chunk the step will feed after its
+    decode pass, and the prompt's cache layers, or None; ``engine.batch.Batch`` reads it
+    from its ``BatchGenerator`` through ``mlx_lm_compat.next_prompt_chunk``), a decode step
+    whose step goes on to feed one prompt's next chunk feeds that chunk in the same pass
     (``engine.fused_step``); the prompt pass that follows finds it fed and returns at once."""
 
     def __init__(self, model: Any):
         self.model = model
         self.step = batch_decode_step(model)
         self.fused = fused_step(model)
-        self.generator: Any = None  # the BatchGenerator whose steps these are (None: no fused passes)
+        self.upcoming: Callable[[], tuple[list[int], list] | None] | None = None  # None: no fused passes
         self._fed: tuple[list, list[int]] | None = None  # (prompt layers, chunk) fed by the last decode step
         self.fused_steps = 0  # decode steps that fed a chunk too
         # Called after each layer of a prefill pass (it may raise to abandon the pass; the
@@ -249,12 +251,10 @@ class BatchStepModel:
     def _fused(self, tokens: mx.array, cache: list) -> mx.array | None:
         """The rows' logits from a pass that also feeds the prompt chunk the step feeds next,
         or None (no such chunk, or the model does not fuse)."""
-        from mlxkv.engine.mlx_lm_compat import next_prompt_chunk
-
         fused = self.fused
-        if fused.enabled is False or self.generator is None:
+        if fused.enabled is False or self.upcoming is None:
             return None
-        upcoming = next_prompt_chunk(self.generator)
+        upcoming = self.upcoming()
         if upcoming is None or not fusable(cache, upcoming[1]):
             return None
         chunk, prompt = upcoming

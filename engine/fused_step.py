@@ -40,6 +40,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from mlxkv.engine import cpu_attention
 from mlxkv.engine.arrays import float_item
 from mlxkv.engine.compiled_step import TOLERANCE, log_softmax
 from mlxkv.engine.native_ops import slot_attention
@@ -134,8 +135,6 @@ class FusedKV:
     def attend(self, queries: mx.array, scale: float, sinks: Any = None) -> mx.array:
         """The layer's attention: the rows over their batch slots, the chunk causally over its
         prompt, side by side as [1, H, rows + n, D]."""
-        from mlxkv.engine.mlx_lm_compat import _attention
-
         if sinks is not None:
             raise Unfusable("attention sinks")
         assert self._written is not None, "attend before update_and_fetch"
@@ -148,6 +147,16 @@ class FusedKV:
             out = _attention(q, row_keys, row_values, batch, scale, mask)
         chunk = _attention(queries[:, :, rows:, :], chunk_keys, chunk_values, self.prompt, scale, "causal")
         return mx.concatenate([_rows_back(out), chunk], axis=2)
+
+
+def _attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float,
+               mask: Any) -> mx.array:
+    """One half's attention: the engine's CPU attention where it applies, else mlx-lm's."""
+    from mlx_lm.models.base import scaled_dot_product_attention
+
+    if cpu_attention.applies(queries, keys, mask):
+        return cpu_attention.attention(queries, keys, values, scale, mask)
+    return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask)
 
 
 def fusable(batch: list, prompt: list) -> bool:
@@ -163,6 +172,19 @@ def fusable(batch: list, prompt: list) -> bool:
         return False
     padding = prompt[0].left_padding
     return padding.size == 1 and padding.item() == 0
+
+
+def _routed(attention: Any) -> bool:
+    """Whether an attention module's architecture calls the engine's attention
+    (``mlx_lm_compat.install_attention``), which hands a :class:`FusedKV` layer to
+    :meth:`FusedKV.attend`; mlx-lm's own would attend over the keys it is given."""
+    import sys
+
+    from mlx_lm.models import base
+
+    module = sys.modules.get(type(attention).__module__)
+    found = getattr(module, "scaled_dot_product_attention", None)
+    return found is not None and found is not base.scaled_dot_product_attention
 
 
 def _shadow(module: Any, name: str, make: Callable[[Any], Any]) -> Any:
@@ -189,15 +211,16 @@ class FusedStep:
             self.enabled = False
 
     def _install(self, model: Any) -> bool:
-        from mlxkv.engine.mlx_lm_compat import install_attention
-
-        install_attention(model)  # every thread's attention with a FusedKV layer goes to attend
         inner = getattr(model, "model", None)
         layers = getattr(inner, "layers", None)
         if inner is None or not layers or getattr(inner, "norm", None) is None:
             log.debug("%s: no inner model with layers and a final norm: no fused steps", self.label)
             return False
         attentions = [m for _, m in model.named_modules() if "rope" in m and callable(m["rope"])]
+        if not attentions or not _routed(attentions[0]):
+            log.debug("%s: its attention is mlx-lm's own (the engine's CPU attention is off): "
+                      "no fused steps", self.label)
+            return False
         if len(attentions) < len(layers):
             log.debug("%s: %d of %d layers have a rope module: no fused steps", self.label,
                       len(attentions), len(layers))

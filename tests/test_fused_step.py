@@ -19,7 +19,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlxkv.engine.batch_step import BatchStepModel, fused_step
 from mlxkv.engine.fused_step import FusedKV
-from mlxkv.engine.mlx_lm_compat import install_attention
+from mlxkv.engine.mlx_lm_compat import install_attention, next_prompt_chunk
 from mlxkv.engine.models import load_model
 from support.modelgen import TEST_MODELS, build_random_model, tiny_model
 from support.real_model import FIXTURES, GGUF_SHA256, real_model_path
@@ -40,10 +40,11 @@ def beside(model: Any, stream: list[int], prompt: list[int], n: int, chunk: int,
     tokens a step beside it; both greedy, ``n`` tokens each. Returns their tokens, the
     prompt row's cache once it has its ``n`` (holding prompt + output but the last), and
     the step model."""
+    install_attention(model)  # as an engine's load leaves it
     stepper = BatchStepModel(model)
     gen = BatchGenerator(stepper, stop_tokens=None, completion_batch_size=8, prefill_batch_size=8)
     if fuse:
-        stepper.generator = gen
+        stepper.upcoming = lambda: next_prompt_chunk(gen)
     (first,) = gen.insert([stream], max_tokens=[n], caches=[make_prompt_cache(model)])
     out: dict[int, list[int]] = {first: []}
     while len(out[first]) < 3:
@@ -69,7 +70,6 @@ def beside(model: Any, stream: list[int], prompt: list[int], n: int, chunk: int,
 def test_a_stream_beside_a_prefill_decodes_in_fused_passes_as_each_alone(arch):
     path = tiny_model(arch)
     loaded = load_model(str(path))
-    install_attention(loaded.model)  # as an engine's load leaves it
     reference = mlx_lm_load(str(path))[0]
     stream, prompt = tokens_for(1, 20), tokens_for(2, 150)
     got_stream, got_prompt, cache, stepper = beside(loaded.model, stream, prompt, 12, chunk=16)
@@ -152,7 +152,6 @@ def test_the_real_model_decodes_beside_a_prefill_in_fused_passes_as_each_alone()
 
     path = convert_gguf(REAL, FIXTURES / f"smollm2-135m-instruct-f32-{GGUF_SHA256[:12]}")
     loaded = load_model(str(path))
-    install_attention(loaded.model)
     reference, _ = mlx_lm_load(str(path))
     chat = loaded.tokenizer.apply_chat_template
     stream = chat([{"role": "user", "content": "List three prime numbers."}], add_generation_prompt=True)
