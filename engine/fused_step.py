@@ -41,8 +41,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxkv.engine import cpu_attention
-from mlxkv.engine.arrays import float_item
-from mlxkv.engine.compiled_step import TOLERANCE, log_softmax
+from mlxkv.engine.compiled_step import TOLERANCE, agrees
 from mlxkv.engine.native_ops import slot_attention
 
 log = logging.getLogger("mlxkv.engine")
@@ -269,11 +268,10 @@ class FusedStep:
         undo()
         want = two_passes()
         mx.eval(want, [c.state for c in prompt])
-        diff = float_item(mx.abs(log_softmax(got[:, 0]) - log_softmax(want[:, 0])).max())
-        same = bool(mx.array_equal(mx.argmax(got[:, 0], axis=-1), mx.argmax(want[:, 0], axis=-1)).item())
+        agreed, diff, same = agrees([got[:, 0]], [want[:, 0]])
         key_diff = max(float(np.abs(g - np.array(c.keys[..., at:at + n, :].astype(mx.float32))).max())
                        for g, c in zip(got_keys, prompt))
-        self.enabled = ok = got.shape == want.shape and diff <= TOLERANCE and key_diff <= TOLERANCE and same
+        self.enabled = ok = agreed and key_diff <= TOLERANCE
         if not ok:
             log.debug("%s: the fused step differs from two passes (log-probabilities by %g, keys by %g, "
                       "greedy tokens %s); steps with prefill run two passes", self.label, diff, key_diff,
