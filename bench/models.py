@@ -325,11 +325,9 @@ def real_model_folder() -> Path:
     """An mlx-lm folder (float32 safetensors) of the real model's weights, converted once from
     the GGUF file by ``support.gguf_files.convert_gguf`` beside it (the folder the GGUF
     tests use): what a peer that cannot read GGUF runs, and ours beside it."""
-    from support.gguf_files import convert_gguf
-    from support.real_model import GGUF_SHA256
+    from support.real_model import float32_folder
 
-    gguf = real_model_file()
-    return convert_gguf(gguf, gguf.parent / f"smollm2-135m-instruct-f32-{GGUF_SHA256[:12]}")
+    return float32_folder(real_model_file())
 
 
 def real_keys(figures: dict) -> dict:

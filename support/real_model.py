@@ -54,6 +54,15 @@ def real_model_path() -> Path | None:
         return None
 
 
+def float32_folder(gguf: Path) -> Path:
+    """An mlx-lm folder (float32 safetensors) of the real model's weights, converted once from
+    ``gguf`` by ``support.gguf_files.convert_gguf`` beside it: what mlx-lm (which cannot read
+    GGUF) loads in the tests and benchmarks that compare against it."""
+    from support.gguf_files import convert_gguf
+
+    return convert_gguf(gguf, gguf.parent / f"smollm2-135m-instruct-f32-{GGUF_SHA256[:12]}")
+
+
 def fetch(quiet: bool = False) -> Path:
     """The real model's GGUF file, fetched and checked first when it is not there yet."""
     have = real_model_path()

@@ -35,7 +35,7 @@ from mlxkv.engine.weight_layout import (
     to_chunks,
 )
 from support.modelgen import TEST_MODELS, build_random_model, tiny_model, tiny_model_of_type
-from support.real_model import FIXTURES, GGUF_SHA256, real_model_path
+from support.real_model import float32_folder, real_model_path
 
 ROW_PRODUCT = pytest.mark.skipif(not row_product_available(), reason="the row product is not built (make ext)")
 
@@ -298,9 +298,7 @@ REAL = real_model_path()
 
 @pytest.mark.skipif(REAL is None, reason="the real model is not fetched: run `make fixtures`")
 def test_the_real_model_decodes_rows_together_as_each_alone():
-    from support.gguf_files import convert_gguf
-
-    path = convert_gguf(REAL, FIXTURES / f"smollm2-135m-instruct-f32-{GGUF_SHA256[:12]}")
+    path = float32_folder(REAL)
     loaded = load_model(str(path))
     reference, _ = mlx_lm_load(str(path))
     texts = ("What is the capital of France?", "Write a haiku about the sea.",

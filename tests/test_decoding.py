@@ -21,7 +21,7 @@ from mlxkv.engine.generate import Generation, SamplingParams
 from mlxkv.engine.models import load_model
 from mlxkv.engine.weight_layout import layout_for_cpu
 from support.modelgen import TEST_MODELS, build_random_model, tiny_model, tiny_model_of_type
-from support.real_model import FIXTURES, GGUF_SHA256, real_model_path
+from support.real_model import float32_folder, real_model_path
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0)
 
@@ -134,9 +134,7 @@ REAL = real_model_path()
 
 @pytest.mark.skipif(REAL is None, reason="the real model is not fetched: run `make fixtures`")
 def test_the_real_model_decodes_as_mlx_lm_does():
-    from support.gguf_files import convert_gguf
-
-    path = convert_gguf(REAL, FIXTURES / f"smollm2-135m-instruct-f32-{GGUF_SHA256[:12]}")
+    path = float32_folder(REAL)
     loaded = load_model(str(path))
     reference, _ = mlx_lm_load(str(path))
     for text in ("What is the capital of France?", "Write a haiku about the sea."):

@@ -22,7 +22,7 @@ from mlxkv.engine.fused_step import FusedKV
 from mlxkv.engine.mlx_lm_compat import install_attention, next_prompt_chunk
 from mlxkv.engine.models import load_model
 from support.modelgen import TEST_MODELS, build_random_model, tiny_model
-from support.real_model import FIXTURES, GGUF_SHA256, real_model_path
+from support.real_model import float32_folder, real_model_path
 
 
 def alone(path, prompt: list[int], n: int, model=None) -> list[int]:
@@ -148,9 +148,7 @@ REAL = real_model_path()
 
 @pytest.mark.skipif(REAL is None, reason="the real model is not fetched: run `make fixtures`")
 def test_the_real_model_decodes_beside_a_prefill_in_fused_passes_as_each_alone():
-    from support.gguf_files import convert_gguf
-
-    path = convert_gguf(REAL, FIXTURES / f"smollm2-135m-instruct-f32-{GGUF_SHA256[:12]}")
+    path = float32_folder(REAL)
     loaded = load_model(str(path))
     reference, _ = mlx_lm_load(str(path))
     chat = loaded.tokenizer.apply_chat_template

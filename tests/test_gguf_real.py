@@ -25,7 +25,7 @@ from mlx_lm import batch_generate
 from mlx_lm import generate as mlx_lm_generate
 from mlx_lm import load as mlx_lm_load
 
-from support.real_model import FIXTURES, GGUF_SHA256, real_model_path
+from support.real_model import float32_folder, real_model_path
 
 ROOT = Path(__file__).resolve().parent.parent
 REAL = real_model_path()
@@ -70,9 +70,7 @@ def ours():
 @pytest.fixture(scope="module")
 def reference():
     """mlx-lm's load of the independent conversion (kept beside the fixture)."""
-    from support.gguf_files import convert_gguf
-
-    folder = convert_gguf(REAL, FIXTURES / f"smollm2-135m-instruct-f32-{GGUF_SHA256[:12]}")
+    folder = float32_folder(REAL)
     return mlx_lm_load(str(folder))
 
 
