@@ -3,7 +3,8 @@
 ``engine.weight_layout``), a decode step's attention over a cache's filled slots
 (``slot_attention``, used by the compiled step's caches, ``engine.compiled_step``) and the
 attention of a prompt chunk or a verify's queries (``chunk_attention``, used by
-``engine.cpu_attention``).
+``engine.cpu_attention``), and a norm and a rotary embedding as one operation each
+(``rms_norm``, ``rope``, used by ``engine.native_layers``).
 
 Optional: where the module is not built, is switched off (``MLXKV_ROW_PRODUCT=0``), or does
 not work with this mlx (a nanobind ABI apart from mlx's makes it refuse mx.array), the
@@ -45,6 +46,15 @@ def _works(module: Any) -> str | None:
     want = mx.fast.scaled_dot_product_attention(q, k, k, scale=0.5, mask="causal", stream=mx.cpu)
     if not mx.allclose(got, want, rtol=1e-5, atol=1e-6).item():
         return "its chunk attention differs from MLX's"
+    x, g = mx.arange(8, dtype=mx.float32).reshape(2, 4) / 8, mx.arange(4, dtype=mx.float32) + 1
+    if not mx.allclose(module.rms_norm(x, g, 1e-5, stream=mx.cpu), mx.fast.rms_norm(x, g, 1e-5),
+                       rtol=1e-5, atol=1e-6).item():
+        return "its rms_norm differs from MLX's"
+    q = mx.arange(48, dtype=mx.float32).reshape(1, 2, 3, 8) / 48
+    got = module.rope(q, mx.array(5, dtype=mx.int32), 6, False, 10000.0, 1.0, stream=mx.cpu)
+    if not mx.allclose(got, mx.fast.rope(q, 6, traditional=False, base=10000.0, scale=1.0, offset=5),
+                       rtol=1e-5, atol=1e-6).item():
+        return "its rope differs from MLX's"
     return None
 
 
@@ -114,3 +124,32 @@ def chunk_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: 
     length, slots = queries.shape[2], keys.shape[2]
     first = slots - length + 1 if causal else slots
     return module.chunk_attention(queries, keys, values, float(scale), first, stream=mx.cpu)
+
+
+def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array | None:
+    """``mx.fast.rms_norm(x, weight, eps)`` as one operation when the primitive takes it
+    (built, float32, the CPU), else None."""
+    module = native()
+    if (module is None or mx.default_device() != mx.cpu or x.dtype != mx.float32
+            or weight.dtype != mx.float32 or weight.ndim != 1 or x.ndim < 1 or x.shape[-1] != weight.shape[0]):
+        return None
+    return module.rms_norm(x, weight, float(eps), stream=mx.cpu)
+
+
+def rope(x: mx.array, offset: int | mx.array, dims: int, traditional: bool, base: float | None,
+         scale: float, freqs: mx.array | None = None) -> mx.array | None:
+    """``mx.fast.rope`` of ``x`` ([B, ..., T, D]) at ``offset`` (an int, or an array: one, or
+    one per batch row) as one operation when the primitive takes it (built, float32, 3 or 4
+    dimensions, the CPU), else None."""
+    module = native()
+    if (module is None or mx.default_device() != mx.cpu or x.dtype != mx.float32 or x.ndim not in (3, 4)
+            or (freqs is not None and freqs.dtype != mx.float32)):
+        return None
+    if not isinstance(offset, mx.array):
+        offset = mx.array(offset, dtype=mx.int32)
+    elif offset.dtype != mx.int32:
+        offset = offset.astype(mx.int32)
+    if offset.ndim > 1 or offset.size not in (1, x.shape[0]):
+        return None
+    return module.rope(x, offset, dims, traditional, None if base is None else float(base), float(scale), freqs,
+                       stream=mx.cpu)

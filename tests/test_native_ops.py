@@ -184,3 +184,104 @@ def test_chunk_attention_leaves_to_mlx_what_it_does_not_take():
 
     with pytest.raises(ValueError, match="64 query heads per KV head"):
         chunk_attention(mx.zeros((1, 65, 3, 8)), mx.zeros((1, 1, 30, 8)), mx.zeros((1, 1, 30, 8)), 1.0, 28)
+
+
+def test_a_row_product_reads_strided_inputs_as_their_values():
+    """x and w are read where they lie when row-contiguous and copied first otherwise (a
+    transpose, a column view, a broadcast): the same values as contiguous copies, bit for bit."""
+    from mlxkv.engine._row_product import row_product
+
+    w = mx.random.normal((96, 40), key=mx.random.key(1))
+    x = mx.random.normal((3, 5, 40), key=mx.random.key(2))
+    want = row_product(mx.contiguous(x.transpose(1, 0, 2)), w)
+    assert mx.array_equal(row_product(x.transpose(1, 0, 2), w), want).item()
+    wide = mx.random.normal((96, 80), key=mx.random.key(3))
+    assert mx.array_equal(row_product(x[0], wide[:, ::2]), row_product(x[0], mx.contiguous(wide[:, ::2]))).item()
+    one = mx.broadcast_to(x[:1, :1], (4, 1, 40))
+    assert mx.array_equal(row_product(one, w), row_product(mx.contiguous(one), w)).item()
+    assert row_product(x, w).shape == (3, 5, 96)
+
+
+def test_rms_norm_is_mlxs_over_any_layout():
+    w = mx.random.normal((576,), key=mx.random.key(4))
+    for x in (mx.random.normal((1, 1, 576), key=mx.random.key(5)),
+              mx.random.normal((2, 300, 576), key=mx.random.key(6)),
+              mx.random.normal((7, 3, 576), key=mx.random.key(7)).transpose(1, 0, 2),  # strided rows
+              mx.random.normal((576, 4), key=mx.random.key(8)).T,  # a strided last dimension
+              mx.random.normal((5, 13), key=mx.random.key(9))):  # a size not a multiple of 8
+        weight = w[: x.shape[-1]]
+        got = native_ops.rms_norm(x, weight, 1e-5)
+        want = mx.fast.rms_norm(x, weight, 1e-5)
+        assert got is not None and got.shape == want.shape
+        assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item(), mx.abs(got - want).max().item()
+    compiled = mx.compile(lambda a, b: native_ops.rms_norm(a, b, 1e-5))
+    assert mx.array_equal(compiled(x, weight), native_ops.rms_norm(x, weight, 1e-5)).item()
+    assert native_ops.rms_norm(x.astype(mx.float16), weight, 1e-5) is None
+
+
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize("dims", [64, 48])
+def test_rope_is_mlxs_at_every_offset_kind(traditional, dims):
+    """One offset (an int, an array), one per batch row (a batch's rows, a fused pass's
+    tokens), a query laid out as the attention hands it over (a transpose), 3 dimensions,
+    frequencies given, part of the features rotated. Long positions differ by float32
+    evaluation (libm's sine and cosine against MLX's approximations: at 8,000 both are within
+    5e-4 of a float64 evaluation of the same angles, ours the closer)."""
+    q = mx.random.normal((2, 5, 9, 64), key=mx.random.key(10)).transpose(0, 2, 1, 3)  # [B, H, T, D] view
+    cases = [(q, 7), (q, mx.array(300, dtype=mx.int32)), (q, mx.array([3, 8000], dtype=mx.int32)),
+             (q, mx.array([0, 17])), (q[:, :, :1], mx.array([4, 9], dtype=mx.int32)),
+             (q, mx.array([5, 0, 900, 0], dtype=mx.int32)[::2]),  # a strided offset array
+             (mx.random.normal((3, 4, 64), key=mx.random.key(11)), 5)]
+    for x, offset in cases:
+        got = native_ops.rope(x, offset, dims, traditional, 10000.0, 1.0)
+        want = mx.fast.rope(x, dims, traditional=traditional, base=10000.0, scale=1.0, offset=offset)
+        assert got is not None and got.shape == want.shape
+        assert mx.allclose(got, want, rtol=1e-4, atol=1e-3).item(), (offset, mx.abs(got - want).max().item())
+        if dims < 64:
+            assert mx.array_equal(got[..., dims:], x[..., dims:]).item()  # the rest copied
+    freqs = mx.random.uniform(1.0, 500.0, (dims // 2,), key=mx.random.key(12))
+    got = native_ops.rope(q, 40, dims, traditional, None, 0.25, freqs)
+    want = mx.fast.rope(q, dims, traditional=traditional, base=None, scale=0.25, offset=40, freqs=freqs)
+    assert got is not None and mx.allclose(got, want, rtol=1e-5, atol=1e-5).item()
+    compiled = mx.compile(lambda a, o: native_ops.rope(a, o, dims, traditional, 10000.0, 1.0))
+    at = mx.array(11, dtype=mx.int32)
+    assert mx.array_equal(compiled(q, at), native_ops.rope(q, at, dims, traditional, 10000.0, 1.0)).item()
+
+
+def test_rope_leaves_to_mlx_what_it_does_not_take():
+    q = mx.zeros((2, 4, 3, 8))
+    assert native_ops.rope(q.astype(mx.float16), 0, 8, False, 10000.0, 1.0) is None
+    assert native_ops.rope(mx.zeros((4, 8)), 0, 8, False, 10000.0, 1.0) is None  # 2 dimensions
+    assert native_ops.rope(q, mx.array([1, 2, 3]), 8, False, 10000.0, 1.0) is None  # 3 offsets, 2 rows
+    from mlxkv.engine._row_product import rope
+
+    with pytest.raises(ValueError, match="even dims"):
+        rope(q, mx.array(0, dtype=mx.int32), 7, False, 10000.0, 1.0)
+    with pytest.raises(ValueError, match="one of base and freqs"):
+        rope(q, mx.array(0, dtype=mx.int32), 8, False, None, 1.0)
+
+
+def test_a_models_norms_and_rotations_take_the_native_operation():
+    """A llama's ``nn.RMSNorm`` and ``nn.RoPE`` modules become one operation each, and its
+    forward pass over a prompt and a step after it gives MLX's logits up to rounding."""
+    from mlx_lm.models import llama
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxkv.engine.native_layers import NativeRMSNorm, NativeRoPE, use_native_layers
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=96,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=100)
+    mx.random.seed(3)
+    model = llama.Model(args)
+    prompt, step = mx.array([[5, 9, 13, 2, 77, 31]]), mx.array([[8]])
+
+    def logits() -> list[mx.array]:
+        cache = make_prompt_cache(model)
+        return [model(prompt, cache=cache), model(step, cache=cache)]
+
+    want = logits()
+    assert use_native_layers(model) == 2 * 2 + 1 + 2  # two norms a layer, the final one, a rope a layer
+    assert isinstance(model.model.norm, NativeRMSNorm) and isinstance(model.model.layers[0].self_attn.rope, NativeRoPE)
+    got = logits()
+    for g, w in zip(got, want):
+        assert mx.allclose(g, w, rtol=1e-4, atol=1e-4).item(), mx.abs(g - w).max().item()

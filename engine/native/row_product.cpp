@@ -457,6 +457,42 @@ const ChunkKernel kChunk = {PICK_ISA(chunk), PICK_ISA(W)};
 
 // ---- the pool: workers that take a share of each product ----------------------------------
 
+// Where each row of x's last dimension starts (in floats from x's data), for any strides.
+std::vector<int64_t> row_starts(const mx::array& x) {
+  const int nd = static_cast<int>(x.ndim());
+  const int64_t rows = x.shape(-1) ? static_cast<int64_t>(x.size()) / x.shape(-1) : 0;
+  std::vector<int64_t> starts(rows);
+  std::vector<int64_t> at(std::max(nd - 1, 0), 0);
+  for (int64_t r = 0; r < rows; r++) {
+    int64_t off = 0;
+    for (int d = 0; d < nd - 1; d++) off += at[d] * x.strides()[d];
+    starts[r] = off;
+    for (int d = nd - 2; d >= 0 && ++at[d] == x.shape(d); d--) at[d] = 0;
+  }
+  return starts;
+}
+
+// An array's rows of its last dimension as one block of rows: its own data where it is
+// row-contiguous (the usual case: no copy, and no copy operation in the graph), else a copy
+// made on the stream's thread once the data is there.
+struct RowsOf {
+  const float* data;
+  std::vector<int64_t> starts;  // where each row starts; empty when row-contiguous
+  int64_t step, D;
+
+  static RowsOf of(const mx::array& a) {
+    if (a.flags().row_contiguous) return {a.data<float>(), {}, 1, a.shape(-1)};
+    return {a.data<float>(), row_starts(a), a.strides().back(), a.shape(-1)};
+  }
+  const float* get(std::vector<float>& copy) const {
+    if (starts.empty()) return data;
+    copy.resize(starts.size() * D);
+    for (size_t r = 0; r < starts.size(); r++)
+      for (int64_t i = 0; i < D; i++) copy[r * D + i] = data[starts[r] + i * step];
+    return copy.data();
+  }
+};
+
 struct Job {
   const float* x;
   const float* w;
@@ -597,9 +633,11 @@ class RowProduct : public mx::Primitive {
     encoder.set_input_array(x);
     encoder.set_input_array(w);
     encoder.set_output_array(y);
-    Job job{x.data<float>(), w.data<float>(), y.data<float>(), x.shape(0), x.shape(1),
-            w.shape(0), 1};
-    encoder.dispatch([job]() {
+    const int64_t depth = w.shape(1), rows = static_cast<int64_t>(x.size()) / depth;
+    encoder.dispatch([xs = RowsOf::of(x), ws = RowsOf::of(w), y = y.data<float>(), rows, depth,
+                      out = w.shape(0)]() {
+      std::vector<float> xcopy, wcopy;  // (only for a strided x or w: row-contiguous is read in place)
+      const Job job{xs.get(xcopy), ws.get(wcopy), y, rows, depth, out, 1};
       // shares smaller than one per thread, taken in turn: a thread that is descheduled
       // (more threads want the cores than there are: two models decoding at once) leaves
       // its shares to the others instead of holding up the product
@@ -617,7 +655,9 @@ class RowProduct : public mx::Primitive {
     throw std::runtime_error("RowProduct runs on the CPU only");
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {{inputs[0].shape(0), inputs[1].shape(0)}};
+    mx::Shape shape = inputs[0].shape();
+    shape.back() = inputs[1].shape(0);
+    return {shape};
   }
   const char* name() const override { return "RowProduct"; }
   bool is_equivalent(const mx::Primitive& other) const override {
@@ -639,12 +679,9 @@ mx::array row_product(const mx::array& x_in, const mx::array& w, mx::StreamOrDev
   for (auto d : lead) rows *= d;
   if (rows < 1 || rows > kMaxRows)
     throw std::invalid_argument("row_product takes 1 to 64 rows");
-  auto x = mx::contiguous(mx::reshape(x_in, {rows, w.shape(1)}, stream), false, stream);
-  auto wc = mx::contiguous(w, false, stream);
-  auto y = mx::array({rows, w.shape(0)}, mx::float32, std::make_shared<RowProduct>(stream),
-                     {x, wc});
+  // one operation: x and w are read where they lie when row-contiguous (eval_cpu)
   lead.push_back(w.shape(0));
-  return mx::reshape(y, lead, stream);
+  return mx::array(lead, mx::float32, std::make_shared<RowProduct>(stream), {x_in, w});
 }
 
 
@@ -668,6 +705,38 @@ void merge_spans(float* out, int64_t D, int64_t spans, const float* m, const flo
   for (int64_t i = 0; i < D; i++) out[i] *= inv;
 }
 
+// A [B, Hk, S, D] float32 input as each head's S rows of D floats, D apart: the strides of a
+// view whose rows are contiguous (a KV cache's filled slots: the heads a buffer's capacity
+// apart), read where it lies; any other layout is copied into rows first.
+struct Heads {
+  const float* base;
+  int64_t per_batch, per_head;  // strides in floats
+  mx::Strides strides;  // the input's own, for the copy
+  bool rows_ok;
+
+  static Heads of(const mx::array& a) {
+    const auto& st = a.strides();
+    const bool ok = (a.shape(3) == 1 || st[3] == 1) && (a.shape(2) == 1 || st[2] == a.shape(3));
+    return {a.data<float>(), st[0], st[1], st, ok};
+  }
+  // these rows as they are, or copied into `copy` (on the worker, when the data is there)
+  Heads rows(int64_t B, int64_t Hk, int64_t S, int64_t D, std::vector<float>& copy) const {
+    if (rows_ok) return *this;
+    copy.resize(B * Hk * S * D);
+    for (int64_t b = 0; b < B; b++)
+      for (int64_t h = 0; h < Hk; h++)
+        for (int64_t s = 0; s < S; s++) {
+          const float* src = base + b * strides[0] + h * strides[1] + s * strides[2];
+          float* dst = copy.data() + ((b * Hk + h) * S + s) * D;
+          for (int64_t i = 0; i < D; i++) dst[i] = src[i * strides[3]];
+        }
+    return {copy.data(), Hk * S * D, S * D, {}, true};
+  }
+  const float* head(int64_t h, int64_t Hk) const {
+    return base + (h / Hk) * per_batch + (h % Hk) * per_head;
+  }
+};
+
 // softmax(q @ k.T * scale, over the slots each query sees) @ v for q [B, H, L, D] and the
 // cache's full buffers k, v [B, Hk, S, D]: query l sees slots [0, offset + l] (a decode
 // step's or a verify's queries after `offset` filled slots), H a multiple of Hk; with a
@@ -679,6 +748,7 @@ class SlotAttention : public mx::Primitive {
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const mx::array &q = inputs[0], &k = inputs[1], &v = inputs[2], &offset = inputs[3];
     const int32_t* from = inputs.size() > 4 ? inputs[4].data<int32_t>() : nullptr;
+    const int64_t from_step = inputs.size() > 4 && inputs[4].ndim() ? inputs[4].strides().back() : 0;
     mx::array& out = outputs[0];
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
@@ -686,9 +756,13 @@ class SlotAttention : public mx::Primitive {
     encoder.set_output_array(out);
     const int64_t B = q.shape(0), H = q.shape(1), L = q.shape(2), D = q.shape(3);
     const int64_t Hk = k.shape(1), S = k.shape(2);
-    encoder.dispatch([qp = q.data<float>(), kp = k.data<float>(), vp = v.data<float>(),
-                      op = out.data<float>(), off = offset.data<int32_t>(), from, B, H, L, D,
-                      Hk, S, scale = scale_]() {
+    encoder.dispatch([qs_in = RowsOf::of(q), kin = Heads::of(k), vin = Heads::of(v),
+                      op = out.data<float>(), off = offset.data<int32_t>(), from, from_step, B, H,
+                      L, D, Hk, S, scale = scale_]() {
+      // q, k and v read where they lie when laid out as rows (the usual case), else copied
+      std::vector<float> qcopy, kcopy, vcopy;
+      const float* qp = qs_in.get(qcopy);
+      const Heads kh = kin.rows(B, Hk, S, D, kcopy), vh = vin.rows(B, Hk, S, D, vcopy);
       const int64_t rep = H / Hk, R = rep * L;
       std::vector<int64_t> visible(R);
       for (int64_t r = 0; r < R; r++) visible[r] = std::min<int64_t>(S, off[0] + r % L + 1);
@@ -704,8 +778,8 @@ class SlotAttention : public mx::Primitive {
         for (int64_t u = part; u < units; u += parts) {
           const int64_t head = u / spans, span = u % spans;  // head: b * Hk + kv head
           // a batch row's first slot: its left padding is never seen
-          const int64_t lo = from ? std::clamp<int64_t>(from[head / Hk], 0, reach) : 0;
-          Attend a{qs.data() + head * R * D, kp + head * S * D, vp + head * S * D, R, D,
+          const int64_t lo = from ? std::clamp<int64_t>(from[(head / Hk) * from_step], 0, reach) : 0;
+          Attend a{qs.data() + head * R * D, kh.head(head, Hk), vh.head(head, Hk), R, D,
                    lo + (reach - lo) * span / spans, lo + (reach - lo) * (span + 1) / spans,
                    visible.data(),
                    m.data() + u * R, l.data() + u * R, acc.data() + u * R * D};
@@ -754,45 +828,12 @@ mx::array slot_attention(const mx::array& q, const mx::array& k, const mx::array
   auto stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu)
     throw std::invalid_argument("slot_attention runs on the CPU stream only");
-  std::vector<mx::array> in = {mx::contiguous(q, false, stream), mx::contiguous(k, false, stream),
-                               mx::contiguous(v, false, stream),
-                               mx::reshape(offset, {1}, stream)};
-  if (start) in.push_back(mx::reshape(*start, {q.shape(0)}, stream));
+  // one operation: q, k and v are read where they lie when laid out as rows (eval_cpu)
+  std::vector<mx::array> in = {q, k, v, offset};
+  if (start) in.push_back(*start);
   return mx::array(q.shape(), mx::float32, std::make_shared<SlotAttention>(stream, scale), in);
 }
 
-
-// A [B, Hk, S, D] float32 input as each head's S rows of D floats, D apart: the strides of a
-// view whose rows are contiguous (a KV cache's filled slots: the heads a buffer's capacity
-// apart), read where it lies; any other layout is copied into rows first.
-struct Heads {
-  const float* base;
-  int64_t per_batch, per_head;  // strides in floats
-  mx::Strides strides;  // the input's own, for the copy
-  bool rows_ok;
-
-  static Heads of(const mx::array& a) {
-    const auto& st = a.strides();
-    const bool ok = (a.shape(3) == 1 || st[3] == 1) && (a.shape(2) == 1 || st[2] == a.shape(3));
-    return {a.data<float>(), st[0], st[1], st, ok};
-  }
-  // these rows as they are, or copied into `copy` (on the worker, when the data is there)
-  Heads rows(int64_t B, int64_t Hk, int64_t S, int64_t D, std::vector<float>& copy) const {
-    if (rows_ok) return *this;
-    copy.resize(B * Hk * S * D);
-    for (int64_t b = 0; b < B; b++)
-      for (int64_t h = 0; h < Hk; h++)
-        for (int64_t s = 0; s < S; s++) {
-          const float* src = base + b * strides[0] + h * strides[1] + s * strides[2];
-          float* dst = copy.data() + ((b * Hk + h) * S + s) * D;
-          for (int64_t i = 0; i < D; i++) dst[i] = src[i * strides[3]];
-        }
-    return {copy.data(), Hk * S * D, S * D, {}, true};
-  }
-  const float* head(int64_t h, int64_t Hk) const {
-    return base + (h / Hk) * per_batch + (h % Hk) * per_head;
-  }
-};
 
 // softmax(q @ k.T * scale, over the keys each query sees) @ v for q [B, H, L, D] and keys,
 // values [B, Hk, S, D]: query l sees keys [0, first + l) (a causal prompt chunk: first =
@@ -918,6 +959,177 @@ mx::array chunk_attention(const mx::array& q, const mx::array& k, const mx::arra
                    in);
 }
 
+
+// ---- a norm and a rotation, each one primitive ------------------------------------------------
+// On the CPU, MLX's fast rms_norm and rope run as their decomposed graphs (about 8 and 25
+// operations each). A decode step of one token runs two norms and two rotations per layer,
+// and every operation costs its dispatch whatever its size: on the real model those
+// graphs were a sixth of a step's time. Here each is one operation, on the stream's thread.
+
+// x * rsqrt(mean(x * x) + eps) * w over the last dimension, as MLX's rms_norm computes it.
+class RmsNorm : public mx::Primitive {
+ public:
+  RmsNorm(mx::Stream stream, float eps) : mx::Primitive(stream), eps_(eps) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const mx::array &x = inputs[0], &w = inputs[1];
+    mx::array& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_input_array(w);
+    encoder.set_output_array(out);
+    encoder.dispatch([xp = x.data<float>(), wp = w.data<float>(), op = out.data<float>(),
+                      starts = row_starts(x), D = x.shape(-1), step = x.strides().back(),
+                      wstep = w.strides().back(), eps = eps_]() {
+      for (size_t r = 0; r < starts.size(); r++) {
+        const float* src = xp + starts[r];
+        float* dst = op + static_cast<int64_t>(r) * D;
+        float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        int64_t i = 0;
+        if (step == 1)
+          for (; i + 8 <= D; i += 8)
+            for (int j = 0; j < 8; j++) part[j] += src[i + j] * src[i + j];
+        for (; i < D; i++) part[0] += src[i * step] * src[i * step];
+        const float sum = ((part[0] + part[4]) + (part[1] + part[5])) +
+                          ((part[2] + part[6]) + (part[3] + part[7]));
+        const float inv = 1.0f / std::sqrt(sum / static_cast<float>(D) + eps);
+        for (int64_t k = 0; k < D; k++) dst[k] = (src[k * step] * inv) * wp[k * wstep];
+      }
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("RmsNorm runs on the CPU only");
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+  const char* name() const override { return "RmsNorm"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const RmsNorm*>(&other);
+    return o != nullptr && o->eps_ == eps_;
+  }
+
+ private:
+  float eps_;
+};
+
+mx::array rms_norm(const mx::array& x, const mx::array& w, float eps, mx::StreamOrDevice s) {
+  if (x.dtype() != mx::float32 || w.dtype() != mx::float32)
+    throw std::invalid_argument("rms_norm takes float32 arrays");
+  if (x.ndim() < 1 || w.ndim() != 1 || w.shape(0) != x.shape(-1))
+    throw std::invalid_argument("rms_norm takes x [..., D] and w [D]");
+  auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu)
+    throw std::invalid_argument("rms_norm runs on the CPU stream only");
+  return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(stream, eps), {x, w});
+}
+
+// The rotary embedding of x [B, ..., T, D] at positions offset (+ t along T), as MLX's rope
+// computes it: angle (t + offset[b]) * scale * f_i with f_i = base^(-i / (dims / 2)) or
+// 1 / freqs[i]; the first `dims` features rotated in pairs (i, i + dims / 2), or (2i, 2i + 1)
+// when `traditional`, the rest copied. offset: one int32, or one per batch row.
+class Rope : public mx::Primitive {
+ public:
+  Rope(mx::Stream stream, int dims, bool traditional, float base, float scale)
+      : mx::Primitive(stream), dims_(dims), traditional_(traditional), base_(base),
+        scale_(scale) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const mx::array &x = inputs[0], &offset = inputs[1];
+    mx::array& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    const int64_t half = dims_ / 2;
+    const float* freqs = inputs.size() > 2 ? inputs[2].data<float>() : nullptr;
+    const int64_t fstep = inputs.size() > 2 ? inputs[2].strides()[0] : 0;
+    const int64_t T = x.shape(-2), B = x.shape(0);
+    const int64_t ostep = offset.ndim() ? offset.strides()[0] : 0;
+    encoder.dispatch([xp = x.data<float>(), off = offset.data<int32_t>(), ostep,
+                      per_row = offset.size() > 1, op = out.data<float>(), starts = row_starts(x),
+                      freqs, fstep, D = x.shape(-1), step = x.strides().back(), T, B, half,
+                      traditional = traditional_, base = base_, scale = scale_]() {
+      // (inputs are read here, on the stream's thread, once their data is there)
+      std::vector<float> inv(half);
+      const float at = static_cast<float>(std::log(base) / half);
+      for (int64_t i = 0; i < half; i++)
+        inv[i] = freqs ? 1.0f / freqs[i * fstep] : std::exp(static_cast<float>(-i) * at);
+      const int64_t rows = static_cast<int64_t>(starts.size()), per_b = rows / B;
+      std::vector<float> cs(T * half), sn(T * half);
+      for (int64_t b = 0; b < B; b++) {
+        // this batch row's angles, one [T, half] table for all its heads
+        if (b == 0 || per_row) {
+          const int32_t o = off[per_row ? b * ostep : 0];
+          for (int64_t t = 0; t < T; t++) {
+            const float pos = static_cast<float>(t + o) * scale;
+            for (int64_t i = 0; i < half; i++) {
+              const float theta = pos * inv[i];
+              cs[t * half + i] = std::cos(theta);
+              sn[t * half + i] = std::sin(theta);
+            }
+          }
+        }
+        for (int64_t r = b * per_b; r < (b + 1) * per_b; r++) {
+          const float* src = xp + starts[r];
+          float* dst = op + r * D;
+          const float* c = cs.data() + (r % T) * half;
+          const float* s = sn.data() + (r % T) * half;
+          const int64_t a = traditional ? 2 : 1, bo = traditional ? 1 : half;
+          for (int64_t i = 0; i < half; i++) {
+            const float x1 = src[(a * i) * step], x2 = src[(a * i + bo) * step];
+            dst[a * i] = x1 * c[i] - x2 * s[i];
+            dst[a * i + bo] = x1 * s[i] + x2 * c[i];
+          }
+          for (int64_t i = 2 * half; i < D; i++) dst[i] = src[i * step];
+        }
+      }
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("Rope runs on the CPU only");
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+  const char* name() const override { return "Rope"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const Rope*>(&other);
+    return o != nullptr && o->dims_ == dims_ && o->traditional_ == traditional_ &&
+           o->base_ == base_ && o->scale_ == scale_;
+  }
+
+ private:
+  int dims_;
+  bool traditional_;
+  float base_, scale_;
+};
+
+mx::array rope(const mx::array& x, const mx::array& offset, int dims, bool traditional,
+               std::optional<float> base, float scale, std::optional<mx::array> freqs,
+               mx::StreamOrDevice s) {
+  if (x.dtype() != mx::float32 || (x.ndim() != 3 && x.ndim() != 4))
+    throw std::invalid_argument("rope takes a float32 x of 3 or 4 dimensions");
+  if (offset.dtype() != mx::int32 || offset.ndim() > 1 ||
+      (offset.size() != 1 && offset.size() != static_cast<size_t>(x.shape(0))))
+    throw std::invalid_argument("rope takes one int32 offset, or one per batch row");
+  if (dims <= 0 || dims % 2 || dims > x.shape(-1))
+    throw std::invalid_argument("rope takes an even dims of at most x's last dimension");
+  if (freqs.has_value() == base.has_value())
+    throw std::invalid_argument("rope takes one of base and freqs");
+  if (freqs && (freqs->dtype() != mx::float32 || freqs->ndim() != 1 || freqs->shape(0) != dims / 2))
+    throw std::invalid_argument("rope takes float32 freqs of dims / 2");
+  auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu)
+    throw std::invalid_argument("rope runs on the CPU stream only");
+  std::vector<mx::array> in = {x, offset};
+  if (freqs) in.push_back(*freqs);
+  return mx::array(x.shape(), mx::float32,
+                   std::make_shared<Rope>(stream, dims, traditional, base.value_or(1.0f), scale),
+                   in);
+}
+
 }  // namespace
 
 NB_MODULE(_row_product, m) {
@@ -936,5 +1148,13 @@ NB_MODULE(_row_product, m) {
         nb::arg("scale"), nb::arg("first"), nb::kw_only(), nb::arg("stream") = nb::none(),
         "softmax(q @ k.T * scale) @ v, query l of q [B, H, L, D] seeing keys [0, first + l)"
         " of k, v [B, Hk, S, D]; float32, on the CPU.");
+  m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("w"), nb::arg("eps"), nb::kw_only(),
+        nb::arg("stream") = nb::none(),
+        "x * rsqrt(mean(x * x, -1) + eps) * w for x [..., D], w [D]; float32, on the CPU.");
+  m.def("rope", &rope, nb::arg("x"), nb::arg("offset"), nb::arg("dims"), nb::arg("traditional"),
+        nb::arg("base").none(), nb::arg("scale"), nb::arg("freqs") = nb::none(), nb::kw_only(),
+        nb::arg("stream") = nb::none(),
+        "mx.fast.rope of x [B, ..., T, D] with an int32 offset (one, or one per batch row);"
+        " float32, on the CPU.");
   m.attr("MAX_ROWS") = kMaxRows;
 }
