@@ -118,6 +118,7 @@ class CompiledStep:
         self.label = label
         self.enabled: bool | None = None
         self._fn = Traced(self._step, f"decode step: {label}")
+        self._last: mx.array | None = None  # the last step's logits (see _compiled)
 
     def _step(self, tokens: mx.array, offset: mx.array, *buffers: mx.array) -> list[mx.array]:
         layers = [FixedKV(buffers[i], buffers[i + 1], offset) for i in range(0, len(buffers), 2)]
@@ -154,7 +155,14 @@ class CompiledStep:
         out = self._fn((width, cache[0].keys.shape[2]), tokens, mx.array(cache[0].offset, dtype=mx.int32),
                        *[b for c in cache for b in (c.keys, c.values)])
         # The cache now holds the step's outputs only, so the old buffers have no owner but
-        # the step's graph, which then writes the new keys into them in place.
+        # the step's graph, which then writes the new keys into them in place. MLX donates a
+        # buffer only once no queued operation still holds it: a caller that queues this step
+        # while the last one runs (plain decoding's pipeline) would have every layer copy its
+        # whole buffers instead, so the last step is waited for here, once this one is built
+        # (a no-op for a caller that already waited).
+        if self._last is not None:
+            mx.eval(self._last)
+        self._last = out[0]
         for i, c in enumerate(cache):
             c.keys, c.values = out[1 + 2 * i], out[2 + 2 * i]
             c.offset += width

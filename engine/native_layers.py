@@ -1,4 +1,5 @@
-"""A model's norms and rotary embeddings as one CPU operation each.
+"""A model's norms and rotary embeddings as one CPU operation each, and a llama-shaped
+layer's decode step as one operation.
 
 On the CPU, MLX runs ``mx.fast.rms_norm`` and ``mx.fast.rope`` as their decomposed graphs:
 about 8 and 25 operations. A decode step of one token does little arithmetic in them, but
@@ -10,7 +11,16 @@ changing their class in place as ``engine.weight_layout`` does for the matrices.
 falls back to MLX's own where the primitive does not take it (another dtype or device, not
 built). The results are MLX's up to float32 rounding (the rotation's angles at long
 positions by up to 3e-4, its sine and cosine taken by libm rather than MLX's
-approximations). ``MLXKV_NATIVE_LAYERS=0`` keeps MLX's.
+approximations).
+
+Past those, a one-token step through a llama-shaped layer is still some 25 operations (the
+products and their column views, the heads' reshapes and transposes, the cache writes,
+the attention, the residuals): :func:`use_native_blocks` gives each such layer of a laid-out
+model (``engine.weight_layout``: its q, k, v and its gate, up grouped into one matrix each)
+a class whose call, for one token over the compiled step's cache (``FixedKV``), is one
+``native_ops.decode_layer``; anything else (a prompt chunk, a batch, a verify, another
+cache) runs the layer's own code. The compiled step's first-use check compares the result
+with the model's own forward pass. ``MLXKV_NATIVE_LAYERS=0`` keeps MLX's for all three.
 """
 
 from __future__ import annotations
@@ -21,7 +31,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxkv.engine.native_ops import rms_norm, rope
+from mlxkv.engine.compiled_step import FixedKV
+from mlxkv.engine.native_ops import decode_layer, rms_norm, rope
+from mlxkv.engine.side_table import SideTable
 
 ENABLED = os.environ.get("MLXKV_NATIVE_LAYERS", "1") != "0"
 
@@ -55,5 +67,88 @@ def use_native_layers(model: nn.Module) -> int:
         kind = _KINDS.get(type(module))
         if kind is not None:
             module.__class__ = kind  # by design, in place: every holder sees the new path
+            changed += 1
+    return changed
+
+
+# The layer classes whose code is the one decode_layer computes (module, class): mlx-lm's
+# llama block (llama, mistral, SmolLM and the other architectures built on it). Another
+# architecture goes in only once its block's code was read to be the same computation.
+BLOCKS = {("mlx_lm.models.llama", "TransformerBlock")}
+
+
+class _Parts:
+    """What a layer's native step reads: its modules (weights read at each call) and shape."""
+
+    def __init__(self, block: Any):
+        attn, mlp = block.self_attn, block.mlp
+        self.qkv, self.gate_up = attn.q_proj.group, mlp.gate_proj.group
+        self.modules = (block.input_layernorm, attn.o_proj, block.post_attention_layernorm, mlp.down_proj)
+        rope_ = attn.rope
+        self.shape = {"eps1": float(block.input_layernorm.eps), "eps2": float(block.post_attention_layernorm.eps),
+                      "rope_dims": int(rope_.dims), "traditional": bool(rope_.traditional),
+                      "base": float(rope_.base), "rope_scale": float(rope_.scale), "scale": float(attn.scale)}
+
+    def weights(self) -> tuple[mx.array, ...]:
+        ln1, o, ln2, down = self.modules
+        return (ln1["weight"], self.qkv.fused, o["weight"], ln2["weight"], self.gate_up.fused, down["weight"])
+
+
+_PARTS: SideTable[_Parts] = SideTable()
+_NATIVE_KINDS: dict[type, type] = {}
+
+
+def _grouped(members: list[Any]) -> bool:
+    """The modules are one group's members, in order, without biases."""
+    group = getattr(members[0], "group", None)
+    return (group is not None and len(group.bounds) == len(members)
+            and all(getattr(m, "group", None) is group and getattr(m, "member", None) == i and "bias" not in m
+                    for i, m in enumerate(members)))
+
+
+def _fits(block: Any) -> bool:
+    attn, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
+    if attn is None or mlp is None or getattr(block, "use_sliding", False):
+        return False
+    try:
+        return (_grouped([attn.q_proj, attn.k_proj, attn.v_proj]) and _grouped([mlp.gate_proj, mlp.up_proj])
+                and "bias" not in attn.o_proj and "bias" not in mlp.down_proj
+                and type(attn.rope) is NativeRoPE and type(block.input_layernorm) is NativeRMSNorm
+                and type(block.post_attention_layernorm) is NativeRMSNorm
+                and attn.o_proj["weight"].ndim == 2 and mlp.down_proj["weight"].ndim == 2)
+    except (AttributeError, KeyError):
+        return False
+
+
+def _native_kind(kind: type) -> type:
+    """``kind`` with a call that takes the native step where it applies."""
+    native_kind = _NATIVE_KINDS.get(kind)
+    if native_kind is None:
+        def __call__(self: Any, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+            parts = _PARTS.get(self)
+            if parts is not None and type(cache) is FixedKV and x.size == x.shape[-1]:
+                done = decode_layer(x, parts.weights(), cache.keys, cache.values, cache.offset, **parts.shape)
+                if done is not None:
+                    out, cache.keys, cache.values = done
+                    return out
+            return kind.__call__(self, x, mask, cache)
+
+        native_kind = type(f"Native{kind.__name__}", (kind,), {"__call__": __call__, "__module__": __name__})
+        _NATIVE_KINDS[kind] = native_kind
+    return native_kind
+
+
+def use_native_blocks(model: nn.Module) -> int:
+    """Give each of ``model``'s layers that :data:`BLOCKS` lists and whose parts are laid out
+    for it (grouped products without biases, the native norms and rotation) the native
+    decode step; the number changed."""
+    if not ENABLED:
+        return 0
+    changed = 0
+    for _, module in model.named_modules():
+        kind = type(module)
+        if (kind.__module__, kind.__name__) in BLOCKS and _fits(module):
+            _PARTS.put(module, _Parts(module))
+            module.__class__ = _native_kind(kind)  # by design, in place, as the other layouts
             changed += 1
     return changed

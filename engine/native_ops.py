@@ -3,8 +3,9 @@
 ``engine.weight_layout``), a decode step's attention over a cache's filled slots
 (``slot_attention``, used by the compiled step's caches, ``engine.compiled_step``) and the
 attention of a prompt chunk or a verify's queries (``chunk_attention``, used by
-``engine.cpu_attention``), and a norm and a rotary embedding as one operation each
-(``rms_norm``, ``rope``, used by ``engine.native_layers``).
+``engine.cpu_attention``), a norm and a rotary embedding as one operation each (``rms_norm``, ``rope``), and a
+llama-shaped layer's decode step as one operation (``decode_layer``), the last three used
+by ``engine.native_layers``.
 
 Optional: where the module is not built, is switched off (``MLXKV_ROW_PRODUCT=0``), or does
 not work with this mlx (a nanobind ABI apart from mlx's makes it refuse mx.array), the
@@ -153,3 +154,17 @@ def rope(x: mx.array, offset: int | mx.array, dims: int, traditional: bool, base
         return None
     return module.rope(x, offset, dims, traditional, None if base is None else float(base), float(scale), freqs,
                        stream=mx.cpu)
+
+
+def decode_layer(x: mx.array, weights: tuple[mx.array, ...], keys: mx.array, values: mx.array,
+                 offset: mx.array, **shape: Any) -> tuple[mx.array, mx.array, mx.array] | None:
+    """One token ``x`` ([1, 1, hidden]) through a llama-shaped layer (``weights``: the two
+    norms' and the grouped products', in ``_row_product.decode_layer``'s order): the layer's
+    output and the key and value buffers with its slot written, or None where the primitive
+    does not take it (not built, not float32, not the CPU)."""
+    module = native()
+    if (module is None or mx.default_device() != mx.cpu or x.dtype != mx.float32 or x.size != x.shape[-1]
+            or keys.dtype != mx.float32 or any(w.dtype != mx.float32 for w in weights)):
+        return None
+    out, k, v = module.decode_layer(x, *weights, keys, values, offset, **shape, stream=mx.cpu)
+    return out, k, v

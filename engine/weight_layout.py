@@ -21,7 +21,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxkv.engine.native_layers import use_native_layers
+from mlxkv.engine.native_layers import use_native_blocks, use_native_layers
 from mlxkv.engine.native_ops import native, row_product
 from mlxkv.engine.side_table import SideTable
 
@@ -234,7 +234,9 @@ def layout_for_cpu(model: Any, path: str = "auto") -> int:
         changed += 1
     if rows and GROUPED:
         group_products(model)
-    if rows:
-        use_native_layers(model)  # the norms and rotations too: one operation each (not counted)
+    if rows:  # the norms and rotations too, then whole layers' decode steps (not counted)
+        use_native_layers(model)
+        if GROUPED:
+            use_native_blocks(model)
     _DONE.put(model, True)
     return changed

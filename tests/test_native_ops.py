@@ -285,3 +285,106 @@ def test_a_models_norms_and_rotations_take_the_native_operation():
     got = logits()
     for g, w in zip(got, want):
         assert mx.allclose(g, w, rtol=1e-4, atol=1e-4).item(), mx.abs(g - w).max().item()
+
+
+def _tiny_llama(seed: int, **kw):
+    from mlx_lm.models import llama
+
+    args = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=96,
+                num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=100)
+    args.update(kw)
+    mx.random.seed(seed)
+    model = llama.Model(llama.ModelArgs(**args))
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.mark.parametrize("kw, offset", [
+    ({}, 0),                                                         # the first slot
+    ({}, 300),                                                       # a longer context: key spans
+    ({"num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 24}, 37),  # 8 per KV head
+    ({"rope_traditional": True, "rope_theta": 500000.0}, 5),         # pairs (2i, 2i + 1)
+])
+def test_a_layers_decode_step_is_the_layers_own_code(kw, offset):
+    """One token through a laid-out llama layer over the compiled step's cache: the native
+    step gives the layer's own output within rounding, and writes the token's key and value
+    into the buffers' slot at the offset (the other slots as they were)."""
+    from mlxkv.engine.compiled_step import FixedKV
+    from mlxkv.engine.native_layers import use_native_blocks
+    from mlxkv.engine.weight_layout import layout_for_cpu
+
+    model = _tiny_llama(5, **kw)
+    layout_for_cpu(model)
+    block = model.model.layers[1]
+    assert type(block).__name__ == "NativeTransformerBlock" and use_native_blocks(model) == 0  # done once
+    own = type(block).__mro__[1]
+    attn = block.self_attn
+    shape = (1, attn.n_kv_heads, 512, attn.head_dim)
+    keys, values = (mx.random.normal(shape, key=mx.random.key(i)) for i in (1, 2))
+    x = mx.random.normal((1, 1, 64), key=mx.random.key(3))
+    at = mx.array(offset, dtype=mx.int32)
+    theirs = FixedKV(mx.array(keys), mx.array(values), at)
+    want = own.__call__(block, x, theirs.make_mask(1), theirs)
+    ours = FixedKV(mx.array(keys), mx.array(values), at)
+    got = block(x, None, ours)
+    assert mx.allclose(got, want, rtol=1e-4, atol=1e-4).item(), mx.abs(got - want).max().item()
+    for mine, their, before in ((ours.keys, theirs.keys, keys), (ours.values, theirs.values, values)):
+        assert mx.allclose(mine[:, :, offset], their[:, :, offset], rtol=1e-5, atol=1e-5).item()
+        assert not mx.allclose(mine[:, :, offset], before[:, :, offset]).item()
+        assert mx.array_equal(mine[:, :, :offset], before[:, :, :offset]).item()
+        assert mx.array_equal(mine[:, :, offset + 1:], before[:, :, offset + 1:]).item()
+
+
+def test_a_layers_native_step_leaves_everything_else_to_its_own_code():
+    """A prompt chunk, a plain KVCache, a layer with biases: the layer's own code."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxkv.engine.native_layers import use_native_blocks
+    from mlxkv.engine.weight_layout import layout_for_cpu
+
+    model = _tiny_llama(6)
+    prompt = mx.array([[3, 1, 4, 1, 5, 9]])
+    want = model(prompt, cache=make_prompt_cache(model))
+    layout_for_cpu(model)
+    got = model(prompt, cache=make_prompt_cache(model))  # a chunk over KVCache layers
+    assert mx.allclose(got, want, rtol=1e-4, atol=1e-4).item()
+    biased = _tiny_llama(7, attention_bias=True)
+    layout_for_cpu(biased)
+    assert all(type(layer).__name__ == "TransformerBlock" for layer in biased.model.layers)
+    assert use_native_blocks(biased) == 0
+
+
+def test_the_compiled_steps_layers_write_the_cache_in_place():
+    """Greedy steps of the compiled step (as plain decoding runs them, each built while the
+    last is in flight): every layer writes its slot into the buffers it was handed, never a
+    copy of them (a copy per step would read and write the whole cache every token), and
+    the tokens are the model's own forward pass's."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxkv.engine import _row_product
+    from mlxkv.engine.compiled_step import CompiledStep
+    from mlxkv.engine.weight_layout import layout_for_cpu
+
+    model = _tiny_llama(8)
+    prompt = mx.array([[2, 7, 1, 8, 2, 8]])
+
+    def greedy(step, cache, n: int) -> list[int]:
+        logits = model(prompt, cache=cache)[0, -1:]
+        y = mx.argmax(logits, axis=-1)
+        out = []
+        for _ in range(n):
+            nxt = mx.argmax(step(y[None], cache), axis=-1)
+            mx.async_eval(nxt)
+            out.append(y.item())
+            y = nxt
+        return out
+
+    want = greedy(lambda t, c: model(t, cache=c)[0, -1:], make_prompt_cache(model), 12)
+    layout_for_cpu(model)
+    step = CompiledStep(model)
+    assert greedy(step, make_prompt_cache(model), 12) == want  # the check, the first traces
+    assert step.enabled
+    before = _row_product.buffer_copies()
+    assert greedy(step, make_prompt_cache(model), 12) == want
+    # at most the first step's (the prompt's buffers, still held by the cache that filled them)
+    assert _row_product.buffer_copies() - before <= 2 * len(model.model.layers)

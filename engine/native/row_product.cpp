@@ -26,6 +26,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
@@ -620,6 +621,21 @@ Pool& the_pool() {
 
 // ---- the primitive ---------------------------------------------------------------------
 
+// y [rows, out] = x [rows, depth] @ w.T for w [out, depth], all row-contiguous, over the pool.
+void product(const float* x, const float* w, float* y, int64_t rows, int64_t depth, int64_t out) {
+  // shares smaller than one per thread, taken in turn: a thread that is descheduled (more
+  // threads want the cores than there are: two models decoding at once) leaves its shares
+  // to the others instead of holding up the product
+  Job share{x, w, y, rows, depth, out, 1};
+  const int64_t pairs = (out + 1) / 2;
+  share.parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(pairs, kSharesPerThread * the_pool().threads())));
+  std::atomic<int> next{0};
+  Task task = [&share, &next](int, int) {
+    for (int p; (p = next.fetch_add(1, std::memory_order_relaxed)) < share.parts;) run_part(share, p);
+  };
+  the_pool().run(task, static_cast<int>(out / 2));
+}
+
 class RowProduct : public mx::Primitive {
  public:
   explicit RowProduct(mx::Stream stream) : mx::Primitive(stream) {}
@@ -637,18 +653,7 @@ class RowProduct : public mx::Primitive {
     encoder.dispatch([xs = RowsOf::of(x), ws = RowsOf::of(w), y = y.data<float>(), rows, depth,
                       out = w.shape(0)]() {
       std::vector<float> xcopy, wcopy;  // (only for a strided x or w: row-contiguous is read in place)
-      const Job job{xs.get(xcopy), ws.get(wcopy), y, rows, depth, out, 1};
-      // shares smaller than one per thread, taken in turn: a thread that is descheduled
-      // (more threads want the cores than there are: two models decoding at once) leaves
-      // its shares to the others instead of holding up the product
-      Job share = job;
-      const int64_t pairs = (job.out + 1) / 2;
-      share.parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(pairs, kSharesPerThread * the_pool().threads())));
-      std::atomic<int> next{0};
-      Task task = [&share, &next](int, int) {
-        for (int p; (p = next.fetch_add(1, std::memory_order_relaxed)) < share.parts;) run_part(share, p);
-      };
-      the_pool().run(task, static_cast<int>(job.out / 2));
+      product(xs.get(xcopy), ws.get(wcopy), y, rows, depth, out);
     });
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -737,6 +742,42 @@ struct Heads {
   }
 };
 
+// The slot attention's work (see SlotAttention below) on row-laid-out q, k and v: query l of
+// batch row b sees slots [from[b], offset + l]; out [B, H, L, D].
+void attend_slots(const float* qp, const Heads& kh, const Heads& vh, float* op, int64_t offset,
+                  const int32_t* from, int64_t from_step, int64_t B, int64_t H, int64_t L,
+                  int64_t D, int64_t Hk, int64_t S, float scale) {
+  const int64_t rep = H / Hk, R = rep * L;
+  std::vector<int64_t> visible(R);
+  for (int64_t r = 0; r < R; r++) visible[r] = std::min<int64_t>(S, offset + r % L + 1);
+  const int64_t reach = std::min<int64_t>(S, offset + L);
+  // the group's rows [rep, L, D] (contiguous in q), scaled once
+  std::vector<float> qs(B * H * L * D);
+  for (size_t i = 0; i < qs.size(); i++) qs[i] = qp[i] * scale;
+  const int threads = the_pool().threads();
+  const int64_t spans = std::max<int64_t>(1, std::min<int64_t>(threads, reach / kBlock));
+  const int64_t units = B * Hk * spans;
+  std::vector<float> m(units * R, -INFINITY), l(units * R, 0.0f), acc(units * R * D, 0.0f);
+  Task task = [&](int part, int parts) {
+    for (int64_t u = part; u < units; u += parts) {
+      const int64_t head = u / spans, span = u % spans;  // head: b * Hk + kv head
+      // a batch row's first slot: its left padding is never seen
+      const int64_t lo = from ? std::clamp<int64_t>(from[(head / Hk) * from_step], 0, reach) : 0;
+      Attend a{qs.data() + head * R * D, kh.head(head, Hk), vh.head(head, Hk), R, D,
+               lo + (reach - lo) * span / spans, lo + (reach - lo) * (span + 1) / spans,
+               visible.data(),
+               m.data() + u * R, l.data() + u * R, acc.data() + u * R * D};
+      kAttend(a);
+    }
+  };
+  the_pool().run(task, static_cast<int>(units));
+  for (int64_t head = 0; head < B * Hk; head++)
+    for (int64_t r = 0; r < R; r++)  // [B, Hk, rep, L, D] is [B, H, L, D]
+      merge_spans(op + (head * R + r) * D, D, spans, m.data() + head * spans * R + r,
+                  l.data() + head * spans * R + r, R, acc.data() + (head * spans * R + r) * D,
+                  R * D, 1);
+}
+
 // softmax(q @ k.T * scale, over the slots each query sees) @ v for q [B, H, L, D] and the
 // cache's full buffers k, v [B, Hk, S, D]: query l sees slots [0, offset + l] (a decode
 // step's or a verify's queries after `offset` filled slots), H a multiple of Hk; with a
@@ -763,35 +804,7 @@ class SlotAttention : public mx::Primitive {
       std::vector<float> qcopy, kcopy, vcopy;
       const float* qp = qs_in.get(qcopy);
       const Heads kh = kin.rows(B, Hk, S, D, kcopy), vh = vin.rows(B, Hk, S, D, vcopy);
-      const int64_t rep = H / Hk, R = rep * L;
-      std::vector<int64_t> visible(R);
-      for (int64_t r = 0; r < R; r++) visible[r] = std::min<int64_t>(S, off[0] + r % L + 1);
-      const int64_t reach = std::min<int64_t>(S, off[0] + L);
-      // the group's rows [rep, L, D] (contiguous in q), scaled once
-      std::vector<float> qs(B * H * L * D);
-      for (size_t i = 0; i < qs.size(); i++) qs[i] = qp[i] * scale;
-      const int threads = the_pool().threads();
-      const int64_t spans = std::max<int64_t>(1, std::min<int64_t>(threads, reach / kBlock));
-      const int64_t units = B * Hk * spans;
-      std::vector<float> m(units * R, -INFINITY), l(units * R, 0.0f), acc(units * R * D, 0.0f);
-      Task task = [&](int part, int parts) {
-        for (int64_t u = part; u < units; u += parts) {
-          const int64_t head = u / spans, span = u % spans;  // head: b * Hk + kv head
-          // a batch row's first slot: its left padding is never seen
-          const int64_t lo = from ? std::clamp<int64_t>(from[(head / Hk) * from_step], 0, reach) : 0;
-          Attend a{qs.data() + head * R * D, kh.head(head, Hk), vh.head(head, Hk), R, D,
-                   lo + (reach - lo) * span / spans, lo + (reach - lo) * (span + 1) / spans,
-                   visible.data(),
-                   m.data() + u * R, l.data() + u * R, acc.data() + u * R * D};
-          kAttend(a);
-        }
-      };
-      the_pool().run(task, static_cast<int>(units));
-      for (int64_t head = 0; head < B * Hk; head++)
-        for (int64_t r = 0; r < R; r++)  // [B, Hk, rep, L, D] is [B, H, L, D]
-          merge_spans(op + (head * R + r) * D, D, spans, m.data() + head * spans * R + r,
-                      l.data() + head * spans * R + r, R, acc.data() + (head * spans * R + r) * D,
-                      R * D, 1);
+      attend_slots(qp, kh, vh, op, off[0], from, from_step, B, H, L, D, Hk, S, scale);
     });
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -966,6 +979,43 @@ mx::array chunk_attention(const mx::array& q, const mx::array& k, const mx::arra
 // and every operation costs its dispatch whatever its size: on the real model those
 // graphs were a sixth of a step's time. Here each is one operation, on the stream's thread.
 
+// One row of D floats (`step` apart) normalized: src * rsqrt(mean(src * src) + eps) * w.
+void rms_row(const float* src, int64_t step, const float* w, int64_t wstep, float* dst,
+             int64_t D, float eps) {
+  float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  if (step == 1)
+    for (; i + 8 <= D; i += 8)
+      for (int j = 0; j < 8; j++) part[j] += src[i + j] * src[i + j];
+  for (; i < D; i++) part[0] += src[i * step] * src[i * step];
+  const float sum = ((part[0] + part[4]) + (part[1] + part[5])) +
+                    ((part[2] + part[6]) + (part[3] + part[7]));
+  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(D) + eps);
+  for (int64_t k = 0; k < D; k++) dst[k] = (src[k * step] * inv) * w[k * wstep];
+}
+
+// One row of D floats (`step` apart) rotated by the angles whose cosines and sines are c, s
+// [half]: pairs (i, i + half), or (2i, 2i + 1) when traditional; features past 2 * half copied.
+void rotate_row(const float* src, int64_t step, float* dst, const float* c, const float* s,
+                int64_t half, int64_t D, bool traditional) {
+  const int64_t a = traditional ? 2 : 1, bo = traditional ? 1 : half;
+  for (int64_t i = 0; i < half; i++) {
+    const float x1 = src[(a * i) * step], x2 = src[(a * i + bo) * step];
+    dst[a * i] = x1 * c[i] - x2 * s[i];
+    dst[a * i + bo] = x1 * s[i] + x2 * c[i];
+  }
+  for (int64_t i = 2 * half; i < D; i++) dst[i] = src[i * step];
+}
+
+// The rotation's frequencies: 1 / freqs[i] where given, else base^(-i / half), as MLX's.
+std::vector<float> inverse_frequencies(const float* freqs, int64_t fstep, float base, int64_t half) {
+  std::vector<float> inv(half);
+  const float at = static_cast<float>(std::log(base) / half);
+  for (int64_t i = 0; i < half; i++)
+    inv[i] = freqs ? 1.0f / freqs[i * fstep] : std::exp(static_cast<float>(-i) * at);
+  return inv;
+}
+
 // x * rsqrt(mean(x * x) + eps) * w over the last dimension, as MLX's rms_norm computes it.
 class RmsNorm : public mx::Primitive {
  public:
@@ -985,16 +1035,7 @@ class RmsNorm : public mx::Primitive {
       for (size_t r = 0; r < starts.size(); r++) {
         const float* src = xp + starts[r];
         float* dst = op + static_cast<int64_t>(r) * D;
-        float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        int64_t i = 0;
-        if (step == 1)
-          for (; i + 8 <= D; i += 8)
-            for (int j = 0; j < 8; j++) part[j] += src[i + j] * src[i + j];
-        for (; i < D; i++) part[0] += src[i * step] * src[i * step];
-        const float sum = ((part[0] + part[4]) + (part[1] + part[5])) +
-                          ((part[2] + part[6]) + (part[3] + part[7]));
-        const float inv = 1.0f / std::sqrt(sum / static_cast<float>(D) + eps);
-        for (int64_t k = 0; k < D; k++) dst[k] = (src[k * step] * inv) * wp[k * wstep];
+        rms_row(src, step, wp, wstep, dst, D, eps);
       }
     });
   }
@@ -1052,10 +1093,7 @@ class Rope : public mx::Primitive {
                       freqs, fstep, D = x.shape(-1), step = x.strides().back(), T, B, half,
                       traditional = traditional_, base = base_, scale = scale_]() {
       // (inputs are read here, on the stream's thread, once their data is there)
-      std::vector<float> inv(half);
-      const float at = static_cast<float>(std::log(base) / half);
-      for (int64_t i = 0; i < half; i++)
-        inv[i] = freqs ? 1.0f / freqs[i * fstep] : std::exp(static_cast<float>(-i) * at);
+      const std::vector<float> inv = inverse_frequencies(freqs, fstep, base, half);
       const int64_t rows = static_cast<int64_t>(starts.size()), per_b = rows / B;
       std::vector<float> cs(T * half), sn(T * half);
       for (int64_t b = 0; b < B; b++) {
@@ -1076,13 +1114,7 @@ class Rope : public mx::Primitive {
           float* dst = op + r * D;
           const float* c = cs.data() + (r % T) * half;
           const float* s = sn.data() + (r % T) * half;
-          const int64_t a = traditional ? 2 : 1, bo = traditional ? 1 : half;
-          for (int64_t i = 0; i < half; i++) {
-            const float x1 = src[(a * i) * step], x2 = src[(a * i + bo) * step];
-            dst[a * i] = x1 * c[i] - x2 * s[i];
-            dst[a * i + bo] = x1 * s[i] + x2 * c[i];
-          }
-          for (int64_t i = 2 * half; i < D; i++) dst[i] = src[i * step];
+          rotate_row(src, step, dst, c, s, half, D, traditional);
         }
       }
     });
@@ -1130,6 +1162,232 @@ mx::array rope(const mx::array& x, const mx::array& offset, int dims, bool tradi
                    in);
 }
 
+
+// ---- a llama-shaped layer's decode step, four operations ------------------------------------
+// A decode step of one token through a llama-shaped layer is some 25 MLX operations (the
+// norms, the products and their views, the heads' reshapes, the rotations, the cache writes,
+// the attention, the residuals), each paying its dispatch: on the real model that was a
+// third of a step. Here it is four, their products and attention still over every core:
+//   LayerProject: p = [rotate(q), rotate(k), v] for q, k, v = rms(x) @ [Wq; Wk; Wv].T
+//   SlotWrite (twice): the key and value buffers with p's k (v) written at slot `offset`
+//   LayerRest: x1 = x + attention(q over slots [0, offset]) @ Wo.T ;
+//              out = x1 + (silu(g) * u) @ Wd.T for g, u = rms(x1) @ [Wg; Wu].T
+// The writes are operations of their own, with one output each, so that MLX can donate the
+// buffer to them and they write in place as its slice_update does (the compiled step's
+// buffers have no other owner); an operation with several outputs holds its inputs once per
+// output, which no donation survives.
+std::atomic<int64_t> buffer_copies{0};  // buffers a SlotWrite copied: another owner held them
+
+struct Rotation {
+  int dims;
+  bool traditional;
+  float base, scale;
+  bool operator==(const Rotation& o) const {
+    return dims == o.dims && traditional == o.traditional && base == o.base && scale == o.scale;
+  }
+};
+
+class LayerProject : public mx::Primitive {
+ public:
+  LayerProject(mx::Stream stream, float eps, Rotation rot, int64_t heads, int64_t kv_heads)
+      : mx::Primitive(stream), eps_(eps), rot_(rot), heads_(heads), kv_heads_(kv_heads) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    mx::array& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    const int64_t H = inputs[0].shape(-1), width = inputs[2].shape(0);
+    encoder.dispatch([x = RowsOf::of(inputs[0]), ln = RowsOf::of(inputs[1]),
+                      w = RowsOf::of(inputs[2]), off = inputs[3].data<int32_t>(),
+                      op = out.data<float>(), H, width, eps = eps_, rot = rot_, Nq = heads_,
+                      Nk = kv_heads_]() {
+      std::vector<float> c0, c1, c2, h(H), p(width);
+      rms_row(x.get(c0), 1, ln.get(c1), 1, h.data(), H, eps);
+      product(h.data(), w.get(c2), p.data(), 1, H, width);
+      const int64_t D = width / (Nq + 2 * Nk), half = rot.dims / 2;
+      const std::vector<float> inv = inverse_frequencies(nullptr, 0, rot.base, half);
+      std::vector<float> c(half), sn(half);
+      const float pos = static_cast<float>(off[0]) * rot.scale;
+      for (int64_t i = 0; i < half; i++) {
+        c[i] = std::cos(pos * inv[i]);
+        sn[i] = std::sin(pos * inv[i]);
+      }
+      for (int64_t hd = 0; hd < Nq + Nk; hd++)  // the queries' heads and the keys'
+        rotate_row(p.data() + hd * D, 1, op + hd * D, c.data(), sn.data(), half, D, rot.traditional);
+      std::memcpy(op + (Nq + Nk) * D, p.data() + (Nq + Nk) * D, sizeof(float) * Nk * D);
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("LayerProject runs on the CPU only");
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {{1, inputs[2].shape(0)}};
+  }
+  const char* name() const override { return "LayerProject"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const LayerProject*>(&other);
+    return o != nullptr && o->eps_ == eps_ && o->rot_ == rot_ && o->heads_ == heads_ &&
+           o->kv_heads_ == kv_heads_;
+  }
+
+ private:
+  float eps_;
+  Rotation rot_;
+  int64_t heads_, kv_heads_;
+};
+
+// buf [1, Nk, S, D] with p[from + h * D : from + (h + 1) * D] written at slot offset of head h.
+class SlotWrite : public mx::Primitive {
+ public:
+  SlotWrite(mx::Stream stream, int64_t from) : mx::Primitive(stream), from_(from) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const mx::array& buf = inputs[0];
+    mx::array& out = outputs[0];
+    const bool copy = !(buf.is_donatable() && buf.flags().row_contiguous);
+    if (copy) {
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+      buffer_copies.fetch_add(1, std::memory_order_relaxed);
+    } else {
+      out.copy_shared_buffer(buf);
+    }
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    encoder.dispatch([in = RowsOf::of(buf), copy, p = inputs[1].data<float>(),
+                      off = inputs[2].data<int32_t>(), op = out.data<float>(),
+                      Nk = buf.shape(1), S = buf.shape(2), D = buf.shape(3), from = from_]() {
+      if (copy) {
+        std::vector<float> scratch;
+        std::memcpy(op, in.get(scratch), sizeof(float) * Nk * S * D);
+      }
+      for (int64_t h = 0; h < Nk; h++)
+        std::memcpy(op + (h * S + off[0]) * D, p + from + h * D, sizeof(float) * D);
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("SlotWrite runs on the CPU only");
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+  const char* name() const override { return "SlotWrite"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const SlotWrite*>(&other);
+    return o != nullptr && o->from_ == from_;
+  }
+
+ private:
+  int64_t from_;
+};
+
+class LayerRest : public mx::Primitive {
+ public:
+  LayerRest(mx::Stream stream, float eps, float scale, int64_t heads)
+      : mx::Primitive(stream), eps_(eps), scale_(scale), heads_(heads) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    mx::array& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    // inputs: x, p, keys, values, offset, wo, ln2, wgu, wd
+    const mx::array& keys = inputs[2];
+    std::vector<RowsOf> in;
+    for (int i : {0, 5, 6, 7, 8}) in.push_back(RowsOf::of(inputs[i]));
+    encoder.dispatch([in = std::move(in), p = inputs[1].data<float>(), kin = Heads::of(keys),
+                      vin = Heads::of(inputs[3]), off = inputs[4].data<int32_t>(),
+                      op = out.data<float>(), H = inputs[0].shape(-1), I = inputs[8].shape(1),
+                      Nk = keys.shape(1), S = keys.shape(2), D = keys.shape(3), eps = eps_,
+                      scale = scale_, Nq = heads_]() {
+      std::vector<float> copies[5], kcopy, vcopy;
+      const float *x = in[0].get(copies[0]), *wo = in[1].get(copies[1]),
+                  *ln = in[2].get(copies[2]), *wgu = in[3].get(copies[3]),
+                  *wd = in[4].get(copies[4]);
+      const Heads kh = kin.rows(1, Nk, S, D, kcopy), vh = vin.rows(1, Nk, S, D, vcopy);
+      std::vector<float> att(Nq * D), x1(H), h(H), gu(2 * I), act(I);
+      attend_slots(p, kh, vh, att.data(), off[0], nullptr, 0, 1, Nq, 1, D, Nk, S, scale);
+      product(att.data(), wo, x1.data(), 1, Nq * D, H);
+      for (int64_t i = 0; i < H; i++) x1[i] += x[i];
+      rms_row(x1.data(), 1, ln, 1, h.data(), H, eps);
+      product(h.data(), wgu, gu.data(), 1, H, 2 * I);
+      for (int64_t i = 0; i < I; i++) {
+        const float g = gu[i];
+        act[i] = g / (1.0f + std::exp(-g)) * gu[I + i];
+      }
+      product(act.data(), wd, op, 1, I, H);
+      for (int64_t i = 0; i < H; i++) op[i] += x1[i];
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("LayerRest runs on the CPU only");
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+  const char* name() const override { return "LayerRest"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const LayerRest*>(&other);
+    return o != nullptr && o->eps_ == eps_ && o->scale_ == scale_ && o->heads_ == heads_;
+  }
+
+ private:
+  float eps_, scale_;
+  int64_t heads_;
+};
+
+// One token x [1, 1, hidden] through a llama-shaped layer: (out, keys, values), the buffers
+// [1, kv_heads, slots, head_dim] with the token's key and value at slot offset.
+std::vector<mx::array> decode_layer(const mx::array& x, const mx::array& ln1, const mx::array& wqkv,
+                                    const mx::array& wo, const mx::array& ln2, const mx::array& wgu,
+                                    const mx::array& wd, const mx::array& keys,
+                                    const mx::array& values, const mx::array& offset, float eps1,
+                                    float eps2, int rope_dims, bool traditional, float base,
+                                    float rope_scale, float scale, mx::StreamOrDevice s) {
+  for (auto* a : {&x, &ln1, &wqkv, &wo, &ln2, &wgu, &wd, &keys, &values})
+    if (a->dtype() != mx::float32)
+      throw std::invalid_argument("decode_layer takes float32 arrays");
+  if (x.size() != static_cast<size_t>(x.shape(-1)))
+    throw std::invalid_argument("decode_layer takes one token: x [1, 1, hidden]");
+  const int64_t H = x.shape(-1);
+  if (keys.ndim() != 4 || keys.shape() != values.shape() || keys.shape(0) != 1)
+    throw std::invalid_argument("decode_layer takes key and value buffers [1, kv_heads, slots, head_dim]");
+  const int64_t Nk = keys.shape(1), D = keys.shape(3);
+  if (wqkv.ndim() != 2 || wqkv.shape(1) != H || wqkv.shape(0) % D || wqkv.shape(0) / D <= 2 * Nk ||
+      (wqkv.shape(0) / D - 2 * Nk) % Nk)
+    throw std::invalid_argument("decode_layer takes wqkv [(heads + 2 * kv_heads) * head_dim, hidden]");
+  const int64_t Nq = wqkv.shape(0) / D - 2 * Nk;
+  if (Nq / Nk > kMaxQueryRows)
+    throw std::invalid_argument("decode_layer takes at most 64 query heads per KV head");
+  if (wo.ndim() != 2 || wo.shape(0) != H || wo.shape(1) != Nq * D)
+    throw std::invalid_argument("decode_layer takes wo [hidden, heads * head_dim]");
+  if (wgu.ndim() != 2 || wgu.shape(1) != H || wgu.shape(0) % 2 || wd.ndim() != 2 ||
+      wd.shape(0) != H || wd.shape(1) != wgu.shape(0) / 2)
+    throw std::invalid_argument("decode_layer takes wgu [2 * inter, hidden] and wd [hidden, inter]");
+  if (ln1.ndim() != 1 || ln1.shape(0) != H || ln2.ndim() != 1 || ln2.shape(0) != H)
+    throw std::invalid_argument("decode_layer takes norm weights [hidden]");
+  if (offset.size() != 1 || offset.dtype() != mx::int32)
+    throw std::invalid_argument("decode_layer takes one int32 offset");
+  if (rope_dims <= 0 || rope_dims % 2 || rope_dims > D)
+    throw std::invalid_argument("decode_layer takes an even rope_dims of at most head_dim");
+  auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu)
+    throw std::invalid_argument("decode_layer runs on the CPU stream only");
+  const Rotation rot{rope_dims, traditional, base, rope_scale};
+  auto p = mx::array({1, wqkv.shape(0)}, mx::float32,
+                     std::make_shared<LayerProject>(stream, eps1, rot, Nq, Nk), {x, ln1, wqkv, offset});
+  auto k = mx::array(keys.shape(), mx::float32, std::make_shared<SlotWrite>(stream, Nq * D),
+                     {keys, p, offset});
+  auto v = mx::array(values.shape(), mx::float32, std::make_shared<SlotWrite>(stream, (Nq + Nk) * D),
+                     {values, p, offset});
+  auto out = mx::array(x.shape(), mx::float32, std::make_shared<LayerRest>(stream, eps2, scale, Nq),
+                       {x, p, k, v, offset, wo, ln2, wgu, wd});
+  return {out, k, v};
+}
+
 }  // namespace
 
 NB_MODULE(_row_product, m) {
@@ -1156,5 +1414,16 @@ NB_MODULE(_row_product, m) {
         nb::arg("stream") = nb::none(),
         "mx.fast.rope of x [B, ..., T, D] with an int32 offset (one, or one per batch row);"
         " float32, on the CPU.");
+  m.def("decode_layer", &decode_layer, nb::arg("x"), nb::arg("ln1"), nb::arg("wqkv"), nb::arg("wo"),
+        nb::arg("ln2"), nb::arg("wgu"), nb::arg("wd"), nb::arg("keys"), nb::arg("values"),
+        nb::arg("offset"), nb::kw_only(), nb::arg("eps1"), nb::arg("eps2"), nb::arg("rope_dims"),
+        nb::arg("traditional"), nb::arg("base"), nb::arg("rope_scale"), nb::arg("scale"),
+        nb::arg("stream") = nb::none(),
+        "One token through a llama-shaped layer: (out, keys, values), the buffers written at"
+        " offset; float32, on the CPU.");
+  m.def("buffer_copies", [] { return buffer_copies.load(); },
+        "Key and value buffers decode_layer copied because another owner held them.");
+  m.def("buffer_copies", [] { return buffer_copies.load(); },
+        "Key and value buffers decode_layer copied because another owner held them.");
   m.attr("MAX_ROWS") = kMaxRows;
 }
