@@ -271,9 +271,61 @@ struct Attend {
         }                                                                                  \
         a.l[r] += total;                                                                   \
       }                                                                                    \
-      for (int64_t j = b0; j < b1; j++) {                                                  \
+      /* the weighted values: three rows at a time, their accumulators over up to four    */ \
+      /* vectors of D held in registers across the block's keys (read and written once a  */ \
+      /* block, not once a key: that load and store per key and row cost more than the    */ \
+      /* arithmetic); a masked key's weight is 0 and its value a filled slot's             */ \
+      int64_t r0 = 0;                                                                      \
+      for (; r0 + 3 <= R; r0 += 3) {                                                       \
+        const float *p0 = scores[r0], *p1 = scores[r0 + 1], *p2 = scores[r0 + 2];          \
+        float *c0 = a.acc + r0 * D, *c1 = c0 + D, *c2 = c1 + D;                            \
+        int64_t i0 = 0;                                                                    \
+        for (; i0 + 4 * W_##sfx <= D; i0 += 4 * W_##sfx) {                                 \
+          vf_##sfx t[3][4];                                                                \
+          for (int u = 0; u < 4; u++) {                                                    \
+            t[0][u] = ld_##sfx(c0 + i0 + u * W_##sfx);                                     \
+            t[1][u] = ld_##sfx(c1 + i0 + u * W_##sfx);                                     \
+            t[2][u] = ld_##sfx(c2 + i0 + u * W_##sfx);                                     \
+          }                                                                                \
+          for (int64_t j = b0; j < b1; j++) {                                              \
+            const float* vj = a.v + j * D + i0;                                            \
+            const float w0 = p0[j - b0], w1 = p1[j - b0], w2 = p2[j - b0];                 \
+            for (int u = 0; u < 4; u++) {                                                  \
+              const vf_##sfx v = ld_##sfx(vj + u * W_##sfx);                               \
+              t[0][u] += w0 * v;                                                           \
+              t[1][u] += w1 * v;                                                           \
+              t[2][u] += w2 * v;                                                           \
+            }                                                                              \
+          }                                                                                \
+          for (int u = 0; u < 4; u++) {                                                    \
+            std::memcpy(c0 + i0 + u * W_##sfx, &t[0][u], sizeof t[0][u]);                 \
+            std::memcpy(c1 + i0 + u * W_##sfx, &t[1][u], sizeof t[1][u]);                  \
+            std::memcpy(c2 + i0 + u * W_##sfx, &t[2][u], sizeof t[2][u]);                  \
+          }                                                                                \
+        }                                                                                  \
+        for (; i0 + W_##sfx <= D; i0 += W_##sfx) {                                        \
+          vf_##sfx t0 = ld_##sfx(c0 + i0), t1 = ld_##sfx(c1 + i0), t2 = ld_##sfx(c2 + i0); \
+          for (int64_t j = b0; j < b1; j++) {                                              \
+            const vf_##sfx v = ld_##sfx(a.v + j * D + i0);                                 \
+            t0 += p0[j - b0] * v;                                                          \
+            t1 += p1[j - b0] * v;                                                          \
+            t2 += p2[j - b0] * v;                                                          \
+          }                                                                                \
+          std::memcpy(c0 + i0, &t0, sizeof t0);                                            \
+          std::memcpy(c1 + i0, &t1, sizeof t1);                                            \
+          std::memcpy(c2 + i0, &t2, sizeof t2);                                            \
+        }                                                                                  \
+        for (; i0 < D; i0++)                                                               \
+          for (int64_t j = b0; j < b1; j++) {                                              \
+            const float v = a.v[j * D + i0];                                               \
+            c0[i0] += p0[j - b0] * v;                                                      \
+            c1[i0] += p1[j - b0] * v;                                                      \
+            c2[i0] += p2[j - b0] * v;                                                      \
+          }                                                                                \
+      }                                                                                    \
+      for (int64_t j = b0; j < b1; j++) { /* the rows past the last three, key by key */    \
         const float* vj = a.v + j * D;                                                     \
-        for (int64_t r = 0; r < R; r++) {                                                  \
+        for (int64_t r = r0; r < R; r++) {                                                 \
           const float p = scores[r][j - b0];                                               \
           if (p == 0.0f) continue;                                                         \
           float* ar = a.acc + r * D;                                                       \
