@@ -4,8 +4,11 @@ in one run (ratios inside the run; the figures of one machine mean nothing on an
 1. Aggregate decode tok/s at 1, 2, 4 and 8 concurrent streams (greedy chat, distinct
    prompts, sent together once every client is ready): generated tokens of all streams /
    (last token - first token of the run); the median of 3 runs, ours and mlx-lm's
-   interleaved (ABA, BAB, ABA). Also, not a target, the same tokens over the whole run
-   from the requests' sending (prefill included).
+   interleaved (ABA, BAB, ABA). Like with like: our requests ask for no speculation
+   (``"spec": "off"``), as mlx_lm.server runs (``agg_vs_mlx_lm_{n}``); speculation's gain
+   is measured apart, ours with its default (``--spec auto``) over ours plain, in the same
+   interleaved runs (``agg_spec_vs_plain_{n}``). Also, not a target, the same tokens over
+   the whole run from the requests' sending (prefill included).
 2. A multi-user, multi-round trace: 16 users share a 1,000-token system prompt, each has
    its own conversation, and they take turns; mean time to first token of the later rounds.
    (16: more conversations than mlx-lm's prompt cache keeps by default, 10 entries; ours
@@ -153,14 +156,15 @@ class Served:
 
 # ------------------------------------------------------------------------- clients
 def stream_chat(url: str, messages: list[dict], max_tokens: int, timeout: float = 600.0,
-                ready: threading.Barrier | None = None) -> dict[str, Any]:
+                ready: threading.Barrier | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """One streamed greedy chat request: text, token count (from usage when given) and
     the times of the request, the first and the last content chunk. With ``ready``, the
-    request is sent once every party's client is built (they leave the barrier together)."""
+    request is sent once every party's client is built (they leave the barrier together);
+    ``extra``: more body fields (ours: ``spec``)."""
     httpx = http_client()
 
     body = {"model": "default_model", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
     t0 = time.perf_counter()  # the client's own set-up counts, as it always has here
     with httpx.Client(timeout=timeout) as client:
         if ready is not None:
@@ -199,7 +203,8 @@ def _stream_chat(client: Any, url: str, body: dict[str, Any], t0: float) -> dict
             "prompt": (usage or {}).get("prompt_tokens")}
 
 
-def aggregate_tps(url: str, streams: int, max_tokens: int, salt: str) -> tuple[float, float]:
+def aggregate_tps(url: str, streams: int, max_tokens: int, salt: str,
+                  extra: dict[str, Any] | None = None) -> tuple[float, float]:
     """Generated tokens of ``streams`` concurrent requests (sent together) per second of
     their decoding; and all their tokens per second from the sending to the last token."""
     prompts = [f"{salt} stream {i}: " + " ".join(random.Random(i).choices(WORDS, k=20))
@@ -207,7 +212,7 @@ def aggregate_tps(url: str, streams: int, max_tokens: int, salt: str) -> tuple[f
     ready = threading.Barrier(streams)
     with ThreadPoolExecutor(streams) as pool:
         runs = list(pool.map(lambda p: stream_chat(url, [{"role": "user", "content": p}], max_tokens,
-                                                   ready=ready), prompts))
+                                                   ready=ready, extra=extra), prompts))
     start = min(r["first"] for r in runs)
     end = max(r["last"] for r in runs)
     decoded = sum(max(r["tokens"] - 1, 0) for r in runs)  # tokens after each stream's first
@@ -313,22 +318,26 @@ def measure(args: argparse.Namespace, log: Callable[[str], None], model: Path | 
         for s in (ours, theirs):
             stream_chat(s.url, [{"role": "user", "content": "warm up"}], 4)
 
-        # 1. aggregate decode at 1..8 streams
-        tps: dict[str, dict[int, float]] = {"mlxkv": {}, "mlx_lm": {}}
-        whole: dict[str, dict[int, float]] = {"mlxkv": {}, "mlx_lm": {}}
+        # 1. aggregate decode at 1..8 streams: both plain, then ours speculating (apart)
+        plain = {"spec": "off"}
+        sides = [("mlxkv", ours, plain), ("mlx_lm", theirs, None), ("mlxkv_spec", ours, None)]
+        tps: dict[str, dict[int, float]] = {kind: {} for kind, _, _ in sides}
+        whole: dict[str, dict[int, float]] = {kind: {} for kind, _, _ in sides}
         for n in args.streams:
-            runs: dict[str, list[tuple[float, float]]] = {"mlxkv": [], "mlx_lm": []}
-            for k in range(args.reps):  # interleaved: a burst of load elsewhere hits both
-                for s in (ours, theirs) if k % 2 == 0 else (theirs, ours):
-                    runs[s.kind].append(aggregate_tps(s.url, n, args.decode_tokens, f"{n}r{k}"))
+            runs: dict[str, list[tuple[float, float]]] = {kind: [] for kind, _, _ in sides}
+            for k in range(args.reps):  # interleaved: a burst of load elsewhere hits every side
+                for kind, s, extra in sides if k % 2 == 0 else sides[::-1]:
+                    runs[kind].append(aggregate_tps(s.url, n, args.decode_tokens, f"{n}r{k}", extra))
             for kind, values in runs.items():
                 tps[kind][n] = statistics.median(v[0] for v in values)
                 whole[kind][n] = statistics.median(v[1] for v in values)
             out[f"agg_vs_mlx_lm_{n}"] = tps["mlxkv"][n] / tps["mlx_lm"][n]
             out[f"agg_whole_vs_mlx_lm_{n}"] = whole["mlxkv"][n] / whole["mlx_lm"][n]
+            out[f"agg_spec_vs_plain_{n}"] = tps["mlxkv_spec"][n] / tps["mlxkv"][n]
             out[f"agg_runs_{n}"] = {k: [round(v[0], 2) for v in values] for k, values in runs.items()}
-            log(f"{n} streams: ours {tps['mlxkv'][n]:.1f} tok/s, mlx-lm {tps['mlx_lm'][n]:.1f} tok/s "
-                f"(from the sending: ours {whole['mlxkv'][n]:.1f}, mlx-lm {whole['mlx_lm'][n]:.1f})")
+            log(f"{n} streams, plain: ours {tps['mlxkv'][n]:.1f} tok/s, mlx-lm {tps['mlx_lm'][n]:.1f} tok/s "
+                f"(from the sending: ours {whole['mlxkv'][n]:.1f}, mlx-lm {whole['mlx_lm'][n]:.1f}); ours "
+                f"speculating {tps['mlxkv_spec'][n]:.1f} ({out[f'agg_spec_vs_plain_{n}']:.2f}x plain)")
         out["agg_tps"] = tps
         out["agg_whole_tps"] = whole
         if 4 in tps["mlxkv"] and 1 in tps["mlxkv"]:
