@@ -1,5 +1,5 @@
 """A model's norms and rotary embeddings as one CPU operation each, and a llama-shaped
-layer's decode step as one operation.
+layer's decode step as four.
 
 On the CPU, MLX runs ``mx.fast.rms_norm`` and ``mx.fast.rope`` as their decomposed graphs:
 about 8 and 25 operations. A decode step of one token does little arithmetic in them, but
@@ -9,18 +9,18 @@ rotations: on the real model (30 layers) they were about 6 ms of a 38 ms step.
 engine's primitives (``native_ops.rms_norm`` / ``native_ops.rope``, built by ``make ext``),
 changing their class in place as ``engine.weight_layout`` does for the matrices. Each call
 falls back to MLX's own where the primitive does not take it (another dtype or device, not
-built). The results are MLX's up to float32 rounding (the rotation's angles at long
-positions by up to 3e-4, its sine and cosine taken by libm rather than MLX's
-approximations).
+built). The results are MLX's up to float32 rounding (the rotation at position 8,000 by up
+to 7e-4: its sine and cosine come from libm, MLX's from its own approximations).
 
 Past those, a one-token step through a llama-shaped layer is still some 25 operations (the
 products and their column views, the heads' reshapes and transposes, the cache writes,
-the attention, the residuals): :func:`use_native_blocks` gives each such layer of a laid-out
-model (``engine.weight_layout``: its q, k, v and its gate, up grouped into one matrix each)
-a class whose call, for one token over the compiled step's cache (``FixedKV``), is one
-``native_ops.decode_layer``; anything else (a prompt chunk, a batch, a verify, another
-cache) runs the layer's own code. The compiled step's first-use check compares the result
-with the model's own forward pass. ``MLXKV_NATIVE_LAYERS=0`` keeps MLX's for all three.
+the attention, the residuals): :func:`use_native_blocks` gives each such layer (mlx-lm's
+llama, qwen2 and qwen3 blocks: :data:`BLOCKS`) of a laid-out model (``engine.weight_layout``:
+its q, k, v and its gate, up grouped into one matrix each) a class whose call, for one token
+over the compiled step's cache (``FixedKV``), is ``native_ops.decode_layer``: four
+operations; anything else (a prompt chunk, a batch, a verify, a fused pass, another cache)
+runs the layer's own code. The compiled step's first-use check compares the result with the
+model's own forward pass. ``MLXKV_NATIVE_LAYERS=0`` keeps MLX's for all three.
 """
 
 from __future__ import annotations
@@ -72,9 +72,12 @@ def use_native_layers(model: nn.Module) -> int:
 
 
 # The layer classes whose code is the one decode_layer computes (module, class): mlx-lm's
-# llama block (llama, mistral, SmolLM and the other architectures built on it). Another
-# architecture goes in only once its block's code was read to be the same computation.
-BLOCKS = {("mlx_lm.models.llama", "TransformerBlock")}
+# llama block (llama, mistral, SmolLM and the other architectures built on it), qwen2's
+# (biases on q, k and v) and qwen3's (each head of q and k normalized before the rotation).
+# Another architecture goes in only once its block's code was read to be the same
+# computation (and a test runs it against the block's own code).
+BLOCKS = {("mlx_lm.models.llama", "TransformerBlock"), ("mlx_lm.models.qwen2", "TransformerBlock"),
+          ("mlx_lm.models.qwen3", "TransformerBlock")}
 
 
 class _Parts:
@@ -88,22 +91,49 @@ class _Parts:
         self.shape = {"eps1": float(block.input_layernorm.eps), "eps2": float(block.post_attention_layernorm.eps),
                       "rope_dims": int(rope_.dims), "traditional": bool(rope_.traditional),
                       "base": float(rope_.base), "rope_scale": float(rope_.scale), "scale": float(attn.scale)}
+        # q, k and v's biases end to end, as their weights are (made once: mlx-lm's modules
+        # keep theirs; another load of the weights makes another layout)
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        self.bias = mx.concatenate([m["bias"] for m in projections]) if "bias" in attn.q_proj else None
+        self.head_norms = (attn.q_norm, attn.k_norm) if "q_norm" in attn else None
+        if self.head_norms is not None:
+            self.shape["qk_eps"] = float(attn.q_norm.eps)
 
     def weights(self) -> tuple[mx.array, ...]:
         ln1, o, ln2, down = self.modules
         return (ln1["weight"], self.qkv.fused, o["weight"], ln2["weight"], self.gate_up.fused, down["weight"])
+
+    def extras(self) -> dict[str, mx.array]:
+        out = {} if self.bias is None else {"bqkv": self.bias}
+        if self.head_norms is not None:
+            out["q_norm"], out["k_norm"] = (n["weight"] for n in self.head_norms)
+        return out
 
 
 _PARTS: SideTable[_Parts] = SideTable()
 _NATIVE_KINDS: dict[type, type] = {}
 
 
-def _grouped(members: list[Any]) -> bool:
-    """The modules are one group's members, in order, without biases."""
+def _grouped(members: list[Any], biases: bool = False) -> bool:
+    """The modules are one group's members, in order, without biases (with ``biases``: all
+    with one or none with one)."""
     group = getattr(members[0], "group", None)
+    biased = {"bias" in m for m in members}
     return (group is not None and len(group.bounds) == len(members)
-            and all(getattr(m, "group", None) is group and getattr(m, "member", None) == i and "bias" not in m
-                    for i, m in enumerate(members)))
+            and all(getattr(m, "group", None) is group and getattr(m, "member", None) == i
+                    for i, m in enumerate(members))
+            and len(biased) == 1 and (biases or biased == {False}))
+
+
+def _head_norms(attn: Any) -> bool:
+    """No per-head norms, or a q_norm and a k_norm over the head size (qwen3's), native."""
+    if "q_norm" not in attn and "k_norm" not in attn:
+        return True
+    if "q_norm" not in attn or "k_norm" not in attn:
+        return False
+    head = attn.q_proj["weight"].shape[0] // attn.n_heads
+    return all(type(attn[name]) is NativeRMSNorm and attn[name]["weight"].shape == (head,)
+               for name in ("q_norm", "k_norm"))
 
 
 def _fits(block: Any) -> bool:
@@ -111,7 +141,8 @@ def _fits(block: Any) -> bool:
     if attn is None or mlp is None or getattr(block, "use_sliding", False):
         return False
     try:
-        return (_grouped([attn.q_proj, attn.k_proj, attn.v_proj]) and _grouped([mlp.gate_proj, mlp.up_proj])
+        return (_grouped([attn.q_proj, attn.k_proj, attn.v_proj], biases=True)
+                and _grouped([mlp.gate_proj, mlp.up_proj]) and _head_norms(attn)
                 and "bias" not in attn.o_proj and "bias" not in mlp.down_proj
                 and type(attn.rope) is NativeRoPE and type(block.input_layernorm) is NativeRMSNorm
                 and type(block.post_attention_layernorm) is NativeRMSNorm
@@ -127,7 +158,8 @@ def _native_kind(kind: type) -> type:
         def __call__(self: Any, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
             parts = _PARTS.get(self)
             if parts is not None and type(cache) is FixedKV and x.size == x.shape[-1]:
-                done = decode_layer(x, parts.weights(), cache.keys, cache.values, cache.offset, **parts.shape)
+                done = decode_layer(x, parts.weights(), cache.keys, cache.values, cache.offset, parts.extras(),
+                                    **parts.shape)
                 if done is not None:
                     out, cache.keys, cache.values = done
                     return out

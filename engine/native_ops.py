@@ -157,14 +157,16 @@ def rope(x: mx.array, offset: int | mx.array, dims: int, traditional: bool, base
 
 
 def decode_layer(x: mx.array, weights: tuple[mx.array, ...], keys: mx.array, values: mx.array,
-                 offset: mx.array, **shape: Any) -> tuple[mx.array, mx.array, mx.array] | None:
+                 offset: mx.array, extras: dict[str, mx.array], **shape: Any
+                 ) -> tuple[mx.array, mx.array, mx.array] | None:
     """One token ``x`` ([1, 1, hidden]) through a llama-shaped layer (``weights``: the two
-    norms' and the grouped products', in ``_row_product.decode_layer``'s order): the layer's
-    output and the key and value buffers with its slot written, or None where the primitive
-    does not take it (not built, not float32, not the CPU)."""
+    norms' and the grouped products', in ``_row_product.decode_layer``'s order; ``extras``:
+    its q/k/v biases, ``bqkv``, and its heads' norms, ``q_norm`` and ``k_norm``, where it has
+    them): the layer's output and the key and value buffers with its slot written, or None
+    where the primitive does not take it (not built, not float32, not the CPU)."""
     module = native()
     if (module is None or mx.default_device() != mx.cpu or x.dtype != mx.float32 or x.size != x.shape[-1]
-            or keys.dtype != mx.float32 or any(w.dtype != mx.float32 for w in weights)):
+            or keys.dtype != mx.float32 or any(w.dtype != mx.float32 for w in (*weights, *extras.values()))):
         return None
-    out, k, v = module.decode_layer(x, *weights, keys, values, offset, **shape, stream=mx.cpu)
+    out, k, v = module.decode_layer(x, *weights, keys, values, offset, **extras, **shape, stream=mx.cpu)
     return out, k, v

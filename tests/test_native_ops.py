@@ -287,25 +287,38 @@ def test_a_models_norms_and_rotations_take_the_native_operation():
         assert mx.allclose(g, w, rtol=1e-4, atol=1e-4).item(), mx.abs(g - w).max().item()
 
 
-def _tiny_llama(seed: int, **kw):
-    from mlx_lm.models import llama
+def _tiny_llama(seed: int, arch: str = "llama", **kw):
+    """A random 2-layer model of mlx-lm's ``arch`` (llama, qwen2: q/k/v biases, qwen3: each
+    head's q and k normalized), its biases and norms random too so that they count."""
+    import importlib
 
-    args = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=96,
-                num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=100)
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    module = importlib.import_module(f"mlx_lm.models.{arch}")
+    args = dict(model_type=arch, hidden_size=64, num_hidden_layers=2, intermediate_size=96,
+                num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=100,
+                max_position_embeddings=4096, head_dim=16, tie_word_embeddings=True, rope_theta=10000.0)
+    if arch == "qwen2":
+        del args["head_dim"]
     args.update(kw)
     mx.random.seed(seed)
-    model = llama.Model(llama.ModelArgs(**args))
+    model = module.Model(module.ModelArgs(**args))
+    model.update(tree_unflatten([(k, mx.random.uniform(0.5, 1.5, v.shape) if "norm" in k
+                                  else mx.random.normal(v.shape) * 0.2 if "bias" in k else v)
+                                 for k, v in tree_flatten(model.parameters())]))
     mx.eval(model.parameters())
     return model
 
 
-@pytest.mark.parametrize("kw, offset", [
-    ({}, 0),                                                         # the first slot
-    ({}, 300),                                                       # a longer context: key spans
-    ({"num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 24}, 37),  # 8 per KV head
-    ({"rope_traditional": True, "rope_theta": 500000.0}, 5),         # pairs (2i, 2i + 1)
+@pytest.mark.parametrize("arch, kw, offset", [
+    ("llama", {}, 0),                                                         # the first slot
+    ("llama", {}, 300),                                                       # a longer context: key spans
+    ("llama", {"num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 24}, 37),  # 8 per KV head
+    ("llama", {"rope_traditional": True, "rope_theta": 500000.0}, 5),         # pairs (2i, 2i + 1)
+    ("qwen2", {}, 41),                                                        # q, k and v biases
+    ("qwen3", {}, 41),                                                        # each head's q and k normalized
 ])
-def test_a_layers_decode_step_is_the_layers_own_code(kw, offset):
+def test_a_layers_decode_step_is_the_layers_own_code(arch, kw, offset):
     """One token through a laid-out llama layer over the compiled step's cache: the native
     step gives the layer's own output within rounding, and writes the token's key and value
     into the buffers' slot at the offset (the other slots as they were)."""
@@ -313,15 +326,15 @@ def test_a_layers_decode_step_is_the_layers_own_code(kw, offset):
     from mlxkv.engine.native_layers import use_native_blocks
     from mlxkv.engine.weight_layout import layout_for_cpu
 
-    model = _tiny_llama(5, **kw)
+    model = _tiny_llama(5, arch, **kw)
     layout_for_cpu(model)
     block = model.model.layers[1]
     assert type(block).__name__ == "NativeTransformerBlock" and use_native_blocks(model) == 0  # done once
     own = type(block).__mro__[1]
     attn = block.self_attn
-    shape = (1, attn.n_kv_heads, 512, attn.head_dim)
+    shape = (1, attn.n_kv_heads, 512, attn.k_proj["weight"].shape[0] // attn.n_kv_heads)
     keys, values = (mx.random.normal(shape, key=mx.random.key(i)) for i in (1, 2))
-    x = mx.random.normal((1, 1, 64), key=mx.random.key(3))
+    x = mx.random.normal((1, 1, model.args.hidden_size), key=mx.random.key(3))
     at = mx.array(offset, dtype=mx.int32)
     theirs = FixedKV(mx.array(keys), mx.array(values), at)
     want = own.__call__(block, x, theirs.make_mask(1), theirs)

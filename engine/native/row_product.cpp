@@ -1221,6 +1221,7 @@ mx::array rope(const mx::array& x, const mx::array& offset, int dims, bool tradi
 // the attention, the residuals), each paying its dispatch: on the real model that was a
 // third of a step. Here it is four, their products and attention still over every core:
 //   LayerProject: p = [rotate(q), rotate(k), v] for q, k, v = rms(x) @ [Wq; Wk; Wv].T
+//                 (+ their biases; each head of q and k by its own rms norm first, qwen3's)
 //   SlotWrite (twice): the key and value buffers with p's k (v) written at slot `offset`
 //   LayerRest: x1 = x + attention(q over slots [0, offset]) @ Wo.T ;
 //              out = x1 + (silu(g) * u) @ Wd.T for g, u = rms(x1) @ [Wg; Wu].T
@@ -1239,10 +1240,14 @@ struct Rotation {
   }
 };
 
+// inputs: x, ln, wqkv, offset, then bqkv where biased, then q_norm, k_norm where the heads
+// are normalized (qk_eps >= 0: each head's q and k by its own rms norm, before the rotation)
 class LayerProject : public mx::Primitive {
  public:
-  LayerProject(mx::Stream stream, float eps, Rotation rot, int64_t heads, int64_t kv_heads)
-      : mx::Primitive(stream), eps_(eps), rot_(rot), heads_(heads), kv_heads_(kv_heads) {}
+  LayerProject(mx::Stream stream, float eps, Rotation rot, int64_t heads, int64_t kv_heads,
+               bool biased, float qk_eps)
+      : mx::Primitive(stream), eps_(eps), rot_(rot), heads_(heads), kv_heads_(kv_heads),
+        biased_(biased), qk_eps_(qk_eps) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     mx::array& out = outputs[0];
@@ -1251,14 +1256,32 @@ class LayerProject : public mx::Primitive {
     for (auto& a : inputs) encoder.set_input_array(a);
     encoder.set_output_array(out);
     const int64_t H = inputs[0].shape(-1), width = inputs[2].shape(0);
+    const int nb = biased_ ? 5 : 4;
+    const bool normed = qk_eps_ >= 0.0f;
     encoder.dispatch([x = RowsOf::of(inputs[0]), ln = RowsOf::of(inputs[1]),
                       w = RowsOf::of(inputs[2]), off = inputs[3].data<int32_t>(),
+                      bias = biased_ ? inputs[4].data<float>() : nullptr,
+                      bstep = biased_ ? inputs[4].strides()[0] : 0,
+                      qn = normed ? inputs[nb].data<float>() : nullptr,
+                      qstep = normed ? inputs[nb].strides()[0] : 0,
+                      kn = normed ? inputs[nb + 1].data<float>() : nullptr,
+                      kstep = normed ? inputs[nb + 1].strides()[0] : 0, qk_eps = qk_eps_,
                       op = out.data<float>(), H, width, eps = eps_, rot = rot_, Nq = heads_,
                       Nk = kv_heads_]() {
       std::vector<float> c0, c1, c2, h(H), p(width);
       rms_row(x.get(c0), 1, ln.get(c1), 1, h.data(), H, eps);
       product(h.data(), w.get(c2), p.data(), 1, H, width);
+      if (bias)
+        for (int64_t i = 0; i < width; i++) p[i] += bias[i * bstep];
       const int64_t D = width / (Nq + 2 * Nk), half = rot.dims / 2;
+      if (qn) {  // each query head by q_norm, each key head by k_norm
+        std::vector<float> head(D);
+        for (int64_t hd = 0; hd < Nq + Nk; hd++) {
+          rms_row(p.data() + hd * D, 1, hd < Nq ? qn : kn, hd < Nq ? qstep : kstep, head.data(),
+                  D, qk_eps);
+          std::memcpy(p.data() + hd * D, head.data(), sizeof(float) * D);
+        }
+      }
       const std::vector<float> inv = inverse_frequencies(nullptr, 0, rot.base, half);
       std::vector<float> c(half), sn(half);
       const float pos = static_cast<float>(off[0]) * rot.scale;
@@ -1281,13 +1304,15 @@ class LayerProject : public mx::Primitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     auto* o = dynamic_cast<const LayerProject*>(&other);
     return o != nullptr && o->eps_ == eps_ && o->rot_ == rot_ && o->heads_ == heads_ &&
-           o->kv_heads_ == kv_heads_;
+           o->kv_heads_ == kv_heads_ && o->biased_ == biased_ && o->qk_eps_ == qk_eps_;
   }
 
  private:
   float eps_;
   Rotation rot_;
   int64_t heads_, kv_heads_;
+  bool biased_;
+  float qk_eps_;
 };
 
 // buf [1, Nk, S, D] with p[from + h * D : from + (h + 1) * D] written at slot offset of head h.
@@ -1398,7 +1423,10 @@ std::vector<mx::array> decode_layer(const mx::array& x, const mx::array& ln1, co
                                     const mx::array& wd, const mx::array& keys,
                                     const mx::array& values, const mx::array& offset, float eps1,
                                     float eps2, int rope_dims, bool traditional, float base,
-                                    float rope_scale, float scale, mx::StreamOrDevice s) {
+                                    float rope_scale, float scale,
+                                    std::optional<mx::array> bqkv, std::optional<mx::array> q_norm,
+                                    std::optional<mx::array> k_norm, float qk_eps,
+                                    mx::StreamOrDevice s) {
   for (auto* a : {&x, &ln1, &wqkv, &wo, &ln2, &wgu, &wd, &keys, &values})
     if (a->dtype() != mx::float32)
       throw std::invalid_argument("decode_layer takes float32 arrays");
@@ -1425,12 +1453,28 @@ std::vector<mx::array> decode_layer(const mx::array& x, const mx::array& ln1, co
     throw std::invalid_argument("decode_layer takes one int32 offset");
   if (rope_dims <= 0 || rope_dims % 2 || rope_dims > D)
     throw std::invalid_argument("decode_layer takes an even rope_dims of at most head_dim");
+  if (bqkv && (bqkv->dtype() != mx::float32 || bqkv->ndim() != 1 || bqkv->shape(0) != wqkv.shape(0)))
+    throw std::invalid_argument("decode_layer takes a float32 bqkv [(heads + 2 * kv_heads) * head_dim]");
+  if (q_norm.has_value() != k_norm.has_value())
+    throw std::invalid_argument("decode_layer takes q_norm and k_norm together");
+  if (q_norm && (q_norm->dtype() != mx::float32 || k_norm->dtype() != mx::float32 ||
+                 q_norm->ndim() != 1 || k_norm->ndim() != 1 || q_norm->shape(0) != D ||
+                 k_norm->shape(0) != D || qk_eps < 0.0f))
+    throw std::invalid_argument("decode_layer takes float32 q_norm, k_norm [head_dim] and qk_eps >= 0");
   auto stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu)
     throw std::invalid_argument("decode_layer runs on the CPU stream only");
   const Rotation rot{rope_dims, traditional, base, rope_scale};
+  std::vector<mx::array> project_in = {x, ln1, wqkv, offset};
+  if (bqkv) project_in.push_back(*bqkv);
+  if (q_norm) {
+    project_in.push_back(*q_norm);
+    project_in.push_back(*k_norm);
+  }
   auto p = mx::array({1, wqkv.shape(0)}, mx::float32,
-                     std::make_shared<LayerProject>(stream, eps1, rot, Nq, Nk), {x, ln1, wqkv, offset});
+                     std::make_shared<LayerProject>(stream, eps1, rot, Nq, Nk, bqkv.has_value(),
+                                                    q_norm ? qk_eps : -1.0f),
+                     project_in);
   auto k = mx::array(keys.shape(), mx::float32, std::make_shared<SlotWrite>(stream, Nq * D),
                      {keys, p, offset});
   auto v = mx::array(values.shape(), mx::float32, std::make_shared<SlotWrite>(stream, (Nq + Nk) * D),
@@ -1470,7 +1514,8 @@ NB_MODULE(_row_product, m) {
         nb::arg("ln2"), nb::arg("wgu"), nb::arg("wd"), nb::arg("keys"), nb::arg("values"),
         nb::arg("offset"), nb::kw_only(), nb::arg("eps1"), nb::arg("eps2"), nb::arg("rope_dims"),
         nb::arg("traditional"), nb::arg("base"), nb::arg("rope_scale"), nb::arg("scale"),
-        nb::arg("stream") = nb::none(),
+        nb::arg("bqkv") = nb::none(), nb::arg("q_norm") = nb::none(),
+        nb::arg("k_norm") = nb::none(), nb::arg("qk_eps") = -1.0f, nb::arg("stream") = nb::none(),
         "One token through a llama-shaped layer: (out, keys, values), the buffers written at"
         " offset; float32, on the CPU.");
   m.def("buffer_copies", [] { return buffer_copies.load(); },
