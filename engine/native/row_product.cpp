@@ -20,6 +20,7 @@
 #include <cstring>
 #include <functional>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -673,6 +674,19 @@ Pool& the_pool() {
 
 // ---- the primitive ---------------------------------------------------------------------
 
+// Every primitive of this module: the CPU only, its output shaped as its first input unless
+// it says otherwise.
+class CpuPrimitive : public mx::Primitive {
+ public:
+  explicit CpuPrimitive(mx::Stream stream) : mx::Primitive(stream) {}
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error(std::string(name()) + " runs on the CPU only");
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+};
+
 // y [rows, out] = x [rows, depth] @ w.T for w [out, depth], all row-contiguous, over the pool.
 void product(const float* x, const float* w, float* y, int64_t rows, int64_t depth, int64_t out) {
   // shares smaller than one per thread, taken in turn: a thread that is descheduled (more
@@ -688,9 +702,9 @@ void product(const float* x, const float* w, float* y, int64_t rows, int64_t dep
   the_pool().run(task, static_cast<int>(out / 2));
 }
 
-class RowProduct : public mx::Primitive {
+class RowProduct : public CpuPrimitive {
  public:
-  explicit RowProduct(mx::Stream stream) : mx::Primitive(stream) {}
+  explicit RowProduct(mx::Stream stream) : CpuPrimitive(stream) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const mx::array& x = inputs[0];
@@ -707,9 +721,6 @@ class RowProduct : public mx::Primitive {
       std::vector<float> xcopy, wcopy;  // (only for a strided x or w: row-contiguous is read in place)
       product(xs.get(xcopy), ws.get(wcopy), y, rows, depth, out);
     });
-  }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("RowProduct runs on the CPU only");
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     mx::Shape shape = inputs[0].shape();
@@ -834,9 +845,9 @@ void attend_slots(const float* qp, const Heads& kh, const Heads& vh, float* op, 
 // cache's full buffers k, v [B, Hk, S, D]: query l sees slots [0, offset + l] (a decode
 // step's or a verify's queries after `offset` filled slots), H a multiple of Hk; with a
 // start per batch row (a batch's left padding), row b's from slot start[b] on.
-class SlotAttention : public mx::Primitive {
+class SlotAttention : public CpuPrimitive {
  public:
-  SlotAttention(mx::Stream stream, float scale) : mx::Primitive(stream), scale_(scale) {}
+  SlotAttention(mx::Stream stream, float scale) : CpuPrimitive(stream), scale_(scale) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const mx::array &q = inputs[0], &k = inputs[1], &v = inputs[2], &offset = inputs[3];
@@ -858,12 +869,6 @@ class SlotAttention : public mx::Primitive {
       const Heads kh = kin.rows(B, Hk, S, D, kcopy), vh = vin.rows(B, Hk, S, D, vcopy);
       attend_slots(qp, kh, vh, op, off[0], from, from_step, B, H, L, D, Hk, S, scale);
     });
-  }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("SlotAttention runs on the CPU only");
-  }
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
   }
   const char* name() const override { return "SlotAttention"; }
   bool is_equivalent(const mx::Primitive& other) const override {
@@ -906,10 +911,10 @@ mx::array slot_attention(const mx::array& q, const mx::array& k, const mx::array
 // query rows, span of keys); the spans split the keys only when the tiles are too few to
 // keep every thread busy (a short chunk over a long context), their partial softmaxes
 // merged after.
-class ChunkAttention : public mx::Primitive {
+class ChunkAttention : public CpuPrimitive {
  public:
   ChunkAttention(mx::Stream stream, float scale, int64_t first)
-      : mx::Primitive(stream), scale_(scale), first_(first) {}
+      : CpuPrimitive(stream), scale_(scale), first_(first) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const mx::array &q = inputs[0], &k = inputs[1], &v = inputs[2];
@@ -988,12 +993,6 @@ class ChunkAttention : public mx::Primitive {
       }
     });
   }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("ChunkAttention runs on the CPU only");
-  }
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
-  }
   const char* name() const override { return "ChunkAttention"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto* o = dynamic_cast<const ChunkAttention*>(&other);
@@ -1069,9 +1068,9 @@ std::vector<float> inverse_frequencies(const float* freqs, int64_t fstep, float 
 }
 
 // x * rsqrt(mean(x * x) + eps) * w over the last dimension, as MLX's rms_norm computes it.
-class RmsNorm : public mx::Primitive {
+class RmsNorm : public CpuPrimitive {
  public:
-  RmsNorm(mx::Stream stream, float eps) : mx::Primitive(stream), eps_(eps) {}
+  RmsNorm(mx::Stream stream, float eps) : CpuPrimitive(stream), eps_(eps) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const mx::array &x = inputs[0], &w = inputs[1];
@@ -1090,12 +1089,6 @@ class RmsNorm : public mx::Primitive {
         rms_row(src, step, wp, wstep, dst, D, eps);
       }
     });
-  }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("RmsNorm runs on the CPU only");
-  }
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
   }
   const char* name() const override { return "RmsNorm"; }
   bool is_equivalent(const mx::Primitive& other) const override {
@@ -1122,10 +1115,10 @@ mx::array rms_norm(const mx::array& x, const mx::array& w, float eps, mx::Stream
 // computes it: angle (t + offset[b]) * scale * f_i with f_i = base^(-i / (dims / 2)) or
 // 1 / freqs[i]; the first `dims` features rotated in pairs (i, i + dims / 2), or (2i, 2i + 1)
 // when `traditional`, the rest copied. offset: one int32, or one per batch row.
-class Rope : public mx::Primitive {
+class Rope : public CpuPrimitive {
  public:
   Rope(mx::Stream stream, int dims, bool traditional, float base, float scale)
-      : mx::Primitive(stream), dims_(dims), traditional_(traditional), base_(base),
+      : CpuPrimitive(stream), dims_(dims), traditional_(traditional), base_(base),
         scale_(scale) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
@@ -1170,12 +1163,6 @@ class Rope : public mx::Primitive {
         }
       }
     });
-  }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("Rope runs on the CPU only");
-  }
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
   }
   const char* name() const override { return "Rope"; }
   bool is_equivalent(const mx::Primitive& other) const override {
@@ -1242,11 +1229,11 @@ struct Rotation {
 
 // inputs: x, ln, wqkv, offset, then bqkv where biased, then q_norm, k_norm where the heads
 // are normalized (qk_eps >= 0: each head's q and k by its own rms norm, before the rotation)
-class LayerProject : public mx::Primitive {
+class LayerProject : public CpuPrimitive {
  public:
   LayerProject(mx::Stream stream, float eps, Rotation rot, int64_t heads, int64_t kv_heads,
                bool biased, float qk_eps)
-      : mx::Primitive(stream), eps_(eps), rot_(rot), heads_(heads), kv_heads_(kv_heads),
+      : CpuPrimitive(stream), eps_(eps), rot_(rot), heads_(heads), kv_heads_(kv_heads),
         biased_(biased), qk_eps_(qk_eps) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
@@ -1294,9 +1281,6 @@ class LayerProject : public mx::Primitive {
       std::memcpy(op + (Nq + Nk) * D, p.data() + (Nq + Nk) * D, sizeof(float) * Nk * D);
     });
   }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("LayerProject runs on the CPU only");
-  }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {{1, inputs[2].shape(0)}};
   }
@@ -1316,9 +1300,9 @@ class LayerProject : public mx::Primitive {
 };
 
 // buf [1, Nk, S, D] with p[from + h * D : from + (h + 1) * D] written at slot offset of head h.
-class SlotWrite : public mx::Primitive {
+class SlotWrite : public CpuPrimitive {
  public:
-  SlotWrite(mx::Stream stream, int64_t from) : mx::Primitive(stream), from_(from) {}
+  SlotWrite(mx::Stream stream, int64_t from) : CpuPrimitive(stream), from_(from) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const mx::array& buf = inputs[0];
@@ -1344,12 +1328,6 @@ class SlotWrite : public mx::Primitive {
         std::memcpy(op + (h * S + off[0]) * D, p + from + h * D, sizeof(float) * D);
     });
   }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("SlotWrite runs on the CPU only");
-  }
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
-  }
   const char* name() const override { return "SlotWrite"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto* o = dynamic_cast<const SlotWrite*>(&other);
@@ -1360,10 +1338,10 @@ class SlotWrite : public mx::Primitive {
   int64_t from_;
 };
 
-class LayerRest : public mx::Primitive {
+class LayerRest : public CpuPrimitive {
  public:
   LayerRest(mx::Stream stream, float eps, float scale, int64_t heads)
-      : mx::Primitive(stream), eps_(eps), scale_(scale), heads_(heads) {}
+      : CpuPrimitive(stream), eps_(eps), scale_(scale), heads_(heads) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     mx::array& out = outputs[0];
@@ -1398,12 +1376,6 @@ class LayerRest : public mx::Primitive {
       product(act.data(), wd, op, 1, I, H);
       for (int64_t i = 0; i < H; i++) op[i] += x1[i];
     });
-  }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("LayerRest runs on the CPU only");
-  }
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
   }
   const char* name() const override { return "LayerRest"; }
   bool is_equivalent(const mx::Primitive& other) const override {
