@@ -172,8 +172,8 @@ def _native_kind(kind: type) -> type:
 
 def use_native_blocks(model: nn.Module) -> int:
     """Give each of ``model``'s layers that :data:`BLOCKS` lists and whose parts are laid out
-    for it (grouped products without biases, the native norms and rotation) the native
-    decode step; the number changed."""
+    for it (grouped products, biases on q, k and v only, the native norms and rotation) the
+    native decode step; the number changed."""
     if not ENABLED:
         return 0
     changed = 0

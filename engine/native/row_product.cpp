@@ -1067,6 +1067,14 @@ std::vector<float> inverse_frequencies(const float* freqs, int64_t fstep, float 
   return inv;
 }
 
+// The cosines and sines of one position's angles: pos * inv[i] for i < half.
+void angles(float pos, const std::vector<float>& inv, float* c, float* s) {
+  for (size_t i = 0; i < inv.size(); i++) {
+    c[i] = std::cos(pos * inv[i]);
+    s[i] = std::sin(pos * inv[i]);
+  }
+}
+
 // x * rsqrt(mean(x * x) + eps) * w over the last dimension, as MLX's rms_norm computes it.
 class RmsNorm : public CpuPrimitive {
  public:
@@ -1145,14 +1153,8 @@ class Rope : public CpuPrimitive {
         // this batch row's angles, one [T, half] table for all its heads
         if (b == 0 || per_row) {
           const int32_t o = off[per_row ? b * ostep : 0];
-          for (int64_t t = 0; t < T; t++) {
-            const float pos = static_cast<float>(t + o) * scale;
-            for (int64_t i = 0; i < half; i++) {
-              const float theta = pos * inv[i];
-              cs[t * half + i] = std::cos(theta);
-              sn[t * half + i] = std::sin(theta);
-            }
-          }
+          for (int64_t t = 0; t < T; t++)
+            angles(static_cast<float>(t + o) * scale, inv, cs.data() + t * half, sn.data() + t * half);
         }
         for (int64_t r = b * per_b; r < (b + 1) * per_b; r++) {
           const float* src = xp + starts[r];
@@ -1262,20 +1264,13 @@ class LayerProject : public CpuPrimitive {
         for (int64_t i = 0; i < width; i++) p[i] += bias[i * bstep];
       const int64_t D = width / (Nq + 2 * Nk), half = rot.dims / 2;
       if (qn) {  // each query head by q_norm, each key head by k_norm
-        std::vector<float> head(D);
-        for (int64_t hd = 0; hd < Nq + Nk; hd++) {
-          rms_row(p.data() + hd * D, 1, hd < Nq ? qn : kn, hd < Nq ? qstep : kstep, head.data(),
-                  D, qk_eps);
-          std::memcpy(p.data() + hd * D, head.data(), sizeof(float) * D);
-        }
+        for (int64_t hd = 0; hd < Nq + Nk; hd++)  // in place: each value is read before it is written
+          rms_row(p.data() + hd * D, 1, hd < Nq ? qn : kn, hd < Nq ? qstep : kstep,
+                  p.data() + hd * D, D, qk_eps);
       }
       const std::vector<float> inv = inverse_frequencies(nullptr, 0, rot.base, half);
       std::vector<float> c(half), sn(half);
-      const float pos = static_cast<float>(off[0]) * rot.scale;
-      for (int64_t i = 0; i < half; i++) {
-        c[i] = std::cos(pos * inv[i]);
-        sn[i] = std::sin(pos * inv[i]);
-      }
+      angles(static_cast<float>(off[0]) * rot.scale, inv, c.data(), sn.data());
       for (int64_t hd = 0; hd < Nq + Nk; hd++)  // the queries' heads and the keys'
         rotate_row(p.data() + hd * D, 1, op + hd * D, c.data(), sn.data(), half, D, rot.traditional);
       std::memcpy(op + (Nq + Nk) * D, p.data() + (Nq + Nk) * D, sizeof(float) * Nk * D);
