@@ -192,7 +192,14 @@ class BlockStore:
 
     # ------------------------------------------------------------------ learned files
     def put_learned(self, ns: str, name: str, learned: Learned) -> int:
-        return self.learned.put(ns, name, learned)
+        """Write a learned file; StoreWriteError when the disk refuses it (warned once per
+        errno and process, as a block or manifest write that fails)."""
+        try:
+            return self.learned.put(ns, name, learned)
+        except OSError as exc:
+            raise self.context.write_failed(exc, "learned file") from exc
+        except CacheFolderError as exc:
+            raise self.context.folder_failed(exc, "learned file") from exc
 
     def get_learned(self, ns: str, name: str, remove: bool = True) -> Learned | None:
         return self.learned.get(ns, name, remove)

@@ -671,6 +671,13 @@ def test_full_disk_keeps_the_prefix_that_fit_and_reads(tiny_tmpfs, caplog):
         with pytest.raises(StoreWriteError):
             s.put_blocks("m", more, big, segs(big, make_kv(big, more, 8 * BT)))
     assert sum("cannot write" in r.message for r in caplog.records) == 1
+    # a learned file (the suffix index) that does not fit: the same error, the same warning
+    seqs = tuple(np.full(100_000, i, dtype=np.uint32) for i in range(4))  # 1.6 MB
+    with pytest.raises(StoreWriteError) as info:
+        store.put_learned("m", "suffix", fmt.Learned("m", "s", seqs, 0.0))
+    assert info.value.errno == 28 and "learned file write failed" in str(info.value)
+    assert sum("cannot write" in r.message for r in caplog.records) == 1
+    assert not list(tiny_tmpfs.rglob("*.tmp")) and not list(tiny_tmpfs.rglob("*.lrn"))
     assert restore(store, "m", small, F32, BT)[0].n_tokens == BT
     # a fresh scan finds exactly the same
     assert BlockStore(tiny_tmpfs, block_tokens=BT).scan()["blocks"] == 1 + landed // BT + \

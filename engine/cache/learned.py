@@ -136,6 +136,7 @@ class LearnedFiles:
 
     def _write_all(self, jobs: list[tuple[_Kept, int, Sequence[np.ndarray]]]) -> int:
         from mlxkv.storage.format import Learned
+        from mlxkv.storage.keys import StoreWriteError
 
         written = 0
         with self._lock:
@@ -151,8 +152,9 @@ class LearnedFiles:
                 except Exception as exc:  # noqa: BLE001  (a full disk, a folder gone: kept in RAM)
                     if k.saved == revision:
                         k.saved = -1  # try again at the next save
-                    self.events.warn(f"learned-write:{k.ns}:{k.name}", "prefix cache: the %s index "
-                                     "could not be saved: %s", k.name, exc)
+                    if not isinstance(exc, StoreWriteError):  # that one the store warned about
+                        self.events.warn(f"learned-write:{k.ns}:{k.name}", "prefix cache: the %s index "
+                                         "could not be saved: %s", k.name, exc)
         return written
 
     def stats(self) -> dict[str, int]:
