@@ -19,47 +19,14 @@ from typing import Any, TypeVar
 
 import mlx.core as mx
 
-from mlxkv.engine.compiled_step import CHECK_STEPS, STEP, checked_run, greedy_steps
+from mlxkv.engine.compiled_step import CHECK_STEPS, STEP, FixedBatchKV, checked_run, greedy_steps
 from mlxkv.engine.fused_step import FusedStep, fusable
-from mlxkv.engine.native_ops import slot_attention
 from mlxkv.engine.side_table import SideTable
 from mlxkv.engine.traced import Traced
 from mlxkv.engine.weight_layout import layout_for_cpu
 
 _STEPS: SideTable[CompiledBatchStep] = SideTable()  # each model's compiled batch step
 _FUSED: SideTable[FusedStep] = SideTable()  # each model's fused decode-and-prefill pass
-
-
-class FixedBatchKV:
-    """One attention layer of a batch as the compiled step sees it: the full buffers
-    [B, heads, capacity, dim], the write index ``at`` ([1]), each row's position
-    ``offset`` ([B]) and left padding ``padding`` ([B]) as arrays."""
-
-    def __init__(self, keys: mx.array, values: mx.array, at: mx.array, offset: mx.array, padding: mx.array):
-        self.keys, self.values = keys, values
-        self.at, self.offset, self.padding = at, offset, padding
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        self.keys = mx.slice_update(self.keys, keys.astype(self.keys.dtype), self.at, axes=(2,))
-        self.values = mx.slice_update(self.values, values.astype(self.values.dtype), self.at, axes=(2,))
-        return self.keys, self.values
-
-    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array | None:
-        """The step's attention by the CPU primitive (``native_ops.slot_attention``): row
-        ``b``'s query sees slots ``[padding[b], at]``, what :meth:`make_mask` lets through,
-        with no mask built and no masked slot read; None where it does not apply (the
-        model's attention then takes the mask)."""
-        if keys is not self.keys or values is not self.values:
-            return None  # the model changed them (e.g. repeated heads): not our buffers
-        return slot_attention(queries, keys, values, self.at, scale, start=self.padding.astype(mx.int32))
-
-    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
-        if window_size is not None:
-            raise TypeError("the compiled batch step has no sliding window")
-        slots = mx.arange(self.keys.shape[2])[None]
-        causal = slots <= (self.at + mx.arange(n))[:, None]  # [n, capacity]
-        filled = slots >= self.padding[:, None]  # [B, capacity]: not a row's left padding
-        return causal[None, None] & filled[:, None, None, :]  # [B, 1, n, capacity]
 
 
 class CompiledBatchStep:

@@ -17,9 +17,10 @@ products and their column views, the heads' reshapes and transposes, the cache w
 the attention, the residuals): :func:`use_native_blocks` gives each such layer (mlx-lm's
 llama, qwen2 and qwen3 blocks: :data:`BLOCKS`) of a laid-out model (``engine.weight_layout``:
 its q, k, v and its gate, up grouped into one matrix each) a class whose call, for one token
-over the compiled step's cache (``FixedKV``), is ``native_ops.decode_layer``: four
-operations; anything else (a prompt chunk, a batch, a verify, a fused pass, another cache)
-runs the layer's own code. The compiled step's first-use check compares the result with the
+over the compiled step's cache (``FixedKV``) or one token of each row over the compiled
+batch step's (``FixedBatchKV``: each row at its own position, its left padding unseen), is
+``native_ops.decode_layer``: four operations; anything else (a prompt chunk, a verify, a
+fused pass, another cache) runs the layer's own code. The compiled step's first-use check compares the result with the
 model's own forward pass. ``MLXKV_NATIVE_LAYERS=0`` keeps MLX's for all three.
 """
 
@@ -31,7 +32,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxkv.engine.compiled_step import FixedKV
+from mlxkv.engine.compiled_step import FixedBatchKV, FixedKV
 from mlxkv.engine.native_ops import decode_layer, rms_norm, rope
 from mlxkv.engine.side_table import SideTable
 
@@ -88,9 +89,10 @@ class _Parts:
         self.qkv, self.gate_up = attn.q_proj.group, mlp.gate_proj.group
         self.modules = (block.input_layernorm, attn.o_proj, block.post_attention_layernorm, mlp.down_proj)
         rope_ = attn.rope
-        self.shape = {"eps1": float(block.input_layernorm.eps), "eps2": float(block.post_attention_layernorm.eps),
-                      "rope_dims": int(rope_.dims), "traditional": bool(rope_.traditional),
-                      "base": float(rope_.base), "rope_scale": float(rope_.scale), "scale": float(attn.scale)}
+        self.shape: dict[str, Any] = {
+            "eps1": float(block.input_layernorm.eps), "eps2": float(block.post_attention_layernorm.eps),
+            "rope_dims": int(rope_.dims), "traditional": bool(rope_.traditional),
+            "base": float(rope_.base), "rope_scale": float(rope_.scale), "scale": float(attn.scale)}
         # q, k and v's biases end to end, as their weights are (made once: mlx-lm's modules
         # keep theirs; another load of the weights makes another layout)
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
@@ -157,12 +159,18 @@ def _native_kind(kind: type) -> type:
     if native_kind is None:
         def __call__(self: Any, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
             parts = _PARTS.get(self)
-            if parts is not None and type(cache) is FixedKV and x.size == x.shape[-1]:
-                done = decode_layer(x, parts.weights(), cache.keys, cache.values, cache.offset, parts.extras(),
-                                    **parts.shape)
-                if done is not None:
-                    out, cache.keys, cache.values = done
-                    return out
+            done = None
+            if parts is not None and x.ndim == 3 and x.shape[1] == 1:
+                if type(cache) is FixedKV and x.shape[0] == 1:
+                    done = decode_layer(x, parts.weights(), cache.keys, cache.values, cache.offset,
+                                        parts.extras(), **parts.shape)
+                elif type(cache) is FixedBatchKV:  # a batch's rows: their positions, their padding
+                    done = decode_layer(x, parts.weights(), cache.keys, cache.values, cache.at,
+                                        parts.extras(), positions=cache.offset, start=cache.padding,
+                                        **parts.shape)
+            if done is not None:
+                out, cache.keys, cache.values = done
+                return out
             return kind.__call__(self, x, mask, cache)
 
         native_kind = type(f"Native{kind.__name__}", (kind,), {"__call__": __call__, "__module__": __name__})

@@ -157,16 +157,22 @@ def rope(x: mx.array, offset: int | mx.array, dims: int, traditional: bool, base
 
 
 def decode_layer(x: mx.array, weights: tuple[mx.array, ...], keys: mx.array, values: mx.array,
-                 offset: mx.array, extras: dict[str, mx.array], **shape: Any
-                 ) -> tuple[mx.array, mx.array, mx.array] | None:
-    """One token ``x`` ([1, 1, hidden]) through a llama-shaped layer (``weights``: the two
-    norms' and the grouped products', in ``_row_product.decode_layer``'s order; ``extras``:
-    its q/k/v biases, ``bqkv``, and its heads' norms, ``q_norm`` and ``k_norm``, where it has
-    them): the layer's output and the key and value buffers with its slot written, or None
-    where the primitive does not take it (not built, not float32, not the CPU)."""
+                 offset: mx.array, extras: dict[str, mx.array], positions: mx.array | None = None,
+                 start: mx.array | None = None, **shape: Any) -> tuple[mx.array, mx.array, mx.array] | None:
+    """One token of each row of ``x`` ([B, 1, hidden]) through a llama-shaped layer
+    (``weights``: the two norms' and the grouped products', in ``_row_product.decode_layer``'s
+    order; ``extras``: its q/k/v biases, ``bqkv``, and its heads' norms, ``q_norm`` and
+    ``k_norm``, where it has them): the layer's output and the key and value buffers
+    ([B, kv_heads, slots, head_dim]) with every row's slot ``offset`` written, or None where
+    the primitive does not take it (not built, not float32, not the CPU). One row is rotated
+    at position ``offset``; the rows of a batch at their ``positions`` ([B]), row ``b``
+    seeing slots ``[start[b], offset]``."""
     module = native()
-    if (module is None or mx.default_device() != mx.cpu or x.dtype != mx.float32 or x.size != x.shape[-1]
+    if (module is None or mx.default_device() != mx.cpu or x.dtype != mx.float32 or x.ndim != 3
+            or x.shape[1] != 1 or x.shape[0] > module.MAX_ROWS or (x.shape[0] > 1 and positions is None)
             or keys.dtype != mx.float32 or any(w.dtype != mx.float32 for w in (*weights, *extras.values()))):
         return None
-    out, k, v = module.decode_layer(x, *weights, keys, values, offset, **extras, **shape, stream=mx.cpu)
+    rows = {name: a if a.dtype == mx.int32 else a.astype(mx.int32)
+            for name, a in (("positions", positions), ("start", start)) if a is not None}
+    out, k, v = module.decode_layer(x, *weights, keys, values, offset, **extras, **rows, **shape, stream=mx.cpu)
     return out, k, v

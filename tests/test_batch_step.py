@@ -117,30 +117,39 @@ def test_rows_joining_and_leaving_mid_decode_are_each_row_alone(arch):
 
 
 @pytest.mark.skipif(native_ops.native() is None, reason="the CPU primitives are not built (make ext)")
-def test_the_engines_attention_reads_each_rows_slots_past_its_padding(monkeypatch):
+@pytest.mark.parametrize("native_blocks", [True, False])
+def test_the_engines_attention_reads_each_rows_slots_past_its_padding(monkeypatch, native_blocks):
     """With the engine's attention installed (as loading does), the compiled step's layers
     attend through the slot primitive with each row's left padding as its first slot, not
-    through a mask over the whole buffer; rows joining and leaving stay each row alone."""
-    from mlxkv.engine import batch_step as batch_step_module
+    through a mask over the whole buffer: inside the native layer step (each row at its own
+    position), or, without it, from the layer's own code; rows joining and leaving stay
+    each row alone."""
+    from mlxkv.engine import compiled_step, native_layers
 
+    monkeypatch.setattr(native_layers, "ENABLED", native_blocks)
     path = folder("qwen3")
     loaded = load_model(str(path))
     install_attention(loaded.model)  # (the module stays rebound, as an engine's load leaves it)
     reference = mlx_lm_load(str(path))[0]
     attended = []
-    primitive = batch_step_module.slot_attention
 
-    def counted(*args, **kwargs):
-        out = primitive(*args, **kwargs)
-        attended.append(out is not None and kwargs.get("start") is not None)
-        return out
+    def counting(module, name):
+        primitive = getattr(module, name)
 
-    monkeypatch.setattr(batch_step_module, "slot_attention", counted)
+        def counted(*args, **kwargs):
+            out = primitive(*args, **kwargs)
+            attended.append(out is not None and kwargs.get("start") is not None)
+            return out
+        monkeypatch.setattr(module, name, counted)
+
+    counting(compiled_step, "slot_attention")
+    counting(native_layers, "decode_layer")
     prompts = prompts_for(6, (5, 40, 240))  # left padding up to 235; decoding crosses 256 slots
     joiners = {5: prompts_for(7, (90,))[0]}
     got = decode_together(loaded.model, prompts, 24, join=joiners, leave={0: 8})
     assert batch_decode_step(loaded.model).enabled is True
     assert attended and all(attended)  # traced through the primitive, every layer
+    assert any(type(layer).__name__.startswith("Native") for layer in loaded.model.layers) == native_blocks
     for i, p in enumerate(prompts + [joiners[5]]):
         want = alone(path, p, 24, reference)
         assert got[i] == want[: len(got[i])] and len(got[i]) >= (4 if i == 0 else 24), i

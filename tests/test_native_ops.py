@@ -5,6 +5,7 @@ offsets and head sizes."""
 
 from __future__ import annotations
 
+import io
 import re
 
 import mlx.core as mx
@@ -346,6 +347,49 @@ def test_a_layers_decode_step_is_the_layers_own_code(arch, kw, offset):
         assert not mx.allclose(mine[:, :, offset], before[:, :, offset]).item()
         assert mx.array_equal(mine[:, :, :offset], before[:, :, :offset]).item()
         assert mx.array_equal(mine[:, :, offset + 1:], before[:, :, offset + 1:]).item()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_a_batchs_decode_step_is_the_layers_own_code_and_each_row_alone(arch):
+    """One token of each of three rows over the compiled batch step's cache (a shared write
+    slot, each row at its own position, its left padding unseen): the native step gives
+    the layer's own output, writes every row's key and value at the slot and nothing else,
+    and each row's output is what the row computes alone over its own slots."""
+    from mlxkv.engine.batch_step import FixedBatchKV
+    from mlxkv.engine.compiled_step import FixedKV
+    from mlxkv.engine.weight_layout import layout_for_cpu
+
+    model = _tiny_llama(9, arch)
+    layout_for_cpu(model)
+    block = model.model.layers[0]
+    own = type(block).__mro__[1]
+    attn = block.self_attn
+    at, padding = 300, [0, 40, 299]  # the last row has one earlier slot
+    shape = (3, attn.n_kv_heads, 512, attn.k_proj["weight"].shape[0] // attn.n_kv_heads)
+    keys, values = (mx.random.normal(shape, key=mx.random.key(i)) for i in (1, 2))
+    x = mx.random.normal((3, 1, model.args.hidden_size), key=mx.random.key(3))
+
+    def batch_kv() -> FixedBatchKV:
+        return FixedBatchKV(mx.array(keys), mx.array(values), mx.array([at], dtype=mx.int32),
+                            mx.array([at - p for p in padding], dtype=mx.int32), mx.array(padding, dtype=mx.int32))
+
+    theirs, ours = batch_kv(), batch_kv()
+    want = own.__call__(block, x, theirs.make_mask(1), theirs)
+    got = block(x, None, ours)
+    graph = io.StringIO()
+    mx.export_to_dot(graph, got)
+    assert "LayerRest" in graph.getvalue()  # the native step, not the layer's own code
+    assert mx.allclose(got, want, rtol=1e-4, atol=1e-4).item(), mx.abs(got - want).max().item()
+    for mine, their, before in ((ours.keys, theirs.keys, keys), (ours.values, theirs.values, values)):
+        assert mx.allclose(mine[:, :, at], their[:, :, at], rtol=1e-5, atol=1e-5).item()
+        assert mx.array_equal(mine[:, :, :at], before[:, :, :at]).item()
+        assert mx.array_equal(mine[:, :, at + 1:], before[:, :, at + 1:]).item()
+    for b, pad in enumerate(padding):  # the row alone: its slots from its first on
+        alone = FixedKV(mx.array(keys[b:b + 1, :, pad:]), mx.array(values[b:b + 1, :, pad:]),
+                        mx.array(at - pad, dtype=mx.int32))
+        row = block(x[b:b + 1], None, alone)
+        assert mx.allclose(row[0], got[b], rtol=1e-5, atol=1e-5).item(), mx.abs(row[0] - got[b]).max().item()
+        assert mx.array_equal(alone.keys[0, :, at - pad], ours.keys[b, :, at]).item()
 
 
 def test_a_layers_native_step_leaves_everything_else_to_its_own_code():

@@ -1247,8 +1247,10 @@ class LayerProject : public CpuPrimitive {
     const int64_t H = inputs[0].shape(-1), width = inputs[2].shape(0);
     const int nb = biased_ ? 5 : 4;
     const bool normed = qk_eps_ >= 0.0f;
+    const int64_t B = out.shape(0);
+    const int64_t pos_step = inputs[3].size() == 1 ? 0 : inputs[3].strides()[0];
     encoder.dispatch([x = RowsOf::of(inputs[0]), ln = RowsOf::of(inputs[1]),
-                      w = RowsOf::of(inputs[2]), off = inputs[3].data<int32_t>(),
+                      w = RowsOf::of(inputs[2]), off = inputs[3].data<int32_t>(), B, pos_step,
                       bias = biased_ ? inputs[4].data<float>() : nullptr,
                       bstep = biased_ ? inputs[4].strides()[0] : 0,
                       qn = normed ? inputs[nb].data<float>() : nullptr,
@@ -1257,27 +1259,31 @@ class LayerProject : public CpuPrimitive {
                       kstep = normed ? inputs[nb + 1].strides()[0] : 0, qk_eps = qk_eps_,
                       op = out.data<float>(), H, width, eps = eps_, rot = rot_, Nq = heads_,
                       Nk = kv_heads_]() {
-      std::vector<float> c0, c1, c2, h(H), p(width);
-      rms_row(x.get(c0), 1, ln.get(c1), 1, h.data(), H, eps);
-      product(h.data(), w.get(c2), p.data(), 1, H, width);
-      if (bias)
-        for (int64_t i = 0; i < width; i++) p[i] += bias[i * bstep];
+      std::vector<float> c0, c1, c2, h(B * H), pb(B * width);
+      const float *xs = x.get(c0), *lw = ln.get(c1);
+      for (int64_t b = 0; b < B; b++) rms_row(xs + b * H, 1, lw, 1, h.data() + b * H, H, eps);
+      product(h.data(), w.get(c2), pb.data(), B, H, width);  // each row as it would be alone
       const int64_t D = width / (Nq + 2 * Nk), half = rot.dims / 2;
-      if (qn) {  // each query head by q_norm, each key head by k_norm
-        for (int64_t hd = 0; hd < Nq + Nk; hd++)  // in place: each value is read before it is written
-          rms_row(p.data() + hd * D, 1, hd < Nq ? qn : kn, hd < Nq ? qstep : kstep,
-                  p.data() + hd * D, D, qk_eps);
-      }
       const std::vector<float> inv = inverse_frequencies(nullptr, 0, rot.base, half);
       std::vector<float> c(half), sn(half);
-      angles(static_cast<float>(off[0]) * rot.scale, inv, c.data(), sn.data());
-      for (int64_t hd = 0; hd < Nq + Nk; hd++)  // the queries' heads and the keys'
-        rotate_row(p.data() + hd * D, 1, op + hd * D, c.data(), sn.data(), half, D, rot.traditional);
-      std::memcpy(op + (Nq + Nk) * D, p.data() + (Nq + Nk) * D, sizeof(float) * Nk * D);
+      for (int64_t b = 0; b < B; b++) {
+        float* p = pb.data() + b * width;
+        float* o = op + b * width;
+        if (bias)
+          for (int64_t i = 0; i < width; i++) p[i] += bias[i * bstep];
+        if (qn) {  // each query head by q_norm, each key head by k_norm
+          for (int64_t hd = 0; hd < Nq + Nk; hd++)  // in place: each value is read before it is written
+            rms_row(p + hd * D, 1, hd < Nq ? qn : kn, hd < Nq ? qstep : kstep, p + hd * D, D, qk_eps);
+        }
+        angles(static_cast<float>(off[b * pos_step]) * rot.scale, inv, c.data(), sn.data());
+        for (int64_t hd = 0; hd < Nq + Nk; hd++)  // the queries' heads and the keys'
+          rotate_row(p + hd * D, 1, o + hd * D, c.data(), sn.data(), half, D, rot.traditional);
+        std::memcpy(o + (Nq + Nk) * D, p + (Nq + Nk) * D, sizeof(float) * Nk * D);
+      }
     });
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {{1, inputs[2].shape(0)}};
+    return {{inputs[0].shape(0), inputs[2].shape(0)}};
   }
   const char* name() const override { return "LayerProject"; }
   bool is_equivalent(const mx::Primitive& other) const override {
@@ -1294,7 +1300,8 @@ class LayerProject : public CpuPrimitive {
   float qk_eps_;
 };
 
-// buf [1, Nk, S, D] with p[from + h * D : from + (h + 1) * D] written at slot offset of head h.
+// buf [B, Nk, S, D] with p[b, from + h * D : from + (h + 1) * D] written at slot offset of
+// row b's head h (a batch's rows write one slot: their left padding keeps them aligned).
 class SlotWrite : public CpuPrimitive {
  public:
   SlotWrite(mx::Stream stream, int64_t from) : CpuPrimitive(stream), from_(from) {}
@@ -1313,14 +1320,17 @@ class SlotWrite : public CpuPrimitive {
     for (auto& a : inputs) encoder.set_input_array(a);
     encoder.set_output_array(out);
     encoder.dispatch([in = RowsOf::of(buf), copy, p = inputs[1].data<float>(),
-                      off = inputs[2].data<int32_t>(), op = out.data<float>(),
-                      Nk = buf.shape(1), S = buf.shape(2), D = buf.shape(3), from = from_]() {
+                      width = inputs[1].shape(1), off = inputs[2].data<int32_t>(),
+                      op = out.data<float>(), B = buf.shape(0), Nk = buf.shape(1),
+                      S = buf.shape(2), D = buf.shape(3), from = from_]() {
       if (copy) {
         std::vector<float> scratch;
-        std::memcpy(op, in.get(scratch), sizeof(float) * Nk * S * D);
+        std::memcpy(op, in.get(scratch), sizeof(float) * B * Nk * S * D);
       }
-      for (int64_t h = 0; h < Nk; h++)
-        std::memcpy(op + (h * S + off[0]) * D, p + from + h * D, sizeof(float) * D);
+      for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < Nk; h++)
+          std::memcpy(op + ((b * Nk + h) * S + off[0]) * D, p + b * width + from + h * D,
+                      sizeof(float) * D);
     });
   }
   const char* name() const override { return "SlotWrite"; }
@@ -1344,32 +1354,46 @@ class LayerRest : public CpuPrimitive {
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (auto& a : inputs) encoder.set_input_array(a);
     encoder.set_output_array(out);
-    // inputs: x, p, keys, values, offset, wo, ln2, wgu, wd
+    // inputs: x, p, keys, values, offset, wo, ln2, wgu, wd, then start where the rows have
+    // left padding (row b sees slots [start[b], offset])
     const mx::array& keys = inputs[2];
     std::vector<RowsOf> in;
     for (int i : {0, 5, 6, 7, 8}) in.push_back(RowsOf::of(inputs[i]));
-    encoder.dispatch([in = std::move(in), p = inputs[1].data<float>(), kin = Heads::of(keys),
-                      vin = Heads::of(inputs[3]), off = inputs[4].data<int32_t>(),
+    const bool padded = inputs.size() > 9;
+    encoder.dispatch([in = std::move(in), p = inputs[1].data<float>(), width = inputs[1].shape(1),
+                      kin = Heads::of(keys), vin = Heads::of(inputs[3]),
+                      off = inputs[4].data<int32_t>(),
+                      from = padded ? inputs[9].data<int32_t>() : nullptr,
+                      from_step = padded ? inputs[9].strides()[0] : 0,
                       op = out.data<float>(), H = inputs[0].shape(-1), I = inputs[8].shape(1),
-                      Nk = keys.shape(1), S = keys.shape(2), D = keys.shape(3), eps = eps_,
-                      scale = scale_, Nq = heads_]() {
+                      B = keys.shape(0), Nk = keys.shape(1), S = keys.shape(2), D = keys.shape(3),
+                      eps = eps_, scale = scale_, Nq = heads_]() {
       std::vector<float> copies[5], kcopy, vcopy;
       const float *x = in[0].get(copies[0]), *wo = in[1].get(copies[1]),
                   *ln = in[2].get(copies[2]), *wgu = in[3].get(copies[3]),
                   *wd = in[4].get(copies[4]);
-      const Heads kh = kin.rows(1, Nk, S, D, kcopy), vh = vin.rows(1, Nk, S, D, vcopy);
-      std::vector<float> att(Nq * D), x1(H), h(H), gu(2 * I), act(I);
-      attend_slots(p, kh, vh, att.data(), off[0], nullptr, 0, 1, Nq, 1, D, Nk, S, scale);
-      product(att.data(), wo, x1.data(), 1, Nq * D, H);
-      for (int64_t i = 0; i < H; i++) x1[i] += x[i];
-      rms_row(x1.data(), 1, ln, 1, h.data(), H, eps);
-      product(h.data(), wgu, gu.data(), 1, H, 2 * I);
-      for (int64_t i = 0; i < I; i++) {
-        const float g = gu[i];
-        act[i] = g / (1.0f + std::exp(-g)) * gu[I + i];
+      const Heads kh = kin.rows(B, Nk, S, D, kcopy), vh = vin.rows(B, Nk, S, D, vcopy);
+      // the rows' queries end to end (one row's are p's first Nq * D values, read in place)
+      std::vector<float> q;
+      const float* qp = p;
+      if (B > 1) {
+        q.resize(B * Nq * D);
+        for (int64_t b = 0; b < B; b++) std::memcpy(q.data() + b * Nq * D, p + b * width, sizeof(float) * Nq * D);
+        qp = q.data();
       }
-      product(act.data(), wd, op, 1, I, H);
-      for (int64_t i = 0; i < H; i++) op[i] += x1[i];
+      std::vector<float> att(B * Nq * D), x1(B * H), h(B * H), gu(B * 2 * I), act(B * I);
+      attend_slots(qp, kh, vh, att.data(), off[0], from, from_step, B, Nq, 1, D, Nk, S, scale);
+      product(att.data(), wo, x1.data(), B, Nq * D, H);
+      for (int64_t i = 0; i < B * H; i++) x1[i] += x[i];
+      for (int64_t b = 0; b < B; b++) rms_row(x1.data() + b * H, 1, ln, 1, h.data() + b * H, H, eps);
+      product(h.data(), wgu, gu.data(), B, H, 2 * I);
+      for (int64_t b = 0; b < B; b++)
+        for (int64_t i = 0; i < I; i++) {
+          const float g = gu[b * 2 * I + i];
+          act[b * I + i] = g / (1.0f + std::exp(-g)) * gu[b * 2 * I + I + i];
+        }
+      product(act.data(), wd, op, B, I, H);
+      for (int64_t i = 0; i < B * H; i++) op[i] += x1[i];
     });
   }
   const char* name() const override { return "LayerRest"; }
@@ -1383,8 +1407,10 @@ class LayerRest : public CpuPrimitive {
   int64_t heads_;
 };
 
-// One token x [1, 1, hidden] through a llama-shaped layer: (out, keys, values), the buffers
-// [1, kv_heads, slots, head_dim] with the token's key and value at slot offset.
+// One token of each of B rows, x [B, 1, hidden], through a llama-shaped layer: (out, keys,
+// values), the buffers [B, kv_heads, slots, head_dim] with each row's key and value at slot
+// offset. One row is rotated at position offset; a batch's rows at their own `positions`
+// ([B]), each seeing slots [start[b], offset] (its left padding unseen).
 std::vector<mx::array> decode_layer(const mx::array& x, const mx::array& ln1, const mx::array& wqkv,
                                     const mx::array& wo, const mx::array& ln2, const mx::array& wgu,
                                     const mx::array& wd, const mx::array& keys,
@@ -1393,15 +1419,23 @@ std::vector<mx::array> decode_layer(const mx::array& x, const mx::array& ln1, co
                                     float rope_scale, float scale,
                                     std::optional<mx::array> bqkv, std::optional<mx::array> q_norm,
                                     std::optional<mx::array> k_norm, float qk_eps,
-                                    mx::StreamOrDevice s) {
+                                    std::optional<mx::array> positions,
+                                    std::optional<mx::array> start, mx::StreamOrDevice s) {
   for (auto* a : {&x, &ln1, &wqkv, &wo, &ln2, &wgu, &wd, &keys, &values})
     if (a->dtype() != mx::float32)
       throw std::invalid_argument("decode_layer takes float32 arrays");
-  if (x.size() != static_cast<size_t>(x.shape(-1)))
-    throw std::invalid_argument("decode_layer takes one token: x [1, 1, hidden]");
-  const int64_t H = x.shape(-1);
-  if (keys.ndim() != 4 || keys.shape() != values.shape() || keys.shape(0) != 1)
-    throw std::invalid_argument("decode_layer takes key and value buffers [1, kv_heads, slots, head_dim]");
+  if (x.ndim() != 3 || x.shape(1) != 1)
+    throw std::invalid_argument("decode_layer takes one token a row: x [B, 1, hidden]");
+  const int64_t H = x.shape(-1), B = x.shape(0);
+  if (keys.ndim() != 4 || keys.shape() != values.shape() || keys.shape(0) != B)
+    throw std::invalid_argument("decode_layer takes key and value buffers [B, kv_heads, slots, head_dim]");
+  if (B > kMaxRows)
+    throw std::invalid_argument("decode_layer takes at most 64 rows");
+  for (auto* a : {&positions, &start})
+    if (a->has_value() && ((*a)->dtype() != mx::int32 || (*a)->ndim() != 1 || (*a)->shape(0) != B))
+      throw std::invalid_argument("decode_layer takes int32 positions and start [B]");
+  if (B > 1 && !positions)
+    throw std::invalid_argument("decode_layer takes each row's position for more than one row");
   const int64_t Nk = keys.shape(1), D = keys.shape(3);
   if (wqkv.ndim() != 2 || wqkv.shape(1) != H || wqkv.shape(0) % D || wqkv.shape(0) / D <= 2 * Nk ||
       (wqkv.shape(0) / D - 2 * Nk) % Nk)
@@ -1432,13 +1466,13 @@ std::vector<mx::array> decode_layer(const mx::array& x, const mx::array& ln1, co
   if (stream.device != mx::Device::cpu)
     throw std::invalid_argument("decode_layer runs on the CPU stream only");
   const Rotation rot{rope_dims, traditional, base, rope_scale};
-  std::vector<mx::array> project_in = {x, ln1, wqkv, offset};
+  std::vector<mx::array> project_in = {x, ln1, wqkv, positions ? *positions : offset};
   if (bqkv) project_in.push_back(*bqkv);
   if (q_norm) {
     project_in.push_back(*q_norm);
     project_in.push_back(*k_norm);
   }
-  auto p = mx::array({1, wqkv.shape(0)}, mx::float32,
+  auto p = mx::array({B, wqkv.shape(0)}, mx::float32,
                      std::make_shared<LayerProject>(stream, eps1, rot, Nq, Nk, bqkv.has_value(),
                                                     q_norm ? qk_eps : -1.0f),
                      project_in);
@@ -1446,8 +1480,10 @@ std::vector<mx::array> decode_layer(const mx::array& x, const mx::array& ln1, co
                      {keys, p, offset});
   auto v = mx::array(values.shape(), mx::float32, std::make_shared<SlotWrite>(stream, (Nq + Nk) * D),
                      {values, p, offset});
+  std::vector<mx::array> rest_in = {x, p, k, v, offset, wo, ln2, wgu, wd};
+  if (start) rest_in.push_back(*start);
   auto out = mx::array(x.shape(), mx::float32, std::make_shared<LayerRest>(stream, eps2, scale, Nq),
-                       {x, p, k, v, offset, wo, ln2, wgu, wd});
+                       rest_in);
   return {out, k, v};
 }
 
@@ -1482,11 +1518,11 @@ NB_MODULE(_row_product, m) {
         nb::arg("offset"), nb::kw_only(), nb::arg("eps1"), nb::arg("eps2"), nb::arg("rope_dims"),
         nb::arg("traditional"), nb::arg("base"), nb::arg("rope_scale"), nb::arg("scale"),
         nb::arg("bqkv") = nb::none(), nb::arg("q_norm") = nb::none(),
-        nb::arg("k_norm") = nb::none(), nb::arg("qk_eps") = -1.0f, nb::arg("stream") = nb::none(),
-        "One token through a llama-shaped layer: (out, keys, values), the buffers written at"
-        " offset; float32, on the CPU.");
-  m.def("buffer_copies", [] { return buffer_copies.load(); },
-        "Key and value buffers decode_layer copied because another owner held them.");
+        nb::arg("k_norm") = nb::none(), nb::arg("qk_eps") = -1.0f,
+        nb::arg("positions") = nb::none(), nb::arg("start") = nb::none(),
+        nb::arg("stream") = nb::none(),
+        "One token a row through a llama-shaped layer: (out, keys, values), the buffers written"
+        " at offset; float32, on the CPU.");
   m.def("buffer_copies", [] { return buffer_copies.load(); },
         "Key and value buffers decode_layer copied because another owner held them.");
   m.attr("MAX_ROWS") = kMaxRows;
