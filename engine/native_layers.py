@@ -159,15 +159,14 @@ def _native_kind(kind: type) -> type:
     if native_kind is None:
         def __call__(self: Any, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
             parts = _PARTS.get(self)
-            done = None
-            if parts is not None and x.ndim == 3 and x.shape[1] == 1:
-                if type(cache) is FixedKV and x.shape[0] == 1:
-                    done = decode_layer(x, parts.weights(), cache.keys, cache.values, cache.offset,
-                                        parts.extras(), **parts.shape)
-                elif type(cache) is FixedBatchKV:  # a batch's rows: their positions, their padding
-                    done = decode_layer(x, parts.weights(), cache.keys, cache.values, cache.at,
-                                        parts.extras(), positions=cache.offset, start=cache.padding,
-                                        **parts.shape)
+            done = None  # decode_layer takes one token a row, else the layer's own code runs
+            if parts is not None and type(cache) is FixedKV:
+                done = decode_layer(x, parts.weights(), cache.keys, cache.values, cache.offset,
+                                    parts.extras(), **parts.shape)
+            elif parts is not None and type(cache) is FixedBatchKV:  # each row's position, padding
+                done = decode_layer(x, parts.weights(), cache.keys, cache.values, cache.at,
+                                    parts.extras(), positions=cache.offset, start=cache.padding,
+                                    **parts.shape)
             if done is not None:
                 out, cache.keys, cache.values = done
                 return out

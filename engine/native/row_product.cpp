@@ -806,17 +806,19 @@ struct Heads {
 };
 
 // The slot attention's work (see SlotAttention below) on row-laid-out q, k and v: query l of
-// batch row b sees slots [from[b], offset + l]; out [B, H, L, D].
-void attend_slots(const float* qp, const Heads& kh, const Heads& vh, float* op, int64_t offset,
-                  const int32_t* from, int64_t from_step, int64_t B, int64_t H, int64_t L,
-                  int64_t D, int64_t Hk, int64_t S, float scale) {
-  const int64_t rep = H / Hk, R = rep * L;
+// batch row b sees slots [from[b], offset + l]; out [B, H, L, D]. Batch row b's queries
+// [H, L, D] start at qp + b * q_step.
+void attend_slots(const float* qp, int64_t q_step, const Heads& kh, const Heads& vh, float* op,
+                  int64_t offset, const int32_t* from, int64_t from_step, int64_t B, int64_t H,
+                  int64_t L, int64_t D, int64_t Hk, int64_t S, float scale) {
+  const int64_t rep = H / Hk, R = rep * L, per_row = H * L * D;
   std::vector<int64_t> visible(R);
   for (int64_t r = 0; r < R; r++) visible[r] = std::min<int64_t>(S, offset + r % L + 1);
   const int64_t reach = std::min<int64_t>(S, offset + L);
-  // the group's rows [rep, L, D] (contiguous in q), scaled once
-  std::vector<float> qs(B * H * L * D);
-  for (size_t i = 0; i < qs.size(); i++) qs[i] = qp[i] * scale;
+  // each batch row's queries end to end (a group's rows [rep, L, D] contiguous), scaled once
+  std::vector<float> qs(B * per_row);
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t i = 0; i < per_row; i++) qs[b * per_row + i] = qp[b * q_step + i] * scale;
   const int threads = the_pool().threads();
   const int64_t spans = std::max<int64_t>(1, std::min<int64_t>(threads, reach / kBlock));
   const int64_t units = B * Hk * spans;
@@ -867,7 +869,7 @@ class SlotAttention : public CpuPrimitive {
       std::vector<float> qcopy, kcopy, vcopy;
       const float* qp = qs_in.get(qcopy);
       const Heads kh = kin.rows(B, Hk, S, D, kcopy), vh = vin.rows(B, Hk, S, D, vcopy);
-      attend_slots(qp, kh, vh, op, off[0], from, from_step, B, H, L, D, Hk, S, scale);
+      attend_slots(qp, H * L * D, kh, vh, op, off[0], from, from_step, B, H, L, D, Hk, S, scale);
     });
   }
   const char* name() const override { return "SlotAttention"; }
@@ -1373,16 +1375,9 @@ class LayerRest : public CpuPrimitive {
                   *ln = in[2].get(copies[2]), *wgu = in[3].get(copies[3]),
                   *wd = in[4].get(copies[4]);
       const Heads kh = kin.rows(B, Nk, S, D, kcopy), vh = vin.rows(B, Nk, S, D, vcopy);
-      // the rows' queries end to end (one row's are p's first Nq * D values, read in place)
-      std::vector<float> q;
-      const float* qp = p;
-      if (B > 1) {
-        q.resize(B * Nq * D);
-        for (int64_t b = 0; b < B; b++) std::memcpy(q.data() + b * Nq * D, p + b * width, sizeof(float) * Nq * D);
-        qp = q.data();
-      }
       std::vector<float> att(B * Nq * D), x1(B * H), h(B * H), gu(B * 2 * I), act(B * I);
-      attend_slots(qp, kh, vh, att.data(), off[0], from, from_step, B, Nq, 1, D, Nk, S, scale);
+      // a row's queries are the first Nq * D values of its p row
+      attend_slots(p, width, kh, vh, att.data(), off[0], from, from_step, B, Nq, 1, D, Nk, S, scale);
       product(att.data(), wo, x1.data(), B, Nq * D, H);
       for (int64_t i = 0; i < B * H; i++) x1[i] += x[i];
       for (int64_t b = 0; b < B; b++) rms_row(x1.data() + b * H, 1, ln, 1, h.data() + b * H, H, eps);
