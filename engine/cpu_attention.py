@@ -179,17 +179,25 @@ def _kernel_attention(q: mx.array, kt: mx.array, values: mx.array, mask: Any) ->
 def swiglu_applies(gate: mx.array, up: mx.array) -> bool:
     """Whether :func:`swiglu` computes ``silu(gate) * up`` (else mlx-lm's compiled one):
     on a thread that opted in, float32 on the CPU, several positions (a prefill chunk or a
-    verify; a traced step of several positions is found when its eval is refused), with the
-    kernel built."""
-    return (_kernels is not None and enabled() and gate.ndim >= 2 and gate.shape[-2] > 1
+    verify), with the engine's primitive or the kernel built (the kernel alone finds a traced
+    step of several positions when its eval is refused)."""
+    return ((_kernels is not None or native_ops.native() is not None) and enabled()
+            and gate.ndim >= 2 and gate.shape[-2] > 1
             and gate.shape == up.shape and gate.dtype == mx.float32 and up.dtype == mx.float32
             and mx.default_device() == mx.cpu)
 
 
 def swiglu(gate: mx.array, up: mx.array) -> mx.array | None:
-    """``silu(gate) * up`` by the kernel (``engine/kernels.h``): one vectorised pass where
-    MLX's CPU backend takes ``exp`` an element at a time; equal up to rounding. None when a
-    buffer cannot be read as one block (the caller computes it the usual way)."""
+    """``silu(gate) * up`` in one vectorised pass where MLX's CPU backend takes ``exp`` an
+    element at a time; equal up to rounding. The engine's primitive where it is built
+    (``native_ops.swiglu``: an operation of the graph, computed when it is evaluated, so a
+    prefill chunk evaluated layer by layer still stops between two), else the kernel
+    (``engine/kernels.h``) on buffers evaluated here and now. None when the kernel cannot
+    read a buffer as one block, or cannot run inside a traced function (the caller
+    computes it the usual way)."""
+    out = native_ops.swiglu(gate, up)
+    if out is not None:
+        return out
     out = gate * mx.array(1.0, dtype=gate.dtype)  # a buffer of our own to write into
     # ``up`` may be a view: a grouped product's columns (engine.weight_layout), rows a
     # whole gate-and-up width apart. MLX exports a view's buffer as it lies, whatever

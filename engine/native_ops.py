@@ -1,11 +1,11 @@
 """The engine's MLX primitives for the CPU (``engine/native/row_product.cpp``, built by
 ``make ext``): few-row products over every core (``row_product``, used by
 ``engine.weight_layout``), a decode step's attention over a cache's filled slots
-(``slot_attention``, used by the compiled step's caches, ``engine.compiled_step``) and the
-attention of a prompt chunk or a verify's queries (``chunk_attention``, used by
-``engine.cpu_attention``), a norm and a rotary embedding as one operation each (``rms_norm``, ``rope``), and a
-llama-shaped layer's decode step as one operation (``decode_layer``), the last three used
-by ``engine.native_layers``.
+(``slot_attention``, used by the compiled step's caches, ``engine.compiled_step``), the
+attention of a prompt chunk or a verify's queries (``chunk_attention``) and a SwiGLU MLP's
+``silu(gate) * up`` (``swiglu``), both used by ``engine.cpu_attention``, a norm and a rotary
+embedding as one operation each (``rms_norm``, ``rope``), and a llama-shaped layer's decode
+step as one operation (``decode_layer``), the last three used by ``engine.native_layers``.
 
 Optional: where the module is not built, is switched off (``MLXKV_ROW_PRODUCT=0``), or does
 not work with this mlx (a nanobind ABI apart from mlx's makes it refuse mx.array), the
@@ -56,7 +56,16 @@ def _works(module: Any) -> str | None:
     if not mx.allclose(got, mx.fast.rope(q, 6, traditional=False, base=10000.0, scale=1.0, offset=5),
                        rtol=1e-5, atol=1e-6).item():
         return "its rope differs from MLX's"
+    g = mx.arange(-8, 8, dtype=mx.float32).reshape(2, 8) * 1.5
+    if not mx.allclose(module.swiglu(g, g + 1, stream=mx.cpu), nn_silu(g) * (g + 1),
+                       rtol=1e-5, atol=1e-6).item():
+        return "its swiglu differs from MLX's"
     return None
+
+
+def nn_silu(x: mx.array) -> mx.array:
+    """MLX's ``silu``, as mlx.nn computes it."""
+    return x * mx.sigmoid(x)
 
 
 def native() -> Any:
@@ -154,6 +163,16 @@ def rope(x: mx.array, offset: int | mx.array, dims: int, traditional: bool, base
         return None
     return module.rope(x, offset, dims, traditional, None if base is None else float(base), float(scale), freqs,
                        stream=mx.cpu)
+
+
+def swiglu(gate: mx.array, up: mx.array) -> mx.array | None:
+    """``silu(gate) * up`` as one operation when the primitive takes it (built, float32, one
+    shape, the CPU), else None."""
+    module = native()
+    if (module is None or mx.default_device() != mx.cpu or gate.dtype != mx.float32
+            or up.dtype != mx.float32 or gate.shape != up.shape or gate.ndim < 1):
+        return None
+    return module.swiglu(gate, up, stream=mx.cpu)
 
 
 def decode_layer(x: mx.array, weights: tuple[mx.array, ...], keys: mx.array, values: mx.array,

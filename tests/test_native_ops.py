@@ -1,6 +1,6 @@
 """The engine's CPU primitives (``engine/native/row_product.cpp``) against MLX's own
 operations: few-row products bit for bit per row, a decode step's attention over a
-cache's filled slots, and a prompt chunk's attention, across head groupings, query counts,
+cache's filled slots, a prompt chunk's attention and a SwiGLU activation, across head groupings, query counts,
 offsets and head sizes."""
 
 from __future__ import annotations
@@ -218,6 +218,35 @@ def test_rms_norm_is_mlxs_over_any_layout():
     compiled = mx.compile(lambda a, b: native_ops.rms_norm(a, b, 1e-5))
     assert mx.array_equal(compiled(x, weight), native_ops.rms_norm(x, weight, 1e-5)).item()
     assert native_ops.rms_norm(x.astype(mx.float16), weight, 1e-5) is None
+
+
+def test_swiglu_is_mlxs_over_any_layout_and_leaves_its_inputs_as_they_were():
+    """``silu(gate) * up`` against mlx-lm's, on one-block inputs, a grouped product's columns
+    (rows a whole gate-and-up width apart), a strided last dimension, sizes off the vector
+    width, and values far out in both tails (where exp under- or overflows)."""
+    from mlx_lm.models.activations import swiglu
+
+    both = mx.random.normal((2, 300, 2 * 1536), key=mx.random.key(3)) * 4
+    tails = mx.array([[-200.0, -90.0, -30.0, -1e-3, 0.0, 1e-3, 30.0, 90.0, 200.0] * 3])
+    for gate, up in ((both[..., :1536], mx.contiguous(both[..., 1536:])),  # one block
+                     (both[..., :1536], both[..., 1536:]),  # views of the grouped product's columns
+                     (both[0, :, :40].T, both[1, :, :40].T),  # a strided last dimension
+                     (mx.random.normal((5, 13), key=mx.random.key(4)), mx.ones((5, 13))),
+                     (tails, mx.ones(tails.shape))):
+        before = mx.array(gate)
+        got = native_ops.swiglu(gate, up)
+        want = swiglu(gate, up)
+        assert got is not None and got.shape == want.shape
+        assert mx.allclose(got, want, rtol=1e-5, atol=1e-6).item(), mx.abs(got - want).max().item()
+        assert mx.array_equal(gate, before).item()  # a gate someone still holds is not written
+    own = mx.random.normal((64, 96), key=mx.random.key(5))  # one nobody else holds: its buffer reused
+    want = swiglu(own, own + 1)
+    got = native_ops.swiglu(own * 1, own + 1)
+    assert mx.allclose(got, want, rtol=1e-5, atol=1e-6).item()
+    compiled = mx.compile(lambda a, b: native_ops.swiglu(a, b))  # a primitive inside a compiled step
+    assert mx.array_equal(compiled(gate, up), native_ops.swiglu(gate, up)).item()
+    assert native_ops.swiglu(gate.astype(mx.float16), up.astype(mx.float16)) is None
+    assert native_ops.swiglu(gate, up[..., :-1]) is None
 
 
 @pytest.mark.parametrize("traditional", [False, True])

@@ -6,8 +6,8 @@ abandoned request frees the engine inside its chunk and keeps what it prefilled.
 
 from __future__ import annotations
 
+import io
 import random
-import threading
 import time
 
 import mlx.core as mx
@@ -16,8 +16,10 @@ from common import T
 from mlx_lm.models.cache import make_prompt_cache
 from test_prefix_cache import GEMMA3, MAMBA, QWEN3_NEXT
 
+from mlxkv.engine import cpu_attention, native_ops
 from mlxkv.engine.engine import Engine, ProgressEvent, Request
 from mlxkv.engine.generate import Cancelled, SamplingParams, head_view, prefill
+from mlxkv.engine.mlx_lm_compat import install_attention, install_swiglu
 from mlxkv.engine.settings import Settings
 from mlxkv.engine.speculation.base import TargetView
 from support.modelgen import init_model, tiny_model
@@ -143,8 +145,31 @@ def test_a_stop_inside_the_first_chunk_leaves_a_cached_prefix_as_it_was():
     assert all(c.offset == 20 for c in cache) and same(arrays(cache), before)
 
 
+@pytest.mark.skipif(native_ops.native() is None, reason="the CPU primitives are not built (make ext)")
+def test_under_the_engines_cpu_kernels_a_chunk_computes_only_when_evaluated():
+    """On the engine thread a prompt chunk's attention and SwiGLU take the engine's own
+    operations; building the chunk's forward pass computes none of them (each is a node of
+    the graph, every layer's), so evaluating it layer by layer runs one layer at a time and
+    a cancel stops between two, not after the whole chunk."""
+    model = init_model(QWEN3, seed=1, scale=0.1)
+    install_attention(model)
+    install_swiglu(model)
+    cpu_attention.use_on_this_thread()
+    try:
+        cache = make_prompt_cache(model)
+        out = model(mx.array([prompt(40)]), cache=cache)
+        graph = io.StringIO()
+        mx.export_to_dot(graph, out, *[a for c in cache for a in (c.keys, c.values)])
+    finally:
+        cpu_attention.use_on_this_thread(False)
+    layers = QWEN3["num_hidden_layers"]
+    assert graph.getvalue().count("Swiglu") == layers
+    assert graph.getvalue().count("ChunkAttention") == layers
+
+
 # ------------------------------------------------------------------------ the engine
-SLOW = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4)  # seconds per chunk
+# a fifth of a second per 1,024-token chunk on a 2-core CPU, in 8 layers: a cancel has layers left
+SLOW = dict(hidden_size=384, intermediate_size=1536, num_hidden_layers=8)
 CHUNK = 1024
 
 
@@ -171,8 +196,8 @@ def test_an_abandoned_prefill_frees_the_engine_inside_its_chunk_and_keeps_what_i
         for ev in h.events(timeout=T):
             events.append(ev)
             if isinstance(ev, ProgressEvent) and ev.done == CHUNK and not cancelled_at:
-                threading.Timer(0.05, h.cancel).start()  # while the second chunk computes
-                cancelled_at = time.monotonic() + 0.05
+                h.cancel()  # as the second chunk starts
+                cancelled_at = time.monotonic()
         ended_at = time.monotonic()
         progress = [e.done for e in events if isinstance(e, ProgressEvent)]
         assert h.finished.reason == "cancelled" and not h.tokens

@@ -347,6 +347,32 @@ using AttendFn = void (*)(const Attend&);
 
 const AttendFn kAttend = PICK_ISA(attend);
 
+// ---- silu(gate) * up ------------------------------------------------------------------------
+// (g * sigmoid(g)) * u, sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below, e = exp(-|g|):
+// the exponential above only ever sees x <= 0.
+
+#define SW_DEFINE(sfx, attr, bytes)                                                         \
+  attr static void swiglu_##sfx(const float* g, const float* u, float* o, int64_t n) {     \
+    const vf_##sfx zero = (vf_##sfx){}, one = zero + 1.0f;                                 \
+    int64_t i = 0;                                                                         \
+    for (; i + W_##sfx <= n; i += W_##sfx) {                                               \
+      const vf_##sfx gv = ld_##sfx(g + i);                                                 \
+      const vf_##sfx e = exp_##sfx(gv < zero ? gv : zero - gv);                            \
+      const vf_##sfx r = (gv * ((gv < zero ? e : one) / (one + e))) * ld_##sfx(u + i);     \
+      std::memcpy(o + i, &r, sizeof r);                                                    \
+    }                                                                                      \
+    for (; i < n; i++) {                                                                   \
+      const float x = g[i], e = std::exp(-std::fabs(x));                                   \
+      o[i] = (x * ((x < 0.0f ? e : 1.0f) / (1.0f + e))) * u[i];                            \
+    }                                                                                      \
+  }
+
+FOR_EACH_ISA(SW_DEFINE)
+
+using SwigluFn = void (*)(const float*, const float*, float*, int64_t);
+
+const SwigluFn kSwiglu = PICK_ISA(swiglu);
+
 // ---- attention of a prompt chunk: many queries, flash style ----------------------------
 //
 // One work unit: a tile of one KV head's query rows (its query group's heads at up to
@@ -1121,6 +1147,66 @@ mx::array rms_norm(const mx::array& x, const mx::array& w, float eps, mx::Stream
   return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(stream, eps), {x, w});
 }
 
+// silu(gate) * up elementwise (a SwiGLU MLP's activation) as one operation over the pool: MLX's
+// CPU backend takes its exp an element at a time, and a prompt chunk's activation is millions
+// of elements. A lazy operation like any other, so a chunk's layers still compute only when
+// evaluated (a prefill evaluated layer by layer can stop between two).
+class Swiglu : public CpuPrimitive {
+ public:
+  explicit Swiglu(mx::Stream stream) : CpuPrimitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const mx::array &g = inputs[0], &u = inputs[1];
+    mx::array& out = outputs[0];
+    // the gate's buffer where nothing else holds it (each element is read before it is written)
+    if (g.is_donatable() && g.flags().row_contiguous)
+      out.copy_shared_buffer(g);
+    else
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(g);
+    encoder.set_input_array(u);
+    encoder.set_output_array(out);
+    const int64_t width = g.shape(-1), rows = width ? static_cast<int64_t>(g.size()) / width : 0;
+    encoder.dispatch([gs = RowsOf::of(g), us = RowsOf::of(u), op = out.data<float>(), rows, width]() {
+      std::vector<float> gcopy, ucopy;  // only where a row's elements are not adjacent
+      const bool flat = gs.starts.empty() && us.starts.empty();
+      const float* gp = gs.step == 1 ? gs.data : gs.get(gcopy);
+      const float* up = us.step == 1 ? us.data : us.get(ucopy);
+      const bool g_rows = gs.step == 1 && !gs.starts.empty(), u_rows = us.step == 1 && !us.starts.empty();
+      const int64_t n = rows * width;
+      // a thread's share only pays for its wake-up past ~100k elements
+      const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(flat ? n >> 17 : rows, n >> 17));
+      Task task = [&](int part, int count) {
+        if (flat) {
+          const int64_t i0 = n * part / count, i1 = n * (part + 1) / count;
+          kSwiglu(gp + i0, up + i0, op + i0, i1 - i0);
+          return;
+        }
+        for (int64_t r = rows * part / count; r < rows * (part + 1) / count; r++)
+          kSwiglu(g_rows ? gp + gs.starts[r] : gp + r * width,
+                  u_rows ? up + us.starts[r] : up + r * width, op + r * width, width);
+      };
+      the_pool().run(task, static_cast<int>(std::min<int64_t>(parts, kMaxThreads)));
+    });
+  }
+  const char* name() const override { return "Swiglu"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return dynamic_cast<const Swiglu*>(&other) != nullptr;
+  }
+};
+
+mx::array swiglu(const mx::array& g, const mx::array& u, mx::StreamOrDevice s) {
+  if (g.dtype() != mx::float32 || u.dtype() != mx::float32)
+    throw std::invalid_argument("swiglu takes float32 arrays");
+  if (g.ndim() < 1 || g.shape() != u.shape())
+    throw std::invalid_argument("swiglu takes gate and up of one shape");
+  auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu)
+    throw std::invalid_argument("swiglu runs on the CPU stream only");
+  return mx::array(g.shape(), mx::float32, std::make_shared<Swiglu>(stream), {g, u});
+}
+
 // The rotary embedding of x [B, ..., T, D] at positions offset (+ t along T), as MLX's rope
 // computes it: angle (t + offset[b]) * scale * f_i with f_i = base^(-i / (dims / 2)) or
 // 1 / freqs[i]; the first `dims` features rotated in pairs (i, i + dims / 2), or (2i, 2i + 1)
@@ -1503,6 +1589,8 @@ NB_MODULE(_row_product, m) {
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("w"), nb::arg("eps"), nb::kw_only(),
         nb::arg("stream") = nb::none(),
         "x * rsqrt(mean(x * x, -1) + eps) * w for x [..., D], w [D]; float32, on the CPU.");
+  m.def("swiglu", &swiglu, nb::arg("gate"), nb::arg("up"), nb::kw_only(), nb::arg("stream") = nb::none(),
+        "silu(gate) * up elementwise; float32, on the CPU.");
   m.def("rope", &rope, nb::arg("x"), nb::arg("offset"), nb::arg("dims"), nb::arg("traditional"),
         nb::arg("base").none(), nb::arg("scale"), nb::arg("freqs") = nb::none(), nb::kw_only(),
         nb::arg("stream") = nb::none(),
