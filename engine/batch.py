@@ -162,20 +162,24 @@ class Batch:
     ``budget``: the :class:`~engine.step_budget.StepBudget` that sizes the prefill chunk of a
     step with decoding rows (the engine keeps one per loaded model); ``between()``: what
     the engine does between the layers of a prefill pass that every row is in (quick calls,
-    its figures), where a pass whose rows were all cancelled stops."""
+    its figures), where a pass whose rows were all cancelled stops; ``on_finish(reason)``
+    runs just before a row's FinishedEvent (the engine counts it there, so whoever has the
+    answer finds it counted)."""
 
     def __init__(self, model: Any, tokenizer: Any, max_rows: int,
                  should_stop: Callable[[Row], bool], stopping: Callable[[], bool],
                  on_end: Callable[[Row, Ending], None], release: Callable[[Any], None],
                  speculation: Callable[[Row], Any] | None = None, spec_policy: BatchLength | None = None,
                  stores: bool = False, budget: StepBudget | None = None,
-                 between: Callable[[], None] | None = None):
+                 between: Callable[[], None] | None = None,
+                 on_finish: Callable[[str], None] | None = None):
         from mlx_lm.generate import BatchGenerator
 
         self.model, self.tokenizer = model, tokenizer
         self.max_rows = max_rows
         self.should_stop, self.stopping, self.on_end = should_stop, stopping, on_end
         self.release = release
+        self.on_finish = on_finish
         self.stores = stores
         eos = sorted(int(t) for t in tokenizer.eos_token_ids)
         # EOS ends a row inside BatchGenerator, which then hands over the row's cache. Its
@@ -538,6 +542,8 @@ class Batch:
             spec=self.verifier.summary(row.spec) if row.spec is not None and self.verifier is not None else None,
             stored_tokens=stored_prompt_tokens(len(row.prompt), row.n_cached, len(ending.tokens_in_cache),
                                                self.stores and ending.cache is not None)))
+        if self.on_finish is not None:
+            self.on_finish(reason)
         row.handle.emit(FinishedEvent(reason, detail))
         row.lent = None  # unmerged, the lent cache is what ``ending`` holds: stored back
         self._ended.append((row, ending))

@@ -105,7 +105,7 @@ class Batching:
                       stopping=closed, on_end=self._row_ended,
                       release=self.runtime.cache.release, speculation=self._row_speculation,
                       spec_policy=self.spec_policy, stores=self.runtime.cache.enabled,
-                      budget=self.budget, between=self.between)
+                      budget=self.budget, between=self.between, on_finish=self._row_finished)
         if join.gen.speculation is not None:  # the row opens its own in the batch
             join.gen.speculation.source.close()
         self.batch = batch
@@ -175,11 +175,14 @@ class Batching:
             else:
                 self.between(True)
 
-    def _row_ended(self, row: Row, ending: Ending) -> None:
-        """A batched row sent its last event: count it, store its state, and let the
-        speculation sources that learn from earlier outputs take its output."""
-        if ending.reason == "cancelled":
+    def _row_finished(self, reason: str) -> None:
+        """A batched row is about to send its FinishedEvent: count it."""
+        if reason == "cancelled":
             self.counts.cancelled += 1
+
+    def _row_ended(self, row: Row, ending: Ending) -> None:
+        """A batched row sent its last event: store its state, and let the speculation
+        sources that learn from earlier outputs take its output."""
         cache = self.runtime.cache
         if not (cache.enabled and ending.tokens_in_cache and ending.cache):
             cache.release(ending.cache)

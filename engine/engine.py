@@ -242,12 +242,14 @@ class Engine:
         lookups (``lookups``: what each request found in the cache, and why no more), and
         ``as_of`` / ``age_s``: when they were taken. While the engine thread is busy they
         are what it published last (at most about half a second old while it works), so
-        this never waits for a prefill; ``loading`` and no cache stats while the model
-        loads."""
+        this never waits for a prefill; the request counts are always as of now (a request
+        whose answer a caller has is counted). ``loading`` and no cache stats while the
+        model loads."""
         if self._thread.loading():
             return cast("EngineStats", {**self._figures(loading=True), "as_of": time.time(), "age_s": 0.0})
-        return cast("EngineStats", self._publisher.stats(
-            lambda: self._ask("stats", self._publisher.publish_now, timeout=timeout)))
+        figures = self._publisher.stats(
+            lambda: self._ask("stats", self._publisher.publish_now, timeout=timeout))
+        return cast("EngineStats", {**figures, **self._counts.as_dict()})
 
     def snapshot(self) -> EngineStats | None:
         """What the engine thread published last (the figures of :meth:`stats`, with
