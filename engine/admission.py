@@ -25,19 +25,26 @@ GATHER_S = 0.01
 GATHER_RECENT_S = 60.0
 
 
-def row_batchable(req: Request) -> bool:
-    """Whether ``req`` may decode in a batch: a seeded sampled request keeps its own random
-    stream, so it is served alone."""
+def row_batchable(req: Request, spec: str = "auto") -> bool:
+    """Whether ``req`` may decode in a batch (``spec``: the engine's speculation mode). A
+    seeded sampled request may when it decodes plainly (its sampler's key sequence is its
+    own, alone or batched); one that speculates (a mode asked for, or a constraint that
+    proposes under ``auto``) draws a verify's positions from MLX's global key, which only a
+    request served alone keeps to itself."""
     p = req.params
-    return not (p.seed is not None and p.temperature > 0)
+    if p.seed is None or p.temperature == 0:
+        return True
+    mode = req.spec or spec
+    return mode == "off" or (mode == "auto" and not (req.json_skeleton or req.guided_choice or req.grammar))
 
 
 class Admission:
     """The waiting line's side of batching for one loaded model."""
 
     def __init__(self, commands: CommandQueue, counts: Counts, max_batch: int,
-                 batchable: bool):
+                 batchable: bool, spec: str = "auto"):
         self.commands = commands
+        self.spec = spec  # the engine's speculation mode (a request may name its own)
         self.counts = counts
         self.max_batch = max_batch
         self.enabled = batchable and max_batch > 1  # the model's caches can be batched
@@ -71,7 +78,7 @@ class Admission:
         agent) never waits; a server that sees concurrent clients does."""
         if (self.commands.waiting > 0 or self.commands.has_backlog() or not self.enabled
                 or not self.recently_batched() or handle.cancelled
-                or not row_batchable(handle.request)):
+                or not row_batchable(handle.request, self.spec)):
             return
         self.commands.look_ahead(GATHER_S)
 
@@ -81,11 +88,11 @@ class Admission:
         if self.commands.waiting > 0:
             self.sweep_cancelled()
         if (self.commands.waiting <= 0 or not self.enabled or handle.cancelled
-                or self.commands.is_closed() or not row_batchable(handle.request)):
+                or self.commands.is_closed() or not row_batchable(handle.request, self.spec)):
             return False
         head = self.commands.peek()
         if not (isinstance(head, RequestHandle) and not head.cancelled
-                and row_batchable(head.request)):
+                and row_batchable(head.request, self.spec)):
             return False
         from mlxkv.engine.batch import movable
 
@@ -104,7 +111,7 @@ class Admission:
                 self.commands.take(head)
                 self.answer_cancelled(head)
                 continue
-            if not row_batchable(head.request):
+            if not row_batchable(head.request, self.spec):
                 return None
             self.commands.pop()
             self.commands.take(head)

@@ -125,6 +125,7 @@ class Row:
     stopper: StopMatcher = field(default_factory=lambda: StopMatcher(()))  # the request's, once it joins
     merged: bool = False
     spec: RowSpec | None = None  # a speculating row's
+    sampler: Any = None  # the sampler it brings (a seeded row that decoded alone), else the batch's
 
     @property
     def request(self) -> Request:
@@ -219,7 +220,10 @@ class Batch:
         return self.max_rows - len(self)
 
     def _sampler(self, p: SamplingParams) -> Any:
-        # One object per distinct setting: rows that share it are sampled in one call.
+        # One object per distinct setting: rows that share it are sampled in one call. A
+        # seeded row draws from a key sequence of its own: an object of its own.
+        if p.seed is not None and p.temperature > 0:
+            return request_sampler(p)
         key = (p.temperature, p.top_p, p.min_p, p.top_k) if p.temperature > 0 else ("greedy",)
         if key not in self._samplers:
             self._samplers[key] = request_sampler(p)
@@ -260,7 +264,8 @@ class Batch:
         # An empty cache is made here: BatchGenerator's model is a step, not the model.
         args = dict(segments=[[list(rest)]], max_tokens=[left],
                     caches=[cache if cache is not None else make_prompt_cache(self.model)],
-                    all_tokens=[list(in_cache)], samplers=[self._sampler(p)],
+                    all_tokens=[list(in_cache)],
+                    samplers=[row.sampler if row.sampler is not None else self._sampler(p)],
                     logits_processors=[processors])
         row.base = len(in_cache)
         if len(rest) == 1:

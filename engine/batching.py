@@ -22,6 +22,7 @@ from mlxkv.engine.loading import Runtime
 from mlxkv.engine.logs import warn_once
 from mlxkv.engine.preparing import Job, Preparer
 from mlxkv.engine.requests import Counts, ErrorEvent, RequestHandle
+from mlxkv.engine.sampling import SeededSampler
 from mlxkv.engine.settings import Settings
 from mlxkv.engine.single import Join, SingleStream
 from mlxkv.engine.speculation.batch_verify import BatchLength
@@ -76,6 +77,9 @@ class Batching:
         row = self._row(job)
         row.emitted, row.gen_start = list(join.sent), join.started
         row.first_time = join.gen.first_token_time
+        if isinstance(join.gen.sampler, SeededSampler):  # its draws go on where they were
+            join.gen.sampler.rewind(len(join.sent))  # (not the one its pipelined step drew ahead)
+            row.sampler = join.gen.sampler
         row.last_time = time.perf_counter() if join.sent else None
         # Its time per token alone is what the budget aims at while the newcomers prefill:
         # the gaps between its last tokens (not the first, which may have waited for the

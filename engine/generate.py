@@ -348,6 +348,7 @@ class Generation:
         self.speculation = speculation
         self.constraint = constraint
         self.on_layer = on_layer
+        self.sampler: Any = None  # the sampler it draws with, once it runs
 
     def between_layers(self, done: int, chunk: int, layer: int, layers: int) -> None:
         """:func:`prefill`'s ``between_layers`` (``done``: of the uncached suffix): report,
@@ -364,9 +365,9 @@ class Generation:
         p = self.params
         if self.cache is None:
             self.cache = make_prompt_cache(self.model)
-        if p.seed is not None:
-            mx.random.seed(p.seed)
-        sampler = request_sampler(p)
+        if p.seed is not None and self.speculation is not None:
+            mx.random.seed(p.seed)  # a verify's draws (plain decoding's come from its own key)
+        sampler = self.sampler = request_sampler(p)
         processors = request_processors(p, self.prompt_tokens[: self.n_cached])
 
         reported = [-1]

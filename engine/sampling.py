@@ -4,6 +4,7 @@ below them, so none of them imports another for it)."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,10 +51,76 @@ class SamplingParams:
 
 
 def request_sampler(p: SamplingParams) -> Callable:
-    """mlx-lm's sampler for ``p``'s temperature, top-p, min-p and top-k."""
+    """mlx-lm's sampler for ``p``'s temperature, top-p, min-p and top-k; a seeded sampled
+    request gets a :class:`SeededSampler` of its own."""
+    if p.seed is not None and p.temperature > 0:
+        return SeededSampler(p)
+    return mlx_lm_sampler(p)
+
+
+def mlx_lm_sampler(p: SamplingParams) -> Callable:
+    """mlx-lm's own sampler for ``p``: its draws come from MLX's global key (a speculative
+    verify samples every position of a window with it)."""
     from mlx_lm.sample_utils import make_sampler
 
     return make_sampler(p.temperature, p.top_p, p.min_p, top_k=p.top_k)
+
+
+class SeededSampler:
+    """A seeded sampled request's sampler: the filters of mlx-lm's ``make_sampler`` in its
+    order (top-p, min-p, top-k) and its draw, ``categorical(logprobs / temperature)``, each
+    draw with the next key of a sequence of the request's own, split as MLX splits its
+    global key after ``mx.random.seed(seed)``. So it draws the tokens mlx-lm draws after
+    seeding, whether the request decodes alone or in a batch beside others (one call per
+    token either way), and it leaves the process's global random state alone.
+
+    Called on several positions at once (a plain row's window in a batch's speculative
+    round, of which only the first position is kept), the first takes the next draw and
+    the others the most likely token, drawing nothing. ``rewind(calls)`` puts the sequence
+    back to where it was after ``calls`` calls: a request that moves into a batch samples
+    again the token its pipelined step alone had drawn ahead."""
+
+    KEEP = 8  # keys kept back for rewind: a lone decode draws one step ahead
+
+    def __init__(self, p: SamplingParams):
+        import mlx.core as mx
+        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+        assert p.seed is not None and p.temperature > 0
+        self.temperature = p.temperature
+        self.filters: list[Callable] = []
+        if 0 < p.top_p < 1.0:
+            self.filters.append(lambda x: apply_top_p(x, p.top_p))
+        if p.min_p != 0.0:
+            self.filters.append(lambda x: apply_min_p(x, p.min_p))
+        if p.top_k > 0:
+            self.filters.append(lambda x: apply_top_k(x, p.top_k))
+        self.calls = 0
+        self._keys: deque[Any] = deque([mx.random.key(p.seed)], maxlen=self.KEEP)  # [-1]: the next
+
+    def __call__(self, logprobs: Any) -> Any:
+        import mlx.core as mx
+
+        pair = mx.random.split(self._keys[-1])
+        self._keys.append(pair[0])
+        self.calls += 1
+        first = logprobs[:1]
+        for f in self.filters:
+            first = f(first)
+        token = mx.random.categorical(first * (1.0 / self.temperature), key=pair[1])
+        if logprobs.shape[0] > 1:
+            token = mx.concatenate([token, mx.argmax(logprobs[1:], axis=-1)])
+        return token
+
+    def rewind(self, calls: int) -> None:
+        """Back to the key sequence as it was after ``calls`` calls (at most ``KEEP - 1``
+        back)."""
+        back = self.calls - calls
+        if not 0 <= back < len(self._keys):
+            raise ValueError(f"cannot rewind {back} draws (the sampler keeps {len(self._keys) - 1})")
+        for _ in range(back):
+            self._keys.pop()
+        self.calls = calls
 
 
 def request_processors(p: SamplingParams, history: Sequence[int] = ()) -> list[Callable]:

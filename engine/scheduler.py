@@ -38,7 +38,7 @@ class Scheduler:
         self.source = source
         self.publisher = publisher
         self.lookups = LookupHistory(settings.lookup_history)
-        self.admission = Admission(commands, counts, max_batch, runtime.batchable)
+        self.admission = Admission(commands, counts, max_batch, runtime.batchable, settings.spec)
         self.preparer = Preparer(runtime.loaded, runtime.cache, counts, tokens, self.lookups)
         self.single = SingleStream(runtime, settings, commands, counts, self.admission, tokens,
                                    load_wait, self.between)

@@ -359,10 +359,11 @@ def test_batched_rows_are_stored_and_hit_later(tiny_qwen3, alone_engine):
 
 
 def test_requests_that_must_run_alone_wait_for_the_batch(eng, alone_engine):
-    """A seeded sampled request keeps its own random stream: it is served alone, after the
-    batch ahead of it, and answers as it does on an idle engine."""
+    """A seeded sampled request that speculates draws its verify's positions from MLX's
+    global key: it is served alone, after the batch ahead of it, and answers as it does on
+    an idle engine."""
     prompts = token_prompts(3, seed=71, longest=20)
-    seeded = Request(prompt_tokens=prompts[2],
+    seeded = Request(prompt_tokens=prompts[2], spec="ngram",
                      params=SamplingParams(temperature=0.9, top_p=1.0, top_k=0, min_p=0.0,
                                            repetition_penalty=1.0, seed=123, max_tokens=12))
     with held(eng):
@@ -372,6 +373,43 @@ def test_requests_that_must_run_alone_wait_for_the_batch(eng, alone_engine):
     got = [h.result(timeout=T) for h in hs]
     assert got[0].stats.batched and got[1].stats.batched and not got[2].stats.batched
     assert got[2].tokens == alone_engine.submit(seeded).result(timeout=T).tokens
+
+
+def test_seeded_sampled_rows_batch_and_draw_as_each_alone(eng, alone_engine):
+    """A seeded sampled request draws from a key sequence of its own: it decodes in a batch
+    (beside greedy rows, and beside a row with the same seed, settings and prompt, which
+    is not one draw of a shared call) with the tokens it has alone; and one that decoded
+    alone and moved into a batch mid-answer goes on with the draws it had alone."""
+    prompts = token_prompts(3, seed=73, longest=20)
+
+    def sampled(seed: int, max_tokens: int = 16) -> SamplingParams:
+        return SamplingParams(temperature=0.9, top_p=0.95, seed=seed, max_tokens=max_tokens)
+    reqs = [Request(prompt_tokens=prompts[0], params=sampled(5)),
+            Request(prompt_tokens=prompts[0], params=sampled(5)),
+            Request(prompt_tokens=prompts[1], params=sampled(6)),
+            Request(prompt_tokens=prompts[2], params=greedy(max_tokens=12))]
+    with held(eng):
+        hs = [eng.submit(r) for r in reqs]
+    got = [h.result(timeout=T) for h in hs]
+    assert all(g.stats.batched for g in got)
+    alone = [alone_engine.submit(r).result(timeout=T) for r in reqs]
+    assert [g.tokens for g in got] == [a.tokens for a in alone]
+    assert len(set(alone[0].tokens)) > 3  # really sampled
+    # alone first, then joined by a request that arrives after its fifth token
+    first = Request(prompt_tokens=prompts[1], params=sampled(9, max_tokens=40))
+    later = Request(prompt_tokens=prompts[2], params=sampled(10, max_tokens=8))
+    joined: list = []
+
+    def on_token(ev) -> None:
+        if isinstance(ev, TokenEvent) and ev.token is not None:
+            joined.append(ev.token)
+            if len(joined) == 5:
+                hs.append(eng.submit(later))
+    hs = []
+    moved = eng.submit(first, callback=on_token).result(timeout=T)
+    assert moved.stats.batched and hs and hs[0].result(timeout=T).stats.batched
+    assert moved.tokens == alone_engine.submit(first).result(timeout=T).tokens
+    assert hs[0].result(timeout=T).tokens == alone_engine.submit(later).result(timeout=T).tokens
 
 
 def test_a_batch_step_that_fails_is_answered_again_row_by_row(tiny_qwen3, alone_engine,
@@ -483,7 +521,7 @@ def test_the_prefix_cache_is_told_busy_while_rows_decode(tiny_qwen3):
                   for p in prompts]
             # served alone after the batch, then one cancelled before it starts: the
             # cache is told idle after that one too
-            hs.append(e.submit(Request(prompt="x", params=SamplingParams(
+            hs.append(e.submit(Request(prompt="x", spec="ngram", params=SamplingParams(
                 temperature=0.5, seed=1, max_tokens=2))))
             hs.append(e.submit(Request(prompt="y", params=greedy(max_tokens=2))))
             hs[-1].cancel()
@@ -542,8 +580,8 @@ def test_a_waiting_request_cancelled_frees_its_place_at_once(tiny_qwen3, max_bat
     a full batch) gets its answer within a step, and its place in the queue is free."""
     with Engine(str(tiny_qwen3), max_batch=max_batch, max_queue=2).start(timeout=T) as e:
         decoding = threading.Event()
-        seeded = SamplingParams(temperature=0.7, seed=3, max_tokens=100000)  # served alone
-        running = e.submit(Request(prompt="a long answer", params=seeded),
+        seeded = SamplingParams(temperature=0.7, seed=3, max_tokens=100000)
+        running = e.submit(Request(prompt="a long answer", params=seeded, spec="ngram"),  # served alone
                            callback=lambda ev: decoding.set() if isinstance(ev, TokenEvent)
                            else None)
         assert decoding.wait(T)

@@ -77,6 +77,37 @@ def test_sampled_decoding_with_processors_is_mlx_lms():
     assert got == plain
 
 
+@pytest.mark.parametrize("settings", [dict(top_p=0.9), dict(top_k=20, min_p=0.05), dict()])
+def test_a_seeded_sampler_draws_mlx_lms_seeded_tokens_and_leaves_the_global_key(settings):
+    """A seeded request's own sampler draws, call by call, what mlx-lm's sampler draws
+    after ``mx.random.seed``; MLX's global key is left as it was; a rewind goes back to the
+    draws after that many calls, and no further than it keeps."""
+    from mlx_lm.sample_utils import make_sampler
+
+    from mlxkv.engine.sampling import SeededSampler
+
+    logits = mx.random.normal((1, 300), key=mx.random.key(1)) * 3
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    params = SamplingParams(temperature=0.8, seed=11, **settings)
+    mx.random.seed(11)
+    theirs = [make_sampler(0.8, params.top_p, params.min_p, top_k=params.top_k)(logprobs).item()
+              for _ in range(12)]
+    mx.random.seed(99)
+    before = mx.array(mx.random.state[0])
+    ours = SeededSampler(params)
+    mine = [ours(logprobs).item() for _ in range(12)]
+    assert mine == theirs and len(set(mine)) > 2
+    assert mx.array_equal(mx.random.state[0], before).item()
+    ours.rewind(9)
+    assert [ours(logprobs).item() for _ in range(3)] == theirs[9:]
+    with pytest.raises(ValueError, match="cannot rewind"):
+        ours.rewind(12 - SeededSampler.KEEP)
+    window = mx.concatenate([logprobs, logprobs])  # a plain row's window: the first is drawn
+    ours.rewind(11)
+    got = ours(window).tolist()
+    assert got == [theirs[11], mx.argmax(logprobs).item()]
+
+
 def test_a_sliding_window_model_decodes_through_the_forward_pass():
     path = build_random_model(TEST_MODELS / "llama-tiny-sliding16", arch="llama", sliding_window=16,
                               layer_types=["sliding_attention", "full_attention"])

@@ -12,7 +12,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from mlxkv.engine.arrays import float_list, int_list
-from mlxkv.engine.sampling import SamplingParams, request_processors, request_sampler
+from mlxkv.engine.sampling import SamplingParams, mlx_lm_sampler, request_processors
 
 
 class TargetSampler:
@@ -23,7 +23,7 @@ class TargetSampler:
     def __init__(self, params: SamplingParams, history: Sequence[int], constraint: Any = None):
         self.temperature = float(params.temperature)
         self.greedy = self.temperature == 0
-        self.sampler = request_sampler(params)
+        self.sampler = mlx_lm_sampler(params)  # every position drawn (seeded: the global key)
         self.processors = request_processors(params)
         # Processors read at most this many trailing tokens.
         self._context = max(int(params.repetition_context_size), 1)
