@@ -58,13 +58,25 @@ if TYPE_CHECKING:
 
 def batchable_cache(cache: Sequence[Any]) -> bool:
     """Whether rows with this kind of prompt cache can decode in one batch: every layer a
-    plain ``KVCache`` or a sliding window (``RotatingKVCache`` keeping no sink tokens),
-    which mlx-lm merges into its batch caches. SSM state (``ArraysCache``), quantized KV
-    and the other kinds are served one request at a time."""
-    from mlx_lm.models.cache import KVCache, RotatingKVCache
+    plain ``KVCache``, a sliding window (``RotatingKVCache`` keeping no sink tokens) or the
+    recurrent state of an SSM or linear-attention layer (``ArraysCache``), which mlx-lm
+    merges into its batch caches (a recurrent row's left padding masked out of its scan).
+    Attention sinks, chunked attention, nested cache lists and the other kinds are served
+    one request at a time."""
+    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
     return bool(cache) and all(
-        type(c) is KVCache or (type(c) is RotatingKVCache and c.keep == 0) for c in cache)
+        type(c) in (KVCache, ArraysCache) or (type(c) is RotatingKVCache and c.keep == 0)
+        for c in cache)
+
+
+def rounds_cache(cache: Sequence[Any]) -> bool:
+    """Whether a batch of rows with this kind of prompt cache can run speculative rounds: a
+    round gives back its rejected positions by trimming every layer's batch cache, which a
+    recurrent state cannot do (alone, the verifier restores it from a snapshot instead)."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    return bool(cache) and all(type(c) in (KVCache, RotatingKVCache) for c in cache)
 
 
 def movable(cache: Sequence[Any], known: int) -> bool:
@@ -187,6 +199,9 @@ class Batch:
         # model runs the decode steps compiled (engine.batch_step).
         # (BatchGenerator annotates its model as nn.Module; it only calls it and reads its layers)
         self.stepper = BatchStepModel(model)
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.rounds = rounds_cache(make_prompt_cache(model))  # else its rows decode plainly
         self.between = between
         self._gen: BatchGenerator | None = BatchGenerator(
             cast("nn.Module", self.stepper), stop_tokens=[[t] for t in eos] or None, completion_batch_size=max_rows,
@@ -305,7 +320,9 @@ class Batch:
         spec = self.speculation(row)
         if spec is None:
             return
-        if spec.provider.needs_hidden:  # MTP proposes from the target's hidden state: alone only
+        if spec.provider.needs_hidden or not self.rounds:
+            # MTP proposes from the target's hidden state: alone only; a recurrent layer's
+            # batch state cannot give back a round's rejected positions
             spec.source.close()
             return
         if self.verifier is None:

@@ -319,22 +319,48 @@ def test_sliding_window_rows_batch_and_equal_alone(sliding_model, spec):
             same_as_alone(ref, req, rec.events[h.id])
 
 
-def test_a_model_whose_caches_cannot_be_batched_is_served_one_at_a_time():
+def test_which_caches_batch_and_which_run_speculative_rounds():
+    from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache
+
+    from mlxkv.engine.batch import batchable_cache, rounds_cache
+
+    assert batchable_cache([KVCache(), ArraysCache(2), RotatingKVCache(16)])
+    assert not batchable_cache([KVCache(), RotatingKVCache(16, keep=4)])  # attention sinks
+    assert not batchable_cache([ChunkedKVCache(8), KVCache()])
+    assert not batchable_cache([CacheList(ArraysCache(2), KVCache())])
+    assert not batchable_cache([])
+    assert rounds_cache([KVCache(), RotatingKVCache(16)])
+    assert not rounds_cache([KVCache(), ArraysCache(2)])  # a recurrent state cannot be trimmed
+
+
+def test_a_hybrid_models_rows_batch_as_each_alone_and_their_states_are_found_again():
+    """A model whose linear-attention layers keep recurrent state (ArraysCache) beside its
+    attention layers' KV decodes its requests together: greedy rows of different lengths
+    answer as each alone (mlx-lm masks a row's left padding out of the recurrent scan),
+    none speculates in a batch round (its batch state cannot give back rejected positions;
+    alone it may), and the state each batched row leaves is stored: the next turn finds it."""
     from support.modelgen import mtp_model
 
-    hybrid = mtp_model()  # linear-attention layers keep SSM state (ArraysCache)
-    prompts = token_prompts(3, seed=51, longest=50)
-    reqs = [Request(prompt_tokens=p, params=greedy(max_tokens=12)) for p in prompts]
+    hybrid = mtp_model()
+    prompts = [p + [5] * 70 for p in token_prompts(3, seed=51, longest=50)]
+    reqs = [Request(prompt_tokens=p, spec="ngram", params=greedy(max_tokens=12)) for p in prompts]
     with Engine(str(hybrid), max_batch=1).start(timeout=T) as ref:
         alone = [ref.submit(r).result(timeout=T) for r in reqs]
+        follow = [Request(prompt_tokens=p + a.tokens + [9, 10, 11], params=greedy(max_tokens=6))
+                  for p, a in zip(prompts, alone)]
+        alone_follow = [ref.submit(r).result(timeout=T) for r in follow]
     with Engine(str(hybrid), prefix_cache=ram_cache()).start(timeout=T) as e:
-        assert e.stats(timeout=T)["batching"] is False
+        assert e.stats(timeout=T)["batching"] is True
         with held(e):
             hs = [e.submit(r) for r in reqs]
         got = [h.result(timeout=T) for h in hs]
+        later = [e.submit(r).result(timeout=T) for r in follow]
     for a, b in zip(alone, got):
         assert (b.tokens, b.text, b.finish_reason) == (a.tokens, a.text, a.finish_reason)
-        assert not b.stats.batched
+        assert b.stats.batched and b.stats.spec is None
+    for p, a, b in zip(prompts, alone_follow, later):
+        assert b.tokens == a.tokens
+        assert b.stats.cached_tokens >= len(p)
 
 
 def test_batched_rows_are_stored_and_hit_later(tiny_qwen3, alone_engine):
