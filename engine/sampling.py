@@ -66,6 +66,21 @@ def mlx_lm_sampler(p: SamplingParams) -> Callable:
     return make_sampler(p.temperature, p.top_p, p.min_p, top_k=p.top_k)
 
 
+def sample_filters(p: SamplingParams) -> list[Callable]:
+    """The filters mlx-lm's ``make_sampler`` applies to log-probabilities before its draw,
+    in its order: top-p, min-p (keeping at least one token), top-k."""
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+    filters: list[Callable] = []
+    if 0 < p.top_p < 1.0:
+        filters.append(lambda x: apply_top_p(x, p.top_p))
+    if p.min_p != 0.0:
+        filters.append(lambda x: apply_min_p(x, p.min_p, 1))
+    if p.top_k > 0:
+        filters.append(lambda x: apply_top_k(x, p.top_k))
+    return filters
+
+
 class SeededSampler:
     """A seeded sampled request's sampler: the filters of mlx-lm's ``make_sampler`` in its
     order (top-p, min-p, top-k) and its draw, ``categorical(logprobs / temperature)``, each
@@ -84,17 +99,10 @@ class SeededSampler:
 
     def __init__(self, p: SamplingParams):
         import mlx.core as mx
-        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
         assert p.seed is not None and p.temperature > 0
         self.temperature = p.temperature
-        self.filters: list[Callable] = []
-        if 0 < p.top_p < 1.0:
-            self.filters.append(lambda x: apply_top_p(x, p.top_p))
-        if p.min_p != 0.0:
-            self.filters.append(lambda x: apply_min_p(x, p.min_p))
-        if p.top_k > 0:
-            self.filters.append(lambda x: apply_top_k(x, p.top_k))
+        self.filters = sample_filters(p)
         self.calls = 0
         self._keys: deque[Any] = deque([mx.random.key(p.seed)], maxlen=self.KEEP)  # [-1]: the next
 

@@ -9,10 +9,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from mlxkv.engine.arrays import float_list, int_list
-from mlxkv.engine.sampling import SamplingParams, mlx_lm_sampler, request_processors
+from mlxkv.engine.sampling import SamplingParams, mlx_lm_sampler, request_processors, sample_filters
 
 
 class TargetSampler:
@@ -32,14 +31,7 @@ class TargetSampler:
         # output (tokens after the prompt) up to each position.
         self.constraint = constraint
         self.output: list[int] = []
-        filters = []
-        if 0 < params.top_p < 1.0:
-            filters.append(lambda x: apply_top_p(x, params.top_p))
-        if params.min_p != 0.0:
-            filters.append(lambda x: apply_min_p(x, params.min_p, 1))
-        if params.top_k > 0:
-            filters.append(lambda x: apply_top_k(x, params.top_k))
-        self._filters = filters
+        self._filters = sample_filters(params)
 
     def logprobs(self, logits: mx.array, window: Sequence[int]) -> mx.array:
         """logits [T, V] of the window's positions -> processed log-probabilities [T, V]."""
