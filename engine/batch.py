@@ -56,15 +56,23 @@ if TYPE_CHECKING:
     from mlxkv.engine.speculation.batch_verify import BatchLength, BatchVerifier, RowSpec
 
 
-def batchable_cache(cache: Sequence[Any]) -> bool:
-    """Whether rows with this kind of prompt cache can decode in one batch: every layer a
-    plain ``KVCache``, a sliding window (``RotatingKVCache`` keeping no sink tokens) or the
-    recurrent state of an SSM or linear-attention layer (``ArraysCache``), which mlx-lm
-    merges into its batch caches (a recurrent row's left padding masked out of its scan).
-    Attention sinks, chunked attention, nested cache lists and the other kinds are served
-    one request at a time."""
+def batchable_cache(cache: Sequence[Any], model: Any = None) -> bool:
+    """Whether rows of ``model`` with this kind of prompt cache can decode in one batch:
+    every layer a plain ``KVCache``, a sliding window (``RotatingKVCache`` keeping no sink
+    tokens) or the recurrent state of an SSM or linear-attention layer (``ArraysCache``),
+    which mlx-lm merges into its batch caches. A recurrent state batches only where the
+    architecture masks a row's padding out of its scan: its module takes mlx-lm's
+    ``create_ssm_mask`` (Mamba2, Qwen3-Next, Qwen3.5, Jamba, Kimi Linear, ...); Mamba, RWKV-7
+    and RecurrentGemma scan the padding into the state. Attention sinks, chunked attention,
+    nested cache lists and the other kinds are served one request at a time."""
+    import sys
+
     from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
+    if any(type(c) is ArraysCache for c in cache):
+        module = sys.modules.get(type(model).__module__) if model is not None else None
+        if module is None or not hasattr(module, "create_ssm_mask"):
+            return False
     return bool(cache) and all(
         type(c) in (KVCache, ArraysCache) or (type(c) is RotatingKVCache and c.keep == 0)
         for c in cache)
@@ -82,10 +90,13 @@ def rounds_cache(cache: Sequence[Any]) -> bool:
 def movable(cache: Sequence[Any], known: int) -> bool:
     """Whether a single-stream cache can move into a batch now: the batch feeds the last of
     the ``known`` tokens (prompt and output) again, so the cache must hold at most
-    ``known - 1`` of them or give the rest back (a sliding window that has not wrapped)."""
+    ``known - 1`` of them or give the rest back (a sliding window that has not wrapped);
+    a state that tracks no token count (all layers recurrent) never moves."""
     from mlxkv.engine.generate import cache_length
 
-    held = cache_length(cache) or 0
+    held = cache_length(cache)
+    if held is None:  # every layer recurrent: how many tokens its state holds is not known
+        return False
     return held <= known - 1 or all(c.is_trimmable() for c in cache)
 
 

@@ -159,7 +159,7 @@ def load_runtime(source: ModelSource, settings: Settings, prefix_cache: CacheArg
         from mlxkv.engine.batch import batchable_cache
         from mlxkv.engine.generate import head_view
 
-        batchable = batchable_cache(make_prompt_cache(loaded.model))
+        batchable = batchable_cache(make_prompt_cache(loaded.model), loaded.model)
         head_view(loaded.model)  # decided while loading (by bind_model's probe when a cache is bound)
     return Runtime(loaded, namespace, providers, CacheUse(client, namespace), batchable, info,
                    load_s)

@@ -83,7 +83,7 @@ def native() -> Any:
         return None
     try:
         why = _works(module)
-    except (TypeError, RuntimeError, ValueError) as e:
+    except (TypeError, RuntimeError, ValueError, AttributeError) as e:  # (an older build lacks one)
         why = str(e)
     if why is not None:
         log.warning("the CPU primitives do not work with this mlx (%s): MLX's paths", why)

@@ -320,11 +320,18 @@ def test_sliding_window_rows_batch_and_equal_alone(sliding_model, spec):
 
 
 def test_which_caches_batch_and_which_run_speculative_rounds():
-    from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache
+    from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache, make_prompt_cache
+    from test_prefix_cache import MAMBA, QWEN3_NEXT
 
-    from mlxkv.engine.batch import batchable_cache, rounds_cache
+    from mlxkv.engine.batch import batchable_cache, movable, rounds_cache
+    from support.modelgen import init_model
 
-    assert batchable_cache([KVCache(), ArraysCache(2), RotatingKVCache(16)])
+    hybrid, mamba = init_model(QWEN3_NEXT), init_model(MAMBA)
+    assert batchable_cache(make_prompt_cache(hybrid), hybrid)  # its module masks padding out of the scan
+    assert not batchable_cache(make_prompt_cache(mamba), mamba)  # Mamba scans it into the state
+    assert not batchable_cache([KVCache(), ArraysCache(2)])  # whose recurrent state: not known
+    assert not movable(make_prompt_cache(mamba), 10)  # a state that counts no tokens never moves
+    assert batchable_cache([KVCache(), RotatingKVCache(16)])
     assert not batchable_cache([KVCache(), RotatingKVCache(16, keep=4)])  # attention sinks
     assert not batchable_cache([ChunkedKVCache(8), KVCache()])
     assert not batchable_cache([CacheList(ArraysCache(2), KVCache())])
