@@ -96,7 +96,7 @@ class Admission:
             return False
         from mlxkv.engine.batch import movable
 
-        return gen.cache is not None and movable(gen.cache, len(gen.prompt_tokens) + len(sent))
+        return gen.cache is not None and movable(gen.cache, len(gen.prompt_tokens) + len(sent), gen)
 
     def next_row(self) -> RequestHandle | None:
         """The request next in line, taken from it, when it may join a batch now (cancelled

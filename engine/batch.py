@@ -87,17 +87,20 @@ def rounds_cache(cache: Sequence[Any]) -> bool:
     return bool(cache) and all(type(c) in (KVCache, RotatingKVCache) for c in cache)
 
 
-def movable(cache: Sequence[Any], known: int) -> bool:
+def movable(cache: Sequence[Any], known: int, gen: Any = None) -> bool:
     """Whether a single-stream cache can move into a batch now: the batch feeds the last of
     the ``known`` tokens (prompt and output) again, so the cache must hold at most
     ``known - 1`` of them or give the rest back (a sliding window that has not wrapped);
-    a state that tracks no token count (all layers recurrent) never moves."""
+    a state that tracks no token count (all layers recurrent) never moves. A plain lone
+    generation (``gen``) whose recurrent layers kept their state from before the last
+    token gives that token back (``Generation.give_back_last``)."""
     from mlxkv.engine.generate import cache_length
 
     held = cache_length(cache)
     if held is None:  # every layer recurrent: how many tokens its state holds is not known
         return False
-    return held <= known - 1 or all(c.is_trimmable() for c in cache)
+    return (held <= known - 1 or all(c.is_trimmable() for c in cache)
+            or (gen is not None and gen.can_give_back_last(known)))
 
 
 def token_logprobs(logprobs: mx.array, token: int, top: int | None

@@ -99,9 +99,16 @@ class Batching:
         assert cache is not None  # the generation ran: it made its cache
         held = cache_length(cache) or 0
         keep = min(held, len(history) - 1)
-        if held > keep:
-            for c in cache:
-                c.trim(held - keep)
+        if held > keep and not join.gen.give_back_last(len(history)):  # (recurrent layers)
+            if all(c.is_trimmable() for c in cache):
+                for c in cache:
+                    c.trim(held - keep)
+            else:
+                # A recurrent state past the last token (a speculative stream's close fed
+                # its pipelined step): nothing gives that token back, so the batch
+                # computes the row's state again from its prompt and what it sent.
+                log.debug("request %d moves into the batch without its state", row.handle.id)
+                cache, keep = None, 0
         closed = self.commands.is_closed
         loaded = self.runtime.loaded
         batch = Batch(loaded.model, loaded.tokenizer, self.max_batch,

@@ -41,10 +41,11 @@ def decode_step(model: Any) -> CompiledStep:
 
 
 def plain_decode(model: Any, first: Any, cache: list, sampler: Callable,
-                 processors: list[Callable] | None, max_tokens: int) -> Generator[tuple[int, Any], None, None]:
+                 processors: list[Callable] | None, max_tokens: int,
+                 before_feed: Callable[[], None] | None = None) -> Generator[tuple[int, Any], None, None]:
     """``max_tokens`` tokens after ``first`` (an unevaluated [1] token array, sampled but not
     fed yet): (token, log-probabilities [V]) pairs, as ``generate_step(first, model, ...)``
-    yields them."""
+    yields them. ``before_feed()``, when given, runs before each token's step is built."""
     import mlx.core as mx
     from mlx_lm.generate import generation_stream
 
@@ -53,6 +54,8 @@ def plain_decode(model: Any, first: Any, cache: list, sampler: Callable,
 
     def next_of(y: mx.array) -> tuple[mx.array, mx.array]:
         nonlocal history
+        if before_feed is not None:
+            before_feed()
         with mx.stream(generation_stream):
             logits = step(y[None], cache)
             if processors:

@@ -349,6 +349,40 @@ class Generation:
         self.constraint = constraint
         self.on_layer = on_layer
         self.sampler: Any = None  # the sampler it draws with, once it runs
+        # Layers of recurrent state (SSM, linear attention) beside trimmable ones: plain
+        # decoding keeps their state from before the last token it fed (give_back_last).
+        self._recurrent: list = []
+        self._before_last: tuple[int, list] | None = None
+
+    def _keep_recurrent(self) -> None:
+        held = cache_length(self.cache or [])
+        if held is not None:
+            self._before_last = (held, [list(c.cache) for c in self._recurrent])
+
+    def can_give_back_last(self, known: int) -> bool:
+        """Whether :meth:`give_back_last` would."""
+        cache = self.cache or []
+        kept = self._before_last
+        return (bool(self._recurrent) and kept is not None and kept[0] == known - 1
+                and cache_length(cache) == known
+                and all(c.is_trimmable() for c in cache if not is_recurrent(c)))
+
+    def give_back_last(self, known: int) -> bool:
+        """Take the last of the ``known`` tokens (prompt and output) back out of the cache,
+        when it holds all of them and plain decoding kept its recurrent layers' state from
+        before that token was fed (a request moving into a batch, which feeds it again):
+        the recurrent layers get that state back, every other layer is trimmed. False,
+        changing nothing, when it cannot."""
+        if not self.can_give_back_last(known):
+            return False
+        assert self._before_last is not None  # (checked)
+        others = [c for c in self.cache or [] if not is_recurrent(c)]
+        for c, state in zip(self._recurrent, self._before_last[1]):
+            c.cache = list(state)
+        for c in others:
+            c.trim(1)
+        self._before_last = None
+        return True
 
     def between_layers(self, done: int, chunk: int, layer: int, layers: int) -> None:
         """:func:`prefill`'s ``between_layers`` (``done``: of the uncached suffix): report,
@@ -365,6 +399,7 @@ class Generation:
         p = self.params
         if self.cache is None:
             self.cache = make_prompt_cache(self.model)
+        self._recurrent = [c for c in self.cache if is_recurrent(c)]
         if p.seed is not None and self.speculation is not None:
             mx.random.seed(p.seed)  # a verify's draws (plain decoding's come from its own key)
         sampler = self.sampler = request_sampler(p)
@@ -398,7 +433,8 @@ class Generation:
                 processors = (processors or []) + [
                     self.constraint.processor(len(self.prompt_tokens) - self.n_cached)]
             steps = _plain_steps(self.model, self.prompt_tokens[self.n_cached:], self.cache, p,
-                                 sampler, processors, progress, self.between_layers)
+                                 sampler, processors, progress, self.between_layers,
+                                 self._keep_recurrent if self._recurrent else None)
         try:
             for n, (token, token_logprobs) in enumerate(steps):
                 now = time.perf_counter()
@@ -454,9 +490,15 @@ class Generation:
         self.outcome = out
 
 
+def is_recurrent(c: Any) -> bool:
+    """Whether a cache layer is recurrent state (an ``ArraysCache``: SSM, linear attention)."""
+    return type(c).__name__ in ("ArraysCache", "MambaCache")
+
+
 def _plain_steps(model: Any, tokens: Sequence[int], cache: list, p: SamplingParams, sampler: Callable,
                  processors: list[Callable], progress: Callable[[int, int], None],
-                 between_layers: LayerHook) -> Iterator[tuple[int, Any]]:
+                 between_layers: LayerHook, before_feed: Callable[[], None] | None = None
+                 ) -> Iterator[tuple[int, Any]]:
     """Plain decoding of the uncached prompt suffix ``tokens``: :func:`prefill`, the first
     token sampled from its logits as mlx-lm's generate_step samples (processors, then
     log-probabilities, then the sampler), then generate_step's loop from that token on
@@ -483,7 +525,8 @@ def _plain_steps(model: Any, tokens: Sequence[int], cache: list, p: SamplingPara
     if p.max_tokens <= 1:
         return
     rest = plain_decode(model, first, cache, sampler,
-                        [with_history(proc, context) for proc in processors] or None, p.max_tokens - 1)
+                        [with_history(proc, context) for proc in processors] or None, p.max_tokens - 1,
+                        before_feed)
     try:
         yield from rest
     finally:

@@ -370,6 +370,44 @@ def test_a_hybrid_models_rows_batch_as_each_alone_and_their_states_are_found_aga
         assert b.stats.cached_tokens >= len(p)
 
 
+@pytest.mark.parametrize("spec", ["off", "mtp"])
+def test_a_hybrid_request_decoding_alone_moves_into_a_batch_mid_answer(spec):
+    """A hybrid model's request decoding alone holds the token its pipelined step fed, which
+    its recurrent layers cannot trim: when a newcomer arrives mid-answer, plainly decoding
+    those layers get back their state from before that token (kept as it decoded) and the
+    rest are trimmed; speculating (MTP alone), whose stream feeds that step as it closes,
+    the batch computes the row's state again. Either way it moves into a batch and both
+    answer as each alone."""
+    from support.modelgen import mtp_model
+
+    hybrid = mtp_model()
+    prompts = token_prompts(2, seed=59, longest=40)  # the first answers 30 tokens alone
+    first = Request(prompt_tokens=prompts[0] * 4, spec=spec, logprobs=0, params=greedy(max_tokens=30))
+    later = Request(prompt_tokens=prompts[1], spec=spec, params=greedy(max_tokens=8))
+
+    def logprobs(events) -> list[float]:
+        return [ev.logprob for ev in events if isinstance(ev, TokenEvent) and ev.token is not None]
+    with Engine(str(hybrid), max_batch=1).start(timeout=T) as ref:
+        alone_events: list = []
+        alone = [ref.submit(first, callback=alone_events.append).result(timeout=T),
+                 ref.submit(later).result(timeout=T)]
+    with Engine(str(hybrid)).start(timeout=T) as e:
+        seen: list = []
+        hs: list = []
+
+        def on_token(ev) -> None:
+            seen.append(ev)
+            if isinstance(ev, TokenEvent) and ev.token is not None and len(logprobs(seen)) == 5:
+                hs.append(e.submit(later))
+        moved = e.submit(first, callback=on_token).result(timeout=T)
+        assert hs
+        joined = hs[0].result(timeout=T)
+    assert moved.stats.batched and joined.stats.batched and len(alone[0].tokens) == 30
+    assert moved.tokens == alone[0].tokens and joined.tokens == alone[1].tokens
+    # the state it went on from is the one alone had, not one that saw a token twice
+    assert logprobs(seen) == pytest.approx(logprobs(alone_events), abs=1e-4)
+
+
 def test_batched_rows_are_stored_and_hit_later(tiny_qwen3, alone_engine):
     prompts = token_prompts(3, seed=61, longest=60)
     prompts = [p + [5] * 20 for p in prompts]  # long enough for a whole cache block
