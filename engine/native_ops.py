@@ -20,6 +20,7 @@ import os
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 
 log = logging.getLogger("mlxkv.engine")
 
@@ -57,15 +58,10 @@ def _works(module: Any) -> str | None:
                        rtol=1e-5, atol=1e-6).item():
         return "its rope differs from MLX's"
     g = mx.arange(-8, 8, dtype=mx.float32).reshape(2, 8) * 1.5
-    if not mx.allclose(module.swiglu(g, g + 1, stream=mx.cpu), nn_silu(g) * (g + 1),
+    if not mx.allclose(module.swiglu(g, g + 1, stream=mx.cpu), nn.silu(g) * (g + 1),
                        rtol=1e-5, atol=1e-6).item():
         return "its swiglu differs from MLX's"
     return None
-
-
-def nn_silu(x: mx.array) -> mx.array:
-    """MLX's ``silu``, as mlx.nn computes it."""
-    return x * mx.sigmoid(x)
 
 
 def native() -> Any:

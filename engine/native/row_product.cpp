@@ -1176,7 +1176,7 @@ class Swiglu : public CpuPrimitive {
       const bool g_rows = gs.step == 1 && !gs.starts.empty(), u_rows = us.step == 1 && !us.starts.empty();
       const int64_t n = rows * width;
       // a thread's share only pays for its wake-up past ~100k elements
-      const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(flat ? n >> 17 : rows, n >> 17));
+      const int64_t parts = flat ? n >> 17 : std::min<int64_t>(rows, n >> 17);
       Task task = [&](int part, int count) {
         if (flat) {
           const int64_t i0 = n * part / count, i1 = n * (part + 1) / count;
