@@ -7,7 +7,8 @@ long context. :func:`attention` computes the same products, mask and normalisati
 takes ``exp(x)`` as ``2**n * 2**f`` (a polynomial for the fraction, exponent bits for the
 whole part) fused by ``mx.compile`` into one vectorised pass; it equals MLX's output up to
 rounding, and masked scores give exactly 0. Where the engine's primitives are built, no
-mask and the causal one take ``native_ops.chunk_attention`` instead: the same products and
+mask, the causal one and boolean masks (a padded batch's, a sliding window's) take
+``native_ops.chunk_attention`` instead: the same products and
 exp, in blocks of keys whose scores never leave the cache (flash attention), over every
 core. :func:`use_on_this_thread` switches it on for
 the calling thread only (the engine thread, reached through
@@ -102,14 +103,17 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     """``softmax(scale * q @ k.T + mask) @ v`` for ``queries`` [B, H, L, D] and ``keys`` /
     ``values`` [B, Hk, S, D] (``H`` a multiple of ``Hk``: grouped queries share their KV
     head); ``mask`` None, ``"causal"`` (query ``i`` sees keys up to ``S - L + i``), or a
-    boolean (True: attend) or additive array, [L, S] or [B, H or 1, L, S]. No mask and the
-    causal one go to the engine's flash-style primitive where it is built
-    (``native_ops.chunk_attention``: no score matrix in memory, every core); otherwise
+    boolean (True: attend) or additive array, [L, S] or [B, H or 1, L, S]. No mask, the
+    causal one and a boolean one shared by the heads go to the engine's flash-style
+    primitive where it is built (``native_ops.chunk_attention``: no score matrix in memory,
+    every core, nothing evaluated while the graph is built); otherwise
     queries go in blocks whose scores take at most :data:`KERNEL_BLOCK_BYTES` (the
     row-softmax kernel) or :data:`BLOCK_BYTES` (the MLX graph, when the extension is not
     built)."""
-    if mask is None or isinstance(mask, str):  # the flash-style primitive, where it is built
-        out = native_ops.chunk_attention(queries, keys, values, scale, causal=mask is not None)
+    if mask is None or isinstance(mask, str) or mask.dtype == mx.bool_:  # the flash-style primitive
+        out = (native_ops.chunk_attention(queries, keys, values, scale, causal=False, mask=mask)
+               if isinstance(mask, mx.array) else
+               native_ops.chunk_attention(queries, keys, values, scale, causal=mask is not None))
         if out is not None:
             return out
     b, h, length, d = queries.shape

@@ -116,11 +116,13 @@ def slot_attention(queries: mx.array, keys: mx.array, values: mx.array, offset: 
 
 
 def chunk_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
-                    causal: bool) -> mx.array | None:
+                    causal: bool, mask: mx.array | None = None) -> mx.array | None:
     """Attention of ``queries`` [B, H, L, D] (a prompt chunk, a verify) over ``keys`` /
     ``values`` [B, Hk, S, D], every query seeing every key, or with ``causal`` query ``l``
-    seeing keys ``[0, S - L + l]``, when the primitive takes it (built, float32, at most
-    64 query heads per KV head, the CPU), else None."""
+    seeing keys ``[0, S - L + l]``, or the keys a boolean ``mask`` [L, S] or [B or 1, 1, L,
+    S] marks (mlx-lm's masks of a padded batch or a sliding window; read when the
+    operation runs, so the graph stays lazy), when the primitive takes it (built, float32,
+    at most 64 query heads per KV head, the CPU), else None."""
     module = native()
     if (module is None or mx.default_device() != mx.cpu or queries.ndim != 4 or keys.ndim != 4
             or queries.dtype != mx.float32 or keys.dtype != mx.float32 or values.dtype != mx.float32
@@ -128,6 +130,12 @@ def chunk_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: 
             or keys.shape != values.shape):
         return None
     length, slots = queries.shape[2], keys.shape[2]
+    if mask is not None:
+        shape = tuple(mask.shape)
+        if mask.dtype != mx.bool_ or shape not in ((length, slots), (1, 1, length, slots),
+                                                    (queries.shape[0], 1, length, slots)):
+            return None
+        return module.chunk_attention(queries, keys, values, float(scale), slots, mask=mask, stream=mx.cpu)
     first = slots - length + 1 if causal else slots
     return module.chunk_attention(queries, keys, values, float(scale), first, stream=mx.cpu)
 

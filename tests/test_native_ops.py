@@ -175,6 +175,58 @@ def test_chunk_attention_gives_no_weight_to_a_key_a_query_may_not_see():
     assert not mx.allclose(before[:, :, 30:], after[:, :, 30:]).item()
 
 
+@pytest.mark.parametrize("padding, window, offset, length", [
+    ((0, 5, 37), None, 0, 40),     # a padded batch's first chunk: padded queries see nothing
+    ((0, 5, 37), None, 300, 40),   # its next chunk, over a long context (key spans)
+    ((3,), 16, 0, 64),             # a sliding window: each query's keys start anew
+    ((0, 130), 100, 200, 50),      # both, past a key block
+    ((0, 0), None, 12, 9),         # no padding at all: the causal primitive's answer
+])
+def test_chunk_attention_takes_mlx_lms_masks_as_each_rows_run_of_keys(padding, window, offset, length):
+    """The boolean masks mlx-lm builds for a batch of left-padded prompts and for sliding
+    windows (``create_causal_mask``): MLX's attention on every query that sees a key, 0 on
+    one that sees none."""
+    from mlx_lm.models.base import create_causal_mask
+
+    batch = len(padding)
+    kq, kk, kv = mx.random.split(mx.random.key(8), 3)
+    q = mx.random.normal((batch, 6, length, 64), key=kq)
+    k = mx.random.normal((batch, 2, offset + length, 64), key=kk)
+    v = mx.random.normal((batch, 2, offset + length, 64), key=kv)
+    mask = create_causal_mask(length, offset, window_size=window, left_padding=mx.array(padding))
+    got = native_ops.chunk_attention(q, k, v, 0.125, causal=False, mask=mask)
+    assert got is not None and got.shape == q.shape
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+    sees = mask.any(axis=-1, keepdims=True)  # [B, 1, L, 1]
+    assert mx.allclose(mx.where(sees, got, 0), mx.where(sees, want, 0), rtol=1e-4, atol=1e-5).item()
+    assert mx.array_equal(mx.where(sees, 0, got), mx.zeros_like(got)).item()
+    if not any(padding) and window is None:
+        assert mx.allclose(got, native_ops.chunk_attention(q, k, v, 0.125, causal=True), atol=1e-6).item()
+
+
+def test_chunk_attention_computes_a_mask_that_is_not_one_run_per_row():
+    """A mask whose rows are not one run of keys (none of mlx-lm's) is still computed
+    right, one score at a time; a shared [L, S] mask and a [1, 1, L, S] one alike."""
+    kq, kk, kv, km = mx.random.split(mx.random.key(9), 4)
+    q = mx.random.normal((2, 4, 9, 32), key=kq)
+    k = mx.random.normal((2, 2, 50, 32), key=kk)
+    v = mx.random.normal((2, 2, 50, 32), key=kv)
+    mask = mx.random.uniform(shape=(9, 50), key=km) > 0.5
+    mask[:, 0] = True
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask=mask)
+    for m in (mask, mask[None, None]):
+        got = native_ops.chunk_attention(q, k, v, 0.2, causal=False, mask=m)
+        assert mx.allclose(got, want, rtol=1e-4, atol=1e-5).item()
+    # what it does not take: masks per head, additive masks, other shapes (the caller's way)
+    assert native_ops.chunk_attention(q, k, v, 0.2, causal=False, mask=mx.broadcast_to(mask, (2, 4, 9, 50))) is None
+    assert native_ops.chunk_attention(q, k, v, 0.2, causal=False, mask=mask.astype(mx.float32)) is None
+    assert native_ops.chunk_attention(q, k, v, 0.2, causal=False, mask=mask[:8]) is None
+    from mlxkv.engine._row_product import chunk_attention
+
+    with pytest.raises(ValueError, match="bool mask"):
+        chunk_attention(q, k, v, 0.2, 50, mask=mask.astype(mx.float32))
+
+
 def test_chunk_attention_leaves_to_mlx_what_it_does_not_take():
     q, k = mx.zeros((1, 4, 3, 8)), mx.zeros((1, 4, 30, 8))
     assert native_ops.chunk_attention(q.astype(mx.float16), k, k, 1.0, causal=True) is None

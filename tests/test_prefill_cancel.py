@@ -146,18 +146,26 @@ def test_a_stop_inside_the_first_chunk_leaves_a_cached_prefix_as_it_was():
 
 
 @pytest.mark.skipif(native_ops.native() is None, reason="the CPU primitives are not built (make ext)")
-def test_under_the_engines_cpu_kernels_a_chunk_computes_only_when_evaluated():
+@pytest.mark.parametrize("kind", ["one prompt", "a padded batch"])
+def test_under_the_engines_cpu_kernels_a_chunk_computes_only_when_evaluated(kind):
     """On the engine thread a prompt chunk's attention and SwiGLU take the engine's own
     operations; building the chunk's forward pass computes none of them (each is a node of
     the graph, every layer's), so evaluating it layer by layer runs one layer at a time and
-    a cancel stops between two, not after the whole chunk."""
+    a cancel stops between two, not after the whole chunk. A batch of left-padded prompts
+    (mlx-lm's mask array) too."""
+    from mlx_lm.models.cache import BatchKVCache
+
     model = init_model(QWEN3, seed=1, scale=0.1)
     install_attention(model)
     install_swiglu(model)
     cpu_attention.use_on_this_thread()
     try:
-        cache = make_prompt_cache(model)
-        out = model(mx.array([prompt(40)]), cache=cache)
+        if kind == "one prompt":
+            cache, tokens = make_prompt_cache(model), mx.array([prompt(40)])
+        else:
+            cache = [BatchKVCache(left_padding=[0, 9]) for _ in model.layers]
+            tokens = mx.array([prompt(40), [0] * 9 + prompt(31, seed=4)])
+        out = model(tokens, cache=cache)
         graph = io.StringIO()
         mx.export_to_dot(graph, out, *[a for c in cache for a in (c.keys, c.values)])
     finally:

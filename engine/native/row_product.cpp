@@ -20,6 +20,7 @@
 #include <cstring>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -434,8 +435,10 @@ struct ChunkUnit {
   const float* k;        // [S, D]
   const float* v;        // [S, D]
   int64_t rp, rows, depth, key0, key1;
-  const float* visible;  // [RP] keys row r sees (a prefix), as floats
+  const float* visible;  // [RP] keys row r sees end here (exclusive), as floats
   float min_visible;     // the least of them: blocks below it need no mask
+  const float* from;     // [RP] and start here (0 but for a mask's rows)
+  float max_from;        // the largest of them: blocks from it on need no mask
   float* m;              // [RP] running maximum
   float* l;              // [RP] running sum
   float* acc;            // [D, RP]: transposed, the rows are the lanes
@@ -527,11 +530,13 @@ struct ChunkUnit {
         const vf_##sfx old = ld_##sfx(a.m + r0);                                                         \
         const vf_##sfx ninf = (vf_##sfx){} - INFINITY;                                                   \
         vf_##sfx top = old;                                                                              \
-        if (static_cast<float>(b1) > a.min_visible) { /* some row sees part of the block */              \
-          const vf_##sfx seen = ld_##sfx(a.visible + r0);                                                \
+        if (static_cast<float>(b1) > a.min_visible ||                                                    \
+            static_cast<float>(b0) < a.max_from) { /* some row sees part of the block */                 \
+          const vf_##sfx seen = ld_##sfx(a.visible + r0), start = ld_##sfx(a.from + r0);                 \
           for (int64_t j = 0; j < n; j++) {                                                              \
             vf_##sfx x = ld_##sfx(s + j * RP + r0);                                                      \
-            x = static_cast<float>(b0 + j) < seen ? x : ninf;                                            \
+            const float key = static_cast<float>(b0 + j);                                                \
+            x = (key < seen) & (key >= start) ? x : ninf;                                                 \
             std::memcpy(s + j * RP + r0, &x, sizeof x);                                                  \
             top = top > x ? top : x;                                                                     \
           }                                                                                              \
@@ -975,12 +980,81 @@ mx::array slot_attention(const mx::array& q, const mx::array& k, const mx::array
 }
 
 
+// A boolean mask [Bm, 1, L, S] or [L, S] (read as [1, 1, L, S]) as the keys [lo, hi) each
+// of its Bm x L rows sees: true where every row's keys are one run (a causal mask, a batch's
+// left padding, a sliding window: one interval each); a row that sees nothing gets [0, 0).
+bool mask_runs(const mx::array& mask, int64_t L, int64_t S, std::vector<int64_t>& lo,
+               std::vector<int64_t>& hi) {
+  const bool* p = mask.data<bool>();
+  const auto& st = mask.strides();
+  const int64_t Bm = mask.ndim() == 4 ? mask.shape(0) : 1;
+  const int64_t sb = mask.ndim() == 4 ? st[0] : 0, sl = st[mask.ndim() - 2], ss = st.back();
+  lo.assign(Bm * L, 0);
+  hi.assign(Bm * L, 0);
+  for (int64_t b = 0; b < Bm; b++)
+    for (int64_t l = 0; l < L; l++) {
+      const bool* row = p + b * sb + l * sl;
+      int64_t first = 0;
+      while (first < S && !row[first * ss]) first++;
+      if (first == S) continue;
+      int64_t last = S;
+      while (!row[(last - 1) * ss]) last--;
+      for (int64_t k = first; k < last; k++)
+        if (!row[k * ss]) return false;
+      lo[b * L + l] = first;
+      hi[b * L + l] = last;
+    }
+  return true;
+}
+
+// The same attention one score at a time, for a mask whose rows are not runs of keys (no
+// model of mlx-lm's makes one; kept so that any boolean mask is computed right).
+void attend_masked(const float* qp, const Heads& kh, const Heads& vh, const mx::array& mask,
+                   float* op, int64_t B, int64_t H, int64_t L, int64_t D, int64_t Hk, int64_t S,
+                   float scale) {
+  const bool* p = mask.data<bool>();
+  const auto& st = mask.strides();
+  const bool full = mask.ndim() == 4 && mask.shape(0) > 1;
+  const int64_t sl = st[mask.ndim() - 2], ss = st.back();
+  std::vector<float> w(S);
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t h = 0; h < H; h++) {
+      const int64_t head = b * Hk + h / (H / Hk);
+      const float *k = kh.head(head, Hk), *v = vh.head(head, Hk);
+      for (int64_t l = 0; l < L; l++) {
+        const float* q = qp + ((b * H + h) * L + l) * D;
+        const bool* row = p + (full ? b * st[0] : 0) + l * sl;
+        float top = -INFINITY;
+        for (int64_t j = 0; j < S; j++) {
+          float t = -INFINITY;
+          if (row[j * ss]) {
+            t = 0.0f;
+            for (int64_t i = 0; i < D; i++) t += q[i] * k[j * D + i];
+            t *= scale;
+          }
+          w[j] = t;
+          top = std::max(top, t);
+        }
+        float* o = op + ((b * H + h) * L + l) * D;
+        std::fill(o, o + D, 0.0f);
+        if (top == -INFINITY) continue;  // sees nothing: 0
+        float total = 0.0f;
+        for (int64_t j = 0; j < S; j++) total += (w[j] = w[j] == -INFINITY ? 0.0f : std::exp(w[j] - top));
+        for (int64_t j = 0; j < S; j++)
+          if (w[j] != 0.0f)
+            for (int64_t i = 0; i < D; i++) o[i] += w[j] * v[j * D + i];
+        for (int64_t i = 0; i < D; i++) o[i] /= total;
+      }
+    }
+}
+
 // softmax(q @ k.T * scale, over the keys each query sees) @ v for q [B, H, L, D] and keys,
 // values [B, Hk, S, D]: query l sees keys [0, first + l) (a causal prompt chunk: first =
-// S - L + 1; no mask: first = S), H a multiple of Hk. Work units are (KV head, tile of
-// query rows, span of keys); the spans split the keys only when the tiles are too few to
-// keep every thread busy (a short chunk over a long context), their partial softmaxes
-// merged after.
+// S - L + 1; no mask: first = S), or with a boolean mask [B or 1, 1, L, S] the keys it
+// marks (a padded batch, a sliding window: each row's keys [lo, hi), blocks outside every
+// row's run skipped); H a multiple of Hk. Work units are (KV head, tile of query rows, span
+// of keys); the spans split the keys only when the tiles are too few to keep every thread
+// busy (a short chunk over a long context), their partial softmaxes merged after.
 class ChunkAttention : public CpuPrimitive {
  public:
   ChunkAttention(mx::Stream stream, float scale, int64_t first)
@@ -995,13 +1069,29 @@ class ChunkAttention : public CpuPrimitive {
     encoder.set_output_array(out);
     const int64_t B = q.shape(0), H = q.shape(1), L = q.shape(2), D = q.shape(3);
     const int64_t Hk = k.shape(1), S = k.shape(2);
-    encoder.dispatch([qp = q.data<float>(), kin = Heads::of(k), vin = Heads::of(v),
+    std::optional<mx::array> mask;
+    if (inputs.size() > 3) mask = inputs[3];
+    encoder.dispatch([qp = q.data<float>(), kin = Heads::of(k), vin = Heads::of(v), mask,
                       op = out.data<float>(), B, H, L, D, Hk, S, scale = scale_,
                       first = first_]() {
       // keys and values as rows of D floats per head: a cache's view (the filled slots of a
       // larger buffer) as it is, any other layout copied first
       std::vector<float> kcopy, vcopy;
       const Heads kh = kin.rows(B, Hk, S, D, kcopy), vh = vin.rows(B, Hk, S, D, vcopy);
+      // the keys [lo, hi) of each (mask row, position): mask rows Bm (1: shared by the batch)
+      std::vector<int64_t> lo, hi;
+      int64_t Bm = 1;
+      if (mask) {
+        Bm = mask->ndim() == 4 ? mask->shape(0) : 1;
+        if (!mask_runs(*mask, L, S, lo, hi)) {
+          attend_masked(qp, kh, vh, *mask, op, B, H, L, D, Hk, S, scale);
+          return;
+        }
+      } else {
+        lo.assign(L, 0);
+        hi.resize(L);
+        for (int64_t l = 0; l < L; l++) hi[l] = std::clamp<int64_t>(first + l, 0, S);
+      }
       const int64_t rep = H / Hk, W = kChunk.width;
       // tiles of at most kTileRows rows, as even as the positions allow
       const int64_t most = std::max<int64_t>(1, std::min<int64_t>(L, kTileRows / rep));
@@ -1009,14 +1099,29 @@ class ChunkAttention : public CpuPrimitive {
       const int64_t per = (L + tiles - 1) / tiles;
       const int64_t RP = (rep * per + W - 1) / W * W;
       auto positions = [&](int64_t t) { return std::min(L, (t + 1) * per) - t * per; };
-      auto sees = [&](int64_t l) { return std::clamp<int64_t>(first + l, 0, S); };
-      // each tile's rows (e, l): row e * positions + (l - t * per), padded rows seeing nothing
-      std::vector<float> visible(tiles * RP, 0.0f), least(tiles);
-      for (int64_t t = 0; t < tiles; t++) {
-        const int64_t pt = positions(t);
-        for (int64_t r = 0; r < rep * pt; r++)
-          visible[t * RP + r] = static_cast<float>(sees(t * per + r % pt));
-        least[t] = static_cast<float>(sees(t * per));
+      // each (mask row, tile)'s rows (e, l): row e * positions + (l - t * per); padded rows
+      // see nothing. Its keys span [key0, reach): the blocks some row sees.
+      const int64_t cells = Bm * tiles;
+      std::vector<float> visible(cells * RP, 0.0f), from(cells * RP, 0.0f), least(cells),
+          most_from(cells);
+      std::vector<int64_t> key0(cells), reach(cells);
+      for (int64_t c = 0; c < cells; c++) {
+        const int64_t bm = c / tiles, t = c % tiles, pt = positions(t);
+        int64_t k0 = S, k1 = 0, fewest = S, latest = 0;
+        for (int64_t p = 0; p < pt; p++) {
+          const int64_t a = lo[bm * L + t * per + p], z = hi[bm * L + t * per + p];
+          fewest = std::min(fewest, z);
+          latest = std::max(latest, a);
+          if (a < z) k0 = std::min(k0, a), k1 = std::max(k1, z);
+        }
+        for (int64_t r = 0; r < rep * pt; r++) {
+          visible[c * RP + r] = static_cast<float>(hi[bm * L + t * per + r % pt]);
+          from[c * RP + r] = static_cast<float>(lo[bm * L + t * per + r % pt]);
+        }
+        least[c] = static_cast<float>(fewest);  // (padded rows' lanes are never read)
+        most_from[c] = static_cast<float>(latest);
+        key0[c] = k0 < k1 ? k0 : 0;
+        reach[c] = k0 < k1 ? k1 : 0;
       }
       std::vector<float> qt(heads * tiles * D * RP, 0.0f);
       for (int64_t h = 0; h < heads; h++)
@@ -1030,7 +1135,7 @@ class ChunkAttention : public CpuPrimitive {
             }
         }
       const int threads = the_pool().threads();
-      const int64_t longest = sees(L - 1);
+      const int64_t longest = *std::max_element(reach.begin(), reach.end());
       int64_t spans = 1;
       if (heads * tiles < 2 * threads)
         spans = std::clamp<int64_t>((2 * threads + heads * tiles - 1) / (heads * tiles), 1,
@@ -1043,10 +1148,12 @@ class ChunkAttention : public CpuPrimitive {
         for (int64_t n; (n = next.fetch_add(1, std::memory_order_relaxed)) < units;) {
           const int64_t u = units - 1 - n;
           const int64_t span = u % spans, ht = u / spans, t = ht % tiles, h = ht / tiles;
-          const int64_t reach = sees(t * per + positions(t) - 1);
+          const int64_t c = (Bm == 1 ? 0 : h / Hk) * tiles + t, k0 = key0[c];
+          const int64_t width = reach[c] - k0;
           ChunkUnit a{qt.data() + ht * D * RP, kh.head(h, Hk), vh.head(h, Hk), RP,
-                      rep * positions(t), D, reach * span / spans, reach * (span + 1) / spans,
-                      visible.data() + t * RP, least[t], m.data() + u * RP, l.data() + u * RP,
+                      rep * positions(t), D, k0 + width * span / spans,
+                      k0 + width * (span + 1) / spans, visible.data() + c * RP, least[c],
+                      from.data() + c * RP, most_from[c], m.data() + u * RP, l.data() + u * RP,
                       acc.data() + u * RP * D};
           kChunk.run(a);
         }
@@ -1075,7 +1182,8 @@ class ChunkAttention : public CpuPrimitive {
 };
 
 mx::array chunk_attention(const mx::array& q, const mx::array& k, const mx::array& v,
-                          float scale, int64_t first, mx::StreamOrDevice s) {
+                          float scale, int64_t first, std::optional<mx::array> mask,
+                          mx::StreamOrDevice s) {
   for (auto* a : {&q, &k, &v})
     if (a->dtype() != mx::float32 || a->ndim() != 4)
       throw std::invalid_argument("chunk_attention takes float32 q, k, v of 4 dimensions");
@@ -1087,8 +1195,17 @@ mx::array chunk_attention(const mx::array& q, const mx::array& k, const mx::arra
   auto stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu)
     throw std::invalid_argument("chunk_attention runs on the CPU stream only");
+  if (mask) {
+    const int64_t L = q.shape(2), S = k.shape(2);
+    const bool shaped = (mask->ndim() == 2 && mask->shape(0) == L && mask->shape(1) == S) ||
+                        (mask->ndim() == 4 && (mask->shape(0) == 1 || mask->shape(0) == q.shape(0)) &&
+                         mask->shape(1) == 1 && mask->shape(2) == L && mask->shape(3) == S);
+    if (mask->dtype() != mx::bool_ || !shaped)
+      throw std::invalid_argument("chunk_attention takes a bool mask [L, S] or [B or 1, 1, L, S]");
+  }
   // keys and values stay as they are (a cache's view is read in place: eval_cpu)
   std::vector<mx::array> in = {mx::contiguous(q, false, stream), k, v};
+  if (mask) in.push_back(*mask);
   return mx::array(q.shape(), mx::float32, std::make_shared<ChunkAttention>(stream, scale, first),
                    in);
 }
@@ -1625,9 +1742,11 @@ NB_MODULE(_row_product, m) {
         " of k, v [B, Hk, S, D] (batch row b from slot start[b], where start is given);"
         " float32, on the CPU.");
   m.def("chunk_attention", &chunk_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"),
-        nb::arg("scale"), nb::arg("first"), nb::kw_only(), nb::arg("stream") = nb::none(),
+        nb::arg("scale"), nb::arg("first"), nb::kw_only(), nb::arg("mask") = nb::none(),
+        nb::arg("stream") = nb::none(),
         "softmax(q @ k.T * scale) @ v, query l of q [B, H, L, D] seeing keys [0, first + l)"
-        " of k, v [B, Hk, S, D]; float32, on the CPU.");
+        " of k, v [B, Hk, S, D], or with mask (bool [L, S] or [B or 1, 1, L, S]) the keys"
+        " it marks; float32, on the CPU.");
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("w"), nb::arg("eps"), nb::kw_only(),
         nb::arg("stream") = nb::none(),
         "x * rsqrt(mean(x * x, -1) + eps) * w for x [..., D], w [D]; float32, on the CPU.");
