@@ -166,6 +166,16 @@ class Row:
         return len(self.prompt) - self.n_cached
 
 
+def _tokens_held(cache: list | None) -> int | None:
+    """How many tokens every layer of ``cache`` holds (their common offset), or None when
+    some layer does not say or they differ."""
+    offsets = {getattr(c, "offset", None) for c in cache or []}
+    if len(offsets) != 1:
+        return None
+    (n,) = offsets
+    return n if isinstance(n, int) else None
+
+
 @dataclass
 class Ending:
     """How a row ended, and the state to store: ``cache`` holds ``tokens_in_cache``."""
@@ -471,17 +481,29 @@ class Batch:
             raise Cancelled
 
     def _abandon(self, detail: str | None) -> None:
-        """Every row was cancelled inside a prefill pass: the generator's caches hold part
-        of it, so the rows leave without a state to store (a lent cached prefix is given
-        back as it was lent)."""
+        """Every row was cancelled inside a prefill pass, which put the generator's caches
+        back as they were before it (``BatchStepModel``): each row leaves with what the
+        passes before computed, stored as a cancel between two passes stores it. mlx-lm's
+        token list of a row in the pass already counts the pass's tokens: it is cut to what
+        the row's cache holds. A row whose cache cannot say how many tokens it holds (a
+        layer of recurrent state, after a pass) leaves without a state to store, and a lent
+        cached prefix is given back as it was lent."""
         rows = list(self.rows.values())
-        self.gen.remove([r.uid for r in rows])
+        caches = self.gen.remove([r.uid for r in rows], return_prompt_caches=True)
         for row in rows:
             self.rows.pop(row.uid, None)
-            if row.lent is not None:
-                lent, row.lent = row.lent, None
-                self.release(lent)
-            self._finish(row, "cancelled", detail, Ending("cancelled", detail, [], None))
+            cache, tokens = caches.get(row.uid, (None, []))
+            held = _tokens_held(cache)
+            if cache is not None and cache is not row.lent:  # the batch's copy (a pass ran)
+                if row.lent is not None:
+                    lent, row.lent = row.lent, None
+                    self.release(lent)
+                if held is None:
+                    cache = None
+            elif held is None:
+                held = len(tokens or [])
+            tokens = list(tokens or [])[:held] if cache is not None else []
+            self._finish(row, "cancelled", detail, Ending("cancelled", detail, tokens, cache))
 
     def _spec_round(self, verifier: BatchVerifier, k: int) -> bool:
         """One speculative round (False: no row proposed, nothing was fed). Each row's

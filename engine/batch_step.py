@@ -21,6 +21,7 @@ import mlx.core as mx
 
 from mlxkv.engine.compiled_step import CHECK_STEPS, STEP, FixedBatchKV, checked_run, greedy_steps
 from mlxkv.engine.fused_step import FusedStep, fusable
+from mlxkv.engine.layer_steps import LayerSteps
 from mlxkv.engine.side_table import SideTable
 from mlxkv.engine.traced import Traced
 from mlxkv.engine.weight_layout import layout_for_cpu
@@ -212,7 +213,7 @@ class BatchStepModel:
         self._fed: tuple[list, list[int]] | None = None  # (prompt layers, chunk) fed by the last decode step
         self.fused_steps = 0  # decode steps that fed a chunk too
         # Called after each layer of a prefill pass (it may raise to abandon the pass; the
-        # batch's caches then hold half of it and must be dropped): None, no per-layer stops.
+        # caches then go back to before it): None, no per-layer stops.
         self.between_layers: Callable[[], None] | None = None
 
     def _fused(self, tokens: mx.array, cache: list) -> mx.array | None:
@@ -250,12 +251,19 @@ class BatchStepModel:
             if tokens.shape[0] != 1 or tokens[0].tolist() != fed[1]:
                 raise RuntimeError("the prompt pass after a fused step is not the chunk it fed")
             return mx.zeros((1, tokens.shape[1], 1), dtype=mx.float32)  # nothing reads a prompt pass's output
-        out = self.model(tokens, cache=_causal_views(cache))
         hook = self.between_layers
-        if hook is not None and cache:
-            # Each layer's cache state in order, as engine.layer_steps does for one
-            # request: the same operations on the same inputs, only evaluated in steps.
-            for c in cache:
-                mx.eval(c.state)
-                hook()
+        if hook is None or not cache:
+            return self.model(tokens, cache=_causal_views(cache))
+        # Each layer's cache state in order, as for one request (engine.layer_steps): the
+        # same operations on the same inputs, only evaluated in steps; a hook that raises
+        # puts every layer back as it was before the pass, so the chunks before it stay.
+        steps = LayerSteps(cache, tokens.shape[1])
+        out = self.model(tokens, cache=_causal_views(cache))
+        try:
+            steps.run(lambda done, layers: hook())
+        except BaseException:
+            for c in cache:  # the right padding mlx-lm prepared for this pass goes with it
+                if getattr(c, "_right_padding", None) is not None:
+                    c._right_padding = None
+            raise
         return out

@@ -26,8 +26,9 @@ import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
-# Layers whose chunk update writes in place and whose trim drops exactly the last rows.
-TRIM_IN_PLACE = ("KVCache", "QuantizedKVCache")
+# Layers whose chunk update writes in place and whose trim drops exactly the last rows
+# (a batch's: the pass's rows of every batch row, its right padding included).
+TRIM_IN_PLACE = ("KVCache", "QuantizedKVCache", "BatchKVCache")
 
 
 def _handles(state: Any) -> Any:

@@ -216,15 +216,18 @@ def test_an_abandoned_prefill_frees_the_engine_inside_its_chunk_and_keeps_what_i
     print(f"cancel -> end of the request: {ended_at - cancelled_at:.2f} s")
 
 
-def test_a_batched_prefill_whose_rows_are_all_cancelled_stops_inside_its_pass(slow_model, tmp_path):
+@pytest.mark.parametrize("first_left", [CHUNK + 100, 500], ids=["even", "right-padded"])
+def test_a_batched_prefill_whose_rows_are_all_cancelled_stops_inside_its_pass(slow_model, tmp_path, first_left):
     """A long prompt that moved into a batch (another request came while it prefilled)
     prefills there beside the newcomer, in passes of a whole chunk. Both are cancelled while
     that pass computes: it stops between layers (neither row's progress moves again), both
-    end as cancelled, and the engine answers the next request. The half pass is dropped,
-    never stored: the newcomer's prompt is not in the cache."""
+    end as cancelled, and the engine answers the next request. The half pass is rolled
+    back and never stored (the newcomer's prompt is not in the cache), and what came before
+    it is (the long prompt's first chunk). Also when the long prompt's part of the pass is
+    shorter than the newcomer's (mlx-lm right-pads it for the pass)."""
     settings = Settings.defaults(model=str(slow_model), cache_dir=str(tmp_path / "cache"),
                                  prefill_step_size=CHUNK, spec="off", block_tokens=64)
-    first, second = prompt(2 * CHUNK + 100, seed=9), prompt(2 * CHUNK + 100, seed=10)
+    first, second = prompt(CHUNK + first_left, seed=9), prompt(2 * CHUNK + 100, seed=10)
     params = SamplingParams(max_tokens=1, temperature=0.0, prefill_step_size=CHUNK)
     with Engine.from_settings(settings).start(timeout=T) as eng:
         a = eng.submit(Request(prompt_tokens=first, params=params))
@@ -251,6 +254,8 @@ def test_a_batched_prefill_whose_rows_are_all_cancelled_stops_inside_its_pass(sl
         again = eng.submit(Request(prompt_tokens=second, params=params)).result(timeout=T)
         assert again.finish_reason == "length" and len(again.tokens) == 1
         assert again.stats.cached_tokens == 0  # nothing of B's half pass was stored
+        again = eng.submit(Request(prompt_tokens=first, params=params)).result(timeout=T)
+        assert again.stats.cached_tokens == CHUNK  # A's chunk before the pass was
 
 
 def test_the_last_layer_of_the_last_chunk_is_not_thrown_away():

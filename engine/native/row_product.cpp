@@ -536,7 +536,7 @@ struct ChunkUnit {
           for (int64_t j = 0; j < n; j++) {                                                              \
             vf_##sfx x = ld_##sfx(s + j * RP + r0);                                                      \
             const float key = static_cast<float>(b0 + j);                                                \
-            x = (key < seen) & (key >= start) ? x : ninf;                                                 \
+            x = (key < seen) & (key >= start) ? x : ninf;                                                \
             std::memcpy(s + j * RP + r0, &x, sizeof x);                                                  \
             top = top > x ? top : x;                                                                     \
           }                                                                                              \
