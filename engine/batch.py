@@ -472,12 +472,13 @@ class Batch:
         if stopped:
             self._remove(stopped, "stop", None)
 
-    def _between_layers(self) -> None:
+    def _between_layers(self, done: int, layers: int) -> None:
         """After each layer of a pass in which every row prefills: the engine's quick work,
-        then :class:`Cancelled` once every row should stop."""
+        then :class:`Cancelled` once every row should stop, unless the pass is done (its
+        last layer: the rows then leave after it, with it stored)."""
         if self.between is not None:
             self.between()
-        if self.rows and all(self.should_stop(r) for r in self.rows.values()):
+        if done < layers and self.rows and all(self.should_stop(r) for r in self.rows.values()):
             raise Cancelled
 
     def _abandon(self, detail: str | None) -> None:
@@ -489,20 +490,22 @@ class Batch:
         layer of recurrent state, after a pass) leaves without a state to store, and a lent
         cached prefix is given back as it was lent."""
         rows = list(self.rows.values())
-        caches = self.gen.remove([r.uid for r in rows], return_prompt_caches=True)
+        uids = [r.uid for r in rows]
+        if self.stepper.rolled_back_empty:  # the pass was every row's first: nothing to keep
+            self.gen.remove(uids)
+            caches = {}
+        else:
+            caches = self.gen.remove(uids, return_prompt_caches=True)
         for row in rows:
             self.rows.pop(row.uid, None)
             cache, tokens = caches.get(row.uid, (None, []))
             held = _tokens_held(cache)
-            if cache is not None and cache is not row.lent:  # the batch's copy (a pass ran)
-                if row.lent is not None:
-                    lent, row.lent = row.lent, None
-                    self.release(lent)
-                if held is None:
-                    cache = None
-            elif held is None:
-                held = len(tokens or [])
-            tokens = list(tokens or [])[:held] if cache is not None else []
+            if cache is not None and cache is not row.lent and held is None:
+                cache = None  # the batch's copy, and no count of what it holds
+            if row.lent is not None and cache is not row.lent:
+                lent, row.lent = row.lent, None  # the batch's copy (or nothing) replaces it
+                self.release(lent)
+            tokens = [] if cache is None else list(tokens or [])[:held] if held is not None else list(tokens)
             self._finish(row, "cancelled", detail, Ending("cancelled", detail, tokens, cache))
 
     def _spec_round(self, verifier: BatchVerifier, k: int) -> bool:

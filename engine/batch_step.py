@@ -152,6 +152,12 @@ class CausalView:
         return "causal" if n > 1 else None
 
 
+def _empty(layer: Any) -> bool:
+    """Whether a cache layer holds nothing (mlx-lm's ``empty()``, where it has one)."""
+    empty = getattr(layer, "empty", None)
+    return bool(empty()) if callable(empty) else False
+
+
 def _causal_views(cache: list | None) -> list | None:
     """``cache`` with each layer behind a :class:`CausalView` when it is one row of plain
     ``BatchKVCache`` layers without left padding (a prompt prefilling on its own in a batch
@@ -212,9 +218,12 @@ class BatchStepModel:
         self.upcoming: Callable[[], tuple[list[int], list] | None] | None = None  # None: no fused passes
         self._fed: tuple[list, list[int]] | None = None  # (prompt layers, chunk) fed by the last decode step
         self.fused_steps = 0  # decode steps that fed a chunk too
-        # Called after each layer of a prefill pass (it may raise to abandon the pass; the
-        # caches then go back to before it): None, no per-layer stops.
-        self.between_layers: Callable[[], None] | None = None
+        # Called after each layer of a prefill pass with (layers done, layers) (it may raise
+        # to abandon the pass; the caches then go back to before it): None, no per-layer stops.
+        self.between_layers: Callable[[int, int], None] | None = None
+        # Whether the last pass rolled back left some layer empty (every row's first pass:
+        # an empty layer has no rows to extract, and nothing was there to keep).
+        self.rolled_back_empty = False
 
     def _fused(self, tokens: mx.array, cache: list) -> mx.array | None:
         """The rows' logits from a pass that also feeds the prompt chunk the step feeds next,
@@ -259,11 +268,13 @@ class BatchStepModel:
         # puts every layer back as it was before the pass, so the chunks before it stay.
         steps = LayerSteps(cache, tokens.shape[1])
         out = self.model(tokens, cache=_causal_views(cache))
+        self.rolled_back_empty = False
         try:
-            steps.run(lambda done, layers: hook())
+            steps.run(hook)
         except BaseException:
             for c in cache:  # the right padding mlx-lm prepared for this pass goes with it
                 if getattr(c, "_right_padding", None) is not None:
                     c._right_padding = None
+            self.rolled_back_empty = any(_empty(c) for c in cache)
             raise
         return out

@@ -258,6 +258,40 @@ def test_a_batched_prefill_whose_rows_are_all_cancelled_stops_inside_its_pass(sl
         assert again.stats.cached_tokens == CHUNK  # A's chunk before the pass was
 
 
+def test_fresh_rows_cancelled_in_their_first_batched_pass_end_cleanly(slow_model, tmp_path):
+    """Two long prompts that arrive together prefill as a batch from nothing. Both are
+    cancelled inside that first pass: the pass rolls back to empty layers, both end as
+    cancelled without being answered again alone (no retries), nothing is stored, and
+    the engine answers the next request."""
+    import threading
+
+    settings = Settings.defaults(model=str(slow_model), cache_dir=str(tmp_path / "cache"),
+                                 prefill_step_size=CHUNK, spec="off", block_tokens=64)
+    prompts = prompt(2 * CHUNK + 100, seed=11), prompt(2 * CHUNK + 50, seed=12)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prefill_step_size=CHUNK)
+    with Engine.from_settings(settings).start(timeout=T) as eng:
+        gate = threading.Event()
+        busy = eng.call(gate.wait, T)  # both wait together, then start as one batch
+        a, b = (eng.submit(Request(prompt_tokens=p, params=params)) for p in prompts)
+        gate.set()
+        busy.result(timeout=T)
+        for h in (a, b):  # each one's first progress: the batch's first pass starts
+            for ev in h.events(timeout=T):
+                if isinstance(ev, ProgressEvent):
+                    assert ev.done == 0
+                    break
+        time.sleep(0.05)
+        a.cancel()
+        b.cancel()
+        later = {h: [e.done for e in h.events(timeout=T) if isinstance(e, ProgressEvent)] for h in (a, b)}
+        assert a.finished.reason == b.finished.reason == "cancelled"
+        assert later[a] == [] and later[b] == [], later
+        stats = eng.stats(timeout=T)
+        assert stats["cancelled"] == 2 and stats["batched"] >= 1 and stats["retries"] == 0, stats
+        again = eng.submit(Request(prompt_tokens=prompts[0], params=params)).result(timeout=T)
+        assert again.finish_reason == "length" and again.stats.cached_tokens == 0
+
+
 def test_the_last_layer_of_the_last_chunk_is_not_thrown_away():
     """A stop asked for after the prompt's last layer is done leaves the prefill whole:
     the chunk is finished, and the request ends at its first token as before."""
