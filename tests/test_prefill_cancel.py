@@ -216,6 +216,20 @@ def test_an_abandoned_prefill_frees_the_engine_inside_its_chunk_and_keeps_what_i
     print(f"cancel -> end of the request: {ended_at - cancelled_at:.2f} s")
 
 
+def cancel_inside_the_pass(eng: Engine, a, b) -> dict:
+    """Cancel ``a`` and ``b`` just after their batched pass started; check that both end
+    cancelled inside it (neither one's progress moves again, no token) and return the
+    engine's stats."""
+    time.sleep(0.05)
+    a.cancel()
+    b.cancel()
+    later = {h: [e.done for e in h.events(timeout=T) if isinstance(e, ProgressEvent)] for h in (a, b)}
+    assert a.finished.reason == b.finished.reason == "cancelled"
+    assert not a.tokens and not b.tokens
+    assert later[a] == [] and later[b] == [], later  # the pass never ended
+    return eng.stats(timeout=T)
+
+
 @pytest.mark.parametrize("first_left", [CHUNK + 100, 500], ids=["even", "right-padded"])
 def test_a_batched_prefill_whose_rows_are_all_cancelled_stops_inside_its_pass(slow_model, tmp_path, first_left):
     """A long prompt that moved into a batch (another request came while it prefilled)
@@ -242,14 +256,7 @@ def test_a_batched_prefill_whose_rows_are_all_cancelled_stops_inside_its_pass(sl
             if isinstance(ev, ProgressEvent):
                 assert ev.done == 0
                 break
-        time.sleep(0.05)
-        a.cancel()
-        b.cancel()
-        later = {h: [e.done for e in h.events(timeout=T) if isinstance(e, ProgressEvent)] for h in (a, b)}
-        assert a.finished.reason == b.finished.reason == "cancelled"
-        assert not a.tokens and not b.tokens
-        assert later[a] == [] and later[b] == [], later  # the pass never ended
-        stats = eng.stats(timeout=T)
+        stats = cancel_inside_the_pass(eng, a, b)
         assert stats["cancelled"] == 2 and stats["batched"] >= 1
         again = eng.submit(Request(prompt_tokens=second, params=params)).result(timeout=T)
         assert again.finish_reason == "length" and len(again.tokens) == 1
@@ -280,13 +287,7 @@ def test_fresh_rows_cancelled_in_their_first_batched_pass_end_cleanly(slow_model
                 if isinstance(ev, ProgressEvent):
                     assert ev.done == 0
                     break
-        time.sleep(0.05)
-        a.cancel()
-        b.cancel()
-        later = {h: [e.done for e in h.events(timeout=T) if isinstance(e, ProgressEvent)] for h in (a, b)}
-        assert a.finished.reason == b.finished.reason == "cancelled"
-        assert later[a] == [] and later[b] == [], later
-        stats = eng.stats(timeout=T)
+        stats = cancel_inside_the_pass(eng, a, b)
         assert stats["cancelled"] == 2 and stats["batched"] >= 1 and stats["retries"] == 0, stats
         again = eng.submit(Request(prompt_tokens=prompts[0], params=params)).result(timeout=T)
         assert again.finish_reason == "length" and again.stats.cached_tokens == 0
