@@ -505,7 +505,7 @@ class Batch:
             if row.lent is not None and cache is not row.lent:
                 lent, row.lent = row.lent, None  # the batch's copy (or nothing) replaces it
                 self.release(lent)
-            tokens = [] if cache is None else list(tokens or [])[:held] if held is not None else list(tokens)
+            tokens = [] if cache is None else list(tokens or [])[:held]  # (held None: all of them)
             self._finish(row, "cancelled", detail, Ending("cancelled", detail, tokens, cache))
 
     def _spec_round(self, verifier: BatchVerifier, k: int) -> bool:

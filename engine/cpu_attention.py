@@ -111,9 +111,8 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     row-softmax kernel) or :data:`BLOCK_BYTES` (the MLX graph, when the extension is not
     built)."""
     if mask is None or isinstance(mask, str) or mask.dtype == mx.bool_:  # the flash-style primitive
-        out = (native_ops.chunk_attention(queries, keys, values, scale, causal=False, mask=mask)
-               if isinstance(mask, mx.array) else
-               native_ops.chunk_attention(queries, keys, values, scale, causal=mask is not None))
+        out = native_ops.chunk_attention(queries, keys, values, scale, causal=isinstance(mask, str),
+                                         mask=mask if isinstance(mask, mx.array) else None)
         if out is not None:
             return out
     b, h, length, d = queries.shape
