@@ -19,15 +19,18 @@ pytestmark = pytest.mark.skipif(native_ops.native() is None, reason="the CPU pri
 def test_a_row_product_of_rows_is_each_row_alone_bit_for_bit():
     from mlxkv.engine._row_product import row_product
 
-    for out, depth in ((1536, 576), (49152, 576), (7, 13), (576, 1536)):  # odd shapes: the tails
+    for out, depth in ((1536, 576), (49152, 576), (7, 13), (577, 1536)):  # odd shapes: the tails
         weight = mx.random.normal((out, depth), key=mx.random.key(3))
-        x = mx.random.normal((16, depth), key=mx.random.key(4))
-        together = row_product(x, weight)
-        assert mx.allclose(together, x @ weight.T, rtol=1e-4, atol=1e-4).item()
-        for i in range(16):
-            assert mx.array_equal(together[i: i + 1], row_product(x[i: i + 1], weight)).item(), (out, i)
+        x = mx.random.normal((24, depth), key=mx.random.key(4))
+        alone = [row_product(x[i: i + 1], weight) for i in range(24)]
+        for rows in (2, 4, 5, 7, 9, 16, 24):  # each way the kernels tile the rows of x
+            together = row_product(x[:rows], weight)
+            assert mx.allclose(together, x[:rows] @ weight.T, rtol=1e-4, atol=1e-4).item()
+            for i in range(rows):
+                assert mx.array_equal(together[i: i + 1], alone[i]).item(), (out, rows, i)
+        together = row_product(x[:16], weight)
     compiled = mx.compile(lambda a, b: row_product(a, b) * 2)  # a primitive inside a compiled step
-    assert mx.array_equal(compiled(x, weight), together * 2).item()
+    assert mx.array_equal(compiled(x[:16], weight), together * 2).item()
 
 
 def test_the_row_product_refuses_what_it_does_not_take():

@@ -49,18 +49,21 @@ namespace mx = mlx::core;
 namespace {
 
 constexpr int kMaxRows = 64;   // rows of x one product takes (more: the caller's matmul)
-// Rows of x one tile keeps in registers: two weight rows' accumulators for each, plus the
-// two weight vectors and a row of x, must fit the vector registers (8 rows: 19 of 32; with
-// 16 registers, AVX2's or SSE2's, 8 rows spill accumulators every step and 6 fit).
+// A tile: weight rows by rows of x, one accumulator each in registers, plus a vector per
+// weight row and one of x. With 32 vector registers (AVX-512, NEON) 4 weight rows by up
+// to 6 rows of x (29 registers); with 16 (AVX2, SSE2) 2 by up to 6 (15).
 #if defined(__aarch64__)
-constexpr int kRegs16RowTile = 8;
+constexpr int kWeightTile = 4;
 #else
-constexpr int kRegs16RowTile = 6;
+constexpr int kWeightTile = 2;
 #endif
+constexpr int kRowTile = 6;
 constexpr int kMaxThreads = 16;
-// How far ahead of its read a one-row kernel fetches its weight row's run, in floats (4 KB:
-// 1-6 KB read the same on a 2-core EPYC; the stream crosses into the next rows).
-constexpr int64_t kLineAhead = 1024;
+// How far ahead of its read a kernel fetches each weight row's run into L2, in floats
+// (8 KB). Fetched into L1 instead, the fetches hold the line-fill buffers the loads need:
+// the real model's 121 products on 2 cores went at 8 rows of x from 36 to 22 ms, at 4
+// rows from 28 to 18 ms, and at 1 row stayed at 16-19 ms.
+constexpr int64_t kAhead = 2048;
 
 // ---- each kernel built once per instruction set, the CPU's own picked at load ---------------
 
@@ -82,12 +85,12 @@ int isa_level() {
 #define PICK_ISA(name) name##_base
 #endif
 
-// ---- the kernel: y[r, o0:o1] for every row r, two weight rows at a time ------------------
+// ---- the kernel: y[r, o0:o1] for every row r, a tile of weight rows at a time -----------
 
 #define RP_DEFINE(sfx, attr, bytes)                                                         \
   typedef float vf_##sfx __attribute__((vector_size(bytes)));                              \
   constexpr int W_##sfx = (bytes) / 4;                                                     \
-  constexpr int RT_##sfx = (bytes) == 64 ? 8 : kRegs16RowTile;                             \
+  constexpr int WT_##sfx = (bytes) == 64 ? 4 : kWeightTile;                               \
   attr static inline vf_##sfx ld_##sfx(const float* p) {                                   \
     vf_##sfx v;                                                                            \
     std::memcpy(&v, p, sizeof v);                                                          \
@@ -103,115 +106,78 @@ int isa_level() {
   attr __attribute__((noinline)) static float tail_##sfx(float s, float x, float w) {      \
     return s + x * w;                                                                      \
   }                                                                                        \
-  template <int R>                                                                         \
+  template <int WR, int R>                                                                 \
   attr static void tile_##sfx(const float* x, const float* w, float* y, int64_t depth,     \
-                              int64_t out, int64_t o) {                                    \
-    /* weight rows o and o + 1 against R rows of x */                                      \
+                              int64_t out, int64_t o, bool fetch) {                        \
+    /* weight rows o .. o + WR - 1 against R rows of x: WR x R accumulators in registers */ \
     const float* w0 = w + o * depth;                                                       \
-    const float* w1 = w0 + depth;                                                          \
-    vf_##sfx a0[R], a1[R];                                                                 \
-    for (int r = 0; r < R; r++) a0[r] = a1[r] = (vf_##sfx){};                              \
+    vf_##sfx a[WR][R];                                                                     \
+    for (int j = 0; j < WR; j++)                                                           \
+      for (int r = 0; r < R; r++) a[j][r] = (vf_##sfx){};                                  \
     int64_t i = 0;                                                                         \
     for (; i + W_##sfx <= depth; i += W_##sfx) {                                           \
-      /* the next pair's rows, fetched while this pair computes: a pair's two short      */ \
-      /* streams are too short for the hardware prefetcher to get ahead of a tile of     */ \
-      /* several rows (at 4-8 rows of x, one core's product went 1.4-1.5x faster)        */ \
-      __builtin_prefetch(w0 + 2 * depth + i);                                              \
-      __builtin_prefetch(w1 + 2 * depth + i);                                              \
-      vf_##sfx v0 = ld_##sfx(w0 + i), v1 = ld_##sfx(w1 + i);                               \
+      /* each weight row fetched kAhead floats ahead into L2; the rows are contiguous, */ \
+      /* so the tile's WR fetches cover the memory the next tiles read                 */ \
+      if (fetch)                                                                           \
+        for (int j = 0; j < WR; j++) __builtin_prefetch(w0 + j * depth + kAhead + i, 0, 2);\
+      vf_##sfx v[WR];                                                                      \
+      for (int j = 0; j < WR; j++) v[j] = ld_##sfx(w0 + j * depth + i);                    \
       for (int r = 0; r < R; r++) {                                                        \
         vf_##sfx xv = ld_##sfx(x + r * depth + i);                                         \
-        a0[r] += xv * v0;                                                                  \
-        a1[r] += xv * v1;                                                                  \
+        for (int j = 0; j < WR; j++) a[j][r] += xv * v[j];                                 \
       }                                                                                    \
     }                                                                                      \
-    for (int r = 0; r < R; r++) {                                                          \
-      float s0 = hsum_##sfx(a0[r]), s1 = hsum_##sfx(a1[r]);                                \
-      for (int64_t k = i; k < depth; k++) {                                                \
-        s0 = tail_##sfx(s0, x[r * depth + k], w0[k]);                                      \
-        s1 = tail_##sfx(s1, x[r * depth + k], w1[k]);                                      \
-      }                                                                                    \
-      y[r * out + o] = s0;                                                                 \
-      y[r * out + o + 1] = s1;                                                             \
-    }                                                                                      \
-  }                                                                                        \
-  template <int R>                                                                         \
-  attr static void tile1_##sfx(const float* x, const float* w, float* y, int64_t depth,    \
-                               int64_t out, int64_t o) {                                   \
-    const float* w0 = w + o * depth;                                                       \
-    vf_##sfx a0[R];                                                                        \
-    for (int r = 0; r < R; r++) a0[r] = (vf_##sfx){};                                      \
-    int64_t i = 0;                                                                         \
-    for (; i + W_##sfx <= depth; i += W_##sfx) {                                           \
-      vf_##sfx v0 = ld_##sfx(w0 + i);                                                      \
-      for (int r = 0; r < R; r++) a0[r] += ld_##sfx(x + r * depth + i) * v0;               \
-    }                                                                                      \
-    for (int r = 0; r < R; r++) {                                                          \
-      float s0 = hsum_##sfx(a0[r]);                                                        \
-      for (int64_t k = i; k < depth; k++) s0 = tail_##sfx(s0, x[r * depth + k], w0[k]);   \
-      y[r * out + o] = s0;                                                                 \
-    }                                                                                      \
-  }                                                                                        \
-  template <int R>                                                                         \
-  attr static void line_##sfx(const float* x, const float* w, float* y, int64_t depth,     \
-                              int64_t out, int64_t o0, int64_t o1) {                       \
-    /* one weight row at a time, so the weights stream as one run of memory, fetched a */ \
-    /* few KB ahead; a tile's two rows are two short runs that the hardware prefetcher */ \
-    /* picks up anew every row (one row of x: 11-12 -> 21-24 GB/s on one core). Sums  */ \
-    /* in tile1's order, so an output is the same whichever kernel computed it.        */ \
-    for (int64_t o = o0; o < o1; o++) {                                                    \
-      const float* w0 = w + o * depth;                                                     \
-      vf_##sfx a0[R];                                                                      \
-      for (int r = 0; r < R; r++) a0[r] = (vf_##sfx){};                                    \
-      int64_t i = 0;                                                                       \
-      for (; i + W_##sfx <= depth; i += W_##sfx) {                                         \
-        __builtin_prefetch(w0 + kLineAhead + i);                                           \
-        vf_##sfx v0 = ld_##sfx(w0 + i);                                                    \
-        for (int r = 0; r < R; r++) a0[r] += ld_##sfx(x + r * depth + i) * v0;             \
-      }                                                                                    \
+    for (int j = 0; j < WR; j++)                                                           \
       for (int r = 0; r < R; r++) {                                                        \
-        float s0 = hsum_##sfx(a0[r]);                                                      \
+        float s = hsum_##sfx(a[j][r]);                                                     \
         for (int64_t k = i; k < depth; k++)                                                \
-          s0 = tail_##sfx(s0, x[r * depth + k], w0[k]);                                    \
-        y[r * out + o] = s0;                                                               \
+          s = tail_##sfx(s, x[r * depth + k], w0[j * depth + k]);                          \
+        y[r * out + o + j] = s;                                                            \
       }                                                                                    \
-    }                                                                                      \
   }                                                                                        \
   template <int R>                                                                         \
-  attr static void span_r_##sfx(const float* x, const float* w, float* y, int64_t depth,   \
-                                int64_t out, int64_t o0, int64_t o1) {                     \
+  attr static void tiles_##sfx(const float* x, const float* w, float* y, int64_t depth,    \
+                               int64_t out, int64_t o0, int64_t o1, bool fetch) {          \
     int64_t o = o0;                                                                        \
-    for (; o + 2 <= o1; o += 2) tile_##sfx<R>(x, w, y, depth, out, o);                     \
-    if (o < o1) tile1_##sfx<R>(x, w, y, depth, out, o);                                    \
+    for (; o + WT_##sfx <= o1; o += WT_##sfx)                                              \
+      tile_##sfx<WT_##sfx, R>(x, w, y, depth, out, o, fetch);                              \
+    for (; o < o1; o++) tile_##sfx<1, R>(x, w, y, depth, out, o, fetch);                   \
+  }                                                                                        \
+  template <int R>                                                                         \
+  attr static void lines_##sfx(const float* x, const float* w, float* y, int64_t depth,    \
+                               int64_t out, int64_t o0, int64_t o1) {                      \
+    for (int64_t o = o0; o < o1; o++) tile_##sfx<1, R>(x, w, y, depth, out, o, true);      \
   }                                                                                        \
   attr static void span_##sfx(const float* x, const float* w, float* y, int64_t rows,      \
                               int64_t depth, int64_t out, int64_t o0, int64_t o1) {        \
-    /* up to 4 rows of x: one pass of the one-row kernel, which streams the weights    */ \
-    /* fastest (a decode step's case: one row of the real model's products read at     */ \
-    /* 19-22 GB/s by the tiles, 23-29 by it, two cores); from 5 rows on the tiles tie. */ \
+    /* up to 4 rows of x: one weight row at a time, so the weights stream as one run of */ \
+    /* memory (a decode step's case, and a short verify's)                              */ \
     switch (rows) {                                                                        \
-      case 1: line_##sfx<1>(x, w, y, depth, out, o0, o1); return;                          \
-      case 2: line_##sfx<2>(x, w, y, depth, out, o0, o1); return;                          \
-      case 3: line_##sfx<3>(x, w, y, depth, out, o0, o1); return;                          \
-      case 4: line_##sfx<4>(x, w, y, depth, out, o0, o1); return;                          \
+      case 1: lines_##sfx<1>(x, w, y, depth, out, o0, o1); return;                         \
+      case 2: lines_##sfx<2>(x, w, y, depth, out, o0, o1); return;                         \
+      case 3: lines_##sfx<3>(x, w, y, depth, out, o0, o1); return;                         \
+      case 4: lines_##sfx<4>(x, w, y, depth, out, o0, o1); return;                         \
     }                                                                                      \
-    /* more: weight rows in blocks that stay in L1 while every tile of x's rows passes */  \
-    const int64_t block = std::max<int64_t>(2, (16384 / (depth * 4)) & ~int64_t(1));      \
+    /* more: weight rows in blocks that stay in L1 while every tile of x's rows passes  */ \
+    /* (the first tile fetches ahead); x's rows in tiles as even as kRowTile allows     */ \
+    const int64_t block =                                                                  \
+        std::max<int64_t>(WT_##sfx, (16384 / (depth * 4)) / WT_##sfx * WT_##sfx);          \
+    const int64_t tiles = (rows + kRowTile - 1) / kRowTile;                                \
     for (int64_t b = o0; b < o1; b += block) {                                             \
-      int64_t e = std::min(o1, b + block);                                                 \
-      for (int64_t r = 0; r < rows; r += RT_##sfx) {                                       \
+      const int64_t e = std::min(o1, b + block);                                           \
+      for (int64_t t = 0, r = 0; t < tiles; t++) {                                         \
+        const int64_t n = (rows - r + tiles - t - 1) / (tiles - t);                        \
         const float* xr = x + r * depth;                                                   \
         float* yr = y + r * out;                                                           \
-        switch (std::min<int64_t>(RT_##sfx, rows - r)) {                                   \
-          case 1: span_r_##sfx<1>(xr, w, yr, depth, out, b, e); break;                     \
-          case 2: span_r_##sfx<2>(xr, w, yr, depth, out, b, e); break;                     \
-          case 3: span_r_##sfx<3>(xr, w, yr, depth, out, b, e); break;                     \
-          case 4: span_r_##sfx<4>(xr, w, yr, depth, out, b, e); break;                     \
-          case 5: span_r_##sfx<5>(xr, w, yr, depth, out, b, e); break;                     \
-          case 6: span_r_##sfx<6>(xr, w, yr, depth, out, b, e); break;                     \
-          case 7: span_r_##sfx<7>(xr, w, yr, depth, out, b, e); break;                     \
-          default: span_r_##sfx<8>(xr, w, yr, depth, out, b, e); break;                    \
+        switch (n) {                                                                       \
+          case 1: tiles_##sfx<1>(xr, w, yr, depth, out, b, e, t == 0); break;              \
+          case 2: tiles_##sfx<2>(xr, w, yr, depth, out, b, e, t == 0); break;              \
+          case 3: tiles_##sfx<3>(xr, w, yr, depth, out, b, e, t == 0); break;              \
+          case 4: tiles_##sfx<4>(xr, w, yr, depth, out, b, e, t == 0); break;              \
+          case 5: tiles_##sfx<5>(xr, w, yr, depth, out, b, e, t == 0); break;              \
+          default: tiles_##sfx<kRowTile>(xr, w, yr, depth, out, b, e, t == 0); break;      \
         }                                                                                  \
+        r += n;                                                                            \
       }                                                                                    \
     }                                                                                      \
   }
@@ -630,13 +596,14 @@ struct Job {
 
 // One share of a pool's task: run(part, parts) for part in [0, parts).
 constexpr int kSharesPerThread = 8;  // a product's columns in this many shares per pool thread
+constexpr int64_t kShareTile = 4;    // a share's columns: whole weight tiles of every ISA
 using Task = std::function<void(int, int)>;
 
 void run_part(const Job& j, int part) {
-  // output columns in even-sized shares (pairs keep the two-row tiles whole)
-  int64_t pairs = (j.out + 1) / 2;
-  int64_t o0 = std::min(j.out, 2 * (pairs * part / j.parts));
-  int64_t o1 = std::min(j.out, 2 * (pairs * (part + 1) / j.parts));
+  // output columns in even-sized shares of whole weight tiles
+  int64_t tiles = (j.out + kShareTile - 1) / kShareTile;
+  int64_t o0 = std::min(j.out, kShareTile * (tiles * part / j.parts));
+  int64_t o1 = std::min(j.out, kShareTile * (tiles * (part + 1) / j.parts));
   if (o0 < o1) kSpan(j.x, j.w, j.y, j.rows, j.depth, j.out, o0, o1);
 }
 
@@ -766,13 +733,13 @@ void product(const float* x, const float* w, float* y, int64_t rows, int64_t dep
   // threads want the cores than there are: two models decoding at once) leaves its shares
   // to the others instead of holding up the product
   Job share{x, w, y, rows, depth, out, 1};
-  const int64_t pairs = (out + 1) / 2;
-  share.parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(pairs, kSharesPerThread * the_pool().threads())));
+  const int64_t tiles = (out + kShareTile - 1) / kShareTile;
+  share.parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(tiles, kSharesPerThread * the_pool().threads())));
   std::atomic<int> next{0};
   Task task = [&share, &next](int, int) {
     for (int p; (p = next.fetch_add(1, std::memory_order_relaxed)) < share.parts;) run_part(share, p);
   };
-  the_pool().run(task, static_cast<int>(out / 2));
+  the_pool().run(task, static_cast<int>(tiles));
 }
 
 class RowProduct : public CpuPrimitive {
