@@ -3,6 +3,7 @@
 import mlx.core as mx
 
 MAX_ROWS: int
+ISA: str  # the kernel family in use: "avx512", "avx2" or "base" (MLXKV_NATIVE_ISA caps it)
 
 def row_product(x: mx.array, w: mx.array, *, stream: mx.Stream | mx.Device | None = None) -> mx.array: ...
 def threads() -> int: ...

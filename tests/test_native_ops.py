@@ -1,12 +1,17 @@
 """The engine's CPU primitives (``engine/native/row_product.cpp``) against MLX's own
 operations: few-row products bit for bit per row, a decode step's attention over a
 cache's filled slots, a prompt chunk's attention and a SwiGLU activation, across head groupings, query counts,
-offsets and head sizes."""
+offsets and head sizes; and every kernel family (AVX-512, AVX2, the baseline) through
+these same tests."""
 
 from __future__ import annotations
 
 import io
+import os
+import platform
 import re
+import subprocess
+import sys
 
 import mlx.core as mx
 import pytest
@@ -31,6 +36,33 @@ def test_a_row_product_of_rows_is_each_row_alone_bit_for_bit():
         together = row_product(x[:16], weight)
     compiled = mx.compile(lambda a, b: row_product(a, b) * 2)  # a primitive inside a compiled step
     assert mx.array_equal(compiled(x[:16], weight), together * 2).item()
+
+
+@pytest.mark.parametrize("isa", ["avx2", "base"])
+def test_each_kernel_family_passes_this_file(isa: str) -> None:
+    """The module picks the CPU's best kernels at load, so this machine's run of the file
+    tests one family; ``MLXKV_NATIVE_ISA`` caps the pick, and the file runs again under
+    each lower one (bit for bit per row, attention against MLX, and the rest)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("one kernel family is built off x86")
+    env = {**os.environ, "MLXKV_NATIVE_ISA": isa}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                          "-k", "not each_kernel_family"], env=env, capture_output=True, text=True, timeout=600)
+    summary = (run.stdout.strip().splitlines() or [""])[-1]
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    # (a family whose kernels fail the module's own check at load skips every test)
+    assert " passed" in summary and "skipped" not in summary, run.stdout[-4000:]
+
+
+def test_the_kernel_family_is_the_one_asked_for() -> None:
+    from mlxkv.engine import _row_product
+
+    asked = os.environ.get("MLXKV_NATIVE_ISA")
+    assert _row_product.ISA in ("avx512", "avx2", "base")
+    if asked == "base":
+        assert _row_product.ISA == "base"
+    elif asked == "avx2":
+        assert _row_product.ISA in ("avx2", "base")  # base where the CPU has no AVX2
 
 
 def test_the_row_product_refuses_what_it_does_not_take():

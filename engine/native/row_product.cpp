@@ -72,17 +72,27 @@ constexpr int64_t kAhead = 2048;
   DEFINE(base, , 16)                                         \
   DEFINE(avx2, __attribute__((target("avx2,fma"))), 32)      \
   DEFINE(avx512, __attribute__((target("avx512f"))), 64)
-// 2: AVX-512F, 1: AVX2 and FMA, 0: the baseline (SSE2)
+// 2: AVX-512F, 1: AVX2 and FMA, 0: the baseline (SSE2). MLXKV_NATIVE_ISA=avx2 or base
+// caps it (read at load), so one machine can run and test every kernel family.
 int isa_level() {
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return 2;
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
+  int level = __builtin_cpu_supports("avx512f")                                    ? 2
+              : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1
+                                                                                  : 0;
+  if (const char* cap = std::getenv("MLXKV_NATIVE_ISA")) {
+    if (std::strcmp(cap, "avx2") == 0) level = std::min(level, 1);
+    if (std::strcmp(cap, "base") == 0) level = 0;
+  }
+  return level;
 }
 #define PICK_ISA(name) \
   (isa_level() == 2 ? name##_avx512 : isa_level() == 1 ? name##_avx2 : name##_base)
+const char* const kIsaNames[] = {"base", "avx2", "avx512"};
+#define ISA_NAME() kIsaNames[isa_level()]
 #else
 #define FOR_EACH_ISA(DEFINE) DEFINE(base, , 16)
 #define PICK_ISA(name) name##_base
+#define ISA_NAME() "base"
 #endif
 
 // ---- the kernel: y[r, o0:o1] for every row r, a tile of weight rows at a time -----------
@@ -1737,4 +1747,5 @@ NB_MODULE(_row_product, m) {
   m.def("buffer_copies", [] { return buffer_copies.load(); },
         "Key and value buffers decode_layer copied because another owner held them.");
   m.attr("MAX_ROWS") = kMaxRows;
+  m.attr("ISA") = ISA_NAME();  // the kernel family in use: avx512, avx2 or base
 }
