@@ -33,7 +33,7 @@ def test_a_row_product_of_rows_is_each_row_alone_bit_for_bit():
             assert mx.allclose(together, x[:rows] @ weight.T, rtol=1e-4, atol=1e-4).item()
             for i in range(rows):
                 assert mx.array_equal(together[i: i + 1], alone[i]).item(), (out, rows, i)
-        together = row_product(x[:16], weight)
+    together = row_product(x[:16], weight)
     compiled = mx.compile(lambda a, b: row_product(a, b) * 2)  # a primitive inside a compiled step
     assert mx.array_equal(compiled(x[:16], weight), together * 2).item()
 

@@ -74,7 +74,7 @@ constexpr int64_t kAhead = 2048;
   DEFINE(avx512, __attribute__((target("avx512f"))), 64)
 // 2: AVX-512F, 1: AVX2 and FMA, 0: the baseline (SSE2). MLXKV_NATIVE_ISA=avx2 or base
 // caps it (read at load), so one machine can run and test every kernel family.
-int isa_level() {
+int find_isa_level() {
   __builtin_cpu_init();
   int level = __builtin_cpu_supports("avx512f")                                    ? 2
               : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1
@@ -83,6 +83,10 @@ int isa_level() {
     if (std::strcmp(cap, "avx2") == 0) level = std::min(level, 1);
     if (std::strcmp(cap, "base") == 0) level = 0;
   }
+  return level;
+}
+int isa_level() {
+  static const int level = find_isa_level();  // once, for every kernel's pick
   return level;
 }
 #define PICK_ISA(name) \
@@ -145,28 +149,22 @@ const char* const kIsaNames[] = {"base", "avx2", "avx512"};
         y[r * out + o + j] = s;                                                            \
       }                                                                                    \
   }                                                                                        \
-  template <int R>                                                                         \
+  template <int WR, int R>                                                                 \
   attr static void tiles_##sfx(const float* x, const float* w, float* y, int64_t depth,    \
                                int64_t out, int64_t o0, int64_t o1, bool fetch) {          \
     int64_t o = o0;                                                                        \
-    for (; o + WT_##sfx <= o1; o += WT_##sfx)                                              \
-      tile_##sfx<WT_##sfx, R>(x, w, y, depth, out, o, fetch);                              \
+    for (; o + WR <= o1; o += WR) tile_##sfx<WR, R>(x, w, y, depth, out, o, fetch);        \
     for (; o < o1; o++) tile_##sfx<1, R>(x, w, y, depth, out, o, fetch);                   \
-  }                                                                                        \
-  template <int R>                                                                         \
-  attr static void lines_##sfx(const float* x, const float* w, float* y, int64_t depth,    \
-                               int64_t out, int64_t o0, int64_t o1) {                      \
-    for (int64_t o = o0; o < o1; o++) tile_##sfx<1, R>(x, w, y, depth, out, o, true);      \
   }                                                                                        \
   attr static void span_##sfx(const float* x, const float* w, float* y, int64_t rows,      \
                               int64_t depth, int64_t out, int64_t o0, int64_t o1) {        \
     /* up to 4 rows of x: one weight row at a time, so the weights stream as one run of */ \
     /* memory (a decode step's case, and a short verify's)                              */ \
     switch (rows) {                                                                        \
-      case 1: lines_##sfx<1>(x, w, y, depth, out, o0, o1); return;                         \
-      case 2: lines_##sfx<2>(x, w, y, depth, out, o0, o1); return;                         \
-      case 3: lines_##sfx<3>(x, w, y, depth, out, o0, o1); return;                         \
-      case 4: lines_##sfx<4>(x, w, y, depth, out, o0, o1); return;                         \
+      case 1: tiles_##sfx<1, 1>(x, w, y, depth, out, o0, o1, true); return;                \
+      case 2: tiles_##sfx<1, 2>(x, w, y, depth, out, o0, o1, true); return;                \
+      case 3: tiles_##sfx<1, 3>(x, w, y, depth, out, o0, o1, true); return;                \
+      case 4: tiles_##sfx<1, 4>(x, w, y, depth, out, o0, o1, true); return;                \
     }                                                                                      \
     /* more: weight rows in blocks that stay in L1 while every tile of x's rows passes  */ \
     /* (the first tile fetches ahead); x's rows in tiles as even as kRowTile allows     */ \
@@ -180,12 +178,12 @@ const char* const kIsaNames[] = {"base", "avx2", "avx512"};
         const float* xr = x + r * depth;                                                   \
         float* yr = y + r * out;                                                           \
         switch (n) {                                                                       \
-          case 1: tiles_##sfx<1>(xr, w, yr, depth, out, b, e, t == 0); break;              \
-          case 2: tiles_##sfx<2>(xr, w, yr, depth, out, b, e, t == 0); break;              \
-          case 3: tiles_##sfx<3>(xr, w, yr, depth, out, b, e, t == 0); break;              \
-          case 4: tiles_##sfx<4>(xr, w, yr, depth, out, b, e, t == 0); break;              \
-          case 5: tiles_##sfx<5>(xr, w, yr, depth, out, b, e, t == 0); break;              \
-          default: tiles_##sfx<kRowTile>(xr, w, yr, depth, out, b, e, t == 0); break;      \
+          case 1: tiles_##sfx<WT_##sfx, 1>(xr, w, yr, depth, out, b, e, t == 0); break;    \
+          case 2: tiles_##sfx<WT_##sfx, 2>(xr, w, yr, depth, out, b, e, t == 0); break;    \
+          case 3: tiles_##sfx<WT_##sfx, 3>(xr, w, yr, depth, out, b, e, t == 0); break;    \
+          case 4: tiles_##sfx<WT_##sfx, 4>(xr, w, yr, depth, out, b, e, t == 0); break;    \
+          case 5: tiles_##sfx<WT_##sfx, 5>(xr, w, yr, depth, out, b, e, t == 0); break;    \
+          default: tiles_##sfx<WT_##sfx, kRowTile>(xr, w, yr, depth, out, b, e, t == 0); break; \
         }                                                                                  \
         r += n;                                                                            \
       }                                                                                    \
