@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from mlx_lm.generate import BatchGenerator
 
     from mlxkv.engine.sampling import SamplingParams
+    from mlxkv.engine.speculation.policy import LengthController
     from mlxkv.engine.speculation.providers import Speculation
 
 
@@ -125,7 +126,7 @@ class BatchLength:
             return self.initial
         if self.plain_s is None and self._rounds > 0 and self.per_position_s is not None:
             return 0  # one plain step to measure against
-        return self._k
+        return min(self._k, self.maximum)  # (the rows of an earlier batch may have taken more)
 
     def empty(self) -> None:
         """No row had anything to propose: after 4 such rounds in a row (1 once it has backed
@@ -200,13 +201,20 @@ class BatchVerifier:
         self._plain_timed = False  # the last step was plain: the next plain one can be timed
         self.trace = trace_enabled()
         self.rounds = 0
+        # A batch that decodes one row, a speculating one (a lone request is a batch of
+        # one), runs that row's own LengthController as the request alone does: its memory
+        # of the source, a self-sizing source asked for its maximum, back-offs that a
+        # repeated earlier run ends. ``_solo_off``: plain steps left in its back-off.
+        self._solo_off = 0
+        self._solo_in_block = False  # the plain step running now is one of a back-off's
 
     # rows ---------------------------------------------------------------------------
     def add(self, uid: int, speculation: Speculation, prompt: list[int], params: SamplingParams) -> RowSpec:
         sampler = TargetSampler(params, []) if params.temperature > 0 else None
         spec = RowSpec(speculation, list(prompt), SpecStats(speculation.provider.kind), sampler)
         self.specs[uid] = spec
-        self.controller.maximum = max(self.controller.maximum, speculation.controller.maximum)
+        # The longest any row's source takes (``--spec-tokens`` bounds them all).
+        self.controller.maximum = max(s.speculation.controller.maximum for s in self.specs.values())
         return spec
 
     def drop(self, uid: int) -> RowSpec | None:
@@ -224,6 +232,37 @@ class BatchVerifier:
 
     def summary(self, spec: RowSpec) -> dict:
         return spec.summary(self.controller.current())
+
+    def _solo(self, rows: DecodingRows) -> RowSpec | None:
+        """The row's speculation when the batch decodes that one row alone, and it speculates."""
+        return self.specs.get(rows.uids[0]) if len(rows) == 1 else None
+
+    def _solo_length(self, rows: DecodingRows, solo: RowSpec) -> int:
+        """:meth:`length` for a batch of one speculating row: its own controller decides, as
+        ``engine.speculation.verify`` does alone."""
+        c = solo.speculation.controller
+        if self._solo_off > 0:
+            self._solo_off -= 1
+            if solo.fed >= 0:
+                self._sync(rows)  # the plain steps' tokens: does the text repeat an earlier run?
+                if solo.source.worth_probing():
+                    c.cut_off_steps(self._solo_off + 1)
+                    self._solo_off, self._solo_in_block = 0, False
+                    return self._solo_ask(c, solo)
+            return 0
+        self._solo_in_block = False
+        off = c.take_off_steps()
+        if off > 0:
+            self._solo_off, self._solo_in_block = off - 1, True
+            return 0
+        return self._solo_ask(c, solo)
+
+    @staticmethod
+    def _solo_ask(c: LengthController, solo: RowSpec) -> int:
+        k = c.next_length()
+        if k > 0 and solo.source.sizes_itself:
+            k = c.maximum  # it ends its proposal where it turns unlikely
+        return k
 
     def _sync(self, rows: DecodingRows) -> None:
         """Keep the group's rows in the batch's order, prefill the sources of rows that
@@ -284,6 +323,10 @@ class BatchVerifier:
         self.controller.adaptive = any(c.adaptive for c in controllers)
         if not self.controller.adaptive:
             self.controller.initial = max(c.initial for c in controllers)
+        solo = self._solo(rows)
+        if solo is not None:
+            return self._solo_length(rows, solo)
+        self._solo_off, self._solo_in_block = 0, False
         if self._off > 0:
             self._off -= 1
             return 0
@@ -305,7 +348,14 @@ class BatchVerifier:
             rows = DecodingRows(gen)
             if not self._plain_timed and len(rows):
                 mx.eval(rows.pending)
-            self.controller.record_plain(time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            solo = self._solo(rows) if len(rows) else None
+            if solo is None:
+                self.controller.record_plain(seconds)
+            elif not self._solo_in_block or solo.speculation.controller.in_block:
+                # (a back-off's steps were counted when it was handed out: its first is
+                # timed, the others are not counted again)
+                solo.speculation.controller.record(0, 0, seconds)
         self._plain_timed = decoding_only
 
     # the round ----------------------------------------------------------------------
@@ -329,9 +379,16 @@ class BatchVerifier:
                 proposed[pos[u]] = [int(x) for x in p.tokens[:lim]]
                 probs[pos[u]] = p.probs
             width = 1 + max(len(d) for d in proposed)
+            solo = self._solo(rows)
             if width == 1:
-                self.controller.empty()
+                if solo is not None:
+                    solo.speculation.controller.empty()
+                else:
+                    self.controller.empty()
                 self._plain_timed = False
+                if self.trace:
+                    print(f"mlxkv spec batch: rows={list(rows.uids)} drafts=[] (a plain step)",
+                          file=sys.stderr, flush=True)
                 return None
             t_proposed = time.perf_counter()
             windows = [[pending[i]] + proposed[i] + [pending[i]] * (width - 1 - len(proposed[i])) for i in range(n)]
@@ -390,8 +447,12 @@ class BatchVerifier:
                 s.verify_s += t_verified - t_proposed
                 s.other_s += t_c - t_verified
             proposing = [i for i in range(n) if proposed[i]]
-            self.controller.record_round(width, sum(len(proposed[i]) for i in proposing),
-                                         sum(kept[i] - 1 for i in proposing), len(proposing) / n, t_done - t0)
+            if solo is not None:
+                solo.speculation.controller.record(len(proposed[0]), kept[0] - 1, t_done - t0)
+            else:
+                self.controller.record_round(width, sum(len(proposed[i]) for i in proposing),
+                                             sum(kept[i] - 1 for i in proposing), len(proposing) / n,
+                                             t_done - t0)
             if self.trace:
                 for i, uid in enumerate(rows.uids):
                     print(f"mlxkv spec batch: row={uid} fed={windows[i][:1 + len(proposed[i])]} drafts={proposed[i]} "

@@ -127,6 +127,11 @@ class LengthController:
     def current(self) -> int:
         return self._k
 
+    @property
+    def in_block(self) -> bool:
+        """A block of plain steps was handed out and its time not recorded yet."""
+        return self._in_block
+
     def next_length(self) -> int:
         if self._off_left > 0:
             self._off_left -= 1
