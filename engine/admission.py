@@ -1,10 +1,11 @@
 """Which waiting requests may decode together, and when: the line of waiting requests as
 continuous batching sees it (engine thread only).
 
-A lone request decodes single-stream (with speculation). While it runs, the engine
-looks, between tokens and prefill chunks, at the next command in line (:meth:`wanted`);
-when that is a request that may be batched, the running one moves into a batch and the
-waiting ones join it (:meth:`next_row`), up to ``max_batch`` rows. A call, a shutdown or a
+A request starts in a batch of one, and the waiting ones join it between steps
+(:meth:`next_row`), up to ``max_batch`` rows. A request served alone (its speculation runs
+only there) decodes single-stream; while it runs, the engine looks, between tokens and
+prefill chunks, at the next command in line (:meth:`wanted`); when that is a request that
+may be batched, the running one moves into a batch and the waiting ones join it. A call, a shutdown or a
 request that must be served alone (seeded sampling) is not overtaken.
 """
 

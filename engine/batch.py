@@ -152,6 +152,8 @@ class Row:
     merged: bool = False
     spec: RowSpec | None = None  # a speculating row's
     sampler: Any = None  # the sampler it brings (a seeded row that decoded alone), else the batch's
+    retried: bool = False  # its cached prefix did not fit: computed without it
+    shared: bool = False  # it was in a step with another row (a batch of one is not batched)
 
     @property
     def request(self) -> Request:
@@ -246,6 +248,21 @@ class Batch:
         # token), held back while the rows joining with them run their last prefill pass, so
         # that all enter decoding in one pass instead of each in a pass of its own.
         self._held: list[tuple[Row, dict, list[int], list | None]] = []
+        self.newly_shared = 0  # rows that came to have company since the engine last counted
+        # Inside a pass in which every row prefills: its chunk, and (layers evaluated,
+        # layers) once its first layer is (``/stats``' ``running`` shows them).
+        self.pass_chunk = 0
+        self.layer_at: tuple[int, int] | None = None
+
+    def prefilling_at(self, handle: RequestHandle) -> tuple[int, int, int, int] | None:
+        """Where ``handle``'s row is inside a pass in which every row prefills: (prompt
+        tokens done before the pass, its chunk, layers evaluated, layers); None elsewhere."""
+        if self.layer_at is None:
+            return None
+        for row in self.rows.values():
+            if row.handle is handle and row.progress is not None and row.first_time is None:
+                return (row.progress[0], min(self.pass_chunk, row.prompt_left()), *self.layer_at)
+        return None
 
     def __len__(self) -> int:
         return len(self.rows) + len(self._held)
@@ -311,6 +328,11 @@ class Batch:
             self._held.append((row, args, list(in_cache), cache))
         else:
             self._insert(row, args)
+        if len(self) > 1:  # it decodes beside others: each is batched from now on
+            for r in [*self.rows.values(), *(h[0] for h in self._held)]:
+                if not r.shared:
+                    r.shared = True
+                    self.newly_shared += 1
         if row.first_time is None:
             self._progress(row, row.base, len(in_cache) + len(rest))
 
@@ -413,6 +435,7 @@ class Batch:
         # row is cancelled (with a decoding row beside it the budget keeps the pass short).
         alone = bool(prefilling) and len(self._prefilling()) == len(self.rows)
         self.stepper.between_layers = self._between_layers if alone else None
+        self.pass_chunk = chunk if alone else 0
         fused = self.stepper.fused_steps
         try:
             if verifier is not None and verifier.specs:
@@ -426,6 +449,7 @@ class Batch:
             return
         finally:
             self.stepper.between_layers = None
+            self.layer_at, self.pass_chunk = None, 0
         if self.budget is not None:
             self.budget.fused_steps += self.stepper.fused_steps - fused
         if self.budget is not None and decoding > 0 and gen_out and (fed > 0 or not prompt_out):
@@ -476,6 +500,7 @@ class Batch:
         """After each layer of a pass in which every row prefills: the engine's quick work,
         then :class:`Cancelled` once every row should stop, unless the pass is done (its
         last layer: the rows then leave after it, with it stored)."""
+        self.layer_at = (done, layers)
         if self.between is not None:
             self.between()
         if done < layers and self.rows and all(self.should_stop(r) for r in self.rows.values()):
@@ -597,9 +622,9 @@ class Batch:
             ttft_s=(first - row.started) if first is not None else 0.0,
             prefill_tps=n_new / prefill_s if prefill_s > 0 else 0.0,
             decode_tps=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
-            queue_s=row.queue_s, load_s=row.load_s,
+            queue_s=row.queue_s, load_s=row.load_s, retried=row.retried,
             cached_ram_tokens=row.cached_ram_tokens, cached_ssd_tokens=row.cached_ssd_tokens,
-            batched=True,
+            batched=row.shared,
             spec=self.verifier.summary(row.spec) if row.spec is not None and self.verifier is not None else None,
             stored_tokens=stored_prompt_tokens(len(row.prompt), row.n_cached, len(ending.tokens_in_cache),
                                                self.stores and ending.cache is not None)))

@@ -1,30 +1,34 @@
-"""Continuous batching, on the engine thread: a request decoding alone moves into a batch
-(with its KV state) when another waits, the waiting ones join it between steps, what a
-row leaves behind (its state) is stored in the prefix cache, and a batch step that fails
-has every row answered again alone. The rows themselves are :mod:`engine.batch`; which
-requests may join, and when, is :mod:`engine.admission`.
+"""Continuous batching, on the engine thread: a request starts in a batch of one (or, when
+its speculation only the lone path runs, decodes alone and moves into a batch with its KV
+state when another waits), the waiting ones join it between steps, what a row leaves
+behind (its state) is stored in the prefix cache, and a batch step that fails has every
+row answered again alone. The rows themselves are :mod:`engine.batch`; which requests may
+join, and when, is :mod:`engine.admission`.
 
-Interface: :meth:`Batching.run` (the engine's scheduler calls it with the request that was
-running alone and its :class:`~engine.single.Join`) and :meth:`Batching.active_rows`.
+Interface: :meth:`Batching.takes` (whether a request starts in a batch),
+:meth:`Batching.run` (the engine's scheduler calls it with a prepared request, or with the
+one that was running alone and its :class:`~engine.single.Join`),
+:meth:`Batching.prefill_at` and :meth:`Batching.active_rows`.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 
-from mlxkv.engine.admission import Admission
+from mlxkv.engine.admission import Admission, row_batchable
 from mlxkv.engine.batch import Batch, Ending, Row
 from mlxkv.engine.commands import CommandQueue
 from mlxkv.engine.generate import cache_length
 from mlxkv.engine.loading import Runtime
 from mlxkv.engine.logs import warn_once
 from mlxkv.engine.preparing import Job, Preparer
-from mlxkv.engine.requests import Counts, ErrorEvent, RequestHandle
+from mlxkv.engine.requests import Counts, ErrorEvent, Request, RequestHandle
 from mlxkv.engine.sampling import SeededSampler
 from mlxkv.engine.settings import Settings
-from mlxkv.engine.single import Join, SingleStream
+from mlxkv.engine.single import Join, PrefillAt, SingleStream
 from mlxkv.engine.speculation.batch_verify import BatchLength
 from mlxkv.engine.speculation.providers import Speculation, learn_finished
 from mlxkv.engine.step_budget import StepBudget
@@ -53,10 +57,53 @@ class Batching:
         self.spec_policy = BatchLength()
         # The prefill chunk beside decoding rows, learned from this model's steps: one, too.
         self.budget = StepBudget(settings.batch_itl_factor)
+        # A lone request starts in a batch of one (``takes``); MLXKV_ONE_PATH=0 serves it
+        # alone until another waits, as before.
+        self.enabled = os.environ.get("MLXKV_ONE_PATH", "1") != "0"
+        self._rounds_cache: bool | None = None
+
+    def takes(self, req: Request) -> bool:
+        """Whether ``req`` starts in a batch (of one, until others join) rather than alone:
+        the batch decodes it as the lone path would. A request whose speculation only the
+        lone path runs is served alone, and moves into a batch when another waits: one that
+        drafts with the model's MTP head or a draft model (a batch has no hidden states for
+        the first, and proposes row by row with the second), one that would speculate on a
+        model with recurrent layers (a batch cannot give back a round's rejected positions
+        of a recurrent state; alone, the verifier restores a snapshot), or one that would
+        speculate where batched rounds are not available (an mlx-lm version they were not
+        checked against)."""
+        if not (self.enabled and self.admission.enabled and row_batchable(req, self.settings.spec)):
+            return False
+        from mlxkv.engine.speculation.providers import choose
+
+        guided = bool(req.guided_choice or req.grammar or req.json_skeleton)
+        provider = choose(self.runtime.providers, req.spec or self.settings.spec, guided) \
+            if self.runtime.providers else None
+        if provider is None:
+            return True
+        from mlxkv.engine.mlx_lm_compat import batch_speculation_available
+
+        return (provider.kind not in ("mtp", "draft") and self._rounds()
+                and batch_speculation_available())
+
+    def _rounds(self) -> bool:
+        """Whether this model's batch caches run speculative rounds (decided once)."""
+        if self._rounds_cache is None:
+            from mlx_lm.models.cache import make_prompt_cache
+
+            from mlxkv.engine.batch import rounds_cache
+
+            self._rounds_cache = rounds_cache(make_prompt_cache(self.runtime.loaded.model))
+        return self._rounds_cache
 
     def active_rows(self) -> int:
         """Rows decoding in a batch now (0: none)."""
         return len(self.batch) if self.batch is not None else 0
+
+    def prefill_at(self, handle: RequestHandle) -> PrefillAt | None:
+        """Where ``handle``'s prefill is inside a batch's pass (None: not inside one)."""
+        at = self.batch.prefilling_at(handle) if self.batch is not None else None
+        return PrefillAt(*at) if at is not None else None
 
     def active_handles(self) -> list[RequestHandle]:
         """The requests of the rows decoding in a batch now."""
@@ -70,11 +117,49 @@ class Batching:
                    cached_ram_tokens=job.ram_tokens, cached_ssd_tokens=job.ssd_tokens,
                    lent=job.cache)
 
-    def run(self, job: Job, join: Join) -> None:
-        """Decode the request that was running alone (its state moved over from ``join``)
-        together with the requests that wait, admitting more between steps, until every
-        row has ended."""
+    def run(self, job: Job, join: Join | None = None) -> None:
+        """Decode ``job`` together with the requests that wait, admitting more between
+        steps, until every row has ended. With ``join`` the request was running alone and
+        its state moves over; without, it starts in the batch from its cached prefix."""
         row = self._row(job)
+        if join is None:
+            cache, in_cache, rest = job.cache, job.tokens[:job.n_cached], job.tokens[job.n_cached:]
+        else:
+            cache, in_cache, rest = self._moved(row, job, join)
+        closed = self.commands.is_closed
+        loaded = self.runtime.loaded
+        batch = Batch(loaded.model, loaded.tokenizer, self.max_batch,
+                      should_stop=lambda r: r.handle.cancelled or closed(),
+                      stopping=closed, on_end=self._row_ended,
+                      release=self.runtime.cache.release, speculation=self._row_speculation,
+                      spec_policy=self.spec_policy, stores=self.runtime.cache.enabled,
+                      budget=self.budget, between=self.between, on_finish=self._row_finished)
+        if join is not None and join.gen.speculation is not None:  # the row opens its own
+            join.gen.speculation.source.close()
+        self.batch = batch
+        try:
+            if self._add(batch, row, job, cache, in_cache, rest, fresh=join is None):
+                self.between(True)  # the figures show it from now on
+            while True:
+                self._admit(batch)
+                if not len(batch):
+                    break
+                try:
+                    batch.step()
+                except Exception as e:
+                    self._failed(batch, e)
+                    break
+                self.between()
+        finally:
+            self.batch = None
+            if self.admission.batching:
+                self.admission.batching = False
+                self.admission.batched_at = time.monotonic()
+            batch.close()
+
+    def _moved(self, row: Row, job: Job, join: Join) -> tuple[list | None, list[int], list[int]]:
+        """The state of a request that decoded alone, moved over into ``row``: (its cache,
+        the tokens that holds, the tokens still to feed)."""
         row.emitted, row.gen_start = list(join.sent), join.started
         row.first_time = join.gen.first_token_time
         if isinstance(join.gen.sampler, SeededSampler):  # its draws go on where they were
@@ -109,42 +194,7 @@ class Batching:
                 # computes the row's state again from its prompt and what it sent.
                 log.debug("request %d moves into the batch without its state", row.handle.id)
                 cache, keep = None, 0
-        closed = self.commands.is_closed
-        loaded = self.runtime.loaded
-        batch = Batch(loaded.model, loaded.tokenizer, self.max_batch,
-                      should_stop=lambda r: r.handle.cancelled or closed(),
-                      stopping=closed, on_end=self._row_ended,
-                      release=self.runtime.cache.release, speculation=self._row_speculation,
-                      spec_policy=self.spec_policy, stores=self.runtime.cache.enabled,
-                      budget=self.budget, between=self.between, on_finish=self._row_finished)
-        if join.gen.speculation is not None:  # the row opens its own in the batch
-            join.gen.speculation.source.close()
-        self.batch = batch
-        self.admission.batching = True
-        self.counts.batched += 1
-        try:
-            try:
-                batch.add(row, cache, history[:keep], history[keep:])
-            except Exception as e:
-                log.debug("request %d could not move into a batch", row.handle.id, exc_info=True)
-                self.runtime.cache.release(job.cache)
-                self.counts.errors += 1
-                row.handle.emit(ErrorEvent(f"{type(e).__name__}: {e}", e))
-            while True:
-                self._admit(batch)
-                if not len(batch):
-                    break
-                try:
-                    batch.step()
-                except Exception as e:
-                    self._failed(batch, e)
-                    break
-                self.between()
-        finally:
-            self.batch = None
-            self.admission.batching = False
-            self.admission.batched_at = time.monotonic()
-            batch.close()
+        return cache, history[:keep], history[keep:]
 
     def _row_speculation(self, row: Row) -> Speculation | None:
         """A batched row's speculation, opened as for the request alone (None: plain). Under
@@ -167,24 +217,60 @@ class Batching:
         if self.commands.waiting > 0:
             self.admission.sweep_cancelled()
         while batch.room > 0:
+            if not len(batch):  # nothing left to join: the request starts as the scheduler would
+                waiting = self.commands.peek()
+                if isinstance(waiting, RequestHandle) and not waiting.cancelled \
+                        and not self.takes(waiting.request):
+                    return
             head = self.admission.next_row()
             if head is None:
                 return
             self.counts.requests += 1
-            self.counts.batched += 1
             job = self.preparer.prepare(head, time.perf_counter())
             if job is None:
                 continue
-            try:
-                batch.add(self._row(job), job.cache, job.tokens[:job.n_cached],
-                          job.tokens[job.n_cached:])
-            except Exception as e:
-                log.debug("request %d could not join the batch", head.id, exc_info=True)
-                self.runtime.cache.release(job.cache)
-                self.counts.errors += 1
-                head.emit(ErrorEvent(f"{type(e).__name__}: {e}", e))
-            else:
+            if self._add(batch, self._row(job), job, job.cache, job.tokens[:job.n_cached],
+                         job.tokens[job.n_cached:], fresh=True):
                 self.between(True)
+
+    def _add(self, batch: Batch, row: Row, job: Job, cache: list | None, in_cache: list[int],
+             rest: list[int], fresh: bool) -> bool:
+        """Let ``row`` join ``batch`` (False: it could not, and was answered with an error).
+        A cached prefix that does not fit (a state of another shape, say) is dropped and a
+        ``fresh`` request (not one moving in from alone) joins again without it, as a lone
+        request is computed again."""
+        try:
+            batch.add(row, cache, in_cache, rest)
+            return self._shared(batch)
+        except Exception as e:
+            failure: Exception = e
+        log.debug("request %d could not join the batch", row.handle.id, exc_info=True)
+        if fresh and cache is not None and job.n_cached > 0:
+            self.counts.retries += 1
+            self.runtime.cache.drop(job.tokens, failure, row.request.cache_scope)
+            row.n_cached, row.lent, row.retried = 0, None, True
+            row.cached_ram_tokens = row.cached_ssd_tokens = 0
+            try:
+                batch.add(row, None, [], list(job.tokens))
+                return self._shared(batch)
+            except Exception as e:
+                log.debug("request %d could not join the batch", row.handle.id, exc_info=True)
+                failure = e
+        else:
+            self.runtime.cache.release(job.cache)
+        self.counts.errors += 1
+        row.handle.emit(ErrorEvent(f"{type(failure).__name__}: {failure}", failure))
+        return False
+
+    def _shared(self, batch: Batch) -> bool:
+        """A row joined ``batch``: count the rows that now decode beside another (a batch of
+        one is not batching: admission then waits for company as it does behind a request
+        alone). True."""
+        if batch.newly_shared:
+            self.admission.batching = True
+            self.counts.batched += batch.newly_shared
+            batch.newly_shared = 0
+        return True
 
     def _row_finished(self, reason: str) -> None:
         """A batched row is about to send its FinishedEvent: count it."""

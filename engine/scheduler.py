@@ -1,8 +1,9 @@
 """The engine thread's command loop for one loaded model: takes each command from its
 :class:`~engine.commands.CommandSource` and serves it: a call runs, a request is prepared
-(:class:`~engine.preparing.Preparer`) and decodes alone
-(:class:`~engine.single.SingleStream`) until another request waits, then in a batch
-(:class:`~engine.batching.Batching`). Builds those parts, which call only downwards:
+(:class:`~engine.preparing.Preparer`) and starts in a batch of one that the requests after
+it join (:class:`~engine.batching.Batching`); one whose speculation only the lone path runs
+decodes alone (:class:`~engine.single.SingleStream`) until another request waits, then in
+a batch. Builds those parts, which call only downwards:
 
     Scheduler -> Batching -> SingleStream -> Admission -> CommandQueue
          \\-----------> Preparer -> CacheUse
@@ -68,7 +69,7 @@ class Scheduler:
             row: dict[str, Any] = {"id": h.id, "prompt_tokens": p.total if p else None,
                                    "prefill_done": p.done if p else 0,
                                    "generated": len(h.tokens)}
-            at = self.single.prefill_at if h is single else None
+            at = self.single.prefill_at if h is single else self.batching.prefill_at(h)
             if at is not None:
                 row.update(prefill_done=at.done, chunk=at.chunk, layer=at.layer, layers=at.layers)
             row["phase"] = "prefill" if (p is None or p.done < p.total) and not h.tokens \
@@ -101,7 +102,8 @@ class Scheduler:
                 publisher.publish()
 
     def serve(self, handle: RequestHandle) -> None:
-        """Answer one request: alone, or (once another waits) in a batch."""
+        """Answer one request: in a batch (of one until others join), or alone until
+        another waits, then in a batch."""
         self.commands.take(handle)
         if handle.cancelled or self.commands.is_closed():
             self.admission.answer_cancelled(handle)
@@ -111,6 +113,9 @@ class Scheduler:
         self.runtime.cache.busy(True)
         job = self.preparer.prepare(handle, start)
         if job is None:
+            return
+        if self.batching.takes(job.handle.request):
+            self.batching.run(job)
             return
         join = self.single.run(job)
         if join is not None:

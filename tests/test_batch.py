@@ -287,12 +287,17 @@ def sliding_model():
 
 
 @pytest.mark.parametrize("spec", ["off", "ngram"])
-def test_sliding_window_rows_batch_and_equal_alone(sliding_model, spec):
+@pytest.mark.parametrize("one_path", [True, False], ids=["batch-of-one", "moves-in"])
+def test_sliding_window_rows_batch_and_equal_alone(sliding_model, spec, one_path, monkeypatch):
     """Rotating caches batch too: prompts longer than the window, a follow-up that starts
-    from a stored state; each row equals its alone output. A request decoding alone moves
-    in mid-decode only while its window can give back the token the batch feeds again:
-    never once it has wrapped (plain decoding), always while speculating (the pending
-    token is not in the cache yet)."""
+    from a stored state; each row equals its alone output. The first request starts in a
+    batch of one and the others join it mid-decode, whether it speculates or not. Served
+    alone first (``MLXKV_ONE_PATH=0``, as a request whose speculation only the lone path
+    runs is), it moves in mid-decode only while its window can give back the token the
+    batch feeds again: never once it has wrapped (plain decoding), always while
+    speculating (the pending token is not in the cache yet)."""
+    if not one_path:
+        monkeypatch.setenv("MLXKV_ONE_PATH", "0")
     prompts = token_prompts(4, seed=53, longest=50)
     with Engine(str(sliding_model), max_batch=1).start(timeout=T) as ref, \
             Engine(str(sliding_model), prefix_cache=ram_cache()).start(timeout=T) as e:
@@ -315,7 +320,7 @@ def test_sliding_window_rows_batch_and_equal_alone(sliding_model, spec):
         got = [h.result(timeout=T) for h in list(rec.handles)]
         assert len(got) == 4 and got[0].stats.cached_tokens > 0
         for i, (req, h) in enumerate(zip(reqs, rec.handles)):
-            check_shape(rec.events[h.id], batched=i > 0 or spec == "ngram")
+            check_shape(rec.events[h.id], batched=one_path or i > 0 or spec == "ngram")
             same_as_alone(ref, req, rec.events[h.id])
 
 

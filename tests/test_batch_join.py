@@ -1,7 +1,10 @@
-"""How rows enter a batch, measured in model passes on a real tiny model: a row with
-nothing left to prefill (a request that moves in from decoding alone) waits for the last
-prefill pass of the rows joining with it, and all of them then decode from one pass on,
-instead of each running passes of its own; every row's output stays the one it has alone."""
+"""How rows enter a batch, measured in model passes on a real tiny model: a lone request
+is a batch of one from its first pass, which the requests after it join; a row with
+nothing left to prefill (a request that moves in from decoding alone, as one whose
+speculation only the lone path runs does; here ``MLXKV_ONE_PATH=0`` serves every request
+that way) waits for the last prefill pass of the rows joining with it, and all of them then
+decode from one pass on, instead of each running passes of its own; every row's output
+stays the one it has alone."""
 
 import random
 
@@ -31,7 +34,41 @@ def prompts(seed: int, *lengths: int) -> list[list[int]]:
     return [[rng.randrange(3, 500) for _ in range(n)] for n in lengths]
 
 
+def test_a_lone_request_is_a_batch_of_one_that_others_join(tiny_qwen3, monkeypatch):
+    a, b, c = prompts(7, 30, 20, 25)
+    reqs = [Request(prompt_tokens=a, params=greedy(max_tokens=12), spec="off"),
+            Request(prompt_tokens=b, params=greedy(max_tokens=8), spec="off"),
+            Request(prompt_tokens=c, params=greedy(max_tokens=9), spec="off")]
+    with Engine(str(tiny_qwen3), max_batch=1).start(timeout=T) as alone:
+        ref = [alone.submit(r).result(timeout=T).tokens for r in reqs]
+    with Engine(str(tiny_qwen3), max_batch=8).start(timeout=T) as e:
+        lone = e.submit(reqs[1]).result(timeout=T)  # nobody beside it: not batched
+        assert lone.tokens == ref[1] and not lone.stats.batched
+        assert e.stats(timeout=T)["batched"] == 0
+        stack_passes = passes_of(type(e.loaded.model.model), monkeypatch)
+        shapes = passes_of(BatchStepModel, monkeypatch)
+        handles = []
+
+        def after_a(ev):  # on the engine thread: B and C wait when A's next token is due
+            if isinstance(ev, TokenEvent) and len(handles[0].tokens) == 2 and len(handles) == 1:
+                handles.extend(e.submit(r) for r in reqs[1:])
+        handles.append(e.submit(reqs[0], callback=after_a))
+        handles[0].result(timeout=T)
+        assert len(handles) == 3
+        results = [h.result(timeout=T) for h in handles]
+        assert e.stats(timeout=T)["batched"] == 3
+    assert [r.tokens for r in results] == ref
+    assert all(r.stats.batched for r in results)
+    # A's prefill is the batch's pass from the start (its last token enters decoding): no
+    # single-stream pass of its whole prompt, and no move
+    assert (1, len(a)) not in stack_passes
+    assert shapes[0] == (1, len(a) - 1)
+    # B and C join the batch A decodes in: their prompts go in beside A's steps
+    assert any(s[1] > 1 for s in shapes[1:])
+
+
 def test_a_moved_row_and_its_joiners_decode_from_one_pass(tiny_qwen3, monkeypatch):
+    monkeypatch.setenv("MLXKV_ONE_PATH", "0")
     a, b, c = prompts(7, 30, 20, 25)
     reqs = [Request(prompt_tokens=a, params=greedy(max_tokens=12), spec="off"),
             Request(prompt_tokens=b, params=greedy(max_tokens=8), spec="off"),
@@ -62,7 +99,8 @@ def test_a_moved_row_and_its_joiners_decode_from_one_pass(tiny_qwen3, monkeypatc
     assert after[:8] == [(3, 1)] * 8
 
 
-def test_a_cancelled_row_waiting_to_enter_ends_and_the_others_go_on(tiny_qwen3):
+def test_a_cancelled_row_waiting_to_enter_ends_and_the_others_go_on(tiny_qwen3, monkeypatch):
+    monkeypatch.setenv("MLXKV_ONE_PATH", "0")
     a, b = prompts(9, 30, 20)
     reqs = [Request(prompt_tokens=a, params=greedy(max_tokens=40), spec="off"),
             Request(prompt_tokens=b, params=greedy(max_tokens=8), spec="off")]

@@ -118,9 +118,9 @@ def test_progress_events_per_prefill_chunk(eng):
                    callback=seen.append)
     r = h.result(timeout=T)
     progress = [(e.done, e.total) for e in seen if isinstance(e, ProgressEvent)]
-    # The prompt goes in chunks of 7; the last chunk (1 to 7 tokens, the prompt's last token
-    # among them) gives the first token, which comes with the final (n, n).
-    chunks = list(range(7, n, 7))
+    # The prompt but its last token goes in chunks of 7; the last token enters decoding (the
+    # batch's first step), which gives the first token with the final (n, n).
+    chunks = sorted(set(range(7, n - 1, 7)) | {n - 1})
     assert progress == [(0, n)] + [(d, n) for d in chunks] + [(n, n)]
     first_token = next(i for i, e in enumerate(seen) if isinstance(e, TokenEvent))
     assert all(isinstance(e, ProgressEvent) for e in seen[:first_token])

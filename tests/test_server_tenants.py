@@ -208,6 +208,7 @@ def test_a_prompt_cached_under_one_key_is_no_faster_under_another(served):
 
 def test_the_access_log_names_keys_never_them_or_text(served):
     chat(served, "carol", "A private question about the merger.")
+    assert chat(served, None, "no key").status_code == 401  # (this test's own: tests may run apart)
     log = (Path(served.cache_dir) / "mlxkv.log").read_text()
     lines = [ln for ln in log.splitlines() if "POST /v1/chat/completions" in ln]
     assert any(" key=carol " in ln for ln in lines) and any(" 401 " in ln and "key=" not in ln for ln in lines)

@@ -98,7 +98,7 @@ def test_generate_json_reports_spec_and_trace_prints_rounds(tmp_path):
     assert out["spec"]["source"] == "ngram" and out["stats"]["spec"] == out["spec"]
     assert {"drafted", "accepted", "acceptance_by_position", "tokens_per_forward", "draft_s", "verify_s",
             "other_s"} <= set(out["spec"])
-    assert "mlxkv spec: fed=" in r.stderr
+    assert "mlxkv spec batch: " in r.stderr  # a lone request is a batch of one
 
 
 def test_bad_spec_values_are_refused(tmp_path):
