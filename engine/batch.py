@@ -36,7 +36,13 @@ from mlxkv.engine.generate import (
     request_sampler,
     stream_detokenizer,
 )
-from mlxkv.engine.mlx_lm_compat import DecodingRows, admitting, batch_speculation_available, next_prompt_chunk
+from mlxkv.engine.mlx_lm_compat import (
+    DecodingRows,
+    admitting,
+    batch_speculation_available,
+    move_whole_prompt_batch,
+    next_prompt_chunk,
+)
 from mlxkv.engine.requests import (
     FinishedEvent,
     ProgressEvent,
@@ -232,6 +238,7 @@ class Batch:
         self._gen: BatchGenerator | None = BatchGenerator(
             cast("nn.Module", self.stepper), stop_tokens=[[t] for t in eos] or None, completion_batch_size=max_rows,
             prefill_batch_size=max_rows)
+        move_whole_prompt_batch(self._gen)  # (rows entering decoding together: no copy)
         # its decode steps feed a prompt's next chunk too (engine.fused_step)
         gen = self._gen
         self.stepper.upcoming = lambda: next_prompt_chunk(gen)

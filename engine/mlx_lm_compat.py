@@ -83,6 +83,32 @@ def batch_speculation_available(version: str | None = None) -> bool:
     return False
 
 
+def move_whole_prompt_batch(gen: BatchGenerator) -> None:
+    """Make ``gen`` hand its whole prompt batch to decoding without a copy. When a step's
+    rows all finish their prefill (a lone request's always do), ``BatchGenerator`` splits
+    them off its prompt batch with ``split``, which deep-copies every row's KV state and
+    then drops the original: a 3,000-token prompt of the real model, 138 MB copied, ~75 ms
+    of its first token. Here, a split of every row moves the state instead (the same
+    objects; the prompt batch is left empty, as the split leaves it); a split of some rows
+    is mlx-lm's. Nothing changes on a version whose internals were not checked."""
+    if version_problem() is not None:
+        return
+    batch = gen._prompt_batch
+    split_some = type(batch).split
+
+    def split(indices: list[int]) -> Any:
+        if sorted(indices) != list(range(len(batch.uids))):
+            return split_some(batch, indices)
+        moved = object.__new__(type(batch))
+        moved.__dict__.update({k: v for k, v in batch.__dict__.items() if k != "split"})
+        batch.uids, batch.prompt_cache, batch.tokens = [], [], []
+        batch.samplers, batch.logits_processors = [], []
+        batch.max_tokens, batch.stop_sequences = [], []
+        return moved
+
+    batch.split = split
+
+
 def admitting(gen: BatchGenerator) -> bool:
     """Whether ``gen`` (a BatchGenerator) holds rows that wait for or are in their prefill."""
     require_checked()

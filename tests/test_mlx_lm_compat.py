@@ -74,3 +74,42 @@ def test_on_an_unchecked_version_plain_decoding_and_batches_still_work(monkeypat
             assert r.tokens == alone(ref, req)[0].tokens
     warned = [r.getMessage() for r in caplog.records if "0.99.1" in r.getMessage()]
     assert warned == [compat.version_problem("0.99.1")]
+
+
+def test_rows_entering_decoding_together_move_their_state_without_a_copy():
+    """``move_whole_prompt_batch``: when every prompt row enters decoding in one step (a
+    lone request always does), the generation batch takes the prompt batch's cache layers
+    themselves (mlx-lm's split deep-copies them, then drops the originals), and the tokens
+    are those of mlx-lm's own split."""
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.utils import load
+
+    model, _ = load(str(tiny_model("qwen3")))
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17, 18]]
+
+    def run(moved: bool) -> tuple[list[list[int]], bool]:
+        gen = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=4)
+        if moved:
+            compat.move_whole_prompt_batch(gen)
+        gen.insert(prompts, max_tokens=[6, 6])
+        layers: list = []
+        out: dict[int, list[int]] = {0: [], 1: []}
+        same = False
+        while True:
+            if len(gen._prompt_batch) and not layers:
+                layers = list(gen._prompt_batch.prompt_cache)
+            _, responses = gen.next()
+            if len(gen._generation_batch) and layers and not same:
+                same = all(a is b for a, b in zip(gen._generation_batch.prompt_cache, layers))
+            for r in responses:
+                out[r.uid].append(r.token)
+            if all(len(v) == 6 for v in out.values()):
+                break
+        mx.clear_cache()
+        return [out[0], out[1]], same
+
+    theirs, copied_same = run(False)
+    ours, moved_same = run(True)
+    assert ours == theirs
+    assert moved_same and not copied_same
