@@ -34,28 +34,39 @@ def prompts(seed: int, *lengths: int) -> list[list[int]]:
     return [[rng.randrange(3, 500) for _ in range(n)] for n in lengths]
 
 
-def test_a_lone_request_is_a_batch_of_one_that_others_join(tiny_qwen3, monkeypatch):
+def three_requests(tiny_qwen3) -> tuple[list[int], list[Request], list[list[int]]]:
+    """A's prompt, requests A, B and C, and each one's tokens alone."""
     a, b, c = prompts(7, 30, 20, 25)
     reqs = [Request(prompt_tokens=a, params=greedy(max_tokens=12), spec="off"),
             Request(prompt_tokens=b, params=greedy(max_tokens=8), spec="off"),
             Request(prompt_tokens=c, params=greedy(max_tokens=9), spec="off")]
     with Engine(str(tiny_qwen3), max_batch=1).start(timeout=T) as alone:
         ref = [alone.submit(r).result(timeout=T).tokens for r in reqs]
+    return a, reqs, ref
+
+
+def a_then_b_and_c(e: Engine, reqs: list[Request]) -> list:
+    """A runs; B and C wait when A's token after its second is due; every result."""
+    handles = []
+
+    def after_a(ev):  # on the engine thread
+        if isinstance(ev, TokenEvent) and len(handles[0].tokens) == 2 and len(handles) == 1:
+            handles.extend(e.submit(r) for r in reqs[1:])
+    handles.append(e.submit(reqs[0], callback=after_a))
+    handles[0].result(timeout=T)
+    assert len(handles) == 3
+    return [h.result(timeout=T) for h in handles]
+
+
+def test_a_lone_request_is_a_batch_of_one_that_others_join(tiny_qwen3, monkeypatch):
+    a, reqs, ref = three_requests(tiny_qwen3)
     with Engine(str(tiny_qwen3), max_batch=8).start(timeout=T) as e:
         lone = e.submit(reqs[1]).result(timeout=T)  # nobody beside it: not batched
         assert lone.tokens == ref[1] and not lone.stats.batched
         assert e.stats(timeout=T)["batched"] == 0
         stack_passes = passes_of(type(e.loaded.model.model), monkeypatch)
         shapes = passes_of(BatchStepModel, monkeypatch)
-        handles = []
-
-        def after_a(ev):  # on the engine thread: B and C wait when A's next token is due
-            if isinstance(ev, TokenEvent) and len(handles[0].tokens) == 2 and len(handles) == 1:
-                handles.extend(e.submit(r) for r in reqs[1:])
-        handles.append(e.submit(reqs[0], callback=after_a))
-        handles[0].result(timeout=T)
-        assert len(handles) == 3
-        results = [h.result(timeout=T) for h in handles]
+        results = a_then_b_and_c(e, reqs)
         assert e.stats(timeout=T)["batched"] == 3
     assert [r.tokens for r in results] == ref
     assert all(r.stats.batched for r in results)
@@ -69,24 +80,12 @@ def test_a_lone_request_is_a_batch_of_one_that_others_join(tiny_qwen3, monkeypat
 
 def test_a_moved_row_and_its_joiners_decode_from_one_pass(tiny_qwen3, monkeypatch):
     monkeypatch.setenv("MLXKV_ONE_PATH", "0")
-    a, b, c = prompts(7, 30, 20, 25)
-    reqs = [Request(prompt_tokens=a, params=greedy(max_tokens=12), spec="off"),
-            Request(prompt_tokens=b, params=greedy(max_tokens=8), spec="off"),
-            Request(prompt_tokens=c, params=greedy(max_tokens=9), spec="off")]
-    with Engine(str(tiny_qwen3), max_batch=1).start(timeout=T) as alone:
-        ref = [alone.submit(r).result(timeout=T).tokens for r in reqs]
+    a, reqs, ref = three_requests(tiny_qwen3)
+    c = reqs[2].prompt_tokens
     with Engine(str(tiny_qwen3), max_batch=8).start(timeout=T) as e:
         alone_passes = passes_of(type(e.loaded.model.model), monkeypatch)
         shapes = passes_of(BatchStepModel, monkeypatch)
-        handles = []
-
-        def after_a(ev):  # on the engine thread: B and C wait when A's next token is due
-            if isinstance(ev, TokenEvent) and len(handles[0].tokens) == 2 and len(handles) == 1:
-                handles.extend(e.submit(r) for r in reqs[1:])
-        handles.append(e.submit(reqs[0], callback=after_a))
-        handles[0].result(timeout=T)
-        assert len(handles) == 3
-        results = [h.result(timeout=T) for h in handles]
+        results = a_then_b_and_c(e, reqs)
     assert [r.tokens for r in results] == ref
     assert all(r.stats.batched for r in results)
     # A's own prefill alone (its last token in the same pass), then B's and C's together
