@@ -158,7 +158,6 @@ class Row:
     merged: bool = False
     spec: RowSpec | None = None  # a speculating row's
     sampler: Any = None  # the sampler it brings (a seeded row that decoded alone), else the batch's
-    retried: bool = False  # its cached prefix did not fit: computed without it
     shared: bool = False  # it was in a step with another row (a batch of one is not batched)
 
     @property
@@ -629,7 +628,7 @@ class Batch:
             ttft_s=(first - row.started) if first is not None else 0.0,
             prefill_tps=n_new / prefill_s if prefill_s > 0 else 0.0,
             decode_tps=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
-            queue_s=row.queue_s, load_s=row.load_s, retried=row.retried,
+            queue_s=row.queue_s, load_s=row.load_s,
             cached_ram_tokens=row.cached_ram_tokens, cached_ssd_tokens=row.cached_ssd_tokens,
             batched=row.shared,
             spec=self.verifier.summary(row.spec) if row.spec is not None and self.verifier is not None else None,

@@ -138,7 +138,7 @@ class Batching:
             join.gen.speculation.source.close()
         self.batch = batch
         try:
-            if self._add(batch, row, job, cache, in_cache, rest, fresh=join is None):
+            if self._add(batch, row, job, cache, in_cache, rest):
                 self.between(True)  # the figures show it from now on
             while True:
                 self._admit(batch)
@@ -230,37 +230,23 @@ class Batching:
             if job is None:
                 continue
             if self._add(batch, self._row(job), job, job.cache, job.tokens[:job.n_cached],
-                         job.tokens[job.n_cached:], fresh=True):
+                         job.tokens[job.n_cached:]):
                 self.between(True)
 
     def _add(self, batch: Batch, row: Row, job: Job, cache: list | None, in_cache: list[int],
-             rest: list[int], fresh: bool) -> bool:
+             rest: list[int]) -> bool:
         """Let ``row`` join ``batch`` (False: it could not, and was answered with an error).
-        A cached prefix that does not fit (a state of another shape, say) is dropped and a
-        ``fresh`` request (not one moving in from alone) joins again without it, as a lone
-        request is computed again."""
+        A cached state that does not fit fails in the step that merges it, not here: the
+        batch's retry (:meth:`_failed`) answers it again without the cache."""
         try:
             batch.add(row, cache, in_cache, rest)
-            return self._shared(batch)
         except Exception as e:
-            failure: Exception = e
-        log.debug("request %d could not join the batch", row.handle.id, exc_info=True)
-        if fresh and cache is not None and job.n_cached > 0:
-            self.counts.retries += 1
-            self.runtime.cache.drop(job.tokens, failure, row.request.cache_scope)
-            row.n_cached, row.lent, row.retried = 0, None, True
-            row.cached_ram_tokens = row.cached_ssd_tokens = 0
-            try:
-                batch.add(row, None, [], list(job.tokens))
-                return self._shared(batch)
-            except Exception as e:
-                log.debug("request %d could not join the batch", row.handle.id, exc_info=True)
-                failure = e
-        else:
+            log.debug("request %d could not join the batch", row.handle.id, exc_info=True)
             self.runtime.cache.release(job.cache)
-        self.counts.errors += 1
-        row.handle.emit(ErrorEvent(f"{type(failure).__name__}: {failure}", failure))
-        return False
+            self.counts.errors += 1
+            row.handle.emit(ErrorEvent(f"{type(e).__name__}: {e}", e))
+            return False
+        return self._shared(batch)
 
     def _shared(self, batch: Batch) -> bool:
         """A row joined ``batch``: count the rows that now decode beside another (a batch of
