@@ -26,6 +26,12 @@ GATHER_S = 0.01
 GATHER_RECENT_S = 60.0
 
 
+def guided(req: Request) -> bool:
+    """Whether ``req`` carries something its speculation proposes from (a choice list, a
+    grammar, a JSON skeleton)."""
+    return bool(req.json_skeleton or req.guided_choice or req.grammar)
+
+
 def row_batchable(req: Request, spec: str = "auto") -> bool:
     """Whether ``req`` may decode in a batch (``spec``: the engine's speculation mode). A
     seeded sampled request may when it decodes plainly (its sampler's key sequence is its
@@ -36,7 +42,7 @@ def row_batchable(req: Request, spec: str = "auto") -> bool:
     if p.seed is None or p.temperature == 0:
         return True
     mode = req.spec or spec
-    return mode == "off" or (mode == "auto" and not (req.json_skeleton or req.guided_choice or req.grammar))
+    return mode == "off" or (mode == "auto" and not guided(req))
 
 
 class Admission:

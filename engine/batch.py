@@ -208,7 +208,8 @@ class Batch:
     the engine does between the layers of a prefill pass that every row is in (quick calls,
     its figures), where a pass whose rows were all cancelled stops; ``on_finish(reason)``
     runs just before a row's FinishedEvent (the engine counts it there, so whoever has the
-    answer finds it counted)."""
+    answer finds it counted); ``rounds``: whether its rows may run speculative rounds
+    (None: decided from the model's caches here)."""
 
     def __init__(self, model: Any, tokenizer: Any, max_rows: int,
                  should_stop: Callable[[Row], bool], stopping: Callable[[], bool],
@@ -216,7 +217,7 @@ class Batch:
                  speculation: Callable[[Row], Any] | None = None, spec_policy: BatchLength | None = None,
                  stores: bool = False, budget: StepBudget | None = None,
                  between: Callable[[], None] | None = None,
-                 on_finish: Callable[[str], None] | None = None):
+                 on_finish: Callable[[str], None] | None = None, rounds: bool | None = None):
         from mlx_lm.generate import BatchGenerator
 
         self.model, self.tokenizer = model, tokenizer
@@ -232,7 +233,7 @@ class Batch:
         self.stepper = BatchStepModel(model)
         from mlx_lm.models.cache import make_prompt_cache
 
-        self.rounds = rounds_cache(make_prompt_cache(model))  # else its rows decode plainly
+        self.rounds = rounds_cache(make_prompt_cache(model)) if rounds is None else rounds
         self.between = between
         self._gen: BatchGenerator | None = BatchGenerator(
             cast("nn.Module", self.stepper), stop_tokens=[[t] for t in eos] or None, completion_batch_size=max_rows,

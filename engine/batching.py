@@ -18,7 +18,7 @@ import os
 import time
 from collections.abc import Callable
 
-from mlxkv.engine.admission import Admission, row_batchable
+from mlxkv.engine.admission import Admission, guided, row_batchable
 from mlxkv.engine.batch import Batch, Ending, Row
 from mlxkv.engine.commands import CommandQueue
 from mlxkv.engine.generate import cache_length
@@ -76,8 +76,7 @@ class Batching:
             return False
         from mlxkv.engine.speculation.providers import choose
 
-        guided = bool(req.guided_choice or req.grammar or req.json_skeleton)
-        provider = choose(self.runtime.providers, req.spec or self.settings.spec, guided) \
+        provider = choose(self.runtime.providers, req.spec or self.settings.spec, guided(req)) \
             if self.runtime.providers else None
         if provider is None:
             return True
@@ -133,7 +132,8 @@ class Batching:
                       stopping=closed, on_end=self._row_ended,
                       release=self.runtime.cache.release, speculation=self._row_speculation,
                       spec_policy=self.spec_policy, stores=self.runtime.cache.enabled,
-                      budget=self.budget, between=self.between, on_finish=self._row_finished)
+                      budget=self.budget, between=self.between, on_finish=self._row_finished,
+                      rounds=self._rounds())
         if join is not None and join.gen.speculation is not None:  # the row opens its own
             join.gen.speculation.source.close()
         self.batch = batch
