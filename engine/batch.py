@@ -21,6 +21,7 @@ tokens). Without speculating rows a step is exactly ``BatchGenerator.next``.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from mlxkv.engine.generate import (
     Cancelled,
     SamplingParams,
     StopMatcher,
+    head_view,
     request_processors,
     request_sampler,
     stream_detokenizer,
@@ -40,6 +42,7 @@ from mlxkv.engine.mlx_lm_compat import (
     DecodingRows,
     admitting,
     batch_speculation_available,
+    fold_first_token,
     move_whole_prompt_batch,
     next_prompt_chunk,
 )
@@ -60,6 +63,10 @@ if TYPE_CHECKING:
     from mlx_lm.generate import BatchGenerator
 
     from mlxkv.engine.speculation.batch_verify import BatchLength, BatchVerifier, RowSpec
+
+# A lone prompt row's last prefill pass feeds its last token too and samples its first
+# token (``mlx_lm_compat.fold_first_token``); ``MLXKV_FOLD_FIRST=0``: mlx-lm's own hand-over.
+FOLD_FIRST = os.environ.get("MLXKV_FOLD_FIRST", "1") != "0"
 
 
 def batchable_cache(cache: Sequence[Any], model: Any = None) -> bool:
@@ -159,6 +166,7 @@ class Row:
     spec: RowSpec | None = None  # a speculating row's
     sampler: Any = None  # the sampler it brings (a seeded row that decoded alone), else the batch's
     shared: bool = False  # it was in a step with another row (a batch of one is not batched)
+    echo: int | None = None  # a first token sent from the prompt's pass, which its first step reports again
 
     @property
     def request(self) -> Request:
@@ -227,6 +235,7 @@ class Batch:
         self.on_finish = on_finish
         self.stores = stores
         eos = sorted(int(t) for t in tokenizer.eos_token_ids)
+        self._eos = set(eos)
         # EOS ends a row inside BatchGenerator, which then hands over the row's cache. Its
         # model runs the decode steps compiled (engine.batch_step).
         # (BatchGenerator annotates its model as nn.Module; it only calls it and reads its layers)
@@ -239,9 +248,17 @@ class Batch:
             cast("nn.Module", self.stepper), stop_tokens=[[t] for t in eos] or None, completion_batch_size=max_rows,
             prefill_batch_size=max_rows)
         move_whole_prompt_batch(self._gen)  # (rows entering decoding together: no copy)
-        # its decode steps feed a prompt's next chunk too (engine.fused_step)
         gen = self._gen
-        self.stepper.upcoming = lambda: next_prompt_chunk(gen)
+        # A prompt's first token comes from its last prefill pass (uid, token, logprobs),
+        # taken in the step that ran the pass.
+        self._firsts: list[tuple[int, int, mx.array]] = []
+        view = head_view(model) if FOLD_FIRST else None
+        folds = view is not None and fold_first_token(
+            gen, lambda x, cache: self.stepper.last_logits(x, cache, view),
+            lambda uid, token, logprobs: self._firsts.append((uid, token, logprobs)))
+        # its decode steps feed a prompt's next chunk too (engine.fused_step), but for the
+        # last one when that pass gives the first token
+        self.stepper.upcoming = lambda: next_prompt_chunk(gen, final=not folds)
         self.rows: dict[int, Row] = {}
         self._samplers: dict[tuple, Any] = {}
         self._ended: list[tuple[Row, Ending]] = []  # rows whose on_end is still due
@@ -444,6 +461,7 @@ class Batch:
         self.stepper.between_layers = self._between_layers if alone else None
         self.pass_chunk = chunk if alone else 0
         fused = self.stepper.fused_steps
+        self._firsts.clear()
         try:
             if verifier is not None and verifier.specs:
                 decoding_only = not admitting(self.gen)
@@ -459,8 +477,10 @@ class Batch:
             self.layer_at, self.pass_chunk = None, 0
         if self.budget is not None:
             self.budget.fused_steps += self.stepper.fused_steps - fused
-        if self.budget is not None and decoding > 0 and gen_out and (fed > 0 or not prompt_out):
-            # (a step where a row entered decoding is neither: its merge costs what it costs)
+        if (self.budget is not None and decoding > 0 and gen_out and (fed > 0 or not prompt_out)
+                and not self._firsts):
+            # (a step where a row entered decoding or took its first token from its own
+            # pass is neither: its merge, or its pass apart, costs what it costs)
             self.budget.observe(fed, time.perf_counter() - t)
         self.steps += 1
         self._take(prompt_out, gen_out)
@@ -485,6 +505,8 @@ class Batch:
             row = self.rows.get(r.uid)
             if row is None:
                 continue
+            if self._echoed(row, r.token):
+                continue
             now = time.perf_counter()
             if row.first_time is None:
                 row.first_time = now
@@ -500,8 +522,43 @@ class Batch:
                     stopped.append(row)
             elif r.finish_reason == "length":
                 self._end(row, "length", None, r)
+        firsts, self._firsts = self._firsts, []
+        for uid, token, logprobs in firsts:
+            row = self.rows.get(uid)
+            if row is not None and self._first(row, token, logprobs):
+                stopped.append(row)
         if stopped:
             self._remove(stopped, "stop", None)
+
+    def _first(self, row: Row, token: int, logprobs: mx.array) -> bool:
+        """``row``'s first token, sampled in its last prefill pass while the row still waits
+        to enter decoding; sent through the checks of a decode step. True: a stop string
+        ended it (the caller removes it with the others); ended otherwise, it is removed here."""
+        assert row.progress is not None  # (set when it joined)
+        self._progress(row, row.progress[1], row.progress[1])
+        row.first_time = row.last_time = time.perf_counter()
+        if token in self._eos:  # EOS: never sent, as alone
+            self._remove([row], "stop", "eos")
+            return False
+        self._token(row, token, logprobs)
+        if row.stopper.matched is not None:
+            return True
+        if len(row.emitted) >= row.params.max_tokens:
+            self._remove([row], "length", None)
+        else:
+            row.echo = token
+        return False
+
+    @staticmethod
+    def _echoed(row: Row, token: int) -> bool:
+        """Whether ``token`` is ``row``'s first token reported again by the step that fed it
+        (sent already: see :meth:`_first`)."""
+        if row.echo is None:
+            return False
+        if token != row.echo:
+            raise RuntimeError(f"a row's first step reported {token}, not its first token {row.echo}")
+        row.echo = None
+        return True
 
     def _between_layers(self, done: int, layers: int) -> None:
         """After each layer of a pass in which every row prefills: the engine's quick work,
@@ -555,6 +612,9 @@ class Batch:
             if row is None:
                 continue
             for n, (token, logprobs) in enumerate(got.emitted):
+                if self._echoed(row, token):
+                    decoding.count(i, token)  # (counted as a plain step counts it)
+                    continue
                 now = time.perf_counter()
                 if row.first_time is None:
                     row.first_time = now
@@ -599,7 +659,7 @@ class Batch:
         for row in rows:
             cache, tokens = caches.get(row.uid, (None, []))
             self.rows.pop(row.uid, None)
-            why = row.stopper.matched if reason == "stop" else detail
+            why = (row.stopper.matched or detail) if reason == "stop" else detail
             self._finish(row, reason, why, Ending(reason, why, list(tokens or []), cache))
 
     def _end(self, row: Row, reason: str, detail: str | None, r: Any) -> None:

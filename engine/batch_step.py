@@ -260,14 +260,24 @@ class BatchStepModel:
             if tokens.shape[0] != 1 or tokens[0].tolist() != fed[1]:
                 raise RuntimeError("the prompt pass after a fused step is not the chunk it fed")
             return mx.zeros((1, tokens.shape[1], 1), dtype=mx.float32)  # nothing reads a prompt pass's output
+        return self._prompt_pass(tokens, cache, self.model)
+
+    def last_logits(self, tokens: mx.array, cache: list, view: Any) -> mx.array:
+        """A prompt pass of ``tokens`` ([1, T]) over ``cache`` whose output is only the last
+        position's logits ([1, V], unevaluated): ``view`` (the model's
+        ``engine.speculation.base.TargetView``) applies the head to that position alone."""
+        hidden = self._prompt_pass(tokens, cache, lambda x, cache: view.forward_hidden(x, cache))
+        return view.logits(hidden[:, -1, :])
+
+    def _prompt_pass(self, tokens: mx.array, cache: list | None, forward: Callable[..., mx.array]) -> mx.array:
         hook = self.between_layers
         if hook is None or not cache:
-            return self.model(tokens, cache=_causal_views(cache))
+            return forward(tokens, cache=_causal_views(cache))
         # Each layer's cache state in order, as for one request (engine.layer_steps): the
         # same operations on the same inputs, only evaluated in steps; a hook that raises
         # puts every layer back as it was before the pass, so the chunks before it stay.
         steps = LayerSteps(cache, tokens.shape[1])
-        out = self.model(tokens, cache=_causal_views(cache))
+        out = forward(tokens, cache=_causal_views(cache))
         self.rolled_back_empty = False
         try:
             steps.run(hook)

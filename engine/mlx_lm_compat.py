@@ -5,10 +5,15 @@ Speculation over a batch (``engine.speculation.batch_verify``) works on mlx-lm's
 a round needs: the decoding rows and whether any still prefill, each row's pending token and
 log-probabilities, its generated count and EOS matcher, and the token history its logits
 processors see. :class:`DecodingRows` reaches them (and the wrapped Hugging Face tokenizer
-is read here too). Those names were checked in mlx-lm's source and by the batch tests on
-every version in :data:`CHECKED_VERSIONS`; on any other, :func:`batch_speculation_available`
-is False with one warning and batched rows decode plainly, and reaching the internals
-anyway raises :class:`UnverifiedMlxLm`. Everything else uses mlx-lm's public API only.
+is read here too). The batch's own steps reach three more: the prompt chunk a step feeds
+next (:func:`next_prompt_chunk`, for the fused pass), the hand-over of rows from the prompt
+batch to the generation batch without a copy (:func:`move_whole_prompt_batch`), and a lone
+prompt's last pass giving its first token (:func:`fold_first_token`). Those names were
+checked in mlx-lm's source and by the batch tests on every version in
+:data:`CHECKED_VERSIONS`; on any other, :func:`batch_speculation_available` is False with
+one warning and batched rows decode plainly, the three steps above run as mlx-lm runs
+them, and reaching the internals anyway raises :class:`UnverifiedMlxLm`. Everything else
+uses mlx-lm's public API only.
 """
 
 from __future__ import annotations
@@ -100,7 +105,7 @@ def move_whole_prompt_batch(gen: BatchGenerator) -> None:
         if sorted(indices) != list(range(len(batch.uids))):
             return split_some(batch, indices)
         moved = object.__new__(type(batch))
-        moved.__dict__.update({k: v for k, v in batch.__dict__.items() if k != "split"})
+        moved.__dict__.update({k: v for k, v in batch.__dict__.items() if k not in ("split", "prompt")})
         batch.uids, batch.prompt_cache, batch.tokens = [], [], []
         batch.samplers, batch.logits_processors = [], []
         batch.max_tokens, batch.stop_sequences = [], []
@@ -109,18 +114,83 @@ def move_whole_prompt_batch(gen: BatchGenerator) -> None:
     batch.split = split
 
 
+def fold_first_token(gen: BatchGenerator, last_logits: Callable[[mx.array, list], mx.array],
+                     taken: Callable[[int, int, mx.array], None]) -> bool:
+    """Make ``gen``'s prompt pass that ends a lone prompt row's prefill feed the prompt's last
+    token too, sample the row's first token from it, and move the row into decoding with
+    that token pending; False (nothing changed) on a version whose internals were not
+    checked.
+
+    mlx-lm feeds a prompt's last token in a pass of its own as the row enters decoding, and
+    reads the token it samples one step later: two passes (each reads every weight) between
+    the prompt's last chunk and its first token. Here, when the pass feeds the only prompt
+    row and leaves it its last token alone, the pass takes that token too:
+    ``last_logits(tokens, cache)`` runs it ([1, T] over the prompt batch's layers) and gives
+    the last position's logits ([1, V]); the row's logits processors (with every token it
+    holds as history) and sampler pick the first token, as a decode step would, and
+    ``taken(uid, token, logprobs)`` hands it over. The row then joins the generation batch
+    as a row that entered it in an earlier step would be: its KV holding the prompt, its
+    first token sampled and pending. The next decode step feeds that token with the other
+    rows' and reports it once more (counted against its max tokens as any step's token),
+    and a speculative round starts from it. A pass that raises (a cancel between layers)
+    leaves the row as mlx-lm's own pass would have, its last token still to feed."""
+    if version_problem() is not None:
+        return False
+    import mlx.core as mx
+    from mlx_lm.generate import GenerationBatch
+
+    batch = gen._prompt_batch
+    prompt_all = type(batch).prompt
+
+    def prompt(tokens: list[list[int]]) -> None:
+        processing = gen._currently_processing
+        if len(tokens) != 1 or len(batch.uids) != 1 or len(processing) != 1 or not tokens[0]:
+            return prompt_all(batch, tokens)
+        segments = processing[0][0]
+        if len(segments) != 1 or len(segments[0]) != 1:
+            return prompt_all(batch, tokens)  # more of the prompt after this pass
+        (last,) = segments[0]
+        held = batch.tokens[0]
+        held += tokens[0]  # (counted before the pass, as mlx-lm's pass counts them)
+        logits = last_logits(mx.array([[*tokens[0], last]]), batch.prompt_cache)
+        held.append(last)
+        context = mx.array(held, dtype=mx.int32)
+        for processor in batch.logits_processors[0] or ():
+            logits = processor(context, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        token = (batch.samplers[0] or batch.fallback_sampler)(logprobs)
+        mx.eval(token, logprobs, [c.state for c in batch.prompt_cache])
+        # Into decoding: a generation batch made empty (no step runs), then given the row
+        # with its first token pending, as its own first step would have left it.
+        processing.pop(0)
+        row = batch.split([0])
+        entering = GenerationBatch(row.model, [], token, row.prompt_cache, row.tokens, [],
+                                   row.fallback_sampler, [], row.stop_sequences, row.max_tokens)
+        entering.uids, entering.samplers = row.uids, row.samplers
+        entering.logits_processors = row.logits_processors
+        entering._next_logprobs = [logprobs[0]]
+        entering._num_tokens = [0]
+        gen._generation_batch.extend(entering)
+        taken(row.uids[0], int(token.item()), logprobs[0])
+
+    batch.prompt = prompt
+    return True
+
+
 def admitting(gen: BatchGenerator) -> bool:
     """Whether ``gen`` (a BatchGenerator) holds rows that wait for or are in their prefill."""
     require_checked()
     return bool(len(gen._prompt_batch) or gen._unprocessed_sequences)
 
 
-def next_prompt_chunk(gen: BatchGenerator) -> tuple[list[int], list] | None:
+def next_prompt_chunk(gen: BatchGenerator, final: bool = True) -> tuple[list[int], list] | None:
     """What ``gen``'s next step feeds after its decode step, when that is one prompt row going
     on with its prefill (no row waiting to start one, none about to enter decoding): the
     chunk's tokens and the prompt batch's cache layers; else None (also on an mlx-lm whose
     internals were not checked). ``engine.fused_step`` feeds that chunk inside the decode
-    step's pass, and the prompt pass that follows then finds it fed."""
+    step's pass, and the prompt pass that follows then finds it fed. ``final=False``: not
+    the prompt's last chunk (a pass of its own feeds it, with the first token: see
+    :func:`fold_first_token`)."""
     if version_problem() is not None:
         return None
     if gen._unprocessed_sequences or len(gen._prompt_batch) != 1 or len(gen._currently_processing) != 1:
@@ -131,6 +201,8 @@ def next_prompt_chunk(gen: BatchGenerator) -> tuple[list[int], list] | None:
     if not segments or (len(segments) == 1 and len(segments[0]) == 1):
         return None  # its last token: it enters decoding instead
     n = min(len(segments[0]), gen.prefill_step_size)
+    if not final and len(segments) == 2 and n == len(segments[0]):
+        return None
     return list(segments[0][:n]), gen._prompt_batch.prompt_cache
 
 

@@ -187,6 +187,62 @@ def test_a_lone_request_stays_single_stream(eng):
     assert not r.stats.batched and len(r.tokens) == 6
 
 
+@pytest.mark.parametrize("fold", [True, False], ids=["fold", "mlx-lm-hand-over"])
+def test_a_lone_prompts_first_token_comes_from_its_last_prefill_pass(tiny_qwen3, alone_engine, fold,
+                                                                      monkeypatch):
+    """A batch of one feeds its prompt's last token in the last prefill pass and samples the
+    first token from it: no pass between that pass and the first token
+    (``MLXKV_FOLD_FIRST=0``: mlx-lm's hand-over, where the last token has a pass of its
+    own). Either way each request gets the events it gets alone: one token, a stop string
+    in the first token, log-probabilities, a seeded draw; a first token that is EOS ends it
+    with nothing sent and its prompt stored."""
+    from mlxkv.engine import batch
+    from mlxkv.engine.batch_step import BatchStepModel
+
+    monkeypatch.setattr(batch, "FOLD_FIRST", fold)
+    prompts = token_prompts(8, seed=91, longest=40)  # (none cached: each has a prefill pass)
+    first_texts = [alone_engine.submit(Request(prompt_tokens=p, params=greedy(max_tokens=1))).result(timeout=T).text
+                   for p in prompts]
+    stop_at = next(i for i in (4, 5, 6) if first_texts[i].strip())
+    reqs = [Request(prompt_tokens=prompts[0], params=greedy(max_tokens=1)),
+            Request(prompt_tokens=prompts[1], params=greedy(max_tokens=4), logprobs=3),
+            Request(prompt_tokens=prompts[2], params=SamplingParams(temperature=0.9, seed=3, max_tokens=8)),
+            Request(prompt_tokens=prompts[3], params=greedy(max_tokens=5), spec="ngram"),
+            Request(prompt_tokens=prompts[stop_at], params=greedy(max_tokens=9, stop=(first_texts[stop_at].strip(),)))]
+    order: list = []  # passes of the batch's model and the requests' tokens, as they come
+    step = BatchStepModel.__call__
+
+    def recorded(self, tokens, *args, **kwargs):
+        order.append(("pass", int(tokens.shape[1])))
+        return step(self, tokens, *args, **kwargs)
+    monkeypatch.setattr(BatchStepModel, "__call__", recorded)
+    with Engine(str(tiny_qwen3), prefix_cache=ram_cache(), max_batch=8).start(timeout=T) as e:
+        for req in reqs:
+            order.clear()
+            events: list = []
+
+            def on_event(ev, events=events):
+                events.append(ev)
+                if isinstance(ev, TokenEvent) and ev.token is not None:
+                    order.append(("token", ev.token))
+            r = e.submit(req, callback=on_event).result(timeout=T)
+            check_shape(events, batched=False)
+            same_as_alone(alone_engine, req, events)
+            passes_before = order.index(next(o for o in order if o[0] == "token"))
+            # with the fold the prompt's pass is the batch's last_logits, not its model call
+            assert (passes_before == 0) if fold else (passes_before >= 1)
+            if req.logprobs:
+                tops = [ev.top_logprobs for ev in events if isinstance(ev, TokenEvent) and ev.token is not None]
+                assert len(tops) == 4 and tops[0][0][0] == r.tokens[0]
+        assert r.finish_reason == "stop" and r.finish_detail == first_texts[stop_at].strip()
+        # a first token that is EOS: nothing sent, and the prompt's state stored
+        first = alone_engine.submit(Request(prompt_tokens=prompts[7], params=greedy(max_tokens=1))).result(timeout=T)
+        e.call(lambda: e.loaded.tokenizer.eos_token_ids.add(first.tokens[0])).result(timeout=T)
+        r = e.submit(Request(prompt_tokens=prompts[7], params=greedy(max_tokens=6))).result(timeout=T)
+        assert (r.tokens, r.finish_reason, r.finish_detail) == ([], "stop", "eos")
+        assert r.stats.stored_tokens == len(prompts[7])
+
+
 def test_stop_strings_max_tokens_and_logprobs_per_row(eng, alone_engine):
     prompts = token_prompts(4, seed=21, longest=30)
     # a stop string each row's own greedy text really contains, a few tokens in

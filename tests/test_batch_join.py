@@ -14,18 +14,19 @@ from mlxkv.engine.batch_step import BatchStepModel
 from mlxkv.engine.engine import Engine, ProgressEvent, Request, TokenEvent
 
 
-def passes_of(cls, monkeypatch) -> list[tuple[int, int]]:
+def passes_of(cls, monkeypatch, method: str = "__call__") -> list[tuple[int, int]]:
     """Records the (rows, tokens) shape of every call of ``cls`` instances: a model's
     decoder stack (a single stream's prefill runs the stack and the LM head apart), or the
     model a batch runs (``BatchStepModel``: its decode steps are compiled, so the decoder
-    stack is called only while a step is traced)."""
+    stack is called only while a step is traced; its ``last_logits`` is a lone prompt's last
+    prefill pass, which gives the first token)."""
     shapes: list[tuple[int, int]] = []
-    forward = cls.__call__
+    forward = getattr(cls, method)
 
     def recorded(self, inputs, *args, **kwargs):
         shapes.append((int(inputs.shape[0]), int(inputs.shape[1])))
         return forward(self, inputs, *args, **kwargs)
-    monkeypatch.setattr(cls, "__call__", recorded)
+    monkeypatch.setattr(cls, method, recorded)
     return shapes
 
 
@@ -66,16 +67,17 @@ def test_a_lone_request_is_a_batch_of_one_that_others_join(tiny_qwen3, monkeypat
         assert e.stats(timeout=T)["batched"] == 0
         stack_passes = passes_of(type(e.loaded.model.model), monkeypatch)
         shapes = passes_of(BatchStepModel, monkeypatch)
+        last_passes = passes_of(BatchStepModel, monkeypatch, "last_logits")
         results = a_then_b_and_c(e, reqs)
         assert e.stats(timeout=T)["batched"] == 3
     assert [r.tokens for r in results] == ref
     assert all(r.stats.batched for r in results)
-    # A's prefill is the batch's pass from the start (its last token enters decoding): no
-    # single-stream pass of its whole prompt, and no move
-    assert (1, len(a)) not in stack_passes
-    assert shapes[0] == (1, len(a) - 1)
-    # B and C join the batch A decodes in: their prompts go in beside A's steps
-    assert any(s[1] > 1 for s in shapes[1:])
+    # A's prefill is the batch's pass from the start: one pass of its whole prompt, last
+    # token included, which gives its first token; no single-stream prefill, and no move
+    assert last_passes == [(1, len(a))] and stack_passes[0] == (1, len(a))
+    # B and C join the batch A decodes in: their prompts go in together, beside A's steps
+    # (two prompt rows: each enters decoding from its last token's pass, as in mlx-lm)
+    assert (2, len(reqs[2].prompt_tokens) - 1) in shapes
 
 
 def test_a_moved_row_and_its_joiners_decode_from_one_pass(tiny_qwen3, monkeypatch):

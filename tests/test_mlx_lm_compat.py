@@ -113,3 +113,50 @@ def test_rows_entering_decoding_together_move_their_state_without_a_copy():
     ours, moved_same = run(True)
     assert ours == theirs
     assert moved_same and not copied_same
+
+
+def test_a_lone_prompts_last_pass_gives_its_first_token_and_it_decodes_as_in_mlx_lm():
+    """``fold_first_token``: the pass that ends a lone prompt's prefill takes its last token
+    too and samples the first token there (mlx-lm reads it two steps later, after a pass of
+    the last token alone); the row then decodes from that token pending, whose first step
+    reports it once more, and every token is mlx-lm's own."""
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.utils import load
+
+    from mlxkv.engine.speculation.base import TargetView
+
+    model, _ = load(str(tiny_model("llama")))
+    view = TargetView(model, None)
+    prompt = [101, 7, 350, 12, 499, 23, 61, 240, 3]
+
+    def run(fold: bool) -> tuple[list[tuple[int, int]], list[int]]:
+        """Each step's tokens out ((step, token): the fold's first, then what the steps
+        report), and what the steps report."""
+        gen = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=4)
+        out: list[tuple[int, int]] = []
+        step = 0
+        if fold:
+            assert compat.fold_first_token(
+                gen, lambda x, cache: view.logits(view.forward_hidden(x, cache)[:, -1, :]),
+                lambda uid, token, logprobs: out.append((step, token)))
+        gen.insert([prompt], max_tokens=[8])
+        reported: list[int] = []
+        while len(reported) < 8:
+            step += 1
+            _, responses = gen.next()
+            for r in responses:
+                reported.append(r.token)
+                out.append((step, r.token))
+        mx.clear_cache()
+        return out, reported
+
+    theirs, theirs_reported = run(False)
+    ours, ours_reported = run(True)
+    assert len(set(theirs_reported)) > 2  # (tokens that tell a shift apart)
+    assert ours_reported == theirs_reported
+    # the first token in the prompt's own step, two steps before mlx-lm's; the row's first
+    # decode step reports it again, then each step the token mlx-lm's does
+    assert ours[0] == (1, theirs_reported[0]) and theirs[0] == (3, theirs_reported[0])
+    assert ours[1] == (2, theirs_reported[0])
+    assert [t for _, t in ours[1:]] == theirs_reported

@@ -55,8 +55,12 @@ class TargetView:
 
     def forward(self, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array]:
         """tokens [1, T] -> (logits [1, T, V], hidden [1, T, D]); ``cache`` advances by T."""
-        hidden = self._inner(tokens, cache=cache)
+        hidden = self.forward_hidden(tokens, cache)
         return self.logits(hidden), hidden
+
+    def forward_hidden(self, tokens: mx.array, cache: list) -> mx.array:
+        """tokens [B, T] -> the last hidden states [B, T, D] (no head); ``cache`` advances by T."""
+        return self._inner(tokens, cache=cache)
 
 
 def _inner_model(model: Any) -> Any:
