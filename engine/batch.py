@@ -67,6 +67,7 @@ if TYPE_CHECKING:
 # A lone prompt row's last prefill pass feeds its last token too and samples its first
 # token (``mlx_lm_compat.fold_first_token``); ``MLXKV_FOLD_FIRST=0``: mlx-lm's own hand-over.
 FOLD_FIRST = os.environ.get("MLXKV_FOLD_FIRST", "1") != "0"
+NO_CUT = 1 << 30  # a prefill step longer than any prompt
 
 
 def batchable_cache(cache: Sequence[Any], model: Any = None) -> bool:
@@ -244,9 +245,12 @@ class Batch:
 
         self.rounds = rounds_cache(make_prompt_cache(model)) if rounds is None else rounds
         self.between = between
+        # Each step sets the generator's prefill step to the chunk it feeds; the prompt batch
+        # keeps the one it was made with and cuts every pass by it, so that one is made too
+        # large to cut any chunk (a fused pass's chunk must be the pass that follows it).
         self._gen: BatchGenerator | None = BatchGenerator(
             cast("nn.Module", self.stepper), stop_tokens=[[t] for t in eos] or None, completion_batch_size=max_rows,
-            prefill_batch_size=max_rows)
+            prefill_batch_size=max_rows, prefill_step_size=NO_CUT)
         move_whole_prompt_batch(self._gen)  # (rows entering decoding together: no copy)
         gen = self._gen
         # A prompt's first token comes from its last prefill pass (uid, token, logprobs),
@@ -536,7 +540,10 @@ class Batch:
         ended it (the caller removes it with the others); ended otherwise, it is removed here."""
         assert row.progress is not None  # (set when it joined)
         self._progress(row, row.progress[1], row.progress[1])
-        row.first_time = row.last_time = time.perf_counter()
+        now = time.perf_counter()
+        if row.first_time is None:  # (a row that moved in and prefilled again had sent some)
+            row.first_time = now
+        row.last_time = now
         if token in self._eos:  # EOS: never sent, as alone
             self._remove([row], "stop", "eos")
             return False

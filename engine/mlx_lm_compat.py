@@ -160,6 +160,7 @@ def fold_first_token(gen: BatchGenerator, last_logits: Callable[[mx.array, list]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         token = (batch.samplers[0] or batch.fallback_sampler)(logprobs)
         mx.eval(token, logprobs, [c.state for c in batch.prompt_cache])
+        mx.clear_cache()  # (as mlx-lm's pass)
         # Into decoding: a generation batch made empty (no step runs), then given the row
         # with its first token pending, as its own first step would have left it.
         processing.pop(0)

@@ -99,3 +99,39 @@ def test_a_stream_keeps_decoding_while_a_long_prompt_prefills_beside_it(tiny_qwe
     steps = [y - x for x, y in zip(b_progress, b_progress[1:]) if y > x]
     assert steps[0] == PROBE_CHUNK and len(steps) >= 4, steps
     assert len(a_tokens_before_b) >= len(steps) - 2
+
+
+def test_a_chunk_longer_than_mlx_lms_prefill_step_is_fed_whole_beside_a_stream(tiny_qwen3):
+    """A request whose ``prefill_step_size`` is above mlx-lm's default (2,048), prefilling
+    beside a decoding stream with a budget that lets its chunks grow past 2,048: each
+    chunk fed inside the stream's step is the prompt pass that follows it (mlx-lm's prompt
+    batch cut it at 2,048 and the step failed, every row answered again alone)."""
+    rng = random.Random(6)
+    short = [rng.randrange(3, 500) for _ in range(20)]
+    long = [rng.randrange(3, 500) for _ in range(9000)]
+    a_req = Request(prompt_tokens=short, params=greedy(max_tokens=400), spec="off")
+    b_req = Request(prompt_tokens=long, params=greedy(max_tokens=3, prefill_step_size=4096), spec="off")
+    # a factor that lets the chunk grow every step: 128, 192, ... 2,187 after 7 steps
+    settings = Settings.load({"model": str(tiny_qwen3), "prefix_cache": False, "batch_itl_factor": 1000.0})
+    with Engine(str(tiny_qwen3), max_batch=1).start(timeout=T) as alone:
+        ref = [alone.submit(r).result(timeout=T).tokens for r in (a_req, b_req)]
+    with Engine(str(tiny_qwen3), settings=settings).start(timeout=T) as e:
+        handles: list = []
+        b_progress: list[int] = []
+
+        def on_b(ev):
+            if isinstance(ev, ProgressEvent):
+                b_progress.append(ev.done)
+
+        def on_a(ev):  # on the engine thread: B arrives once A decodes
+            if isinstance(ev, TokenEvent) and len(handles) == 1 and len(handles[0].tokens) == 3:
+                handles.append(e.submit(b_req, callback=on_b))
+        handles.append(e.submit(a_req, callback=on_a))
+        a = handles[0].result(timeout=T)
+        assert len(handles) == 2
+        got = [a, handles[1].result(timeout=T)]
+        assert e.stats(timeout=T)["retries"] == 0
+    assert [g.tokens for g in got] == ref
+    assert got[1].stats.batched
+    steps = [y - x for x, y in zip(b_progress, b_progress[1:]) if y > x]
+    assert max(steps) > 2048, steps
