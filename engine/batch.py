@@ -223,7 +223,8 @@ class Batch:
     def __init__(self, model: Any, tokenizer: Any, max_rows: int,
                  should_stop: Callable[[Row], bool], stopping: Callable[[], bool],
                  on_end: Callable[[Row, Ending], None], release: Callable[[Any], None],
-                 speculation: Callable[[Row], Any] | None = None, spec_policy: BatchLength | None = None,
+                 speculation: Callable[[Row, bool], Any] | None = None,
+                 spec_policy: BatchLength | None = None,
                  stores: bool = False, budget: StepBudget | None = None,
                  between: Callable[[], None] | None = None,
                  on_finish: Callable[[str], None] | None = None, rounds: bool | None = None):
@@ -361,6 +362,7 @@ class Batch:
                 if not r.shared:
                     r.shared = True
                     self.newly_shared += 1
+                    self._beside_others(r)
         if row.first_time is None:
             self._progress(row, row.base, len(in_cache) + len(rest))
 
@@ -386,12 +388,33 @@ class Batch:
         """The rows with more than their last prompt token still to feed."""
         return [r for r in self.rows.values() if r.first_time is None and r.prompt_left() > 0]
 
+    def _beside_others(self, row: Row) -> None:
+        """``row`` speculated alone in the batch and now has company: its speculation is
+        opened again as a row beside others' (``speculation(row, False)``), when that picks
+        another source (under ``auto``, no draft model). The new source starts from the
+        tokens the row holds, as a request moving in from decoding alone starts."""
+        spec = row.spec
+        if spec is None or self.speculation is None or self.verifier is None \
+                or spec.speculation.provider.kind != "draft":
+            return  # (only a draft model's row may have been opened as alone)
+        again = self.speculation(row, False)
+        if again is not None and again.provider is spec.speculation.provider:
+            again.source.close()
+            return
+        self.verifier.drop(row.uid)
+        spec.speculation.source.close()
+        row.spec = None
+        if again is not None:
+            self._speculate(row, again)
+
     def _open_spec(self, row: Row) -> None:
         # A round rewrites BatchGenerator's private state: only on the mlx-lm versions that
         # was checked against (elsewhere the row decodes plainly, after one warning).
         if self.speculation is None or not batch_speculation_available():
             return
-        spec = self.speculation(row)
+        self._speculate(row, self.speculation(row, len(self) == 1))
+
+    def _speculate(self, row: Row, spec: Any) -> None:
         if spec is None:
             return
         if spec.provider.needs_hidden or not self.rounds:

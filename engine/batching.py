@@ -64,14 +64,14 @@ class Batching:
 
     def takes(self, req: Request) -> bool:
         """Whether ``req`` starts in a batch (of one, until others join) rather than alone:
-        the batch decodes it as the lone path would. A request whose speculation only the
-        lone path runs is served alone, and moves into a batch when another waits: one that
-        drafts with the model's MTP head or a draft model (a batch has no hidden states for
-        the first, and proposes row by row with the second), one that would speculate on a
-        model with recurrent layers (a batch cannot give back a round's rejected positions
-        of a recurrent state; alone, the verifier restores a snapshot), or one that would
-        speculate where batched rounds are not available (an mlx-lm version they were not
-        checked against)."""
+        the batch decodes it as the lone path would (a draft model's row included: a batch of
+        one drafts as alone, see :meth:`_row_speculation`). A request whose speculation only
+        the lone path runs is served alone, and moves into a batch when another waits: one
+        that drafts with the model's MTP head (a batch has no hidden states for it), one
+        that would speculate on a model with recurrent layers (a batch cannot give back a
+        round's rejected positions of a recurrent state; alone, the verifier restores a
+        snapshot), or one that would speculate where batched rounds are not available (an
+        mlx-lm version they were not checked against)."""
         if not (self.enabled and self.admission.enabled and row_batchable(req, self.settings.spec)):
             return False
         from mlxkv.engine.speculation.providers import choose
@@ -82,8 +82,7 @@ class Batching:
             return True
         from mlxkv.engine.mlx_lm_compat import batch_speculation_available
 
-        return (provider.kind not in ("mtp", "draft") and self._rounds()
-                and batch_speculation_available())
+        return provider.kind != "mtp" and self._rounds() and batch_speculation_available()
 
     def _rounds(self) -> bool:
         """Whether this model's batch caches run speculative rounds (decided once)."""
@@ -196,14 +195,16 @@ class Batching:
                 cache, keep = None, 0
         return cache, history[:keep], history[keep:]
 
-    def _row_speculation(self, row: Row) -> Speculation | None:
+    def _row_speculation(self, row: Row, alone: bool) -> Speculation | None:
         """A batched row's speculation, opened as for the request alone (None: plain). Under
-        ``auto`` a batch drafts only with prompt lookup and constraints: a draft model still
-        proposes row by row there (k small forwards per row and round), which a plain batched
-        step beats."""
+        ``auto`` a row beside others drafts only with prompt lookup and constraints: a draft
+        model proposes row by row (k small forwards per row and round), which a plain
+        batched step beats. A row ``alone`` in its batch (a batch of one) drafts as the
+        request alone would, its draft model included; the batch opens its speculation again
+        without it once another row joins (``Batch.add``)."""
         req = row.request
         providers = self.runtime.providers
-        if (req.spec or self.settings.spec) == "auto":
+        if (req.spec or self.settings.spec) == "auto" and not alone:
             providers = {k: v for k, v in providers.items() if k not in ("draft", "mtp")}
         spec, _ = self.single.speculation(req, row.params, providers)
         if spec is not None:

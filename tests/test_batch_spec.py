@@ -259,6 +259,40 @@ def test_draft_model_rows_equal_alone(demo):
     assert sum(r.stats.spec["accepted"] for r in got) > 0
 
 
+def test_a_lone_draft_model_request_is_a_batch_of_one_until_another_joins(demo, monkeypatch):
+    """Under ``auto`` the demo model drafts with its draft model: a request alone starts in
+    a batch of one and drafts there as alone (no lone path: no single-stream prefill of its
+    prompt); when another request joins, its draft model makes way (a plain batched step
+    beats row-by-row drafts), and both outputs stay plain decoding's."""
+    from mlxkv.engine import single
+    from support.demo.facts import FACTS
+
+    lone_runs: list = []
+    run = single.SingleStream.run
+    monkeypatch.setattr(single.SingleStream, "run", lambda self, job: lone_runs.append(job) or run(self, job))
+    ask = [Request(messages=[{"role": "user", "content": FACTS[i]["q"][0]}],
+                   params=greedy(max_tokens=60), spec="auto") for i in range(2)]
+    refs = [alone(demo, r)[0] for r in ask]
+    lone_runs.clear()
+    first = demo.submit(ask[0]).result(timeout=T)
+    assert first.tokens == refs[0].tokens and not first.stats.batched
+    assert first.stats.spec["source"] == "draft" and not lone_runs
+    # B arrives once A has sent a few tokens: A goes on beside it, without its draft model
+    handles: list = []
+
+    def on_a(ev):
+        if isinstance(ev, TokenEvent) and ev.token is not None and len(handles) == 1 \
+                and len(handles[0].tokens) == 4:
+            handles.append(demo.submit(ask[1]))
+    handles.append(demo.submit(ask[0], callback=on_a))
+    a = handles[0].result(timeout=T)
+    assert len(handles) == 2
+    b = handles[1].result(timeout=T)
+    assert [a.tokens, b.tokens] == [refs[0].tokens, refs[1].tokens]
+    assert a.stats.batched and b.stats.batched and not lone_runs
+    assert (a.stats.spec or {}).get("source") != "draft" and (b.stats.spec or {}).get("source") != "draft"
+
+
 def test_sampled_rows_of_the_demo_pair_draft_and_decode(demo):
     # temperature > 0: the draft model's rows go through rejection sampling, prompt
     # lookup's through exact match; both draft on the trained demo model

@@ -218,6 +218,12 @@ class BatchVerifier:
         return spec
 
     def drop(self, uid: int) -> RowSpec | None:
+        """Forget row ``uid`` (its source leaves the group now: a row that speculates again
+        from here brings a new one)."""
+        if uid in self.uids:
+            at = self.uids.index(uid)
+            self.group.filter_rows([i for i in range(len(self.uids)) if i != at])
+            del self.uids[at]
         return self.specs.pop(uid, None)
 
     def close(self) -> None:
