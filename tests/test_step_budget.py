@@ -59,13 +59,23 @@ def test_the_factor_is_a_setting_above_one():
         StepBudget(0.5)
 
 
-def test_a_stream_keeps_decoding_while_a_long_prompt_prefills_beside_it(tiny_qwen3):
-    rng = random.Random(5)
+def a_stream_and_a_long_prompt(model, seed: int, a_tokens: int, prompt: int, b_tokens: int,
+                               prefill_step: int, factor: float) -> tuple[Request, Request, Settings]:
+    """A (a 20-token prompt, ``a_tokens`` to decode), B (a ``prompt``-token prompt fed in
+    steps of at most ``prefill_step``, ``b_tokens`` to decode), both plain, and the settings
+    of an engine on ``model`` without a prefix cache whose budget has ``factor``."""
+    rng = random.Random(seed)
     short = [rng.randrange(3, 500) for _ in range(20)]
-    long = [rng.randrange(3, 500) for _ in range(700)]
-    a_req = Request(prompt_tokens=short, params=greedy(max_tokens=300), spec="off")
-    b_req = Request(prompt_tokens=long, params=greedy(max_tokens=2, prefill_step_size=2048), spec="off")
-    settings = Settings.load({"model": str(tiny_qwen3), "prefix_cache": False, "batch_itl_factor": 1.01})
+    long = [rng.randrange(3, 500) for _ in range(prompt)]
+    a_req = Request(prompt_tokens=short, params=greedy(max_tokens=a_tokens), spec="off")
+    b_req = Request(prompt_tokens=long, params=greedy(max_tokens=b_tokens, prefill_step_size=prefill_step),
+                    spec="off")
+    settings = Settings.load({"model": str(model), "prefix_cache": False, "batch_itl_factor": factor})
+    return a_req, b_req, settings
+
+
+def test_a_stream_keeps_decoding_while_a_long_prompt_prefills_beside_it(tiny_qwen3):
+    a_req, b_req, settings = a_stream_and_a_long_prompt(tiny_qwen3, 5, 300, 700, 2, 2048, 1.01)
     with Engine(str(tiny_qwen3), max_batch=1).start(timeout=T) as alone:
         ref = alone.submit(a_req).result(timeout=T).tokens
     with Engine(str(tiny_qwen3), settings=settings).start(timeout=T) as e:
@@ -91,7 +101,7 @@ def test_a_stream_keeps_decoding_while_a_long_prompt_prefills_beside_it(tiny_qwe
         assert len(handles) == 2
         b = handles[1].result(timeout=T)
     assert a.tokens == ref  # decoding beside a prefill changes nothing in its output
-    assert b.stats.batched and b.stats.prompt_tokens == len(long) and len(b.tokens) == 2
+    assert b.stats.batched and b.stats.prompt_tokens == len(b_req.prompt_tokens) and len(b.tokens) == 2
     # B's prompt went in steps, where a lone prompt's chunk (2,048) would have taken it in
     # one: the probe (again while A itself still joins), then chunks steered by the steps'
     # times (on a tiny model a prefill pass costs little more than a decode step, so how
@@ -106,13 +116,8 @@ def test_a_chunk_longer_than_mlx_lms_prefill_step_is_fed_whole_beside_a_stream(t
     beside a decoding stream with a budget that lets its chunks grow past 2,048: each
     chunk fed inside the stream's step is the prompt pass that follows it (mlx-lm's prompt
     batch cut it at 2,048 and the step failed, every row answered again alone)."""
-    rng = random.Random(6)
-    short = [rng.randrange(3, 500) for _ in range(20)]
-    long = [rng.randrange(3, 500) for _ in range(9000)]
-    a_req = Request(prompt_tokens=short, params=greedy(max_tokens=400), spec="off")
-    b_req = Request(prompt_tokens=long, params=greedy(max_tokens=3, prefill_step_size=4096), spec="off")
     # a factor that lets the chunk grow every step: 128, 192, ... 2,187 after 7 steps
-    settings = Settings.load({"model": str(tiny_qwen3), "prefix_cache": False, "batch_itl_factor": 1000.0})
+    a_req, b_req, settings = a_stream_and_a_long_prompt(tiny_qwen3, 6, 400, 9000, 3, 4096, 1000.0)
     with Engine(str(tiny_qwen3), max_batch=1).start(timeout=T) as alone:
         ref = [alone.submit(r).result(timeout=T).tokens for r in (a_req, b_req)]
     with Engine(str(tiny_qwen3), settings=settings).start(timeout=T) as e:
