@@ -217,8 +217,8 @@ class Batch:
     the engine does between the layers of a prefill pass that every row is in (quick calls,
     its figures), where a pass whose rows were all cancelled stops; ``on_finish(reason)``
     runs just before a row's FinishedEvent (the engine counts it there, so whoever has the
-    answer finds it counted); ``rounds``: whether its rows may run speculative rounds
-    (None: decided from the model's caches here)."""
+    answer finds it counted); ``rounds``: whether its rows may run speculative rounds (the
+    model's caches allow them: :func:`rounds_cache`)."""
 
     def __init__(self, model: Any, tokenizer: Any, max_rows: int,
                  should_stop: Callable[[Row], bool], stopping: Callable[[], bool],
@@ -227,7 +227,7 @@ class Batch:
                  spec_policy: BatchLength | None = None,
                  stores: bool = False, budget: StepBudget | None = None,
                  between: Callable[[], None] | None = None,
-                 on_finish: Callable[[str], None] | None = None, rounds: bool | None = None):
+                 on_finish: Callable[[str], None] | None = None, *, rounds: bool):
         from mlx_lm.generate import BatchGenerator
 
         self.model, self.tokenizer = model, tokenizer
@@ -242,9 +242,7 @@ class Batch:
         # model runs the decode steps compiled (engine.batch_step).
         # (BatchGenerator annotates its model as nn.Module; it only calls it and reads its layers)
         self.stepper = BatchStepModel(model)
-        from mlx_lm.models.cache import make_prompt_cache
-
-        self.rounds = rounds_cache(make_prompt_cache(model)) if rounds is None else rounds
+        self.rounds = rounds  # (decided once per model: Batching._rounds, from rounds_cache)
         self.between = between
         # Each step sets the generator's prefill step to the chunk it feeds; the prompt batch
         # keeps the one it was made with and cuts every pass by it, so that one is made too
@@ -488,7 +486,6 @@ class Batch:
         self.stepper.between_layers = self._between_layers if alone else None
         self.pass_chunk = chunk if alone else 0
         fused = self.stepper.fused_steps
-        self._firsts.clear()
         try:
             if verifier is not None and verifier.specs:
                 decoding_only = not admitting(self.gen)

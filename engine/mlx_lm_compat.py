@@ -154,9 +154,11 @@ def fold_first_token(gen: BatchGenerator, last_logits: Callable[[mx.array, list]
         held += tokens[0]  # (counted before the pass, as mlx-lm's pass counts them)
         logits = last_logits(mx.array([[*tokens[0], last]]), batch.prompt_cache)
         held.append(last)
-        context = mx.array(held, dtype=mx.int32)
-        for processor in batch.logits_processors[0] or ():
-            logits = processor(context, logits)
+        processors = batch.logits_processors[0] or ()
+        if processors:
+            context = mx.array(held, dtype=mx.int32)
+            for processor in processors:
+                logits = processor(context, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         token = (batch.samplers[0] or batch.fallback_sampler)(logprobs)
         mx.eval(token, logprobs, [c.state for c in batch.prompt_cache])
